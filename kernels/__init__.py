@@ -1,0 +1,1 @@
+"""Triton kernels of zcompile and their pure-torch references."""

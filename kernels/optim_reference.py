@@ -1,0 +1,70 @@
+"""Pure-torch references of the sharded optimizer updates (one flat fp32 shard at a time).
+
+The arithmetic follows ``torch.optim.AdamW`` / ``torch.optim.SGD`` (single-tensor path) op for op,
+so that on the same gradients a shard is updated to the same bits as the corresponding slice of
+an unsharded parameter. These run in production on CPU and are what the Triton kernels are tested
+against.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+
+@torch.no_grad()
+def adamw_reference(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+) -> None:
+    """One AdamW step on ``param`` in place; ``step`` counts from 1; ``grad`` is multiplied by ``grad_scale``."""
+    if grad.dtype != param.dtype:
+        grad = grad.to(param.dtype)
+    if grad_scale != 1.0:
+        grad = grad * grad_scale
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+@torch.no_grad()
+def sgd_reference(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor | None,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    grad_scale: float = 1.0,
+) -> torch.Tensor | None:
+    """One SGD step on ``param`` in place; returns the (new) momentum buffer."""
+    if grad.dtype != param.dtype:
+        grad = grad.to(param.dtype)
+    if grad_scale != 1.0:
+        grad = grad * grad_scale
+    if weight_decay != 0:
+        grad = grad.add(param, alpha=weight_decay)
+    if momentum != 0:
+        if momentum_buffer is None:
+            momentum_buffer = torch.clone(grad).detach()
+        else:
+            momentum_buffer.mul_(momentum).add_(grad, alpha=1 - dampening)
+        grad = grad.add(momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
+    param.add_(grad, alpha=-lr)
+    return momentum_buffer

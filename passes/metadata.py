@@ -1,0 +1,27 @@
+"""Names of the FX node metadata that zcompile's passes read and write.
+
+``ZCOMPILE_META`` lives under ``node.meta["custom"]``, which torch's tracers copy onto every node
+traced from an annotated node; so a tag set on a Dynamo-graph node reappears on the aten nodes of
+the AOTAutograd forward and backward graphs.
+"""
+
+CUSTOM = "custom"  # torch-owned key, propagated by make_fx / AOTAutograd
+ZCOMPILE_META = "zcompile"  # our dict inside node.meta["custom"]
+ROLE = "role"  # what the node is for: one of the ROLE_* values
+PARAM = "param"  # parameter name the node gathers or reduces
+ROLE_GATHER = "param_gather"  # stage 3 all-gather of a parameter
+ROLE_REPLICATED = "param_replicated"  # stage 2 use of a replicated parameter
+RECOMPUTE = "recompute"  # torch-owned key read by the min-cut partitioner
+
+
+def tag(node, **fields) -> None:
+    """Adds ``fields`` to the zcompile metadata of ``node``."""
+    custom = dict(node.meta.get(CUSTOM) or {})
+    entry = dict(custom.get(ZCOMPILE_META) or {})
+    entry.update(fields)
+    custom[ZCOMPILE_META] = entry
+    node.meta[CUSTOM] = custom
+
+
+def tags(node) -> dict:
+    return (node.meta.get(CUSTOM) or {}).get(ZCOMPILE_META) or {}

@@ -1,0 +1,136 @@
+"""Plan and insert the per-parameter collectives of ZeRO stages 2 and 3 into a Dynamo graph.
+
+``plan_sharding`` finds which graph inputs are model parameters (pure data, printable);
+``insert_param_collectives_pass`` rewrites the graph so that each parameter is reached through
+its shard:
+
+- stage 3: the parameter input is replaced by its flat shard and a ``gather_param`` node
+  (all-gather forward, reduce-scatter backward) is inserted just before the first use. The node is
+  tagged ``MUST_RECOMPUTE`` so that AOTAutograd's partitioner saves the shard, not the gathered
+  weight, and backward gathers it again: memory stays at 1/N between forward and backward.
+- stage 2: the replicated parameter stays an input; the shard is appended as a new input and a
+  ``replicated_param`` node routes the gradient, reduce-scattered, onto the shard.
+- stage 1: nothing to rewrite (full gradients, reduced by the optimizer at the step).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from zcompile.graph_ops import gather_param, replicated_param
+from zcompile.passes import metadata
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParamInput:
+    """A graph input that is a model parameter."""
+
+    index: int  # position among the graph's placeholders
+    name: str
+    shape: tuple[int, ...]
+    requires_grad: bool
+
+
+@dataclass
+class ShardingPlan:
+    stage: int
+    world_size: int
+    group_name: str | None
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    params: list[ParamInput] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["param_dtype"] = str(self.param_dtype)
+        data["reduce_dtype"] = str(self.reduce_dtype)
+        return json.dumps(data, indent=1)
+
+
+def param_name_from_source(source, fallback: str) -> str:
+    """``L['self']._modules['h']._modules['0']._parameters['weight']`` -> ``h.0.weight``."""
+    if source is None:
+        return fallback
+    parts = re.findall(r"_(?:modules|parameters|buffers)\['([^']+)'\]", source.name)
+    return ".".join(parts) if parts else source.name
+
+
+def plan_sharding(gm: torch.fx.GraphModule, example_inputs, stage: int, world_size: int, group_name,
+                  param_dtype, reduce_dtype) -> ShardingPlan:
+    """Lists the parameter inputs of ``gm`` (those whose example value is an ``nn.Parameter``)."""
+    plan = ShardingPlan(stage, world_size, group_name, param_dtype, reduce_dtype)
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    for index, (node, example) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(example, torch.nn.Parameter):
+            name = param_name_from_source(getattr(node, "_dynamo_source", None), node.name)
+            plan.params.append(ParamInput(index, name, tuple(example.shape), example.requires_grad))
+    return plan
+
+
+def insert_param_collectives_pass(gm: torch.fx.GraphModule, plan: ShardingPlan) -> torch.fx.GraphModule:
+    """Routes every planned parameter through its shard (see the module docstring).
+
+    Reads the plan only; writes ``node.meta["custom"]["zcompile"]`` (role, param) on the inserted
+    nodes and ``node.meta["recompute"]`` on stage-3 gathers. Placeholder order is kept for stage 3
+    (the shard takes the parameter's position); stage 2 appends the shards after all inputs, in
+    plan order. Returns ``gm`` unchanged at stage 1.
+    """
+    if plan.stage == 1 or not plan.params:
+        return gm
+    graph = gm.graph
+    placeholders = graph.find_nodes(op="placeholder")
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    last_placeholder = placeholders[-1]
+    for param in plan.params:
+        old = placeholders[param.index]
+        users = sorted(old.users, key=order.__getitem__)
+        if plan.stage == 3:
+            with graph.inserting_before(old):
+                shard = graph.placeholder(f"{old.name}_shard")
+        else:
+            with graph.inserting_after(last_placeholder):
+                shard = graph.placeholder(f"{old.name}_shard")
+            last_placeholder = shard
+        shard._dynamo_source = None  # a new input: AOTAutograd must not look for a Dynamo source
+        if not users:
+            continue
+        with graph.inserting_before(users[0]):
+            if plan.stage == 3:
+                use = graph.call_function(
+                    gather_param,
+                    (shard, _numel(param.shape), param.shape, plan.world_size, plan.group_name,
+                     plan.param_dtype, plan.reduce_dtype),
+                )
+                use.meta[metadata.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
+                metadata.tag(use, role=metadata.ROLE_GATHER, param=param.name)
+            else:
+                use = graph.call_function(
+                    replicated_param,
+                    (shard, old, _numel(param.shape), plan.world_size, plan.group_name, plan.param_dtype,
+                     plan.reduce_dtype),
+                )
+                metadata.tag(use, role=metadata.ROLE_REPLICATED, param=param.name)
+        for user in users:
+            user.replace_input_with(old, use)
+    if plan.stage == 3:
+        for param in plan.params:
+            graph.erase_node(placeholders[param.index])
+    graph.lint()
+    gm.recompile()
+    log.info("insert_param_collectives: stage %d, %d parameters routed through shards", plan.stage, len(plan.params))
+    return gm
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

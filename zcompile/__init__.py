@@ -1,0 +1,9 @@
+"""zcompile: ZeRO data parallelism as a torch.compile backend (``backend="zero"``)."""
+
+from zcompile import optim
+from zcompile.config import ZeroConfig
+from zcompile.gathered import gathered
+from zcompile.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
+
+__all__ = ["ZeroConfig", "gathered", "optim", "model_state_bytes", "zero_formula_bytes", "ModelStateBytes"]
+__version__ = "0.1.0"

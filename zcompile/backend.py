@@ -1,0 +1,137 @@
+"""The ``zero`` torch.compile backend: Dynamo graph -> sharding passes -> AOTAutograd -> inner compiler.
+
+Data flow for one Dynamo graph:
+
+1. ``ZeroConfig.from_options`` validates the options.
+2. The graph is copied (Dynamo reads its own graph again after the backend returns).
+3. ``plan_sharding`` lists the parameter inputs; each parameter gets its shard
+   (``shard_parameter``: a flat fp32 1/N slice; stage 3 frees the full storage).
+4. ``insert_param_collectives_pass`` routes the parameters through their shards (stages 2 and 3).
+5. The ranks compare the collectives the graph will issue (``check_same_collectives``).
+6. AOTAutograd partitions forward and backward; post-partition passes clean them up; the inner
+   compiler (eager or inductor) compiles them.
+7. The returned callable swaps the parameters Dynamo passes for their shards at every call.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from zcompile.collectives import DataParallelGroup
+from zcompile.config import ZeroConfig
+from zcompile.inner import CompiledGraphs, compile_with_aot
+from zcompile.passes.shard_params import ShardingPlan, insert_param_collectives_pass, plan_sharding
+from zcompile.rank_check import check_same_collectives
+from zcompile.sharding import ShardedParam, shard_parameter
+
+log = logging.getLogger(__name__)
+
+
+def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = None, mode: str | None = None) -> Callable:
+    """Compiles one Dynamo graph for ZeRO data parallelism (see the module docstring)."""
+    if mode is not None:
+        raise ValueError(f"zero backend: torch.compile(mode={mode!r}) is not supported; pass options instead")
+    config = ZeroConfig.from_options(options)
+    start = time.perf_counter()
+    group = DataParallelGroup.resolve(config.group)
+    gm = copy_dynamo_graph(gm)
+    plan = plan_sharding(
+        gm, example_inputs, config.stage, group.world_size, group.name,
+        config.param_dtype, config.effective_reduce_dtype,
+    )
+    _check_devices(plan, example_inputs, group)
+    sharded = [shard_parameter(example_inputs[p.index], p.name, config.stage, group) for p in plan.params]
+    gm = insert_param_collectives_pass(gm, plan)
+    if config.check_ranks and group.world_size > 1:
+        check_same_collectives(plan, gm, group, config.check_timeout_s)
+    swap = ShardSwap(plan, sharded)
+    graphs = CompiledGraphs(dynamo=gm, plan=plan)
+    compiled = compile_with_aot(gm, swap.swap_for_tracing(list(example_inputs)), config.compiler, graphs)
+    log.info(
+        "zero backend: compiled a graph with %d parameters (stage %d, world %d, %s) in %.2fs",
+        len(plan.params), config.stage, group.world_size, config.compiler, time.perf_counter() - start,
+    )
+    if config.on_compile is not None:
+        config.on_compile(graphs)
+    return swap.wrap(compiled)
+
+
+def copy_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of Dynamo's graph we may rewrite, keeping the metadata AOTAutograd reads from it."""
+    graph = copy.deepcopy(gm.graph)
+    new_gm = torch.fx.GraphModule(gm, graph)
+    new_gm.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        new_gm._param_name_to_source = gm._param_name_to_source
+    for old, new in zip(gm.graph.find_nodes(op="placeholder"), graph.find_nodes(op="placeholder")):
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    return new_gm
+
+
+class ShardSwap:
+    """Replaces, in a call's arguments, each parameter by what the rewritten graph takes instead.
+
+    stage 3: the shard at the parameter's position; stage 2: a detached alias of the replicated
+    parameter (its gradient goes to the shard) plus the shards appended; stage 1: nothing.
+    """
+
+    def __init__(self, plan: ShardingPlan, sharded: list[ShardedParam]):
+        self.stage = plan.stage
+        self.indices = [p.index for p in plan.params]
+        self.shards = [s.shard for s in sharded]
+        self.detached = [s.param.detach() for s in sharded] if plan.stage == 2 else []
+
+    def swap(self, args: list) -> list:
+        if self.stage == 3:
+            for index, shard in zip(self.indices, self.shards):
+                args[index] = shard
+        elif self.stage == 2:
+            for index, full in zip(self.indices, self.detached):
+                args[index] = full
+            args.extend(self.shards)
+        return args
+
+    def swap_for_tracing(self, example_inputs: list) -> list:
+        """``swap`` with the new inputs as static-shape fake tensors of Dynamo's fake mode.
+
+        AOTAutograd would otherwise give tensors it has no Dynamo source for symbolic sizes,
+        and guards on those symbols cannot be expressed by Dynamo.
+        """
+        args = self.swap(list(example_inputs))
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        if fake_mode is None:
+            return args
+        new_inputs = {id(t) for t in self.shards + self.detached}
+        return [
+            fake_mode.from_tensor(a, static_shapes=True) if id(a) in new_inputs else a for a in args
+        ]
+
+    def wrap(self, compiled: Callable) -> Callable:
+        if self.stage == 1 or not self.indices:
+            return compiled
+
+        def run_with_shards(*args):
+            return compiled(*self.swap(list(args)))
+
+        return run_with_shards
+
+
+def _check_devices(plan: ShardingPlan, example_inputs: list, group: DataParallelGroup) -> None:
+    devices = {str(example_inputs[p.index].device) for p in plan.params}
+    if len(devices) > 1:
+        where = {p.name: str(example_inputs[p.index].device) for p in plan.params}
+        raise ValueError(
+            f"zero backend: parameters are on different devices {sorted(devices)} ({where}); "
+            "move the whole model to one device (model.to(device)) before the first forward"
+        )
+    if group.process_group is not None and devices:
+        device = torch.device(devices.pop())
+        backend = torch.distributed.get_backend(group.process_group)
+        if device.type == "cpu" and backend == "nccl":
+            raise ValueError("zero backend: parameters are on the CPU but the process group uses NCCL; use gloo for CPU training or move the model to the GPU")

@@ -1,0 +1,73 @@
+"""The collectives zcompile issues, and the one place that touches torch's functional-collective ops.
+
+Inside graphs we call the ``_c10d_functional`` ops directly (they are what
+``torch.distributed._functional_collectives`` lowers to, and what inductor's collective passes
+recognise); eager code (optimizer step, ``gathered``) uses the public ``torch.distributed`` API.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_functional = torch.ops._c10d_functional
+
+ALL_GATHER = _functional.all_gather_into_tensor.default
+REDUCE_SCATTER = _functional.reduce_scatter_tensor.default
+ALL_REDUCE = _functional.all_reduce.default
+WAIT = _functional.wait_tensor.default
+COLLECTIVE_OPS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+
+
+@dataclass(frozen=True)
+class DataParallelGroup:
+    """The ranks that share one model replica's states: ``world_size == 1`` means no communication."""
+
+    rank: int
+    world_size: int
+    name: str | None
+    process_group: dist.ProcessGroup | None
+
+    @classmethod
+    def resolve(cls, group: dist.ProcessGroup | None = None) -> DataParallelGroup:
+        if not (dist.is_available() and dist.is_initialized()):
+            if group is not None:
+                raise RuntimeError("zero backend: a group was given but torch.distributed is not initialized")
+            return cls(rank=0, world_size=1, name=None, process_group=None)
+        group = group if group is not None else dist.group.WORLD
+        return cls(
+            rank=dist.get_rank(group),
+            world_size=dist.get_world_size(group),
+            name=group.group_name,
+            process_group=group,
+        )
+
+
+def all_gather_in_graph(shard: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    """Concatenation of every rank's ``shard`` along dim 0 (functional; traceable)."""
+    return WAIT(ALL_GATHER(shard, world_size, group_name))
+
+
+def reduce_scatter_in_graph(full: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    """This rank's 1/N slice of the sum of every rank's ``full`` (functional; traceable)."""
+    return WAIT(REDUCE_SCATTER(full, "sum", world_size, group_name))
+
+
+# torch 2.13 renamed the flat collectives (*_into_tensor / *_tensor -> *_single); 2.11 has the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_eager(out: torch.Tensor, shard: torch.Tensor, group: DataParallelGroup) -> None:
+    _all_gather_flat(out, shard, group=group.process_group)
+
+
+def reduce_scatter_eager(out: torch.Tensor, full: torch.Tensor, group: DataParallelGroup) -> None:
+    _reduce_scatter_flat(out, full, op=dist.ReduceOp.SUM, group=group.process_group)
+
+
+def default_store() -> dist.Store:
+    """The key-value store of the default process group (used for rank checks, never for data)."""
+    return dist.distributed_c10d._get_default_store()

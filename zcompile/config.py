@@ -1,0 +1,116 @@
+"""User-facing options of the ``zero`` backend, validated once per compile."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import torch
+
+_DTYPE_NAMES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+_COMPILERS = ("eager", "inductor")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Options of ``torch.compile(model, backend="zero", options={...})``.
+
+    Attributes:
+        stage: ZeRO stage. 1 shards optimizer state; 2 also shards gradients (reduce-scattered
+            during backward); 3 also shards parameters (gathered in the graph before use and
+            re-gathered in backward).
+        param_dtype: dtype of gathered parameters and of the compute (e.g. ``"bf16"``); ``None``
+            keeps the parameters' own dtype. Master weights and optimizer state stay fp32.
+        reduce_dtype: dtype in which gradients are reduced across ranks; ``None`` means
+            ``param_dtype`` (or the parameters' dtype).
+        compiler: inner compiler for the forward and backward graphs: ``"eager"`` runs the
+            AOTAutograd graphs without code generation, ``"inductor"`` generates kernels.
+        group: the data-parallel ``ProcessGroup``; ``None`` is the default (world) group, or a
+            world of one when no process group is initialized.
+        check_ranks: compare, across ranks, the sequence of collectives each compiled graph will
+            issue, and fail with a clear error instead of deadlocking when they differ.
+        check_timeout_s: how long the rank check waits for the other ranks' graphs.
+        on_compile: called with each ``CompiledGraphs`` (the plan and the Dynamo, forward and
+            backward graphs, filled in as they compile) for inspection and tests.
+    """
+
+    stage: int = 3
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    compiler: str = "eager"
+    group: Any = None
+    check_ranks: bool = True
+    check_timeout_s: float = 300.0
+    on_compile: Callable[[Any], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.on_compile is not None and not callable(self.on_compile):
+            raise TypeError(f"zero backend: option 'on_compile' must be callable, got {self.on_compile!r}")
+        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (1, 2, 3):
+            raise ValueError(f"zero backend: option 'stage' must be 1, 2 or 3, got {self.stage!r}")
+        for name in ("param_dtype", "reduce_dtype"):
+            object.__setattr__(self, name, _parse_dtype(name, getattr(self, name)))
+        if self.compiler not in _COMPILERS:
+            raise ValueError(
+                f"zero backend: option 'compiler' must be one of {_COMPILERS}, got {self.compiler!r}"
+            )
+        if self.group is not None and not isinstance(self.group, torch.distributed.ProcessGroup):
+            raise TypeError(
+                "zero backend: option 'group' must be a torch.distributed.ProcessGroup or None, "
+                f"got {type(self.group).__name__}"
+            )
+        if not isinstance(self.check_ranks, bool):
+            raise TypeError(f"zero backend: option 'check_ranks' must be a bool, got {self.check_ranks!r}")
+        if not isinstance(self.check_timeout_s, (int, float)) or self.check_timeout_s <= 0:
+            raise ValueError(
+                f"zero backend: option 'check_timeout_s' must be a positive number, got {self.check_timeout_s!r}"
+            )
+
+    @property
+    def effective_reduce_dtype(self) -> torch.dtype | None:
+        return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
+
+    @classmethod
+    def from_options(cls, options: ZeroConfig | dict[str, Any] | None) -> ZeroConfig:
+        """Builds a config from ``torch.compile``'s ``options`` (a dict, a ZeroConfig or None)."""
+        if options is None:
+            return cls()
+        if isinstance(options, ZeroConfig):
+            return options
+        if not isinstance(options, dict):
+            raise TypeError(
+                f"zero backend: options must be a dict or zcompile.ZeroConfig, got {type(options).__name__}"
+            )
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"zero backend: unknown option(s) {unknown}; valid options are {valid}"
+            )
+        return cls(**options)
+
+    def replace(self, **changes: Any) -> ZeroConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _parse_dtype(option: str, value: Any) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        if value is not None and not value.is_floating_point:
+            raise ValueError(f"zero backend: option {option!r} must be a floating dtype, got {value}")
+        return value
+    if isinstance(value, str) and value.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[value.lower()]
+    raise ValueError(
+        f"zero backend: option {option!r} must be a torch dtype or one of "
+        f"{sorted(_DTYPE_NAMES)}, got {value!r}"
+    )

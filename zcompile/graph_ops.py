@@ -1,0 +1,95 @@
+"""Differentiable sharded-parameter ops that the passes insert into Dynamo graphs.
+
+AOTAutograd traces through these ``autograd.Function``s, so the forward graph gets their
+all-gathers and the backward graph their reduce-scatters; gradients flow to the fp32 shard,
+which is the leaf the optimizer updates. They are plain module-level functions (not
+``Function.apply``) so that FX code generation can name them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from zcompile.collectives import all_gather_in_graph, reduce_scatter_in_graph
+
+
+def _reduce_flat_grad(
+    grad: torch.Tensor,
+    numel: int,
+    world_size: int,
+    group_name: str | None,
+    reduce_dtype: torch.dtype | None,
+    shard_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Mean over ranks of ``grad`` (full shape), returned as this rank's flat shard."""
+    flat = grad.reshape(-1)
+    if reduce_dtype is not None and flat.dtype != reduce_dtype:
+        flat = flat.to(reduce_dtype)
+    padded_numel = -(-numel // world_size) * world_size
+    if padded_numel > numel:
+        flat = F.pad(flat, (0, padded_numel - numel))
+    if world_size > 1:
+        flat = reduce_scatter_in_graph(flat, world_size, group_name) / world_size
+    return flat.to(shard_dtype)
+
+
+class _GatherParam(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, numel, shape, world_size, group_name, param_dtype, reduce_dtype):
+        ctx.static = (numel, world_size, group_name, reduce_dtype, shard.dtype)
+        if param_dtype is not None and shard.dtype != param_dtype:
+            shard = shard.to(param_dtype)
+        full = all_gather_in_graph(shard, world_size, group_name) if world_size > 1 else shard
+        return full[:numel].view(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        numel, world_size, group_name, reduce_dtype, shard_dtype = ctx.static
+        grad_shard = _reduce_flat_grad(grad, numel, world_size, group_name, reduce_dtype, shard_dtype)
+        return grad_shard, None, None, None, None, None, None
+
+
+class _ReplicatedParam(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, full, numel, world_size, group_name, param_dtype, reduce_dtype):
+        ctx.static = (numel, world_size, group_name, reduce_dtype, shard.dtype)
+        if param_dtype is not None and full.dtype != param_dtype:
+            return full.to(param_dtype)
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx, grad):
+        numel, world_size, group_name, reduce_dtype, shard_dtype = ctx.static
+        grad_shard = _reduce_flat_grad(grad, numel, world_size, group_name, reduce_dtype, shard_dtype)
+        return grad_shard, None, None, None, None, None, None
+
+
+def gather_param(
+    shard: torch.Tensor,
+    numel: int,
+    shape: tuple[int, ...],
+    world_size: int,
+    group_name: str | None,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """Stage 3: the full parameter, all-gathered from every rank's shard.
+
+    Backward reduce-scatters the gradient and averages it over ranks (as DDP does), so the
+    gradient arrives on ``shard.grad`` already sharded.
+    """
+    return _GatherParam.apply(shard, numel, tuple(shape), world_size, group_name, param_dtype, reduce_dtype)
+
+
+def replicated_param(
+    shard: torch.Tensor,
+    full: torch.Tensor,
+    numel: int,
+    world_size: int,
+    group_name: str | None,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """Stage 2: the replicated full parameter in forward; its gradient reduce-scattered onto the shard."""
+    return _ReplicatedParam.apply(shard, full, numel, world_size, group_name, param_dtype, reduce_dtype)

@@ -1,0 +1,70 @@
+"""AOTAutograd with zcompile's post-partition passes, then the inner compiler (eager or inductor)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from torch._dynamo.backends.common import aot_autograd
+
+from zcompile.passes.cleanup import remove_unused_gathers_pass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CompiledGraphs:
+    """The graphs one Dynamo graph became, filled in as AOTAutograd compiles them.
+
+    ``backward`` is compiled lazily by AOTAutograd and may stay ``None`` until the first backward.
+    """
+
+    dynamo: torch.fx.GraphModule
+    plan: Any
+    forward: torch.fx.GraphModule | None = None
+    backward: torch.fx.GraphModule | None = None
+    inference: torch.fx.GraphModule | None = None
+    pass_log: list[str] = field(default_factory=list)
+
+
+def _post_partition(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs) -> torch.fx.GraphModule:
+    graph_module = remove_unused_gathers_pass(graph_module)
+    setattr(graphs, kind, graph_module)
+    return graph_module
+
+
+def compile_with_aot(
+    gm: torch.fx.GraphModule, example_inputs: list, compiler: str, graphs: CompiledGraphs
+) -> Callable:
+    """Runs AOTAutograd on the rewritten Dynamo graph and compiles forward and backward.
+
+    The min-cut partitioner is used with both inner compilers because it honours the
+    ``MUST_RECOMPUTE`` tags of stage-3 gathers (the backward re-gathers instead of saving).
+    """
+    if compiler == "eager":
+
+        def make_compiler(kind: str):
+            def compile_eager(graph_module, inputs):
+                return make_boxed_func(_post_partition(graph_module, kind, graphs).forward)
+
+            return compile_eager
+
+        backend = aot_autograd(
+            fw_compiler=make_compiler("forward"),
+            bw_compiler=make_compiler("backward"),
+            inference_compiler=make_compiler("inference"),
+            partition_fn=min_cut_rematerialization_partition,
+            keep_inference_input_mutations=True,
+        )
+        return backend(gm, example_inputs)
+
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(graph_module, inputs, **kwargs):
+        kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+        return compile_fx_inner(_post_partition(graph_module, kind, graphs), inputs, **kwargs)
+
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile)

@@ -1,0 +1,145 @@
+"""Sharded optimizers: drop-in ``AdamW`` and ``SGD`` that update each rank's 1/N shard.
+
+They take the model's parameters exactly like ``torch.optim`` and may be created before or after
+``torch.compile`` and the first forward: the shard of a parameter is looked up at ``step`` time.
+What a step does per parameter, by stage:
+
+- stage 1: the full gradient (``param.grad``) is reduce-scattered and averaged onto the shard;
+- stages 2 and 3: the compiled backward already left the averaged gradient on ``shard.grad``;
+
+then the fp32 shard is updated, and at stages 1 and 2 the updated shards are all-gathered back
+into the replicated parameters. Optimizer state (moments) has the shard's size.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from zcompile.collectives import reduce_scatter_eager
+from zcompile.kernels.optim_reference import adamw_reference, sgd_reference
+from zcompile.sharding import ShardedParam, shard_of
+
+log = logging.getLogger(__name__)
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Base class: gradient collection and parameter refresh around a per-shard update rule."""
+
+    def _update(self, shard: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        refresh: list[ShardedParam] = []
+        for group in self.param_groups:
+            for index, param in enumerate(group["params"]):
+                sharded = self._sharded(param, index)
+                if sharded is None:
+                    continue
+                grad = self._shard_grad(sharded)
+                if grad is None:
+                    continue
+                self._update(sharded.shard.detach(), grad, self.state[param], group)
+                if sharded.stage in (1, 2):
+                    refresh.append(sharded)
+        for sharded in refresh:
+            sharded.write_full_from_shards()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                sharded = shard_of(param)
+                tensors = [param] if sharded is None else [param, sharded.shard]
+                for tensor in tensors:
+                    if tensor.grad is None:
+                        continue
+                    if set_to_none:
+                        tensor.grad = None
+                    else:
+                        tensor.grad.detach_()
+                        tensor.grad.zero_()
+
+    @staticmethod
+    def _sharded(param: torch.Tensor, index: int) -> ShardedParam | None:
+        sharded = shard_of(param)
+        if sharded is None and param.grad is not None:
+            raise ValueError(
+                f"zcompile optimizer: parameter #{index} (shape {tuple(param.shape)}) has a gradient but was "
+                "never seen by a graph compiled with backend='zero'. Give the optimizer the parameters of "
+                "the compiled model (model.parameters()) and run them through the compiled forward; tensors "
+                "used outside the model are not sharded."
+            )
+        return sharded
+
+    @staticmethod
+    def _shard_grad(sharded: ShardedParam) -> torch.Tensor | None:
+        if sharded.stage != 1:
+            grad = sharded.shard.grad
+            return None if grad is None else grad.detach()
+        full_grad = sharded.param.grad
+        if full_grad is None:
+            return None
+        flat = full_grad.detach().reshape(-1).to(torch.float32)
+        if sharded.padded_numel > sharded.numel:
+            flat = F.pad(flat, (0, sharded.padded_numel - sharded.numel))
+        world_size = sharded.group.world_size
+        if world_size == 1:
+            return flat
+        grad = torch.empty_like(sharded.shard, dtype=torch.float32)
+        reduce_scatter_eager(grad, flat, sharded.group)
+        return grad / world_size
+
+
+class AdamW(ShardedOptimizer):
+    """``torch.optim.AdamW`` over shards (same arguments; ``amsgrad`` is not supported)."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, **unsupported: Any):
+        if amsgrad:
+            raise ValueError("zcompile.optim.AdamW: amsgrad=True is not supported; use amsgrad=False")
+        if unsupported:
+            raise TypeError(
+                f"zcompile.optim.AdamW: unsupported arguments {sorted(unsupported)}; "
+                "supported: lr, betas, eps, weight_decay"
+            )
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"zcompile.optim.AdamW: invalid hyper-parameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def _update(self, shard, grad, state, group):
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(shard)
+            state["exp_avg_sq"] = torch.zeros_like(shard)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        adamw_reference(shard, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"],
+                        beta1, beta2, group["eps"], group["weight_decay"])
+
+
+class SGD(ShardedOptimizer):
+    """``torch.optim.SGD`` over shards (momentum, dampening, nesterov, weight decay)."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False):
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError(f"zcompile.optim.SGD: invalid hyper-parameters lr={lr} momentum={momentum} weight_decay={weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("zcompile.optim.SGD: nesterov requires momentum > 0 and zero dampening")
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
+                                      weight_decay=weight_decay, nesterov=nesterov))
+
+    def _update(self, shard, grad, state, group):
+        state["momentum_buffer"] = sgd_reference(
+            shard, grad, state.get("momentum_buffer"), group["lr"], group["momentum"], group["dampening"],
+            group["weight_decay"], group["nesterov"],
+        )

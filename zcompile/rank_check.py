@@ -1,0 +1,59 @@
+"""Compile-time check that every rank's graph issues the same collectives, in the same order.
+
+A rank whose compiled graph issues different collectives (another model, another stage, a
+parameter missing) would deadlock the job at the first mismatched collective. Each rank publishes
+a digest of its planned collectives in the process group's key-value store under the graph's
+Dynamo compile id and waits, with a timeout, for the others'. The store is used rather than a
+collective so that a rank that never compiles this graph produces a timeout error, not a hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from datetime import timedelta
+
+import torch
+
+from zcompile.collectives import DataParallelGroup, default_store
+
+log = logging.getLogger(__name__)
+
+
+class RankDivergenceError(RuntimeError):
+    """The ranks would issue different collectives (and deadlock) if the job went on."""
+
+
+def collective_signature(plan) -> list:
+    return [plan.stage, plan.world_size] + [[p.name, list(p.shape), p.requires_grad] for p in plan.params]
+
+
+def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGroup, timeout_s: float) -> None:
+    """Raises ``RankDivergenceError`` unless all ranks planned identical collectives for this graph."""
+    signature = json.dumps(collective_signature(plan))
+    digest = hashlib.sha256(signature.encode()).hexdigest()[:16]
+    compile_id = str(gm.meta.get("dynamo_compile_id", "unknown"))
+    store = default_store()
+    prefix = f"zcompile/check/{group.name}/{compile_id}/"
+    store.set(f"{prefix}{group.rank}", digest)
+    keys = [f"{prefix}{rank}" for rank in range(group.world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except Exception as error:  # the store raises a generic error on timeout
+        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+        raise RankDivergenceError(
+            f"zero backend: rank {group.rank} compiled graph {compile_id} but ranks {missing} did not within "
+            f"{timeout_s:.0f}s. The ranks took different compile paths (different models, code paths or input "
+            "shapes per rank) and their collectives would deadlock. Give every rank the same model and "
+            "inputs of the same shapes (drop_last=True in the sampler), or raise check_timeout_s if a rank "
+            "is only slow."
+        ) from error
+    digests = {rank: store.get(key).decode() for rank, key in enumerate(keys)}
+    if len(set(digests.values())) > 1:
+        raise RankDivergenceError(
+            f"zero backend: graph {compile_id} would issue different collectives on different ranks "
+            f"(digest per rank {digests}; this rank's parameters: {[p.name for p in plan.params][:8]}...). "
+            "Every rank must compile the same model with the same options."
+        )
+    log.debug("rank check passed for graph %s (digest %s)", compile_id, digest)

@@ -1,0 +1,142 @@
+"""Per-parameter shards: the flat 1/N slice of each parameter that a rank owns.
+
+Each parameter is flattened, padded to a multiple of N and cut into N equal slices; rank r owns
+slice r. The shard is an fp32 leaf tensor (the master weight): gradients of the compiled graphs
+land on ``shard.grad`` and the optimizer updates the shard. The user's ``nn.Parameter`` keeps its
+shape and strides (so Dynamo's guards stay valid) and, at stage 3, its storage is freed.
+
+The link from a parameter to its shard is stored on the parameter itself (``SHARD_ATTR``), so the
+optimizer, ``gathered`` and later compiles of other graphs find the same shard without any
+module-level registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from zcompile.collectives import DataParallelGroup, all_gather_eager
+
+log = logging.getLogger(__name__)
+
+SHARD_ATTR = "_zcompile_shard"
+
+
+@dataclass(eq=False)
+class ShardedParam:
+    """One parameter's sharding: its full geometry, the owned flat shard and the stage it runs."""
+
+    param: torch.nn.Parameter
+    name: str
+    stage: int
+    group: DataParallelGroup
+    shard: torch.Tensor
+    shape: torch.Size = field(init=False)
+    numel: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shape = self.param.shape
+        self.numel = self.param.numel()
+
+    @property
+    def shard_numel(self) -> int:
+        return self.shard.numel()
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.group.world_size
+
+    @property
+    def shard_offset(self) -> int:
+        """Index of this rank's first element in the flat, padded parameter."""
+        return self.group.rank * self.shard_numel
+
+    @property
+    def owned_numel(self) -> int:
+        """Elements of the real (unpadded) parameter that this rank's shard covers."""
+        return max(0, min(self.numel - self.shard_offset, self.shard_numel))
+
+    @property
+    def is_freed(self) -> bool:
+        return self.param.untyped_storage().size() == 0
+
+    def free_full(self) -> None:
+        """Drops the full-size storage (stage 3 at rest); shape and strides are kept."""
+        self.param.untyped_storage().resize_(0)
+
+    def materialize_full(self) -> None:
+        """Re-allocates the full storage and fills it from every rank's shard (collective)."""
+        if self.is_freed:
+            nbytes = self.numel * self.param.element_size()
+            self.param.untyped_storage().resize_(nbytes)
+        self.write_full_from_shards()
+
+    def write_full_from_shards(self) -> None:
+        """All-gathers the shards into the (allocated) full parameter (collective)."""
+        flat_full = self.param.data.view(-1)
+        shard = self.shard.detach().to(self.param.dtype)
+        if self.group.world_size == 1:
+            flat_full.copy_(shard[: self.numel])
+            return
+        gathered = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
+        all_gather_eager(gathered, shard, self.group)
+        flat_full.copy_(gathered[: self.numel])
+
+    def write_shard_from_full(self) -> None:
+        """Copies this rank's slice of the full parameter into the shard (local, no collective)."""
+        owned = self.owned_numel
+        with torch.no_grad():
+            if owned:
+                self.shard[:owned].copy_(self.param.data.view(-1)[self.shard_offset : self.shard_offset + owned])
+
+
+def shard_of(param: torch.Tensor) -> ShardedParam | None:
+    return getattr(param, SHARD_ATTR, None)
+
+
+def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: DataParallelGroup) -> ShardedParam:
+    """Creates (or returns the existing) shard of ``param``; frees the full storage at stage 3.
+
+    A parameter already sharded by an earlier compile (another graph of the same model, or a
+    recompile) keeps its shard; asking for a different stage or group is an error because the
+    optimizer state and the other graphs were built for the first one.
+    """
+    existing = shard_of(param)
+    if existing is not None:
+        if existing.stage != stage or existing.group.name != group.name:
+            raise ValueError(
+                f"zero backend: parameter {name!r} is already sharded with stage {existing.stage} on group "
+                f"{existing.group.name!r}; it cannot be compiled again with stage {stage} on group "
+                f"{group.name!r}. Use one ZeroConfig for every torch.compile of the same model."
+            )
+        return existing
+    _check_shardable(param, name)
+    shard_numel = max(1, math.ceil(param.numel() / group.world_size))
+    shard = torch.zeros(shard_numel, dtype=torch.float32, device=param.device)
+    sharded = ShardedParam(param=param, name=name, stage=stage, group=group, shard=shard)
+    sharded.write_shard_from_full()
+    shard.requires_grad_(param.requires_grad)
+    setattr(param, SHARD_ATTR, sharded)
+    if stage == 3:
+        sharded.free_full()
+    log.debug("sharded %s %s -> %d elements on rank %d", name, tuple(param.shape), shard_numel, group.rank)
+    return sharded
+
+
+def _check_shardable(param: torch.Tensor, name: str) -> None:
+    if not param.dtype.is_floating_point:
+        raise TypeError(f"zero backend: parameter {name!r} has dtype {param.dtype}; only floating parameters can be sharded")
+    if not param.is_contiguous() or param.storage_offset() != 0:
+        raise ValueError(
+            f"zero backend: parameter {name!r} is not a contiguous tensor that owns its storage "
+            "(a view or transposed tensor); make it one with `module.weight = nn.Parameter(w.contiguous().clone())` "
+            "before torch.compile"
+        )
+    if param.untyped_storage().size() != param.numel() * param.element_size():
+        raise ValueError(
+            f"zero backend: parameter {name!r} shares its storage with other tensors; "
+            "give it its own storage (clone it) before torch.compile"
+        )
