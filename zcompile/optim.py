@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from zcompile.collectives import reduce_scatter_eager
+from zcompile.comm import CollectiveRecord
 from zcompile.kernels.optim_reference import adamw_reference, sgd_reference
 from zcompile.sharding import ShardedParam, shard_of
 
@@ -39,12 +40,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         refresh: list[ShardedParam] = []
+        self.last_step_collectives: list[CollectiveRecord] = []
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
                 sharded = self._sharded(param, index)
                 if sharded is None:
                     continue
                 grad = self._shard_grad(sharded)
+                if grad is not None and sharded.stage == 1:
+                    self._record("reduce_scatter", sharded.padded_numel, torch.float32, sharded)
                 if grad is None:
                     continue
                 self._update(sharded.shard.detach(), grad, self.state[param], group)
@@ -52,7 +56,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     refresh.append(sharded)
         for sharded in refresh:
             sharded.write_full_from_shards()
+            self._record("all_gather", sharded.padded_numel, sharded.param.dtype, sharded)
         return loss
+
+    def _record(self, kind: str, elements: int, dtype: torch.dtype, sharded: ShardedParam) -> None:
+        if sharded.group.world_size > 1:
+            self.last_step_collectives.append(CollectiveRecord(kind, elements, dtype, "optimizer"))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:

@@ -35,7 +35,10 @@ def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGr
     digest = hashlib.sha256(signature.encode()).hexdigest()[:16]
     compile_id = str(gm.meta.get("dynamo_compile_id", "unknown"))
     store = default_store()
-    prefix = f"zcompile/check/{group.name}/{compile_id}/"
+    # The n-th graph this rank compiles is compared with every other rank's n-th graph; the
+    # counter lives in the store, so it survives torch._dynamo.reset() and needs no global.
+    sequence = store.add(f"zcompile/check/{group.name}/sequence/{group.rank}", 1)
+    prefix = f"zcompile/check/{group.name}/{sequence}/"
     store.set(f"{prefix}{group.rank}", digest)
     keys = [f"{prefix}{rank}" for rank in range(group.world_size)]
     try:
@@ -43,7 +46,7 @@ def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGr
     except Exception as error:  # the store raises a generic error on timeout
         missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
         raise RankDivergenceError(
-            f"zero backend: rank {group.rank} compiled graph {compile_id} but ranks {missing} did not within "
+            f"zero backend: rank {group.rank} compiled graph {compile_id} (its compile #{sequence}) but ranks {missing} did not within "
             f"{timeout_s:.0f}s. The ranks took different compile paths (different models, code paths or input "
             "shapes per rank) and their collectives would deadlock. Give every rank the same model and "
             "inputs of the same shapes (drop_last=True in the sampler), or raise check_timeout_s if a rank "

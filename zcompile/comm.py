@@ -1,0 +1,63 @@
+"""What collectives a compiled step issues: read from the graphs, and recorded by the optimizer.
+
+Elements are counted per rank the way ZeRO's volume formulas count them: an all-gather moves its
+output's size, a reduce-scatter its input's size, an all-reduce its size (padding included).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from zcompile.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+
+_KIND = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    kind: str  # all_gather | reduce_scatter | all_reduce
+    elements: int
+    dtype: torch.dtype
+    where: str  # forward | backward | optimizer
+
+    @property
+    def bytes(self) -> int:
+        return self.elements * self.dtype.itemsize
+
+
+def graph_collectives(gm: torch.fx.GraphModule | None, where: str) -> list[CollectiveRecord]:
+    """The collectives of an (AOTAutograd, aten-level) graph, in graph order."""
+    if gm is None:
+        return []
+    records = []
+    for node in gm.graph.nodes:
+        kind = _KIND.get(node.target) if node.op == "call_function" else None
+        if kind is None:
+            continue
+        source = node.args[0].meta.get("val")
+        elements = source.numel() * (node.args[1] if kind == "all_gather" else 1)
+        records.append(CollectiveRecord(kind, int(elements), source.dtype, where))
+    return records
+
+
+def step_collectives(compiled_graphs, optimizer=None) -> list[CollectiveRecord]:
+    """Every collective of one training step: each graph's forward and backward, then the optimizer's."""
+    records = []
+    for graphs in compiled_graphs:
+        records += graph_collectives(graphs.forward, "forward")
+        records += graph_collectives(graphs.backward, "backward")
+    if optimizer is not None:
+        records += list(getattr(optimizer, "last_step_collectives", []))
+    return records
+
+
+def summarize(records: list[CollectiveRecord]) -> dict[str, int]:
+    """Elements moved per kind (and ``total``)."""
+    totals = Counter()
+    for record in records:
+        totals[record.kind] += record.elements
+        totals["total"] += record.elements
+    return dict(totals)
