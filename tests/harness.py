@@ -29,9 +29,34 @@ VOCAB = 256
 
 
 # ----------------------------------------------------------------------------- models
+class GPTWithBreaks(GPT):
+    """The GPT with a graph break after every block (several Dynamo graphs per forward) and a buffer."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.register_buffer("logit_scale", torch.tensor(0.75))
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+            torch._dynamo.graph_break()
+        logits = self.head(self.ln_f(x)) * self.logit_scale
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 def build_model(name: str) -> torch.nn.Module:
     """The models the tests train, each deterministic (seeded, no dropout)."""
     torch.manual_seed(0)
+    small = GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    if name == "gpt_breaks":
+        return GPTWithBreaks(small)
+    if name == "gpt_frozen":  # position embedding and first block's norm frozen
+        model = GPT(small)
+        model.wpe.weight.requires_grad_(False)
+        for param in model.blocks[0].ln_1.parameters():
+            param.requires_grad_(False)
+        return model
     if name == "gpt":
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32))
     if name == "gpt_untied_odd":  # sizes not divisible by 2 or 4, no tied weights
@@ -56,8 +81,12 @@ def model_loss(name: str, model: Callable, tokens: torch.Tensor, targets: torch.
     return model(tokens, targets)
 
 
-def global_batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return synthetic_batch(step, batch_size, GPTConfig(vocab_size=VOCAB - 3, block_size=16))
+def global_batch(step: int, batch_size: int, seq_lens: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, targets = synthetic_batch(step, batch_size, GPTConfig(vocab_size=VOCAB - 3, block_size=16))
+    if seq_lens:
+        length = seq_lens[step % len(seq_lens)]
+        tokens, targets = tokens[:, :length].contiguous(), targets[:, :length].contiguous()
+    return tokens, targets
 
 
 # ----------------------------------------------------------------------------- runs
@@ -72,6 +101,7 @@ class RunSpec:
     grad_accum: int = 1  # backward calls per optimizer step (each on its own micro-batch)
     zero_grad_to_none: bool = True
     optimizer_after_forward: bool = False
+    seq_lens: tuple[int, ...] = ()  # per-step sequence length (recompiles on new shapes); () = full
     options: dict = field(default_factory=dict)
 
 
@@ -84,6 +114,40 @@ class RunResult:
     padded_numel: int = 0
     collectives: list = field(default_factory=list)
     graphs: list = field(default_factory=list)  # (forward code, backward code) per compiled graph
+    facts: dict = field(default_factory=dict)  # structure of the compiled graphs, see graph_facts
+
+
+def _reads_gathered_param(node) -> bool:
+    """Whether ``node`` is a gathered parameter (a wait of an all-gather, through views/casts)."""
+    from zcompile.collectives import ALL_GATHER, WAIT
+    from zcompile.passes.cleanup import PASS_THROUGH
+
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        if node.target is WAIT and node.args[0].target is ALL_GATHER:
+            return True
+        if node.target not in PASS_THROUGH:
+            return False
+        node = node.args[0]
+    return False
+
+
+def graph_facts(compiled_graphs) -> dict:
+    """Counts read from the compiled graphs: collectives per graph and gathered weights saved."""
+    from zcompile.collectives import ALL_GATHER, REDUCE_SCATTER
+    from zcompile.graph_ops import gather_param
+
+    facts = dict(graphs=len(compiled_graphs), gather_nodes=0, fw_all_gathers=0, bw_all_gathers=0,
+                 bw_reduce_scatters=0, saved_gathered=0)
+    for graphs in compiled_graphs:
+        facts["gather_nodes"] += len(graphs.dynamo.graph.find_nodes(op="call_function", target=gather_param))
+        if graphs.forward is not None:
+            facts["fw_all_gathers"] += len(graphs.forward.graph.find_nodes(op="call_function", target=ALL_GATHER))
+            outputs = graphs.forward.graph.find_nodes(op="output")[0].args[0]
+            facts["saved_gathered"] += sum(_reads_gathered_param(out) for out in outputs)
+        if graphs.backward is not None:
+            facts["bw_all_gathers"] += len(graphs.backward.graph.find_nodes(op="call_function", target=ALL_GATHER))
+            facts["bw_reduce_scatters"] += len(graphs.backward.graph.find_nodes(op="call_function", target=REDUCE_SCATTER))
+    return facts
 
 
 def _optimizer(spec: RunSpec, params, zero: bool):
@@ -98,7 +162,7 @@ def _optimizer(spec: RunSpec, params, zero: bool):
 
 def _micro_batches(spec: RunSpec, step: int, rank: int, world: int):
     """This rank's micro-batches of the global batch of ``step``, one per backward call."""
-    tokens, targets = global_batch(step, spec.batch_size * spec.grad_accum)
+    tokens, targets = global_batch(step, spec.batch_size * spec.grad_accum, spec.seq_lens)
     out = []
     for micro in range(spec.grad_accum):
         chunk = slice(micro * spec.batch_size, (micro + 1) * spec.batch_size)
@@ -136,7 +200,8 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     unique = list(dict.fromkeys(model.parameters()))
     padded = sum(-(-p.numel() // world) * world for p in unique)
     graphs = [(g.forward.code if g.forward else "", g.backward.code if g.backward else "") for g in compiled_graphs]
-    return RunResult(losses, params, state_bytes, sum(p.numel() for p in unique), padded, collectives, graphs)
+    return RunResult(losses, params, state_bytes, sum(p.numel() for p in unique), padded, collectives, graphs,
+                     graph_facts(compiled_graphs))
 
 
 def train_reference(spec: RunSpec, world: int = 1, microbatch_like_ranks: bool = False) -> RunResult:
@@ -153,7 +218,7 @@ def train_reference(spec: RunSpec, world: int = 1, microbatch_like_ranks: bool =
         step_loss = 0.0
         slices = world if microbatch_like_ranks else 1
         for micro in range(spec.grad_accum):
-            tokens, targets = global_batch(step, spec.batch_size * spec.grad_accum)
+            tokens, targets = global_batch(step, spec.batch_size * spec.grad_accum, spec.seq_lens)
             chunk = slice(micro * spec.batch_size, (micro + 1) * spec.batch_size)
             tokens, targets = tokens[chunk], targets[chunk]
             for part in range(slices):

@@ -1,0 +1,52 @@
+import pytest
+import torch
+
+from zcompile import ZeroConfig
+
+
+def test_defaults_and_dict_round_trip():
+    config = ZeroConfig.from_options({"stage": 2, "param_dtype": "bf16"})
+    assert config.stage == 2
+    assert config.param_dtype is torch.bfloat16
+    assert config.effective_reduce_dtype is torch.bfloat16
+    assert ZeroConfig.from_options(None) == ZeroConfig()
+    assert ZeroConfig.from_options(config) is config
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(ValueError) as error:
+        ZeroConfig.from_options({"stag": 3})
+    message = str(error.value)
+    assert "stag" in message
+    for name in ("stage", "param_dtype", "reduce_dtype", "compiler"):
+        assert name in message
+
+
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        ({"stage": 4}, "'stage' must be 1, 2 or 3"),
+        ({"stage": "3"}, "'stage' must be 1, 2 or 3"),
+        ({"stage": True}, "'stage' must be 1, 2 or 3"),
+        ({"param_dtype": "int8"}, "'param_dtype'"),
+        ({"param_dtype": torch.int32}, "floating dtype"),
+        ({"compiler": "tvm"}, "'compiler' must be one of"),
+        ({"group": "world"}, "ProcessGroup"),
+        ({"check_timeout_s": 0}, "check_timeout_s"),
+        ({"on_compile": 3}, "callable"),
+    ],
+)
+def test_bad_values_name_the_option(options, fragment):
+    with pytest.raises((ValueError, TypeError), match=fragment):
+        ZeroConfig.from_options(options)
+
+
+def test_options_must_be_a_mapping():
+    with pytest.raises(TypeError, match="options must be a dict"):
+        ZeroConfig.from_options([("stage", 3)])
+
+
+def test_backend_is_registered_by_entry_point():
+    import torch._dynamo
+
+    assert "zero" in torch._dynamo.list_backends()

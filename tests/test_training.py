@@ -1,0 +1,152 @@
+"""ZeRO stages 1, 2, 3 trained on gloo ranks against single-process references.
+
+Tolerances (fp32, eager inner compiler):
+- SGD runs are compared with a single forward over the global batch. The only differences are
+  summation orders (the batch mean split across ranks, matmul reductions over fewer rows), about
+  1e-7 relative per gradient, which SGD passes on linearly: 1e-6 of the parameters' scale bounds it.
+- AdamW runs (eps=1e-6, see harness) are compared with a reference that splits the global batch
+  like the ranks do and averages gradients, so the arithmetic is the same up to the order of the
+  cross-rank sum. Adam divides by sqrt(v)+eps, so an absolute gradient error e moves an element by
+  at most lr*e/eps per step; gradients whose terms cancel carry e up to ~1e-9 here (1e-7 relative
+  to terms of ~1e-2), hence atol = steps*lr*1e-9/eps (3e-5 for 3 steps at lr 1e-2). A wrong shard,
+  a missing reduction or a stale parameter moves elements by ~lr per step and fails it. Adam is
+  blind to a wrong gradient scale; the SGD runs catch that.
+- Losses: 1e-6 relative.
+"""
+
+import pytest
+import torch
+
+from harness import RunSpec, run_ranks, train_reference, train_zero, zero_run_on_rank
+from zcompile import zero_formula_bytes
+
+LOSS_RTOL = 1e-6
+PARAM_TOL = 1e-6
+
+
+ADAM_EPS = 1e-6
+GRAD_ABS_ERROR = 1e-9
+
+
+def assert_same_training(result, reference, spec):
+    for ours, theirs in zip(result.losses, reference.losses, strict=True):
+        assert abs(ours - theirs) <= LOSS_RTOL * abs(theirs), (result.losses, reference.losses)
+    assert result.params.keys() == reference.params.keys()
+    for name, expected in reference.params.items():
+        atol = PARAM_TOL * max(1.0, expected.abs().max().item())
+        if spec.optimizer == "adamw":
+            atol = max(atol, spec.steps * spec.lr * GRAD_ABS_ERROR / ADAM_EPS)
+        torch.testing.assert_close(result.params[name], expected, rtol=0, atol=atol, msg=name)
+    # the run really trained: parameters moved away from their initial values
+    assert result.losses[-1] != result.losses[0]
+
+
+def reference_for(spec, world):
+    return train_reference(spec, world=world, microbatch_like_ranks=spec.optimizer == "adamw")
+
+
+STAGES = (1, 2, 3)
+WORLD2_SPECS = (
+    [RunSpec(model="gpt", stage=s) for s in STAGES]
+    + [RunSpec(model="gpt", stage=s, optimizer="sgd", lr=0.1) for s in STAGES]
+    + [RunSpec(model="hf_gpt2", stage=s, lr=3e-3) for s in STAGES]
+    + [RunSpec(model="hf_gpt2", stage=3, optimizer="sgd", lr=0.1)]
+    + [RunSpec(model="hf_llama", stage=s, lr=3e-3) for s in STAGES]
+    + [RunSpec(model="hf_llama", stage=3, optimizer="sgd", lr=0.1)]
+    + [RunSpec(model="gpt_untied_odd", stage=s) for s in (2, 3)]
+)
+WORLD4_SPECS = (
+    [RunSpec(model="gpt", stage=s) for s in STAGES]
+    + [RunSpec(model="gpt", stage=s, optimizer="sgd", lr=0.1) for s in STAGES]
+    + [RunSpec(model="gpt_untied_odd", stage=3)]
+)
+
+
+@pytest.fixture(scope="module")
+def world2():
+    ranks = run_ranks(2, zero_run_on_rank, WORLD2_SPECS)
+    return list(zip(WORLD2_SPECS, *ranks))
+
+
+@pytest.fixture(scope="module")
+def world4():
+    ranks = run_ranks(4, zero_run_on_rank, WORLD4_SPECS)
+    return list(zip(WORLD4_SPECS, *ranks))
+
+
+def _label(spec):
+    return f"{spec.model}-stage{spec.stage}-{spec.optimizer}"
+
+
+@pytest.mark.parametrize("index", range(len(WORLD2_SPECS)), ids=[_label(s) for s in WORLD2_SPECS])
+def test_world2_matches_single_process(world2, index):
+    spec, rank0, rank1 = world2[index]
+    assert_same_training(rank0, reference_for(spec, 2), spec)
+    for name in rank0.params:  # both ranks hold the same (gathered) model
+        assert torch.equal(rank0.params[name], rank1.params[name]), name
+
+
+@pytest.mark.parametrize("index", range(len(WORLD4_SPECS)), ids=[_label(s) for s in WORLD4_SPECS])
+def test_world4_matches_single_process(world4, index):
+    spec, *ranks = world4[index]
+    assert_same_training(ranks[0], reference_for(spec, 4), spec)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_world1_without_process_group(stage):
+    spec = RunSpec(model="gpt", stage=stage)
+    assert_same_training(train_zero(spec), reference_for(spec, 1), spec)
+
+
+@pytest.mark.parametrize("world_name", ["world2", "world4"])
+def test_stage3_memory_is_16_psi_over_n(world_name, request):
+    """Measured model-state bytes after a step (params, grads, Adam moments) vs ZeRO's 16Ψ/N."""
+    runs = request.getfixturevalue(world_name)
+    for spec, *ranks in runs:
+        if spec.stage != 3 or spec.optimizer != "adamw":
+            continue
+        world = len(ranks)
+        for result in ranks:
+            expected = zero_formula_bytes(result.num_params, world, stage=3)
+            assert abs(result.state_bytes - expected) <= 0.15 * expected, (spec.model, result.state_bytes, expected)
+            assert result.state_bytes < zero_formula_bytes(result.num_params, world, stage=None) / world * 1.15
+
+
+def test_stage1_and_2_memory_follow_their_formulas(world2):
+    for spec, rank0, _ in world2:
+        if spec.stage in (1, 2) and spec.optimizer == "adamw":
+            # fp32: replicated params (4Ψ), grads full (stage 1) or sharded (stage 2), moments and
+            # master shard 12Ψ/N.
+            grads = 4 * rank0.num_params if spec.stage == 1 else 4 * rank0.num_params // 2
+            expected = 4 * rank0.num_params + grads + 12 * rank0.num_params // 2
+            assert abs(rank0.state_bytes - expected) <= 0.15 * expected, (spec, rank0.state_bytes, expected)
+
+
+def test_communication_volume_per_step(world2, world4):
+    """Stages 1 and 2 move exactly 2Ψ (padded) elements per rank per step; stage 3 at most 3Ψ."""
+    for spec, result, *_ in world2 + world4:
+        if spec.model.startswith("gpt") and spec.optimizer == "adamw" and "breaks" not in spec.model:
+            total = sum(r.elements for r in result.collectives)
+            kinds = {r.kind for r in result.collectives}
+            if spec.stage in (1, 2):
+                assert total == 2 * result.padded_numel, (spec, total, result.padded_numel)
+            else:
+                assert 2 * result.padded_numel < total <= 3 * result.padded_numel, (spec, total)
+            assert kinds == {"all_gather", "reduce_scatter"}
+
+
+def test_stage3_graph_structure(world2):
+    """Gathers in forward, re-gathers (not saved weights) in backward, one reduce-scatter per
+    trainable parameter, and no parameter gathered twice in a graph."""
+    for spec, rank0, _ in world2:
+        facts = rank0.facts
+        if spec.stage == 3:
+            assert facts["fw_all_gathers"] == facts["gather_nodes"] > 0, facts
+            assert facts["saved_gathered"] == 0, facts
+            assert 0 < facts["bw_all_gathers"] <= facts["fw_all_gathers"], facts
+            assert facts["bw_reduce_scatters"] == facts["gather_nodes"], facts
+        elif spec.stage == 2:
+            assert facts["fw_all_gathers"] == facts["bw_all_gathers"] == 0, facts
+            assert facts["bw_reduce_scatters"] > 0, facts
+        else:
+            assert facts["fw_all_gathers"] == facts["bw_all_gathers"] == facts["bw_reduce_scatters"] == 0, facts
