@@ -30,17 +30,25 @@ VOCAB = 256
 
 # ----------------------------------------------------------------------------- models
 class GPTWithBreaks(GPT):
-    """The GPT with a graph break after every block (several Dynamo graphs per forward) and a buffer."""
+    """The GPT with graph breaks (several Dynamo graphs per forward) and a buffer.
 
-    def __init__(self, config: GPTConfig):
+    ``in_loop``: the break sits inside the loop over blocks, so Dynamo runs the whole forward
+    frame eagerly and compiles each block's frame: embeddings and head train outside any graph.
+    """
+
+    def __init__(self, config: GPTConfig, in_loop: bool = False):
         super().__init__(config)
+        self.in_loop = in_loop
         self.register_buffer("logit_scale", torch.tensor(0.75))
 
     def forward(self, idx, targets):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        torch._dynamo.graph_break()
         for block in self.blocks:
             x = block(x)
-            torch._dynamo.graph_break()
+            if self.in_loop:
+                torch._dynamo.graph_break()
+        torch._dynamo.graph_break()
         logits = self.head(self.ln_f(x)) * self.logit_scale
         return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
@@ -51,6 +59,9 @@ def build_model(name: str) -> torch.nn.Module:
     small = GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32)
     if name == "gpt_breaks":
         return GPTWithBreaks(small)
+    if name == "gpt_loop_breaks":  # untied: a stage-3 parameter must not be used both in and out of graphs
+        return GPTWithBreaks(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32,
+                                       tie_weights=False), in_loop=True)
     if name == "gpt_frozen":  # position embedding and first block's norm frozen
         model = GPT(small)
         model.wpe.weight.requires_grad_(False)

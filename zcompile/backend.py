@@ -27,7 +27,7 @@ from zcompile.config import ZeroConfig
 from zcompile.inner import CompiledGraphs, compile_with_aot
 from zcompile.passes.shard_params import ShardingPlan, insert_param_collectives_pass, plan_sharding
 from zcompile.rank_check import check_same_collectives
-from zcompile.sharding import ShardedParam, shard_parameter
+from zcompile.sharding import ShardedParam, shard_of, shard_parameter
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +45,13 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
         config.param_dtype, config.effective_reduce_dtype,
     )
     _check_devices(plan, example_inputs, group)
-    sharded = [shard_parameter(example_inputs[p.index], p.name, config.stage, group) for p in plan.params]
+    swap = ShardSwap(plan, group)
+    tracing_inputs = swap.swap_for_tracing(list(example_inputs))  # shards the parameters
     gm = insert_param_collectives_pass(gm, plan)
     if config.check_ranks and group.world_size > 1:
         check_same_collectives(plan, gm, group, config.check_timeout_s)
-    swap = ShardSwap(plan, sharded)
     graphs = CompiledGraphs(dynamo=gm, plan=plan)
-    compiled = compile_with_aot(gm, swap.swap_for_tracing(list(example_inputs)), config.compiler, graphs)
+    compiled = compile_with_aot(gm, tracing_inputs, config.compiler, graphs)
     log.info(
         "zero backend: compiled a graph with %d parameters (stage %d, world %d, %s) in %.2fs",
         len(plan.params), config.stage, group.world_size, config.compiler, time.perf_counter() - start,
@@ -79,23 +79,35 @@ class ShardSwap:
 
     stage 3: the shard at the parameter's position; stage 2: a detached alias of the replicated
     parameter (its gradient goes to the shard) plus the shards appended; stage 1: nothing.
+
+    The shard is looked up on the parameter passed at each call, not fixed at compile time:
+    Dynamo reuses one graph for every instance of a module class (each transformer block), so
+    the same graph position sees a different parameter per call. A parameter reaching a graph
+    for the first time at run time is sharded then, identically on every rank.
     """
 
-    def __init__(self, plan: ShardingPlan, sharded: list[ShardedParam]):
-        self.stage = plan.stage
-        self.indices = [p.index for p in plan.params]
-        self.shards = [s.shard for s in sharded]
-        self.detached = [s.param.detach() for s in sharded] if plan.stage == 2 else []
+    def __init__(self, plan: ShardingPlan, group: DataParallelGroup):
+        self.plan = plan
+        self.group = group
+
+    def sharded(self, param: torch.nn.Parameter, name: str) -> ShardedParam:
+        existing = shard_of(param)
+        return existing if existing is not None else shard_parameter(param, name, self.plan.stage, self.group)
 
     def swap(self, args: list) -> list:
-        if self.stage == 3:
-            for index, shard in zip(self.indices, self.shards):
-                args[index] = shard
-        elif self.stage == 2:
-            for index, full in zip(self.indices, self.detached):
-                args[index] = full
-            args.extend(self.shards)
-        return args
+        if self.plan.stage == 1:
+            for p in self.plan.params:
+                self.sharded(args[p.index], p.name)
+            return args
+        appended = []
+        for p in self.plan.params:
+            sharded = self.sharded(args[p.index], p.name)
+            if self.plan.stage == 3:
+                args[p.index] = sharded.shard
+            else:
+                args[p.index] = sharded.replicated_alias
+                appended.append(sharded.shard)
+        return args + appended
 
     def swap_for_tracing(self, example_inputs: list) -> list:
         """``swap`` with the new inputs as static-shape fake tensors of Dynamo's fake mode.
@@ -103,17 +115,15 @@ class ShardSwap:
         AOTAutograd would otherwise give tensors it has no Dynamo source for symbolic sizes,
         and guards on those symbols cannot be expressed by Dynamo.
         """
-        args = self.swap(list(example_inputs))
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        originals = {id(a) for a in example_inputs}
+        args = self.swap(list(example_inputs))
         if fake_mode is None:
             return args
-        new_inputs = {id(t) for t in self.shards + self.detached}
-        return [
-            fake_mode.from_tensor(a, static_shapes=True) if id(a) in new_inputs else a for a in args
-        ]
+        return [a if id(a) in originals else fake_mode.from_tensor(a, static_shapes=True) for a in args]
 
     def wrap(self, compiled: Callable) -> Callable:
-        if self.stage == 1 or not self.indices:
+        if not self.plan.params:
             return compiled
 
         def run_with_shards(*args):

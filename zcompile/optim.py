@@ -19,16 +19,27 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from zcompile.collectives import reduce_scatter_eager
+from zcompile.collectives import DataParallelGroup, reduce_scatter_eager
 from zcompile.comm import CollectiveRecord
 from zcompile.kernels.optim_reference import adamw_reference, sgd_reference
-from zcompile.sharding import ShardedParam, shard_of
+from zcompile.sharding import ShardedParam, shard_of, shard_parameter
 
 log = logging.getLogger(__name__)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """Base class: gradient collection and parameter refresh around a per-shard update rule."""
+
+    def __init__(self, params: Iterable, defaults: dict):
+        super().__init__(params, defaults)
+        for index, param in enumerate(self._all_params()):
+            if not isinstance(param, torch.nn.Parameter):
+                raise TypeError(
+                    f"{type(self).__name__}: item #{index} ({type(param).__name__} of shape {tuple(param.shape)}) "
+                    "is not an nn.Parameter. Pass the model's parameters (model.parameters()); sharded "
+                    "optimizers train the parameters of a model compiled with backend='zero'."
+                )
+        self.last_step_collectives: list[CollectiveRecord] = []
 
     def _update(self, shard: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
         raise NotImplementedError
@@ -77,17 +88,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         tensor.grad.detach_()
                         tensor.grad.zero_()
 
-    @staticmethod
-    def _sharded(param: torch.Tensor, index: int) -> ShardedParam | None:
+    def _sharded(self, param: torch.Tensor, index: int) -> ShardedParam | None:
+        """The shard of ``param``; a parameter trained outside any compiled graph is sharded here.
+
+        Dynamo runs some code eagerly (a graph break inside a loop skips the whole frame), so a
+        parameter can get a full ``.grad`` without ever reaching the backend. It is then trained
+        with stage-1 semantics (reduce-scatter at the step, all-gather after), which keeps data
+        parallelism exact; its memory is not reduced, which is logged once.
+        """
         sharded = shard_of(param)
-        if sharded is None and param.grad is not None:
-            raise ValueError(
-                f"zcompile optimizer: parameter #{index} (shape {tuple(param.shape)}) has a gradient but was "
-                "never seen by a graph compiled with backend='zero'. Give the optimizer the parameters of "
-                "the compiled model (model.parameters()) and run them through the compiled forward; tensors "
-                "used outside the model are not sharded."
-            )
-        return sharded
+        if sharded is not None or param.grad is None:
+            return sharded
+        group = next((s.group for s in map(shard_of, self._all_params()) if s is not None), None)
+        group = group if group is not None else DataParallelGroup.resolve(None)
+        log.warning(
+            "zcompile optimizer: parameter #%d %s got a gradient outside the compiled graphs (eager code or "
+            "a skipped frame); it is kept replicated and reduced at the step (stage 1)", index, tuple(param.shape),
+        )
+        return shard_parameter(param, f"param#{index}", stage=1, group=group)
+
+    def _all_params(self):
+        return (p for group in self.param_groups for p in group["params"])
 
     @staticmethod
     def _shard_grad(sharded: ShardedParam) -> torch.Tensor | None:

@@ -36,10 +36,18 @@ class ShardedParam:
     shard: torch.Tensor
     shape: torch.Size = field(init=False)
     numel: int = field(init=False)
+    _replicated_alias: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.shape = self.param.shape
         self.numel = self.param.numel()
+
+    @property
+    def replicated_alias(self) -> torch.Tensor:
+        """A detached view of the full parameter (stage 2 graphs read it; its grad goes to the shard)."""
+        if self._replicated_alias is None:
+            self._replicated_alias = self.param.detach()
+        return self._replicated_alias
 
     @property
     def shard_numel(self) -> int:

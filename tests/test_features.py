@@ -1,0 +1,63 @@
+"""Shapes real training loops take: graph breaks, frozen parameters, buffers, recompiles,
+gradient accumulation, zero_grad both ways, optimizer created late, gathered()."""
+
+import pytest
+import torch
+
+from harness import RunSpec, run_ranks, train_reference, zero_run_on_rank
+from test_training import assert_same_training
+
+FEATURE_SPECS = [
+    RunSpec(model="gpt_breaks", stage=3, optimizer="sgd", lr=0.1),
+    RunSpec(model="gpt_breaks", stage=2, optimizer="sgd", lr=0.1),
+    RunSpec(model="gpt_loop_breaks", stage=3, optimizer="sgd", lr=0.1),
+    RunSpec(model="gpt_frozen", stage=3, optimizer="sgd", lr=0.1),
+    RunSpec(model="gpt_frozen", stage=1),
+    RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, seq_lens=(16, 8, 12), steps=4),
+    RunSpec(model="gpt", stage=2, optimizer="sgd", lr=0.1, seq_lens=(16, 8, 12), steps=4),
+    *[RunSpec(model="gpt", stage=s, optimizer="sgd", lr=0.1, grad_accum=2, zero_grad_to_none=False) for s in (1, 2, 3)],
+    RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, optimizer_after_forward=True),
+]
+
+
+def _label(spec):
+    extras = [k for k in ("seq_lens", "grad_accum", "optimizer_after_forward") if getattr(spec, k) not in ((), 1, False)]
+    return f"{spec.model}-stage{spec.stage}-" + "-".join(extras or ["plain"])
+
+
+@pytest.fixture(scope="module")
+def feature_runs():
+    ranks = run_ranks(2, zero_run_on_rank, FEATURE_SPECS)
+    return list(zip(FEATURE_SPECS, *ranks))
+
+
+@pytest.mark.parametrize("index", range(len(FEATURE_SPECS)), ids=[_label(s) for s in FEATURE_SPECS])
+def test_feature_matches_single_process(feature_runs, index):
+    spec, rank0, _ = feature_runs[index]
+    assert_same_training(rank0, train_reference(spec, world=2, microbatch_like_ranks=spec.optimizer == "adamw"), spec)
+
+
+def test_graph_breaks_give_several_graphs_all_sharded(feature_runs):
+    spec, rank0, _ = feature_runs[0]
+    assert spec.model == "gpt_breaks"
+    assert rank0.facts["graphs"] >= 3
+    assert rank0.facts["fw_all_gathers"] == rank0.facts["gather_nodes"]
+
+
+def test_parameters_used_outside_graphs_train_replicated(feature_runs):
+    spec, rank0, _ = feature_runs[2]
+    assert spec.model == "gpt_loop_breaks"
+    assert rank0.facts["graphs"] >= 2 and rank0.facts["gather_nodes"] > 0  # the blocks' frames
+
+
+def test_frozen_parameters_get_no_gradient_reduction(feature_runs):
+    spec, rank0, _ = feature_runs[3]
+    assert spec.model == "gpt_frozen" and spec.stage == 3
+    # wpe.weight, ln_1.weight and ln_1.bias are gathered but never reduce-scattered
+    assert rank0.facts["bw_reduce_scatters"] == rank0.facts["gather_nodes"] - 3
+
+
+def test_recompile_on_new_shapes_reuses_shards(feature_runs):
+    spec, rank0, _ = feature_runs[5]
+    assert spec.seq_lens
+    assert rank0.facts["graphs"] == 2  # static first shape, then a dynamic-shape graph
