@@ -215,12 +215,14 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
                      graph_facts(compiled_graphs))
 
 
-def train_reference(spec: RunSpec, world: int = 1, microbatch_like_ranks: bool = False) -> RunResult:
+def train_reference(spec: RunSpec, world: int = 1, microbatch_like_ranks: bool = False,
+                    autocast_dtype: torch.dtype | None = None) -> RunResult:
     """Single process, plain torch: the global batch in one forward per micro-batch.
 
     With ``microbatch_like_ranks`` the global batch is split into ``world`` slices whose gradients
     are averaged, which is the same arithmetic as data parallelism (only the order of the final
     cross-rank sum can differ), so it can be compared at a much tighter tolerance.
+    ``autocast_dtype`` runs each forward under ``torch.autocast`` (the mixed-precision reference).
     """
     model = build_model(spec.model)
     optimizer = _optimizer(spec, model.parameters(), zero=False)
@@ -234,7 +236,8 @@ def train_reference(spec: RunSpec, world: int = 1, microbatch_like_ranks: bool =
             tokens, targets = tokens[chunk], targets[chunk]
             for part in range(slices):
                 local = slice(part * spec.batch_size // slices, (part + 1) * spec.batch_size // slices)
-                loss = model_loss(spec.model, model, tokens[local], targets[local]) / (spec.grad_accum * slices)
+                with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+                    loss = model_loss(spec.model, model, tokens[local], targets[local]) / (spec.grad_accum * slices)
                 loss.backward()
                 step_loss += loss.item()
         optimizer.step()

@@ -7,6 +7,7 @@ Data flow for one Dynamo graph:
 3. ``plan_sharding`` lists the parameter inputs; each parameter gets its shard
    (``shard_parameter``: a flat fp32 1/N slice; stage 3 frees the full storage).
 4. ``insert_param_collectives_pass`` routes the parameters through their shards (stages 2 and 3).
+   ``autocast_pass`` runs the compute under autocast to ``param_dtype`` (mixed precision).
 5. The ranks compare the collectives the graph will issue (``check_same_collectives``).
 6. AOTAutograd partitions forward and backward; post-partition passes clean them up; the inner
    compiler (eager or inductor) compiles them.
@@ -25,6 +26,7 @@ import torch
 from zcompile.collectives import DataParallelGroup
 from zcompile.config import ZeroConfig
 from zcompile.inner import CompiledGraphs, compile_with_aot
+from zcompile.passes.mixed_precision import autocast_pass
 from zcompile.passes.shard_params import ShardingPlan, insert_param_collectives_pass, plan_sharding
 from zcompile.rank_check import check_same_collectives
 from zcompile.sharding import ShardedParam, shard_of, shard_parameter
@@ -48,6 +50,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     swap = ShardSwap(plan, group)
     tracing_inputs = swap.swap_for_tracing(list(example_inputs))  # shards the parameters
     gm = insert_param_collectives_pass(gm, plan)
+    gm = autocast_pass(gm, config.param_dtype, _device_type(example_inputs))
     if config.check_ranks and group.world_size > 1:
         check_same_collectives(plan, gm, group, config.check_timeout_s)
     graphs = CompiledGraphs(dynamo=gm, plan=plan)
@@ -92,7 +95,9 @@ class ShardSwap:
 
     def sharded(self, param: torch.nn.Parameter, name: str) -> ShardedParam:
         existing = shard_of(param)
-        return existing if existing is not None else shard_parameter(param, name, self.plan.stage, self.group)
+        if existing is not None:
+            return existing
+        return shard_parameter(param, name, self.plan.stage, self.group, self.plan.reduce_dtype)
 
     def swap(self, args: list) -> list:
         if self.plan.stage == 1:
@@ -145,3 +150,10 @@ def _check_devices(plan: ShardingPlan, example_inputs: list, group: DataParallel
         backend = torch.distributed.get_backend(group.process_group)
         if device.type == "cpu" and backend == "nccl":
             raise ValueError("zero backend: parameters are on the CPU but the process group uses NCCL; use gloo for CPU training or move the model to the GPU")
+
+
+def _device_type(example_inputs: list) -> str:
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    return "cpu"

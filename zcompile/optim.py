@@ -59,7 +59,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     continue
                 grad = self._shard_grad(sharded)
                 if grad is not None and sharded.stage == 1:
-                    self._record("reduce_scatter", sharded.padded_numel, torch.float32, sharded)
+                    self._record("reduce_scatter", sharded.padded_numel, sharded.reduce_dtype or torch.float32, sharded)
                 if grad is None:
                     continue
                 self._update(sharded.shard.detach(), grad, self.state[param], group)
@@ -124,9 +124,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         world_size = sharded.group.world_size
         if world_size == 1:
             return flat
-        grad = torch.empty_like(sharded.shard, dtype=torch.float32)
+        if sharded.reduce_dtype is not None:
+            flat = flat.to(sharded.reduce_dtype)
+        grad = torch.empty_like(sharded.shard, dtype=flat.dtype)
         reduce_scatter_eager(grad, flat, sharded.group)
-        return grad / world_size
+        return grad.to(torch.float32) / world_size
 
 
 class AdamW(ShardedOptimizer):

@@ -34,6 +34,7 @@ class ShardedParam:
     stage: int
     group: DataParallelGroup
     shard: torch.Tensor
+    reduce_dtype: torch.dtype | None = None  # stage 1: dtype of the reduce-scatter at the step
     shape: torch.Size = field(init=False)
     numel: int = field(init=False)
     _replicated_alias: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -105,7 +106,8 @@ def shard_of(param: torch.Tensor) -> ShardedParam | None:
     return getattr(param, SHARD_ATTR, None)
 
 
-def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: DataParallelGroup) -> ShardedParam:
+def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: DataParallelGroup,
+                    reduce_dtype: torch.dtype | None = None) -> ShardedParam:
     """Creates (or returns the existing) shard of ``param``; frees the full storage at stage 3.
 
     A parameter already sharded by an earlier compile (another graph of the same model, or a
@@ -124,7 +126,7 @@ def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: Dat
     _check_shardable(param, name)
     shard_numel = max(1, math.ceil(param.numel() / group.world_size))
     shard = torch.zeros(shard_numel, dtype=torch.float32, device=param.device)
-    sharded = ShardedParam(param=param, name=name, stage=stage, group=group, shard=shard)
+    sharded = ShardedParam(param=param, name=name, stage=stage, group=group, shard=shard, reduce_dtype=reduce_dtype)
     sharded.write_shard_from_full()
     shard.requires_grad_(param.requires_grad)
     setattr(param, SHARD_ATTR, sharded)
