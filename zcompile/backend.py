@@ -95,8 +95,9 @@ class ShardSwap:
 
     def sharded(self, param: torch.nn.Parameter, name: str) -> ShardedParam:
         existing = shard_of(param)
-        if existing is not None:
+        if existing is not None and existing.stage == self.plan.stage and existing.group.name == self.group.name:
             return existing
+        # new, or sharded for another stage or group: shard_parameter raises with the fix
         return shard_parameter(param, name, self.plan.stage, self.group, self.plan.reduce_dtype)
 
     def swap(self, args: list) -> list:

@@ -1,0 +1,78 @@
+"""Bad input gets a clear error naming the problem and the fix, never a hang."""
+
+import pytest
+import torch
+
+import zcompile
+from harness import build_model, global_batch, model_loss, run_ranks
+from zcompile.backend import _check_devices
+from zcompile.collectives import DataParallelGroup
+from zcompile.passes.shard_params import ParamInput, ShardingPlan
+
+
+def test_parameters_on_different_devices():
+    plan = ShardingPlan(stage=3, world_size=1, group_name=None, param_dtype=None, reduce_dtype=None,
+                        params=[ParamInput(0, "a.weight", (2,), True), ParamInput(1, "b.weight", (2,), True)])
+    inputs = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, device="meta"))]
+    with pytest.raises(ValueError, match=r"different devices.*b\.weight.*model\.to\(device\)"):
+        _check_devices(plan, inputs, DataParallelGroup.resolve(None))
+
+
+@pytest.mark.parametrize("optimizer", [zcompile.optim.AdamW, zcompile.optim.SGD])
+def test_optimizer_given_plain_tensors(optimizer):
+    with pytest.raises(TypeError, match=r"item #1 \(Tensor of shape \(3,\)\) is not an nn.Parameter.*model.parameters\(\)"):
+        optimizer([torch.nn.Parameter(torch.zeros(2)), torch.zeros(3, requires_grad=True)], lr=0.1)
+
+
+def test_unsupported_optimizer_arguments():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="amsgrad"):
+        zcompile.optim.AdamW(params, amsgrad=True)
+    with pytest.raises(TypeError, match="foreach"):
+        zcompile.optim.AdamW(params, foreach=True)
+
+
+def test_mode_argument_rejected():
+    model = torch.nn.Linear(2, 2)
+    compiled = torch.compile(model, backend="zero", mode="max-autotune")
+    with pytest.raises(Exception, match=r"mode='max-autotune'\) is not supported"):
+        compiled(torch.zeros(1, 2))
+
+
+def test_recompile_with_another_stage_is_an_error():
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    tokens, targets = global_batch(0, 2)
+    model_loss("gpt", torch.compile(model, backend="zero", options={"stage": 3}), tokens, targets)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="already sharded with stage 3.*one ZeroConfig"):
+        model_loss("gpt", torch.compile(model, backend="zero", options={"stage": 2}), tokens, targets)
+
+
+def _train_divergent(rank, world, kind):
+    """Each rank compiles something different; returns the error each rank raised."""
+    torch._dynamo.reset()
+    model = build_model("gpt_untied_odd" if (kind == "model" and rank == 1) else "gpt")
+    options = {"stage": 3, "check_timeout_s": 5}
+    if kind == "options" and rank == 1:
+        options["param_dtype"] = "bf16"
+    if kind == "missing" and rank == 1:
+        return "skipped"  # rank 1 never compiles: rank 0 must time out, not hang
+    tokens, targets = global_batch(0, 2)
+    try:
+        model_loss("gpt", torch.compile(model, backend="zero", options=options), tokens, targets)
+    except Exception as error:  # Dynamo wraps backend errors; the message is what users read
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["model", "options", "missing"])
+def test_divergent_ranks_fail_fast(kind):
+    outcomes = run_ranks(2, _train_divergent, kind, timeout_s=120)
+    failing = outcomes[:1] if kind == "missing" else outcomes
+    for outcome in failing:
+        assert "RankDivergenceError" in outcome, outcome
+    if kind == "missing":
+        assert "ranks [1] did not within 5s" in outcomes[0]
+    else:
+        assert "would issue different collectives" in outcomes[0]
