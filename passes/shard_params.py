@@ -37,6 +37,7 @@ class ParamInput:
     name: str
     shape: tuple[int, ...]
     requires_grad: bool
+    dtype: torch.dtype = torch.float32  # the parameter's own dtype, as Dynamo traced it
 
 
 @dataclass
@@ -49,10 +50,7 @@ class ShardingPlan:
     params: list[ParamInput] = field(default_factory=list)
 
     def to_json(self) -> str:
-        data = asdict(self)
-        data["param_dtype"] = str(self.param_dtype)
-        data["reduce_dtype"] = str(self.reduce_dtype)
-        return json.dumps(data, indent=1)
+        return json.dumps(asdict(self), indent=1, default=str)
 
 
 def param_name_from_source(source, fallback: str) -> str:
@@ -71,7 +69,7 @@ def plan_sharding(gm: torch.fx.GraphModule, example_inputs, stage: int, world_si
     for index, (node, example) in enumerate(zip(placeholders, example_inputs)):
         if isinstance(example, torch.nn.Parameter):
             name = param_name_from_source(getattr(node, "_dynamo_source", None), node.name)
-            plan.params.append(ParamInput(index, name, tuple(example.shape), example.requires_grad))
+            plan.params.append(ParamInput(index, name, tuple(example.shape), example.requires_grad, example.dtype))
     return plan
 
 
@@ -107,7 +105,7 @@ def insert_param_collectives_pass(gm: torch.fx.GraphModule, plan: ShardingPlan) 
                 use = graph.call_function(
                     gather_param,
                     (shard, _numel(param.shape), param.shape, plan.world_size, plan.group_name,
-                     plan.param_dtype, plan.reduce_dtype),
+                     plan.param_dtype or param.dtype, plan.reduce_dtype),
                 )
                 use.meta[metadata.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
                 metadata.tag(use, role=metadata.ROLE_GATHER, param=param.name)

@@ -26,7 +26,7 @@ class RankDivergenceError(RuntimeError):
 
 
 def collective_signature(plan) -> list:
-    return [plan.stage, plan.world_size, str(plan.param_dtype), str(plan.reduce_dtype)] + [[p.name, list(p.shape), p.requires_grad] for p in plan.params]
+    return [plan.stage, plan.world_size, str(plan.param_dtype), str(plan.reduce_dtype)] + [[p.name, list(p.shape), p.requires_grad, str(p.dtype)] for p in plan.params]
 
 
 def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGroup, timeout_s: float) -> None:
