@@ -67,13 +67,15 @@ def test_collective_dtypes(results, index):
         assert gathered == sum(c.elements for c in result.collectives if c.kind == "all_gather") * 2
 
 
-def test_bf16_model_trains_with_fp32_master_weights():
-    """A model already in bf16: the shards hold fp32 masters, gathers send bf16.
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_model_trains_with_fp32_master_weights(stage):
+    """A model already in bf16: the shards hold fp32 masters, gathers send bf16 (stage 2: the
+    optimizer's update pass writes the bf16 copy that the refresh all-gather sends).
 
     The reference trains the bf16 parameters in place with torch.optim.SGD, so it rounds every
     update to bf16 while the shards do not: the runs agree only to bf16 precision, 1e-2 on losses.
     """
-    spec = RunSpec(model="gpt_bf16", stage=3, optimizer="sgd", lr=0.05, steps=3)
+    spec = RunSpec(model="gpt_bf16", stage=stage, optimizer="sgd", lr=0.05, steps=3)
     result = run_ranks(2, zero_run_on_rank, [spec], timeout_s=300)[0][0]
     reference = train_reference(spec, world=2)
     for ours, theirs in zip(result.losses, reference.losses, strict=True):

@@ -9,6 +9,10 @@ What a step does per parameter, by stage:
 
 then the fp32 shard is updated, and at stages 1 and 2 the updated shards are all-gathered back
 into the replicated parameters. Optimizer state (moments) has the shard's size.
+
+The update is one fused pass (``zcompile.kernels.fused_optim``): the Triton kernel on GPU, its
+pure-torch reference on CPU. When the replicated parameter is in a low-precision dtype, the same
+pass writes the updated shard in that dtype, ready to be all-gathered.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch.nn.functional as F
 
 from zcompile.collectives import DataParallelGroup, reduce_scatter_eager
 from zcompile.comm import CollectiveRecord
-from zcompile.kernels.optim_reference import adamw_reference, sgd_reference
+from zcompile.kernels.fused_optim import fused_adamw, fused_adamw_reference, fused_sgd, fused_sgd_reference
 from zcompile.sharding import ShardedParam, shard_of, shard_parameter
 
 log = logging.getLogger(__name__)
@@ -41,7 +45,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 )
         self.last_step_collectives: list[CollectiveRecord] = []
 
-    def _update(self, shard: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+    def _update(self, shard: torch.Tensor, grad: torch.Tensor, grad_scale: float, state: dict, group: dict,
+                lowp_out: torch.Tensor | None) -> None:
+        """Updates ``shard`` in place from ``grad * grad_scale``; writes it to ``lowp_out`` if given."""
         raise NotImplementedError
 
     @torch.no_grad()
@@ -50,23 +56,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        refresh: list[ShardedParam] = []
+        refresh: list[tuple[ShardedParam, torch.Tensor | None]] = []
         self.last_step_collectives: list[CollectiveRecord] = []
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
                 sharded = self._sharded(param, index)
                 if sharded is None:
                     continue
-                grad = self._shard_grad(sharded)
+                grad, grad_scale = self._shard_grad(sharded)
                 if grad is not None and sharded.stage == 1:
                     self._record("reduce_scatter", sharded.padded_numel, sharded.reduce_dtype or torch.float32, sharded)
                 if grad is None:
                     continue
-                self._update(sharded.shard.detach(), grad, self.state[param], group)
+                shard = sharded.shard.detach()
+                lowp = None
+                if sharded.stage in (1, 2) and param.dtype != shard.dtype:
+                    lowp = torch.empty_like(shard, dtype=param.dtype)  # the next all-gather's input
+                self._update(shard, grad, grad_scale, self.state[param], group, lowp)
                 if sharded.stage in (1, 2):
-                    refresh.append(sharded)
-        for sharded in refresh:
-            sharded.write_full_from_shards()
+                    refresh.append((sharded, lowp))
+        for sharded, lowp in refresh:
+            sharded.write_full_from_shards(lowp)
             self._record("all_gather", sharded.padded_numel, sharded.param.dtype, sharded)
         return loss
 
@@ -111,24 +121,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return (p for group in self.param_groups for p in group["params"])
 
     @staticmethod
-    def _shard_grad(sharded: ShardedParam) -> torch.Tensor | None:
+    def _shard_grad(sharded: ShardedParam) -> tuple[torch.Tensor | None, float]:
+        """This rank's gradient shard and the factor the update applies to it (1/N: the mean)."""
         if sharded.stage != 1:
             grad = sharded.shard.grad
-            return None if grad is None else grad.detach()
+            return (None if grad is None else grad.detach()), 1.0
         full_grad = sharded.param.grad
         if full_grad is None:
-            return None
+            return None, 1.0
         flat = full_grad.detach().reshape(-1).to(torch.float32)
         if sharded.padded_numel > sharded.numel:
             flat = F.pad(flat, (0, sharded.padded_numel - sharded.numel))
         world_size = sharded.group.world_size
         if world_size == 1:
-            return flat
+            return flat, 1.0
         if sharded.reduce_dtype is not None:
             flat = flat.to(sharded.reduce_dtype)
         grad = torch.empty_like(sharded.shard, dtype=flat.dtype)
         reduce_scatter_eager(grad, flat, sharded.group)
-        return grad.to(torch.float32) / world_size
+        return grad, 1.0 / world_size
 
 
 class AdamW(ShardedOptimizer):
@@ -147,15 +158,16 @@ class AdamW(ShardedOptimizer):
             raise ValueError(f"zcompile.optim.AdamW: invalid hyper-parameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
-    def _update(self, shard, grad, state, group):
+    def _update(self, shard, grad, grad_scale, state, group, lowp_out):
         if not state:
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(shard)
             state["exp_avg_sq"] = torch.zeros_like(shard)
         state["step"] += 1
         beta1, beta2 = group["betas"]
-        adamw_reference(shard, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"],
-                        beta1, beta2, group["eps"], group["weight_decay"])
+        update = fused_adamw if shard.is_cuda else fused_adamw_reference
+        update(shard, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"], beta1, beta2,
+               group["eps"], group["weight_decay"], grad_scale, lowp_out)
 
 
 class SGD(ShardedOptimizer):
@@ -170,8 +182,10 @@ class SGD(ShardedOptimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov))
 
-    def _update(self, shard, grad, state, group):
-        state["momentum_buffer"] = sgd_reference(
-            shard, grad, state.get("momentum_buffer"), group["lr"], group["momentum"], group["dampening"],
-            group["weight_decay"], group["nesterov"],
-        )
+    def _update(self, shard, grad, grad_scale, state, group, lowp_out):
+        first_step = "momentum_buffer" not in state
+        if group["momentum"] != 0 and first_step:
+            state["momentum_buffer"] = torch.empty_like(shard)
+        update = fused_sgd if shard.is_cuda else fused_sgd_reference
+        update(shard, grad, state.get("momentum_buffer"), first_step, group["lr"], group["momentum"],
+               group["dampening"], group["weight_decay"], group["nesterov"], grad_scale, lowp_out)

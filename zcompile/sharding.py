@@ -83,10 +83,14 @@ class ShardedParam:
             self.param.untyped_storage().resize_(nbytes)
         self.write_full_from_shards()
 
-    def write_full_from_shards(self) -> None:
-        """All-gathers the shards into the (allocated) full parameter (collective)."""
+    def write_full_from_shards(self, shard_in_param_dtype: torch.Tensor | None = None) -> None:
+        """All-gathers the shards into the (allocated) full parameter (collective).
+
+        ``shard_in_param_dtype``: this rank's shard already cast to the parameter's dtype (the fused
+        optimizer writes it in its update pass); otherwise it is cast here.
+        """
         flat_full = self.param.data.view(-1)
-        shard = self.shard.detach().to(self.param.dtype)
+        shard = shard_in_param_dtype if shard_in_param_dtype is not None else self.shard.detach().to(self.param.dtype)
         if self.group.world_size == 1:
             flat_full.copy_(shard[: self.numel])
             return

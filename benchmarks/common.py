@@ -1,0 +1,36 @@
+"""Helpers shared by the benchmarks: timing (do_bench on CUDA, wall-clock medians on CPU) and tables."""
+
+import statistics
+import time
+
+
+def time_ms(fn, cuda: bool, repeats: int) -> float:
+    if cuda:
+        import triton.testing
+
+        return triton.testing.do_bench(fn, return_mode="median")
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def print_table(title: str, columns, rows) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(str(r[i])) for r in [columns, *rows]) for i in range(len(columns))]
+        print(title)
+        for row in [columns, *rows]:
+            print("  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        return
+    table = Table(title=title)
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)

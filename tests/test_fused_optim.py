@@ -1,0 +1,134 @@
+"""Fused AdamW / SGD kernels (Triton, interpreted on CPU) against the references and torch.optim.
+
+Tolerances:
+- Kernel vs reference, one step: the kernel evaluates the same formulas in the same order in
+  fp32, but torch's CPU kernels fuse multiply-adds (lerp, addcmul) where the interpreter rounds
+  twice, so results differ by an ulp of the largest term of an update rather than of the result:
+  (1-beta1)*|g| <= 0.5 here (ulp 6e-8), so atol 1e-7 with rtol 2 ulp (2.4e-7). A wrong formula is
+  off by the size of a whole term (>= 1e-4 here).
+- 10 steps against ``torch.optim.AdamW``/``SGD`` on the same gradient sequence: ulp-level
+  differences of each step carry into the next through the moments, rtol 1e-5 / atol 1e-7
+  bounds them with margin (measured well below); a wrong bias correction, decay order or
+  gradient scale is off by far more than 1e-5 after the first step.
+"""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from zcompile.kernels import fused_optim  # noqa: E402
+from zcompile.kernels.fused_optim import (  # noqa: E402
+    fused_adamw, fused_adamw_reference, fused_adamw_triton, fused_sgd, fused_sgd_reference, fused_sgd_triton,
+)
+
+SIZES = [1, 1023, 1024, 1025, 4099]
+ADAM = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def _state(numel, seed):
+    gen = torch.Generator().manual_seed(seed)
+    param = torch.randn(numel, generator=gen)
+    return param, torch.randn(numel, generator=gen).abs() * 0.1, torch.rand(numel, generator=gen) * 0.01
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lowp_dtype", [None, torch.bfloat16, torch.float16])
+def test_adamw_kernel_matches_reference(numel, grad_dtype, lowp_dtype):
+    param, exp_avg, exp_avg_sq = _state(numel, numel)
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(1)).to(grad_dtype)
+    ours = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+    theirs = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+    lowp = None if lowp_dtype is None else torch.full((numel,), float("nan"), dtype=lowp_dtype)
+    lowp_ref = None if lowp_dtype is None else lowp.clone()
+    fused_adamw_triton(ours[0], grad, ours[1], ours[2], 3, grad_scale=0.5, lowp_out=lowp, **ADAM)
+    fused_adamw_reference(theirs[0], grad, theirs[1], theirs[2], 3, grad_scale=0.5, lowp_out=lowp_ref, **ADAM)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=2.4e-7, atol=1e-7)
+    if lowp is not None:
+        # the low-precision copy is the updated master weight rounded once
+        torch.testing.assert_close(lowp, ours[0].to(lowp_dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("momentum, dampening, nesterov, weight_decay", [
+    (0.0, 0.0, False, 0.0), (0.9, 0.0, False, 0.01), (0.9, 0.1, False, 0.0), (0.9, 0.0, True, 0.01),
+])
+def test_sgd_kernel_matches_reference(numel, momentum, dampening, nesterov, weight_decay):
+    param = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    buffers = [torch.empty(numel), torch.empty(numel)]
+    ours, theirs = param.clone(), param.clone()
+    for step in range(3):
+        grad = torch.randn(numel, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        args = (momentum, dampening, weight_decay, nesterov, 0.5)
+        fused_sgd_triton(ours, grad, buffers[0], step == 0, 0.1, *args)
+        fused_sgd_reference(theirs, grad, buffers[1], step == 0, 0.1, *args)
+    torch.testing.assert_close(ours, theirs, rtol=2.4e-7, atol=1e-7)
+    if momentum:
+        # the buffer sums terms up to its own size (a few units): 2 ulp of its largest element
+        torch.testing.assert_close(buffers[0], buffers[1], rtol=2.4e-7, atol=2.4e-7 * float(buffers[1].abs().max()))
+
+
+def test_ten_steps_equal_torch_optim():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (1, 1000, 1537)]
+    torch_opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    states = [(p.detach().clone(), torch.zeros(p.numel()), torch.zeros(p.numel())) for p in params]
+    sgd_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    sgd_opt = torch.optim.SGD(sgd_params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
+    sgd_states = [(p.detach().clone(), torch.empty(p.numel())) for p in params]
+    for step in range(1, 11):
+        grads = [torch.randn(p.numel()) for p in params]
+        for p, q, g in zip(params, sgd_params, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        torch_opt.step()
+        sgd_opt.step()
+        for (master, m, v), g in zip(states, grads):
+            fused_adamw_triton(master, g, m, v, step, **ADAM)
+        for (master, buf), g in zip(sgd_states, grads):
+            fused_sgd_triton(master, g, buf, step == 1, 0.05, 0.9, 0.0, 0.01, True)
+    for p, (master, _, _) in zip(params, states):
+        torch.testing.assert_close(master, p.detach(), rtol=1e-5, atol=1e-7)
+    for p, (master, _) in zip(sgd_params, sgd_states):
+        torch.testing.assert_close(master, p.detach(), rtol=1e-5, atol=1e-7)
+
+
+def test_custom_op_dispatches_to_triton(monkeypatch):
+    """Under TRITON_INTERPRET=1 the op runs the Triton wrapper, not the reference."""
+    calls = []
+    real = fused_optim.fused_adamw_triton
+    monkeypatch.setattr(fused_optim, "fused_adamw_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    param, exp_avg, exp_avg_sq = _state(100, 0)
+    expected = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+    grad = torch.randn(100)
+    fused_adamw(param, grad, exp_avg, exp_avg_sq, 1, **ADAM)
+    fused_adamw_reference(expected[0], grad, expected[1], expected[2], 1, **ADAM)
+    assert calls == [1]
+    torch.testing.assert_close(param, expected[0], rtol=2.4e-7, atol=1e-7)
+
+
+def test_ops_trace_in_compiled_graphs():
+    def step(param, grad, exp_avg, exp_avg_sq, momentum_buffer):
+        fused_adamw(param, grad, exp_avg, exp_avg_sq, 2, **ADAM)
+        fused_sgd(param, grad, momentum_buffer, False, 0.1, 0.9, 0.0, 0.0, False)
+        return param * 1
+
+    tensors = [torch.randn(50) for _ in range(5)]
+    tensors[3] = tensors[3].abs()  # exp_avg_sq is non-negative
+    eager = [t.clone() for t in tensors]
+    step(*eager)
+    out = torch.compile(step, backend="aot_eager", fullgraph=True)(*tensors)
+    torch.testing.assert_close(out, eager[0], rtol=2.4e-7, atol=1e-7)
+
+
+def test_bad_inputs():
+    param = torch.zeros(10)
+    with pytest.raises(TypeError, match="flat contiguous fp32 shard"):
+        fused_adamw_triton(param.double(), param, param.clone(), param.clone(), 1, **ADAM)
+    with pytest.raises(ValueError, match="grad must be a contiguous tensor of 10 elements"):
+        fused_adamw_triton(param, torch.zeros(9), param.clone(), param.clone(), 1, **ADAM)
+    with pytest.raises(ValueError, match="step counts from 1"):
+        fused_adamw_triton(param, param.clone(), param.clone(), param.clone(), 0, **ADAM)
+    with pytest.raises(ValueError, match="needs a momentum_buffer"):
+        fused_sgd_triton(param, param.clone(), None, True, 0.1, 0.9, 0.0, 0.0, False)
