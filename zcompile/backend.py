@@ -17,6 +17,7 @@ Data flow for one Dynamo graph:
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import time
 from typing import Any, Callable
@@ -28,7 +29,9 @@ from zcompile.config import ZeroConfig
 from zcompile.inner import CompiledGraphs, compile_with_aot
 from zcompile.passes.mixed_precision import autocast_pass
 from zcompile.passes.shard_params import ShardingPlan, insert_param_collectives_pass, plan_sharding
+from zcompile.pipeline import PassRunner, resolve_dump_root
 from zcompile.rank_check import check_same_collectives
+from zcompile.report import record_compiled_graphs
 from zcompile.sharding import ShardedParam, shard_of, shard_parameter
 
 log = logging.getLogger(__name__)
@@ -49,11 +52,14 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     _check_devices(plan, example_inputs, group)
     swap = ShardSwap(plan, group)
     tracing_inputs = swap.swap_for_tracing(list(example_inputs))  # shards the parameters
-    gm = insert_param_collectives_pass(gm, plan)
-    gm = autocast_pass(gm, config.param_dtype, _device_type(example_inputs))
+    runner = PassRunner.for_graph(gm, resolve_dump_root(config.dump), group.rank)
+    runner.write_json("plan.json", json.loads(plan.to_json()))
+    gm = runner.run("insert_param_collectives", insert_param_collectives_pass, gm, "dynamo", plan)
+    gm = runner.run("autocast", autocast_pass, gm, "dynamo", config.param_dtype, _device_type(example_inputs))
     if config.check_ranks and group.world_size > 1:
         check_same_collectives(plan, gm, group, config.check_timeout_s)
-    graphs = CompiledGraphs(dynamo=gm, plan=plan)
+    graphs = CompiledGraphs(dynamo=gm, plan=plan, runner=runner)
+    record_compiled_graphs([example_inputs[p.index] for p in plan.params], graphs)  # for step_report
     compiled = compile_with_aot(gm, tracing_inputs, config.compiler, graphs)
     log.info(
         "zero backend: compiled a graph with %d parameters (stage %d, world %d, %s) in %.2fs",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from zcompile.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from zcompile.passes import metadata
 
 _KIND = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
 
@@ -22,10 +23,15 @@ class CollectiveRecord:
     elements: int
     dtype: torch.dtype
     where: str  # forward | backward | optimizer
+    params: tuple[str, ...] = ()  # the parameters it gathers or reduces
 
     @property
     def bytes(self) -> int:
         return self.elements * self.dtype.itemsize
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "elements": self.elements, "bytes": self.bytes, "dtype": str(self.dtype),
+                "where": self.where, "params": list(self.params)}
 
 
 def graph_collectives(gm: torch.fx.GraphModule | None, where: str) -> list[CollectiveRecord]:
@@ -39,7 +45,8 @@ def graph_collectives(gm: torch.fx.GraphModule | None, where: str) -> list[Colle
             continue
         source = node.args[0].meta.get("val")
         elements = source.numel() * (node.args[1] if kind == "all_gather" else 1)
-        records.append(CollectiveRecord(kind, int(elements), source.dtype, where))
+        param = metadata.tags(node).get(metadata.PARAM)
+        records.append(CollectiveRecord(kind, int(elements), source.dtype, where, (param,) if param else ()))
     return records
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
@@ -42,6 +43,9 @@ class ZeroConfig:
         check_timeout_s: how long the rank check waits for the other ranks' graphs.
         on_compile: called with each ``CompiledGraphs`` (the plan and the Dynamo, forward and
             backward graphs, filled in as they compile) for inspection and tests.
+        dump: directory for per-pass graph dumps, ``passes.json``, the plan and the collectives of
+            every compiled graph (``DIR/rank{R}/{graph_id}/``); ``None`` reads ``$ZCOMPILE_DUMP``.
+            ``python -m zcompile inspect DIR`` summarizes it.
     """
 
     stage: int = 3
@@ -52,8 +56,13 @@ class ZeroConfig:
     check_ranks: bool = True
     check_timeout_s: float = 300.0
     on_compile: Callable[[Any], None] | None = None
+    dump: str | None = None
 
     def __post_init__(self) -> None:
+        if self.dump is not None:
+            if not isinstance(self.dump, (str, os.PathLike)):
+                raise TypeError(f"zero backend: option 'dump' must be a directory path, got {self.dump!r}")
+            object.__setattr__(self, "dump", os.fspath(self.dump))
         if self.on_compile is not None and not callable(self.on_compile):
             raise TypeError(f"zero backend: option 'on_compile' must be callable, got {self.on_compile!r}")
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (1, 2, 3):

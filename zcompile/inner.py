@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 
+from zcompile.comm import graph_collectives
 from zcompile.passes.cleanup import remove_unused_gathers_pass
+from zcompile.pipeline import PassRecord, PassRunner
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +29,17 @@ class CompiledGraphs:
     forward: torch.fx.GraphModule | None = None
     backward: torch.fx.GraphModule | None = None
     inference: torch.fx.GraphModule | None = None
-    pass_log: list[str] = field(default_factory=list)
+    runner: PassRunner | None = None  # the passes applied so far, and the dump folder
+
+    @property
+    def passes(self) -> list[PassRecord]:
+        return [] if self.runner is None else self.runner.records
 
 
 def _post_partition(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs) -> torch.fx.GraphModule:
-    graph_module = remove_unused_gathers_pass(graph_module)
+    graph_module = graphs.runner.run("remove_unused_gathers", remove_unused_gathers_pass, graph_module, kind)
     setattr(graphs, kind, graph_module)
+    graphs.runner.write_json(f"collectives.{kind}.json", [c.to_json() for c in graph_collectives(graph_module, kind)])
     return graph_module
 
 

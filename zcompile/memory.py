@@ -7,6 +7,7 @@ says they should be.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -38,10 +39,14 @@ def _storage_bytes(tensors, seen: set) -> int:
     return total
 
 
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ModelStateBytes:
-    """Bytes this rank holds for ``model``'s parameters (full and shards), gradients and ``optimizer`` state."""
+def model_state_bytes(model: torch.nn.Module | Iterable[torch.Tensor],
+                      optimizer: torch.optim.Optimizer | None = None) -> ModelStateBytes:
+    """Bytes this rank holds for ``model``'s parameters (full and shards), gradients and ``optimizer`` state.
+
+    ``model`` may also be an iterable of parameters.
+    """
     seen: set = set()
-    params = list(dict.fromkeys(model.parameters()))
+    params = list(dict.fromkeys(model.parameters() if isinstance(model, torch.nn.Module) else model))
     shards = [shard_of(p) for p in params]
     param_tensors = [p for p in params] + [s.shard for s in shards if s is not None]
     grad_tensors = [p.grad for p in params] + [s.shard.grad for s in shards if s is not None]

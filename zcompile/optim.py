@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from zcompile.collectives import DataParallelGroup, reduce_scatter_eager
 from zcompile.comm import CollectiveRecord
+from zcompile.memory import ModelStateBytes, model_state_bytes
 from zcompile.kernels.fused_optim import fused_adamw, fused_adamw_reference, fused_sgd, fused_sgd_reference
 from zcompile.sharding import ShardedParam, shard_of, shard_parameter
 
@@ -44,6 +45,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     "optimizers train the parameters of a model compiled with backend='zero'."
                 )
         self.last_step_collectives: list[CollectiveRecord] = []
+        self.last_step_state_bytes: ModelStateBytes | None = None  # measured at the end of step()
 
     def _update(self, shard: torch.Tensor, grad: torch.Tensor, grad_scale: float, state: dict, group: dict,
                 lowp_out: torch.Tensor | None) -> None:
@@ -78,11 +80,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for sharded, lowp in refresh:
             sharded.write_full_from_shards(lowp)
             self._record("all_gather", sharded.padded_numel, sharded.param.dtype, sharded)
+        # measured while gradients still exist (zero_grad frees them): what step_report shows
+        self.last_step_state_bytes = model_state_bytes(self._all_params(), self)
         return loss
 
     def _record(self, kind: str, elements: int, dtype: torch.dtype, sharded: ShardedParam) -> None:
         if sharded.group.world_size > 1:
-            self.last_step_collectives.append(CollectiveRecord(kind, elements, dtype, "optimizer"))
+            self.last_step_collectives.append(CollectiveRecord(kind, elements, dtype, "optimizer", (sharded.name,)))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:

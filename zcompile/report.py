@@ -1,0 +1,251 @@
+"""The communication and memory report of a compiled training step.
+
+``step_report(model, optimizer)`` reads what the backend compiled for ``model`` (the graphs are
+recorded on its parameters, see ``record_compiled_graphs``) and what the optimizer's last step
+issued, and returns a ``StepReport``: every collective of one step (kind, bytes, dtype, where,
+which parameters), totals against ZeRO's formula for the stage, the model-state bytes measured on
+this rank against the formula, the peak of gathered-parameter bytes the graphs hold at once, and
+the schedule: for each collective, how many compute ops run between its issue and its wait (0
+means fully exposed). ``print()`` draws it (rich tables when installed); ``to_json(path)`` writes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from zcompile.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT
+from zcompile.comm import CollectiveRecord, graph_collectives, summarize
+from zcompile.memory import model_state_bytes, zero_formula_bytes
+
+log = logging.getLogger(__name__)
+
+COMPILE_LOG_ATTR = "_zcompile_compiled_graphs"
+_COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+
+
+def record_compiled_graphs(params: list[torch.nn.Parameter], graphs: Any) -> None:
+    """Appends ``graphs`` to the compile log shared by ``params`` (created, or merged, on demand).
+
+    The log lives on the parameters, like their shards, so a report finds it from the model and no
+    module-level registry is needed.
+    """
+    logs = []
+    for param in params:
+        existing = getattr(param, COMPILE_LOG_ATTR, None)
+        if existing is not None and all(existing is not other for other in logs):
+            logs.append(existing)
+    shared = logs[0] if logs else []
+    for other in logs[1:]:
+        shared.extend(g for g in other if all(g is not mine for mine in shared))
+    if all(graphs is not mine for mine in shared):
+        shared.append(graphs)
+    for param in params:
+        setattr(param, COMPILE_LOG_ATTR, shared)
+
+
+def compiled_graphs_of(model: torch.nn.Module) -> list:
+    """Every ``CompiledGraphs`` the backend recorded on ``model``'s parameters, in compile order."""
+    found = []
+    for param in model.parameters():
+        for graphs in getattr(param, COMPILE_LOG_ATTR, ()):
+            if all(graphs is not seen for seen in found):
+                found.append(graphs)
+    return found
+
+
+@dataclass
+class OverlapRecord:
+    """A collective in a graph and the compute ops scheduled between its issue and its wait."""
+
+    graph: str
+    where: str
+    kind: str
+    params: list[str]
+    overlapped_ops: int
+
+
+@dataclass
+class StepReport:
+    stage: int
+    world_size: int
+    num_params: int
+    collectives: list[dict]
+    totals: dict[str, int]
+    formula_elements: int
+    memory: dict[str, int]
+    schedule: list[OverlapRecord] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["schedule"] = [asdict(s) for s in self.schedule]
+        return data
+
+    def to_json(self, path: str | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            with open(path, "w") as handle:
+                handle.write(text)
+        return text
+
+    def collective_rows(self) -> list[tuple[str, str, int, int, int]]:
+        """(where, kind, count, elements, bytes) per kind of collective, in step order."""
+        rows: dict[tuple[str, str], list[int]] = {}
+        for c in self.collectives:
+            entry = rows.setdefault((c["where"], c["kind"]), [0, 0, 0])
+            entry[0] += 1
+            entry[1] += c["elements"]
+            entry[2] += c["bytes"]
+        return [(where, kind, *values) for (where, kind), values in rows.items()]
+
+    def title(self) -> str:
+        return f"ZeRO stage {self.stage}, {self.world_size} rank(s), Ψ = {self.num_params:,} parameters"
+
+    def summary_lines(self) -> list[str]:
+        psi = max(self.num_params, 1)
+        total = self.totals.get("total", 0)
+        mem = self.memory
+        exposed = sum(1 for s in self.schedule if s.overlapped_ops == 0)
+        return [
+            f"total {total:,} elements = {total / psi:.2f} Ψ per rank per step "
+            f"(ZeRO formula {self.formula_elements / psi:.0f} Ψ)",
+            f"model states {mem['model_states_bytes'] / 2**20:.2f} MiB/rank measured, "
+            f"{mem['formula_bytes'] / 2**20:.2f} MiB by the formula; peak gathered parameters "
+            f"{mem['peak_gathered_bytes'] / 2**20:.2f} MiB",
+            f"schedule: {len(self.schedule)} collectives in graphs, {exposed} with no compute between issue "
+            "and wait (exposed)",
+        ]
+
+    def render(self) -> str:
+        """The report as plain text (what ``print`` shows without rich)."""
+        psi = max(self.num_params, 1)
+        lines = [self.title()]
+        for where, kind, count, elements, nbytes in self.collective_rows():
+            lines.append(f"  {where:<9} {kind:<15} {count:>5} x {elements:>12,} elements {nbytes / 2**20:9.2f} MiB"
+                         f" {elements / psi:5.2f} Ψ")
+        lines += [f"  {line}" for line in self.summary_lines()]
+        return "\n".join(lines)
+
+    def print(self) -> None:
+        """Prints the report to stdout (rich tables when installed): a user-facing call, not logging."""
+        try:
+            from rich.console import Console
+            from rich.table import Table
+        except ImportError:
+            print(self.render())
+            return
+        psi = max(self.num_params, 1)
+        table = Table(title=self.title())
+        for column in ("where", "kind", "count", "elements", "MiB", "Ψ"):
+            table.add_column(column, justify="left" if column in ("where", "kind") else "right")
+        for where, kind, count, elements, nbytes in self.collective_rows():
+            table.add_row(where, kind, str(count), f"{elements:,}", f"{nbytes / 2**20:.2f}", f"{elements / psi:.2f}")
+        console = Console()
+        console.print(table)
+        for line in self.summary_lines():
+            console.print(line)
+
+
+def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list | None = None) -> StepReport:
+    """The report of one step of ``model`` (call after at least one ``optimizer.step()``)."""
+    graphs = compiled_graphs_of(model) if graphs is None else graphs
+    if not graphs:
+        raise ValueError(
+            "zcompile.step_report: no graphs compiled by the zero backend were found on this model; "
+            "run a step of torch.compile(model, backend='zero') first"
+        )
+    plan = graphs[0].plan
+    records: list[CollectiveRecord] = []
+    schedule: list[OverlapRecord] = []
+    peak_gathered = 0
+    for compiled in graphs:
+        graph_id = compiled.runner.graph_id if compiled.runner is not None else "?"
+        for where in ("forward", "backward"):
+            gm = getattr(compiled, where)
+            records += graph_collectives(gm, where)
+            schedule += _overlaps(gm, graph_id, where)
+            peak_gathered = max(peak_gathered, _peak_gathered_bytes(gm))
+    if optimizer is not None:
+        records += list(getattr(optimizer, "last_step_collectives", []))
+    unique = list(dict.fromkeys(model.parameters()))
+    num_params = sum(p.numel() for p in unique)
+    padded = sum(-(-p.numel() // plan.world_size) * plan.world_size for p in unique)
+    formula = 0 if plan.world_size == 1 else (3 if plan.stage == 3 else 2) * padded
+    at_step = getattr(optimizer, "last_step_state_bytes", None)
+    measured = (at_step or model_state_bytes(model, optimizer)).total
+    return StepReport(
+        stage=plan.stage, world_size=plan.world_size, num_params=num_params,
+        collectives=[r.to_json() for r in records], totals=summarize(records), formula_elements=formula,
+        memory={
+            "model_states_bytes": measured,
+            "formula_bytes": zero_formula_bytes(num_params, plan.world_size, plan.stage),
+            "peak_gathered_bytes": peak_gathered,
+        },
+        schedule=schedule,
+    )
+
+
+def _gathered_values(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    return {node for node in gm.graph.find_nodes(op="call_function", target=WAIT)
+            if node.args[0].target is ALL_GATHER}
+
+
+def _peak_gathered_bytes(gm: torch.fx.GraphModule | None) -> int:
+    """Most bytes of gathered parameters alive at once, walking the graph in its order.
+
+    A gathered buffer lives from its wait to the last node that reads it or a view of it.
+    """
+    if gm is None:
+        return 0
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    deltas = [0] * (len(order) + 1)
+    for wait in _gathered_values(gm):
+        val = wait.meta.get("val")
+        if val is None:
+            continue
+        last = order[wait]
+        stack = [wait]
+        while stack:  # follow views: the buffer lives as long as any alias of it
+            node = stack.pop()
+            for user in node.users:
+                last = max(last, order[user])
+                if user.target in _VIEW_OPS:
+                    stack.append(user)
+        deltas[order[wait]] += val.numel() * val.element_size()
+        deltas[last + 1] -= val.numel() * val.element_size()
+    peak = live = 0
+    for delta in deltas:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+_VIEW_OPS = {torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+             torch.ops.aten.reshape.default, torch.ops.aten.t.default, torch.ops.aten.permute.default,
+             torch.ops.aten.alias.default, torch.ops.aten.expand.default, torch.ops.aten.as_strided.default}
+
+
+def _overlaps(gm: torch.fx.GraphModule | None, graph_id: str, where: str) -> list[OverlapRecord]:
+    """For each collective: compute ops between it and its wait, in graph order."""
+    if gm is None:
+        return []
+    from zcompile.passes import metadata
+
+    nodes = list(gm.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    out = []
+    for node in nodes:
+        kind = _COLLECTIVES.get(node.target) if node.op == "call_function" else None
+        if kind is None:
+            continue
+        waits = [user for user in node.users if user.target is WAIT]
+        end = min((order[w] for w in waits), default=order[node])
+        between = [n for n in nodes[order[node] + 1:end]
+                   if n.op == "call_function" and n.target not in _COLLECTIVES and n.target is not WAIT]
+        param = metadata.tags(node).get(metadata.PARAM)
+        out.append(OverlapRecord(graph_id, where, kind, [param] if param else [], len(between)))
+    return out
