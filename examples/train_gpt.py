@@ -34,6 +34,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16, help="global batch, split across ranks")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--compiler", default="eager", choices=("eager", "inductor"))
+    parser.add_argument("--dump", default=None, help="directory for graph dumps and report.json (see `python -m zcompile inspect`)")
     parser.add_argument("--param-dtype", default=None, help="e.g. bf16 (compute and gather dtype)")
     return parser.parse_args()
 
@@ -59,7 +60,8 @@ def main() -> None:
     model = GPT(config).to(device)
     num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
     graphs = []
-    options = {"stage": args.stage, "compiler": args.compiler, "param_dtype": args.param_dtype, "on_compile": graphs.append}
+    options = {"stage": args.stage, "compiler": args.compiler, "param_dtype": args.param_dtype, "on_compile": graphs.append,
+               "dump": args.dump}
     compiled = torch.compile(model, backend="zero", options=options)
     optimizer = zcompile.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     ddp_bytes = zcompile.zero_formula_bytes(num_params, world, stage=None)
@@ -87,6 +89,11 @@ def main() -> None:
                   f"comm {comm / 1e6:.2f}M elements/rank = {comm / num_params:.2f} Ψ", flush=True)
     if rank == 0:
         print(f"{args.steps} steps in {time.perf_counter() - start:.1f}s", flush=True)
+    report = zcompile.step_report(model, optimizer)
+    if args.dump:
+        report.to_json(os.path.join(args.dump, f"rank{rank}", "report.json"))
+    if rank == 0:
+        report.print()
     if distributed:
         dist.destroy_process_group()
 
