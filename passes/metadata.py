@@ -11,6 +11,9 @@ ROLE = "role"  # what the node is for: one of the ROLE_* values
 PARAM = "param"  # parameter name the node gathers or reduces
 ROLE_GATHER = "param_gather"  # stage 3 all-gather of a parameter
 ROLE_REPLICATED = "param_replicated"  # stage 2 use of a replicated parameter
+ROLE_REDUCE = "grad_reduce"  # a (bucketed) gradient reduce-scatter
+PARAMS = "params"  # parameter names a bucketed collective moves
+BUCKET = "bucket"  # index of the bucket a node belongs to
 RECOMPUTE = "recompute"  # torch-owned key read by the min-cut partitioner
 
 
@@ -25,3 +28,11 @@ def tag(node, **fields) -> None:
 
 def tags(node) -> dict:
     return (node.meta.get(CUSTOM) or {}).get(ZCOMPILE_META) or {}
+
+
+def params_of(node) -> list[str]:
+    """Parameters a collective node moves: its bucket's, or the one it was inserted for."""
+    entry = tags(node)
+    if entry.get(PARAMS):
+        return list(entry[PARAMS])
+    return [entry[PARAM]] if entry.get(PARAM) else []

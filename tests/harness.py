@@ -131,35 +131,51 @@ class RunResult:
 
 
 def _reads_gathered_param(node) -> bool:
-    """Whether ``node`` is a gathered parameter (a wait of an all-gather, through views/casts)."""
+    """Whether ``node`` is a gathered parameter (a wait of an all-gather, through views, casts and
+    the split of a bucket)."""
+    import operator
+
     from zcompile.collectives import ALL_GATHER, WAIT
     from zcompile.passes.cleanup import PASS_THROUGH
 
+    through = set(PASS_THROUGH) | {operator.getitem, torch.ops.aten.split_with_sizes.default,
+                                   torch.ops.aten.clone.default}
     while isinstance(node, torch.fx.Node) and node.op == "call_function":
         if node.target is WAIT and node.args[0].target is ALL_GATHER:
             return True
-        if node.target not in PASS_THROUGH:
+        if node.target not in through:
             return False
         node = node.args[0]
     return False
 
 
 def graph_facts(compiled_graphs) -> dict:
-    """Counts read from the compiled graphs: collectives per graph and gathered weights saved."""
+    """Counts read from the compiled graphs, per parameter (a bucketed collective counts each
+    parameter it moves): gathers and reduce-scatters per graph, gathered weights saved for
+    backward, parameters gathered twice in one graph, and the collective ops themselves."""
     from zcompile.collectives import ALL_GATHER, REDUCE_SCATTER
     from zcompile.graph_ops import gather_param
+    from zcompile.passes.metadata import params_of
 
     facts = dict(graphs=len(compiled_graphs), gather_nodes=0, fw_all_gathers=0, bw_all_gathers=0,
-                 bw_reduce_scatters=0, saved_gathered=0)
+                 bw_reduce_scatters=0, saved_gathered=0, gathered_twice=0, collective_ops=0)
+
+    def params_moved(gm, op):
+        nodes = gm.graph.find_nodes(op="call_function", target=op)
+        facts["collective_ops"] += len(nodes)
+        names = [name for node in nodes for name in (params_of(node) or ["?"])]
+        facts["gathered_twice"] += len(names) - len(set(names)) if op is ALL_GATHER else 0
+        return len(names)
+
     for graphs in compiled_graphs:
         facts["gather_nodes"] += len(graphs.dynamo.graph.find_nodes(op="call_function", target=gather_param))
         if graphs.forward is not None:
-            facts["fw_all_gathers"] += len(graphs.forward.graph.find_nodes(op="call_function", target=ALL_GATHER))
+            facts["fw_all_gathers"] += params_moved(graphs.forward, ALL_GATHER)
             outputs = graphs.forward.graph.find_nodes(op="output")[0].args[0]
             facts["saved_gathered"] += sum(_reads_gathered_param(out) for out in outputs)
         if graphs.backward is not None:
-            facts["bw_all_gathers"] += len(graphs.backward.graph.find_nodes(op="call_function", target=ALL_GATHER))
-            facts["bw_reduce_scatters"] += len(graphs.backward.graph.find_nodes(op="call_function", target=REDUCE_SCATTER))
+            facts["bw_all_gathers"] += params_moved(graphs.backward, ALL_GATHER)
+            facts["bw_reduce_scatters"] += params_moved(graphs.backward, REDUCE_SCATTER)
     return facts
 
 

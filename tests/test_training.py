@@ -145,6 +145,7 @@ def test_stage3_graph_structure(world2):
             assert facts["saved_gathered"] == 0, facts
             assert 0 < facts["bw_all_gathers"] <= facts["fw_all_gathers"], facts
             assert facts["bw_reduce_scatters"] == facts["gather_nodes"], facts
+            assert facts["gathered_twice"] == 0, facts
         elif spec.stage == 2:
             assert facts["fw_all_gathers"] == facts["bw_all_gathers"] == 0, facts
             assert facts["bw_reduce_scatters"] > 0, facts

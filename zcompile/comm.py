@@ -45,8 +45,7 @@ def graph_collectives(gm: torch.fx.GraphModule | None, where: str) -> list[Colle
             continue
         source = node.args[0].meta.get("val")
         elements = source.numel() * (node.args[1] if kind == "all_gather" else 1)
-        param = metadata.tags(node).get(metadata.PARAM)
-        records.append(CollectiveRecord(kind, int(elements), source.dtype, where, (param,) if param else ()))
+        records.append(CollectiveRecord(kind, int(elements), source.dtype, where, tuple(metadata.params_of(node))))
     return records
 
 

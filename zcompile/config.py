@@ -43,6 +43,8 @@ class ZeroConfig:
         check_timeout_s: how long the rank check waits for the other ranks' graphs.
         on_compile: called with each ``CompiledGraphs`` (the plan and the Dynamo, forward and
             backward graphs, filled in as they compile) for inspection and tests.
+        bucket_mb: per-rank size (MiB) up to which consecutive all-gathers, and consecutive
+            reduce-scatters, are merged into one collective; ``0`` keeps one per parameter.
         dump: directory for per-pass graph dumps, ``passes.json``, the plan and the collectives of
             every compiled graph (``DIR/rank{R}/{graph_id}/``); ``None`` reads ``$ZCOMPILE_DUMP``.
             ``python -m zcompile inspect DIR`` summarizes it.
@@ -57,6 +59,7 @@ class ZeroConfig:
     check_timeout_s: float = 300.0
     on_compile: Callable[[Any], None] | None = None
     dump: str | None = None
+    bucket_mb: float = 4.0
 
     def __post_init__(self) -> None:
         if self.dump is not None:
@@ -78,6 +81,8 @@ class ZeroConfig:
                 "zero backend: option 'group' must be a torch.distributed.ProcessGroup or None, "
                 f"got {type(self.group).__name__}"
             )
+        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb < 0:
+            raise ValueError(f"zero backend: option 'bucket_mb' must be a number >= 0 (MiB), got {self.bucket_mb!r}")
         if not isinstance(self.check_ranks, bool):
             raise TypeError(f"zero backend: option 'check_ranks' must be a bool, got {self.check_ranks!r}")
         if not isinstance(self.check_timeout_s, (int, float)) or self.check_timeout_s <= 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -11,6 +12,7 @@ from functorch.compile import make_boxed_func, min_cut_rematerialization_partiti
 from torch._dynamo.backends.common import aot_autograd
 
 from zcompile.comm import graph_collectives
+from zcompile.passes.bucketing import bucket_collectives_pass, plan_buckets
 from zcompile.passes.cleanup import remove_unused_gathers_pass
 from zcompile.pipeline import PassRecord, PassRunner
 
@@ -30,6 +32,7 @@ class CompiledGraphs:
     backward: torch.fx.GraphModule | None = None
     inference: torch.fx.GraphModule | None = None
     runner: PassRunner | None = None  # the passes applied so far, and the dump folder
+    config: Any = None  # the ZeroConfig it was compiled with
 
     @property
     def passes(self) -> list[PassRecord]:
@@ -37,9 +40,15 @@ class CompiledGraphs:
 
 
 def _post_partition(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs) -> torch.fx.GraphModule:
-    graph_module = graphs.runner.run("remove_unused_gathers", remove_unused_gathers_pass, graph_module, kind)
+    runner = graphs.runner
+    graph_module = runner.run("remove_unused_gathers", remove_unused_gathers_pass, graph_module, kind)
+    bucket_bytes = int(graphs.config.bucket_mb * 2**20) if graphs.config is not None else 0
+    if bucket_bytes:
+        plan = plan_buckets(graph_module, bucket_bytes, kind)
+        runner.write_json(f"buckets.{kind}.json", json.loads(plan.to_json()))
+        graph_module = runner.run("bucket_collectives", bucket_collectives_pass, graph_module, kind, plan)
     setattr(graphs, kind, graph_module)
-    graphs.runner.write_json(f"collectives.{kind}.json", [c.to_json() for c in graph_collectives(graph_module, kind)])
+    runner.write_json(f"collectives.{kind}.json", [c.to_json() for c in graph_collectives(graph_module, kind)])
     return graph_module
 
 

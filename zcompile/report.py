@@ -246,6 +246,5 @@ def _overlaps(gm: torch.fx.GraphModule | None, graph_id: str, where: str) -> lis
         end = min((order[w] for w in waits), default=order[node])
         between = [n for n in nodes[order[node] + 1:end]
                    if n.op == "call_function" and n.target not in _COLLECTIVES and n.target is not WAIT]
-        param = metadata.tags(node).get(metadata.PARAM)
-        out.append(OverlapRecord(graph_id, where, kind, [param] if param else [], len(between)))
+        out.append(OverlapRecord(graph_id, where, kind, metadata.params_of(node), len(between)))
     return out

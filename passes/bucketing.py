@@ -1,0 +1,201 @@
+"""Bucket per-parameter collectives: several all-gathers (or reduce-scatters) become one.
+
+Every collective costs a fixed latency on every rank, whatever its size; the per-parameter
+collectives of ZeRO-3 are many and small (a LayerNorm bias is a few hundred bytes). Grouping
+those that run together into one collective over a flat buffer pays the latency once.
+
+``plan_buckets`` (data, identical on every rank because it reads only the graph) walks the graph's
+collectives in order and groups consecutive ones of the same kind, dtype and group until a bucket
+reaches ``bucket_bytes``. ``bucket_collectives_pass`` rewrites each bucket:
+
+- all-gather: ``cat`` the members' shards -> one all-gather -> view ``[N, S]`` -> split along the
+  member sizes -> each piece made contiguous: the rank-major ``[N * s_i]`` the member produced;
+- reduce-scatter: each member's ``[N * s_i]`` input viewed ``[N, s_i]``, concatenated along dim 1
+  -> one reduce-scatter -> split into the members' ``[s_i]`` results.
+
+The nodes are then re-ordered (``graph_order``) so that each bucket sits before its first use and
+after its last input. Inserted nodes carry the members' zcompile tags (``bucket`` index, params).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import operator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from zcompile.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
+from zcompile.passes import metadata
+from zcompile.passes.graph_order import apply_order, topological_order
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+_KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Collectives merged into one: their node names, parameters and per-rank sizes (elements)."""
+
+    kind: str
+    members: tuple[str, ...]
+    params: tuple[str, ...]
+    sizes: tuple[int, ...]  # per member: shard elements (all_gather input, reduce_scatter output)
+    dtype: str
+    group_size: int
+    group_name: str
+
+    @property
+    def elements(self) -> int:
+        return sum(self.sizes)
+
+
+@dataclass
+class BucketPlan:
+    graph: str
+    bucket_bytes: int
+    buckets: list[Bucket] = field(default_factory=list)
+
+    @property
+    def collectives_before(self) -> int:
+        return sum(len(b.members) for b in self.buckets)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+
+def _collective_info(node: torch.fx.Node) -> tuple[str, int, str, int, torch.dtype] | None:
+    """(kind, shard elements, group name, group size, dtype) of a bucketable collective."""
+    kind = _KINDS.get(node.target) if node.op == "call_function" else None
+    if kind is None:
+        return None
+    source = node.args[0].meta.get("val")
+    if source is None or len(node.users) != 1 or next(iter(node.users)).target is not WAIT:
+        return None
+    if kind == "all_gather":
+        _, group_size, group_name = node.args
+        return kind, source.numel(), group_name, group_size, source.dtype
+    _, reduce_op, group_size, group_name = node.args
+    if reduce_op != "sum" or source.numel() % group_size:
+        return None
+    return kind, source.numel() // group_size, group_name, group_size, source.dtype
+
+
+def plan_buckets(gm: torch.fx.GraphModule, bucket_bytes: int, graph: str = "") -> BucketPlan:
+    """Groups consecutive collectives of one kind into buckets of at most ``bucket_bytes`` per rank.
+
+    Size is counted as ZeRO counts volume: an all-gather's output, a reduce-scatter's input. A
+    collective larger than the budget forms a bucket of its own; a bucket of one is left alone.
+    """
+    plan = BucketPlan(graph, bucket_bytes)
+    # one open bucket per (kind, group, dtype): a backward interleaves gathers and reductions,
+    # and each kind is bucketed along its own sequence
+    open_buckets: dict[tuple, list[tuple[torch.fx.Node, int]]] = {}
+
+    def close(key) -> None:
+        members = open_buckets.pop(key, [])
+        if len(members) > 1:
+            kind, group_name, group_size, dtype = key
+            plan.buckets.append(Bucket(
+                kind, tuple(n.name for n, _ in members),
+                tuple(metadata.tags(n).get(metadata.PARAM, "?") for n, _ in members),
+                tuple(size for _, size in members), str(dtype), group_size, group_name,
+            ))
+
+    for node in gm.graph.nodes:
+        info = _collective_info(node)
+        if info is None:
+            continue
+        kind, shard_elements, group_name, group_size, dtype = info
+        key = (kind, group_name, group_size, dtype)
+        bucket = open_buckets.get(key, [])
+        used = sum(size for _, size in bucket) * group_size * dtype.itemsize
+        if bucket and used + shard_elements * group_size * dtype.itemsize > bucket_bytes:
+            close(key)
+        open_buckets.setdefault(key, []).append((node, shard_elements))
+    for key in list(open_buckets):
+        close(key)
+    plan.buckets.sort(key=lambda b: min(_position(gm, name) for name in b.members))
+    return plan
+
+
+def _position(gm: torch.fx.GraphModule, name: str) -> int:
+    for index, node in enumerate(gm.graph.nodes):
+        if node.name == name:
+            return index
+    raise KeyError(name)
+
+
+def bucket_collectives_pass(gm: torch.fx.GraphModule, plan: BucketPlan) -> torch.fx.GraphModule:
+    """Rewrites every bucket of ``plan`` into one collective (see the module docstring)."""
+    if not plan.buckets:
+        return gm
+    graph = gm.graph
+    by_name = {node.name: node for node in graph.nodes}
+    fake_mode = torch._guards.detect_fake_mode([n.meta.get("val") for n in graph.nodes if "val" in n.meta])
+    for index, bucket in enumerate(plan.buckets):
+        members = [by_name[name] for name in bucket.members]
+        waits = [next(iter(m.users)) for m in members]
+        anchor = members[0] if bucket.kind == "all_gather" else members[-1]
+        with graph.inserting_before(anchor):
+            results = (_gather_bucket if bucket.kind == "all_gather" else _reduce_bucket)(graph, members, bucket)
+        for wait, result in zip(waits, results):
+            wait.replace_all_uses_with(result)
+        for wait, member in zip(waits, members):
+            graph.erase_node(wait)
+            graph.erase_node(member)
+        new_nodes = [n for n in graph.nodes if n.name not in by_name]
+        for node in new_nodes:
+            metadata.tag(node, bucket=index, params=list(bucket.params),
+                         role=metadata.ROLE_GATHER if bucket.kind == "all_gather" else metadata.ROLE_REDUCE)
+            by_name[node.name] = node
+            _set_val(node, fake_mode)
+    apply_order(gm, topological_order(gm))
+    log.info("bucketing (%s): %d collectives -> %d buckets", plan.graph, plan.collectives_before, len(plan.buckets))
+    return gm
+
+
+def _gather_bucket(graph: torch.fx.Graph, members: list[torch.fx.Node], bucket: Bucket) -> list[torch.fx.Node]:
+    n, total = bucket.group_size, bucket.elements
+    flat = graph.call_function(aten.cat.default, ([m.args[0] for m in members],))
+    gathered = graph.call_function(ALL_GATHER, (flat, n, bucket.group_name))
+    waited = graph.call_function(WAIT, (gathered,))
+    matrix = graph.call_function(aten.view.default, (waited, [n, total]))
+    pieces = graph.call_function(aten.split_with_sizes.default, (matrix, list(bucket.sizes), 1))
+    results = []
+    for i, size in enumerate(bucket.sizes):
+        piece = graph.call_function(operator.getitem, (pieces, i))
+        dense = graph.call_function(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
+        results.append(graph.call_function(aten.view.default, (dense, [n * size])))
+    return results
+
+
+def _reduce_bucket(graph: torch.fx.Graph, members: list[torch.fx.Node], bucket: Bucket) -> list[torch.fx.Node]:
+    n, total = bucket.group_size, bucket.elements
+    matrices = [graph.call_function(aten.view.default, (m.args[0], [n, size])) for m, size in zip(members, bucket.sizes)]
+    joined = graph.call_function(aten.cat.default, (matrices, 1))
+    flat = graph.call_function(aten.view.default, (joined, [n * total]))
+    reduced = graph.call_function(REDUCE_SCATTER, (flat, "sum", n, bucket.group_name))
+    waited = graph.call_function(WAIT, (reduced,))
+    pieces = graph.call_function(aten.split_with_sizes.default, (waited, list(bucket.sizes)))
+    return [graph.call_function(operator.getitem, (pieces, i)) for i in range(len(bucket.sizes))]
+
+
+def _set_val(node: torch.fx.Node, fake_mode) -> None:
+    """Fills ``meta["val"]`` of an inserted node by running it on its inputs' fake values."""
+    def val(arg):
+        if isinstance(arg, torch.fx.Node):
+            return arg.meta["val"]
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(val(a) for a in arg)
+        return arg
+
+    args, kwargs = val(node.args), val(node.kwargs)
+    if fake_mode is None:
+        node.meta["val"] = node.target(*args, **kwargs)
+        return
+    with fake_mode:
+        node.meta["val"] = node.target(*args, **kwargs)
