@@ -106,10 +106,15 @@ def test_dump_layout(reported):
         assert graph_dirs == ["0_0"]
         graph_dir = os.path.join(rank_dir, "0_0")
         passes = json.load(open(os.path.join(graph_dir, "passes.json")))
-        assert [(p["pass"], p["graph"]) for p in passes] == [
-            ("insert_param_collectives", "dynamo"), ("autocast", "dynamo"),
-            ("remove_unused_gathers", "forward"), ("remove_unused_gathers", "backward"),
-        ]
+        post_partition = ["remove_unused_gathers", "bucket_collectives", "schedule"]
+        assert [(p["pass"], p["graph"]) for p in passes] == (
+            [("insert_param_collectives", "dynamo"), ("autocast", "dynamo")]
+            + [(name, "forward") for name in post_partition] + [(name, "backward") for name in post_partition]
+        )
+        for kind in ("forward", "backward"):
+            buckets = json.load(open(os.path.join(graph_dir, f"buckets.{kind}.json")))
+            schedule = json.load(open(os.path.join(graph_dir, f"schedule.{kind}.json")))
+            assert buckets["graph"] == schedule["graph"] == kind
         inserted = passes[0]["added"]
         op = "zcompile.graph_ops.gather_param" if stage == 3 else "zcompile.graph_ops.replicated_param"
         plan = json.load(open(os.path.join(graph_dir, "plan.json")))

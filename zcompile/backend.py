@@ -58,7 +58,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     gm = runner.run("autocast", autocast_pass, gm, "dynamo", config.param_dtype, _device_type(example_inputs))
     if config.check_ranks and group.world_size > 1:
         check_same_collectives(plan, gm, group, config.check_timeout_s)
-    graphs = CompiledGraphs(dynamo=gm, plan=plan, runner=runner, config=config)
+    graphs = CompiledGraphs(dynamo=gm, plan=plan, runner=runner, config=config, group=group)
     record_compiled_graphs([example_inputs[p.index] for p in plan.params], graphs)  # for step_report
     compiled = compile_with_aot(gm, tracing_inputs, config.compiler, graphs)
     log.info(

@@ -45,6 +45,12 @@ class ZeroConfig:
             backward graphs, filled in as they compile) for inspection and tests.
         bucket_mb: per-rank size (MiB) up to which consecutive all-gathers, and consecutive
             reduce-scatters, are merged into one collective; ``0`` keeps one per parameter.
+        overlap: re-order the compiled graphs so communication overlaps compute (prefetched
+            all-gathers, reduce-scatters issued early and waited late); ``False`` keeps every
+            collective next to its wait.
+        prefetch: how many buckets ahead an all-gather is issued (with ``overlap``).
+        memory_budget_mb: per-rank bytes (MiB) of gathered parameters alive at once that the
+            schedule may use; prefetching is reduced to fit. ``None``: bounded by ``prefetch``.
         dump: directory for per-pass graph dumps, ``passes.json``, the plan and the collectives of
             every compiled graph (``DIR/rank{R}/{graph_id}/``); ``None`` reads ``$ZCOMPILE_DUMP``.
             ``python -m zcompile inspect DIR`` summarizes it.
@@ -60,6 +66,9 @@ class ZeroConfig:
     on_compile: Callable[[Any], None] | None = None
     dump: str | None = None
     bucket_mb: float = 4.0
+    overlap: bool = True
+    prefetch: int = 1
+    memory_budget_mb: float | None = None
 
     def __post_init__(self) -> None:
         if self.dump is not None:
@@ -83,6 +92,15 @@ class ZeroConfig:
             )
         if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb < 0:
             raise ValueError(f"zero backend: option 'bucket_mb' must be a number >= 0 (MiB), got {self.bucket_mb!r}")
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"zero backend: option 'overlap' must be a bool, got {self.overlap!r}")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"zero backend: option 'prefetch' must be an int >= 0, got {self.prefetch!r}")
+        if self.memory_budget_mb is not None and (
+                isinstance(self.memory_budget_mb, bool) or not isinstance(self.memory_budget_mb, (int, float))
+                or self.memory_budget_mb <= 0):
+            raise ValueError(
+                f"zero backend: option 'memory_budget_mb' must be a positive number (MiB) or None, got {self.memory_budget_mb!r}")
         if not isinstance(self.check_ranks, bool):
             raise TypeError(f"zero backend: option 'check_ranks' must be a bool, got {self.check_ranks!r}")
         if not isinstance(self.check_timeout_s, (int, float)) or self.check_timeout_s <= 0:

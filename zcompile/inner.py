@@ -14,7 +14,9 @@ from torch._dynamo.backends.common import aot_autograd
 from zcompile.comm import graph_collectives
 from zcompile.passes.bucketing import bucket_collectives_pass, plan_buckets
 from zcompile.passes.cleanup import remove_unused_gathers_pass
+from zcompile.passes.schedule import plan_schedule, schedule_pass
 from zcompile.pipeline import PassRecord, PassRunner
+from zcompile.rank_check import check_same_on_all_ranks, sequence_signature
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ class CompiledGraphs:
     inference: torch.fx.GraphModule | None = None
     runner: PassRunner | None = None  # the passes applied so far, and the dump folder
     config: Any = None  # the ZeroConfig it was compiled with
+    group: Any = None  # the DataParallelGroup
 
     @property
     def passes(self) -> list[PassRecord]:
@@ -40,14 +43,23 @@ class CompiledGraphs:
 
 
 def _post_partition(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs) -> torch.fx.GraphModule:
-    runner = graphs.runner
+    runner, config = graphs.runner, graphs.config
     graph_module = runner.run("remove_unused_gathers", remove_unused_gathers_pass, graph_module, kind)
-    bucket_bytes = int(graphs.config.bucket_mb * 2**20) if graphs.config is not None else 0
+    bucket_bytes = int(config.bucket_mb * 2**20) if config is not None else 0
     if bucket_bytes:
         plan = plan_buckets(graph_module, bucket_bytes, kind)
         runner.write_json(f"buckets.{kind}.json", json.loads(plan.to_json()))
         graph_module = runner.run("bucket_collectives", bucket_collectives_pass, graph_module, kind, plan)
+    if config is not None and config.overlap:
+        budget = None if config.memory_budget_mb is None else int(config.memory_budget_mb * 2**20)
+        schedule = plan_schedule(graph_module, config.prefetch, budget, kind)
+        runner.write_json(f"schedule.{kind}.json", json.loads(schedule.to_json()))
+        graph_module = runner.run("schedule", schedule_pass, graph_module, kind, schedule)
     setattr(graphs, kind, graph_module)
+    if config is not None and config.check_ranks and graphs.group is not None:
+        # the schedule decided the issue order; every rank must have decided the same
+        check_same_on_all_ranks(sequence_signature(graph_module), graphs.group, config.check_timeout_s,
+                                f"the {kind} graph of Dynamo graph {runner.graph_id}")
     runner.write_json(f"collectives.{kind}.json", [c.to_json() for c in graph_collectives(graph_module, kind)])
     return graph_module
 

@@ -31,12 +31,35 @@ def collective_signature(plan) -> list:
 
 def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGroup, timeout_s: float) -> None:
     """Raises ``RankDivergenceError`` unless all ranks planned identical collectives for this graph."""
-    signature = json.dumps(collective_signature(plan))
-    digest = hashlib.sha256(signature.encode()).hexdigest()[:16]
     compile_id = str(gm.meta.get("dynamo_compile_id", "unknown"))
+    check_same_on_all_ranks(collective_signature(plan), group, timeout_s, f"graph {compile_id}",
+                            f"this rank's parameters: {[p.name for p in plan.params][:8]}...")
+
+
+def sequence_signature(gm: torch.fx.GraphModule) -> list:
+    """The collectives of a compiled (aten) graph in issue order: kind, shape, dtype, group."""
+    from zcompile.collectives import COLLECTIVE_OPS
+
+    signature = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in COLLECTIVE_OPS:
+            val = node.args[0].meta.get("val")
+            shape = list(val.shape) if val is not None else None
+            signature.append([str(node.target), shape, str(getattr(val, "dtype", None)), [str(a) for a in node.args[1:]]])
+    return signature
+
+
+def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s: float, what: str,
+                            detail: str = "") -> None:
+    """Raises ``RankDivergenceError`` unless every rank of ``group`` passes the same ``signature``.
+
+    The n-th check of a rank is compared with every other rank's n-th check.
+    """
+    if group.world_size == 1:
+        return
+    digest = hashlib.sha256(json.dumps(signature).encode()).hexdigest()[:16]
     store = default_store()
-    # The n-th graph this rank compiles is compared with every other rank's n-th graph; the
-    # counter lives in the store, so it survives torch._dynamo.reset() and needs no global.
+    # the counter lives in the store, so it survives torch._dynamo.reset() and needs no global
     sequence = store.add(f"zcompile/check/{group.name}/sequence/{group.rank}", 1)
     prefix = f"zcompile/check/{group.name}/{sequence}/"
     store.set(f"{prefix}{group.rank}", digest)
@@ -46,7 +69,7 @@ def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGr
     except Exception as error:  # the store raises a generic error on timeout
         missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
         raise RankDivergenceError(
-            f"zero backend: rank {group.rank} compiled graph {compile_id} (its compile #{sequence}) but ranks {missing} did not within "
+            f"zero backend: rank {group.rank} compiled {what} (its check #{sequence}) but ranks {missing} did not within "
             f"{timeout_s:.0f}s. The ranks took different compile paths (different models, code paths or input "
             "shapes per rank) and their collectives would deadlock. Give every rank the same model and "
             "inputs of the same shapes (drop_last=True in the sampler), or raise check_timeout_s if a rank "
@@ -55,8 +78,7 @@ def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGr
     digests = {rank: store.get(key).decode() for rank, key in enumerate(keys)}
     if len(set(digests.values())) > 1:
         raise RankDivergenceError(
-            f"zero backend: graph {compile_id} would issue different collectives on different ranks "
-            f"(digest per rank {digests}; this rank's parameters: {[p.name for p in plan.params][:8]}...). "
-            "Every rank must compile the same model with the same options."
+            f"zero backend: {what} would issue different collectives on different ranks "
+            f"(digest per rank {digests}; {detail}). Every rank must compile the same model with the same options."
         )
-    log.debug("rank check passed for graph %s (digest %s)", compile_id, digest)
+    log.debug("rank check passed for %s (digest %s)", what, digest)
