@@ -158,7 +158,8 @@ def graph_facts(compiled_graphs) -> dict:
     from zcompile.passes.metadata import params_of
 
     facts = dict(graphs=len(compiled_graphs), gather_nodes=0, fw_all_gathers=0, bw_all_gathers=0,
-                 bw_reduce_scatters=0, saved_gathered=0, gathered_twice=0, collective_ops=0)
+                 bw_reduce_scatters=0, saved_gathered=0, gathered_twice=0, collective_ops=0,
+                 overlapped_collectives=0)
 
     def params_moved(gm, op):
         nodes = gm.graph.find_nodes(op="call_function", target=op)
@@ -167,7 +168,11 @@ def graph_facts(compiled_graphs) -> dict:
         facts["gathered_twice"] += len(names) - len(set(names)) if op is ALL_GATHER else 0
         return len(names)
 
+    from zcompile.report import collective_overlaps
+
     for graphs in compiled_graphs:
+        for gm in (graphs.forward, graphs.backward):
+            facts["overlapped_collectives"] += sum(r.overlapped_ops > 0 for r in collective_overlaps(gm, "", ""))
         facts["gather_nodes"] += len(graphs.dynamo.graph.find_nodes(op="call_function", target=gather_param))
         if graphs.forward is not None:
             facts["fw_all_gathers"] += params_moved(graphs.forward, ALL_GATHER)

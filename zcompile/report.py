@@ -167,7 +167,7 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list | No
         for where in ("forward", "backward"):
             gm = getattr(compiled, where)
             records += graph_collectives(gm, where)
-            schedule += _overlaps(gm, graph_id, where)
+            schedule += collective_overlaps(gm, graph_id, where)
             peak_gathered = max(peak_gathered, _peak_gathered_bytes(gm))
     if optimizer is not None:
         records += list(getattr(optimizer, "last_step_collectives", []))
@@ -229,7 +229,7 @@ _VIEW_OPS = {torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops
              torch.ops.aten.alias.default, torch.ops.aten.expand.default, torch.ops.aten.as_strided.default}
 
 
-def _overlaps(gm: torch.fx.GraphModule | None, graph_id: str, where: str) -> list[OverlapRecord]:
+def collective_overlaps(gm: torch.fx.GraphModule | None, graph_id: str, where: str) -> list[OverlapRecord]:
     """For each collective: compute ops between it and its wait, in graph order."""
     if gm is None:
         return []
