@@ -8,7 +8,8 @@ Data flow for one Dynamo graph:
    (``shard_parameter``: a flat fp32 1/N slice; stage 3 frees the full storage).
 4. ``insert_param_collectives_pass`` routes the parameters through their shards (stages 2 and 3).
    ``autocast_pass`` runs the compute under autocast to ``param_dtype`` (mixed precision).
-5. The ranks compare the collectives the graph will issue (``check_same_collectives``).
+5. The ranks compare the collectives the graph will issue (``check_same_collectives``); then the
+   ZeRO++ groups are made and ``hpz_pass`` splits the stage-3 gathers (hpZ).
 6. AOTAutograd partitions forward and backward; post-partition passes clean them up; the inner
    compiler (eager or inductor) compiles them.
 7. The returned callable swaps the parameters Dynamo passes for their shards at every call.
@@ -27,12 +28,14 @@ import torch
 from zcompile.collectives import DataParallelGroup
 from zcompile.config import ZeroConfig
 from zcompile.inner import CompiledGraphs, compile_with_aot
+from zcompile.passes.hpz import hpz_pass
 from zcompile.passes.mixed_precision import autocast_pass
 from zcompile.passes.shard_params import ShardingPlan, insert_param_collectives_pass, plan_sharding
 from zcompile.pipeline import PassRunner, resolve_dump_root
 from zcompile.rank_check import check_same_collectives
 from zcompile.report import record_compiled_graphs
 from zcompile.sharding import ShardedParam, shard_of, shard_parameter
+from zcompile.zeropp import attach_groups, resolve_zeropp
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +59,13 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     runner.write_json("plan.json", json.loads(plan.to_json()))
     gm = runner.run("insert_param_collectives", insert_param_collectives_pass, gm, "dynamo", plan)
     gm = runner.run("autocast", autocast_pass, gm, "dynamo", config.param_dtype, _device_type(example_inputs))
+    zeropp = resolve_zeropp(config, group)
     if config.check_ranks and group.world_size > 1:
-        check_same_collectives(plan, gm, group, config.check_timeout_s)
-    graphs = CompiledGraphs(dynamo=gm, plan=plan, runner=runner, config=config, group=group)
+        check_same_collectives(plan, gm, group, config.check_timeout_s, zeropp.signature() if zeropp.active else None)
+    zeropp = attach_groups(zeropp, group)  # makes process groups: only once the ranks agree
+    if zeropp.hpz_size:
+        gm = runner.run("hpz", hpz_pass, gm, "dynamo", zeropp.hpz_size, zeropp.hpz_rank, zeropp.hpz_group_name)
+    graphs = CompiledGraphs(dynamo=gm, plan=plan, runner=runner, config=config, group=group, zeropp=zeropp)
     record_compiled_graphs([example_inputs[p.index] for p in plan.params], graphs)  # for step_report
     compiled = compile_with_aot(gm, tracing_inputs, config.compiler, graphs)
     log.info(

@@ -17,8 +17,9 @@ _functional = torch.ops._c10d_functional
 ALL_GATHER = _functional.all_gather_into_tensor.default
 REDUCE_SCATTER = _functional.reduce_scatter_tensor.default
 ALL_REDUCE = _functional.all_reduce.default
+ALL_TO_ALL = _functional.all_to_all_single.default
 WAIT = _functional.wait_tensor.default
-COLLECTIVE_OPS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
+COLLECTIVE_OPS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, ALL_TO_ALL)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,19 @@ def all_gather_eager(out: torch.Tensor, shard: torch.Tensor, group: DataParallel
 
 def reduce_scatter_eager(out: torch.Tensor, full: torch.Tensor, group: DataParallelGroup) -> None:
     _reduce_scatter_flat(out, full, op=dist.ReduceOp.SUM, group=group.process_group)
+
+
+def find_group(ranks: list[int]) -> dist.ProcessGroup | None:
+    """A process group already made with exactly ``ranks`` (global ranks, in group-rank order), or None.
+
+    Reads torch's registry of groups (``_world.pg_group_ranks``, semi-private; kept here).
+    """
+    for group, members in dist.distributed_c10d._world.pg_group_ranks.items():
+        if group is dist.GroupMember.NON_GROUP_MEMBER or len(members) != len(ranks):
+            continue
+        if sorted(members, key=members.__getitem__) == list(ranks):
+            return group
+    return None
 
 
 def default_store() -> dist.Store:

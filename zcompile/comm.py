@@ -1,7 +1,8 @@
 """What collectives a compiled step issues: read from the graphs, and recorded by the optimizer.
 
 Elements are counted per rank the way ZeRO's volume formulas count them: an all-gather moves its
-output's size, a reduce-scatter its input's size, an all-reduce its size (padding included).
+output's size, a reduce-scatter its input's size, an all-reduce its size (padding included), an
+all-to-all its input's size.
 """
 
 from __future__ import annotations
@@ -11,19 +12,22 @@ from dataclasses import dataclass
 
 import torch
 
-from zcompile.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from zcompile.collectives import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
 from zcompile.passes import metadata
 
-_KIND = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
+_KIND = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce",
+         ALL_TO_ALL: "all_to_all"}
 
 
 @dataclass(frozen=True)
 class CollectiveRecord:
-    kind: str  # all_gather | reduce_scatter | all_reduce
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all
     elements: int
     dtype: torch.dtype
     where: str  # forward | backward | optimizer
     params: tuple[str, ...] = ()  # the parameters it gathers or reduces
+    group: str = ""  # process group name ("" in records made before groups were named)
+    group_size: int = 0
 
     @property
     def bytes(self) -> int:
@@ -31,7 +35,8 @@ class CollectiveRecord:
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "elements": self.elements, "bytes": self.bytes, "dtype": str(self.dtype),
-                "where": self.where, "params": list(self.params)}
+                "where": self.where, "params": list(self.params), "group": self.group,
+                "group_size": self.group_size}
 
 
 def graph_collectives(gm: torch.fx.GraphModule | None, where: str) -> list[CollectiveRecord]:
@@ -45,7 +50,11 @@ def graph_collectives(gm: torch.fx.GraphModule | None, where: str) -> list[Colle
             continue
         source = node.args[0].meta.get("val")
         elements = source.numel() * (node.args[1] if kind == "all_gather" else 1)
-        records.append(CollectiveRecord(kind, int(elements), source.dtype, where, tuple(metadata.params_of(node))))
+        group = str(node.args[-1])
+        group_size = node.args[1] if kind == "all_gather" else node.args[2] if kind == "reduce_scatter" else \
+            len(node.args[1]) if kind == "all_to_all" else 0
+        records.append(CollectiveRecord(kind, int(elements), source.dtype, where, tuple(metadata.params_of(node)),
+                                        group, int(group_size)))
     return records
 
 

@@ -54,6 +54,18 @@ class ZeroConfig:
         dump: directory for per-pass graph dumps, ``passes.json``, the plan and the collectives of
             every compiled graph (``DIR/rank{R}/{graph_id}/``); ``None`` reads ``$ZCOMPILE_DUMP``.
             ``python -m zcompile inspect DIR`` summarizes it.
+        quantize_weights: ZeRO++ qwZ (stage 3): forward all-gathers move int8 blocks plus one fp32
+            scale per block instead of the parameters' dtype.
+        quantize_grads: ZeRO++ qgZ (stages 2, 3): the gradient reduce-scatter becomes a hierarchical
+            all-to-all moving int4 blocks, reduced in fp32 inside the node, then across nodes.
+        quantize_block: elements per quantization block (a power of two); smaller collectives use
+            one block of their own size.
+        hpz_size: ZeRO++ hpZ (stage 3): ranks over which a secondary copy of the gathered weights
+            is sharded (an int dividing the world size, or ``"node"`` for ``node_size``), so the
+            backward re-gather stays inside that group. ``None``: off.
+        node_size: ranks per node, for qgZ's hierarchy and ``hpz_size="node"``; ``None`` reads
+            torchrun's ``$LOCAL_WORLD_SIZE`` (else the whole world is one node). On one machine
+            a smaller value simulates several nodes.
     """
 
     stage: int = 3
@@ -69,6 +81,11 @@ class ZeroConfig:
     overlap: bool = True
     prefetch: int = 1
     memory_budget_mb: float | None = None
+    quantize_weights: bool = False
+    quantize_grads: bool = False
+    quantize_block: int = 2048
+    hpz_size: int | str | None = None
+    node_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.dump is not None:
@@ -101,6 +118,25 @@ class ZeroConfig:
                 or self.memory_budget_mb <= 0):
             raise ValueError(
                 f"zero backend: option 'memory_budget_mb' must be a positive number (MiB) or None, got {self.memory_budget_mb!r}")
+        for name in ("quantize_weights", "quantize_grads"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"zero backend: option {name!r} must be a bool, got {getattr(self, name)!r}")
+        block = self.quantize_block
+        if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block & (block - 1) or block > 2**16:
+            raise ValueError(f"zero backend: option 'quantize_block' must be a power of two in [2, 65536], got {block!r}")
+        if self.hpz_size is not None and self.hpz_size != "node" and (
+                isinstance(self.hpz_size, bool) or not isinstance(self.hpz_size, int) or self.hpz_size < 1):
+            raise ValueError(f"zero backend: option 'hpz_size' must be an int >= 1, \"node\" or None, got {self.hpz_size!r}")
+        if self.node_size is not None and (
+                isinstance(self.node_size, bool) or not isinstance(self.node_size, int) or self.node_size < 1):
+            raise ValueError(f"zero backend: option 'node_size' must be an int >= 1 or None, got {self.node_size!r}")
+        if self.stage != 3 and (self.quantize_weights or self.hpz_size is not None):
+            raise ValueError(
+                f"zero backend: quantize_weights and hpz_size act on the stage-3 parameter all-gathers; "
+                f"stage {self.stage} has none. Use stage 3, or drop those options")
+        if self.stage == 1 and self.quantize_grads:
+            raise ValueError("zero backend: quantize_grads acts on the in-graph gradient reduce-scatter of stages 2 "
+                             "and 3; stage 1 reduces in the optimizer. Use stage 2 or 3")
         if not isinstance(self.check_ranks, bool):
             raise TypeError(f"zero backend: option 'check_ranks' must be a bool, got {self.check_ranks!r}")
         if not isinstance(self.check_timeout_s, (int, float)) or self.check_timeout_s <= 0:

@@ -50,6 +50,50 @@ class _GatherParam(torch.autograd.Function):
         return grad_shard, None, None, None, None, None, None
 
 
+class _GatherFlat(torch.autograd.Function):
+    """hpZ, first half: the padded flat parameter gathered from every rank (the forward's weights)."""
+
+    @staticmethod
+    def forward(ctx, shard, world_size, group_name, param_dtype, reduce_dtype):
+        ctx.static = (world_size, group_name, reduce_dtype, shard.dtype)
+        if param_dtype is not None and shard.dtype != param_dtype:
+            shard = shard.to(param_dtype)
+        return all_gather_in_graph(shard, world_size, group_name) if world_size > 1 else shard
+
+    @staticmethod
+    def backward(ctx, grad_padded):
+        world_size, group_name, reduce_dtype, shard_dtype = ctx.static
+        grad = grad_padded
+        if reduce_dtype is not None and grad.dtype != reduce_dtype:
+            grad = grad.to(reduce_dtype)
+        if world_size > 1:
+            grad = reduce_scatter_in_graph(grad, world_size, group_name) / world_size
+        return grad.to(shard_dtype), None, None, None, None
+
+
+class _HpzRegather(torch.autograd.Function):
+    """hpZ, second half: the parameter gathered from the secondary partition, inside its small group.
+
+    Its value equals ``padded`` (the secondary partition is a slice of it), so its gradient goes
+    to ``padded`` unchanged; ``secondary`` gets none. In the forward graph a pass replaces this
+    gather by ``padded`` itself; what remains is the backward's re-gather (see ``passes/hpz.py``).
+    """
+
+    @staticmethod
+    def forward(ctx, padded, secondary, numel, shape, hpz_size, hpz_group_name):
+        ctx.static = (padded.numel(),)
+        full = all_gather_in_graph(secondary, hpz_size, hpz_group_name) if hpz_size > 1 else secondary
+        return full[:numel].view(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (padded_numel,) = ctx.static
+        flat = grad.reshape(-1)
+        if padded_numel > flat.numel():
+            flat = F.pad(flat, (0, padded_numel - flat.numel()))
+        return flat, None, None, None, None, None
+
+
 class _ReplicatedParam(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, full, numel, world_size, group_name, param_dtype, reduce_dtype):
@@ -93,3 +137,20 @@ def replicated_param(
 ) -> torch.Tensor:
     """Stage 2: the replicated full parameter in forward; its gradient reduce-scattered onto the shard."""
     return _ReplicatedParam.apply(shard, full, numel, world_size, group_name, param_dtype, reduce_dtype)
+
+
+def gather_flat(shard: torch.Tensor, world_size: int, group_name: str | None, param_dtype: torch.dtype | None,
+                reduce_dtype: torch.dtype | None) -> torch.Tensor:
+    """hpZ: every rank's shard concatenated (padded, flat); backward reduce-scatters and averages."""
+    return _GatherFlat.apply(shard, world_size, group_name, param_dtype, reduce_dtype)
+
+
+def hpz_secondary(padded: torch.Tensor, hpz_size: int, hpz_rank: int) -> torch.Tensor:
+    """This rank's 1/hpz_size slice of the gathered parameter: what backward re-gathers from."""
+    return padded.view(hpz_size, -1)[hpz_rank].clone()
+
+
+def hpz_regather(padded: torch.Tensor, secondary: torch.Tensor, numel: int, shape: tuple[int, ...], hpz_size: int,
+                 hpz_group_name: str | None) -> torch.Tensor:
+    """hpZ: the full parameter, gathered over the hpZ group from the secondary partitions."""
+    return _HpzRegather.apply(padded, secondary, numel, tuple(shape), hpz_size, hpz_group_name)

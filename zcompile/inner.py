@@ -14,6 +14,9 @@ from torch._dynamo.backends.common import aot_autograd
 from zcompile.comm import graph_collectives
 from zcompile.passes.bucketing import bucket_collectives_pass, plan_buckets
 from zcompile.passes.cleanup import remove_unused_gathers_pass
+from zcompile.passes.hpz import hpz_forward_shortcut_pass
+from zcompile.passes.quantize_grads import quantize_grads_pass
+from zcompile.passes.quantize_weights import quantize_weights_pass
 from zcompile.passes.schedule import plan_schedule, schedule_pass
 from zcompile.pipeline import PassRecord, PassRunner
 from zcompile.rank_check import check_same_on_all_ranks, sequence_signature
@@ -36,6 +39,7 @@ class CompiledGraphs:
     runner: PassRunner | None = None  # the passes applied so far, and the dump folder
     config: Any = None  # the ZeroConfig it was compiled with
     group: Any = None  # the DataParallelGroup
+    zeropp: Any = None  # the ZeroPPSettings (ZeRO++ techniques that run, and their groups)
 
     @property
     def passes(self) -> list[PassRecord]:
@@ -45,11 +49,22 @@ class CompiledGraphs:
 def _post_partition(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs) -> torch.fx.GraphModule:
     runner, config = graphs.runner, graphs.config
     graph_module = runner.run("remove_unused_gathers", remove_unused_gathers_pass, graph_module, kind)
+    zeropp = graphs.zeropp
+    if zeropp is not None and zeropp.hpz_size > 1 and kind != "backward":
+        graph_module = runner.run("hpz_forward_shortcut", hpz_forward_shortcut_pass, graph_module, kind,
+                                  zeropp.hpz_group_name)
     bucket_bytes = int(config.bucket_mb * 2**20) if config is not None else 0
     if bucket_bytes:
         plan = plan_buckets(graph_module, bucket_bytes, kind)
         runner.write_json(f"buckets.{kind}.json", json.loads(plan.to_json()))
         graph_module = runner.run("bucket_collectives", bucket_collectives_pass, graph_module, kind, plan)
+    if zeropp is not None and zeropp.quantize_weights and kind != "backward":
+        graph_module = runner.run("quantize_weights", quantize_weights_pass, graph_module, kind,
+                                  graphs.group.name, zeropp.block)
+    if zeropp is not None and zeropp.quantize_grads and kind == "backward":
+        graph_module = runner.run("quantize_grads", quantize_grads_pass, graph_module, kind, graphs.group.name,
+                                  graphs.group.world_size, zeropp.node_size, zeropp.intra_group_name,
+                                  zeropp.inter_group_name, zeropp.block)
     if config is not None and config.overlap:
         budget = None if config.memory_budget_mb is None else int(config.memory_budget_mb * 2**20)
         schedule = plan_schedule(graph_module, config.prefetch, budget, kind)

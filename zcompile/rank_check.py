@@ -25,19 +25,27 @@ class RankDivergenceError(RuntimeError):
     """The ranks would issue different collectives (and deadlock) if the job went on."""
 
 
-def collective_signature(plan) -> list:
-    return [plan.stage, plan.world_size, str(plan.param_dtype), str(plan.reduce_dtype)] + [[p.name, list(p.shape), p.requires_grad, str(p.dtype)] for p in plan.params]
+def collective_signature(plan, extra: list | None = None) -> list:
+    return list(extra or []) + [plan.stage, plan.world_size, str(plan.param_dtype), str(plan.reduce_dtype)] + [[p.name, list(p.shape), p.requires_grad, str(p.dtype)] for p in plan.params]
 
 
-def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGroup, timeout_s: float) -> None:
-    """Raises ``RankDivergenceError`` unless all ranks planned identical collectives for this graph."""
+def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGroup, timeout_s: float,
+                            extra: list | None = None) -> None:
+    """Raises ``RankDivergenceError`` unless all ranks planned identical collectives for this graph.
+
+    ``extra``: more settings that decide the collectives (the ZeRO++ options).
+    """
     compile_id = str(gm.meta.get("dynamo_compile_id", "unknown"))
-    check_same_on_all_ranks(collective_signature(plan), group, timeout_s, f"graph {compile_id}",
+    check_same_on_all_ranks(collective_signature(plan, extra), group, timeout_s, f"graph {compile_id}",
                             f"this rank's parameters: {[p.name for p in plan.params][:8]}...")
 
 
 def sequence_signature(gm: torch.fx.GraphModule) -> list:
-    """The collectives of a compiled (aten) graph in issue order: kind, shape, dtype, group."""
+    """The collectives of a compiled (aten) graph in issue order: kind, shape, dtype, other arguments.
+
+    The group is the last argument of every collective op; it is left out because sub-groups
+    (one per node) have a different name on each node. Its size is in the other arguments.
+    """
     from zcompile.collectives import COLLECTIVE_OPS
 
     signature = []
@@ -45,7 +53,7 @@ def sequence_signature(gm: torch.fx.GraphModule) -> list:
         if node.op == "call_function" and node.target in COLLECTIVE_OPS:
             val = node.args[0].meta.get("val")
             shape = list(val.shape) if val is not None else None
-            signature.append([str(node.target), shape, str(getattr(val, "dtype", None)), [str(a) for a in node.args[1:]]])
+            signature.append([str(node.target), shape, str(getattr(val, "dtype", None)), [str(a) for a in node.args[1:-1]]])
     return signature
 
 

@@ -1,0 +1,440 @@
+"""Cost model: the step time and exposed communication a compiled graph's schedule will have.
+
+- **Collectives** cost ``latency_s + bytes * seconds_per_byte``, the two constants fitted per kind
+  (all-gather, reduce-scatter, all-reduce, all-to-all) by least squares over eager collectives
+  timed on the process group (``measure_collective_costs``), plus the same form for the time on the
+  issuing thread. Every rank then takes the element-wise median of all ranks' constants, so
+  every rank holds the same numbers: a schedule planned from them must be identical on all
+  ranks (passes/README.md, invariant 1).
+- **Compute** costs a roofline per FX node: ``op_overhead_s + max(flops / flops_per_s,
+  bytes / bytes_per_s)``, FLOPs from ``torch.utils.flop_counter``'s formulas, bytes the tensors the
+  op reads and writes, both read from the nodes' ``meta["val"]``; throughput, bandwidth and the
+  per-op dispatch overhead measured once (``measure_compute_costs``).
+- **predict** walks a graph in its node order with one compute stream and one communication
+  stream: a collective is issued at the current compute time (which then advances by its issue
+  overhead) and its transfer queued behind earlier transfers, starting no earlier than the
+  issue; ``wait_tensor`` blocks compute until its transfer has ended, and that wait is the
+  exposed communication.
+
+Bytes of a collective follow ``zcompile.comm``: an all-gather moves its output (input bytes x
+group size), the others their input. The model knows nothing of what runs between graphs
+(autograd engine, guards, optimizer) nor of contention between compute and communication.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.utils import flop_counter
+
+from zcompile.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, DataParallelGroup, all_gather_eager
+
+log = logging.getLogger(__name__)
+
+ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+_KIND_OF = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce",
+            ALL_TO_ALL: "all_to_all"}
+DEFAULT_SIZES = (2**12, 2**15, 2**18, 2**22)  # bytes: from latency-bound to bandwidth-bound (gloo and NCCL)
+
+
+# ----------------------------------------------------------------------------- costs
+@dataclass(frozen=True)
+class CollectiveCost:
+    """Time of one collective of ``nbytes``: ``latency_s + nbytes * seconds_per_byte``.
+
+    ``issue_seconds``, the same form: how long the issuing thread is busy before the call returns
+    (the functional ops copy their input, gloo enqueues on the caller's thread, NCCL launches a
+    kernel). It is charged to the compute stream while the transfer already runs.
+    """
+
+    latency_s: float = 0.0
+    seconds_per_byte: float = 0.0
+    issue_latency_s: float = 0.0
+    issue_seconds_per_byte: float = 0.0
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes * self.seconds_per_byte
+
+    def issue_seconds(self, nbytes: int) -> float:
+        return self.issue_latency_s + nbytes * self.issue_seconds_per_byte
+
+
+@dataclass(frozen=True)
+class CollectiveCosts:
+    """One ``CollectiveCost`` per kind (``KINDS``) for a group of ``world_size`` ranks."""
+
+    world_size: int = 1
+    costs: dict[str, CollectiveCost] = field(default_factory=dict)
+
+    def cost(self, kind: str) -> CollectiveCost:
+        """A kind that was not measured costs nothing (a world of one communicates nothing)."""
+        return self.costs.get(kind, CollectiveCost())
+
+    def seconds(self, kind: str, nbytes: int) -> float:
+        return self.cost(kind).seconds(nbytes)
+
+    def to_json(self) -> str:
+        return json.dumps({"world_size": self.world_size, "costs": {k: asdict(c) for k, c in self.costs.items()}})
+
+    @classmethod
+    def from_json(cls, text: str) -> CollectiveCosts:
+        data = json.loads(text)
+        return cls(data["world_size"], {k: CollectiveCost(**c) for k, c in data["costs"].items()})
+
+
+@dataclass(frozen=True)
+class ComputeCosts:
+    """Throughput of the device: matmul FLOP/s, memory bytes/s, and the fixed cost of one op call.
+
+    ``op_overhead_s`` is the dispatch time of an op on tiny tensors: on a CPU running small
+    models it is most of an op's time, and a pure roofline would miss it.
+    """
+
+    flops_per_s: float
+    bytes_per_s: float
+    op_overhead_s: float = 0.0
+
+    def seconds(self, flops: float, nbytes: float) -> float:
+        return self.op_overhead_s + max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ComputeCosts:
+        return cls(**json.loads(text))
+
+
+def fit_linear(samples: Iterable[tuple[float, float]]) -> CollectiveCost:
+    """Least-squares ``seconds = latency_s + nbytes * seconds_per_byte`` over ``(nbytes, seconds)``.
+
+    A negative intercept (noise at small sizes) is clamped to 0 by refitting through the origin; a
+    negative slope (no size dependence measurable) to 0 with the mean time as latency.
+    """
+    samples = [(float(x), float(y)) for x, y in samples]
+    if not samples:
+        return CollectiveCost()
+    mean_x = math.fsum(x for x, _ in samples) / len(samples)
+    mean_y = math.fsum(y for _, y in samples) / len(samples)
+    sxx = math.fsum((x - mean_x) ** 2 for x, _ in samples)
+    if sxx == 0.0:
+        return CollectiveCost(max(mean_y, 0.0), 0.0)
+    slope = math.fsum((x - mean_x) * (y - mean_y) for x, y in samples) / sxx
+    latency = mean_y - slope * mean_x
+    if latency < 0.0:
+        slope = math.fsum(x * y for x, y in samples) / math.fsum(x * x for x, _ in samples)
+        latency = 0.0
+    if slope < 0.0:
+        return CollectiveCost(max(mean_y, 0.0), 0.0)
+    return CollectiveCost(latency, slope)
+
+
+# ----------------------------------------------------------------------------- measuring
+def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int, sync: Callable[[], None]) -> float:
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sync_for(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def _group_device(group: DataParallelGroup) -> torch.device:
+    """Where the group's collectives run: the current GPU for NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend(group.process_group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree(values: list[float], group: DataParallelGroup, device: torch.device) -> list[float]:
+    """Element-wise median of every rank's ``values``: the same list on every rank."""
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    gathered = torch.empty(group.world_size * len(values), dtype=torch.float64, device=device)
+    all_gather_eager(gathered, local, group)
+    rows = gathered.view(group.world_size, len(values)).cpu().tolist()
+    return [statistics.median(column) for column in zip(*rows)]
+
+
+def _issue_call(kind: str, nbytes: int, group: DataParallelGroup, device: torch.device) -> Callable[[], torch.Tensor]:
+    """Issues a collective of ``kind`` moving ``nbytes`` as ``zcompile.comm`` counts them (fp32).
+
+    Through the functional ops the compiled graphs call, run eagerly: what is timed is what the
+    graphs run, issue and wait apart.
+    """
+    world, name = group.world_size, group.name
+    numel = -(-nbytes // (4 * world)) * world  # fp32 elements, divisible by the group size
+    full = torch.ones(numel, device=device)
+    part = torch.ones(numel // world, device=device)
+    if kind == "all_gather":  # moves its output: ``numel``
+        return lambda: ALL_GATHER(part, world, name)
+    if kind == "reduce_scatter":  # moves its input: ``numel``
+        return lambda: REDUCE_SCATTER(full, "sum", world, name)
+    if kind == "all_reduce":
+        return lambda: ALL_REDUCE(full, "sum", name)
+    if kind == "all_to_all":
+        splits = [numel // world] * world
+        return lambda: ALL_TO_ALL(full, splits, splits, name)
+    raise ValueError(f"unknown collective kind {kind!r}; expected one of {KINDS}")
+
+
+def _time_collective(issue: Callable[[], torch.Tensor], sync: Callable[[], None]) -> tuple[float, float]:
+    """(seconds until the call returns, seconds until the result is there) of one collective."""
+    start = time.perf_counter()
+    out = issue()
+    returned = time.perf_counter() - start
+    WAIT(out)
+    sync()
+    return returned, time.perf_counter() - start
+
+
+def measure_collective_costs(group: dist.ProcessGroup | None = None, sizes: tuple[int, ...] = DEFAULT_SIZES,
+                             repeats: int = 5, warmup: int = 1, kinds: tuple[str, ...] = KINDS) -> CollectiveCosts:
+    """Fits ``CollectiveCost`` per kind from eager collectives of ``sizes`` bytes; agreed across ranks.
+
+    Per kind: ``warmup`` calls of each size, then ``repeats`` rounds over the sizes, each call
+    after a barrier (the ranks start together) and timed until it returns and until its result
+    is there; the median per size of each is fitted by ``fit_linear``. Rounds interleave the
+    sizes so that a burst of load on a shared machine spreads over all sizes instead of bending
+    the line at one. The constants of all ranks are all-gathered and every rank keeps their
+    element-wise median. Without a process group, or in a group of one, every collective costs
+    0. Collective: every rank of ``group`` must call it with the same arguments.
+    """
+    resolved = DataParallelGroup.resolve(group)
+    if resolved.world_size == 1:
+        return CollectiveCosts(1, {kind: CollectiveCost() for kind in kinds})
+    device = _group_device(resolved)
+    sync = _sync_for(device)
+    local = []
+    for kind in kinds:
+        calls = [_issue_call(kind, nbytes, resolved, device) for nbytes in sizes]
+        for call in calls:
+            for _ in range(warmup):
+                WAIT(call())
+        sync()
+        timings = [[] for _ in sizes]  # per size: (returned, done) of each round
+        for _ in range(repeats):
+            for call, timed in zip(calls, timings):
+                dist.barrier(group=resolved.process_group)
+                timed.append(_time_collective(call, sync))
+        returned = [(n, statistics.median(r for r, _ in timed)) for n, timed in zip(sizes, timings)]
+        done = [(n, statistics.median(d for _, d in timed)) for n, timed in zip(sizes, timings)]
+        transfer, issue = fit_linear(done), fit_linear(returned)
+        local += [transfer.latency_s, transfer.seconds_per_byte, issue.latency_s, issue.seconds_per_byte]
+        log.debug("cost model: rank %d %s: done %s, returned %s", resolved.rank, kind, done, returned)
+    agreed = _agree(local, resolved, device)
+    costs = {kind: CollectiveCost(*agreed[4 * i:4 * i + 4]) for i, kind in enumerate(kinds)}
+    log.info("cost model: collectives on %d ranks: %s", resolved.world_size,
+             ", ".join(f"{k} {c.latency_s * 1e6:.1f} us + {c.seconds_per_byte * 1e9:.3f} ns/B (issue "
+                       f"{c.issue_latency_s * 1e6:.1f} us)" for k, c in costs.items()))
+    return CollectiveCosts(resolved.world_size, costs)
+
+
+def measure_compute_costs(device: torch.device | str | None = None, matmul_size: int = 512,
+                          copy_bytes: int = 2**22, repeats: int = 5, dtype: torch.dtype = torch.float32,
+                          group: dist.ProcessGroup | None = None) -> ComputeCosts:
+    """Matmul FLOP/s (``matmul_size`` square, ``dtype``), memory bandwidth and op dispatch overhead
+    on ``device``, each the median of ``repeats`` runs.
+
+    The bandwidth is that of ``clone`` of ``copy_bytes`` (bytes read + written): like the graphs'
+    ops it allocates its output, which on a CPU costs page faults a copy into a warm buffer does not.
+
+    In an initialized process group the numbers are agreed like the collectives' (element-wise
+    median over ranks), so predictions that drive decisions are the same on every rank; then
+    every rank of ``group`` must call it.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    sync = _sync_for(device)
+    n = matmul_size
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    product = torch.empty(n, n, device=device, dtype=dtype)
+    matmul_s = _median_seconds(lambda: torch.mm(a, b, out=product), repeats, 1, sync)
+    src = torch.ones(copy_bytes // 4, device=device)
+    copy_s = _median_seconds(src.clone, repeats, 1, sync)
+    tiny, calls = torch.ones(1, device=device), 100
+    add = torch.ops.aten.add.Tensor  # called as the graphs' code calls ops: through the OpOverload
+
+    def dispatch():
+        for _ in range(calls):
+            add(tiny, tiny)
+
+    overhead_s = _median_seconds(dispatch, repeats, 1, sync) / calls
+    values = [2 * n**3 / matmul_s, 2 * src.numel() * 4 / copy_s, overhead_s]
+    resolved = DataParallelGroup.resolve(group)
+    if resolved.world_size > 1:
+        values = _agree(values, resolved, _group_device(resolved))
+    costs = ComputeCosts(*values)
+    log.info("cost model: compute on %s: %.1f GFLOP/s, %.1f GB/s, %.1f us per op", device,
+             costs.flops_per_s / 1e9, costs.bytes_per_s / 1e9, costs.op_overhead_s * 1e6)
+    return costs
+
+
+# ----------------------------------------------------------------------------- per node
+def _vals(node: torch.fx.Node):
+    """The node's args and kwargs with every input node replaced by its ``meta["val"]``."""
+    return torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+
+
+# flop_counter has formulas for the CUDA attention kernels, not for the CPU one the graphs hold on a CPU
+_EXTRA_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+        lambda q, k, v, *_, **__: flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+        lambda grad, q, k, v, *_, **__: flop_counter.sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape),
+}
+
+
+def node_flops(node: torch.fx.Node) -> int:
+    """FLOPs of an aten node by ``torch.utils.flop_counter``'s formulas; 0 for ops without one."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return 0
+    (args, kwargs) = _vals(node)
+    try:
+        if target in _EXTRA_FLOPS:
+            return int(_EXTRA_FLOPS[target](*args, **kwargs))
+        formula = flop_counter.flop_registry.get(target.overloadpacket)
+        return 0 if formula is None else int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    except (AttributeError, TypeError, AssertionError, RuntimeError) as error:  # a val missing or not a tensor
+        log.debug("cost model: no FLOPs for %s (%s)", node.name, error)
+        return 0
+
+
+def _tensor_bytes(value) -> int:
+    leaves = torch.utils._pytree.tree_leaves(value)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def node_bytes(node: torch.fx.Node) -> int:
+    """Bytes an aten node reads (its tensor inputs) and writes (its tensor outputs); 0 for a view."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.is_view:
+        return 0
+    return _tensor_bytes(_vals(node)) + _tensor_bytes(node.meta.get("val"))
+
+
+def node_seconds(node: torch.fx.Node, compute: ComputeCosts) -> float:
+    """Predicted compute time of one node; 0 for placeholders, outputs and Python calls (getitem)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return 0.0
+    return compute.seconds(node_flops(node), node_bytes(node))
+
+
+def collective_kind(node: torch.fx.Node) -> str | None:
+    return _KIND_OF.get(node.target) if node.op == "call_function" else None
+
+
+def collective_bytes(node: torch.fx.Node) -> int:
+    """Bytes per rank as ``zcompile.comm`` counts them: all-gather output, otherwise input."""
+    nbytes = _tensor_bytes(node.args[0].meta.get("val"))
+    return nbytes * int(node.args[1]) if node.target is ALL_GATHER else nbytes
+
+
+# ----------------------------------------------------------------------------- prediction
+@dataclass(frozen=True)
+class PredictedCollective:
+    graph: str
+    name: str
+    kind: str
+    bytes: int
+    issue_s: float  # compute time when it was issued
+    start_s: float  # when the transfer starts: issued, and the transfers before it done
+    end_s: float
+    waited_s: float  # how long compute blocked on it at its wait
+
+
+@dataclass
+class Prediction:
+    """Predicted timeline of a graph (or of a step: several graphs back to back)."""
+
+    graph: str
+    step_s: float = 0.0  # = compute_s + issue_s + exposed_comm_s
+    compute_s: float = 0.0  # the nodes' compute
+    issue_s: float = 0.0  # the compute stream busy issuing collectives
+    comm_s: float = 0.0  # transfer time, hidden or not
+    exposed_comm_s: float = 0.0  # time compute blocked on communication
+    collectives: list[PredictedCollective] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+
+def predict(gm: torch.fx.GraphModule, collectives: CollectiveCosts, compute: ComputeCosts,
+            graph: str = "") -> Prediction:
+    """Simulates ``gm`` in its node order on one compute stream and one communication stream.
+
+    A transfer still running when the graph's compute ends (a collective never waited) extends
+    the step and counts as exposed.
+    """
+    clock = comm_free = compute_s = issue_s = comm_s = exposed = 0.0
+    records: list[PredictedCollective] = []
+    pending: dict[torch.fx.Node, int] = {}  # collective node -> index of its record
+    for node in gm.graph.nodes:
+        kind = collective_kind(node)
+        if kind is not None:
+            nbytes, cost = collective_bytes(node), collectives.cost(kind)
+            duration = cost.seconds(nbytes)
+            start = max(clock, comm_free)
+            comm_free = start + duration
+            comm_s += duration
+            pending[node] = len(records)
+            records.append(PredictedCollective(graph, node.name, kind, nbytes, clock, start, comm_free, 0.0))
+            clock += cost.issue_seconds(nbytes)
+            issue_s += cost.issue_seconds(nbytes)
+        elif node.op == "call_function" and node.target is WAIT:
+            index = pending.pop(node.args[0], None)
+            if index is not None:
+                waited = max(0.0, records[index].end_s - clock)
+                records[index] = replace(records[index], waited_s=waited)
+                clock += waited
+                exposed += waited
+        else:
+            seconds = node_seconds(node, compute)
+            clock += seconds
+            compute_s += seconds
+    tail = max(0.0, comm_free - clock)
+    prediction = Prediction(graph, clock + tail, compute_s, issue_s, comm_s, exposed + tail, records)
+    log.debug("cost model (%s): step %.3f ms, compute %.3f ms, comm %.3f ms, exposed %.3f ms", graph,
+              prediction.step_s * 1e3, compute_s * 1e3, comm_s * 1e3, prediction.exposed_comm_s * 1e3)
+    return prediction
+
+
+def predict_step(compiled_graphs: Iterable, collectives: CollectiveCosts, compute: ComputeCosts) -> Prediction:
+    """Forward graphs in compile order, then backward graphs in reverse (autograd's order), back to back.
+
+    ``compiled_graphs``: the ``CompiledGraphs`` passed to ``on_compile``; graphs not compiled yet
+    (``None``) are skipped. Times of the collectives are on the step's clock.
+    """
+    compiled_graphs = list(compiled_graphs)
+    parts = [(f"forward{i}", g.forward) for i, g in enumerate(compiled_graphs)]
+    parts += [(f"backward{i}", g.backward) for i, g in reversed(list(enumerate(compiled_graphs)))]
+    total = Prediction("step")
+    for name, gm in parts:
+        if gm is None:
+            continue
+        part = predict(gm, collectives, compute, name)
+        offset = total.step_s
+        total.collectives += [replace(c, issue_s=c.issue_s + offset, start_s=c.start_s + offset,
+                                      end_s=c.end_s + offset) for c in part.collectives]
+        total.step_s += part.step_s
+        total.compute_s += part.compute_s
+        total.issue_s += part.issue_s
+        total.comm_s += part.comm_s
+        total.exposed_comm_s += part.exposed_comm_s
+    return total
