@@ -36,7 +36,7 @@ def train(options: dict, args, rank: int, world: int) -> tuple[list[float], floa
     torch.manual_seed(0)
     config = GPTConfig(n_layer=args.layers, n_embd=args.embd, block_size=64)
     model = GPT(config)
-    opts = {"stage": 3, "param_dtype": "bf16", "node_size": args.node_size, **options}
+    opts = {"stage": 3, "param_dtype": "bf16", "node_size": args.node_size, "quantize_block": args.block, **options}
     compiled = torch.compile(model, backend="zero", options=opts)
     optimizer = zcompile.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     losses, start = [], time.perf_counter()
@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--node-size", type=int, default=2)
+    parser.add_argument("--block", type=int, default=128, help="quantize_block: elements per scale")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "zeropp_loss.json"))
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -74,7 +75,7 @@ def main() -> None:
         tail = 10
         end_base, end_plus = sum(base[-tail:]) / tail, sum(plus[-tail:]) / tail
         print(f"{world} ranks as {world // args.node_size} nodes of {args.node_size}, GPT {args.layers} layers "
-              f"n_embd {args.embd}, {args.steps} steps, AdamW lr {args.lr}, bf16 gathers")
+              f"n_embd {args.embd}, {args.steps} steps, AdamW lr {args.lr}, bf16 gathers, quantize_block {args.block}")
         for name in curves:
             print(f"  {name:28s} first loss {curves[name][0]:.4f}  last-{tail} mean {sum(curves[name][-tail:]) / tail:.4f}"
                   f"  ({seconds[name]:.0f} s)")

@@ -158,7 +158,9 @@ def _zeropp_on_rank(rank, world, specs):
                         for g in graphs for part in ("forward", "backward")
                         for r in [c.to_json() for c in zcompile.comm.graph_collectives(getattr(g, part), part)]})
         node_size = spec.options.get("node_size", NODE)
-        results.append(dict(losses=losses, params=params, kinds=kinds,
+        padded = sum(-(-p.numel() // world) * world for p in dict.fromkeys(model.parameters()))
+        results.append(dict(losses=losses, params=params, kinds=kinds, padded=padded,
+                            hpz_bytes=zcompile.step_report(model, optimizer).memory["hpz_secondary_bytes"],
                             cross=_cross_node_bytes(prof, world, node_size),
                             numel=sum(p.numel() for p in model.parameters())))
     return results
@@ -174,9 +176,9 @@ class _nothing:
 
 BF16 = {"param_dtype": "bf16", "node_size": NODE, "bucket_mb": 0}
 SPECS = [
-    RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=12, options=dict(BF16)),
-    RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=12, options=dict(BF16, hpz_size="node")),
-    RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=12,
+    RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=6, options=dict(BF16)),
+    RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=6, options=dict(BF16, hpz_size="node")),
+    RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=6,
             options=dict(BF16, hpz_size="node", quantize_weights=True, quantize_grads=True, quantize_block=256)),
     RunSpec(model="gpt_untied_odd", stage=2, optimizer="sgd", lr=0.1, steps=4,
             options={"quantize_grads": True, "node_size": NODE, "quantize_block": 64}),
@@ -197,6 +199,8 @@ def test_hpz_equals_stage3(trained):
     assert {k for k in hpz["kinds"] if k[0] == "all_gather"} == {
         ("all_gather", "forward", WORLD, "torch.bfloat16"), ("all_gather", "backward", NODE, "torch.bfloat16")}
     assert ("all_gather", "backward", WORLD, "torch.bfloat16") in baseline["kinds"]
+    # the report's memory cost of the secondary partition: 2 bytes (bf16) x padded numel / 2 ranks
+    assert hpz["hpz_bytes"] == 2 * hpz["padded"] // NODE and baseline["hpz_bytes"] == 0
 
 
 def test_zeropp_cross_node_bytes_against_formula(trained):

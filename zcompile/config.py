@@ -83,7 +83,7 @@ class ZeroConfig:
     memory_budget_mb: float | None = None
     quantize_weights: bool = False
     quantize_grads: bool = False
-    quantize_block: int = 2048
+    quantize_block: int = 128
     hpz_size: int | str | None = None
     node_size: int | None = None
 

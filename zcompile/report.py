@@ -184,9 +184,19 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list | No
             "model_states_bytes": measured,
             "formula_bytes": zero_formula_bytes(num_params, plan.world_size, plan.stage),
             "peak_gathered_bytes": peak_gathered,
+            "hpz_secondary_bytes": _hpz_secondary_bytes(graphs, unique),
         },
         schedule=schedule,
     )
+
+
+def _hpz_secondary_bytes(graphs: list, params: list[torch.Tensor]) -> int:
+    """hpZ: bytes of the secondary partitions held from forward to backward (padded numel / K each)."""
+    hpz = next((g for g in graphs if g.zeropp is not None and g.zeropp.hpz_size), None)
+    if hpz is None:
+        return 0
+    world, size, gather_dtype = hpz.plan.world_size, hpz.zeropp.hpz_size, hpz.plan.param_dtype
+    return sum(-(-p.numel() // world) * world // size * (gather_dtype or p.dtype).itemsize for p in params)
 
 
 def _gathered_values(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
