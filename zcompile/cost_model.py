@@ -307,7 +307,7 @@ def node_flops(node: torch.fx.Node) -> int:
         return 0
     (args, kwargs) = _vals(node)
     try:
-        if False:
+        if target in _EXTRA_FLOPS:
             return int(_EXTRA_FLOPS[target](*args, **kwargs))
         formula = flop_counter.flop_registry.get(target.overloadpacket)
         return 0 if formula is None else int(formula(*args, **kwargs, out_val=node.meta.get("val")))
