@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness import run_ranks
-from zcompile.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT, DataParallelGroup, all_gather_eager
+from zcompile.collectives import WAIT, DataParallelGroup, all_gather_eager
 from zcompile.cost_model import (
     CollectiveCost, CollectiveCosts, ComputeCosts, fit_linear, measure_collective_costs, measure_compute_costs,
     node_bytes, node_flops, node_seconds, predict, predict_step,
@@ -107,31 +107,7 @@ def test_views_and_getitem_cost_nothing():
 
 
 # ----------------------------------------------------------------------------- predict
-def _layered_graph(layers=3, shard=8, world=2):
-    """x -> for each layer: all-gather(shard_i) -> wait -> mul(x, w_i); a reduce-scatter of x, then
-    more compute (as tests/test_schedule.py builds it)."""
-    mode = FakeTensorMode()
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    shards = [graph.placeholder(f"shard{i}") for i in range(layers)]
-    with mode:
-        x.meta["val"] = torch.empty(shard * world)
-        for s in shards:
-            s.meta["val"] = torch.empty(shard)
-    for i, s in enumerate(shards):
-        gather = graph.call_function(ALL_GATHER, (s, world, "0"), name=f"gather{i}")
-        wait = graph.call_function(WAIT, (gather,), name=f"wait{i}")
-        x = graph.call_function(aten.mul.Tensor, (x, wait), name=f"layer{i}")
-        with mode:
-            gather.meta["val"] = wait.meta["val"] = x.meta["val"] = torch.empty(shard * world)
-    reduce = graph.call_function(REDUCE_SCATTER, (x, "sum", world, "0"), name="reduce")
-    reduce_wait = graph.call_function(WAIT, (reduce,), name="reduce_wait")
-    tail = graph.call_function(aten.mul.Tensor, (x, 2.0), name="tail")
-    with mode:
-        reduce.meta["val"] = reduce_wait.meta["val"] = torch.empty(shard)
-        tail.meta["val"] = torch.empty(shard * world)
-    graph.output((reduce_wait, tail))
-    return torch.fx.GraphModule(torch.nn.Module(), graph)
+from test_schedule import _layered_graph  # noqa: E402  (the same hand-built graph the schedule tests use)
 
 
 # Hand-set costs, powers of two so every time below is exact. Each gathered buffer is 16 fp32 =
