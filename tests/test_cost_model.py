@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness import run_ranks
-from zcompile.collectives import WAIT, DataParallelGroup, all_gather_eager
+from zcompile.collectives import DataParallelGroup, all_gather_eager
 from zcompile.cost_model import (
     CollectiveCost, CollectiveCosts, ComputeCosts, fit_linear, measure_collective_costs, measure_compute_costs,
     node_bytes, node_flops, node_seconds, predict, predict_step,
