@@ -29,6 +29,7 @@ import torch
 from zcompile.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
 from zcompile.passes import metadata
 from zcompile.passes.graph_order import apply_order, topological_order
+from zcompile.passes.inline import graph_fake_mode
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def bucket_collectives_pass(gm: torch.fx.GraphModule, plan: BucketPlan) -> torch
         return gm
     graph = gm.graph
     by_name = {node.name: node for node in graph.nodes}
-    fake_mode = torch._guards.detect_fake_mode([n.meta.get("val") for n in graph.nodes if "val" in n.meta])
+    fake_mode = graph_fake_mode(gm)
     for index, bucket in enumerate(plan.buckets):
         members = [by_name[name] for name in bucket.members]
         waits = [next(iter(m.users)) for m in members]

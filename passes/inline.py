@@ -31,10 +31,10 @@ def inline_call(graph: torch.fx.Graph, fn: Callable[..., Any], args: list[torch.
     values = [a.meta["val"] for a in args]
     with fake_mode:
         traced = make_fx(fn, tracing_mode="real", pre_dispatch=False)(*values)
-    value_map = dict(zip(traced.graph.find_nodes(op="placeholder"), args))
-    before = set(graph.nodes)
-    result = graph.graph_copy(traced.graph, value_map)
-    for node in graph.nodes:
-        if node not in before and tags:
-            metadata.tag(node, **tags)
+    placeholders = traced.graph.find_nodes(op="placeholder")
+    value_map = dict(zip(placeholders, args))
+    result = graph.graph_copy(traced.graph, value_map)  # fills value_map: traced node -> inserted node
+    if tags:
+        for inserted in (value_map[n] for n in traced.graph.nodes if n.op != "output" and n not in placeholders):
+            metadata.tag(inserted, **tags)
     return result

@@ -143,6 +143,24 @@ def plan_schedule(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int | 
     return plan
 
 
+def gathered_peak_bytes(gm: torch.fx.GraphModule) -> int:
+    """Most bytes of gathered parameters alive at once in ``gm`` as it is ordered now.
+
+    Each all-gather's output counts from the gather's issue to the last compute node (or the
+    output) that reads it through prep ops (views, splits, copies): the same lifetime the plan
+    predicts, measured on the final graph.
+    """
+    dag = dependency_graph(gm)
+    position = nx.get_node_attributes(dag, "position")
+    live = []
+    for node in gm.graph.find_nodes(op="call_function", target=ALL_GATHER):
+        waits = [u for u in node.users if u.target is WAIT]
+        uses = _real_uses(dag, waits[0]) if len(waits) == 1 else []
+        if uses:
+            live.append((position[node], max(position[u] for u in uses), _nbytes(node)))
+    return _peak(live)
+
+
 def _peak(intervals: list[tuple[float, float, int]]) -> int:
     events = sorted([(start, nbytes) for start, _, nbytes in intervals] + [(end + 0.1, -nbytes) for _, end, nbytes in intervals])
     peak = live = 0

@@ -12,11 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from zcompile.collectives import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER
+from zcompile.collectives import COLLECTIVE_KINDS
 from zcompile.passes import metadata
 
-_KIND = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce",
-         ALL_TO_ALL: "all_to_all"}
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,7 @@ def graph_collectives(gm: torch.fx.GraphModule | None, where: str) -> list[Colle
         return []
     records = []
     for node in gm.graph.nodes:
-        kind = _KIND.get(node.target) if node.op == "call_function" else None
+        kind = COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
         if kind is None:
             continue
         source = node.args[0].meta.get("val")

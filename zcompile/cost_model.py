@@ -35,14 +35,12 @@ import torch
 import torch.distributed as dist
 from torch.utils import flop_counter
 
-from zcompile.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, DataParallelGroup, all_gather_eager
+from zcompile.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_KINDS, REDUCE_SCATTER, WAIT,
+                                  DataParallelGroup, all_gather_eager)
 
 log = logging.getLogger(__name__)
 
-ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-_KIND_OF = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce",
-            ALL_TO_ALL: "all_to_all"}
+KINDS = tuple(COLLECTIVE_KINDS.values())
 DEFAULT_SIZES = (2**12, 2**15, 2**18, 2**22)  # bytes: from latency-bound to bandwidth-bound (gloo and NCCL)
 
 
@@ -337,7 +335,7 @@ def node_seconds(node: torch.fx.Node, compute: ComputeCosts) -> float:
 
 
 def collective_kind(node: torch.fx.Node) -> str | None:
-    return _KIND_OF.get(node.target) if node.op == "call_function" else None
+    return COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
 
 
 def collective_bytes(node: torch.fx.Node) -> int:

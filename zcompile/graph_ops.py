@@ -24,11 +24,17 @@ def _reduce_flat_grad(
 ) -> torch.Tensor:
     """Mean over ranks of ``grad`` (full shape), returned as this rank's flat shard."""
     flat = grad.reshape(-1)
-    if reduce_dtype is not None and flat.dtype != reduce_dtype:
-        flat = flat.to(reduce_dtype)
     padded_numel = -(-numel // world_size) * world_size
     if padded_numel > numel:
         flat = F.pad(flat, (0, padded_numel - numel))
+    return _reduce_padded_grad(flat, world_size, group_name, reduce_dtype, shard_dtype)
+
+
+def _reduce_padded_grad(flat: torch.Tensor, world_size: int, group_name: str | None,
+                        reduce_dtype: torch.dtype | None, shard_dtype: torch.dtype) -> torch.Tensor:
+    """Mean over ranks of a flat gradient already padded to a multiple of ``world_size``: this rank's shard."""
+    if reduce_dtype is not None and flat.dtype != reduce_dtype:
+        flat = flat.to(reduce_dtype)
     if world_size > 1:
         flat = reduce_scatter_in_graph(flat, world_size, group_name) / world_size
     return flat.to(shard_dtype)
@@ -63,12 +69,7 @@ class _GatherFlat(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_padded):
         world_size, group_name, reduce_dtype, shard_dtype = ctx.static
-        grad = grad_padded
-        if reduce_dtype is not None and grad.dtype != reduce_dtype:
-            grad = grad.to(reduce_dtype)
-        if world_size > 1:
-            grad = reduce_scatter_in_graph(grad, world_size, group_name) / world_size
-        return grad.to(shard_dtype), None, None, None, None
+        return _reduce_padded_grad(grad_padded, world_size, group_name, reduce_dtype, shard_dtype), None, None, None, None
 
 
 class _HpzRegather(torch.autograd.Function):

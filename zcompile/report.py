@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from zcompile.collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT
+from zcompile.collectives import COLLECTIVE_KINDS, WAIT
 from zcompile.comm import CollectiveRecord, graph_collectives, summarize
 from zcompile.memory import model_state_bytes, zero_formula_bytes
+from zcompile.passes.schedule import gathered_peak_bytes
 
 log = logging.getLogger(__name__)
 
 COMPILE_LOG_ATTR = "_zcompile_compiled_graphs"
-_COLLECTIVES = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce"}
 
 
 def record_compiled_graphs(params: list[torch.nn.Parameter], graphs: Any) -> None:
@@ -168,7 +168,7 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list | No
             gm = getattr(compiled, where)
             records += graph_collectives(gm, where)
             schedule += collective_overlaps(gm, graph_id, where)
-            peak_gathered = max(peak_gathered, _peak_gathered_bytes(gm))
+            peak_gathered = max(peak_gathered, 0 if gm is None else gathered_peak_bytes(gm))
     if optimizer is not None:
         records += list(getattr(optimizer, "last_step_collectives", []))
     unique = list(dict.fromkeys(model.parameters()))
@@ -199,46 +199,6 @@ def _hpz_secondary_bytes(graphs: list, params: list[torch.Tensor]) -> int:
     return sum(-(-p.numel() // world) * world // size * (gather_dtype or p.dtype).itemsize for p in params)
 
 
-def _gathered_values(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    return {node for node in gm.graph.find_nodes(op="call_function", target=WAIT)
-            if node.args[0].target is ALL_GATHER}
-
-
-def _peak_gathered_bytes(gm: torch.fx.GraphModule | None) -> int:
-    """Most bytes of gathered parameters alive at once, walking the graph in its order.
-
-    A gathered buffer lives from its wait to the last node that reads it or a view of it.
-    """
-    if gm is None:
-        return 0
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    deltas = [0] * (len(order) + 1)
-    for wait in _gathered_values(gm):
-        val = wait.meta.get("val")
-        if val is None:
-            continue
-        last = order[wait]
-        stack = [wait]
-        while stack:  # follow views: the buffer lives as long as any alias of it
-            node = stack.pop()
-            for user in node.users:
-                last = max(last, order[user])
-                if user.target in _VIEW_OPS:
-                    stack.append(user)
-        deltas[order[wait]] += val.numel() * val.element_size()
-        deltas[last + 1] -= val.numel() * val.element_size()
-    peak = live = 0
-    for delta in deltas:
-        live += delta
-        peak = max(peak, live)
-    return peak
-
-
-_VIEW_OPS = {torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-             torch.ops.aten.reshape.default, torch.ops.aten.t.default, torch.ops.aten.permute.default,
-             torch.ops.aten.alias.default, torch.ops.aten.expand.default, torch.ops.aten.as_strided.default}
-
-
 def collective_overlaps(gm: torch.fx.GraphModule | None, graph_id: str, where: str) -> list[OverlapRecord]:
     """For each collective: compute ops between it and its wait, in graph order."""
     if gm is None:
@@ -249,12 +209,12 @@ def collective_overlaps(gm: torch.fx.GraphModule | None, graph_id: str, where: s
     order = {node: i for i, node in enumerate(nodes)}
     out = []
     for node in nodes:
-        kind = _COLLECTIVES.get(node.target) if node.op == "call_function" else None
+        kind = COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
         if kind is None:
             continue
         waits = [user for user in node.users if user.target is WAIT]
         end = min((order[w] for w in waits), default=order[node])
         between = [n for n in nodes[order[node] + 1:end]
-                   if n.op == "call_function" and n.target not in _COLLECTIVES and n.target is not WAIT]
+                   if n.op == "call_function" and n.target not in COLLECTIVE_KINDS and n.target is not WAIT]
         out.append(OverlapRecord(graph_id, where, kind, metadata.params_of(node), len(between)))
     return out
