@@ -4,6 +4,7 @@ launcher that runs a function on N gloo ranks in fresh processes (with a timeout
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -159,7 +160,7 @@ def graph_facts(compiled_graphs) -> dict:
 
     facts = dict(graphs=len(compiled_graphs), gather_nodes=0, fw_all_gathers=0, bw_all_gathers=0,
                  bw_reduce_scatters=0, saved_gathered=0, gathered_twice=0, collective_ops=0,
-                 overlapped_collectives=0)
+                 overlapped_collectives=0, kept_params=0, keep_plans=[])
 
     def params_moved(gm, op):
         nodes = gm.graph.find_nodes(op="call_function", target=op)
@@ -174,6 +175,9 @@ def graph_facts(compiled_graphs) -> dict:
         for gm in (graphs.forward, graphs.backward):
             facts["overlapped_collectives"] += sum(r.overlapped_ops > 0 for r in collective_overlaps(gm, "", ""))
         facts["gather_nodes"] += len(graphs.dynamo.graph.find_nodes(op="call_function", target=gather_param))
+        if graphs.keep_gathered is not None:
+            facts["kept_params"] += len(graphs.keep_gathered.kept)
+            facts["keep_plans"].append(json.loads(graphs.keep_gathered.to_json()))
         if graphs.forward is not None:
             facts["fw_all_gathers"] += params_moved(graphs.forward, ALL_GATHER)
             outputs = graphs.forward.graph.find_nodes(op="output")[0].args[0]
@@ -234,8 +238,11 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     unique = list(dict.fromkeys(model.parameters()))
     padded = sum(-(-p.numel() // world) * world for p in unique)
     graphs = [(g.forward.code if g.forward else "", g.backward.code if g.backward else "") for g in compiled_graphs]
+    facts = graph_facts(compiled_graphs)
+    if compiled_graphs:
+        facts["report_kept_bytes"] = zcompile.step_report(model, optimizer).memory["kept_gathered_bytes"]
     return RunResult(losses, params, state_bytes, sum(p.numel() for p in unique), padded, collectives, graphs,
-                     graph_facts(compiled_graphs))
+                     facts)
 
 
 def train_reference(spec: RunSpec, world: int = 1, microbatch_like_ranks: bool = False,

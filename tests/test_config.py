@@ -34,6 +34,8 @@ def test_unknown_option_lists_valid_ones():
         ({"group": "world"}, "ProcessGroup"),
         ({"check_timeout_s": 0}, "check_timeout_s"),
         ({"on_compile": 3}, "callable"),
+        ({"keep_gathered_mb": -1}, "'keep_gathered_mb' must be a number >= 0"),
+        ({"stage": 2, "keep_gathered_mb": 4}, "keep_gathered_mb keeps stage-3 gathered weights"),
     ],
 )
 def test_bad_values_name_the_option(options, fragment):

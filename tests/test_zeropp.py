@@ -163,7 +163,8 @@ def _zeropp_on_rank(rank, world, specs):
         results.append(dict(losses=losses, params=params, kinds=kinds, padded=padded,
                             hpz_bytes=zcompile.step_report(model, optimizer).memory["hpz_secondary_bytes"],
                             cross=_cross_node_bytes(prof, world, node_size),
-                            numel=sum(p.numel() for p in model.parameters())))
+                            numel=sum(p.numel() for p in model.parameters()),
+                            kept=[p for g in graphs if g.keep_gathered for p in g.keep_gathered.kept]))
     return results
 
 
@@ -175,6 +176,8 @@ SPECS = [
             options=dict(BF16, hpz_size="node", quantize_weights=True, quantize_grads=True, quantize_block=256)),
     RunSpec(model="gpt_untied_odd", stage=2, optimizer="sgd", lr=0.1, steps=4,
             options={"quantize_grads": True, "node_size": NODE, "quantize_block": 64}),
+    RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=6,
+            options=dict(BF16, hpz_size="node", keep_gathered_mb=0.03)),
 ]
 
 
@@ -194,6 +197,19 @@ def test_hpz_equals_stage3(trained):
     assert ("all_gather", "backward", WORLD, "torch.bfloat16") in baseline["kinds"]
     # the report's memory cost of the secondary partition: 2 bytes (bf16) x padded numel / 2 ranks
     assert hpz["hpz_bytes"] == 2 * hpz["padded"] // NODE and baseline["hpz_bytes"] == 0
+
+
+def test_hpz_with_kept_weights_equals_stage3(trained):
+    baseline, kept = trained[0], trained[4]
+    assert kept["losses"] == baseline["losses"]
+    for name, value in baseline["params"].items():
+        assert torch.equal(kept["params"][name], value), name
+    # the budget keeps some weights, not all: the rest is still re-gathered inside the node
+    assert 0 < len(kept["kept"]) < len(baseline["params"])
+    assert ("all_gather", "backward", NODE, "torch.bfloat16") in kept["kinds"]
+    # a kept weight needs no secondary partition: its 1/NODE slice leaves the report's hpZ memory
+    secondaries = sum(p.hpz_secondary_bytes for p in kept["kept"])
+    assert secondaries > 0 and kept["hpz_bytes"] == 2 * kept["padded"] // NODE - secondaries
 
 
 def test_zeropp_cross_node_bytes_against_formula(trained):

@@ -10,11 +10,13 @@ from typing import Any, Callable
 import torch
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from zcompile.comm import graph_collectives
 from zcompile.passes.bucketing import bucket_collectives_pass, plan_buckets
 from zcompile.passes.cleanup import remove_unused_gathers_pass
 from zcompile.passes.hpz import hpz_forward_shortcut_pass
+from zcompile.passes.keep_gathered import KeepGatheredPlan, keep_gathered_pass, plan_keep_gathered
 from zcompile.passes.quantize_grads import quantize_grads_pass
 from zcompile.passes.quantize_weights import quantize_weights_pass
 from zcompile.passes.schedule import plan_schedule, schedule_pass
@@ -40,6 +42,7 @@ class CompiledGraphs:
     config: Any = None  # the ZeroConfig it was compiled with
     group: Any = None  # the DataParallelGroup
     zeropp: Any = None  # the ZeroPPSettings (ZeRO++ techniques that run, and their groups)
+    keep_gathered: KeepGatheredPlan | None = None  # stage-3 weights kept from forward to backward
 
     @property
     def passes(self) -> list[PassRecord]:
@@ -79,15 +82,44 @@ def _post_partition(graph_module: torch.fx.GraphModule, kind: str, graphs: Compi
     return graph_module
 
 
+def _keep_gathered_joint(joint: torch.fx.GraphModule, graphs: CompiledGraphs) -> None:
+    """Plans and applies keep-gathered on AOTAutograd's joint graph, before the partition."""
+    config = graphs.config
+    if config is None or config.stage != 3 or not config.keep_gathered_mb:
+        return
+    plan = plan_keep_gathered(joint.graph, int(config.keep_gathered_mb * 2**20))
+    graphs.keep_gathered = plan
+    graphs.runner.write_json("keep_gathered.json", json.loads(plan.to_json()))
+    graphs.runner.run("keep_gathered", keep_gathered_pass, joint, "joint", plan)
+
+
+class _KeepGatheredJointPass(CustomGraphPass):
+    """``_keep_gathered_joint`` as inductor's joint-graph hook (``joint_custom_pre_pass``)."""
+
+    def __init__(self, graphs: CompiledGraphs):
+        self.graphs = graphs
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        _keep_gathered_joint(graph.owning_module, self.graphs)
+
+    def uuid(self):
+        return get_hash_for_files((keep_gathered_pass.__code__.co_filename,), str(self.graphs.config.keep_gathered_mb))
+
+
 def compile_with_aot(
     gm: torch.fx.GraphModule, example_inputs: list, compiler: str, graphs: CompiledGraphs
 ) -> Callable:
     """Runs AOTAutograd on the rewritten Dynamo graph and compiles forward and backward.
 
     The min-cut partitioner is used with both inner compilers because it honours the
-    ``MUST_RECOMPUTE`` tags of stage-3 gathers (the backward re-gathers instead of saving).
+    ``MUST_RECOMPUTE`` tags of stage-3 gathers (the backward re-gathers instead of saving);
+    keep-gathered lifts some of those tags on the joint graph just before it partitions.
     """
     if compiler == "eager":
+
+        def partition(joint, joint_inputs, **kwargs):
+            _keep_gathered_joint(joint, graphs)
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         def make_compiler(kind: str):
             def compile_eager(graph_module, inputs):
@@ -99,7 +131,7 @@ def compile_with_aot(
             fw_compiler=make_compiler("forward"),
             bw_compiler=make_compiler("backward"),
             inference_compiler=make_compiler("inference"),
-            partition_fn=min_cut_rematerialization_partition,
+            partition_fn=partition,
             keep_inference_input_mutations=True,
         )
         return backend(gm, example_inputs)
@@ -110,4 +142,5 @@ def compile_with_aot(
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
         return compile_fx_inner(_post_partition(graph_module, kind, graphs), inputs, **kwargs)
 
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+    patches = {"joint_custom_pre_pass": _KeepGatheredJointPass(graphs)} if graphs.config.keep_gathered_mb else None
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)

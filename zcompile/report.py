@@ -115,7 +115,9 @@ class StepReport:
             f"(ZeRO formula {self.formula_elements / psi:.0f} Ψ)",
             f"model states {mem['model_states_bytes'] / 2**20:.2f} MiB/rank measured, "
             f"{mem['formula_bytes'] / 2**20:.2f} MiB by the formula; peak gathered parameters "
-            f"{mem['peak_gathered_bytes'] / 2**20:.2f} MiB",
+            f"{mem['peak_gathered_bytes'] / 2**20:.2f} MiB"
+            + (f" (of which {mem['kept_gathered_bytes'] / 2**20:.2f} MiB kept for backward)"
+               if mem.get("kept_gathered_bytes") else ""),
             f"schedule: {len(self.schedule)} collectives in graphs, {exposed} with no compute between issue "
             "and wait (exposed)",
         ]
@@ -184,7 +186,9 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list | No
             "model_states_bytes": measured,
             "formula_bytes": zero_formula_bytes(num_params, plan.world_size, plan.stage),
             "peak_gathered_bytes": peak_gathered,
-            "hpz_secondary_bytes": _hpz_secondary_bytes(graphs, unique),
+            "hpz_secondary_bytes": _hpz_secondary_bytes(graphs, unique) - sum(
+                p.hpz_secondary_bytes for g in graphs if g.keep_gathered for p in g.keep_gathered.kept),
+            "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in graphs if g.keep_gathered),
         },
         schedule=schedule,
     )
