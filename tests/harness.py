@@ -117,6 +117,7 @@ class RunSpec:
     optimizer_after_forward: bool = False
     seq_lens: tuple[int, ...] = ()  # per-step sequence length (recompiles on new shapes); () = full
     options: dict = field(default_factory=dict)
+    optimizer_options: dict = field(default_factory=dict)  # extra zcompile.optim arguments (bucket_mb)
 
 
 @dataclass
@@ -190,12 +191,13 @@ def graph_facts(compiled_graphs) -> dict:
 
 def _optimizer(spec: RunSpec, params, zero: bool):
     module = zcompile.optim if zero else torch.optim
+    extra = spec.optimizer_options if zero else {}
     if spec.optimizer == "sgd":
-        return module.SGD(params, lr=spec.lr, momentum=0.9)
+        return module.SGD(params, lr=spec.lr, momentum=0.9, **extra)
     # eps=1e-6 sits above the rounding noise of gradients that are exactly zero in theory (the
     # key third of an attention qkv bias): with eps=1e-8 Adam would normalize that noise to
     # +-lr steps and two correct runs would differ by lr per element.
-    return module.AdamW(params, lr=spec.lr, weight_decay=0.01, eps=1e-6)
+    return module.AdamW(params, lr=spec.lr, weight_decay=0.01, eps=1e-6, **extra)
 
 
 def _micro_batches(spec: RunSpec, step: int, rank: int, world: int):

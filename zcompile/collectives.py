@@ -63,12 +63,16 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_gather_eager(out: torch.Tensor, shard: torch.Tensor, group: DataParallelGroup) -> None:
-    _all_gather_flat(out, shard, group=group.process_group)
+def all_gather_eager(out: torch.Tensor, shard: torch.Tensor, group: DataParallelGroup,
+                     async_op: bool = False) -> dist.Work | None:
+    """``out`` = every rank's ``shard`` concatenated; with ``async_op`` returns the work to wait on."""
+    return _all_gather_flat(out, shard, group=group.process_group, async_op=async_op)
 
 
-def reduce_scatter_eager(out: torch.Tensor, full: torch.Tensor, group: DataParallelGroup) -> None:
-    _reduce_scatter_flat(out, full, op=dist.ReduceOp.SUM, group=group.process_group)
+def reduce_scatter_eager(out: torch.Tensor, full: torch.Tensor, group: DataParallelGroup,
+                         async_op: bool = False) -> dist.Work | None:
+    """``out`` = this rank's slice of the sum of every rank's ``full``; ``async_op`` as above."""
+    return _reduce_scatter_flat(out, full, op=dist.ReduceOp.SUM, group=group.process_group, async_op=async_op)
 
 
 def find_group(ranks: list[int]) -> dist.ProcessGroup | None:

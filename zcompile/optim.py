@@ -8,7 +8,9 @@ What a step does per parameter, by stage:
 - stages 2 and 3: the compiled backward already left the averaged gradient on ``shard.grad``;
 
 then the fp32 shard is updated, and at stages 1 and 2 the updated shards are all-gathered back
-into the replicated parameters. Optimizer state (moments) has the shard's size.
+into the replicated parameters. Optimizer state (moments) has the shard's size. Those eager
+collectives are bucketed (``bucket_mb`` of shard per rank, like the backend option) and run while
+the next bucket updates (``zcompile.optim_comm``).
 
 The update is one fused pass (``zcompile.kernels.fused_optim``): the Triton kernel on GPU, its
 pure-torch reference on CPU. When the replicated parameter is in a low-precision dtype, the same
@@ -23,10 +25,11 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from zcompile.collectives import DataParallelGroup, reduce_scatter_eager
+from zcompile.collectives import DataParallelGroup
 from zcompile.comm import CollectiveRecord
 from zcompile.memory import ModelStateBytes, model_state_bytes
 from zcompile.kernels.fused_optim import fused_adamw, fused_adamw_reference, fused_sgd, fused_sgd_reference
+from zcompile.optim_comm import BucketedGradReduce, BucketedParamRefresh, plan_optimizer_buckets
 from zcompile.sharding import ShardedParam, shard_of, shard_parameter
 
 log = logging.getLogger(__name__)
@@ -35,7 +38,10 @@ log = logging.getLogger(__name__)
 class ShardedOptimizer(torch.optim.Optimizer):
     """Base class: gradient collection and parameter refresh around a per-shard update rule."""
 
-    def __init__(self, params: Iterable, defaults: dict):
+    def __init__(self, params: Iterable, defaults: dict, bucket_mb: float = 4.0):
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb < 0:
+            raise ValueError(f"{type(self).__name__}: bucket_mb must be a number >= 0 (MiB), got {bucket_mb!r}")
+        self.bucket_mb = bucket_mb  # per-rank shard MiB per bucketed collective (0: one per parameter)
         super().__init__(params, defaults)
         for index, param in enumerate(self._all_params()):
             if not isinstance(param, torch.nn.Parameter):
@@ -58,35 +64,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        refresh: list[tuple[ShardedParam, torch.Tensor | None]] = []
-        self.last_step_collectives: list[CollectiveRecord] = []
+        todo = []  # (sharded, param, param group) with a gradient, in parameter order
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
                 sharded = self._sharded(param, index)
-                if sharded is None:
-                    continue
-                grad, grad_scale = self._shard_grad(sharded)
-                if grad is not None and sharded.stage == 1:
-                    self._record("reduce_scatter", sharded.padded_numel, sharded.reduce_dtype or torch.float32, sharded)
-                if grad is None:
-                    continue
-                shard = sharded.shard.detach()
-                lowp = None
-                if sharded.stage in (1, 2) and param.dtype != shard.dtype:
-                    lowp = torch.empty_like(shard, dtype=param.dtype)  # the next all-gather's input
-                self._update(shard, grad, grad_scale, self.state[param], group, lowp)
-                if sharded.stage in (1, 2):
-                    refresh.append((sharded, lowp))
-        for sharded, lowp in refresh:
-            sharded.write_full_from_shards(lowp)
-            self._record("all_gather", sharded.padded_numel, sharded.param.dtype, sharded)
+                if sharded is not None and (sharded.param.grad if sharded.stage == 1 else sharded.shard.grad) is not None:
+                    todo.append((sharded, param, group))
+        bucket_bytes = int(self.bucket_mb * 2**20)
+        reduced = [s for s, _, _ in todo if s.stage == 1 and s.group.world_size > 1]
+        reducer = BucketedGradReduce(
+            plan_optimizer_buckets(reduced, _reduce_dtype, bucket_bytes), _reduce_dtype)
+        refreshed = [s for s, _, _ in todo if s.stage in (1, 2)]
+        refresher = BucketedParamRefresh(plan_optimizer_buckets(refreshed, lambda s: s.param.dtype, bucket_bytes))
+        for sharded, param, group in todo:
+            if sharded.stage == 1 and sharded.group.world_size > 1:
+                grad, grad_scale = reducer.grad(sharded), 1.0 / sharded.group.world_size
+            else:
+                grad, grad_scale = self._local_grad(sharded), 1.0
+            shard = sharded.shard.detach()
+            lowp = None
+            if sharded.stage in (1, 2) and param.dtype != shard.dtype:
+                lowp = torch.empty_like(shard, dtype=param.dtype)  # the next all-gather's input
+            self._update(shard, grad, grad_scale, self.state[param], group, lowp)
+            if sharded.stage in (1, 2):
+                refresher.updated(sharded, lowp)
+        refresher.finish()
+        self.last_step_collectives = reducer.records + refresher.records
         # measured while gradients still exist (zero_grad frees them): what step_report shows
         self.last_step_state_bytes = model_state_bytes(self._all_params(), self)
         return loss
-
-    def _record(self, kind: str, elements: int, dtype: torch.dtype, sharded: ShardedParam) -> None:
-        if sharded.group.world_size > 1:
-            self.last_step_collectives.append(CollectiveRecord(kind, elements, dtype, "optimizer", (sharded.name,)))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:
@@ -125,42 +131,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return (p for group in self.param_groups for p in group["params"])
 
     @staticmethod
-    def _shard_grad(sharded: ShardedParam) -> tuple[torch.Tensor | None, float]:
-        """This rank's gradient shard and the factor the update applies to it (1/N: the mean)."""
+    def _local_grad(sharded: ShardedParam) -> torch.Tensor:
+        """The gradient shard when no reduction is left: stages 2 and 3 (reduced in the backward
+        graph) or a world of one (stage 1's full gradient, flat and padded, is the shard)."""
         if sharded.stage != 1:
-            grad = sharded.shard.grad
-            return (None if grad is None else grad.detach()), 1.0
-        full_grad = sharded.param.grad
-        if full_grad is None:
-            return None, 1.0
-        flat = full_grad.detach().reshape(-1).to(torch.float32)
+            return sharded.shard.grad.detach()
+        flat = sharded.param.grad.detach().reshape(-1).to(torch.float32)
         if sharded.padded_numel > sharded.numel:
             flat = F.pad(flat, (0, sharded.padded_numel - sharded.numel))
-        world_size = sharded.group.world_size
-        if world_size == 1:
-            return flat, 1.0
-        if sharded.reduce_dtype is not None:
-            flat = flat.to(sharded.reduce_dtype)
-        grad = torch.empty_like(sharded.shard, dtype=flat.dtype)
-        reduce_scatter_eager(grad, flat, sharded.group)
-        return grad, 1.0 / world_size
+        return flat
+
+
+def _reduce_dtype(sharded: ShardedParam) -> torch.dtype:
+    return sharded.reduce_dtype or torch.float32
 
 
 class AdamW(ShardedOptimizer):
     """``torch.optim.AdamW`` over shards (same arguments; ``amsgrad`` is not supported)."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, **unsupported: Any):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, bucket_mb: float = 4.0,
+                 **unsupported: Any):
         if amsgrad:
             raise ValueError("zcompile.optim.AdamW: amsgrad=True is not supported; use amsgrad=False")
         if unsupported:
             raise TypeError(
                 f"zcompile.optim.AdamW: unsupported arguments {sorted(unsupported)}; "
-                "supported: lr, betas, eps, weight_decay"
+                "supported: lr, betas, eps, weight_decay, bucket_mb"
             )
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"zcompile.optim.AdamW: invalid hyper-parameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), bucket_mb)
 
     def _update(self, shard, grad, grad_scale, state, group, lowp_out):
         if not state:
@@ -178,13 +179,13 @@ class SGD(ShardedOptimizer):
     """``torch.optim.SGD`` over shards (momentum, dampening, nesterov, weight decay)."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False):
+                 weight_decay: float = 0.0, nesterov: bool = False, bucket_mb: float = 4.0):
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"zcompile.optim.SGD: invalid hyper-parameters lr={lr} momentum={momentum} weight_decay={weight_decay}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("zcompile.optim.SGD: nesterov requires momentum > 0 and zero dampening")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
-                                      weight_decay=weight_decay, nesterov=nesterov))
+                                      weight_decay=weight_decay, nesterov=nesterov), bucket_mb)
 
     def _update(self, shard, grad, grad_scale, state, group, lowp_out):
         first_step = "momentum_buffer" not in state

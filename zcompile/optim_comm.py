@@ -1,0 +1,159 @@
+"""The sharded optimizer's eager collectives, bucketed and overlapped with its updates.
+
+At stages 1 and 2 the optimizer all-gathers every updated shard back into the replicated
+parameter, and at stage 1 it first reduce-scatters every full gradient. One blocking collective
+per parameter pays the collective latency once per parameter and leaves the network idle while
+the rank updates. Here consecutive parameters (same process group, dtype and device) are grouped
+into buckets of up to ``bucket_bytes`` of shard per rank, each moved by one collective over a
+flat buffer, and the collectives run asynchronously:
+
+- ``BucketedGradReduce`` (stage 1): the reduce-scatter of bucket ``i + 1`` is in flight while the
+  optimizer updates the parameters of bucket ``i``;
+- ``BucketedParamRefresh`` (stages 1 and 2): the all-gather of a bucket starts as soon as its last
+  parameter is updated, and is waited (and copied into the parameters) when the next bucket's
+  starts, so at most two gathered buffers exist at once.
+
+Flat layouts match the in-graph buckets: all-gather input is the concatenation of the members'
+shards, the output ``[N, S]`` rank-major; reduce-scatter input is each member's padded gradient
+viewed ``[N, s_i]``, concatenated along dim 1, so rank ``r`` receives the concatenation of its
+shards. Every rank builds the same buckets from the same parameter order, so the collectives
+match across ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from zcompile.collectives import all_gather_eager, reduce_scatter_eager
+from zcompile.comm import CollectiveRecord
+from zcompile.sharding import ShardedParam
+
+
+def plan_optimizer_buckets(members: list[ShardedParam], dtype_of: Callable[[ShardedParam], torch.dtype],
+                           bucket_bytes: int) -> list[list[ShardedParam]]:
+    """Consecutive ``members`` grouped while they share group, dtype (``dtype_of(member)``) and
+    device, up to ``bucket_bytes`` of shard per rank (a larger member is a bucket of its own)."""
+    buckets: list[list[ShardedParam]] = []
+    key = None
+    size = 0
+    for member in members:
+        member_key = (member.group.name, dtype_of(member), member.shard.device)
+        nbytes = member.shard_numel * dtype_of(member).itemsize
+        if not buckets or member_key != key or size + nbytes > bucket_bytes:
+            buckets.append([])
+            key, size = member_key, 0
+        buckets[-1].append(member)
+        size += nbytes
+    return buckets
+
+
+def _record(kind: str, bucket: list[ShardedParam], dtype: torch.dtype) -> CollectiveRecord:
+    group = bucket[0].group
+    return CollectiveRecord(kind, sum(m.padded_numel for m in bucket), dtype, "optimizer",
+                            tuple(m.name for m in bucket), group.name or "", group.world_size)
+
+
+@dataclass
+class BucketedGradReduce:
+    """Stage 1: each member's averaged gradient shard, reduce-scattered one bucket ahead."""
+
+    buckets: list[list[ShardedParam]]
+    reduce_dtype_of: Callable[[ShardedParam], torch.dtype]
+    records: list[CollectiveRecord] = field(default_factory=list)
+    _bucket_of: dict = field(default_factory=dict, init=False)
+    _pending: dict = field(default_factory=dict, init=False)  # bucket index -> (work, output)
+    _started: set = field(default_factory=set, init=False)
+    _ready: dict = field(default_factory=dict, init=False)  # ShardedParam -> grad shard
+
+    def __post_init__(self) -> None:
+        self._bucket_of = {id(m): i for i, bucket in enumerate(self.buckets) for m in bucket}
+
+    def grad(self, member: ShardedParam) -> torch.Tensor:
+        """``member``'s reduced (summed) gradient shard; waits for its bucket, starts the next one."""
+        index = self._bucket_of[id(member)]
+        if id(member) not in self._ready:
+            self._start(index)
+            self._start(index + 1)
+            work, out = self._pending.pop(index)
+            work.wait()
+            offset = 0
+            for m in self.buckets[index]:
+                self._ready[id(m)] = out[offset: offset + m.shard_numel]
+                offset += m.shard_numel
+        return self._ready.pop(id(member))
+
+    def _start(self, index: int) -> None:
+        if index >= len(self.buckets) or index in self._started:
+            return
+        self._started.add(index)
+        bucket = self.buckets[index]
+        world = bucket[0].group.world_size
+        dtype = self.reduce_dtype_of(bucket[0])
+        pieces = []
+        for m in bucket:
+            flat = m.param.grad.detach().reshape(-1).to(dtype)
+            if m.padded_numel > m.numel:
+                flat = F.pad(flat, (0, m.padded_numel - m.numel))
+            pieces.append(flat.view(world, m.shard_numel))
+        full = torch.cat(pieces, dim=1).reshape(-1) if len(pieces) > 1 else pieces[0].reshape(-1)
+        out = torch.empty(full.numel() // world, dtype=dtype, device=full.device)
+        work = reduce_scatter_eager(out, full, bucket[0].group, async_op=True)
+        self._pending[index] = (work, out)
+        self.records.append(_record("reduce_scatter", bucket, dtype))
+
+
+@dataclass
+class BucketedParamRefresh:
+    """Stages 1 and 2: updated shards all-gathered into the replicated parameters, per bucket."""
+
+    buckets: list[list[ShardedParam]]
+    records: list[CollectiveRecord] = field(default_factory=list)
+    _bucket_of: dict = field(default_factory=dict, init=False)
+    _updated: dict = field(default_factory=dict, init=False)  # id(member) -> shard in the param dtype
+    _in_flight: tuple | None = field(default=None, init=False)  # (bucket, work, gathered)
+
+    def __post_init__(self) -> None:
+        self._bucket_of = {id(m): i for i, bucket in enumerate(self.buckets) for m in bucket}
+
+    def updated(self, member: ShardedParam, shard_in_param_dtype: torch.Tensor | None) -> None:
+        """``member``'s shard is final (``shard_in_param_dtype``: already cast, or None to cast here)."""
+        shard = shard_in_param_dtype if shard_in_param_dtype is not None else member.shard.detach().to(member.param.dtype)
+        self._updated[id(member)] = shard
+        bucket = self.buckets[self._bucket_of[id(member)]]
+        if all(id(m) in self._updated for m in bucket):
+            self._launch(bucket)
+
+    def finish(self) -> None:
+        """Waits for the last bucket in flight and writes it into its parameters."""
+        self._land()
+
+    def _launch(self, bucket: list[ShardedParam]) -> None:
+        shards = [self._updated.pop(id(m)) for m in bucket]
+        group = bucket[0].group
+        if group.world_size == 1:
+            for m, shard in zip(bucket, shards):
+                m.param.data.view(-1).copy_(shard[: m.numel])
+            return
+        flat = torch.cat(shards) if len(shards) > 1 else shards[0]
+        gathered = torch.empty(flat.numel() * group.world_size, dtype=flat.dtype, device=flat.device)
+        work = all_gather_eager(gathered, flat, group, async_op=True)
+        self.records.append(_record("all_gather", bucket, flat.dtype))
+        self._land()  # the previous bucket moved while this one was being updated
+        self._in_flight = (bucket, work, gathered)
+
+    def _land(self) -> None:
+        if self._in_flight is None:
+            return
+        bucket, work, gathered = self._in_flight
+        self._in_flight = None
+        work.wait()
+        rows = gathered.view(bucket[0].group.world_size, -1)
+        offset = 0
+        for m in bucket:
+            full = rows[:, offset: offset + m.shard_numel].reshape(-1)
+            m.param.data.view(-1).copy_(full[: m.numel])
+            offset += m.shard_numel
