@@ -16,7 +16,8 @@ four tables and writes them, with every per-rank figure, as JSON:
    ``overlap=False`` against the default ``overlap=True``, and with no scheduling at all
    (``bucket_mb=0, overlap=False``); beside it the time gloo spent moving data (union of its events);
 3. step time, median over ``--steps`` timed steps (each the slowest rank's time, after a barrier),
-   of zero stage 3 and stage 2 (default options) against eager DDP and FSDP2 (``fully_shard`` on
+   of zero stage 3 and stage 2 (default options) and stage 3 keeping ``KEEP_MB`` of gathered weights
+   for backward (``keep_gathered_mb``) against eager DDP and FSDP2 (``fully_shard`` on
    each block, then the root) with ``torch.optim.AdamW``. The baselines are built once per depth and
    stepped in rounds with the zero model, order rotated each round; a ratio is the median over
    rounds of zero's time over the baseline's, so both sides come from the same seconds of a shared,
@@ -64,6 +65,7 @@ from zcompile.timeline import record_step  # noqa: E402
 LR, WEIGHT_DECAY = 3e-4, 0.01
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 BUDGET_MB = 8.0
+KEEP_MB = 8.0
 aten = torch.ops.aten
 # What a gathered buffer goes through on its way to the compute that reads it: it is held until the
 # last compute that reads any piece of it (bucketing splits and copies a bucket into its parameters).
@@ -90,6 +92,7 @@ CONFIGS = [
     Config("s3 no overlap", 3, {"overlap": False}, True, True),
     Config("s3 default", 3, {}, True, True, baselines=True),
     Config(f"s3 prefetch 2, budget {BUDGET_MB:g} MiB", 3, {"prefetch": 2, "memory_budget_mb": BUDGET_MB}, False, False),
+    Config(f"s3 keep {KEEP_MB:g} MiB", 3, {"keep_gathered_mb": KEEP_MB}, True, True, baselines=True),
     Config("s2 default", 2, {}, False, True, baselines=True),
 ]
 
@@ -294,6 +297,9 @@ def run_config(cfg: Config, config: GPTConfig, args, rank: int, world: int, othe
         "largest_gather_bytes": max((c["bytes"] for c in report.collectives if c["kind"] == "all_gather"), default=0),
         "model_states_bytes": report.memory["model_states_bytes"],
         "elements_per_step": report.totals.get("total", 0), "num_params": report.num_params,
+        "backward_gathered_params": sum(len(c["params"]) for c in report.collectives
+                                        if c["kind"] == "all_gather" and c["where"] == "backward"),
+        "kept_gathered_bytes": report.memory["kept_gathered_bytes"],
         "step_ms": step_ms, "step_ratio": step_ratio, "trace": last.trace_path,
     }
 
@@ -341,20 +347,23 @@ def print_tables(results: list[dict], setup: str) -> dict:
 
     rows = []
     for layers in depths:
-        for name in ("s3 default", "s2 default"):
+        for name in ("s3 default", f"s3 keep {KEEP_MB:g} MiB", "s2 default"):
             r = by[(layers, name)]
             ms, per_step = r["step_ms"], r["step_ratio"]
             ratios[f"L{layers} {name} / DDP"] = per_step["DDP"]
             ratios[f"L{layers} {name} / FSDP2"] = per_step["FSDP2"]
-            rows.append((f"{layers}", f"zero stage {r['stage']}", f"{ms['zero']:.0f}", f"{ms['DDP']:.0f}",
-                         f"{ms['FSDP2']:.0f}", f"{per_step['DDP']:.2f}", f"{per_step['FSDP2']:.2f}"))
-    print_table(f"3. Step time, median ms of the slowest rank, zero (default options) vs eager DDP and FSDP2 stepped "
-                f"in turn; ratios: median over rounds of zero / baseline, {setup}",
-                ("layers", "zero", "zero ms", "DDP ms", "FSDP2 ms", "zero/DDP", "zero/FSDP2"), rows)
+            rows.append((f"{layers}", name, f"{ms['zero']:.0f}", f"{ms['DDP']:.0f}", f"{ms['FSDP2']:.0f}",
+                         f"{per_step['DDP']:.2f}", f"{per_step['FSDP2']:.2f}", f"{r['backward_gathered_params']}",
+                         mib(r["kept_gathered_bytes"])))
+    print_table(f"3. Step time, median ms of the slowest rank, zero vs eager DDP and FSDP2 stepped in turn; ratios: "
+                f"median over rounds of zero / baseline; parameters re-gathered in backward, {setup}",
+                ("layers", "zero", "zero ms", "DDP ms", "FSDP2 ms", "zero/DDP", "zero/FSDP2", "bw re-gathered",
+                 "kept MiB"), rows)
 
     rows = []
     for layers in depths:
-        for name in ("s3 bucket 0, no overlap", "s3 default", f"s3 prefetch 2, budget {BUDGET_MB:g} MiB"):
+        for name in ("s3 bucket 0, no overlap", "s3 default", f"s3 prefetch 2, budget {BUDGET_MB:g} MiB",
+                     f"s3 keep {KEEP_MB:g} MiB"):
             r = by[(layers, name)]
             budget = r["options"].get("memory_budget_mb")
             ratios[f"L{layers} {name} held gathered MiB"] = r["held_gathered_bytes"] / 2**20

@@ -10,7 +10,8 @@ backward graph (the compute keeps its order) so that
 - a reduce-scatter is issued as soon as its input (the bucket's gradients) is complete, and its
   wait, with everything that reads the result, goes as late as possible (before the output);
 - with a ``memory_budget`` the prefetch depth of a bucket is lowered until the gathered bytes
-  alive at once (each gathered buffer from its issue to its last use) stay within the budget.
+  alive at once (each gathered buffer from its issue to its last reader, each piece copied out
+  of it until the piece's last reader) stay within the budget.
 
 ``plan_schedule`` builds a networkx dependency graph of the nodes, reads the compute order and
 the collectives from it and returns a ``SchedulePlan`` (data: per collective where it is issued
@@ -42,6 +43,9 @@ _PREP_OPS = {
     aten._unsafe_view.default, aten.reshape.default, aten.t.default, aten.permute.default, aten.alias.default,
     aten.cat.default, aten._to_copy.default, torch.ops.prims.convert_element_type.default, WAIT,
 }
+
+# Prep ops that make a new storage (the buffer they read may die after them).
+_COPY_OPS = {aten.clone.default, aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,44 @@ def _real_uses(dag: nx.DiGraph, wait: torch.fx.Node) -> list[torch.fx.Node]:
     return uses
 
 
+def _storages(dag: nx.DiGraph, position: dict, collective: torch.fx.Node,
+              lazy_copies: bool = False) -> list[tuple[torch.fx.Node, float, float, int]]:
+    """The storages a gathered buffer lives in: (node that makes it, from, last read, bytes).
+
+    The collective's output lives from the collective to its last reader through views; a copy
+    (a bucket piece made contiguous, a cast) is a reader of it and a storage of its own, counted
+    until its own last reader. A piece kept for backward (read by the output) holds only its own
+    bytes to the end. ``lazy_copies``: predict the order ``schedule_pass`` makes, where a copy that
+    compute reads runs just before that compute (``_lazy_copy_position``), instead of reading it.
+    """
+    out, todo = [], [(collective, float(position[collective]))]
+    while todo:
+        storage, start = todo.pop()
+        last, stack, seen = start, [storage], {storage}
+        while stack:
+            for user in dag.successors(stack.pop()):
+                if user in seen:
+                    continue
+                seen.add(user)
+                if user.op == "call_function" and user.target in _COPY_OPS:
+                    copy_at = _lazy_copy_position(dag, position, user) if lazy_copies else None
+                    copy_at = float(position[user]) if copy_at is None else copy_at
+                    last = max(last, copy_at)
+                    todo.append((user, copy_at))
+                    continue
+                last = max(last, position[user])
+                if user.op == "call_function" and user.target in _PREP_OPS:
+                    stack.append(user)
+        out.append((storage, start, last, _nbytes(storage)))
+    return out
+
+
+def _lazy_copy_position(dag: nx.DiGraph, position: dict, copy: torch.fx.Node) -> float | None:
+    """Where the schedule runs ``copy``: just before the first compute that reads it (None: none does)."""
+    readers = [position[u] for u in _real_uses(dag, copy) if u.op != "output"]
+    return min(readers) - 0.3 if readers else None
+
+
 def _nbytes(node: torch.fx.Node) -> int:
     val = node.meta.get("val")
     return 0 if val is None else val.numel() * val.element_size()
@@ -123,16 +165,18 @@ def plan_schedule(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int | 
             continue
         gathers.append((node, waits[0], position[uses[0]], position[uses[-1]], uses[0]))
     gathers.sort(key=lambda g: g[2])
-    live: list[tuple[float, float, int]] = []  # (issue position, last use position, bytes)
+    live: list[tuple[float, float, int]] = []  # (from position, last use position, bytes) per storage
     for j, (node, wait, first, last, first_use) in enumerate(gathers):
         nbytes = _nbytes(node)
+        (_, _, buffer_last, _), *copies = _storages(dag, position, node, lazy_copies=True)
+        pieces = [(copy_at, copy_last, copy_bytes) for _, copy_at, copy_last, copy_bytes in copies]
         for depth in range(min(prefetch, j), -1, -1):
             issue = gathers[j - depth][2] - 0.5 if depth else first - 0.5
-            peak = _peak(live + [(issue, last, nbytes)])
+            peak = _peak(live + pieces + [(issue, buffer_last, nbytes)])
             if memory_budget is None or peak <= memory_budget or depth == 0:
                 break
         issue_node = gathers[j - depth][4]
-        live.append((issue, last, nbytes))
+        live += pieces + [(issue, buffer_last, nbytes)]
         plan.collectives.append(ScheduledCollective(node.name, "all_gather", nbytes, issue_node.name,
                                                     first_use.name, depth))
     plan.peak_gathered_bytes = _peak(live)
@@ -146,18 +190,16 @@ def plan_schedule(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int | 
 def gathered_peak_bytes(gm: torch.fx.GraphModule) -> int:
     """Most bytes of gathered parameters alive at once in ``gm`` as it is ordered now.
 
-    Each all-gather's output counts from the gather's issue to the last compute node (or the
-    output) that reads it through prep ops (views, splits, copies): the same lifetime the plan
-    predicts, measured on the final graph.
+    Each all-gather's output counts from the gather's issue to its last reader, and each copy made
+    of it (bucket pieces) from the copy to the copy's last reader (``_storages``): the lifetimes
+    the plan predicts, measured on the final graph. A weight kept for backward is read by the
+    output, so it counts to the end.
     """
     dag = dependency_graph(gm)
     position = nx.get_node_attributes(dag, "position")
     live = []
     for node in gm.graph.find_nodes(op="call_function", target=ALL_GATHER):
-        waits = [u for u in node.users if u.target is WAIT]
-        uses = _real_uses(dag, waits[0]) if len(waits) == 1 else []
-        if uses:
-            live.append((position[node], max(position[u] for u in uses), _nbytes(node)))
+        live += [(start, last, nbytes) for _, start, last, nbytes in _storages(dag, position, node)]
     return _peak(live)
 
 
@@ -181,6 +223,7 @@ def schedule_pass(gm: torch.fx.GraphModule, plan: SchedulePlan) -> torch.fx.Grap
     by_name = {node.name: node for node in nodes}
     position = {node: float(i) for i, node in enumerate(nodes)}
     priority = dict(position)
+    dag = dependency_graph(gm)
     late = math.inf
     for entry in plan.collectives:
         collective = by_name[entry.name]
@@ -188,6 +231,7 @@ def schedule_pass(gm: torch.fx.GraphModule, plan: SchedulePlan) -> torch.fx.Grap
         if entry.kind == "all_gather":
             priority[collective] = position[by_name[entry.issue_before]] - 0.5
             priority[wait] = position[by_name[entry.wait_before]] - 0.25
+            _delay_copies(dag, position, collective, priority)
         else:
             # issue as soon as the input is ready; the wait and what reads it as late as possible
             priority[collective] = -late
@@ -203,6 +247,25 @@ def schedule_pass(gm: torch.fx.GraphModule, plan: SchedulePlan) -> torch.fx.Grap
     log.info("schedule (%s): %d collectives placed, prefetch %d, predicted peak gathered %d bytes",
              plan.graph, len(plan.collectives), plan.prefetch, plan.peak_gathered_bytes)
     return gm
+
+
+def _delay_copies(dag: nx.DiGraph, position: dict, collective: torch.fx.Node, priority: dict) -> None:
+    """Each copy out of a gathered buffer (a bucket's piece), and the views between it and its
+    reader, run just before the first compute that reads it rather than all right after the
+    wait: the pieces then do not all exist at once beside the buffer they are copied from."""
+    for copy, *_ in _storages(dag, position, collective)[1:]:
+        copy_at = _lazy_copy_position(dag, position, copy)
+        if copy_at is None:
+            continue  # only the output reads it (saved for backward): copy it at once, free the buffer
+        stack, seen = [copy], {copy}
+        while stack:
+            node = stack.pop()
+            priority[node] = max(priority[node], copy_at)
+            for user in dag.successors(node):
+                if user not in seen and user.op == "call_function" and user.target in _PREP_OPS \
+                        and user.target not in _COPY_OPS:
+                    seen.add(user)
+                    stack.append(user)
 
 
 def _descendants(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -81,8 +81,9 @@ def test_report_against_zero_formulas(reported):
     if stage == 3:
         assert report["totals"]["total"] <= report["formula_elements"]
         assert report["memory"]["peak_gathered_bytes"] > 0
-        # the graphs never hold more gathered bytes than the whole model in fp32
-        assert report["memory"]["peak_gathered_bytes"] <= 4 * report["num_params"]
+        # at most the whole model in fp32 twice (a bucket's buffer and the pieces copied out of it;
+        # here one bucket holds the whole model), plus padding: under one element per parameter
+        assert report["memory"]["peak_gathered_bytes"] <= 2 * 4 * (report["num_params"] + 64)
     else:
         assert report["totals"]["total"] == report["formula_elements"]  # exactly 2Ψ (padded)
         assert report["memory"]["peak_gathered_bytes"] == 0
