@@ -92,6 +92,8 @@ CONFIGS = [
     Config("s3 no overlap", 3, {"overlap": False}, True, True),
     Config("s3 default", 3, {}, True, True, baselines=True),
     Config(f"s3 prefetch 2, budget {BUDGET_MB:g} MiB", 3, {"prefetch": 2, "memory_budget_mb": BUDGET_MB}, False, False),
+    Config("s3 prefetch 0", 3, {"prefetch": 0}, True, True),
+    Config("s3 prefetch 2", 3, {"prefetch": 2}, True, True),
     Config(f"s3 keep {KEEP_MB:g} MiB", 3, {"keep_gathered_mb": KEEP_MB}, True, True, baselines=True),
     Config("s2 default", 2, {}, False, True, baselines=True),
 ]
@@ -344,6 +346,19 @@ def print_tables(results: list[dict], setup: str) -> dict:
                 f"ranks), gloo transfer ms, {setup}",
                 ("layers", "config", "wait", "wait min", "transfer", "step (prof.)", "exposed in graph",
                  "step (timed)", "wait / no overlap"), rows)
+
+    rows = []
+    for layers in depths:
+        for name in ("s3 prefetch 0", "s3 default", "s3 prefetch 2"):
+            r = by[(layers, name)]
+            depth = r["options"].get("prefetch", 1)
+            ratios[f"L{layers} wait prefetch {depth} / prefetch 1"] = r["wait_ms"] / by[(layers, "s3 default")]["wait_ms"]
+            ratios[f"L{layers} step prefetch {depth} / prefetch 1"] = (
+                r["step_ms"]["zero"] / by[(layers, "s3 default")]["step_ms"]["zero"])
+            rows.append((f"{layers}", f"{depth}", f"{r['wait_ms']:.0f}", f"{r['step_ms']['zero']:.0f}",
+                         mib(r["report_peak_gathered_bytes"])))
+    print_table(f"2b. Prefetch depth (stage 3, 4 MiB buckets): wait ms, step ms, peak gathered MiB, {setup}",
+                ("layers", "prefetch", "wait", "step (timed)", "peak gathered"), rows)
 
     rows = []
     for layers in depths:
