@@ -15,6 +15,7 @@ four tables and writes them, with every per-rank figure, as JSON:
    ``wait_tensor``, median over ``--profile-steps`` profiled steps (a barrier before each), with
    ``overlap=False`` against the default ``overlap=True``, and with no scheduling at all
    (``bucket_mb=0, overlap=False``); beside it the time gloo spent moving data (union of its events);
+   and (2b) the same wait, step time and peak gathered bytes at prefetch depths 0, 1 and 2;
 3. step time, median over ``--steps`` timed steps (each the slowest rank's time, after a barrier),
    of zero stage 3 and stage 2 (default options) and stage 3 keeping ``KEEP_MB`` of gathered weights
    for backward (``keep_gathered_mb``) against eager DDP and FSDP2 (``fully_shard`` on
