@@ -36,6 +36,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compiler", default="eager", choices=("eager", "inductor"))
     parser.add_argument("--dump", default=None, help="directory for graph dumps and report.json (see `python -m zcompile inspect`)")
     parser.add_argument("--param-dtype", default=None, help="e.g. bf16 (compute and gather dtype)")
+    parser.add_argument("--keep-gathered-mb", type=float, default=0.0,
+                        help="stage 3: MiB of gathered weights kept from forward to backward instead of re-gathered")
     return parser.parse_args()
 
 
@@ -61,7 +63,7 @@ def main() -> None:
     num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
     graphs = []
     options = {"stage": args.stage, "compiler": args.compiler, "param_dtype": args.param_dtype, "on_compile": graphs.append,
-               "dump": args.dump}
+               "dump": args.dump, "keep_gathered_mb": args.keep_gathered_mb}
     compiled = torch.compile(model, backend="zero", options=options)
     optimizer = zcompile.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     ddp_bytes = zcompile.zero_formula_bytes(num_params, world, stage=None)
