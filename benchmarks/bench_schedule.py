@@ -24,11 +24,11 @@ four tables and writes them, with every per-rank figure, as JSON:
    rounds of zero's time over the baseline's, so both sides come from the same seconds of a shared,
    noisy machine;
 4. gathered-parameter bytes per rank with the default schedule and with ``prefetch=2`` under
-   ``memory_budget_mb``, per depth: ``report.memory["peak_gathered_bytes"]`` (each buffer from its
-   wait to its last view) and, computed here from the same graphs, each all-gather's output held
-   from its issue to its last reader, counted as the schedule's planner counts (a bucket until the
-   last use of any piece: what the budget bounds) and per storage (a bucket's buffer until its
-   pieces are copied out, each piece until its own last use: what the allocator holds).
+   ``memory_budget_mb``, per depth: ``report.memory["peak_gathered_bytes"]`` (per storage, the rule
+   the schedule's budget uses) and, computed here independently from the same graphs, each
+   all-gather's output held from its issue to its last reader, counted per whole bucket (a bucket
+   until the last use of any piece) and per storage (a bucket's buffer until its pieces are copied
+   out, each piece until its own last use: what the allocator holds).
 
 Every rank runs one intra-op thread (``torch.set_num_threads(1)``). On CPU, gloo runs a
 reduce-scatter as an all-reduce and moves data on its own threads, which compete with compute for
@@ -190,8 +190,8 @@ def held_gathered_bytes(gm, by_storage: bool = False) -> int:
     """Most gathered-parameter bytes held at once in ``gm``'s order, each all-gather's output counted
     from its issue (the buffer exists while the data moves) to its last reader.
 
-    ``by_storage=False``: a bucket is held until the last compute that reads any piece of it, which
-    is how the schedule's planner (``plan_schedule``) counts against ``memory_budget_mb``.
+    ``by_storage=False``: a bucket is held until the last compute that reads any piece of it (the
+    rule ``plan_schedule`` used before it counted per storage; kept for comparison).
     ``by_storage=True``: every storage on its own, the bucket's buffer until its pieces are copied
     out and each copied piece until its own last reader, which is what the allocator holds.
     """
@@ -388,7 +388,7 @@ def print_tables(results: list[dict], setup: str) -> dict:
                          mib(r["report_peak_gathered_bytes"]), mib(r["held_gathered_bytes"]),
                          mib(r["held_gathered_storage_bytes"]), mib(r["model_states_bytes"])))
     print_table(f"4. Gathered parameters per rank (MiB, read from the compiled graphs), {setup}",
-                ("layers", "config", "prefetch", "budget", "largest gather", "report peak", "held (planner's count)",
+                ("layers", "config", "prefetch", "budget", "largest gather", "report peak", "held (whole bucket)",
                  "held (per storage)", "model states"), rows)
     return ratios
 

@@ -33,8 +33,6 @@ from zcompile.passes import metadata
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-ROLE_HPZ_SECONDARY = "hpz_secondary"
-ROLE_HPZ_REGATHER = "hpz_regather"
 _SLICING = {aten.clone.default, aten.select.int, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
             aten.alias.default, aten.slice.Tensor}
 
@@ -51,10 +49,10 @@ def hpz_pass(gm: torch.fx.GraphModule, hpz_size: int, hpz_rank: int, hpz_group_n
             metadata.tag(padded, role=metadata.ROLE_GATHER, param=param)
             secondary = graph.call_function(hpz_secondary, (padded, hpz_size, hpz_rank))
             secondary.meta[metadata.RECOMPUTE] = CheckpointPolicy.MUST_SAVE
-            metadata.tag(secondary, role=ROLE_HPZ_SECONDARY, param=param)
+            metadata.tag(secondary, role=metadata.ROLE_HPZ_SECONDARY, param=param)
             full = graph.call_function(hpz_regather, (padded, secondary, numel, shape, hpz_size, hpz_group_name))
             full.meta[metadata.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
-            metadata.tag(full, role=ROLE_HPZ_REGATHER, param=param)
+            metadata.tag(full, role=metadata.ROLE_HPZ_REGATHER, param=param)
         node.replace_all_uses_with(full)
         graph.erase_node(node)
     graph.lint()
@@ -75,7 +73,7 @@ def hpz_forward_shortcut_pass(gm: torch.fx.GraphModule, hpz_group_name: str) -> 
     graph = gm.graph
     replaced = 0
     for gather in list(graph.find_nodes(op="call_function", target=ALL_GATHER)):
-        if gather.args[2] != hpz_group_name or metadata.tags(gather).get(metadata.ROLE) != ROLE_HPZ_REGATHER:
+        if gather.args[2] != hpz_group_name or metadata.tags(gather).get(metadata.ROLE) != metadata.ROLE_HPZ_REGATHER:
             continue
         wait = next(iter(gather.users))
         source = _sliced_from(gather.args[0])

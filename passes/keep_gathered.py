@@ -45,8 +45,7 @@ _PASS_THROUGH = PASS_THROUGH | {torch.ops.aten.clone.default}  # ops that pass a
 
 log = logging.getLogger(__name__)
 
-_HPZ_SECONDARY = "hpz_secondary"  # passes.hpz.ROLE_HPZ_SECONDARY (not imported: hpz imports graph_ops)
-_GATHER_ROLES = {metadata.ROLE_GATHER, "hpz_regather", _HPZ_SECONDARY}
+_GATHER_ROLES = {metadata.ROLE_GATHER, metadata.ROLE_HPZ_REGATHER, metadata.ROLE_HPZ_SECONDARY}
 
 
 @dataclass(frozen=True)
@@ -147,7 +146,7 @@ def plan_keep_gathered(graph: torch.fx.Graph, budget_bytes: int) -> KeepGathered
         group_sizes = [n.args[1] for n in regathers]
         saved = sum(_nbytes(n) * (g - 1) // g for n, g in zip(regathers, group_sizes))
         # the secondary slice is the last node traced from hpz_secondary (view, select, clone)
-        secondary = ([_nbytes(n) for n in chain if metadata.tags(n).get(metadata.ROLE) == _HPZ_SECONDARY] or [0])[-1]
+        secondary = ([_nbytes(n) for n in chain if metadata.tags(n).get(metadata.ROLE) == metadata.ROLE_HPZ_SECONDARY] or [0])[-1]
         candidates.append(GatheredParam(param, max(0, gathered - secondary), saved, order[regathers[0]], secondary))
     plan = KeepGatheredPlan(budget_bytes)
     left = budget_bytes
@@ -165,16 +164,10 @@ def keep_gathered_pass(gm: torch.fx.GraphModule, plan: KeepGatheredPlan) -> torc
 
     Writes ``node.meta["recompute"]`` only; the partitioner run afterwards does the rest.
     """
-    keep_gathered_graph(gm.graph, plan)
-    return gm
-
-
-def keep_gathered_graph(graph: torch.fx.Graph, plan: KeepGatheredPlan) -> None:
-    """``keep_gathered_pass`` on a bare graph (what inductor's joint-graph hook hands over)."""
     kept = set(plan.kept_params)
     if not kept:
-        return
-    chains, _ = _forward_gather_chains(graph)
+        return gm
+    chains, _ = _forward_gather_chains(gm.graph)
     lifted = 0
     for param in kept:
         for node in chains.get(param, []):
@@ -182,3 +175,4 @@ def keep_gathered_graph(graph: torch.fx.Graph, plan: KeepGatheredPlan) -> None:
                 lifted += 1
     log.info("keep_gathered: %d parameters (%d bytes) kept gathered for backward, %d re-gathered; %d tags lifted",
              len(plan.kept), plan.kept_bytes, len(plan.regathered), lifted)
+    return gm

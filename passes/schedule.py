@@ -140,7 +140,7 @@ def plan_schedule(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int | 
     dag = dependency_graph(gm)
     position = nx.get_node_attributes(dag, "position")
     plan = SchedulePlan(graph, prefetch, memory_budget)
-    gathers = []  # (collective, wait, first use position, last use position, first use node)
+    gathers = []  # (collective, first use position, first use node)
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in (ALL_GATHER, REDUCE_SCATTER):
             continue
@@ -154,21 +154,21 @@ def plan_schedule(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int | 
             continue
         if not uses:
             continue
-        gathers.append((node, waits[0], position[uses[0]], position[uses[-1]], uses[0]))
-    gathers.sort(key=lambda g: g[2])
+        gathers.append((node, position[uses[0]], uses[0]))
+    gathers.sort(key=lambda g: g[1])
     live: list[tuple[float, float, int]] = []  # (from position, last use position, bytes) per storage
-    for j, (node, wait, first, last, first_use) in enumerate(gathers):
+    for j, (node, first, first_use) in enumerate(gathers):
         nbytes = _nbytes(node)
         # pieces are copied out right after the wait, which the schedule puts just before the first use
         (_, _, buffer_last, _), *copies = _storages(dag, position, node)
         pieces = [(max(copy_at, first - 0.5), copy_last, nbytes) for _, copy_at, copy_last, nbytes in copies]
         buffer_last = max(buffer_last, first - 0.5)
         for depth in range(min(prefetch, j), -1, -1):
-            issue = gathers[j - depth][2] - 0.5 if depth else first - 0.5
+            issue = gathers[j - depth][1] - 0.5 if depth else first - 0.5
             peak = _peak(live + pieces + [(issue, buffer_last, nbytes)])
             if memory_budget is None or peak <= memory_budget or depth == 0:
                 break
-        issue_node = gathers[j - depth][4]
+        issue_node = gathers[j - depth][2]
         live += pieces + [(issue, buffer_last, nbytes)]
         plan.collectives.append(ScheduledCollective(node.name, "all_gather", nbytes, issue_node.name,
                                                     first_use.name, depth))

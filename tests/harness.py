@@ -241,7 +241,7 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     padded = sum(-(-p.numel() // world) * world for p in unique)
     graphs = [(g.forward.code if g.forward else "", g.backward.code if g.backward else "") for g in compiled_graphs]
     facts = graph_facts(compiled_graphs)
-    if compiled_graphs:
+    if facts["keep_plans"]:
         facts["report_kept_bytes"] = zcompile.step_report(model, optimizer).memory["kept_gathered_bytes"]
     return RunResult(losses, params, state_bytes, sum(p.numel() for p in unique), padded, collectives, graphs,
                      facts)

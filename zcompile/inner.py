@@ -85,7 +85,7 @@ def _post_partition(graph_module: torch.fx.GraphModule, kind: str, graphs: Compi
 def _keep_gathered_joint(joint: torch.fx.GraphModule, graphs: CompiledGraphs) -> None:
     """Plans and applies keep-gathered on AOTAutograd's joint graph, before the partition."""
     config = graphs.config
-    if config is None or config.stage != 3 or not config.keep_gathered_mb:
+    if config is None or not config.keep_gathered_mb:  # (ZeroConfig allows it at stage 3 only)
         return
     plan = plan_keep_gathered(joint.graph, int(config.keep_gathered_mb * 2**20))
     graphs.keep_gathered = plan

@@ -23,7 +23,6 @@ import logging
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 
 from zcompile.collectives import DataParallelGroup
 from zcompile.comm import CollectiveRecord
@@ -136,10 +135,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         graph) or a world of one (stage 1's full gradient, flat and padded, is the shard)."""
         if sharded.stage != 1:
             return sharded.shard.grad.detach()
-        flat = sharded.param.grad.detach().reshape(-1).to(torch.float32)
-        if sharded.padded_numel > sharded.numel:
-            flat = F.pad(flat, (0, sharded.padded_numel - sharded.numel))
-        return flat
+        return sharded.padded_flat(sharded.param.grad, torch.float32)
 
 
 def _reduce_dtype(sharded: ShardedParam) -> torch.dtype:

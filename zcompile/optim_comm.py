@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from zcompile.collectives import all_gather_eager, reduce_scatter_eager
 from zcompile.comm import CollectiveRecord
@@ -51,6 +50,11 @@ def plan_optimizer_buckets(members: list[ShardedParam], dtype_of: Callable[[Shar
     return buckets
 
 
+def _bucket_index(buckets: list[list[ShardedParam]]) -> dict[int, int]:
+    """id(member) -> index of its bucket."""
+    return {id(m): i for i, bucket in enumerate(buckets) for m in bucket}
+
+
 def _record(kind: str, bucket: list[ShardedParam], dtype: torch.dtype) -> CollectiveRecord:
     group = bucket[0].group
     return CollectiveRecord(kind, sum(m.padded_numel for m in bucket), dtype, "optimizer",
@@ -70,7 +74,7 @@ class BucketedGradReduce:
     _ready: dict = field(default_factory=dict, init=False)  # ShardedParam -> grad shard
 
     def __post_init__(self) -> None:
-        self._bucket_of = {id(m): i for i, bucket in enumerate(self.buckets) for m in bucket}
+        self._bucket_of = _bucket_index(self.buckets)
 
     def grad(self, member: ShardedParam) -> torch.Tensor:
         """``member``'s reduced (summed) gradient shard; waits for its bucket, starts the next one."""
@@ -93,12 +97,7 @@ class BucketedGradReduce:
         bucket = self.buckets[index]
         world = bucket[0].group.world_size
         dtype = self.reduce_dtype_of(bucket[0])
-        pieces = []
-        for m in bucket:
-            flat = m.param.grad.detach().reshape(-1).to(dtype)
-            if m.padded_numel > m.numel:
-                flat = F.pad(flat, (0, m.padded_numel - m.numel))
-            pieces.append(flat.view(world, m.shard_numel))
+        pieces = [m.padded_flat(m.param.grad, dtype).view(world, m.shard_numel) for m in bucket]
         full = torch.cat(pieces, dim=1).reshape(-1) if len(pieces) > 1 else pieces[0].reshape(-1)
         out = torch.empty(full.numel() // world, dtype=dtype, device=full.device)
         work = reduce_scatter_eager(out, full, bucket[0].group, async_op=True)
@@ -117,7 +116,7 @@ class BucketedParamRefresh:
     _in_flight: tuple | None = field(default=None, init=False)  # (bucket, work, gathered)
 
     def __post_init__(self) -> None:
-        self._bucket_of = {id(m): i for i, bucket in enumerate(self.buckets) for m in bucket}
+        self._bucket_of = _bucket_index(self.buckets)
 
     def updated(self, member: ShardedParam, shard_in_param_dtype: torch.Tensor | None) -> None:
         """``member``'s shard is final (``shard_in_param_dtype``: already cast, or None to cast here)."""

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from zcompile.collectives import DataParallelGroup, all_gather_eager
 
@@ -81,22 +82,19 @@ class ShardedParam:
         if self.is_freed:
             nbytes = self.numel * self.param.element_size()
             self.param.untyped_storage().resize_(nbytes)
-        self.write_full_from_shards()
-
-    def write_full_from_shards(self, shard_in_param_dtype: torch.Tensor | None = None) -> None:
-        """All-gathers the shards into the (allocated) full parameter (collective).
-
-        ``shard_in_param_dtype``: this rank's shard already cast to the parameter's dtype (the fused
-        optimizer writes it in its update pass); otherwise it is cast here.
-        """
         flat_full = self.param.data.view(-1)
-        shard = shard_in_param_dtype if shard_in_param_dtype is not None else self.shard.detach().to(self.param.dtype)
+        shard = self.shard.detach().to(self.param.dtype)
         if self.group.world_size == 1:
             flat_full.copy_(shard[: self.numel])
             return
         gathered = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
         all_gather_eager(gathered, shard, self.group)
         flat_full.copy_(gathered[: self.numel])
+
+    def padded_flat(self, full: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``full`` (the parameter's shape, e.g. its gradient) flat in ``dtype``, zero-padded to N shards."""
+        flat = full.detach().reshape(-1).to(dtype)
+        return F.pad(flat, (0, self.padded_numel - self.numel)) if self.padded_numel > self.numel else flat
 
     def write_shard_from_full(self) -> None:
         """Copies this rank's slice of the full parameter into the shard (local, no collective)."""
