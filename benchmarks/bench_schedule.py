@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import zcompile  # noqa: E402
 from common import print_table  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
-from zcompile.collectives import ALL_GATHER, WAIT  # noqa: E402
+from zcompile.passes.collectives import ALL_GATHER, WAIT  # noqa: E402
 from zcompile.report import compiled_graphs_of  # noqa: E402
 from zcompile.timeline import record_step  # noqa: E402
 

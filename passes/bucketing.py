@@ -26,15 +26,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from zcompile.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
 from zcompile.passes import metadata
+from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT, CollectiveNode
 from zcompile.passes.graph_order import apply_order, topological_order
 from zcompile.passes.inline import graph_fake_mode
 
 log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-_KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter"}
 
 
 @dataclass(frozen=True)
@@ -68,21 +67,18 @@ class BucketPlan:
         return json.dumps(asdict(self), indent=1)
 
 
-def _collective_info(node: torch.fx.Node) -> tuple[str, int, str, int, torch.dtype] | None:
-    """(kind, shard elements, group name, group size, dtype) of a bucketable collective."""
-    kind = _KINDS.get(node.target) if node.op == "call_function" else None
-    if kind is None:
+def _bucketable(node: torch.fx.Node) -> CollectiveNode | None:
+    """``node`` as a collective that can join a bucket: an all-gather, or a sum reduce-scatter of
+    whole shards, with a known input and waited by its only user."""
+    collective = CollectiveNode.of(node)
+    if collective is None or collective.kind not in ("all_gather", "reduce_scatter"):
         return None
-    source = node.args[0].meta.get("val")
-    if source is None or len(node.users) != 1 or next(iter(node.users)).target is not WAIT:
+    if collective.input_val is None or collective.wait is None:
         return None
-    if kind == "all_gather":
-        _, group_size, group_name = node.args
-        return kind, source.numel(), group_name, group_size, source.dtype
-    _, reduce_op, group_size, group_name = node.args
-    if reduce_op != "sum" or source.numel() % group_size:
+    if collective.kind == "reduce_scatter" and (collective.reduce_op != "sum"
+                                                or collective.input_val.numel() % collective.group_size):
         return None
-    return kind, source.numel() // group_size, group_name, group_size, source.dtype
+    return collective
 
 
 def plan_buckets(gm: torch.fx.GraphModule, bucket_bytes: int, graph: str = "") -> BucketPlan:
@@ -107,11 +103,11 @@ def plan_buckets(gm: torch.fx.GraphModule, bucket_bytes: int, graph: str = "") -
             ))
 
     for node in gm.graph.nodes:
-        info = _collective_info(node)
-        if info is None:
+        collective = _bucketable(node)
+        if collective is None:
             continue
-        kind, shard_elements, group_name, group_size, dtype = info
-        key = (kind, group_name, group_size, dtype)
+        shard_elements, group_size, dtype = collective.shard_elements, collective.group_size, collective.dtype
+        key = (collective.kind, collective.group_name, group_size, dtype)
         bucket = open_buckets.get(key, [])
         used = sum(size for _, size in bucket) * group_size * dtype.itemsize
         if bucket and used + shard_elements * group_size * dtype.itemsize > bucket_bytes:

@@ -12,28 +12,10 @@ import logging
 
 import torch
 
-from zcompile.collectives import ALL_GATHER, WAIT
+from zcompile.passes.collectives import ALL_GATHER
+from zcompile.passes.op_sets import PASS_THROUGH, SIZE_QUERIES
 
 log = logging.getLogger(__name__)
-
-aten = torch.ops.aten
-
-SIZE_QUERIES = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, aten.sym_storage_offset.default}
-# Ops through which a gathered parameter passes without being read as data.
-PASS_THROUGH = {
-    WAIT,
-    aten.slice.Tensor,
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten.reshape.default,
-    aten.alias.default,
-    aten.t.default,
-    aten.permute.default,
-    aten.expand.default,
-    aten.as_strided.default,
-    aten._to_copy.default,
-    torch.ops.prims.convert_element_type.default,
-}
 
 
 def _unread_chain(gather: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]] | None:

@@ -26,15 +26,15 @@ import logging
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zcompile.collectives import ALL_GATHER, WAIT
-from zcompile.graph_ops import gather_flat, gather_param, hpz_regather, hpz_secondary
 from zcompile.passes import metadata
+from zcompile.passes.collectives import ALL_GATHER, CollectiveNode
+from zcompile.passes.graph_ops import gather_flat, gather_param, hpz_regather, hpz_secondary
+from zcompile.passes.op_sets import SHAPE_VIEWS, SLICE_VIEWS
 
 log = logging.getLogger(__name__)
 
-aten = torch.ops.aten
-_SLICING = {aten.clone.default, aten.select.int, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-            aten.alias.default, aten.slice.Tensor}
+# what hpz_secondary traced into: a slice of the gathered buffer, cloned (not a re-ordering view)
+_SLICING = SHAPE_VIEWS | SLICE_VIEWS | {torch.ops.aten.clone.default}
 
 
 def hpz_pass(gm: torch.fx.GraphModule, hpz_size: int, hpz_rank: int, hpz_group_name: str | None) -> torch.fx.GraphModule:
@@ -72,18 +72,19 @@ def hpz_forward_shortcut_pass(gm: torch.fx.GraphModule, hpz_group_name: str) -> 
     """In a forward graph, replaces each hpZ re-gather by the world-gathered tensor it equals."""
     graph = gm.graph
     replaced = 0
-    for gather in list(graph.find_nodes(op="call_function", target=ALL_GATHER)):
-        if gather.args[2] != hpz_group_name or metadata.tags(gather).get(metadata.ROLE) != metadata.ROLE_HPZ_REGATHER:
+    for gather in map(CollectiveNode.of, list(graph.find_nodes(op="call_function", target=ALL_GATHER))):
+        if gather.group_name != hpz_group_name or metadata.tags(gather.node).get(metadata.ROLE) != metadata.ROLE_HPZ_REGATHER:
             continue
-        wait = next(iter(gather.users))
-        source = _sliced_from(gather.args[0])
-        got, want = source.meta.get("val"), wait.meta.get("val")
-        if wait.target is not WAIT or got is None or got.shape != want.shape or got.dtype != want.dtype:
-            log.warning("hpZ: %s is not a slice of a gathered tensor of its size; left in place", gather.name)
+        wait = gather.wait
+        source = _sliced_from(gather.input)
+        got = source.meta.get("val")
+        want = None if wait is None else wait.meta.get("val")
+        if want is None or got is None or got.shape != want.shape or got.dtype != want.dtype:
+            log.warning("hpZ: %s is not a slice of a gathered tensor of its size; left in place", gather.node.name)
             continue
         wait.replace_all_uses_with(source)
         graph.erase_node(wait)
-        graph.erase_node(gather)
+        graph.erase_node(gather.node)
         replaced += 1
     graph.lint()
     gm.recompile()

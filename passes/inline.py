@@ -13,6 +13,8 @@ from typing import Any, Callable
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from zcompile.passes import metadata
+
 
 def graph_fake_mode(gm: torch.fx.GraphModule):
     """The fake mode of the graph's ``meta["val"]`` tensors (None if it has none)."""
@@ -26,8 +28,6 @@ def inline_call(graph: torch.fx.Graph, fn: Callable[..., Any], args: list[torch.
     Returns the node(s) standing for ``fn``'s result, in its structure (a node, or a tuple of
     nodes). ``tags`` (zcompile metadata) are set on every inserted node.
     """
-    from zcompile.passes import metadata
-
     values = [a.meta["val"] for a in args]
     with fake_mode:
         traced = make_fx(fn, tracing_mode="real", pre_dispatch=False)(*values)

@@ -37,9 +37,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zcompile.collectives import ALL_GATHER
 from zcompile.passes import metadata
-from zcompile.passes.cleanup import PASS_THROUGH
+from zcompile.passes.collectives import ALL_GATHER, CollectiveNode
+from zcompile.passes.liveness import node_bytes
+from zcompile.passes.op_sets import PASS_THROUGH
 
 _PASS_THROUGH = PASS_THROUGH | {torch.ops.aten.clone.default}  # ops that pass a weight on unchanged
 
@@ -125,13 +126,10 @@ def _read_by_backward(gathered: list[torch.fx.Node], backward: set[torch.fx.Node
     return False
 
 
-def _nbytes(node: torch.fx.Node) -> int:
-    val = node.meta.get("val")
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-
-
-def plan_keep_gathered(graph: torch.fx.Graph, budget_bytes: int) -> KeepGatheredPlan:
-    """Which parameters to keep gathered for backward within ``budget_bytes`` (module docstring)."""
+def plan_keep_gathered(gm: torch.fx.GraphModule, budget_bytes: int) -> KeepGatheredPlan:
+    """Which parameters of joint graph ``gm`` to keep gathered for backward within ``budget_bytes``
+    (module docstring)."""
+    graph = gm.graph
     chains, backward = _forward_gather_chains(graph)
     order = {node: i for i, node in enumerate(graph.nodes)}
     candidates = []
@@ -142,11 +140,10 @@ def plan_keep_gathered(graph: torch.fx.Graph, budget_bytes: int) -> KeepGathered
         regathers = [n for n in recomputed if n.target is ALL_GATHER]
         if not regathers:
             continue
-        gathered = sum(_nbytes(n) for n in regathers)
-        group_sizes = [n.args[1] for n in regathers]
-        saved = sum(_nbytes(n) * (g - 1) // g for n, g in zip(regathers, group_sizes))
+        gathered = sum(node_bytes(n) for n in regathers)
+        saved = sum(c.bytes * (c.group_size - 1) // c.group_size for c in map(CollectiveNode.of, regathers))
         # the secondary slice is the last node traced from hpz_secondary (view, select, clone)
-        secondary = ([_nbytes(n) for n in chain if metadata.tags(n).get(metadata.ROLE) == metadata.ROLE_HPZ_SECONDARY] or [0])[-1]
+        secondary = ([node_bytes(n) for n in chain if metadata.tags(n).get(metadata.ROLE) == metadata.ROLE_HPZ_SECONDARY] or [0])[-1]
         candidates.append(GatheredParam(param, max(0, gathered - secondary), saved, order[regathers[0]], secondary))
     plan = KeepGatheredPlan(budget_bytes)
     left = budget_bytes

@@ -14,8 +14,8 @@ ROLE_REPLICATED = "param_replicated"  # stage 2 use of a replicated parameter
 ROLE_REDUCE = "grad_reduce"  # a (bucketed) gradient reduce-scatter
 ROLE_HPZ_SECONDARY = "hpz_secondary"  # hpZ: this rank's slice of a gathered weight, saved for backward
 ROLE_HPZ_REGATHER = "hpz_regather"  # hpZ: the weight re-gathered from the secondary slices
+ROLE_AUTOCAST = "autocast"  # the autocast region around a graph's compute (mixed precision)
 PARAMS = "params"  # parameter names a bucketed collective moves
-BUCKET = "bucket"  # index of the bucket a node belongs to
 RECOMPUTE = "recompute"  # torch-owned key read by the min-cut partitioner
 
 

@@ -22,8 +22,6 @@ from zcompile.passes import metadata
 
 log = logging.getLogger(__name__)
 
-ROLE_AUTOCAST = "autocast"
-
 
 def autocast_pass(gm: torch.fx.GraphModule, dtype: torch.dtype | None, device_type: str) -> torch.fx.GraphModule:
     """Wraps every compute node of ``gm`` in ``torch.autocast(device_type, dtype)``.
@@ -47,8 +45,8 @@ def autocast_pass(gm: torch.fx.GraphModule, dtype: torch.dtype | None, device_ty
             enter = graph.call_function(torch.amp.autocast_mode._enter_autocast, (device_type, dtype, True, None))
     with graph.inserting_before(output):
         leave = graph.call_function(torch.amp.autocast_mode._exit_autocast, (enter,))
-    metadata.tag(enter, role=ROLE_AUTOCAST)
-    metadata.tag(leave, role=ROLE_AUTOCAST)
+    metadata.tag(enter, role=metadata.ROLE_AUTOCAST)
+    metadata.tag(leave, role=metadata.ROLE_AUTOCAST)
     graph.lint()
     gm.recompile()
     log.info("autocast: graph compute runs under autocast(%s, %s)", device_type, dtype)

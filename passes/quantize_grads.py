@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 import zcompile.kernels.quantize  # noqa: F401  (registers the zcompile:: quantization ops)
-from zcompile.collectives import ALL_TO_ALL, REDUCE_SCATTER, WAIT
 from zcompile.passes import metadata
+from zcompile.passes.collectives import ALL_TO_ALL, REDUCE_SCATTER, WAIT, CollectiveNode
 from zcompile.passes.inline import graph_fake_mode, inline_call
 from zcompile.passes.quantize_weights import effective_block
 
@@ -80,21 +80,19 @@ def quantize_grads_pass(gm: torch.fx.GraphModule, group_name: str, world: int, n
     """
     graph = gm.graph
     fake_mode = graph_fake_mode(gm)
-    reductions = [n for n in graph.find_nodes(op="call_function", target=REDUCE_SCATTER)
-                  if n.args[1] == "sum" and n.args[3] == group_name and n.args[2] == world
-                  and n.args[0].meta["val"].is_floating_point()
-                  and len(n.users) == 1 and next(iter(n.users)).target is WAIT]
+    reductions = [c for c in map(CollectiveNode.of, graph.find_nodes(op="call_function", target=REDUCE_SCATTER))
+                  if c.reduce_op == "sum" and c.group_name == group_name and c.group_size == world
+                  and c.dtype.is_floating_point and c.wait is not None]
     for reduction in reductions:
-        flat = reduction.args[0]
-        wait = next(iter(reduction.users))
-        chosen = effective_block(flat.meta["val"].numel() // world, block)
-        with graph.inserting_before(reduction):
+        wait = reduction.wait
+        chosen = effective_block(reduction.shard_elements, block)
+        with graph.inserting_before(reduction.node):
             result = inline_call(
                 graph, lambda x: hierarchical_reduce_scatter(x, world, node_size, intra_name, inter_name, chosen),
-                [flat], fake_mode, tags=dict(metadata.tags(reduction), quantized="int4"))
+                [reduction.input], fake_mode, tags=dict(metadata.tags(reduction.node), quantized="int4"))
         wait.replace_all_uses_with(result)
         graph.erase_node(wait)
-        graph.erase_node(reduction)
+        graph.erase_node(reduction.node)
     graph.lint()
     gm.recompile()
     log.info("qgZ: %d reduce-scatters -> hierarchical int4 all-to-all (%d nodes of %d)", len(reductions),

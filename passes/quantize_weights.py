@@ -17,13 +17,12 @@ after dequantization.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 import zcompile.kernels.quantize  # noqa: F401  (registers the zcompile:: quantization ops)
-from zcompile.collectives import ALL_GATHER, WAIT
 from zcompile.passes import metadata
+from zcompile.passes.collectives import ALL_GATHER, WAIT, CollectiveNode
 from zcompile.passes.inline import graph_fake_mode, inline_call
 
 log = logging.getLogger(__name__)
@@ -52,42 +51,25 @@ def quantized_all_gather(shard: torch.Tensor, group_size: int, group_name: str, 
     return full
 
 
-@dataclass(frozen=True)
-class QuantizedGather:
-    name: str  # the all-gather node replaced
-    elements: int  # per rank
-    block: int
-    bytes_before: int  # per rank sent
-    bytes_after: int
-
-
-def quantize_weights_pass(gm: torch.fx.GraphModule, group_name: str, block: int,
-                          replaced: list[QuantizedGather] | None = None) -> torch.fx.GraphModule:
+def quantize_weights_pass(gm: torch.fx.GraphModule, group_name: str, block: int) -> torch.fx.GraphModule:
     """Replaces every floating-point all-gather over ``group_name`` by ``quantized_all_gather``.
 
     Run on forward graphs only (see the module docstring). Inserted nodes carry the replaced
-    gather's zcompile tags (parameters, bucket). ``replaced`` collects what was done.
+    gather's zcompile tags (parameters, bucket) and ``quantized="int8"``.
     """
     graph = gm.graph
     fake_mode = graph_fake_mode(gm)
-    gathers = [n for n in graph.find_nodes(op="call_function", target=ALL_GATHER)
-               if n.args[2] == group_name and n.args[0].meta["val"].dtype in _FLOATS
-               and len(n.users) == 1 and next(iter(n.users)).target is WAIT]
+    gathers = [c for c in map(CollectiveNode.of, graph.find_nodes(op="call_function", target=ALL_GATHER))
+               if c.group_name == group_name and c.dtype in _FLOATS and c.wait is not None]
     for gather in gathers:
-        shard, group_size, _ = gather.args
-        wait = next(iter(gather.users))
-        val = shard.meta["val"]
-        chosen = effective_block(val.numel(), block)
-        with graph.inserting_before(gather):
-            full = inline_call(graph, lambda s: quantized_all_gather(s, group_size, group_name, chosen), [shard],
-                               fake_mode, tags=dict(metadata.tags(gather), quantized="int8"))
+        wait, group_size = gather.wait, gather.group_size
+        chosen = effective_block(gather.input_val.numel(), block)
+        with graph.inserting_before(gather.node):
+            full = inline_call(graph, lambda s: quantized_all_gather(s, group_size, group_name, chosen), [gather.input],
+                               fake_mode, tags=dict(metadata.tags(gather.node), quantized="int8"))
         wait.replace_all_uses_with(full)
         graph.erase_node(wait)
-        graph.erase_node(gather)
-        blocks = -(-val.numel() // chosen)
-        if replaced is not None:
-            replaced.append(QuantizedGather(gather.name, val.numel(), chosen, val.numel() * val.dtype.itemsize,
-                                            blocks * chosen + 4 * blocks))
+        graph.erase_node(gather.node)
     graph.lint()
     gm.recompile()
     log.info("qwZ: %d all-gathers quantized to int8", len(gathers))

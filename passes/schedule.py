@@ -25,27 +25,17 @@ from __future__ import annotations
 import json
 import logging
 import math
-import operator
 from dataclasses import asdict, dataclass, field
 
 import networkx as nx
 import torch
 
-from zcompile.collectives import ALL_GATHER, COLLECTIVE_OPS, REDUCE_SCATTER, WAIT
+from zcompile.passes.collectives import COLLECTIVE_OPS, WAIT, collective_nodes
 from zcompile.passes.graph_order import apply_order, topological_order
+from zcompile.passes.liveness import dependency_graph, node_bytes, peak_bytes, storages
+from zcompile.passes.op_sets import PREP_OPS
 
 log = logging.getLogger(__name__)
-
-aten = torch.ops.aten
-# Ops that only re-label or copy a gathered buffer on its way to the compute that reads it.
-_PREP_OPS = {
-    operator.getitem, aten.split_with_sizes.default, aten.clone.default, aten.view.default, aten.slice.Tensor,
-    aten._unsafe_view.default, aten.reshape.default, aten.t.default, aten.permute.default, aten.alias.default,
-    aten.cat.default, aten._to_copy.default, torch.ops.prims.convert_element_type.default, WAIT,
-}
-
-# Prep ops that make a new storage (the buffer they read may die after them).
-_COPY_OPS = {aten.clone.default, aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
 
 @dataclass(frozen=True)
@@ -70,18 +60,8 @@ class SchedulePlan:
         return json.dumps(asdict(self), indent=1)
 
 
-def dependency_graph(gm: torch.fx.GraphModule) -> nx.DiGraph:
-    """The nodes of ``gm`` as a networkx DAG (edge: producer -> user), with their positions."""
-    dag = nx.DiGraph()
-    for position, node in enumerate(gm.graph.nodes):
-        dag.add_node(node, position=position)
-        for source in node.all_input_nodes:
-            dag.add_edge(source, node)
-    return dag
-
-
 def _is_compute(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target not in _PREP_OPS and node.target not in COLLECTIVE_OPS
+    return node.op == "call_function" and node.target not in PREP_OPS and node.target not in COLLECTIVE_OPS
 
 
 def _real_uses(dag: nx.DiGraph, wait: torch.fx.Node) -> list[torch.fx.Node]:
@@ -100,40 +80,6 @@ def _real_uses(dag: nx.DiGraph, wait: torch.fx.Node) -> list[torch.fx.Node]:
     return uses
 
 
-def _storages(dag: nx.DiGraph, position: dict, collective: torch.fx.Node) -> list[tuple[torch.fx.Node, int, int, int]]:
-    """The storages a gathered buffer lives in: (node that makes it, from, last read, bytes).
-
-    The collective's output lives from the collective to its last reader through views; a copy
-    (a bucket piece made contiguous, a cast) is a reader of it and a storage of its own, counted
-    until its own last reader. Bucketing copies every piece right after the wait, so a bucket
-    costs its buffer plus its pieces for a moment, then only the pieces (each until its last
-    reader; a piece kept for backward, read by the output, to the end). Copying each piece just
-    before its reader instead was measured worse with prefetch: the buffer then lives through the
-    bucket's compute beside the next bucket's buffer (8.85 vs 8.03 MiB in bench_schedule).
-    """
-    out, todo = [], [collective]
-    while todo:
-        storage = todo.pop()
-        last, stack, seen = position[storage], [storage], {storage}
-        while stack:
-            for user in dag.successors(stack.pop()):
-                last = max(last, position[user])
-                if user in seen:
-                    continue
-                seen.add(user)
-                if user.op == "call_function" and user.target in _COPY_OPS:
-                    todo.append(user)
-                elif user.op == "call_function" and user.target in _PREP_OPS:
-                    stack.append(user)
-        out.append((storage, position[storage], last, _nbytes(storage)))
-    return out
-
-
-def _nbytes(node: torch.fx.Node) -> int:
-    val = node.meta.get("val")
-    return 0 if val is None else val.numel() * val.element_size()
-
-
 def plan_schedule(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int | None = None,
                   graph: str = "") -> SchedulePlan:
     """Where each collective of ``gm`` is issued and waited (see the module docstring)."""
@@ -141,15 +87,14 @@ def plan_schedule(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int | 
     position = nx.get_node_attributes(dag, "position")
     plan = SchedulePlan(graph, prefetch, memory_budget)
     gathers = []  # (collective, first use position, first use node)
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in (ALL_GATHER, REDUCE_SCATTER):
+    for collective in collective_nodes(gm):
+        waits = collective.waits
+        if collective.kind not in ("all_gather", "reduce_scatter") or len(waits) != 1:
             continue
-        waits = [u for u in node.users if u.target is WAIT]
-        if len(waits) != 1:
-            continue
+        node = collective.node
         uses = sorted(_real_uses(dag, waits[0]), key=position.__getitem__)
-        if node.target is REDUCE_SCATTER:
-            plan.collectives.append(ScheduledCollective(node.name, "reduce_scatter", _nbytes(node.args[0]), "",
+        if collective.kind == "reduce_scatter":
+            plan.collectives.append(ScheduledCollective(node.name, collective.kind, collective.bytes, "",
                                                         uses[0].name if uses and uses[0].op != "output" else "", 0))
             continue
         if not uses:
@@ -158,51 +103,26 @@ def plan_schedule(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int | 
     gathers.sort(key=lambda g: g[1])
     live: list[tuple[float, float, int]] = []  # (from position, last use position, bytes) per storage
     for j, (node, first, first_use) in enumerate(gathers):
-        nbytes = _nbytes(node)
+        nbytes = node_bytes(node)
         # pieces are copied out right after the wait, which the schedule puts just before the first use
-        (_, _, buffer_last, _), *copies = _storages(dag, position, node)
+        (_, _, buffer_last, _), *copies = storages(dag, position, node)
         pieces = [(max(copy_at, first - 0.5), copy_last, nbytes) for _, copy_at, copy_last, nbytes in copies]
         buffer_last = max(buffer_last, first - 0.5)
         for depth in range(min(prefetch, j), -1, -1):
             issue = gathers[j - depth][1] - 0.5 if depth else first - 0.5
-            peak = _peak(live + pieces + [(issue, buffer_last, nbytes)])
+            peak = peak_bytes(live + pieces + [(issue, buffer_last, nbytes)])
             if memory_budget is None or peak <= memory_budget or depth == 0:
                 break
         issue_node = gathers[j - depth][2]
         live += pieces + [(issue, buffer_last, nbytes)]
         plan.collectives.append(ScheduledCollective(node.name, "all_gather", nbytes, issue_node.name,
                                                     first_use.name, depth))
-    plan.peak_gathered_bytes = _peak(live)
+    plan.peak_gathered_bytes = peak_bytes(live)
     if memory_budget is not None and plan.peak_gathered_bytes > memory_budget:
         log.warning("schedule (%s): gathered parameters need %d bytes at peak even without prefetch, over the "
                     "budget of %d; raise memory_budget_mb or lower bucket_mb", graph, plan.peak_gathered_bytes,
                     memory_budget)
     return plan
-
-
-def gathered_peak_bytes(gm: torch.fx.GraphModule) -> int:
-    """Most bytes of gathered parameters alive at once in ``gm`` as it is ordered now.
-
-    Each all-gather's output counts from the gather's issue to its last reader, and each copy made
-    of it (bucket pieces) from the copy to the copy's last reader (``_storages``): the lifetimes
-    the plan predicts, measured on the final graph. A weight kept for backward is read by the
-    output, so it counts to the end.
-    """
-    dag = dependency_graph(gm)
-    position = nx.get_node_attributes(dag, "position")
-    live = []
-    for node in gm.graph.find_nodes(op="call_function", target=ALL_GATHER):
-        live += [(start, last, nbytes) for _, start, last, nbytes in _storages(dag, position, node)]
-    return _peak(live)
-
-
-def _peak(intervals: list[tuple[float, float, int]]) -> int:
-    events = sorted([(start, nbytes) for start, _, nbytes in intervals] + [(end + 0.1, -nbytes) for _, end, nbytes in intervals])
-    peak = live = 0
-    for _, delta in events:
-        live += delta
-        peak = max(peak, live)
-    return peak
 
 
 def schedule_pass(gm: torch.fx.GraphModule, plan: SchedulePlan) -> torch.fx.GraphModule:

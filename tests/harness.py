@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(REPO, "examples"))
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 import zcompile  # noqa: E402
-from zcompile.comm import step_collectives  # noqa: E402
+from zcompile.comm_volume import step_collectives  # noqa: E402
 
 VOCAB = 256
 
@@ -137,7 +137,7 @@ def _reads_gathered_param(node) -> bool:
     the split of a bucket)."""
     import operator
 
-    from zcompile.collectives import ALL_GATHER, WAIT
+    from zcompile.passes.collectives import ALL_GATHER, WAIT
     from zcompile.passes.cleanup import PASS_THROUGH
 
     through = set(PASS_THROUGH) | {operator.getitem, torch.ops.aten.split_with_sizes.default,
@@ -155,8 +155,8 @@ def graph_facts(compiled_graphs) -> dict:
     """Counts read from the compiled graphs, per parameter (a bucketed collective counts each
     parameter it moves): gathers and reduce-scatters per graph, gathered weights saved for
     backward, parameters gathered twice in one graph, and the collective ops themselves."""
-    from zcompile.collectives import ALL_GATHER, REDUCE_SCATTER
-    from zcompile.graph_ops import gather_param
+    from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER
+    from zcompile.passes.graph_ops import gather_param
     from zcompile.passes.metadata import params_of
 
     facts = dict(graphs=len(compiled_graphs), gather_nodes=0, fw_all_gathers=0, bw_all_gathers=0,

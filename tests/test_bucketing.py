@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness import RunSpec, run_ranks, train_reference, zero_run_on_rank
 from test_training import assert_same_training
-from zcompile.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
+from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
 from zcompile.passes import metadata
 from zcompile.passes.bucketing import bucket_collectives_pass, plan_buckets
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from zcompile.collectives import ALL_GATHER, WAIT
+from zcompile.passes.collectives import ALL_GATHER, WAIT
 from zcompile.passes.cleanup import remove_unused_gathers_pass
 
 aten = torch.ops.aten

@@ -11,12 +11,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from harness import run_ranks
-from zcompile.collectives import DataParallelGroup, all_gather_eager
+from zcompile.process_group import DataParallelGroup, all_gather_eager
 from zcompile.cost_model import (
     CollectiveCost, CollectiveCosts, ComputeCosts, fit_linear, measure_collective_costs, measure_compute_costs,
     node_bytes, node_flops, node_seconds, predict, predict_step,
 )
-from zcompile.inner import CompiledGraphs
+from zcompile.compiled import CompiledGraphs
 from zcompile.passes.schedule import plan_schedule, schedule_pass
 
 aten = torch.ops.aten
@@ -184,8 +184,8 @@ def test_unwaited_transfer_extends_the_step_and_world_of_one_is_free():
 
 
 def test_predict_step_sums_forward_and_backward():
-    graphs = [CompiledGraphs(dynamo=None, plan=None, forward=_layered_graph(), backward=_layered_graph(layers=2)),
-              CompiledGraphs(dynamo=None, plan=None, forward=_layered_graph(layers=1), backward=None)]
+    graphs = [CompiledGraphs(dynamo=None, forward=_layered_graph(), backward=_layered_graph(layers=2)),
+              CompiledGraphs(dynamo=None, forward=_layered_graph(layers=1), backward=None)]
     step = predict_step(graphs, HAND_COLLECTIVES, HAND_COMPUTE)
     # layered graph of L layers, unscheduled: L x (2 + 3) + 1 + 2 = 5L + 3 s, all communication exposed
     assert step.step_s == 18 + 13 + 8

@@ -6,8 +6,8 @@ import torch
 import zcompile
 from harness import build_model, global_batch, model_loss, run_ranks
 from zcompile.backend import _check_devices
-from zcompile.collectives import DataParallelGroup
-from zcompile.passes.shard_params import ParamInput, ShardingPlan
+from zcompile.process_group import DataParallelGroup
+from zcompile.passes.param_collectives import ParamInput, ShardingPlan
 
 
 def test_parameters_on_different_devices():

@@ -9,7 +9,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from harness import RunSpec, run_ranks, train_reference, zero_run_on_rank
 from test_training import assert_same_training
-from zcompile.collectives import ALL_GATHER, WAIT
+from zcompile.passes.collectives import ALL_GATHER, WAIT
 from zcompile.passes import metadata
 from zcompile.passes.keep_gathered import keep_gathered_pass, plan_keep_gathered
 
@@ -62,27 +62,27 @@ def _joint_graph(shard_sizes=(8, 8, 8), world=2):
 def test_plan_keeps_what_backward_reads_last_layers_first():
     gm = _joint_graph()
     weight_bytes = 2 * 8 * 16 * 4  # world x shard x rows x fp32
-    plan = plan_keep_gathered(gm.graph, budget_bytes=10 * weight_bytes)
+    plan = plan_keep_gathered(gm, budget_bytes=10 * weight_bytes)
     # the bias (p2) is never re-gathered, so it is no candidate; p1 is later in forward than p0
     assert plan.kept_params == ["p1", "p0"] and plan.regathered == []
     assert plan.kept[0].bytes_kept == weight_bytes and plan.kept[0].bytes_saved == weight_bytes // 2
     assert json.loads(plan.to_json())["kept_bytes"] == 2 * weight_bytes
-    one = plan_keep_gathered(gm.graph, budget_bytes=weight_bytes + 1)
+    one = plan_keep_gathered(gm, budget_bytes=weight_bytes + 1)
     assert one.kept_params == ["p1"] and [p.param for p in one.regathered] == ["p0"]
-    assert plan_keep_gathered(gm.graph, budget_bytes=weight_bytes - 1).kept_params == []
+    assert plan_keep_gathered(gm, budget_bytes=weight_bytes - 1).kept_params == []
 
 
 def test_plan_prefers_more_saved_per_kept_byte():
     # same bytes kept, but p0's re-gather runs over 4 ranks (receives 3/4 of them) and p1's over 2
     gm = _joint_graph(shard_sizes=(8, 8, 8))
     gm.graph.find_nodes(op="call_function", target=ALL_GATHER)[0].update_arg(1, 4)
-    plan = plan_keep_gathered(gm.graph, budget_bytes=2 * 8 * 16 * 4)
+    plan = plan_keep_gathered(gm, budget_bytes=2 * 8 * 16 * 4)
     assert plan.kept_params == ["p0"]  # saves 3/4 of its bytes, p1 only 1/2
 
 
 def test_pass_lifts_only_the_kept_tags():
     gm = _joint_graph()
-    plan = plan_keep_gathered(gm.graph, budget_bytes=2 * 8 * 16 * 4)
+    plan = plan_keep_gathered(gm, budget_bytes=2 * 8 * 16 * 4)
     keep_gathered_pass(gm, plan)
     tagged = {metadata.tags(n)[metadata.PARAM] for n in gm.graph.nodes
               if n.meta.get(metadata.RECOMPUTE) == CheckpointPolicy.MUST_RECOMPUTE}

@@ -88,7 +88,7 @@ def test_memory_series_prefers_gpu(tmp_path):
 def _profile_rank(rank, world, out_dir):
     """Stage 3, one warm-up step (compiles), then step 1 recorded; returns what the test checks."""
     import zcompile
-    from zcompile.comm import step_collectives
+    from zcompile.comm_volume import step_collectives
     from zcompile.timeline import record_step
 
     torch._dynamo.reset()

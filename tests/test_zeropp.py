@@ -22,7 +22,7 @@ FUNCTIONAL = "_c10d_functional::"
 
 # ----------------------------------------------------------------------------- the collectives alone
 def _collectives_on_rank(rank, world):
-    from zcompile.collectives import DataParallelGroup
+    from zcompile.process_group import DataParallelGroup
     from zcompile.passes.quantize_grads import hierarchical_reduce_scatter
     from zcompile.passes.quantize_weights import quantized_all_gather
     from zcompile.topology import node_groups

@@ -1,14 +1,47 @@
-"""zcompile: ZeRO data parallelism as a torch.compile backend (``backend="zero"``)."""
+"""zcompile: ZeRO data parallelism as a torch.compile backend (``backend="zero"``).
 
-from zcompile import optim
-from zcompile.config import ZeroConfig
-from zcompile.gathered import gathered
-from zcompile.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
-from zcompile.pipeline import PassError
-from zcompile.report import StepReport, step_report
+The names below are imported on first use (PEP 562), so that ``import zcompile.passes`` (or the
+backend through its entry point) does not import the optimizer, the Triton kernels or matplotlib.
+"""
 
-__all__ = [
-    "ZeroConfig", "gathered", "optim", "model_state_bytes", "zero_formula_bytes", "ModelStateBytes", "PassError",
-    "StepReport", "step_report",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+
+# public name -> the module that defines it ("" : the name is the module itself)
+_LAZY = {
+    "optim": "",
+    "ZeroConfig": "zcompile.config",
+    "gathered": "zcompile.gathered",
+    "ModelStateBytes": "zcompile.memory",
+    "model_state_bytes": "zcompile.memory",
+    "zero_formula_bytes": "zcompile.memory",
+    "PassError": "zcompile.pass_runner",
+    "StepReport": "zcompile.report",
+    "step_report": "zcompile.report",
+}
+__all__ = list(_LAZY)
+
+if TYPE_CHECKING:
+    from zcompile import optim
+    from zcompile.config import ZeroConfig
+    from zcompile.gathered import gathered
+    from zcompile.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
+    from zcompile.pass_runner import PassError
+    from zcompile.report import StepReport, step_report
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'zcompile' has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name] or f"zcompile.{name}")
+    value = module if not _LAZY[name] else getattr(module, name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,4 +1,4 @@
-"""The ``zero`` torch.compile backend: Dynamo graph -> sharding passes -> AOTAutograd -> inner compiler.
+"""The ``zero`` torch.compile backend: Dynamo graph -> pipeline of passes -> AOTAutograd -> inner compiler.
 
 Data flow for one Dynamo graph:
 
@@ -6,12 +6,11 @@ Data flow for one Dynamo graph:
 2. The graph is copied (Dynamo reads its own graph again after the backend returns).
 3. ``plan_sharding`` lists the parameter inputs; each parameter gets its shard
    (``shard_parameter``: a flat fp32 1/N slice; stage 3 frees the full storage).
-4. ``insert_param_collectives_pass`` routes the parameters through their shards (stages 2 and 3).
-   ``autocast_pass`` runs the compute under autocast to ``param_dtype`` (mixed precision).
-5. The ranks compare the collectives the graph will issue (``check_same_collectives``); then the
-   ZeRO++ groups are made and ``hpz_pass`` splits the stage-3 gathers (hpZ).
-6. AOTAutograd partitions forward and backward; post-partition passes clean them up; the inner
-   compiler (eager or inductor) compiles them.
+4. The ranks compare the collectives the graph will issue (``check_same_collectives``); then the
+   ZeRO++ groups are made (collective: only once the ranks agree).
+5. ``run_passes(context, "dynamo", gm)``: the pipeline's Dynamo-graph passes (``zcompile.pipeline``).
+6. AOTAutograd: the joint-graph passes, the min-cut partition, the forward/backward passes, the
+   inner compiler (``zcompile.inner``).
 7. The returned callable swaps the parameters Dynamo passes for their shards at every call.
 """
 
@@ -25,16 +24,16 @@ from typing import Any, Callable
 
 import torch
 
-from zcompile.collectives import DataParallelGroup
+from zcompile.compiled import CompileContext, CompiledGraphs, record_compiled_graphs
 from zcompile.config import ZeroConfig
-from zcompile.inner import CompiledGraphs, compile_with_aot
-from zcompile.passes.hpz import hpz_pass
-from zcompile.passes.mixed_precision import autocast_pass
-from zcompile.passes.shard_params import ShardingPlan, insert_param_collectives_pass, plan_sharding
-from zcompile.pipeline import PassRunner, resolve_dump_root
+from zcompile.dumps import SHARDING_PLAN_FILE, resolve_dump_root
+from zcompile.inner import compile_with_aot
+from zcompile.param_shards import ShardedParam, shard_of, shard_parameter
+from zcompile.pass_runner import PassRunner
+from zcompile.passes.param_collectives import ShardingPlan, plan_sharding
+from zcompile.pipeline import run_passes
+from zcompile.process_group import DataParallelGroup
 from zcompile.rank_check import check_same_collectives
-from zcompile.report import record_compiled_graphs
-from zcompile.sharding import ShardedParam, shard_of, shard_parameter
 from zcompile.zeropp import attach_groups, resolve_zeropp
 
 log = logging.getLogger(__name__)
@@ -56,18 +55,16 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     swap = ShardSwap(plan, group)
     tracing_inputs = swap.swap_for_tracing(list(example_inputs))  # shards the parameters
     runner = PassRunner.for_graph(gm, resolve_dump_root(config.dump), group.rank)
-    runner.write_json("plan.json", json.loads(plan.to_json()))
-    gm = runner.run("insert_param_collectives", insert_param_collectives_pass, gm, "dynamo", plan)
-    gm = runner.run("autocast", autocast_pass, gm, "dynamo", config.param_dtype, _device_type(example_inputs))
+    runner.dump.write_json(SHARDING_PLAN_FILE, json.loads(plan.to_json()))
     zeropp = resolve_zeropp(config, group)
     if config.check_ranks and group.world_size > 1:
         check_same_collectives(plan, gm, group, config.check_timeout_s, zeropp.signature() if zeropp.active else None)
     zeropp = attach_groups(zeropp, group)  # makes process groups: only once the ranks agree
-    if zeropp.hpz_size:
-        gm = runner.run("hpz", hpz_pass, gm, "dynamo", zeropp.hpz_size, zeropp.hpz_rank, zeropp.hpz_group_name)
-    graphs = CompiledGraphs(dynamo=gm, plan=plan, runner=runner, config=config, group=group, zeropp=zeropp)
+    context = CompileContext(config, group, plan, zeropp, runner, _device_type(example_inputs))
+    gm = run_passes(context, "dynamo", gm)
+    graphs = CompiledGraphs(dynamo=gm, context=context)
     record_compiled_graphs([example_inputs[p.index] for p in plan.params], graphs)  # for step_report
-    compiled = compile_with_aot(gm, tracing_inputs, config.compiler, graphs)
+    compiled = compile_with_aot(gm, tracing_inputs, graphs)
     log.info(
         "zero backend: compiled a graph with %d parameters (stage %d, world %d, %s) in %.2fs",
         len(plan.params), config.stage, group.world_size, config.compiler, time.perf_counter() - start,

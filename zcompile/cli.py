@@ -1,12 +1,6 @@
 """``zcompile inspect DIR`` and ``zcompile diff DIR_A DIR_B``: read the backend's dump directories.
 
-A dump (``options={"dump": DIR}`` or ``ZCOMPILE_DUMP=DIR``) holds, per rank and per Dynamo graph::
-
-    DIR/rank{R}/{graph_id}/plan.json                  stage, world size, the parameters
-    DIR/rank{R}/{graph_id}/passes.json                one record per pass: time, nodes before/after
-    DIR/rank{R}/{graph_id}/collectives.{graph}.json   the collectives of the forward/backward graph
-    DIR/rank{R}/report.json                           optional: the step report (totals, formula, memory)
-
+The dump's layout and its loader are ``zcompile.dumps``.
 Every file may be missing; an unreadable one is a warning on stderr. Tables fit 100 columns and
 use ``rich`` when it is installed (``pip install zcompile[inspect]``), plain text otherwise.
 Exit status: 0, or 2 when a directory is missing or is not a dump.
@@ -15,89 +9,16 @@ Exit status: 0, or 2 when a directory is missing or is not a dump.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import sys
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from zcompile.dumps import GRAPH_KINDS, DumpError, GraphDump, RankDump, graph_order, load_dump
+from zcompile.passes.collectives import KINDS
+
 WIDTH = 100
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 WHERE = ("forward", "backward", "optimizer")
-GRAPH_KINDS = ("dynamo", "forward", "backward")
-
-
-class DumpError(Exception):
-    """The directory is missing or holds no ``rank*/`` folders."""
-
-
-@dataclass
-class GraphDump:
-    graph_id: str
-    plan: dict | None = None
-    passes: list[dict] = field(default_factory=list)
-    collectives: list[dict] = field(default_factory=list)  # forward then backward records
-
-
-@dataclass
-class RankDump:
-    rank: int
-    graphs: dict[str, GraphDump]
-    report: dict | None
-
-
-# ----------------------------------------------------------------------------- reading
-def _graph_order(graph_id: str) -> tuple:
-    return tuple(int(n) for n in re.findall(r"\d+", graph_id)), graph_id
-
-
-def _read_json(path: Path, expected: type, warnings: list[str]) -> Any:
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        warnings.append(f"{path}: unreadable ({error})")
-        return None
-    if not isinstance(data, expected):
-        warnings.append(f"{path}: expected a JSON {expected.__name__}, got {type(data).__name__}")
-        return None
-    return data
-
-
-def _read_records(path: Path, warnings: list[str]) -> list[dict]:
-    records = _read_json(path, list, warnings) or []
-    if not all(isinstance(r, dict) for r in records):
-        warnings.append(f"{path}: entries that are not JSON objects skipped")
-    return [r for r in records if isinstance(r, dict)]
-
-
-def _read_rank(rank: int, path: Path, warnings: list[str]) -> RankDump:
-    graphs = {}
-    for folder in sorted((p for p in path.iterdir() if p.is_dir()), key=lambda p: _graph_order(p.name)):
-        graph = GraphDump(folder.name, _read_json(folder / "plan.json", dict, warnings),
-                          _read_records(folder / "passes.json", warnings))
-        for kind in ("forward", "backward"):
-            records = _read_records(folder / f"collectives.{kind}.json", warnings)
-            graph.collectives += [{"where": kind, **record} for record in records]
-        graphs[folder.name] = graph
-    return RankDump(rank, graphs, _read_json(path / "report.json", dict, warnings))
-
-
-def load_dump(root: str | Path, warnings: list[str]) -> dict[int, RankDump]:
-    """Every ``rank{R}/`` of ``root`` (or ``root`` itself when it is a ``rank{R}`` folder), by rank."""
-    root = Path(root)
-    if not root.is_dir():
-        raise DumpError(f"{root}: no such directory")
-    ranks = {int(m.group(1)): p for p in root.iterdir() if p.is_dir() and (m := re.fullmatch(r"rank(\d+)", p.name))}
-    if not ranks and (m := re.fullmatch(r"rank(\d+)", root.name)):
-        ranks = {int(m.group(1)): root}
-    if not ranks:
-        raise DumpError(f"{root}: not a zcompile dump (no rank*/ folders); write one with options={{'dump': DIR}}")
-    return {rank: _read_rank(rank, ranks[rank], warnings) for rank in sorted(ranks)}
 
 
 # ----------------------------------------------------------------------------- summaries (plain data)
@@ -164,7 +85,7 @@ def rank_differences(ranks: dict[int, RankDump]) -> list[str]:
         sig = signature(ranks[rank])
         if set(sig) != set(base):
             notes.append(f"rank {rank} has graphs {_ids(sig)}, rank {first} has {_ids(base)}")
-        for gid in sorted(set(sig) & set(base), key=_graph_order):
+        for gid in sorted(set(sig) & set(base), key=graph_order):
             for what in ("passes", "nodes", "params", "collectives"):
                 if sig[gid][what] != base[gid][what]:
                     notes.append(f"rank {rank} graph {gid}: {what} differ from rank {first}")
@@ -175,7 +96,7 @@ def rank_differences(ranks: dict[int, RankDump]) -> list[str]:
 
 
 def _ids(sig: dict) -> str:
-    return ", ".join(sorted(sig, key=_graph_order)) or "none"
+    return ", ".join(sorted(sig, key=graph_order)) or "none"
 
 
 # ----------------------------------------------------------------------------- output
@@ -330,7 +251,7 @@ def cmd_inspect(args: argparse.Namespace, out: Output, warnings: list[str]) -> i
 def cmd_diff(args: argparse.Namespace, out: Output, warnings: list[str]) -> int:
     a, b = (_pick_dump(path, load_dump(path, warnings), args.rank) for path in (args.dir_a, args.dir_b))
     out.line(f"A = {args.dir_a} (rank {a.rank})\nB = {args.dir_b} (rank {b.rank})")
-    ids = sorted(set(a.graphs) | set(b.graphs), key=_graph_order)
+    ids = sorted(set(a.graphs) | set(b.graphs), key=graph_order)
     for label, mine, theirs in (("A", a, b), ("B", b, a)):
         only = [gid for gid in ids if gid in mine.graphs and gid not in theirs.graphs]
         if only:

@@ -16,8 +16,8 @@
   issue; ``wait_tensor`` blocks compute until its transfer has ended, and that wait is the
   exposed communication.
 
-Bytes of a collective follow ``zcompile.comm``: an all-gather moves its output (input bytes x
-group size), the others their input. The model knows nothing of what runs between graphs
+Bytes of a collective are ``zcompile.passes.collectives.CollectiveNode.bytes``: an all-gather moves
+its output (input bytes x group size), the others their input. The model knows nothing of what runs between graphs
 (autograd engine, guards, optimizer) nor of contention between compute and communication.
 """
 
@@ -35,12 +35,12 @@ import torch
 import torch.distributed as dist
 from torch.utils import flop_counter
 
-from zcompile.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_KINDS, REDUCE_SCATTER, WAIT,
-                                  DataParallelGroup, all_gather_eager)
+from zcompile.passes.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, KINDS, REDUCE_SCATTER, WAIT,
+                                         CollectiveNode)
+from zcompile.passes.liveness import tensor_bytes
+from zcompile.process_group import DataParallelGroup, all_gather_eager
 
 log = logging.getLogger(__name__)
-
-KINDS = tuple(COLLECTIVE_KINDS.values())
 DEFAULT_SIZES = (2**12, 2**15, 2**18, 2**22)  # bytes: from latency-bound to bandwidth-bound (gloo and NCCL)
 
 
@@ -171,7 +171,7 @@ def _agree(values: list[float], group: DataParallelGroup, device: torch.device) 
 
 
 def _issue_call(kind: str, nbytes: int, group: DataParallelGroup, device: torch.device) -> Callable[[], torch.Tensor]:
-    """Issues a collective of ``kind`` moving ``nbytes`` as ``zcompile.comm`` counts them (fp32).
+    """Issues a collective of ``kind`` moving ``nbytes`` as ``CollectiveNode.bytes`` counts them (fp32).
 
     Through the functional ops the compiled graphs call, run eagerly: what is timed is what the
     graphs run, issue and wait apart.
@@ -314,17 +314,12 @@ def node_flops(node: torch.fx.Node) -> int:
         return 0
 
 
-def _tensor_bytes(value) -> int:
-    leaves = torch.utils._pytree.tree_leaves(value)
-    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-
-
 def node_bytes(node: torch.fx.Node) -> int:
     """Bytes an aten node reads (its tensor inputs) and writes (its tensor outputs); 0 for a view."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.is_view:
         return 0
-    return _tensor_bytes(_vals(node)) + _tensor_bytes(node.meta.get("val"))
+    return tensor_bytes(_vals(node)) + tensor_bytes(node.meta.get("val"))
 
 
 def node_seconds(node: torch.fx.Node, compute: ComputeCosts) -> float:
@@ -332,16 +327,6 @@ def node_seconds(node: torch.fx.Node, compute: ComputeCosts) -> float:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
     return compute.seconds(node_flops(node), node_bytes(node))
-
-
-def collective_kind(node: torch.fx.Node) -> str | None:
-    return COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
-
-
-def collective_bytes(node: torch.fx.Node) -> int:
-    """Bytes per rank as ``zcompile.comm`` counts them: all-gather output, otherwise input."""
-    nbytes = _tensor_bytes(node.args[0].meta.get("val"))
-    return nbytes * int(node.args[1]) if node.target is ALL_GATHER else nbytes
 
 
 # ----------------------------------------------------------------------------- prediction
@@ -384,9 +369,10 @@ def predict(gm: torch.fx.GraphModule, collectives: CollectiveCosts, compute: Com
     records: list[PredictedCollective] = []
     pending: dict[torch.fx.Node, int] = {}  # collective node -> index of its record
     for node in gm.graph.nodes:
-        kind = collective_kind(node)
-        if kind is not None:
-            nbytes, cost = collective_bytes(node), collectives.cost(kind)
+        collective = CollectiveNode.of(node)
+        if collective is not None:
+            kind = collective.kind
+            nbytes, cost = collective.bytes, collectives.cost(kind)
             duration = cost.seconds(nbytes)
             start = max(clock, comm_free)
             comm_free = start + duration

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from zcompile.sharding import ShardedParam, shard_of
+from zcompile.param_shards import ShardedParam, shard_of
 
 
 def _stage3_shards(model: torch.nn.Module) -> list[ShardedParam]:

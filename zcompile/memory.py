@@ -11,7 +11,7 @@ from typing import Iterable
 
 import torch
 
-from zcompile.sharding import shard_of
+from zcompile.param_shards import shard_of
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ What a step does per parameter, by stage:
 then the fp32 shard is updated, and at stages 1 and 2 the updated shards are all-gathered back
 into the replicated parameters. Optimizer state (moments) has the shard's size. Those eager
 collectives are bucketed (``bucket_mb`` of shard per rank, like the backend option) and run while
-the next bucket updates (``zcompile.optim_comm``).
+the next bucket updates (``zcompile.optim_buckets``).
 
 The update is one fused pass (``zcompile.kernels.fused_optim``): the Triton kernel on GPU, its
 pure-torch reference on CPU. When the replicated parameter is in a low-precision dtype, the same
@@ -24,12 +24,12 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from zcompile.collectives import DataParallelGroup
-from zcompile.comm import CollectiveRecord
+from zcompile.process_group import DataParallelGroup
+from zcompile.comm_volume import CollectiveRecord
 from zcompile.memory import ModelStateBytes, model_state_bytes
 from zcompile.kernels.fused_optim import fused_adamw, fused_adamw_reference, fused_sgd, fused_sgd_reference
-from zcompile.optim_comm import BucketedGradReduce, BucketedParamRefresh, plan_optimizer_buckets
-from zcompile.sharding import ShardedParam, shard_of, shard_parameter
+from zcompile.optim_buckets import BucketedGradReduce, BucketedParamRefresh, plan_optimizer_buckets
+from zcompile.param_shards import ShardedParam, shard_of, shard_parameter
 
 log = logging.getLogger(__name__)
 

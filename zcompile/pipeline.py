@@ -1,172 +1,150 @@
-"""Runs zcompile's passes by name: timing, op-count diffs, graph dumps, and errors that say where.
+"""The pass pipeline of the zero backend, as one ordered table.
 
-Every pass is applied through ``PassRunner.run``, which
+Each row names a pass of ``zcompile.passes``, the graphs it runs on, when it is enabled (read from
+the ``CompileContext``: options, group, ZeRO++ settings) and its keyword options. A row with a
+``planner`` plans first (plain data, dumped as ``{plan}.{graph}.json`` and kept in
+``context.plans``), then the pass applies the plan. ``run_passes(context, graph, gm)`` applies, in
+table order, the enabled rows for that graph through the context's ``PassRunner`` (timing, dumps,
+``PassError``; the runner lints every result).
 
-- logs one info line per pass (time, nodes added and removed by op);
-- with a dump directory (``options={"dump": DIR}`` or ``ZCOMPILE_DUMP=DIR``) writes, per rank and
-  per Dynamo graph, the readable graph before and after the pass (``print_readable`` with shapes
-  and dtypes), ``passes.json`` (one record per pass) and whatever else the backend adds
-  (``plan.json``, ``collectives.{forward,backward}.json``), and hands the same artifacts to
-  ``torch._logging.trace_structured`` so that tlparse shows them;
-- turns an exception inside a pass into a ``PassError`` naming the pass, the graph, the node being
-  rewritten (set with ``PassRunner.at``, else the innermost FX node found in the failing frames'
-  locals) and where the dump is.
+The graphs, in the order a compile meets them:
 
-Layout: ``DIR/rank{R}/{graph_id}/{NN}_{pass}.{graph}.before.txt`` (and ``.after.txt``), where
-``graph_id`` is Dynamo's compile id (``0_0``: frame 0, first compile) and ``graph`` is ``dynamo``,
-``forward`` or ``backward``.
+- ``dynamo``: Dynamo's graph, before AOTAutograd (parameters routed through shards, autocast, hpZ);
+- ``joint``: AOTAutograd's joint forward+backward graph, just before the min-cut partition;
+- ``forward`` / ``inference`` / ``backward``: the partitioned graphs, before the inner compiler.
+
+Order constraints are written in the table as ``after``: a row names the rows that must come
+before it when both are enabled, and ``check_table`` (run by the tests) verifies the order.
+
+Adding a pass: a module in ``passes/`` with the pass function (and its planner, if it plans), one
+row here, and its option in ``zcompile/config.py`` when it has one (``passes/README.md``).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import re
-import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-log = logging.getLogger(__name__)
+from zcompile.compiled import CompileContext
+from zcompile.dumps import plan_file
+from zcompile.passes.bucketing import bucket_collectives_pass, plan_buckets
+from zcompile.passes.cleanup import remove_unused_gathers_pass
+from zcompile.passes.hpz import hpz_forward_shortcut_pass, hpz_pass
+from zcompile.passes.keep_gathered import keep_gathered_pass, plan_keep_gathered
+from zcompile.passes.mixed_precision import autocast_pass
+from zcompile.passes.param_collectives import insert_param_collectives_pass
+from zcompile.passes.quantize_grads import quantize_grads_pass
+from zcompile.passes.quantize_weights import quantize_weights_pass
+from zcompile.passes.schedule import plan_schedule, schedule_pass
 
-DUMP_ENV = "ZCOMPILE_DUMP"
+DYNAMO = ("dynamo",)
+JOINT = ("joint",)
+FORWARD = ("forward", "inference")
+BACKWARD = ("backward",)
+PARTITIONED = FORWARD + BACKWARD
+MIB = 2**20
+
+Options = Callable[[CompileContext, str], dict[str, Any]]
 
 
-class PassError(RuntimeError):
-    """A pass failed; the message names the pass, the graph, the node and the dump."""
+def _always(context: CompileContext) -> bool:
+    return True
 
 
-@dataclass
-class PassRecord:
-    """What one pass did to one graph (a line of ``passes.json``)."""
+def _no_options(context: CompileContext, graph: str) -> dict[str, Any]:
+    return {}
 
-    index: int
+
+@dataclass(frozen=True)
+class PassRow:
+    """One pass of the pipeline: what it is, where it runs, when, and with which options."""
+
     name: str
-    graph: str  # dynamo | forward | backward
-    seconds: float
-    nodes_before: int
-    nodes_after: int
-    added: dict[str, int]
-    removed: dict[str, int]
-
-    def to_json(self) -> dict:
-        data = asdict(self)
-        data["pass"] = data.pop("name")
-        return data
+    graphs: tuple[str, ...]
+    apply: Callable[..., torch.fx.GraphModule]  # apply(gm, **options), or apply(gm, plan) with a planner
+    enabled: Callable[[CompileContext], bool] = _always
+    options: Options = _no_options  # keyword options of the pass, or of its planner
+    planner: Callable[..., Any] | None = None  # planner(gm, **options) -> a plan with to_json()
+    plan_name: str = ""  # dump file stem of the plan
+    after: tuple[str, ...] = ()  # rows that must run before this one (on the same or an earlier graph)
 
 
-@dataclass
-class PassRunner:
-    """Per-compile state of the pass pipeline for one Dynamo graph (and its forward/backward)."""
-
-    graph_id: str
-    dump_dir: Path | None = None
-    records: list[PassRecord] = field(default_factory=list)
-    current_node: str | None = None
-
-    @classmethod
-    def for_graph(cls, gm: torch.fx.GraphModule, dump_root: str | None, rank: int) -> PassRunner:
-        compile_id = str(gm.meta.get("dynamo_compile_id", "unknown"))
-        graph_id = re.sub(r"[^0-9A-Za-z]+", "_", compile_id).strip("_") or "unknown"
-        dump_dir = None
-        if dump_root:
-            dump_dir = Path(dump_root) / f"rank{rank}" / graph_id
-            dump_dir.mkdir(parents=True, exist_ok=True)
-        return cls(graph_id=graph_id, dump_dir=dump_dir)
-
-    def at(self, node: torch.fx.Node | None) -> None:
-        """Passes call this with the node they are about to rewrite, for error messages."""
-        self.current_node = None if node is None else f"{node.name} ({node.op} {_target_name(node)})"
-
-    def run(self, name: str, pass_fn: Callable[..., torch.fx.GraphModule], gm: torch.fx.GraphModule, graph: str,
-            *args: Any) -> torch.fx.GraphModule:
-        """Applies ``pass_fn(gm, *args)`` and records it; see the module docstring."""
-        index = len(self.records)
-        stem = f"{index:02d}_{name}.{graph}"
-        before_ops = _op_counts(gm)
-        if self.dump_dir is not None:
-            self._write_artifact(f"{stem}.before.txt", _readable(gm))
-        self.current_node = None
-        start = time.perf_counter()
-        try:
-            result = pass_fn(gm, *args)
-        except Exception as error:
-            where = f"; graphs dumped under {self.dump_dir}" if self.dump_dir else (
-                f"; set options={{'dump': DIR}} or {DUMP_ENV}=DIR to dump the graphs")
-            current = self.current_node or _node_in_traceback(error.__traceback__)
-            node = f" at node {current}" if current else ""
-            raise PassError(
-                f"zcompile pass {name!r} failed on the {graph} graph of Dynamo graph {self.graph_id}{node}: "
-                f"{type(error).__name__}: {error}{where}"
-            ) from error
-        seconds = time.perf_counter() - start
-        after_ops = _op_counts(result)
-        record = PassRecord(
-            index, name, graph, seconds, sum(before_ops.values()), sum(after_ops.values()),
-            dict(after_ops - before_ops), dict(before_ops - after_ops),
-        )
-        self.records.append(record)
-        log.info(
-            "pass %s on %s graph %s: %.1f ms, %d -> %d nodes, added %s, removed %s", name, graph, self.graph_id,
-            seconds * 1e3, record.nodes_before, record.nodes_after, record.added or "{}", record.removed or "{}",
-        )
-        if self.dump_dir is not None:
-            self._write_artifact(f"{stem}.after.txt", _readable(result))
-            self.write_json("passes.json", [r.to_json() for r in self.records])
-        return result
-
-    def write_json(self, filename: str, data: Any) -> None:
-        """Writes ``data`` as JSON into this graph's dump folder (and to trace_structured)."""
-        if self.dump_dir is not None:
-            self._write_artifact(filename, json.dumps(data, indent=1, default=str))
-
-    def _write_artifact(self, filename: str, text: str) -> None:
-        (self.dump_dir / filename).write_text(text)
-        torch._logging.trace_structured(
-            "artifact",
-            metadata_fn=lambda: {"name": f"zcompile_{self.graph_id}_{filename}", "encoding": "string"},
-            payload_fn=lambda: text,
-        )
+PIPELINE: tuple[PassRow, ...] = (
+    PassRow("insert_param_collectives", DYNAMO, insert_param_collectives_pass,
+            enabled=lambda c: c.sharding.stage > 1 and bool(c.sharding.params),
+            options=lambda c, g: {"plan": c.sharding}),
+    PassRow("autocast", DYNAMO, autocast_pass,
+            enabled=lambda c: c.config.param_dtype is not None,
+            options=lambda c, g: {"dtype": c.config.param_dtype, "device_type": c.device_type}),
+    PassRow("hpz", DYNAMO, hpz_pass,
+            enabled=lambda c: c.zeropp.hpz_size > 0,
+            options=lambda c, g: {"hpz_size": c.zeropp.hpz_size, "hpz_rank": c.zeropp.hpz_rank,
+                                  "hpz_group_name": c.zeropp.hpz_group_name},
+            after=("insert_param_collectives",)),
+    PassRow("keep_gathered", JOINT, keep_gathered_pass,
+            enabled=lambda c: c.config.keep_gathered_mb > 0,  # ZeroConfig allows it at stage 3 only
+            planner=plan_keep_gathered, plan_name="keep_gathered",
+            options=lambda c, g: {"budget_bytes": int(c.config.keep_gathered_mb * MIB)},
+            after=("insert_param_collectives", "hpz")),
+    PassRow("remove_unused_gathers", PARTITIONED, remove_unused_gathers_pass),
+    PassRow("hpz_forward_shortcut", FORWARD, hpz_forward_shortcut_pass,
+            enabled=lambda c: c.zeropp.hpz_size > 1,
+            options=lambda c, g: {"hpz_group_name": c.zeropp.hpz_group_name},
+            after=("hpz", "remove_unused_gathers")),
+    PassRow("bucket_collectives", PARTITIONED, bucket_collectives_pass,
+            enabled=lambda c: c.config.bucket_mb > 0,
+            planner=plan_buckets, plan_name="buckets",
+            options=lambda c, g: {"bucket_bytes": int(c.config.bucket_mb * MIB), "graph": g},
+            after=("remove_unused_gathers", "hpz_forward_shortcut")),
+    # qwZ and qgZ quantize whole (bucketed) collectives: after bucketing, before the schedule moves them
+    PassRow("quantize_weights", FORWARD, quantize_weights_pass,
+            enabled=lambda c: c.zeropp.quantize_weights,
+            options=lambda c, g: {"group_name": c.group.name, "block": c.zeropp.block},
+            after=("bucket_collectives",)),
+    PassRow("quantize_grads", BACKWARD, quantize_grads_pass,
+            enabled=lambda c: c.zeropp.quantize_grads,
+            options=lambda c, g: {"group_name": c.group.name, "world": c.group.world_size,
+                                  "node_size": c.zeropp.node_size, "intra_name": c.zeropp.intra_group_name,
+                                  "inter_name": c.zeropp.inter_group_name, "block": c.zeropp.block},
+            after=("bucket_collectives",)),
+    PassRow("schedule", PARTITIONED, schedule_pass,
+            enabled=lambda c: c.config.overlap,
+            planner=plan_schedule, plan_name="schedule",
+            options=lambda c, g: {"prefetch": c.config.prefetch, "graph": g, "memory_budget": (
+                None if c.config.memory_budget_mb is None else int(c.config.memory_budget_mb * MIB))},
+            after=("bucket_collectives", "quantize_weights", "quantize_grads")),
+)
 
 
-def resolve_dump_root(option: str | None) -> str | None:
-    """The dump directory: the option, else ``$ZCOMPILE_DUMP``, else none."""
-    return option or os.environ.get(DUMP_ENV) or None
+def run_passes(context: CompileContext, graph: str, gm: torch.fx.GraphModule,
+               table: tuple[PassRow, ...] = PIPELINE) -> torch.fx.GraphModule:
+    """Applies the enabled rows of ``table`` for ``graph`` to ``gm``, in order (module docstring)."""
+    runner = context.runner
+    for row in table:
+        if graph not in row.graphs or not row.enabled(context):
+            continue
+        options = row.options(context, graph)
+        if row.planner is None:
+            gm = runner.run(row.name, row.apply, gm, graph, **options)
+            continue
+        plan = row.planner(gm, **options)
+        name = plan_file(row.plan_name, graph)
+        context.plans[name.removesuffix(".json")] = plan
+        runner.dump.write_text(name, plan.to_json())
+        gm = runner.run(row.name, row.apply, gm, graph, plan)
+    return gm
 
 
-def _readable(gm: torch.fx.GraphModule) -> str:
-    return gm.print_readable(print_output=False, include_stride=False, include_device=True)
-
-
-def _target_name(node: torch.fx.Node) -> str:
-    if node.op in ("placeholder", "output"):
-        return node.op
-    target = node.target
-    if isinstance(target, str):
-        return f"{node.op}:{target}"
-    if hasattr(target, "name") and callable(target.name):  # OpOverload
-        return target.name()
-    module = getattr(target, "__module__", "") or ""
-    return f"{module}.{getattr(target, '__name__', str(target))}".lstrip(".")
-
-
-def _node_in_traceback(traceback) -> str | None:
-    """The FX node the failing pass was working on: the innermost frame holding one in a local."""
-    frames = []
-    while traceback is not None:
-        frames.append(traceback.tb_frame)
-        traceback = traceback.tb_next
-    for frame in reversed(frames):
-        nodes = [value for value in frame.f_locals.values() if isinstance(value, torch.fx.Node)]
-        if nodes:
-            node = nodes[-1]
-            return f"{node.name} ({node.op} {_target_name(node)})"
-    return None
-
-
-def _op_counts(gm: torch.fx.GraphModule) -> Counter:
-    return Counter(_target_name(node) for node in gm.graph.nodes)
+def check_table(table: tuple[PassRow, ...] = PIPELINE) -> None:
+    """Raises ``ValueError`` when a row's ``after`` names an unknown row or one placed after it."""
+    position = {row.name: i for i, row in enumerate(table)}
+    if len(position) != len(table):
+        raise ValueError("pipeline: two rows have the same name")
+    for i, row in enumerate(table):
+        for before in row.after:
+            if before not in position:
+                raise ValueError(f"pipeline: {row.name!r} must run after {before!r}, which is not in the table")
+            if position[before] >= i:
+                raise ValueError(f"pipeline: {row.name!r} must run after {before!r}, but the table has it later")

@@ -16,7 +16,8 @@ from datetime import timedelta
 
 import torch
 
-from zcompile.collectives import DataParallelGroup, default_store
+from zcompile.passes.collectives import collective_nodes
+from zcompile.process_group import DataParallelGroup, default_store
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +47,12 @@ def sequence_signature(gm: torch.fx.GraphModule) -> list:
     The group is the last argument of every collective op; it is left out because sub-groups
     (one per node) have a different name on each node. Its size is in the other arguments.
     """
-    from zcompile.collectives import COLLECTIVE_OPS
-
     signature = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in COLLECTIVE_OPS:
-            val = node.args[0].meta.get("val")
-            shape = list(val.shape) if val is not None else None
-            signature.append([str(node.target), shape, str(getattr(val, "dtype", None)), [str(a) for a in node.args[1:-1]]])
+    for collective in collective_nodes(gm):
+        val = collective.input_val
+        shape = list(val.shape) if val is not None else None
+        signature.append([str(collective.node.target), shape, str(getattr(val, "dtype", None)),
+                          [str(a) for a in collective.node.args[1:-1]]])
     return signature
 
 

@@ -1,7 +1,7 @@
 """The communication and memory report of a compiled training step.
 
 ``step_report(model, optimizer)`` reads what the backend compiled for ``model`` (the graphs are
-recorded on its parameters, see ``record_compiled_graphs``) and what the optimizer's last step
+recorded on its parameters, see ``zcompile.compiled``) and what the optimizer's last step
 issued, and returns a ``StepReport``: every collective of one step (kind, bytes, dtype, where,
 which parameters), totals against ZeRO's formula for the stage, the model-state bytes measured on
 this rank against the formula, the peak of gathered-parameter bytes the graphs hold at once, and
@@ -18,44 +18,14 @@ from typing import Any
 
 import torch
 
-from zcompile.collectives import COLLECTIVE_KINDS, WAIT
-from zcompile.comm import CollectiveRecord, graph_collectives, summarize
+from zcompile.comm_volume import CollectiveRecord, graph_collectives, summarize
+from zcompile.compiled import CompiledGraphs, compiled_graphs_of
 from zcompile.memory import model_state_bytes, zero_formula_bytes
-from zcompile.passes.schedule import gathered_peak_bytes
+from zcompile.passes import metadata
+from zcompile.passes.collectives import COLLECTIVE_OPS, WAIT, collective_nodes
+from zcompile.passes.liveness import gathered_peak_bytes
 
 log = logging.getLogger(__name__)
-
-COMPILE_LOG_ATTR = "_zcompile_compiled_graphs"
-
-
-def record_compiled_graphs(params: list[torch.nn.Parameter], graphs: Any) -> None:
-    """Appends ``graphs`` to the compile log shared by ``params`` (created, or merged, on demand).
-
-    The log lives on the parameters, like their shards, so a report finds it from the model and no
-    module-level registry is needed.
-    """
-    logs = []
-    for param in params:
-        existing = getattr(param, COMPILE_LOG_ATTR, None)
-        if existing is not None and all(existing is not other for other in logs):
-            logs.append(existing)
-    shared = logs[0] if logs else []
-    for other in logs[1:]:
-        shared.extend(g for g in other if all(g is not mine for mine in shared))
-    if all(graphs is not mine for mine in shared):
-        shared.append(graphs)
-    for param in params:
-        setattr(param, COMPILE_LOG_ATTR, shared)
-
-
-def compiled_graphs_of(model: torch.nn.Module) -> list:
-    """Every ``CompiledGraphs`` the backend recorded on ``model``'s parameters, in compile order."""
-    found = []
-    for param in model.parameters():
-        for graphs in getattr(param, COMPILE_LOG_ATTR, ()):
-            if all(graphs is not seen for seen in found):
-                found.append(graphs)
-    return found
 
 
 @dataclass
@@ -152,7 +122,7 @@ class StepReport:
             console.print(line)
 
 
-def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list | None = None) -> StepReport:
+def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[CompiledGraphs] | None = None) -> StepReport:
     """The report of one step of ``model`` (call after at least one ``optimizer.step()``)."""
     graphs = compiled_graphs_of(model) if graphs is None else graphs
     if not graphs:
@@ -165,12 +135,12 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list | No
     schedule: list[OverlapRecord] = []
     peak_gathered = 0
     for compiled in graphs:
-        graph_id = compiled.runner.graph_id if compiled.runner is not None else "?"
+        graph_id = compiled.graph_id
         for where in ("forward", "backward"):
             gm = getattr(compiled, where)
             records += graph_collectives(gm, where)
             schedule += collective_overlaps(gm, graph_id, where)
-            peak_gathered = max(peak_gathered, 0 if gm is None else gathered_peak_bytes(gm))
+            peak_gathered = max(peak_gathered, gathered_peak_bytes(gm))
     if optimizer is not None:
         records += list(getattr(optimizer, "last_step_collectives", []))
     unique = list(dict.fromkeys(model.parameters()))
@@ -194,12 +164,12 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list | No
     )
 
 
-def _hpz_secondary_bytes(graphs: list, params: list[torch.Tensor]) -> int:
+def _hpz_secondary_bytes(graphs: list[CompiledGraphs], params: list[torch.Tensor]) -> int:
     """hpZ: bytes of the secondary partitions held from forward to backward (padded numel / K each)."""
-    hpz = next((g for g in graphs if g.zeropp is not None and g.zeropp.hpz_size), None)
+    hpz = next((g for g in graphs if g.context is not None and g.context.zeropp.hpz_size), None)
     if hpz is None:
         return 0
-    world, size, gather_dtype = hpz.plan.world_size, hpz.zeropp.hpz_size, hpz.plan.param_dtype
+    world, size, gather_dtype = hpz.plan.world_size, hpz.context.zeropp.hpz_size, hpz.plan.param_dtype
     return sum(-(-p.numel() // world) * world // size * (gather_dtype or p.dtype).itemsize for p in params)
 
 
@@ -207,18 +177,13 @@ def collective_overlaps(gm: torch.fx.GraphModule | None, graph_id: str, where: s
     """For each collective: compute ops between it and its wait, in graph order."""
     if gm is None:
         return []
-    from zcompile.passes import metadata
-
     nodes = list(gm.graph.nodes)
     order = {node: i for i, node in enumerate(nodes)}
     out = []
-    for node in nodes:
-        kind = COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
-        if kind is None:
-            continue
-        waits = [user for user in node.users if user.target is WAIT]
-        end = min((order[w] for w in waits), default=order[node])
-        between = [n for n in nodes[order[node] + 1:end]
-                   if n.op == "call_function" and n.target not in COLLECTIVE_KINDS and n.target is not WAIT]
-        out.append(OverlapRecord(graph_id, where, kind, metadata.params_of(node), len(between)))
+    for collective in collective_nodes(gm):
+        start = order[collective.node]
+        end = min((order[w] for w in collective.waits), default=start)
+        between = [n for n in nodes[start + 1:end]
+                   if n.op == "call_function" and n.target not in COLLECTIVE_OPS and n.target is not WAIT]
+        out.append(OverlapRecord(graph_id, where, collective.kind, metadata.params_of(collective.node), len(between)))
     return out

@@ -43,12 +43,13 @@ from typing import Any, Callable
 
 import torch
 
+from zcompile.passes.collectives import KINDS
+
 log = logging.getLogger(__name__)
 
 STEP_ANNOTATION = "zcompile.record_step"
 MEMORY_EVENT = "[memory]"
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-WAIT = "wait"
+WAIT = "wait"  # the kind of a wait event (the collectives' kinds are ``passes.collectives.KINDS``)
 
 _ISSUE_PREFIXES = ("_c10d_functional::", "c10d_functional::", "c10d::")
 _BACKEND_PREFIXES = ("gloo:", "nccl:", "nccl")  # "nccl" without colon: the GPU kernels (ncclDevKernel_...)
@@ -104,7 +105,7 @@ def classify(name: str, args: dict | None = None) -> tuple[str, str] | None:
     return (kind, level) if kind else None
 
 
-_SQUASHED_KINDS = {"allgather": "all_gather", "reducescatter": "reduce_scatter", "allreduce": "all_reduce"}
+_SQUASHED_KINDS = {kind.replace("_", ""): kind for kind in KINDS}  # "allgather" -> "all_gather", ...
 
 
 def _kind_from(name: str) -> str | None:
@@ -213,7 +214,8 @@ def memory_series(events: list[dict], origin: float = 0.0) -> tuple[list[tuple[f
     return series, device
 
 
-_COLORS = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange", "all_reduce": "tab:green", WAIT: "tab:red"}
+_COLORS = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange", "all_reduce": "tab:green", "all_to_all": "tab:purple",
+           WAIT: "tab:red"}
 
 
 def plot_memory(result: TimelineResult, path_png: str | os.PathLike) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from zcompile.collectives import DataParallelGroup, find_group
+from zcompile.process_group import DataParallelGroup, find_group
 
 log = logging.getLogger(__name__)
 

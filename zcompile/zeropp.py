@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from zcompile.collectives import DataParallelGroup
+from zcompile.process_group import DataParallelGroup
 from zcompile.topology import node_groups, node_size_from_env
 
 log = logging.getLogger(__name__)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zcompile.graph_ops import gather_param, replicated_param
+from zcompile.passes.graph_ops import gather_param, replicated_param
 from zcompile.passes import metadata
-from zcompile.passes.shard_params import insert_param_collectives_pass, param_name_from_source, plan_sharding
+from zcompile.passes.param_collectives import insert_param_collectives_pass, param_name_from_source, plan_sharding
 
 
 def _linear_graph():

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from zcompile.collectives import DataParallelGroup, all_gather_eager
+from zcompile.process_group import DataParallelGroup, all_gather_eager
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,7 @@
-"""What collectives a compiled step issues: read from the graphs, and recorded by the optimizer.
-
-Elements are counted per rank the way ZeRO's volume formulas count them: an all-gather moves its
-output's size, a reduce-scatter its input's size, an all-reduce its size (padding included), an
-all-to-all its input's size.
+"""Communication volume of a training step: the collectives read from the compiled graphs, and the
+optimizer's, as records with the elements each moves per rank (counted by
+``zcompile.passes.collectives.CollectiveNode``: an all-gather moves its output, the others their input,
+padding included).
 """
 
 from __future__ import annotations
@@ -12,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zcompile.collectives import COLLECTIVE_KINDS
 from zcompile.passes import metadata
-
+from zcompile.passes.collectives import collective_nodes
 
 
 @dataclass(frozen=True)
@@ -39,21 +37,8 @@ class CollectiveRecord:
 
 def graph_collectives(gm: torch.fx.GraphModule | None, where: str) -> list[CollectiveRecord]:
     """The collectives of an (AOTAutograd, aten-level) graph, in graph order."""
-    if gm is None:
-        return []
-    records = []
-    for node in gm.graph.nodes:
-        kind = COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
-        if kind is None:
-            continue
-        source = node.args[0].meta.get("val")
-        elements = source.numel() * (node.args[1] if kind == "all_gather" else 1)
-        group = str(node.args[-1])
-        group_size = node.args[1] if kind == "all_gather" else node.args[2] if kind == "reduce_scatter" else \
-            len(node.args[1]) if kind == "all_to_all" else 0
-        records.append(CollectiveRecord(kind, int(elements), source.dtype, where, tuple(metadata.params_of(node)),
-                                        group, int(group_size)))
-    return records
+    return [CollectiveRecord(c.kind, c.elements, c.dtype, where, tuple(metadata.params_of(c.node)), c.group_name,
+                             c.group_size) for c in collective_nodes(gm)]
 
 
 def step_collectives(compiled_graphs, optimizer=None) -> list[CollectiveRecord]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zcompile.collectives import all_gather_in_graph, reduce_scatter_in_graph
+from zcompile.passes.collectives import all_gather_in_graph, reduce_scatter_in_graph
 
 
 def _reduce_flat_grad(

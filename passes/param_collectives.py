@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zcompile.graph_ops import gather_param, replicated_param
 from zcompile.passes import metadata
+from zcompile.passes.graph_ops import gather_param, replicated_param
 
 log = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ import torch
 
 from harness import RunSpec, run_ranks, train_reference, zero_run_on_rank
 from test_training import assert_same_training
-from zcompile.collectives import DataParallelGroup
-from zcompile.optim_comm import plan_optimizer_buckets
-from zcompile.sharding import shard_parameter
+from zcompile.process_group import DataParallelGroup
+from zcompile.optim_buckets import plan_optimizer_buckets
+from zcompile.param_shards import shard_parameter
 
 
 def _sharded(numel, dtype=torch.float32, world=2, name="p"):

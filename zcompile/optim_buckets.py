@@ -27,9 +27,9 @@ from typing import Callable
 
 import torch
 
-from zcompile.collectives import all_gather_eager, reduce_scatter_eager
-from zcompile.comm import CollectiveRecord
-from zcompile.sharding import ShardedParam
+from zcompile.process_group import all_gather_eager, reduce_scatter_eager
+from zcompile.comm_volume import CollectiveRecord
+from zcompile.param_shards import ShardedParam
 
 
 def plan_optimizer_buckets(members: list[ShardedParam], dtype_of: Callable[[ShardedParam], torch.dtype],

@@ -1,8 +1,7 @@
-"""The collectives zcompile issues, and the one place that touches torch's functional-collective ops.
+"""The data-parallel process group and the eager collectives of the runtime (optimizer step, ``gathered``).
 
-Inside graphs we call the ``_c10d_functional`` ops directly (they are what
-``torch.distributed._functional_collectives`` lowers to, and what inductor's collective passes
-recognise); eager code (optimizer step, ``gathered``) uses the public ``torch.distributed`` API.
+Graphs issue their collectives through ``zcompile.passes.collectives`` (functional ops, traced);
+code that runs outside graphs uses the public ``torch.distributed`` API through the helpers here.
 """
 
 from __future__ import annotations
@@ -11,18 +10,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-_functional = torch.ops._c10d_functional
-
-ALL_GATHER = _functional.all_gather_into_tensor.default
-REDUCE_SCATTER = _functional.reduce_scatter_tensor.default
-ALL_REDUCE = _functional.all_reduce.default
-ALL_TO_ALL = _functional.all_to_all_single.default
-WAIT = _functional.wait_tensor.default
-COLLECTIVE_KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce",
-                    ALL_TO_ALL: "all_to_all"}  # op -> the name reports, plans and cost models use
-COLLECTIVE_OPS = tuple(COLLECTIVE_KINDS)
-
 
 @dataclass(frozen=True)
 class DataParallelGroup:
@@ -46,16 +33,6 @@ class DataParallelGroup:
             name=group.group_name,
             process_group=group,
         )
-
-
-def all_gather_in_graph(shard: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
-    """Concatenation of every rank's ``shard`` along dim 0 (functional; traceable)."""
-    return WAIT(ALL_GATHER(shard, world_size, group_name))
-
-
-def reduce_scatter_in_graph(full: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
-    """This rank's 1/N slice of the sum of every rank's ``full`` (functional; traceable)."""
-    return WAIT(REDUCE_SCATTER(full, "sum", world_size, group_name))
 
 
 # torch 2.13 renamed the flat collectives (*_into_tensor / *_tensor -> *_single); 2.11 has the old names.
