@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zcompile  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 from zcompile.comm_volume import step_collectives, summarize  # noqa: E402
+from zcompile.dumps import report_path  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -93,7 +94,7 @@ def main() -> None:
         print(f"{args.steps} steps in {time.perf_counter() - start:.1f}s", flush=True)
     report = zcompile.step_report(model, optimizer)
     if args.dump:
-        report.to_json(os.path.join(args.dump, f"rank{rank}", "report.json"))
+        report.to_json(str(report_path(args.dump, rank)))
     if rank == 0:
         report.print()
     if distributed:

@@ -1,4 +1,4 @@
-"""Block-wise symmetric int8 / int4 quantization (ZeRO++ qwZ / qgZ) and the fused cast of a shard.
+"""Block-wise symmetric int8 / int4 quantization (ZeRO++ qwZ / qgZ): kernels, references and ops.
 
 Layout. ``x`` (any shape, read flattened in row-major order; results are 1-D) is cut into
 ``num_blocks = ceil(numel / block)`` blocks, zero-padded inside the op. Per block, in fp32:
@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 QMAX = {8: 127, 4: 7}
 MAX_BLOCK = 2**16  # a block lives in one program's registers
-CAST_BLOCK = 2048  # elements per program of cast_into
 
 if triton_available():
     import triton
@@ -126,14 +125,6 @@ if triton_available():
         else:
             tl.store(out_ptr + offs_a, acc_a, mask=offs_a < numel)
             tl.store(out_ptr + offs_b, acc_b, mask=offs_b < numel)
-
-    @triton.jit
-    def _cast_kernel(src_ptr, dst_ptr, numel, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        x = tl.load(src_ptr + offs, mask=mask, other=0.0)
-        _store_cast(dst_ptr + offs, x, mask)
-
 
 # ----------------------------------------------------------------------------- checks and shapes
 def num_blocks(numel: int, block: int) -> int:
@@ -249,22 +240,6 @@ def dequantize_reduce_reference(q, scales, numel, bits, block, scale_by=1.0, req
     return _quantize_rows(_padded_rows(acc, block), bits) if requantize else acc
 
 
-def _check_cast(dst: torch.Tensor, src: torch.Tensor) -> None:
-    _check_float("dst", dst.dtype)
-    if src.dtype != torch.float32:
-        raise TypeError(f"src must be float32, got {src.dtype}")
-    if dst.dim() != 1 or src.dim() != 1 or dst.numel() != src.numel():
-        raise ValueError(f"dst {tuple(dst.shape)} and src {tuple(src.shape)} must be 1-D with the same numel")
-    if not dst.is_contiguous():
-        raise ValueError("dst must be contiguous (a 1-D slice of a flat buffer is)")
-
-
-@torch.no_grad()
-def cast_into_reference(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    _check_cast(dst, src)
-    return dst.copy_(src)
-
-
 # ----------------------------------------------------------------------------- Triton wrappers
 @torch.no_grad()
 def quantize_blockwise_triton(x: torch.Tensor, bits: int = 8, block: int = 2048):
@@ -309,14 +284,6 @@ def dequantize_reduce_triton(q, scales, numel, bits, block, scale_by=1.0, requan
         BLOCK=block, BITS=bits, QMAX=float(QMAX[bits]), REQUANTIZE=requantize, enable_fp_fusion=False,
     )
     return (q_out, scales_out) if requantize else out
-
-
-@torch.no_grad()
-def cast_into_triton(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    _check_cast(dst, src)
-    _check_device(dst, src)
-    _cast_kernel[(num_blocks(src.numel(), CAST_BLOCK),)](src.contiguous(), dst, src.numel(), BLOCK=CAST_BLOCK)
-    return dst
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -382,19 +349,6 @@ def _(q, scales, numel, bits, block, scale_by):
     return q.new_empty(q_numel(numel, bits, block)), scales.new_empty(num_blocks(numel, block))
 
 
-@torch.library.custom_op("zcompile::cast_into", mutates_args=("dst",))
-def _cast_into_op(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if _path("cast_into", dst):
-        cast_into_triton(dst, src)
-    else:
-        cast_into_reference(dst, src)
-
-
-@_cast_into_op.register_fake
-def _(dst, src):
-    _check_cast(dst, src)
-
-
 # ----------------------------------------------------------------------------- public API
 def quantize_blockwise(x: torch.Tensor, bits: int = 8, block: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scales)`` of ``x`` (flattened) in the layout of the module docstring."""
@@ -413,10 +367,3 @@ def dequantize_reduce(q, scales, numel: int, bits: int, block: int, scale_by: fl
     if requantize:
         return _reduce_requantize_op(q, scales, numel, bits, block, float(scale_by))
     return _reduce_op(q, scales, numel, bits, block, float(scale_by))
-
-
-def cast_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """Writes fp32 ``src`` cast to ``dst.dtype`` into ``dst`` (1-D, contiguous; may be a slice of a
-    larger buffer, the rest of which is untouched); returns ``dst``."""
-    _cast_into_op(dst, src)
-    return dst

@@ -130,21 +130,6 @@ def test_dequantize_reduce_sums_partitions(bits):
     _assert_within_half_step(round_trip, expected, scales_out, block)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_cast_into_slice_of_buffer(dtype):
-    n = 4099
-    src = _sample(n, torch.float32, seed=7)
-    # Ties halfway between two bf16 values: RNE must round to even (the interpreter alone truncates).
-    src[:512] = ((torch.arange(512, dtype=torch.int32) + 0x3F80) << 16 | 0x8000).view(torch.float32).to(DEVICE)
-    buffer = torch.full((3 * n,), -3.0, dtype=dtype, device=DEVICE)
-    dst = buffer[n : 2 * n]
-    assert qz.cast_into_triton(dst, src) is dst
-    assert torch.equal(dst, src.to(dtype))  # exact: both round to nearest even
-    assert bool((buffer[:n] == -3).all()) and bool((buffer[2 * n :] == -3).all())
-    ref = torch.zeros(n, dtype=dtype, device=DEVICE)
-    assert torch.equal(qz.cast_into_reference(ref, src), dst)
-
-
 def _all_paths(name):
     return [getattr(qz, name), getattr(qz, f"{name}_triton"), getattr(qz, f"{name}_reference")]
 
@@ -175,16 +160,11 @@ def test_other_ops_reject_bad_inputs():
     for fn in _all_paths("dequantize_reduce"):
         with pytest.raises(TypeError, match="scales must be float32"):
             fn(q[None], scales[None].double(), 100, 8, 64)
-    for fn in _all_paths("cast_into"):
-        with pytest.raises(ValueError, match="same numel"):
-            fn(torch.empty(99, device=DEVICE), torch.randn(100, device=DEVICE))
-        with pytest.raises(TypeError, match="src must be float32"):
-            fn(torch.empty(100, device=DEVICE), torch.randn(100, device=DEVICE).half())
 
 
 def _spy(monkeypatch, suffix):
     calls = []
-    for name in ("quantize_blockwise", "dequantize_blockwise", "dequantize_reduce", "cast_into"):
+    for name in ("quantize_blockwise", "dequantize_blockwise", "dequantize_reduce"):
         real = getattr(qz, f"{name}_{suffix}")
 
         def spy(*args, _real=real, _name=name, **kwargs):
@@ -201,18 +181,16 @@ def _run_all_ops():
     out = qz.dequantize_blockwise(q, scales, 300, 4, 64, torch.bfloat16)
     total = qz.dequantize_reduce(torch.stack([q, q]), torch.stack([scales, scales]), 300, 4, 64, 0.5)
     q2, _ = qz.dequantize_reduce(torch.stack([q, q]), torch.stack([scales, scales]), 300, 4, 64, requantize=True)
-    buffer = torch.zeros(600, dtype=torch.bfloat16, device=DEVICE)
-    assert qz.cast_into(buffer[100:400], total) is not None
-    return q, out, total, q2, buffer
+    return q, out, total, q2
 
 
 def test_ops_dispatch_to_triton(monkeypatch):
     assert triton_available() and use_triton(torch.empty(0, device=DEVICE))
     calls = _spy(monkeypatch, "triton")
-    q, out, total, q2, buffer = _run_all_ops()
+    q, out, total, q2 = _run_all_ops()
     reduce = "dequantize_reduce"
-    assert calls == ["quantize_blockwise", "dequantize_blockwise", reduce, reduce, "cast_into"]
-    assert torch.equal(q2, q) and torch.equal(buffer[100:400], total.bfloat16())
+    assert calls == ["quantize_blockwise", "dequantize_blockwise", reduce, reduce]
+    assert torch.equal(q2, q)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="CUDA tensors always take the Triton path")
@@ -221,28 +199,27 @@ def test_ops_fall_back_to_reference_without_interpreter(monkeypatch):
     assert not interpreting() and not use_triton(torch.empty(0))
     triton_calls, reference_calls = _spy(monkeypatch, "triton"), _spy(monkeypatch, "reference")
     _run_all_ops()
-    assert triton_calls == [] and len(reference_calls) == 5
+    assert triton_calls == [] and len(reference_calls) == 4
     assert not use_triton(torch.empty(0, device="meta"))
 
 
 def test_ops_trace_in_compiled_graph():
     torch._dynamo.reset()
 
-    def step(x, buffer):
+    def step(x):
         q, scales = qz.quantize_blockwise(x * 2, 8, 64)
         total = qz.dequantize_reduce(torch.stack([q, q]), torch.stack([scales, scales]), x.numel(), 8, 64, 0.5)
         q4, scales4 = qz.dequantize_reduce(q[None], scales[None], x.numel(), 8, 64, requantize=True)
-        qz.cast_into(buffer[10 : 10 + x.numel()], total)
-        return qz.dequantize_blockwise(q4, scales4, x.numel(), 8, 64, torch.float16) + 1, buffer * 2
+        return qz.dequantize_blockwise(q4, scales4, x.numel(), 8, 64, torch.float16) + 1, total * 2
 
     x = torch.randn(200, device=DEVICE)
-    eager = step(x, torch.zeros(300, device=DEVICE))
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(x, torch.zeros(300, device=DEVICE))
+    eager = step(x)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(x)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("op_name", ["quantize_blockwise", "dequantize_blockwise", "dequantize_reduce", "cast_into"])
+@pytest.mark.parametrize("op_name", ["quantize_blockwise", "dequantize_blockwise", "dequantize_reduce"])
 def test_fake_impls_pass_opcheck(op_name):
     x = torch.randn(100, device=DEVICE)
     q, scales = qz.quantize_blockwise_reference(x, 4, 64)
@@ -250,7 +227,6 @@ def test_fake_impls_pass_opcheck(op_name):
         "quantize_blockwise": (x, 4, 64),
         "dequantize_blockwise": (q, scales, 100, 4, 64, torch.bfloat16),
         "dequantize_reduce": (torch.stack([q, q]), torch.stack([scales, scales]), 100, 4, 64, 0.5),
-        "cast_into": (torch.zeros(100, dtype=torch.float16, device=DEVICE), x),
     }[op_name]
     ops = [getattr(torch.ops.zcompile, op_name).default]
     if op_name == "dequantize_reduce":

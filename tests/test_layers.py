@@ -1,0 +1,89 @@
+"""Layers point one way: ``zcompile`` (front end) -> ``passes`` (graph rewrites, vocabulary) -> ``kernels``.
+
+Read from the source (every import statement, function-local ones included), so an import that
+runs back up fails here rather than as a circular import later. Also checked in a fresh
+interpreter: importing the passes loads no front-end module, no optimizer and no Triton.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# what each installed package may import from zcompile (itself included)
+ALLOWED = {
+    "passes": ("zcompile.passes", "zcompile.kernels"),
+    "kernels": ("zcompile.kernels",),
+}
+PACKAGE_OF_FOLDER = {"passes": "zcompile.passes", "kernels": "zcompile.kernels"}
+
+
+def _imported_modules(path: Path, package: str) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``path``; ``from X import y`` gives ``X.y``
+    too, since ``y`` may be a module (``from zcompile import optim``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against the package the file is installed in
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _violations(folder: str) -> list[str]:
+    allowed = ALLOWED[folder]
+    bad = []
+    for path in sorted((REPO / folder).glob("*.py")):
+        for line, module in _imported_modules(path, PACKAGE_OF_FOLDER[folder]):
+            if module.split(".")[0] != "zcompile":
+                continue
+            if not any(module == a or module.startswith(a + ".") for a in allowed):
+                bad.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    return bad
+
+
+@pytest.mark.parametrize("folder", sorted(ALLOWED))
+def test_imports_point_down(folder):
+    assert _violations(folder) == []
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The check itself can fail: an upward import, absolute or relative, is found."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from zcompile.process_group import DataParallelGroup\n"
+                   "def f():\n    from .. import report\n    import zcompile.optim\n")
+    modules = [m for _, m in _imported_modules(bad, "zcompile.passes")]
+    assert modules == ["zcompile.process_group.DataParallelGroup", "zcompile.report", "zcompile.optim"]
+
+
+def test_importing_passes_loads_no_front_end_and_no_triton():
+    passes = [p.stem for p in (REPO / "passes").glob("*.py")
+              if p.stem != "__init__" and not p.stem.startswith("quantize_")]  # qwZ/qgZ need the kernels
+    code = ("import sys\n"
+            + "".join(f"import zcompile.passes.{name}\n" for name in passes)
+            + "loaded = sorted(m for m in sys.modules if m.startswith('zcompile'))\n"
+            + "front = [m for m in loaded if m != 'zcompile' and not m.startswith('zcompile.passes')]\n"
+            + "print(front, 'triton' in sys.modules, 'matplotlib' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[] False False"
+
+
+def test_public_names_load_on_first_use():
+    code = ("import sys, zcompile\n"
+            "before = 'zcompile.optim' in sys.modules or 'triton' in sys.modules\n"
+            "names = [zcompile.optim.AdamW, zcompile.ZeroConfig, zcompile.gathered, zcompile.step_report,\n"
+            "         zcompile.PassError, zcompile.model_state_bytes, zcompile.zero_formula_bytes]\n"
+            "print(before, 'zcompile.optim' in sys.modules, set(zcompile.__all__) <= set(dir(zcompile)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True", "True"]
