@@ -31,9 +31,11 @@ import zcompile  # noqa: E402
 from common import print_table  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 from zcompile.cost_model import measure_collective_costs, measure_compute_costs, predict_step  # noqa: E402
+from zcompile.passes.collectives import ALL_GATHER, COLLECTIVE_KINDS, REDUCE_SCATTER  # noqa: E402
 from zcompile.timeline import record_step  # noqa: E402
 
 
+PRINTED_KINDS = (COLLECTIVE_KINDS[ALL_GATHER], COLLECTIVE_KINDS[REDUCE_SCATTER])  # the measured costs printed
 GRAPH_EVENTS = ("CompiledFunction", "CompiledFunctionBackward")  # AOTAutograd's forward and backward graphs
 
 
@@ -139,7 +141,7 @@ def main() -> None:
         print(f"costs agreed over {world} ranks: " + ", ".join(
             f"{kind} {c.latency_s * 1e6:.0f} us + {c.seconds_per_byte * 1e9:.2f} ns/B (issue {c.issue_latency_s * 1e6:.0f} us"
             f" + {c.issue_seconds_per_byte * 1e9:.2f} ns/B)" for kind, c in collective_costs.costs.items()
-            if kind in ("all_gather", "reduce_scatter")) + f"; compute {compute_costs.flops_per_s / 1e9:.1f} GFLOP/s, "
+            if kind in PRINTED_KINDS) + f"; compute {compute_costs.flops_per_s / 1e9:.1f} GFLOP/s, "
             f"{compute_costs.bytes_per_s / 1e9:.1f} GB/s, {compute_costs.op_overhead_s * 1e6:.1f} us/op", flush=True)
         title = (f"{device.type}: GPT stage 3, embd {args.embd}, batch {args.batch_size} over {world} ranks, bucket "
                  f"{args.bucket_mb} MiB; forward+backward in ms, median of {args.steps} steps. P: predicted; "

@@ -25,10 +25,11 @@ four tables and writes them, with every per-rank figure, as JSON:
    noisy machine;
 4. gathered-parameter bytes per rank with the default schedule and with ``prefetch=2`` under
    ``memory_budget_mb``, per depth: ``report.memory["peak_gathered_bytes"]`` (per storage, the rule
-   the schedule's budget uses) and, computed here independently from the same graphs, each
-   all-gather's output held from its issue to its last reader, counted per whole bucket (a bucket
-   until the last use of any piece) and per storage (a bucket's buffer until its pieces are copied
-   out, each piece until its own last use: what the allocator holds).
+   the schedule's budget uses) and, read from the same graphs with the storages of
+   ``zcompile.passes.liveness``, each all-gather's output held from its issue to its last reader,
+   counted per whole bucket (a bucket until the last use of any piece) and per storage (a bucket's
+   buffer until its pieces are copied out, each piece until its own last use: what the allocator
+   holds; the report's rule, so the two columns agree by construction).
 
 Every rank runs one intra-op thread (``torch.set_num_threads(1)``). On CPU, gloo runs a
 reduce-scatter as an all-reduce and moves data on its own threads, which compete with compute for
@@ -41,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import operator
 import os
 import statistics
 import sys
@@ -59,22 +59,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import zcompile  # noqa: E402
 from common import print_table  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
-from zcompile.passes.collectives import ALL_GATHER, WAIT  # noqa: E402
+from zcompile.passes.collectives import ALL_GATHER, ALL_REDUCE, COLLECTIVE_KINDS, REDUCE_SCATTER  # noqa: E402
+from zcompile.passes.liveness import (  # noqa: E402
+    dependency_graph, gathered_peak_bytes, node_bytes, peak_bytes, storages)
 from zcompile.report import compiled_graphs_of  # noqa: E402
 from zcompile.timeline import record_step  # noqa: E402
 
 LR, WEIGHT_DECAY = 3e-4, 0.01
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+KINDS = tuple(COLLECTIVE_KINDS[op] for op in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE))  # the kinds ZeRO issues
 BUDGET_MB = 8.0
 KEEP_MB = 8.0
-aten = torch.ops.aten
-# What a gathered buffer goes through on its way to the compute that reads it: it is held until the
-# last compute that reads any piece of it (bucketing splits and copies a bucket into its parameters).
-_PASS_THROUGH = {WAIT, operator.getitem, aten.split_with_sizes.default, aten.clone.default, aten.view.default,
-                 aten._unsafe_view.default, aten.reshape.default, aten.slice.Tensor, aten.t.default,
-                 aten.permute.default, aten.alias.default, aten.expand.default, aten.as_strided.default,
-                 aten._to_copy.default, torch.ops.prims.convert_element_type.default}
-_COPIES = {aten.clone.default, aten._to_copy.default, torch.ops.prims.convert_element_type.default}  # new storage
 
 
 @dataclass(frozen=True)
@@ -188,41 +182,27 @@ def without_profiler_chatter():
 
 def held_gathered_bytes(gm, by_storage: bool = False) -> int:
     """Most gathered-parameter bytes held at once in ``gm``'s order, each all-gather's output counted
-    from its issue (the buffer exists while the data moves) to its last reader.
+    from its issue (the buffer exists while the data moves) to its last reader, walking through the
+    ops that prepare a gathered buffer for its reader (``zcompile.passes.op_sets.PREP_OPS``).
 
     ``by_storage=False``: a bucket is held until the last compute that reads any piece of it (the
-    rule ``plan_schedule`` used before it counted per storage; kept for comparison).
+    rule ``plan_schedule`` used before it counted per storage; kept for comparison): the latest
+    last reader of any storage the gather's data lives in (``zcompile.passes.liveness.storages``).
     ``by_storage=True``: every storage on its own, the bucket's buffer until its pieces are copied
-    out and each copied piece until its own last reader, which is what the allocator holds.
+    out and each copied piece until its own last reader, which is what the allocator holds: the rule
+    of ``zcompile.passes.liveness.gathered_peak_bytes``, the one the report's peak uses.
     """
     if gm is None:
         return 0
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    deltas = [0] * (len(order) + 1)
+    if by_storage:
+        return gathered_peak_bytes(gm)
+    dag = dependency_graph(gm)
+    position = dict(dag.nodes(data="position"))
+    held = []
     for gather in gm.graph.find_nodes(op="call_function", target=ALL_GATHER):
-        storages = [gather]
-        while storages:
-            storage = storages.pop()
-            last, stack, seen = order[storage], [storage], {storage}
-            while stack:
-                for user in stack.pop().users:
-                    last = max(last, order[user])
-                    if user in seen:
-                        continue
-                    seen.add(user)
-                    if by_storage and user.target in _COPIES:
-                        storages.append(user)
-                    elif user.target in _PASS_THROUGH:
-                        stack.append(user)
-            val = storage.meta.get("val")
-            nbytes = 0 if val is None else val.numel() * val.element_size()
-            deltas[order[storage]] += nbytes
-            deltas[last + 1] -= nbytes
-    peak = live = 0
-    for delta in deltas:
-        live += delta
-        peak = max(peak, live)
-    return peak
+        last = max(last for _, _, last, _ in storages(dag, position, gather))
+        held.append((position[gather], last, node_bytes(gather)))
+    return peak_bytes(held)
 
 
 def union_ms(events) -> float:

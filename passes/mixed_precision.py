@@ -6,8 +6,9 @@ activations, however, keep the dtype the model was traced with: Dynamo traced th
 fp32 parameters, so any dtype the model's Python code read (``input_dtype = x.dtype`` in an RMSNorm,
 ``.float()`` then ``.to(input_dtype)``) is baked into the graph as fp32. Casting activations by hand
 would break those graphs; autocast does not. It casts the inputs of the ops that need one dtype
-(matmuls, convolutions, attention) to ``param_dtype`` and keeps precision-sensitive ops (norms,
-softmax, losses) in fp32, exactly as ``torch.autocast`` would in eager. AOTAutograd traces through
+(matmuls, convolutions, attention) to ``param_dtype`` and runs every op in the dtype
+``torch.autocast`` would choose in eager for that device (on CUDA norms, softmax and losses stay
+fp32; CPU autocast's policy runs softmax in ``param_dtype``). AOTAutograd traces through
 the autocast region, so the forward and backward graphs carry the casts and no autocast state is
 left at run time.
 """

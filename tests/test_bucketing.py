@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from harness import RunSpec, run_ranks, train_reference, zero_run_on_rank
-from test_training import assert_same_training
+from support.launch import run_ranks
+from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
 from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
 from zcompile.passes import metadata
 from zcompile.passes.bucketing import bucket_collectives_pass, plan_buckets

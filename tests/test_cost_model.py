@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from harness import run_ranks
+from support.hand_built import layered_graph
+from support.launch import run_ranks
 from zcompile.process_group import DataParallelGroup, all_gather_eager
 from zcompile.cost_model import (
     CollectiveCost, CollectiveCosts, ComputeCosts, fit_linear, measure_collective_costs, measure_compute_costs,
@@ -107,9 +108,6 @@ def test_views_and_getitem_cost_nothing():
 
 
 # ----------------------------------------------------------------------------- predict
-from test_schedule import _layered_graph  # noqa: E402  (the same hand-built graph the schedule tests use)
-
-
 # Hand-set costs, powers of two so every time below is exact. Each gathered buffer is 16 fp32 =
 # 64 bytes: an all-gather takes 1 + 64/64 = 2 s; the reduce-scatter of x (64 bytes) 0.5 + 64/128
 # = 1 s. A layer (mul of two 64-byte tensors into a third) moves 192 bytes at 64 B/s = 3 s; the
@@ -126,7 +124,7 @@ def _timeline(prediction):
 def test_predict_unscheduled_graph_exposes_all_communication():
     # gather0 [0,2] wait 2 | layer0 2..5 | gather1 [5,7] wait 2 | layer1 7..10 | gather2 [10,12]
     # wait 2 | layer2 12..15 | reduce [15,16] wait 1 | tail 16..18
-    prediction = predict(_layered_graph(), HAND_COLLECTIVES, HAND_COMPUTE)
+    prediction = predict(layered_graph(), HAND_COLLECTIVES, HAND_COMPUTE)
     assert (prediction.step_s, prediction.compute_s, prediction.comm_s, prediction.exposed_comm_s) == (18, 11, 7, 7)
     assert _timeline(prediction) == {"gather0": (0, 0, 2, 2), "gather1": (5, 5, 7, 2), "gather2": (10, 10, 12, 2),
                                      "reduce": (15, 15, 16, 1)}
@@ -134,7 +132,7 @@ def test_predict_unscheduled_graph_exposes_all_communication():
 
 
 def test_predict_scheduled_graph_hides_communication():
-    gm = _layered_graph()
+    gm = layered_graph()
     gm = schedule_pass(gm, plan_schedule(gm, prefetch=1))
     order = [n.name for n in gm.graph.nodes if n.op == "call_function"]
     assert order == ["gather0", "gather1", "wait0", "layer0", "gather2", "wait1", "layer1", "wait2", "layer2",
@@ -146,7 +144,7 @@ def test_predict_scheduled_graph_hides_communication():
     assert (prediction.step_s, prediction.compute_s, prediction.comm_s, prediction.exposed_comm_s) == (13, 11, 7, 2)
     assert _timeline(prediction) == {"gather0": (0, 0, 2, 2), "gather1": (0, 2, 4, 0), "gather2": (5, 5, 7, 0),
                                      "reduce": (11, 11, 12, 0)}
-    unscheduled = predict(_layered_graph(), HAND_COLLECTIVES, HAND_COMPUTE)
+    unscheduled = predict(layered_graph(), HAND_COLLECTIVES, HAND_COMPUTE)
     assert prediction.exposed_comm_s < unscheduled.exposed_comm_s
 
 
@@ -156,12 +154,12 @@ def test_issue_overhead_is_charged_to_compute():
                                 "reduce_scatter": CollectiveCost(0.5, 1 / 128, 0.25)})
     # gather0 [0,2], compute busy to 0.5, wait 1.5 | layer0 2..5 | gather1 [5,7] wait 1.5 | layer1
     # 7..10 | gather2 [10,12] wait 1.5 | layer2 12..15 | reduce [15,16], busy to 15.25, wait 0.75 | tail 16..18
-    unscheduled = predict(_layered_graph(), costs, HAND_COMPUTE)
+    unscheduled = predict(layered_graph(), costs, HAND_COMPUTE)
     assert (unscheduled.step_s, unscheduled.issue_s, unscheduled.exposed_comm_s) == (18, 1.75, 5.25)
     # gather0 [0,2] busy to 0.5 | gather1 issued 0.5, queued: [2,4], busy to 1 | wait0 1 | layer0
     # 2..5 | gather2 [5,7] busy to 5.5 | layer1 5.5..8.5 | layer2 8.5..11.5 | reduce [11.5,12.5]
     # busy to 11.75 | tail 11.75..13.75 | reduce_wait free
-    gm = _layered_graph()
+    gm = layered_graph()
     scheduled = predict(schedule_pass(gm, plan_schedule(gm, prefetch=1)), costs, HAND_COMPUTE)
     assert (scheduled.step_s, scheduled.issue_s, scheduled.exposed_comm_s) == (13.75, 1.75, 1)
     assert _timeline(scheduled)["gather1"] == (0.5, 2, 4, 0)
@@ -170,7 +168,7 @@ def test_issue_overhead_is_charged_to_compute():
 
 
 def test_unwaited_transfer_extends_the_step_and_world_of_one_is_free():
-    gm = _layered_graph(layers=1)
+    gm = layered_graph(layers=1)
     wait = next(n for n in gm.graph.nodes if n.name == "reduce_wait")
     wait.replace_all_uses_with(wait.args[0])
     gm.graph.erase_node(wait)
@@ -184,8 +182,8 @@ def test_unwaited_transfer_extends_the_step_and_world_of_one_is_free():
 
 
 def test_predict_step_sums_forward_and_backward():
-    graphs = [CompiledGraphs(dynamo=None, forward=_layered_graph(), backward=_layered_graph(layers=2)),
-              CompiledGraphs(dynamo=None, forward=_layered_graph(layers=1), backward=None)]
+    graphs = [CompiledGraphs(dynamo=None, forward=layered_graph(), backward=layered_graph(layers=2)),
+              CompiledGraphs(dynamo=None, forward=layered_graph(layers=1), backward=None)]
     step = predict_step(graphs, HAND_COLLECTIVES, HAND_COMPUTE)
     # layered graph of L layers, unscheduled: L x (2 + 3) + 1 + 2 = 5L + 3 s, all communication exposed
     assert step.step_s == 18 + 13 + 8

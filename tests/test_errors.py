@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import zcompile
-from harness import build_model, global_batch, model_loss, run_ranks
+from support.launch import run_ranks
+from support.models import build_model, global_batch, model_loss
 from zcompile.backend import _check_devices
 from zcompile.process_group import DataParallelGroup
 from zcompile.passes.param_collectives import ParamInput, ShardingPlan

@@ -4,8 +4,8 @@ gradient accumulation, zero_grad both ways, optimizer created late, gathered()."
 import pytest
 import torch
 
-from harness import RunSpec, run_ranks, train_reference, zero_run_on_rank
-from test_training import assert_same_training
+from support.launch import run_ranks
+from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
 
 FEATURE_SPECS = [
     RunSpec(model="gpt_breaks", stage=3, optimizer="sgd", lr=0.1),

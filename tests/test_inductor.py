@@ -4,8 +4,8 @@ Inductor fuses and reorders elementwise work, which changes roundings at the 1e-
 the SGD tolerances of test_training apply unchanged.
 """
 
-from harness import RunSpec, run_ranks, train_reference, zero_run_on_rank
-from test_training import assert_same_training
+from support.launch import run_ranks
+from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
 
 
 def test_stage3_inductor_matches_single_process():

@@ -7,8 +7,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from harness import RunSpec, run_ranks, train_reference, zero_run_on_rank
-from test_training import assert_same_training
+from support.launch import run_ranks
+from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
 from zcompile.passes.collectives import ALL_GATHER, WAIT
 from zcompile.passes import metadata
 from zcompile.passes.keep_gathered import keep_gathered_pass, plan_keep_gathered

@@ -17,7 +17,8 @@ through linearly (Adam would turn bf16 noise on tiny gradients into +-lr steps).
 import pytest
 import torch
 
-from harness import RunSpec, run_ranks, train_reference, zero_run_on_rank
+from support.launch import run_ranks
+from support.training import RunSpec, train_reference, zero_run_on_rank
 
 BF16 = {"param_dtype": "bf16"}
 SPECS = [

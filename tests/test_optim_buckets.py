@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from harness import RunSpec, run_ranks, train_reference, zero_run_on_rank
-from test_training import assert_same_training
+from support.launch import run_ranks
+from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
 from zcompile.process_group import DataParallelGroup
 from zcompile.optim_buckets import plan_optimizer_buckets
 from zcompile.param_shards import shard_parameter

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import zcompile
-from harness import build_model, global_batch, run_ranks
+from support.launch import run_ranks
+from support.models import build_model, global_batch
 from zcompile.pass_runner import PassError, PassRunner
 
 

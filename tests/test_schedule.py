@@ -3,41 +3,11 @@
 import json
 
 import pytest
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from harness import RunSpec, run_ranks, train_reference, zero_run_on_rank
-from test_training import assert_same_training
-from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
+from support.hand_built import layered_graph
+from support.launch import run_ranks
+from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
 from zcompile.passes.schedule import plan_schedule, schedule_pass
-
-aten = torch.ops.aten
-
-
-def _layered_graph(layers=3, shard=8, world=2):
-    """x -> for each layer: all-gather(shard_i) -> wait -> mul(x, w_i); then a reduce-scatter of x."""
-    mode = FakeTensorMode()
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    shards = [graph.placeholder(f"shard{i}") for i in range(layers)]
-    with mode:
-        x.meta["val"] = torch.empty(shard * world)
-        for s in shards:
-            s.meta["val"] = torch.empty(shard)
-    for i, s in enumerate(shards):
-        gather = graph.call_function(ALL_GATHER, (s, world, "0"), name=f"gather{i}")
-        wait = graph.call_function(WAIT, (gather,), name=f"wait{i}")
-        x = graph.call_function(aten.mul.Tensor, (x, wait), name=f"layer{i}")
-        with mode:
-            gather.meta["val"] = wait.meta["val"] = x.meta["val"] = torch.empty(shard * world)
-    reduce = graph.call_function(REDUCE_SCATTER, (x, "sum", world, "0"), name="reduce")
-    reduce_wait = graph.call_function(WAIT, (reduce,), name="reduce_wait")
-    tail = graph.call_function(aten.mul.Tensor, (x, 2.0), name="tail")  # compute after the gradient is ready
-    with mode:
-        reduce.meta["val"] = reduce_wait.meta["val"] = torch.empty(shard)
-        tail.meta["val"] = torch.empty(shard * world)
-    graph.output((reduce_wait, tail))
-    return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
 def _order(gm):
@@ -45,7 +15,7 @@ def _order(gm):
 
 
 def test_prefetch_issues_the_next_gather_before_the_current_layer():
-    gm = _layered_graph()
+    gm = layered_graph()
     plan = plan_schedule(gm, prefetch=1)
     assert [(c.name, c.issue_before, c.depth) for c in plan.collectives if c.kind == "all_gather"] == [
         ("gather0", "layer0", 0), ("gather1", "layer0", 1), ("gather2", "layer1", 1)]
@@ -61,7 +31,7 @@ def test_prefetch_issues_the_next_gather_before_the_current_layer():
 
 
 def test_memory_budget_lowers_prefetch_depth():
-    gm = _layered_graph()
+    gm = layered_graph()
     plan = plan_schedule(gm, prefetch=2, memory_budget=2 * 64)
     depths = [c.depth for c in plan.collectives if c.kind == "all_gather"]
     assert depths == [0, 1, 1]  # depth 2 would hold 3 buffers
@@ -70,12 +40,12 @@ def test_memory_budget_lowers_prefetch_depth():
     assert [c.depth for c in no_prefetch.collectives if c.kind == "all_gather"] == [0, 0, 0]
     assert no_prefetch.peak_gathered_bytes == 64
     # peak does not grow with depth of the model
-    deeper = plan_schedule(_layered_graph(layers=8), prefetch=1)
+    deeper = plan_schedule(layered_graph(layers=8), prefetch=1)
     assert deeper.peak_gathered_bytes == plan_schedule(gm, prefetch=1).peak_gathered_bytes
 
 
 def test_plan_is_deterministic():
-    assert plan_schedule(_layered_graph(), 1).to_json() == plan_schedule(_layered_graph(), 1).to_json()
+    assert plan_schedule(layered_graph(), 1).to_json() == plan_schedule(layered_graph(), 1).to_json()
 
 
 SPECS = [

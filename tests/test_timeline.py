@@ -6,7 +6,9 @@ import json
 import pytest
 import torch
 
-from harness import RunSpec, _micro_batches, build_model, run_ranks
+from support.launch import run_ranks
+from support.models import build_model
+from support.training import RunSpec, micro_batches
 from zcompile.timeline import CollectiveEvent, TimelineResult, classify, plot_memory, read_trace
 
 
@@ -99,7 +101,7 @@ def _profile_rank(rank, world, out_dir):
     measured = {}
 
     def step(index):
-        ((tokens, targets),) = _micro_batches(RunSpec(), index, rank, world)
+        ((tokens, targets),) = micro_batches(RunSpec(), index, rank, world)
         compiled(tokens, targets).backward()
         optimizer.step()
         measured["states"] = zcompile.model_state_bytes(model, optimizer)

@@ -1,44 +1,14 @@
 """ZeRO stages 1, 2, 3 trained on gloo ranks against single-process references.
 
-Tolerances (fp32, eager inner compiler):
-- SGD runs are compared with a single forward over the global batch. The only differences are
-  summation orders (the batch mean split across ranks, matmul reductions over fewer rows), about
-  1e-7 relative per gradient, which SGD passes on linearly: 1e-6 of the parameters' scale bounds it.
-- AdamW runs (eps=1e-6, see harness) are compared with a reference that splits the global batch
-  like the ranks do and averages gradients, so the arithmetic is the same up to the order of the
-  cross-rank sum. Adam divides by sqrt(v)+eps, so an absolute gradient error e moves an element by
-  at most lr*e/eps per step; gradients whose terms cancel carry e up to ~1e-9 here (1e-7 relative
-  to terms of ~1e-2), hence atol = steps*lr*1e-9/eps (3e-5 for 3 steps at lr 1e-2). A wrong shard,
-  a missing reduction or a stale parameter moves elements by ~lr per step and fails it. Adam is
-  blind to a wrong gradient scale; the SGD runs catch that.
-- Losses: 1e-6 relative.
+Tolerances: see ``support.training`` (``assert_same_training``).
 """
 
 import pytest
 import torch
 
-from harness import RunSpec, run_ranks, train_reference, train_zero, zero_run_on_rank
+from support.launch import run_ranks
+from support.training import RunSpec, assert_same_training, train_reference, train_zero, zero_run_on_rank
 from zcompile import zero_formula_bytes
-
-LOSS_RTOL = 1e-6
-PARAM_TOL = 1e-6
-
-
-ADAM_EPS = 1e-6
-GRAD_ABS_ERROR = 1e-9
-
-
-def assert_same_training(result, reference, spec):
-    for ours, theirs in zip(result.losses, reference.losses, strict=True):
-        assert abs(ours - theirs) <= LOSS_RTOL * abs(theirs), (result.losses, reference.losses)
-    assert result.params.keys() == reference.params.keys()
-    for name, expected in reference.params.items():
-        atol = PARAM_TOL * max(1.0, expected.abs().max().item())
-        if spec.optimizer == "adamw":
-            atol = max(atol, spec.steps * spec.lr * GRAD_ABS_ERROR / ADAM_EPS)
-        torch.testing.assert_close(result.params[name], expected, rtol=0, atol=atol, msg=name)
-    # the run really trained: parameters moved away from their initial values
-    assert result.losses[-1] != result.losses[0]
 
 
 def reference_for(spec, world):

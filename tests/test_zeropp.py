@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import RunSpec, _micro_batches, build_model, run_ranks, train_reference
+from support.launch import run_ranks
+from support.models import build_model
+from support.training import RunSpec, micro_batches, train_reference
 from zcompile.passes.quantize_weights import effective_block
 
 WORLD, NODE = 4, 2
@@ -143,7 +145,7 @@ def _zeropp_on_rank(rank, world, specs):
         optimizer = zcompile.optim.SGD(model.parameters(), lr=spec.lr)
         losses = []
         for step in range(spec.steps):
-            ((tokens, targets),) = _micro_batches(spec, step, rank, world)
+            ((tokens, targets),) = micro_batches(spec, step, rank, world)
             profile = step == spec.steps - 1
             with torch.profiler.profile(record_shapes=True) if profile else contextlib.nullcontext() as prof:
                 loss = compiled(tokens, targets)
@@ -248,7 +250,7 @@ def test_qgz_stage2_odd_sizes_trains_like_reference(trained):
 
 # ----------------------------------------------------------------------------- fallbacks
 def _fallback_on_rank(rank, world):
-    from harness import RunSpec as Spec, zero_run_on_rank
+    from support.training import RunSpec as Spec, zero_run_on_rank
 
     plain = Spec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=2)
     odd = Spec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=2,
@@ -265,7 +267,7 @@ def test_fallbacks_never_crash(caplog):
 
 def test_world_of_one_ignores_zeropp(caplog):
     import zcompile
-    from harness import train_zero
+    from support.training import train_zero
 
     spec = RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=2,
                    options={"quantize_weights": True, "quantize_grads": True, "hpz_size": 2})

@@ -1,0 +1,76 @@
+"""A launcher that runs a function on N gloo ranks in fresh processes, with a timeout (never a hang).
+
+The processes are spawned: each unpickles ``fn`` (and its arguments) by qualified name, e.g.
+``support.training.zero_run_on_rank`` or ``test_errors._train_divergent``, so ``fn`` must be a
+module-level function. A spawned child starts with the parent's ``sys.path`` (multiprocessing's
+preparation data), which holds ``tests/`` (``conftest.py`` puts it there), so ``support.*`` and the
+test modules import in the child as they do in the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_entry(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+        result = fn(rank, world, *args)
+        torch.save({"ok": result}, path)
+    except BaseException as error:  # report any failure to the parent instead of hanging it
+        torch.save({"error": f"{type(error).__name__}: {error}\n{traceback.format_exc()}"}, path)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 300) -> list:
+    """Runs ``fn(rank, world, *args)`` on ``world`` fresh gloo processes; returns each rank's result.
+
+    A rank that raises makes this raise with its traceback; ranks still alive after ``timeout_s``
+    are killed and reported, so a deadlock fails the test instead of hanging the suite.
+    """
+    context = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [context.Process(target=_rank_entry, args=(r, world, port, fn, args, out_dir)) for r in range(world)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout_s)
+        hung = [r for r, proc in enumerate(procs) if proc.is_alive()]
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        results, errors = [], []
+        for rank in range(world):
+            path = os.path.join(out_dir, f"rank{rank}.pt")
+            payload = torch.load(path, weights_only=False) if os.path.exists(path) else {"error": "no result"}
+            if "error" in payload:
+                errors.append(f"rank {rank}: {payload['error']}")
+            results.append(payload.get("ok"))
+    if hung:
+        raise TimeoutError(f"ranks {hung} still running after {timeout_s}s (deadlock?); errors: {errors}")
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return results

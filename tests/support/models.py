@@ -1,0 +1,90 @@
+"""The models the tests train (the example GPT, with graph breaks, frozen or bf16 variants, and two
+Hugging Face models), their loss, and the deterministic global batch of a step."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "examples"))
+
+from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
+VOCAB = 256
+
+
+class GPTWithBreaks(GPT):
+    """The GPT with graph breaks (several Dynamo graphs per forward) and a buffer.
+
+    ``in_loop``: the break sits inside the loop over blocks, so Dynamo runs the whole forward
+    frame eagerly and compiles each block's frame: embeddings and head train outside any graph.
+    """
+
+    def __init__(self, config: GPTConfig, in_loop: bool = False):
+        super().__init__(config)
+        self.in_loop = in_loop
+        self.register_buffer("logit_scale", torch.tensor(0.75))
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        torch._dynamo.graph_break()
+        for block in self.blocks:
+            x = block(x)
+            if self.in_loop:
+                torch._dynamo.graph_break()
+        torch._dynamo.graph_break()
+        logits = self.head(self.ln_f(x)) * self.logit_scale
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build_model(name: str) -> torch.nn.Module:
+    """The models the tests train, each deterministic (seeded, no dropout)."""
+    torch.manual_seed(0)
+    small = GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    if name == "gpt_breaks":
+        return GPTWithBreaks(small)
+    if name == "gpt_loop_breaks":  # untied: a stage-3 parameter must not be used both in and out of graphs
+        return GPTWithBreaks(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32,
+                                       tie_weights=False), in_loop=True)
+    if name == "gpt_frozen":  # position embedding and first block's norm frozen
+        model = GPT(small)
+        model.wpe.weight.requires_grad_(False)
+        for param in model.blocks[0].ln_1.parameters():
+            param.requires_grad_(False)
+        return model
+    if name == "gpt_bf16":  # the whole model in bf16 (model.to(torch.bfloat16)), no param_dtype option
+        return GPT(small).to(torch.bfloat16)
+    if name == "gpt":
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    if name == "gpt_untied_odd":  # sizes not divisible by 2 or 4, no tied weights
+        return GPT(GPTConfig(vocab_size=VOCAB - 3, block_size=16, n_layer=2, n_head=3, n_embd=21, tie_weights=False))
+    if name == "hf_gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    if name == "hf_llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                            max_position_embeddings=32))
+    raise ValueError(name)
+
+
+def model_loss(name: str, model: Callable, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if name.startswith("hf_"):
+        return model(input_ids=tokens, labels=tokens).loss
+    return model(tokens, targets)
+
+
+def global_batch(step: int, batch_size: int, seq_lens: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, targets = synthetic_batch(step, batch_size, GPTConfig(vocab_size=VOCAB - 3, block_size=16))
+    if seq_lens:
+        length = seq_lens[step % len(seq_lens)]
+        tokens, targets = tokens[:, :length].contiguous(), targets[:, :length].contiguous()
+    return tokens, targets

@@ -1,0 +1,170 @@
+"""Training runs: a zero-backend training loop on this rank, single-process references, and the
+comparison of a run with its reference.
+
+``assert_same_training`` tolerances (fp32, eager inner compiler):
+
+- SGD runs are compared with a single forward over the global batch. The only differences are
+  summation orders (the batch mean split across ranks, matmul reductions over fewer rows), about
+  1e-7 relative per gradient, which SGD passes on linearly: 1e-6 of the parameters' scale bounds it.
+- AdamW runs (eps=1e-6, see ``_optimizer``) are compared with a reference that splits the global
+  batch like the ranks do and averages gradients, so the arithmetic is the same up to the order of
+  the cross-rank sum. Adam divides by sqrt(v)+eps, so an absolute gradient error e moves an element
+  by at most lr*e/eps per step; gradients whose terms cancel carry e up to ~1e-9 here (1e-7
+  relative to terms of ~1e-2), hence atol = steps*lr*1e-9/eps (3e-5 for 3 steps at lr 1e-2). A
+  wrong shard, a missing reduction or a stale parameter moves elements by ~lr per step and fails
+  it. Adam is blind to a wrong gradient scale; the SGD runs catch that.
+- Losses: 1e-6 relative.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import zcompile
+from support.graph_facts import graph_facts
+from support.models import build_model, global_batch, model_loss
+from zcompile.comm_volume import step_collectives
+
+LOSS_RTOL = 1e-6
+PARAM_TOL = 1e-6
+ADAM_EPS = 1e-6  # the eps of the AdamW runs (_optimizer)
+GRAD_ABS_ERROR = 1e-9
+
+
+@dataclass
+class RunSpec:
+    model: str = "gpt"
+    stage: int = 3
+    steps: int = 3
+    batch_size: int = 8
+    optimizer: str = "adamw"  # adamw | sgd
+    lr: float = 1e-2
+    grad_accum: int = 1  # backward calls per optimizer step (each on its own micro-batch)
+    zero_grad_to_none: bool = True
+    optimizer_after_forward: bool = False
+    seq_lens: tuple[int, ...] = ()  # per-step sequence length (recompiles on new shapes); () = full
+    options: dict = field(default_factory=dict)
+    optimizer_options: dict = field(default_factory=dict)  # extra zcompile.optim arguments (bucket_mb)
+
+
+@dataclass
+class RunResult:
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+    state_bytes: int = 0
+    num_params: int = 0
+    padded_numel: int = 0
+    collectives: list = field(default_factory=list)
+    graphs: list = field(default_factory=list)  # (forward code, backward code) per compiled graph
+    facts: dict = field(default_factory=dict)  # structure of the compiled graphs, see graph_facts
+
+
+def _optimizer(spec: RunSpec, params, zero: bool):
+    module = zcompile.optim if zero else torch.optim
+    extra = spec.optimizer_options if zero else {}
+    if spec.optimizer == "sgd":
+        return module.SGD(params, lr=spec.lr, momentum=0.9, **extra)
+    # eps=1e-6 sits above the rounding noise of gradients that are exactly zero in theory (the
+    # key third of an attention qkv bias): with eps=1e-8 Adam would normalize that noise to
+    # +-lr steps and two correct runs would differ by lr per element.
+    return module.AdamW(params, lr=spec.lr, weight_decay=0.01, eps=1e-6, **extra)
+
+
+def micro_batches(spec: RunSpec, step: int, rank: int, world: int):
+    """This rank's micro-batches of the global batch of ``step``, one per backward call."""
+    tokens, targets = global_batch(step, spec.batch_size * spec.grad_accum, spec.seq_lens)
+    out = []
+    for micro in range(spec.grad_accum):
+        chunk = slice(micro * spec.batch_size, (micro + 1) * spec.batch_size)
+        local = slice(rank * spec.batch_size // world, (rank + 1) * spec.batch_size // world)
+        out.append((tokens[chunk][local], targets[chunk][local]))
+    return out
+
+
+def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
+    """Trains ``spec.model`` with the zero backend on this rank; returns the gathered result."""
+    torch._dynamo.reset()
+    model = build_model(spec.model)
+    compiled_graphs = []
+    options = {"stage": spec.stage, "compiler": "eager", "on_compile": compiled_graphs.append, **spec.options}
+    compiled = torch.compile(model, backend="zero", options=options)
+    optimizer = None if spec.optimizer_after_forward else _optimizer(spec, model.parameters(), zero=True)
+    losses, state_bytes = [], 0
+    for step in range(spec.steps):
+        step_loss = 0.0
+        for tokens, targets in micro_batches(spec, step, rank, world):
+            loss = model_loss(spec.model, compiled, tokens, targets) / spec.grad_accum
+            loss.backward()
+            step_loss += loss.detach()
+            if optimizer is None:
+                optimizer = _optimizer(spec, model.parameters(), zero=True)
+        optimizer.step()
+        state_bytes = zcompile.model_state_bytes(model, optimizer).total
+        optimizer.zero_grad(set_to_none=spec.zero_grad_to_none)
+        if world > 1:
+            dist.all_reduce(step_loss)
+        losses.append(float(step_loss) / world)
+    collectives = step_collectives(compiled_graphs, optimizer)
+    with zcompile.gathered(model):
+        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    unique = list(dict.fromkeys(model.parameters()))
+    padded = sum(-(-p.numel() // world) * world for p in unique)
+    graphs = [(g.forward.code if g.forward else "", g.backward.code if g.backward else "") for g in compiled_graphs]
+    facts = graph_facts(compiled_graphs)
+    if facts["keep_plans"]:
+        facts["report_kept_bytes"] = zcompile.step_report(model, optimizer).memory["kept_gathered_bytes"]
+    return RunResult(losses, params, state_bytes, sum(p.numel() for p in unique), padded, collectives, graphs,
+                     facts)
+
+
+def train_reference(spec: RunSpec, world: int = 1, microbatch_like_ranks: bool = False,
+                    autocast_dtype: torch.dtype | None = None) -> RunResult:
+    """Single process, plain torch: the global batch in one forward per micro-batch.
+
+    With ``microbatch_like_ranks`` the global batch is split into ``world`` slices whose gradients
+    are averaged, which is the same arithmetic as data parallelism (only the order of the final
+    cross-rank sum can differ), so it can be compared at a much tighter tolerance.
+    ``autocast_dtype`` runs each forward under ``torch.autocast`` (the mixed-precision reference).
+    """
+    model = build_model(spec.model)
+    optimizer = _optimizer(spec, model.parameters(), zero=False)
+    losses = []
+    for step in range(spec.steps):
+        step_loss = 0.0
+        slices = world if microbatch_like_ranks else 1
+        for micro in range(spec.grad_accum):
+            tokens, targets = global_batch(step, spec.batch_size * spec.grad_accum, spec.seq_lens)
+            chunk = slice(micro * spec.batch_size, (micro + 1) * spec.batch_size)
+            tokens, targets = tokens[chunk], targets[chunk]
+            for part in range(slices):
+                local = slice(part * spec.batch_size // slices, (part + 1) * spec.batch_size // slices)
+                with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+                    loss = model_loss(spec.model, model, tokens[local], targets[local]) / (spec.grad_accum * slices)
+                loss.backward()
+                step_loss += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+    return RunResult(losses, {name: p.detach().clone() for name, p in model.named_parameters()})
+
+
+def zero_run_on_rank(rank: int, world: int, specs: list[RunSpec]) -> list[RunResult]:
+    """Entry point for ``run_ranks``: trains every spec in turn on this rank."""
+    return [train_zero(spec, rank, world) for spec in specs]
+
+
+def assert_same_training(result, reference, spec):
+    """``result`` trained like ``reference`` (losses and parameters; tolerances in the module docstring)."""
+    for ours, theirs in zip(result.losses, reference.losses, strict=True):
+        assert abs(ours - theirs) <= LOSS_RTOL * abs(theirs), (result.losses, reference.losses)
+    assert result.params.keys() == reference.params.keys()
+    for name, expected in reference.params.items():
+        atol = PARAM_TOL * max(1.0, expected.abs().max().item())
+        if spec.optimizer == "adamw":
+            atol = max(atol, spec.steps * spec.lr * GRAD_ABS_ERROR / ADAM_EPS)
+        torch.testing.assert_close(result.params[name], expected, rtol=0, atol=atol, msg=name)
+    # the run really trained: parameters moved away from their initial values
+    assert result.losses[-1] != result.losses[0]
