@@ -2,7 +2,6 @@
 gradient accumulation, zero_grad both ways, optimizer created late, gathered()."""
 
 import pytest
-import torch
 
 from support.launch import run_ranks
 from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank

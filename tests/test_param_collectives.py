@@ -1,28 +1,14 @@
 """The sharding planner and rewrite on hand-built FX graphs (no processes)."""
 
-import operator
 
 import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from zcompile.passes.graph_ops import gather_param, replicated_param
+from support.graph_builders import linear_graph
 from zcompile.passes import metadata
+from zcompile.passes.graph_ops import gather_param, replicated_param
 from zcompile.passes.param_collectives import insert_param_collectives_pass, param_name_from_source, plan_sharding
-
-
-def _linear_graph():
-    graph = torch.fx.Graph()
-    weight = graph.placeholder("weight")
-    x = graph.placeholder("x")
-    bias = graph.placeholder("bias")
-    y = graph.call_function(torch.nn.functional.linear, (x, weight, bias))
-    z = graph.call_function(operator.add, (y, graph.call_function(torch.sum, (weight,))))
-    graph.output((z,))
-    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-    torch.manual_seed(0)
-    inputs = [torch.nn.Parameter(torch.randn(3, 5)), torch.randn(2, 5), torch.nn.Parameter(torch.randn(3))]
-    return gm, inputs
 
 
 def _plan(gm, inputs, stage):
@@ -30,14 +16,14 @@ def _plan(gm, inputs, stage):
 
 
 def test_plan_lists_parameter_inputs_only():
-    gm, inputs = _linear_graph()
+    gm, inputs = linear_graph()
     plan = _plan(gm, inputs, 3)
     assert [(p.index, p.shape) for p in plan.params] == [(0, (3, 5)), (2, (3,))]
     assert '"stage": 3' in plan.to_json()
 
 
 def test_stage3_replaces_parameters_by_shards_and_one_gather_each():
-    gm, inputs = _linear_graph()
+    gm, inputs = linear_graph()
     expected = gm(*inputs)[0]
     gm = insert_param_collectives_pass(gm, _plan(gm, inputs, 3))
     placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
@@ -53,7 +39,7 @@ def test_stage3_replaces_parameters_by_shards_and_one_gather_each():
 
 
 def test_gather_sits_before_first_use():
-    gm, inputs = _linear_graph()
+    gm, inputs = linear_graph()
     gm = insert_param_collectives_pass(gm, _plan(gm, inputs, 3))
     nodes = list(gm.graph.nodes)
     for gather in gm.graph.find_nodes(op="call_function", target=gather_param):
@@ -63,7 +49,7 @@ def test_gather_sits_before_first_use():
 
 
 def test_stage2_appends_shards_and_keeps_replicated_inputs():
-    gm, inputs = _linear_graph()
+    gm, inputs = linear_graph()
     gm = insert_param_collectives_pass(gm, _plan(gm, inputs, 2))
     placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     assert placeholders == ["weight", "x", "bias", "weight_shard", "bias_shard"]
@@ -71,7 +57,7 @@ def test_stage2_appends_shards_and_keeps_replicated_inputs():
 
 
 def test_stage1_leaves_the_graph_alone():
-    gm, inputs = _linear_graph()
+    gm, inputs = linear_graph()
     before = gm.code
     assert insert_param_collectives_pass(gm, _plan(gm, inputs, 1)).code == before
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from support.launch import run_ranks
 from support.models import build_model
 from support.training import RunSpec, micro_batches, train_reference
+from zcompile.comm_volume import graph_collectives
 from zcompile.passes.quantize_weights import effective_block
 
 WORLD, NODE = 4, 2
@@ -159,7 +160,7 @@ def _zeropp_on_rank(rank, world, specs):
             params = {name: p.detach().float().clone() for name, p in model.named_parameters()}
         kinds = sorted({(r["kind"], r["where"], r["group_size"], r["dtype"])
                         for g in graphs for part in ("forward", "backward")
-                        for r in [c.to_json() for c in zcompile.comm.graph_collectives(getattr(g, part), part)]})
+                        for r in [c.to_json() for c in graph_collectives(getattr(g, part), part)]})
         node_size = spec.options.get("node_size", NODE)
         padded = sum(-(-p.numel() // world) * world for p in dict.fromkeys(model.parameters()))
         results.append(dict(losses=losses, params=params, kinds=kinds, padded=padded,
