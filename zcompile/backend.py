@@ -27,6 +27,7 @@ import torch
 from zcompile.compiled import CompileContext, CompiledGraphs, record_compiled_graphs
 from zcompile.config import ZeroConfig
 from zcompile.dumps import SHARDING_PLAN_FILE, resolve_dump_root
+from zcompile.dynamo_frame import modules_of_compiled_frame
 from zcompile.inner import compile_with_aot
 from zcompile.param_shards import ShardedParam, shard_of, shard_parameter
 from zcompile.pass_runner import PassRunner
@@ -34,6 +35,7 @@ from zcompile.passes.param_collectives import ShardingPlan, plan_sharding
 from zcompile.pipeline import run_passes
 from zcompile.process_group import DataParallelGroup
 from zcompile.rank_check import check_same_collectives
+from zcompile.state_dict_hooks import attach_state_dict_hooks
 from zcompile.zeropp import attach_groups, resolve_zeropp
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,8 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     _check_devices(plan, example_inputs, group)
     swap = ShardSwap(plan, group)
     tracing_inputs = swap.swap_for_tracing(list(example_inputs))  # shards the parameters
+    if plan.params:
+        attach_state_dict_hooks(modules_of_compiled_frame())  # model.(load_)state_dict see the shards
     runner = PassRunner.for_graph(gm, resolve_dump_root(config.dump), group.rank)
     runner.dump.write_json(SHARDING_PLAN_FILE, json.loads(plan.to_json()))
     zeropp = resolve_zeropp(config, group)

@@ -1,4 +1,5 @@
-"""``zcompile inspect DIR`` and ``zcompile diff DIR_A DIR_B``: read the backend's dump directories.
+"""``zcompile inspect DIR`` and ``zcompile diff DIR_A DIR_B`` read the backend's dump directories;
+``zcompile consolidate CKPT OUT`` writes a checkpoint's full weights to one file (no process group).
 
 The dump's layout and its loader are ``zcompile.dumps``.
 Every file may be missing; an unreadable one is a warning on stderr. Tables fit 100 columns and
@@ -306,7 +307,7 @@ def cmd_diff(args: argparse.Namespace, out: Output, warnings: list[str]) -> int:
 
 # ----------------------------------------------------------------------------- entry point
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zcompile", description="Read zcompile's dump directories.")
+    parser = argparse.ArgumentParser(prog="zcompile", description="Read zcompile's dumps and checkpoints.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--plain", action="store_true", help="plain text tables even when rich is installed")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -320,14 +321,32 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("dir_b")
     diff.add_argument("--rank", type=int, help="the rank to compare (default: each dump's lowest, 0); "
                       "diff DIR/rank0 DIR/rank1 compares two ranks of one dump")
+    consolidate = commands.add_parser(
+        "consolidate", parents=[common], help="full fp32 weights of a zcompile.checkpoint directory, in one file "
+        "a plain model loads (torch.save, or safetensors for OUT ending in .safetensors)")
+    consolidate.add_argument("checkpoint")
+    consolidate.add_argument("out")
     return parser
+
+
+def cmd_consolidate(args: argparse.Namespace, out: Output, warnings: list[str]) -> int:
+    from zcompile.consolidate import consolidate
+
+    if not os.path.isdir(args.checkpoint):
+        raise DumpError(f"{args.checkpoint}: no such checkpoint directory")
+    summary = consolidate(args.checkpoint, args.out)
+    out.line(f"{summary['out']}: {summary['parameters']} parameters ({summary['elements']:,} elements), "
+             f"{summary['tensors']} tensors with aliases and buffers, from a checkpoint of "
+             f"{summary['saved_world_size']} rank(s)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out, warnings = Output(args.plain), []
     try:
-        status = (cmd_inspect if args.command == "inspect" else cmd_diff)(args, out, warnings)
+        command = {"inspect": cmd_inspect, "diff": cmd_diff, "consolidate": cmd_consolidate}[args.command]
+        status = command(args, out, warnings)
     except DumpError as error:
         print(f"zcompile {args.command}: error: {error}", file=sys.stderr)
         status = 2

@@ -12,6 +12,11 @@ into the replicated parameters. Optimizer state (moments) has the shard's size. 
 collectives are bucketed (``bucket_mb`` of shard per rank, like the backend option) and run while
 the next bucket updates (``zcompile.optim_buckets``).
 
+Gradient clipping: ``clip_grad_norm_(max_norm)`` between backward and ``step()``, or
+``max_grad_norm=`` to clip inside ``step()``, clips the gradient averaged over ranks to a global
+norm (``zcompile.clip``; at stage 1 that reduce-scatters the gradients before the step, and the
+step does not reduce them again). ``last_grad_norm`` is the norm before clipping of the last step.
+
 The update is one fused pass (``zcompile.kernels.fused_optim``): the Triton kernel on GPU, its
 pure-torch reference on CPU. When the replicated parameter is in a low-precision dtype, the same
 pass writes the updated shard in that dtype, ready to be all-gathered.
@@ -28,8 +33,11 @@ from zcompile.process_group import DataParallelGroup
 from zcompile.comm_volume import CollectiveRecord
 from zcompile.memory import ModelStateBytes, model_state_bytes
 from zcompile.kernels.fused_optim import fused_adamw, fused_adamw_reference, fused_sgd, fused_sgd_reference
-from zcompile.optim_buckets import BucketedGradReduce, BucketedParamRefresh, plan_optimizer_buckets
-from zcompile.param_shards import ShardedParam, shard_of, shard_parameter
+from zcompile.clip import clip_grad_norm_of_shards
+from zcompile.optim_state import load_sharded_state_dict, sharded_state_dict
+from zcompile.optim_buckets import (BucketedGradReduce, BucketedParamRefresh, plan_optimizer_buckets,
+                                    reduce_grads_onto_shards)
+from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +45,16 @@ log = logging.getLogger(__name__)
 class ShardedOptimizer(torch.optim.Optimizer):
     """Base class: gradient collection and parameter refresh around a per-shard update rule."""
 
-    def __init__(self, params: Iterable, defaults: dict, bucket_mb: float = 4.0):
+    def __init__(self, params: Iterable, defaults: dict, bucket_mb: float = 4.0, max_grad_norm: float | None = None):
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb < 0:
             raise ValueError(f"{type(self).__name__}: bucket_mb must be a number >= 0 (MiB), got {bucket_mb!r}")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                          or not max_grad_norm > 0):
+            raise ValueError(f"{type(self).__name__}: max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
         self.bucket_mb = bucket_mb  # per-rank shard MiB per bucketed collective (0: one per parameter)
+        self.max_grad_norm = max_grad_norm  # clip the 2-norm to this inside step() (None: no clipping)
+        self.last_grad_norm: float | None = None  # pre-clip norm of the last step (None: not computed)
+        self._clipped_since_step = False
         super().__init__(params, defaults)
         for index, param in enumerate(self._all_params()):
             if not isinstance(param, torch.nn.Parameter):
@@ -63,20 +77,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.max_grad_norm is not None and not self._clipped_since_step:
+            self.clip_grad_norm_(self.max_grad_norm)
+        if not self._clipped_since_step:
+            self.last_grad_norm = None
+        self._clipped_since_step = False
         todo = []  # (sharded, param, param group) with a gradient, in parameter order
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
                 sharded = self._sharded(param, index)
-                if sharded is not None and (sharded.param.grad if sharded.stage == 1 else sharded.shard.grad) is not None:
+                if sharded is not None and (sharded.shard.grad is not None or (
+                        sharded.stage == 1 and sharded.param.grad is not None)):
                     todo.append((sharded, param, group))
         bucket_bytes = int(self.bucket_mb * 2**20)
-        reduced = [s for s, _, _ in todo if s.stage == 1 and s.group.world_size > 1]
+        # collectives already issued by clipping; a stage-1 gradient both reduced early and grown by
+        # a later backward (or kept as zeros by zero_grad(set_to_none=False)) is folded in now
+        early = [r for s, _, _ in todo for r in s.take_pre_step_records()]
+        early += reduce_grads_onto_shards(
+            [s for s, _, _ in todo if s.stage == 1 and s.shard.grad is not None and s.param.grad is not None],
+            bucket_bytes)
+        reduced = [s for s, _, _ in todo if s.stage == 1 and s.group.world_size > 1 and s.shard.grad is None]
         reducer = BucketedGradReduce(
             plan_optimizer_buckets(reduced, _reduce_dtype, bucket_bytes), _reduce_dtype)
         refreshed = [s for s, _, _ in todo if s.stage in (1, 2)]
         refresher = BucketedParamRefresh(plan_optimizer_buckets(refreshed, lambda s: s.param.dtype, bucket_bytes))
         for sharded, param, group in todo:
-            if sharded.stage == 1 and sharded.group.world_size > 1:
+            if sharded.shard.grad is not None:  # stages 2 and 3, or stage 1 reduced early by clipping
+                grad, grad_scale = sharded.shard.grad.detach(), 1.0
+            elif sharded.stage == 1 and sharded.group.world_size > 1:
                 grad, grad_scale = reducer.grad(sharded), 1.0 / sharded.group.world_size
             else:
                 grad, grad_scale = self._local_grad(sharded), 1.0
@@ -88,10 +116,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if sharded.stage in (1, 2):
                 refresher.updated(sharded, lowp)
         refresher.finish()
-        self.last_step_collectives = reducer.records + refresher.records
+        self.last_step_collectives = early + reducer.records + refresher.records
         # measured while gradients still exist (zero_grad frees them): what step_report shows
         self.last_step_state_bytes = model_state_bytes(self._all_params(), self)
         return loss
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the gradients of this optimizer's parameters like ``torch.nn.utils.clip_grad_norm_``
+        does on one process: the gradient averaged over ranks, to a global norm of ``max_norm``
+        (``norm_type``: p > 0 or ``inf``). Call between the last backward and ``step()``; every rank
+        must call it (one scalar all-reduce; at stage 1 also the step's reduce-scatters, done now).
+
+        Returns the total norm before clipping (an fp32 tensor); also kept as ``last_grad_norm``.
+        A call takes the place of ``max_grad_norm`` for the next step.
+        """
+        members = [s for group in self.param_groups for index, param in enumerate(group["params"])
+                   if (s := self._sharded(param, index)) is not None]
+        norm = clip_grad_norm_of_shards(members, max_norm, norm_type, int(self.bucket_mb * 2**20))
+        self.last_grad_norm = float(norm)
+        self._clipped_since_step = True
+        return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:
@@ -108,23 +153,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         tensor.grad.zero_()
 
     def _sharded(self, param: torch.Tensor, index: int) -> ShardedParam | None:
-        """The shard of ``param``; a parameter trained outside any compiled graph is sharded here.
-
-        Dynamo runs some code eagerly (a graph break inside a loop skips the whole frame), so a
-        parameter can get a full ``.grad`` without ever reaching the backend. It is then trained
-        with stage-1 semantics (reduce-scatter at the step, all-gather after), which keeps data
-        parallelism exact; its memory is not reduced, which is logged once.
-        """
+        """The shard of ``param``; a parameter trained outside any compiled graph is sharded here
+        (stage-1 semantics, see ``param_shards.shard_eager_parameter``)."""
         sharded = shard_of(param)
         if sharded is not None or param.grad is None:
             return sharded
         group = next((s.group for s in map(shard_of, self._all_params()) if s is not None), None)
-        group = group if group is not None else DataParallelGroup.resolve(None)
-        log.warning(
-            "zcompile optimizer: parameter #%d %s got a gradient outside the compiled graphs (eager code or "
-            "a skipped frame); it is kept replicated and reduced at the step (stage 1)", index, tuple(param.shape),
-        )
-        return shard_parameter(param, f"param#{index}", stage=1, group=group)
+        return shard_eager_parameter(param, index, group if group is not None else DataParallelGroup.resolve(None))
+
+    def state_dict(self) -> dict:
+        """torch's format, each shard-sized state tensor as this rank's piece of the flat tensor (a
+        DTensor in a group of several ranks): right with ``dcp.save``/``dcp.load`` and with
+        ``torch.save`` per rank (``zcompile.optim_state``). ``zcompile.checkpoint.save`` saves the
+        model too and reshards on load."""
+        return sharded_state_dict(self, super().state_dict())
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restores what ``state_dict()`` returned (or DCP resharded from it); the state stays fp32."""
+        load_sharded_state_dict(self, state_dict)
 
     def _all_params(self):
         return (p for group in self.param_groups for p in group["params"])
@@ -139,7 +185,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 def _reduce_dtype(sharded: ShardedParam) -> torch.dtype:
-    return sharded.reduce_dtype or torch.float32
+    return sharded.grad_reduce_dtype
 
 
 class AdamW(ShardedOptimizer):
@@ -147,17 +193,18 @@ class AdamW(ShardedOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, bucket_mb: float = 4.0,
-                 **unsupported: Any):
+                 max_grad_norm: float | None = None, **unsupported: Any):
         if amsgrad:
             raise ValueError("zcompile.optim.AdamW: amsgrad=True is not supported; use amsgrad=False")
         if unsupported:
             raise TypeError(
                 f"zcompile.optim.AdamW: unsupported arguments {sorted(unsupported)}; "
-                "supported: lr, betas, eps, weight_decay, bucket_mb"
+                "supported: lr, betas, eps, weight_decay, bucket_mb, max_grad_norm"
             )
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"zcompile.optim.AdamW: invalid hyper-parameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), bucket_mb)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), bucket_mb,
+                         max_grad_norm)
 
     def _update(self, shard, grad, grad_scale, state, group, lowp_out):
         if not state:
@@ -175,13 +222,14 @@ class SGD(ShardedOptimizer):
     """``torch.optim.SGD`` over shards (momentum, dampening, nesterov, weight decay)."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, bucket_mb: float = 4.0):
+                 weight_decay: float = 0.0, nesterov: bool = False, bucket_mb: float = 4.0,
+                 max_grad_norm: float | None = None):
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"zcompile.optim.SGD: invalid hyper-parameters lr={lr} momentum={momentum} weight_decay={weight_decay}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("zcompile.optim.SGD: nesterov requires momentum > 0 and zero dampening")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
-                                      weight_decay=weight_decay, nesterov=nesterov), bucket_mb)
+                                      weight_decay=weight_decay, nesterov=nesterov), bucket_mb, max_grad_norm)
 
     def _update(self, shard, grad, grad_scale, state, group, lowp_out):
         first_step = "momentum_buffer" not in state

@@ -9,6 +9,8 @@ flat buffer, and the collectives run asynchronously:
 
 - ``BucketedGradReduce`` (stage 1): the reduce-scatter of bucket ``i + 1`` is in flight while the
   optimizer updates the parameters of bucket ``i``;
+- ``reduce_grads_onto_shards`` (stage 1, when gradients are clipped): the same reduce-scatters
+  issued before the step, leaving the averaged gradient shard on ``shard.grad`` (``zcompile.clip``);
 - ``BucketedParamRefresh`` (stages 1 and 2): the all-gather of a bucket starts as soon as its last
   parameter is updated, and is waited (and copied into the parameters) when the next bucket's
   starts, so at most two gathered buffers exist at once.
@@ -103,6 +105,35 @@ class BucketedGradReduce:
         work = reduce_scatter_eager(out, full, bucket[0].group, async_op=True)
         self._pending[index] = (work, out)
         self.records.append(_record("reduce_scatter", bucket, dtype))
+
+
+def reduce_grads_onto_shards(members: list[ShardedParam], bucket_bytes: int) -> list[CollectiveRecord]:
+    """Stage 1 ahead of the step: each member's local full gradient, reduce-scattered (bucketed) and
+    averaged, added to ``shard.grad``; ``param.grad`` is freed. Returns the collectives issued.
+
+    The member then looks like a stage-2 parameter, and ``step()`` updates from ``shard.grad``
+    without reducing again. The average is taken as the step takes it (the fp32 sum times 1/N,
+    as the fused update's ``grad_scale`` does), so an unclipped step is bitwise the same.
+    """
+    distributed = [m for m in members if m.group.world_size > 1]
+    def dtype_of(member: ShardedParam) -> torch.dtype:
+        return member.grad_reduce_dtype
+
+    reducer = BucketedGradReduce(plan_optimizer_buckets(distributed, dtype_of, bucket_bytes), dtype_of)
+    for member in members:
+        world = member.group.world_size
+        if world > 1:
+            grad = reducer.grad(member).to(torch.float32) * (1.0 / world)
+        else:
+            # a tensor of its own: padded_flat may return a view of param.grad, and zero_grad's
+            # in-place detach_ refuses views
+            grad = member.padded_flat(member.param.grad, torch.float32).clone()
+        if member.shard.grad is None:
+            member.shard.grad = grad
+        else:  # a backward after an earlier clip, or zero_grad(set_to_none=False)
+            member.shard.grad.add_(grad)
+        member.param.grad = None
+    return reducer.records
 
 
 @dataclass

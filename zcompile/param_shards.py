@@ -36,6 +36,9 @@ class ShardedParam:
     group: DataParallelGroup
     shard: torch.Tensor
     reduce_dtype: torch.dtype | None = None  # stage 1: dtype of the reduce-scatter at the step
+    # collectives issued for this step's gradient before the step (stage 1's reduce-scatter and the
+    # norm's all-reduce when gradients are clipped, see zcompile.clip); the step reports and clears them
+    pre_step_records: list = field(default_factory=list, repr=False)
     shape: torch.Size = field(init=False)
     numel: int = field(init=False)
     _replicated_alias: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -68,6 +71,15 @@ class ShardedParam:
     def owned_numel(self) -> int:
         """Elements of the real (unpadded) parameter that this rank's shard covers."""
         return max(0, min(self.numel - self.shard_offset, self.shard_numel))
+
+    @property
+    def grad_reduce_dtype(self) -> torch.dtype:
+        """Stage 1: the dtype in which the full gradient is reduce-scattered (fp32 unless set)."""
+        return self.reduce_dtype or torch.float32
+
+    def take_pre_step_records(self) -> list:
+        records, self.pre_step_records = self.pre_step_records, []
+        return records
 
     @property
     def is_freed(self) -> bool:
@@ -126,6 +138,11 @@ def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: Dat
             )
         return existing
     _check_shardable(param, name)
+    # every shard is made here (by the backend, or by the optimizer for an eager parameter): from
+    # now on torch.nn.utils.clip_grad_norm_ may see a zcompile parameter and must route it
+    from zcompile.clip import install_torch_clip_patch  # local: zcompile.clip imports this module
+
+    install_torch_clip_patch()
     shard_numel = max(1, math.ceil(param.numel() / group.world_size))
     shard = torch.zeros(shard_numel, dtype=torch.float32, device=param.device)
     sharded = ShardedParam(param=param, name=name, stage=stage, group=group, shard=shard, reduce_dtype=reduce_dtype)
@@ -136,6 +153,21 @@ def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: Dat
         sharded.free_full()
     log.debug("sharded %s %s -> %d elements on rank %d", name, tuple(param.shape), shard_numel, group.rank)
     return sharded
+
+
+def shard_eager_parameter(param: torch.nn.Parameter, index: int, group: DataParallelGroup) -> ShardedParam:
+    """The shard of a parameter that got a full gradient outside every compiled graph.
+
+    Dynamo runs some code eagerly (a graph break inside a loop skips the whole frame), so a
+    parameter can get a full ``.grad`` without ever reaching the backend. It is then trained with
+    stage-1 semantics (gradient reduce-scattered at the step or when clipping, all-gathered after),
+    which keeps data parallelism exact; its memory is not reduced, which is logged once.
+    """
+    log.warning(
+        "zcompile: parameter #%d %s got a gradient outside the compiled graphs (eager code or a skipped "
+        "frame); it is kept replicated and its gradient reduce-scattered like stage 1's", index, tuple(param.shape),
+    )
+    return shard_parameter(param, f"param#{index}", stage=1, group=group)
 
 
 def _check_shardable(param: torch.Tensor, name: str) -> None:

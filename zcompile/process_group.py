@@ -52,6 +52,11 @@ def reduce_scatter_eager(out: torch.Tensor, full: torch.Tensor, group: DataParal
     return _reduce_scatter_flat(out, full, op=dist.ReduceOp.SUM, group=group.process_group, async_op=async_op)
 
 
+def all_reduce_eager(tensor: torch.Tensor, group: DataParallelGroup, op: dist.ReduceOp.RedOpType) -> None:
+    """``tensor`` (in place) = ``op`` over every rank's ``tensor`` (a scalar, for gradient clipping)."""
+    dist.all_reduce(tensor, op=op, group=group.process_group)
+
+
 def find_group(ranks: list[int]) -> dist.ProcessGroup | None:
     """A process group already made with exactly ``ranks`` (global ranks, in group-rank order), or None.
 

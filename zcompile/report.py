@@ -6,7 +6,8 @@ issued, and returns a ``StepReport``: every collective of one step (kind, bytes,
 which parameters), totals against ZeRO's formula for the stage, the model-state bytes measured on
 this rank against the formula, the peak of gathered-parameter bytes the graphs hold at once, and
 the schedule: for each collective, how many compute ops run between its issue and its wait (0
-means fully exposed). ``print()`` draws it (rich tables when installed); ``to_json(path)`` writes it.
+means fully exposed), and the gradient norm before clipping when the optimizer clipped
+(``optimizer.last_grad_norm``). ``print()`` draws it (rich tables when installed); ``to_json(path)`` writes it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class StepReport:
     formula_elements: int
     memory: dict[str, int]
     schedule: list[OverlapRecord] = field(default_factory=list)
+    grad_norm: float | None = None  # the optimizer's pre-clip gradient norm of the step (None: not clipped)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -90,7 +92,7 @@ class StepReport:
                if mem.get("kept_gathered_bytes") else ""),
             f"schedule: {len(self.schedule)} collectives in graphs, {exposed} with no compute between issue "
             "and wait (exposed)",
-        ]
+        ] + ([f"gradient norm {self.grad_norm:.6g} (before clipping)"] if self.grad_norm is not None else [])
 
     def render(self) -> str:
         """The report as plain text (what ``print`` shows without rich)."""
@@ -161,6 +163,7 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
             "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in graphs if g.keep_gathered),
         },
         schedule=schedule,
+        grad_norm=getattr(optimizer, "last_grad_norm", None),
     )
 
 

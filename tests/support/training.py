@@ -14,6 +14,11 @@ comparison of a run with its reference.
   wrong shard, a missing reduction or a stale parameter moves elements by ~lr per step and fails
   it. Adam is blind to a wrong gradient scale; the SGD runs catch that.
 - Losses: 1e-6 relative.
+
+Clipped runs (``RunSpec.clip``) clip the averaged gradient before each step, the reference with
+``torch.nn.utils.clip_grad_norm_`` on its global-batch gradient; ``RunResult.grad_norms`` holds
+the pre-clip norms. The norms differ by the summation orders above (about 1e-7 relative), and
+the clip coefficient with them, so the tolerances above hold for clipped runs too.
 """
 
 from __future__ import annotations
@@ -48,6 +53,11 @@ class RunSpec:
     seq_lens: tuple[int, ...] = ()  # per-step sequence length (recompiles on new shapes); () = full
     options: dict = field(default_factory=dict)
     optimizer_options: dict = field(default_factory=dict)  # extra zcompile.optim arguments (bucket_mb)
+    clip: float | None = None  # max_norm of gradient clipping before each step (None: no clipping)
+    clip_norm_type: float = 2.0
+    # how the zero run clips: "optimizer" (optimizer.clip_grad_norm_), "option" (max_grad_norm=, 2-norm
+    # only) or "torch" (torch.nn.utils.clip_grad_norm_ over model.parameters()); the reference uses torch's
+    clip_via: str = "optimizer"
 
 
 @dataclass
@@ -60,11 +70,16 @@ class RunResult:
     collectives: list = field(default_factory=list)
     graphs: list = field(default_factory=list)  # (forward code, backward code) per compiled graph
     facts: dict = field(default_factory=dict)  # structure of the compiled graphs, see graph_facts
+    grad_norms: list[float] = field(default_factory=list)  # pre-clip gradient norm per step (clipped runs)
 
 
 def _optimizer(spec: RunSpec, params, zero: bool):
     module = zcompile.optim if zero else torch.optim
     extra = spec.optimizer_options if zero else {}
+    if zero and spec.clip is not None and spec.clip_via == "option":
+        if spec.clip_norm_type != 2.0:
+            raise ValueError("RunSpec: max_grad_norm= clips the 2-norm; use clip_via='optimizer' or 'torch'")
+        extra = {**extra, "max_grad_norm": spec.clip}
     if spec.optimizer == "sgd":
         return module.SGD(params, lr=spec.lr, momentum=0.9, **extra)
     # eps=1e-6 sits above the rounding noise of gradients that are exactly zero in theory (the
@@ -84,6 +99,19 @@ def micro_batches(spec: RunSpec, step: int, rank: int, world: int):
     return out
 
 
+def _clip_before_step(spec: RunSpec, model: torch.nn.Module, optimizer) -> float | None:
+    """The zero run's clipping as ``spec.clip_via`` says; the pre-clip norm (None: the step clips)."""
+    if spec.clip is None or spec.clip_via == "option":
+        return None
+    if spec.clip_via == "optimizer":
+        norm = optimizer.clip_grad_norm_(spec.clip, spec.clip_norm_type)
+        assert optimizer.last_grad_norm == float(norm)
+        return float(norm)
+    if spec.clip_via == "torch":
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip, spec.clip_norm_type))
+    raise ValueError(f"RunSpec.clip_via: {spec.clip_via!r} is not one of optimizer, option, torch")
+
+
 def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     """Trains ``spec.model`` with the zero backend on this rank; returns the gathered result."""
     torch._dynamo.reset()
@@ -92,7 +120,7 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     options = {"stage": spec.stage, "compiler": "eager", "on_compile": compiled_graphs.append, **spec.options}
     compiled = torch.compile(model, backend="zero", options=options)
     optimizer = None if spec.optimizer_after_forward else _optimizer(spec, model.parameters(), zero=True)
-    losses, state_bytes = [], 0
+    losses, state_bytes, grad_norms = [], 0, []
     for step in range(spec.steps):
         step_loss = 0.0
         for tokens, targets in micro_batches(spec, step, rank, world):
@@ -101,7 +129,10 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
             step_loss += loss.detach()
             if optimizer is None:
                 optimizer = _optimizer(spec, model.parameters(), zero=True)
+        norm = _clip_before_step(spec, model, optimizer)
         optimizer.step()
+        if spec.clip is not None:
+            grad_norms.append(norm if norm is not None else optimizer.last_grad_norm)
         state_bytes = zcompile.model_state_bytes(model, optimizer).total
         optimizer.zero_grad(set_to_none=spec.zero_grad_to_none)
         if world > 1:
@@ -117,7 +148,7 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     if facts["keep_plans"]:
         facts["report_kept_bytes"] = zcompile.step_report(model, optimizer).memory["kept_gathered_bytes"]
     return RunResult(losses, params, state_bytes, sum(p.numel() for p in unique), padded, collectives, graphs,
-                     facts)
+                     facts, grad_norms)
 
 
 def train_reference(spec: RunSpec, world: int = 1, microbatch_like_ranks: bool = False,
@@ -131,7 +162,7 @@ def train_reference(spec: RunSpec, world: int = 1, microbatch_like_ranks: bool =
     """
     model = build_model(spec.model)
     optimizer = _optimizer(spec, model.parameters(), zero=False)
-    losses = []
+    losses, grad_norms = [], []
     for step in range(spec.steps):
         step_loss = 0.0
         slices = world if microbatch_like_ranks else 1
@@ -145,10 +176,14 @@ def train_reference(spec: RunSpec, world: int = 1, microbatch_like_ranks: bool =
                     loss = model_loss(spec.model, model, tokens[local], targets[local]) / (spec.grad_accum * slices)
                 loss.backward()
                 step_loss += loss.item()
+        if spec.clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip, spec.clip_norm_type)
+            grad_norms.append(float(norm))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(step_loss)
-    return RunResult(losses, {name: p.detach().clone() for name, p in model.named_parameters()})
+    return RunResult(losses, {name: p.detach().clone() for name, p in model.named_parameters()},
+                     grad_norms=grad_norms)
 
 
 def zero_run_on_rank(rank: int, world: int, specs: list[RunSpec]) -> list[RunResult]:

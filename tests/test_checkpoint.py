@@ -1,0 +1,195 @@
+"""Sharded checkpoints (``zcompile.checkpoint``): resume exactly, reshard across world sizes and stages,
+consolidate to a plain model, and fail clearly on every rank on bad input.
+
+Three launches share one directory: 2 ranks (train, save, resume, consolidate, bad inputs), then
+4 ranks (resume the 2-rank checkpoint at another stage; save a 4-rank one), then 2 ranks again
+(resume the 4-rank checkpoint). Resuming at the same world size and stage replays the same
+arithmetic, so its losses are compared bitwise. Across world sizes the batch is split into other
+micro-batches and the gradient sum runs in another order: about 1e-7 relative per step, so
+losses are compared at 1e-6 relative (``LOSS_RTOL``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zcompile
+import zcompile.checkpoint as ckpt
+from support.launch import run_ranks
+from support.models import build_model, model_loss
+from support.training import LOSS_RTOL, RunSpec, _optimizer, micro_batches, train_reference
+from zcompile.consolidate import consolidate
+
+STEPS = 6
+HALF = STEPS // 2
+
+
+def _fresh(name: str, stage: int):
+    torch._dynamo.reset()
+    model = build_model(name)
+    spec = RunSpec(model=name, stage=stage, steps=STEPS)
+    optimizer = _optimizer(spec, model.parameters(), zero=True)
+    return model, torch.compile(model, backend="zero", options={"stage": stage}), optimizer, spec
+
+
+def _train(name, compiled, optimizer, spec, steps, rank, world) -> list[float]:
+    losses = []
+    for step in steps:
+        (tokens, targets), = micro_batches(spec, step, rank, world)
+        loss = model_loss(name, compiled, tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    return losses
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    with zcompile.gathered(model):
+        return {name: p.detach().float().clone() for name, p in model.named_parameters()}
+
+
+def _error_of(fn) -> str | None:
+    try:
+        fn()
+    except ckpt.CheckpointError as error:
+        return str(error)
+    return None
+
+
+def first_launch(rank: int, world: int, root: str) -> dict:
+    """2 ranks: uninterrupted runs, a save at step 3, resumes, consolidation input, bad inputs."""
+    out = {}
+    for name in ("gpt", "hf_llama"):
+        model, compiled, optimizer, spec = _fresh(name, 3)
+        out[f"{name}_full"] = _train(name, compiled, optimizer, spec, range(STEPS), rank, world)
+        if name == "gpt":
+            out["gpt_params"] = _params(model)
+            out["full_state_dict"] = ckpt.full_state_dict(compiled)
+            ckpt.save(os.path.join(root, "gpt_end"), compiled, optimizer)
+        model, compiled, optimizer, spec = _fresh(name, 3)
+        _train(name, compiled, optimizer, spec, range(HALF), rank, world)
+        ckpt.save(os.path.join(root, f"{name}_2r"), compiled, optimizer, extra={"rank": rank, "step": HALF})
+    # resume at the same world size and stage: before compile, and into a model that has run a step
+    model, compiled, optimizer, spec = _fresh("gpt", 3)
+    out["extra"] = ckpt.load(os.path.join(root, "gpt_2r"), model, optimizer)
+    out["resumed_before_compile"] = _train("gpt", compiled, optimizer, spec, range(HALF, STEPS), rank, world)
+    model, compiled, optimizer, spec = _fresh("gpt", 3)
+    _train("gpt", compiled, optimizer, spec, [STEPS + 1], rank, world)  # compiled, sharded, state moved on
+    ckpt.load(os.path.join(root, "gpt_2r"), compiled, optimizer)
+    out["resumed_after_compile"] = _train("gpt", compiled, optimizer, spec, range(HALF, STEPS), rank, world)
+    # bad inputs: another model, a truncated file, no directory; the model must stay as it was
+    other, other_compiled, other_optimizer, _ = _fresh("gpt_untied_odd", 3)
+    before = _params(other)
+    broken = os.path.join(root, f"broken_{rank}")  # each rank breaks its own copy identically
+    shutil.copytree(os.path.join(root, "gpt_2r"), broken)
+    for file in sorted(os.listdir(broken)):
+        if file.endswith(".distcp"):
+            with open(os.path.join(broken, file), "r+b") as handle:
+                handle.truncate(os.path.getsize(os.path.join(broken, file)) // 2)
+    model, compiled, optimizer, _ = _fresh("gpt", 3)
+    untouched = _params(model)
+    out["errors"] = {
+        "other_model": _error_of(lambda: ckpt.load(os.path.join(root, "gpt_2r"), other, other_optimizer)),
+        "truncated": _error_of(lambda: ckpt.load(broken, model, optimizer)),
+        "missing": _error_of(lambda: ckpt.load(os.path.join(root, "nowhere"), model, optimizer)),
+    }
+    out["other_untouched"] = all(torch.equal(before[k], v) for k, v in _params(other).items())
+    out["model_untouched"] = all(torch.equal(untouched[k], v) for k, v in _params(model).items())
+    return out
+
+
+def second_launch(rank: int, world: int, root: str) -> dict:
+    """4 ranks: resume the 2-rank checkpoints (gpt at stage 2, llama at stage 3); save a 4-rank one."""
+    out = {}
+    model, compiled, optimizer, spec = _fresh("gpt", 2)
+    out["extra"] = ckpt.load(os.path.join(root, "gpt_2r"), compiled, optimizer)
+    out["gpt"] = _train("gpt", compiled, optimizer, spec, range(HALF, STEPS), rank, world)
+    model, compiled, optimizer, spec = _fresh("hf_llama", 3)
+    ckpt.load(os.path.join(root, "hf_llama_2r"), compiled, optimizer)
+    out["hf_llama"] = _train("hf_llama", compiled, optimizer, spec, range(HALF, STEPS), rank, world)
+    model, compiled, optimizer, spec = _fresh("gpt", 3)
+    out["gpt_full_4r"] = _train("gpt", compiled, optimizer, spec, range(HALF), rank, world)
+    ckpt.save(os.path.join(root, "gpt_4r"), compiled, optimizer)
+    out["gpt_full_4r"] += _train("gpt", compiled, optimizer, spec, range(HALF, STEPS), rank, world)
+    return out
+
+
+def third_launch(rank: int, world: int, root: str) -> dict:
+    """2 ranks: resume the 4-rank checkpoint."""
+    model, compiled, optimizer, spec = _fresh("gpt", 3)
+    ckpt.load(os.path.join(root, "gpt_4r"), model, optimizer)
+    return {"gpt": _train("gpt", compiled, optimizer, spec, range(HALF, STEPS), rank, world)}
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("checkpoints"))
+    first = run_ranks(2, first_launch, root, timeout_s=600)
+    second = run_ranks(4, second_launch, root, timeout_s=600)
+    third = run_ranks(2, third_launch, root, timeout_s=600)
+    return root, first, second, third
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return all(abs(x - y) <= LOSS_RTOL * abs(y) for x, y in zip(a, b, strict=True))
+
+
+def test_resume_same_world_is_bitwise(launches):
+    _, first, _, _ = launches
+    for rank, result in enumerate(first):
+        full = result["gpt_full"]
+        assert result["resumed_before_compile"] == full[HALF:]
+        assert result["resumed_after_compile"] == full[HALF:]
+        assert result["extra"] == {"rank": rank, "step": HALF}
+
+
+def test_resume_on_another_world_size_and_stage(launches):
+    _, first, second, third = launches
+    full_2r, full_4r = first[0], second[0]["gpt_full_4r"]
+    assert _close(second[0]["gpt"], full_2r["gpt_full"][HALF:])  # 2 -> 4 ranks, stage 3 -> 2
+    assert _close(second[0]["hf_llama"], full_2r["hf_llama_full"][HALF:])  # 2 -> 4 ranks, Llama
+    assert _close(third[0]["gpt"], full_4r[HALF:])  # 4 -> 2 ranks
+    # ranks beyond the saved ones get rank 0's extra; the others their own
+    assert [r["extra"]["rank"] for r in second] == [0, 1, 0, 0]
+
+
+def test_full_state_dict_and_consolidated_file_equal_the_trained_weights(launches, tmp_path):
+    root, first, _, _ = launches
+    trained = first[0]["gpt_params"]
+    full = first[0]["full_state_dict"]
+    assert first[1]["full_state_dict"] is None  # rank 0 only
+    for path in (tmp_path / "gpt.pt", tmp_path / "gpt.safetensors"):
+        summary = consolidate(os.path.join(root, "gpt_end"), path)
+        assert summary["saved_world_size"] == 2
+        plain = build_model("gpt")  # a plain, non-distributed model of the same architecture
+        if path.suffix == ".pt":
+            state = torch.load(path)
+        else:
+            from safetensors.torch import load_file
+            state = load_file(path)
+        plain.load_state_dict(state)  # strict: every key, tied names and buffers included
+        for name, param in plain.named_parameters():
+            assert torch.equal(param.detach(), trained[name]), name
+            assert torch.equal(full[name], trained[name]), name
+    reference = train_reference(RunSpec(model="gpt", stage=3, steps=STEPS), world=2)
+    for name, value in reference.params.items():
+        # the AdamW tolerance of support.training (6 steps at lr 1e-2, eps 1e-6)
+        torch.testing.assert_close(full[name], value, rtol=0, atol=STEPS * 1e-2 * 1e-9 / 1e-6)
+
+
+def test_bad_checkpoints_fail_on_every_rank_and_change_nothing(launches):
+    _, first, _, _ = launches
+    for result in first:
+        errors = result["errors"]
+        assert "'wte.weight'" in errors["other_model"]  # the first parameter whose size differs
+        assert errors["truncated"] and "reading" in errors["truncated"]
+        assert errors["missing"] and "nowhere" in errors["missing"]
+        assert result["other_untouched"] and result["model_untouched"]

@@ -1,0 +1,304 @@
+"""Sharded checkpoints in DCP format that reshard on load: ``save``, ``load``, ``full_state_dict``.
+
+``save(path, model, optimizer, extra)`` writes each rank's own shards (master weights, optimizer
+state) with ``torch.distributed.checkpoint``; nothing is gathered, so the extra memory is at most
+one shard set (none for compiled models: the shards are written as they are). ``load`` restores
+into a freshly built model and optimizer, before or after ``torch.compile``, at any number of
+ranks and any stage: DCP reads each rank's new piece from whatever pieces were saved. The
+layout is in ``zcompile.checkpoint_layout``.
+
+Loading is all-or-nothing and never hangs: every rank checks the checkpoint against its model
+first (missing directory, names, sizes, optimizer type), the ranks agree on the outcome before
+any collective read, and the values are read into new buffers and copied into the model only
+once DCP has read all of them on every rank. A failure is a ``CheckpointError`` on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from zcompile.checkpoint_layout import (FORMAT, META_KEY, PARAM_GROUPS_KEY, FlatPiece, buffer_key, extra_key,
+                                        from_bytes, named_unique_params, optim_key, param_aliases, param_key,
+                                        persistent_buffers, to_bytes)
+from zcompile.consolidate import full_state_dict
+from zcompile.param_shards import shard_of
+from zcompile.process_group import DataParallelGroup, all_gather_eager
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CheckpointError", "save", "load", "full_state_dict"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be loaded into this model (raised on every rank; the model is untouched)."""
+
+
+# ----------------------------------------------------------------------------- the group and pieces
+def _group_of(params: list[torch.nn.Parameter]) -> DataParallelGroup:
+    """The data-parallel group the model is sharded over (the default group before any compile)."""
+    for param in params:
+        sharded = shard_of(param)
+        if sharded is not None:
+            return sharded.group
+    return DataParallelGroup.resolve(None)
+
+
+def _flat(local: torch.Tensor, numel: int, group: DataParallelGroup) -> torch.Tensor:
+    """``local`` (this rank's piece) as the piece of a flat ``[numel]`` tensor DCP can reshard."""
+    if group.world_size == 1:
+        return local
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh.from_group(group.process_group, local.device.type)
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+
+
+def _piece(numel: int, group: DataParallelGroup) -> FlatPiece:
+    return FlatPiece(numel, group.world_size, group.rank)
+
+
+def _master_piece(param: torch.nn.Parameter, piece: FlatPiece) -> torch.Tensor:
+    """This rank's fp32 values of ``param``: a view of its shard, or (not sharded yet) a copy of its slice."""
+    sharded = shard_of(param)
+    if sharded is not None:
+        return sharded.shard.detach()[: piece.owned]
+    flat = param.detach().reshape(-1)
+    return flat[piece.offset: piece.offset + piece.owned].float().clone()
+
+
+# ----------------------------------------------------------------------------- save
+def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         extra: dict | None = None, async_save: bool = False):
+    """Writes ``model``'s (and ``optimizer``'s) shards and this rank's ``extra`` to the directory ``path``.
+
+    Collective: every rank of the model's group calls it. ``extra`` (scheduler, data-loader
+    state...) is saved per rank and returned by ``load``. With ``async_save`` the values are staged
+    in host memory and written in the background: the returned future completes when the files
+    are written (keep training meanwhile; do not start another save of the same path before).
+    """
+    params = named_unique_params(model)
+    group = _group_of([p for _, p in params])
+    state: dict[str, Any] = {}
+    for name, param in params:
+        piece = _piece(param.numel(), group)
+        state[param_key(name)] = _flat(_master_piece(param, piece), param.numel(), group)
+    for name, buffer in persistent_buffers(model):
+        state[buffer_key(name)] = buffer.detach()
+    if optimizer is not None:
+        state.update(_optimizer_entries(optimizer, params, group))
+    state[META_KEY] = json.dumps(_meta(model, params, optimizer, group))
+    state[extra_key(group.rank)] = to_bytes(extra or {})
+    writer = dcp.async_save if async_save else dcp.save
+    result = writer(state, checkpoint_id=os.fspath(path), process_group=group.process_group,
+                    no_dist=group.world_size == 1)
+    log.info("checkpoint: %s %d parameters to %s (rank %d of %d)", "saving" if async_save else "saved",
+             len(params), path, group.rank, group.world_size)
+    return result
+
+
+def _meta(model, params, optimizer, group: DataParallelGroup) -> dict:
+    stages = {name: getattr(shard_of(p), "stage", None) for name, p in params}
+    return {
+        "format": FORMAT, "world_size": group.world_size, "stages": stages,
+        "params": {name: {"shape": list(p.shape), "dtype": str(p.dtype)} for name, p in params},
+        "aliases": param_aliases(model), "buffers": [name for name, _ in persistent_buffers(model)],
+        "optimizer": None if optimizer is None else type(optimizer).__name__,
+    }
+
+
+def _optimizer_entries(optimizer, params, group: DataParallelGroup) -> dict[str, Any]:
+    entries: dict[str, Any] = {}
+    names = {id(p): name for name, p in params}
+    for param, state in optimizer.state.items():
+        name = names.get(id(param))
+        if name is None:
+            raise ValueError("zcompile.checkpoint.save: the optimizer holds state for a parameter that is not "
+                             "in the model; pass the model the optimizer trains")
+        piece = _piece(param.numel(), group)
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == piece.chunk:
+                entries[optim_key(name, key)] = _flat(value.detach()[: piece.owned], param.numel(), group)
+            else:  # a step count or another replicated value
+                entries[optim_key(name, key)] = to_bytes(value)
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"param_names": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    entries[PARAM_GROUPS_KEY] = to_bytes(groups)
+    return entries
+
+
+# ----------------------------------------------------------------------------- load
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         strict: bool = True) -> dict:
+    """Restores ``model`` (and ``optimizer``) from ``path``; returns the ``extra`` dict saved with it.
+
+    Works before or after ``torch.compile`` and at another number of ranks or stage than the save.
+    Collective: every rank of the model's group calls it. ``strict``: every parameter of the
+    model must be in the checkpoint and nothing else (a missing name is always an error).
+    """
+    params = named_unique_params(model)
+    group = _group_of([p for _, p in params])
+    path = os.fspath(path)
+    problem = None
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        _check(metadata.state_dict_metadata, params, model, optimizer, strict)
+    except (Exception, CheckpointException) as error:  # reported on every rank below, never alone (no hang)
+        problem = f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
+    _agree(problem, group, path)
+    keys = metadata.state_dict_metadata
+    dest = _destination(keys, params, model, optimizer, group)
+    try:
+        dcp.load(dest, checkpoint_id=path, process_group=group.process_group, no_dist=group.world_size == 1)
+    except (Exception, CheckpointException) as error:  # DCP's is a BaseException; it reaches every rank
+        raise CheckpointError(f"zcompile.checkpoint.load: reading {path} failed ({type(error).__name__}: "
+                              f"{_first_line(error)}); the model and optimizer are unchanged") from error
+    meta = json.loads(dest[META_KEY])
+    _apply_model(dest, params, model, group)
+    if optimizer is not None and meta.get("optimizer") is not None:
+        _apply_optimizer(dest, keys, optimizer, params, group)
+    saved_ranks = meta["world_size"]
+    extra_rank = group.rank if group.rank < saved_ranks else 0  # a rank the save did not have gets rank 0's
+    extra = dest.get(extra_key(extra_rank))
+    if group.world_size != saved_ranks:
+        log.warning("checkpoint: saved on %d ranks, loaded on %d (resharded); rank %d gets the extra of saved "
+                    "rank %d", saved_ranks, group.world_size, group.rank, extra_rank)
+    log.info("checkpoint: loaded %s (saved on %d ranks) on rank %d of %d", path, saved_ranks, group.rank,
+             group.world_size)
+    return from_bytes(extra) if extra is not None else {}
+
+
+def _first_line(error: BaseException) -> str:
+    """DCP's exceptions carry every rank's traceback; the message needs the failure, not the trace."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    failures = [line for line in lines if line.startswith(("EOFError", "RuntimeError", "ValueError", "OSError",
+                                                            "FileNotFoundError", "KeyError", "pickle"))]
+    return (failures or lines or [type(error).__name__])[-1][:300]
+
+
+def _check(keys: dict, params, model, optimizer, strict: bool) -> None:
+    """Raises ``CheckpointError`` naming the first tensor that does not match."""
+    if META_KEY not in keys:
+        raise CheckpointError("not a zcompile checkpoint (no zcompile/meta entry); write it with "
+                              "zcompile.checkpoint.save")
+    for name, param in params:
+        entry = keys.get(param_key(name))
+        if entry is None:
+            raise CheckpointError(f"parameter {name!r} of the model is not in the checkpoint (the checkpoint is "
+                                  "of another model)")
+        if tuple(entry.size) != (param.numel(),):
+            raise CheckpointError(f"parameter {name!r} has {param.numel()} elements {tuple(param.shape)} in the "
+                                  f"model but {tuple(entry.size)[0] if entry.size else 0} in the checkpoint")
+    if strict:
+        names = {param_key(name) for name, _ in params}
+        unexpected = sorted(k for k in keys if k.startswith("model/") and k not in names)
+        if unexpected:
+            raise CheckpointError(f"the checkpoint has parameters the model lacks: {unexpected[:5]}; pass "
+                                  "strict=False to ignore them")
+    if optimizer is not None and not any(k.startswith("optim/") for k in keys):
+        raise CheckpointError("an optimizer was given but the checkpoint holds no optimizer state")
+
+
+def _agree(problem: str | None, group: DataParallelGroup, path: str) -> None:
+    """Every rank learns whether any rank found a problem; all raise together (no rank waits alone)."""
+    problems = [problem]
+    if group.world_size > 1:
+        problems = [None] * group.world_size
+        dist.all_gather_object(problems, problem, group=group.process_group)
+    found = [(rank, text) for rank, text in enumerate(problems) if text]
+    if found:
+        rank, text = found[0]
+        raise CheckpointError(f"zcompile.checkpoint.load({path!r}): {text} (found on rank {rank}); the model and "
+                              "optimizer are unchanged")
+
+
+def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup) -> dict[str, Any]:
+    """New buffers, in this rank's layout, for every entry that will be read."""
+    dest: dict[str, Any] = {META_KEY: "", extra_key(group.rank): b""}
+    if group.rank != 0:
+        dest[extra_key(0)] = b""
+    dest = {k: v for k, v in dest.items() if k in keys}
+    for name, param in params:
+        piece = _piece(param.numel(), group)
+        dest[param_key(name)] = _flat(torch.empty(piece.owned, device=param.device), param.numel(), group)
+    for name, buffer in persistent_buffers(model):
+        if buffer_key(name) in keys:
+            dest[buffer_key(name)] = torch.empty_like(buffer)
+    if optimizer is not None:
+        for name, param in params:
+            piece = _piece(param.numel(), group)
+            for key in (k for k in keys if k.startswith(optim_key(name, ""))):
+                if hasattr(keys[key], "size"):  # a flat per-parameter tensor
+                    dest[key] = _flat(torch.empty(piece.owned, device=param.device), param.numel(), group)
+                else:
+                    dest[key] = b""
+        if PARAM_GROUPS_KEY in keys:
+            dest[PARAM_GROUPS_KEY] = b""
+    return dest
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+@torch.no_grad()
+def _apply_model(dest: dict, params, model, group: DataParallelGroup) -> None:
+    for name, param in params:
+        values = _local(dest[param_key(name)])
+        sharded = shard_of(param)
+        if sharded is not None:
+            sharded.shard[: values.numel()].copy_(values)
+            if sharded.stage in (1, 2):
+                sharded.materialize_full()  # the replicated parameter from the new shards
+        else:
+            _fill_full(param, values, group)
+    buffers = dict(persistent_buffers(model))
+    for name, buffer in buffers.items():
+        if buffer_key(name) in dest:
+            buffer.copy_(dest[buffer_key(name)])
+
+
+def _fill_full(param: torch.nn.Parameter, values: torch.Tensor, group: DataParallelGroup) -> None:
+    """A parameter not sharded yet (load before compile): its full value from every rank's piece."""
+    piece = _piece(param.numel(), group)
+    padded = torch.zeros(piece.chunk, device=values.device)
+    padded[: values.numel()] = values
+    if group.world_size == 1:
+        full = padded
+    else:
+        full = torch.empty(piece.chunk * group.world_size, device=values.device)
+        all_gather_eager(full, padded, group)
+    param.copy_(full[: param.numel()].view(param.shape))
+
+
+@torch.no_grad()
+def _apply_optimizer(dest: dict, keys: dict, optimizer, params, group: DataParallelGroup) -> None:
+    groups = from_bytes(dest[PARAM_GROUPS_KEY]) if PARAM_GROUPS_KEY in dest else []
+    if len(groups) == len(optimizer.param_groups):
+        for saved, live in zip(groups, optimizer.param_groups):
+            live.update({k: tuple(v) if isinstance(live.get(k), tuple) else v
+                         for k, v in saved.items() if k not in ("param_names", "params")})
+    for name, param in params:
+        state = {}
+        for key in (k for k in dest if k.startswith(optim_key(name, ""))):
+            state_key = key[len(optim_key(name, "")):]
+            value = dest[key]
+            if isinstance(value, bytes):
+                state[state_key] = from_bytes(value)
+            else:
+                local = _local(value)
+                piece = _piece(param.numel(), group)
+                full_shard = torch.zeros(piece.chunk, device=local.device)  # padding stays zero
+                full_shard[: local.numel()] = local
+                state[state_key] = full_shard
+        if state:
+            optimizer.state[param] = state
+

@@ -1,0 +1,116 @@
+"""What a zcompile checkpoint holds, and how a tensor is cut between ranks: shared by save, load and consolidate.
+
+A checkpoint is a ``torch.distributed.checkpoint`` (DCP) directory. Every parameter is stored as a
+flat fp32 tensor of its ``numel`` elements (the master weights), cut between ranks the way
+``zcompile.param_shards`` cuts it (rank ``r`` owns ``[r * c, min((r + 1) * c, numel))`` with
+``c = ceil(numel / N)``), which is exactly DTensor's ``Shard(0)`` chunking: DCP records the global
+size and each rank's piece, and reshards on load to any other number of ranks. Optimizer state
+tensors of a parameter's shard size are stored the same way; everything else is replicated.
+
+Keys (a flat dict, so DCP never re-nests them):
+
+- ``model/{name}``: the flat parameter; ``buffer/{name}``: a persistent buffer (replicated);
+- ``optim/{name}/{key}``: a per-parameter state tensor (flat) or value (``step``);
+- ``optim/param_groups``: the groups' hyper-parameters and parameter names (pickled bytes);
+- ``zcompile/meta``: JSON text: format version, world size and stage at save time, each
+  parameter's shape, dtype and aliases (tied names), the optimizer's class;
+- ``extra/rank{R}``: the ``extra`` dict each rank passed (pickled bytes).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FORMAT = 1
+META_KEY = "zcompile/meta"
+PARAM_GROUPS_KEY = "optim/param_groups"
+
+
+def param_key(name: str) -> str:
+    return f"model/{name}"
+
+
+def buffer_key(name: str) -> str:
+    return f"buffer/{name}"
+
+
+def optim_key(name: str, state_key: str) -> str:
+    return f"optim/{name}/{state_key}"
+
+
+def extra_key(rank: int) -> str:
+    return f"extra/rank{rank}"
+
+
+@dataclass(frozen=True)
+class FlatPiece:
+    """This rank's piece of a flat tensor of ``numel`` elements cut between ``world`` ranks."""
+
+    numel: int
+    world: int
+    rank: int
+
+    @property
+    def chunk(self) -> int:
+        """Elements per rank (the shard size: at least 1, so an empty shard never exists)."""
+        return max(1, math.ceil(self.numel / self.world))
+
+    @property
+    def offset(self) -> int:
+        return min(self.numel, self.rank * self.chunk)
+
+    @property
+    def owned(self) -> int:
+        """Real (unpadded) elements of this rank's piece: ``chunk``, fewer or none on the last ranks."""
+        return max(0, min(self.numel - self.rank * self.chunk, self.chunk))
+
+
+def to_bytes(value: Any) -> bytes:
+    """``value`` pickled by ``torch.save`` (tensors inside allowed), for a DCP object entry."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes) -> Any:
+    """The inverse of ``to_bytes``. Unpickling runs code: read only checkpoints you trust (as ``torch.load``)."""
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module: ``torch.compile``'s wrapper (``_orig_mod``) removed, so names carry no prefix."""
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = model._orig_mod
+    return model
+
+
+def named_unique_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """Each parameter once, under its first name (a tied weight is one parameter)."""
+    return list(unwrap(model).named_parameters())
+
+
+def param_aliases(model: torch.nn.Module) -> dict[str, list[str]]:
+    """First name of each parameter -> every name it has (tied weights have several)."""
+    first: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, param in unwrap(model).named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(param), name)
+        aliases.setdefault(owner, []).append(name)
+    return aliases
+
+
+def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers ``state_dict`` would hold (non-persistent ones excluded), each once."""
+    out, seen = [], set()
+    for module_name, module in unwrap(model).named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is None or name in module._non_persistent_buffers_set or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            out.append((f"{module_name}.{name}" if module_name else name, buffer))
+    return out

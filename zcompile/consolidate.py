@@ -1,0 +1,128 @@
+"""Full (unsharded) weights: ``full_state_dict`` from a live model, ``consolidate`` from a checkpoint directory.
+
+Both produce what a plain, non-distributed copy of the model reads with ``load_state_dict``: the
+user's own keys (no ``_orig_mod.`` prefix, every name of a tied weight, persistent buffers) and
+fp32 master values. Both hold one full tensor at a time besides the result: ``full_state_dict``
+gathers parameter by parameter, ``consolidate`` reads tensor by tensor, without a process group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from zcompile.checkpoint_layout import META_KEY, buffer_key, param_key, unwrap
+from zcompile.param_shards import shard_of
+from zcompile.process_group import DataParallelGroup, all_gather_eager
+
+log = logging.getLogger(__name__)
+
+
+def _gather_master(param: torch.nn.Parameter) -> torch.Tensor:
+    """The full fp32 value of a sharded parameter (all-gather of its shards; collective)."""
+    sharded = shard_of(param)
+    shard = sharded.shard.detach()
+    if sharded.group.world_size == 1:
+        full = shard
+    else:
+        full = torch.empty(sharded.padded_numel, dtype=shard.dtype, device=shard.device)
+        all_gather_eager(full, shard, sharded.group)
+    return full[: sharded.numel].view(sharded.shape)
+
+
+@torch.no_grad()
+def full_state_dict(model: torch.nn.Module, rank: int = 0) -> dict[str, torch.Tensor] | None:
+    """The model's full state dict (fp32 master weights, on the CPU) on ``rank``; ``None`` on the others.
+
+    Collective over the model's group: every rank calls it. Memory: one full parameter at a time
+    on every rank, plus the result on ``rank``.
+    """
+    refs = _state_refs(unwrap(model))
+    group = next((s.group for s in map(shard_of, refs.values()) if s is not None), None)
+    group = group or DataParallelGroup.resolve(None)
+    mine = group.rank == rank
+    out: dict[str, torch.Tensor] | None = {} if mine else None
+    done: dict[int, torch.Tensor] = {}  # a tied weight is gathered once
+    for name, value in refs.items():
+        if not isinstance(value, torch.Tensor):
+            if mine:
+                out[name] = value  # extra state (``get_extra_state``) as the module returns it
+            continue
+        if id(value) not in done:
+            full = _gather_master(value) if shard_of(value) is not None else value.detach()
+            done[id(value)] = full.to("cpu", copy=True) if mine else None  # nothing is kept off ``rank``
+        if mine:
+            out[name] = done[id(value)]
+    return out
+
+
+def _state_refs(root: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What ``root.state_dict(keep_vars=True)`` holds, collected without calling it (a stage-3
+    ``state_dict`` refuses freed parameters): every name of every parameter, persistent buffers,
+    and each module's extra state."""
+    refs: dict[str, torch.Tensor] = {}
+    for prefix, module in root.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, param in module._parameters.items():
+            if param is not None:
+                refs[dot + name] = param
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                refs[dot + name] = buffer
+        if type(module).get_extra_state is not torch.nn.Module.get_extra_state:
+            refs[dot + "_extra_state"] = module.get_extra_state()
+    return refs
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """The ``zcompile/meta`` entry of a checkpoint directory (no process group needed)."""
+    state = {META_KEY: ""}
+    dcp.load(state, checkpoint_id=os.fspath(path), no_dist=True)
+    return json.loads(state[META_KEY])
+
+
+def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
+    """Writes the full fp32 weights of checkpoint ``path`` to the file ``out`` and returns a summary.
+
+    ``out`` ending in ``.safetensors`` is written with safetensors (tied names get their own copy:
+    the format has no aliases), anything else with ``torch.save``. Runs without a process group,
+    reading one tensor at a time.
+    """
+    path = os.fspath(path)
+    meta = read_meta(path)
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    result: dict[str, torch.Tensor] = {}
+    for name, info in meta["params"].items():
+        flat = torch.empty(keys[param_key(name)].size)
+        dcp.load({param_key(name): flat}, checkpoint_id=path, no_dist=True)
+        full = flat.view(info["shape"])
+        for alias in meta["aliases"].get(name, [name]):
+            result[alias] = full
+    for name in meta.get("buffers", []):
+        entry = keys.get(buffer_key(name))
+        if entry is None:
+            continue
+        buffer = torch.empty(entry.size, dtype=entry.properties.dtype)
+        dcp.load({buffer_key(name): buffer}, checkpoint_id=path, no_dist=True)
+        result[name] = buffer
+    out = os.fspath(out)
+    if out.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        seen: set[int] = set()
+        unique = {}
+        for name, tensor in result.items():  # safetensors refuses tensors that share memory
+            unique[name] = tensor.clone() if id(tensor) in seen else tensor.contiguous()
+            seen.add(id(tensor))
+        save_file(unique, out)
+    else:
+        torch.save(result, out)
+    numel = sum(t.numel() for name, t in result.items() if name in meta["params"])
+    log.info("consolidate: %d tensors (%d parameters' elements) from %s to %s", len(result), numel, path, out)
+    return {"tensors": len(result), "parameters": len(meta["params"]), "elements": numel,
+            "saved_world_size": meta["world_size"], "out": out}

@@ -1,0 +1,106 @@
+"""``optimizer.state_dict()`` / ``load_state_dict()`` of the sharded optimizers, safe with DCP.
+
+torch's format (``{"state": {index: {...}}, "param_groups": [...]}``) with one difference: a
+state tensor of a parameter's shard (Adam's moments, SGD's momentum) is returned as this rank's
+piece of a flat tensor of the parameter's ``numel`` elements, a DTensor ``Shard(0)`` in a group of
+several ranks (``zcompile.checkpoint_layout``). A plain tensor would look replicated to DCP, which
+keeps one rank's copy for all (each rank would load rank 1's moments); a DTensor says whose piece
+it is, so ``dcp.save`` / ``dcp.load`` of ``optimizer.state_dict()`` is right and reshards to
+another number of ranks. ``torch.save`` per rank works too (DTensors pickle).
+
+``load_state_dict`` takes such pieces (from this layout, or resharded by ``dcp.load`` into it),
+full flat tensors (a save on one rank) or shard-sized plain tensors, and keeps the state fp32 on
+the shard's device: torch's own loader would cast it to the parameter's dtype (bf16 models).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zcompile.checkpoint_layout import FlatPiece
+from zcompile.param_shards import shard_of
+from zcompile.process_group import DataParallelGroup
+
+
+def _group(optimizer) -> DataParallelGroup:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if shard_of(param) is not None:
+                return shard_of(param).group
+    return DataParallelGroup.resolve(None)
+
+
+def _as_flat_piece(local: torch.Tensor, numel: int, group: DataParallelGroup) -> torch.Tensor:
+    if group.world_size == 1:
+        return local
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh.from_group(group.process_group, local.device.type)
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+
+
+def sharded_state_dict(optimizer, torch_state_dict: dict) -> dict:
+    """``torch_state_dict`` (torch's ``Optimizer.state_dict()``) with shard tensors as flat pieces."""
+    group = _group(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for index, entry in torch_state_dict["state"].items():
+        param = params[index]
+        piece = FlatPiece(param.numel(), group.world_size, group.rank)
+        state[index] = {key: _as_flat_piece(value.detach()[: piece.owned], param.numel(), group)
+                        if _is_shard_tensor(value, piece) else value for key, value in entry.items()}
+    return {"state": state, "param_groups": torch_state_dict["param_groups"]}
+
+
+def _is_shard_tensor(value: Any, piece: FlatPiece) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == piece.chunk
+
+
+def _my_shard(value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, key: str) -> torch.Tensor:
+    """This rank's padded fp32 shard of a saved state tensor, whatever form it was saved in."""
+    if hasattr(value, "to_local"):  # a flat piece in this rank's layout (saved so, or resharded by dcp.load)
+        if tuple(value.shape) != (param.numel(),) or value.to_local().numel() != piece.owned:
+            raise ValueError(f"optimizer state {key!r} is a piece of a tensor of {tuple(value.shape)} laid out for "
+                             f"another number of ranks; load it with dcp.load into optimizer.state_dict() (which "
+                             "reshards) or with zcompile.checkpoint.load")
+        local = value.to_local()
+    elif value.numel() == param.numel():  # a full flat tensor (a save on one rank)
+        local = value.reshape(-1)[piece.offset: piece.offset + piece.owned]
+    elif value.numel() == piece.chunk:  # a shard saved by this rank in this layout
+        local = value.reshape(-1)[: piece.owned]
+    else:
+        raise ValueError(f"optimizer state {key!r} has {value.numel()} elements; a parameter of {param.numel()} "
+                         f"elements on {piece.world} ranks takes {param.numel()} (full) or {piece.chunk} (a shard)")
+    device = shard_of(param).shard.device if shard_of(param) is not None else param.device
+    shard = torch.zeros(piece.chunk, dtype=torch.float32, device=device)  # padding stays zero
+    shard[: local.numel()] = local.to(device=device, dtype=torch.float32)
+    return shard
+
+
+@torch.no_grad()
+def load_sharded_state_dict(optimizer, state_dict: dict) -> None:
+    """Restores ``optimizer`` from ``state_dict`` (see the module docstring); raises ``ValueError`` on a
+    mismatch (another number of parameter groups or parameters per group) before changing anything."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, optimizer.param_groups)):
+        raise ValueError(f"{type(optimizer).__name__}.load_state_dict: the state dict has groups of "
+                         f"{[len(g['params']) for g in saved_groups]} parameters, this optimizer "
+                         f"{[len(g['params']) for g in optimizer.param_groups]}")
+    group = _group(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    saved_ids = [saved_id for g in saved_groups for saved_id in g["params"]]
+    index_of = {saved_id: position for position, saved_id in enumerate(saved_ids)}
+    new_state = {}
+    for saved_index, entry in state_dict["state"].items():
+        param = params[index_of[saved_index]]
+        piece = FlatPiece(param.numel(), group.world_size, group.rank)
+        new_state[param] = {key: _my_shard(value, param, piece, key) if isinstance(value, torch.Tensor)
+                            and value.dim() == 1 else value for key, value in entry.items()}
+    for saved, live in zip(saved_groups, optimizer.param_groups):
+        live.update({key: value for key, value in saved.items() if key != "params"})
+    optimizer.state.clear()
+    optimizer.state.update(new_state)
