@@ -77,6 +77,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refuse_state_probe()
         if self.max_grad_norm is not None and not self._clipped_since_step:
             self.clip_grad_norm_(self.max_grad_norm)
         if not self._clipped_since_step:
@@ -160,6 +161,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return sharded
         group = next((s.group for s in map(shard_of, self._all_params()) if s is not None), None)
         return shard_eager_parameter(param, index, group if group is not None else DataParallelGroup.resolve(None))
+
+    def _refuse_state_probe(self) -> None:
+        """DCP's ``get_optimizer_state_dict`` makes the state of a fresh optimizer by a step with zero
+        gradients on every parameter and every learning rate 0. Here that step would shard an
+        uncompiled model's parameters for stage 1, or leave stage-2/3 state empty (their gradients
+        are on the shards): the checkpoint would silently lack the optimizer. It is refused."""
+        if self.state or any(group.get("lr") != 0 for group in self.param_groups):
+            return
+        params = [p for p in self._all_params() if p.requires_grad]
+        if params and all(p.grad is not None and not p.grad.any() for p in params):
+            raise RuntimeError(
+                f"{type(self).__name__}: a step with zero gradients and learning rate 0 before any real step "
+                "(how torch.distributed.checkpoint's get_optimizer_state_dict creates optimizer state) is not "
+                "supported. Use zcompile.checkpoint.save/load, or call optimizer.state_dict() / "
+                "load_state_dict() (DCP-safe) after the first step")
 
     def state_dict(self) -> dict:
         """torch's format, each shard-sized state tensor as this rank's piece of the flat tensor (a

@@ -80,6 +80,16 @@ def _my_shard(value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, key: s
     return shard
 
 
+def _merged_state(state: dict) -> dict[str, dict]:
+    """The per-parameter entries by ``str`` id. A ``dcp.load`` into ``optimizer.state_dict()`` fills the
+    tensors in place under the int ids but puts the values it read for non-tensors (``step``)
+    under string ids ``"0"``, ``"1"``...: those are the loaded ones, so they win."""
+    merged: dict[str, dict] = {}
+    for key in sorted(state, key=lambda k: isinstance(k, str)):  # int ids first, DCP's string ids after
+        merged.setdefault(str(key), {}).update(state[key])
+    return merged
+
+
 @torch.no_grad()
 def load_sharded_state_dict(optimizer, state_dict: dict) -> None:
     """Restores ``optimizer`` from ``state_dict`` (see the module docstring); raises ``ValueError`` on a
@@ -92,10 +102,11 @@ def load_sharded_state_dict(optimizer, state_dict: dict) -> None:
                          f"{[len(g['params']) for g in optimizer.param_groups]}")
     group = _group(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    saved_ids = [saved_id for g in saved_groups for saved_id in g["params"]]
+    # ids as torch numbers them (0, 1, ...); a DCP round trip turns the state's keys into strings
+    saved_ids = [str(saved_id) for g in saved_groups for saved_id in g["params"]]
     index_of = {saved_id: position for position, saved_id in enumerate(saved_ids)}
     new_state = {}
-    for saved_index, entry in state_dict["state"].items():
+    for saved_index, entry in _merged_state(state_dict["state"]).items():
         param = params[index_of[saved_index]]
         piece = FlatPiece(param.numel(), group.world_size, group.rank)
         new_state[param] = {key: _my_shard(value, param, piece, key) if isinstance(value, torch.Tensor)

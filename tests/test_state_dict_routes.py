@@ -1,0 +1,136 @@
+"""The state-dict routes users try besides ``zcompile.checkpoint``: each works, or raises naming the fix.
+
+One 2-rank launch. A route "works" when training resumed through it replays the uninterrupted run
+bitwise (same world size, same arithmetic): the load reached the master shards and each rank got
+its own optimizer moments.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+import zcompile
+import zcompile.checkpoint as ckpt
+from support.launch import run_ranks
+from support.models import build_model, model_loss
+from support.training import RunSpec, _optimizer, micro_batches
+from zcompile.state_dict_hooks import ShardedStateDictError
+
+SPEC = RunSpec(model="gpt", steps=4)
+
+
+def _fresh(stage: int):
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    return model, torch.compile(model, backend="zero", options={"stage": stage}), _optimizer(SPEC, model.parameters(), True)
+
+
+def _train(compiled, optimizer, steps, rank, world) -> list[float]:
+    losses = []
+    for step in steps:
+        (tokens, targets), = micro_batches(SPEC, step, rank, world)
+        loss = model_loss("gpt", compiled, tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    return losses
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ShardedStateDictError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+def routes_on_rank(rank: int, world: int, root: str) -> dict:
+    out = {"full": {}}
+    for stage in (1, 2, 3):
+        _, compiled, optimizer = _fresh(stage)
+        out["full"][stage] = _train(compiled, optimizer, range(SPEC.steps), rank, world)
+    initial = build_model("gpt").state_dict()  # the weights every run starts from
+
+    # model.load_state_dict into a trained model at every stage: the next steps restart from it
+    out["reloaded"] = {}
+    for stage in (1, 2, 3):
+        model, compiled, optimizer = _fresh(stage)
+        _train(compiled, optimizer, range(2), rank, world)
+        model.load_state_dict(initial)
+        optimizer = _optimizer(SPEC, model.parameters(), True)
+        out["reloaded"][stage] = _train(compiled, optimizer, range(SPEC.steps), rank, world)
+
+    # stage 3: state_dict refuses (directly and through DCP), works inside gathered()
+    model, compiled, optimizer = _fresh(3)
+    _train(compiled, optimizer, range(2), rank, world)
+    out["stage3_state_dict"] = _error(model.state_dict)
+    out["stage3_dcp_model"] = _error(lambda: get_model_state_dict(compiled))
+    with zcompile.gathered(model):
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    full = ckpt.full_state_dict(model, rank=rank)  # every rank its own copy, to compare
+    out["gathered_state_dict_equal"] = all(torch.equal(saved[k], full[k]) for k in full)
+
+    # stage 2: model.state_dict + per-rank torch.save of optimizer.state_dict(), and the same through DCP
+    model, compiled, optimizer = _fresh(2)
+    _train(compiled, optimizer, range(2), rank, world)
+    torch.save(optimizer.state_dict(), os.path.join(root, f"optim_{rank}.pt"))
+    model_state = {k: v.clone() for k, v in model.state_dict().items()}
+    dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=os.path.join(root, "dcp"))
+    model, compiled, optimizer = _fresh(2)
+    model.load_state_dict(model_state)
+    optimizer.load_state_dict(torch.load(os.path.join(root, f"optim_{rank}.pt"), weights_only=False))
+    out["torch_save_resumed"] = _train(compiled, optimizer, range(2, SPEC.steps), rank, world)
+    model, compiled, optimizer = _fresh(2)
+    _train(compiled, optimizer, [9], rank, world)  # a step on other data: state exists, values differ
+    dest = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    dcp.load(dest, checkpoint_id=os.path.join(root, "dcp"))
+    model.load_state_dict(dest["model"])
+    optimizer.load_state_dict(dest["optim"])
+    out["dcp_resumed"] = _train(compiled, optimizer, range(2, SPEC.steps), rank, world)
+
+    # DCP's optimizer-state initialization on a fresh optimizer is refused, not silently empty
+    model, compiled, optimizer = _fresh(2)
+    out["dcp_fresh_optimizer"] = _error(lambda: get_optimizer_state_dict(compiled, optimizer))
+    return out
+
+
+@pytest.fixture(scope="module")
+def routes(tmp_path_factory):
+    return run_ranks(2, routes_on_rank, str(tmp_path_factory.mktemp("routes")), timeout_s=600)
+
+
+def test_load_state_dict_reaches_the_shards_at_every_stage(routes):
+    for result in routes:
+        for stage in (1, 2, 3):
+            assert result["reloaded"][stage] == result["full"][stage], stage
+
+
+def test_stage3_state_dict_refuses_and_names_the_fix(routes):
+    for result in routes:
+        for key in ("stage3_state_dict", "stage3_dcp_model"):
+            assert result[key].startswith("ShardedStateDictError") and "zcompile.checkpoint" in result[key]
+        assert result["gathered_state_dict_equal"]
+
+
+def test_optimizer_state_dict_round_trips_per_rank_and_through_dcp(routes):
+    for result in routes:
+        assert result["torch_save_resumed"] == result["full"][2][2:]
+        assert result["dcp_resumed"] == result["full"][2][2:]  # each rank its own moments
+
+
+def test_dcp_fresh_optimizer_state_is_refused(routes):
+    for result in routes:
+        assert "zcompile.checkpoint" in result["dcp_fresh_optimizer"]
