@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 2 examples/train_gpt.py            # stage 3, CPU, gloo
     torchrun --nproc-per-node 2 examples/train_gpt.py --stage 2 --steps 50
+    torchrun --nproc-per-node 2 examples/train_gpt.py --steps 20 --save ckpt --save-every 10 --clip 1.0
+    torchrun --nproc-per-node 4 examples/train_gpt.py --steps 40 --resume ckpt   # 2 -> 4 ranks, step 20 on
 
 Each rank trains on its slice of the same global batch. Per step, rank 0 prints the loss
 (averaged over ranks), the model-state bytes this rank holds (measured from live tensors) next to
@@ -39,11 +41,32 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--param-dtype", default=None, help="e.g. bf16 (compute and gather dtype)")
     parser.add_argument("--keep-gathered-mb", type=float, default=0.0,
                         help="stage 3: MiB of gathered weights kept from forward to backward instead of re-gathered")
+    parser.add_argument("--save", default=None, help="checkpoint directory (zcompile.checkpoint, DCP format)")
+    parser.add_argument("--save-every", type=int, default=0, help="save every K steps (and at the end); 0: at the end")
+    parser.add_argument("--resume", default=None, help="checkpoint directory to resume from (any number of ranks, "
+                        "any stage)")
+    parser.add_argument("--clip", type=float, default=None, help="clip the global gradient 2-norm to this value")
+    parser.add_argument("--eval-every", type=int, default=0, help="evaluate on a held-out batch every K steps")
     return parser.parse_args()
 
 
 def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
+
+
+def evaluate(compiled, batch, rank: int, world: int, device, step: int) -> None:
+    """Loss on the held-out batch (each rank its slice), in eval mode without gradients."""
+    tokens, targets = batch
+    local = slice(rank * len(tokens) // world, (rank + 1) * len(tokens) // world)
+    compiled.eval()
+    with torch.no_grad():
+        loss = compiled(tokens[local].to(device), targets[local].to(device)).detach().clone()
+    compiled.train()
+    if world > 1:
+        dist.all_reduce(loss)
+        loss /= world
+    if rank == 0:
+        print(f"eval after step {step + 1}: loss {loss.item():.4f}", flush=True)
 
 
 def main() -> None:
@@ -66,14 +89,20 @@ def main() -> None:
     options = {"stage": args.stage, "compiler": args.compiler, "param_dtype": args.param_dtype, "on_compile": graphs.append,
                "dump": args.dump, "keep_gathered_mb": args.keep_gathered_mb}
     compiled = torch.compile(model, backend="zero", options=options)
-    optimizer = zcompile.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, max_grad_norm=args.clip)
+    first_step = 0
+    if args.resume:
+        first_step = zcompile.checkpoint.load(args.resume, model, optimizer).get("step", 0)
+        if rank == 0:
+            print(f"resumed from {args.resume} at step {first_step}", flush=True)
+    held_out = synthetic_batch(-1, args.batch_size, config)  # a batch no step trains on
     ddp_bytes = zcompile.zero_formula_bytes(num_params, world, stage=None)
     if rank == 0:
         print(f"GPT {args.layers} layers, Ψ = {num_params:,} parameters, ZeRO stage {args.stage}, {world} rank(s), "
               f"{args.compiler} compiler, device {device.type}", flush=True)
 
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         tokens, targets = synthetic_batch(step, args.batch_size, config)
         local = slice(rank * args.batch_size // world, (rank + 1) * args.batch_size // world)
         loss = compiled(tokens[local].to(device), targets[local].to(device))
@@ -86,12 +115,20 @@ def main() -> None:
             dist.all_reduce(mean_loss)
             mean_loss /= world
         comm = summarize(step_collectives(graphs, optimizer)).get("total", 0)
+        clipped = "" if optimizer.last_grad_norm is None else f" | grad norm {optimizer.last_grad_norm:.3f}"
         if rank == 0:
-            print(f"step {step:3d} | loss {mean_loss.item():.4f} | model states {mib(states.total)}/rank "
+            print(f"step {step:3d} | loss {mean_loss.item():.4f}{clipped} | model states {mib(states.total)}/rank "
                   f"(DDP {mib(ddp_bytes)}, {ddp_bytes / states.total:.1f}x less) | "
                   f"comm {comm / 1e6:.2f}M elements/rank = {comm / num_params:.2f} Ψ", flush=True)
+        if args.eval_every and (step + 1) % args.eval_every == 0:
+            evaluate(compiled, held_out, rank, world, device, step)
+        last = step + 1 == args.steps
+        if args.save and (last or (args.save_every and (step + 1) % args.save_every == 0)):
+            zcompile.checkpoint.save(args.save, compiled, optimizer, extra={"step": step + 1})
+            if rank == 0:
+                print(f"saved {args.save} at step {step + 1}", flush=True)
     if rank == 0:
-        print(f"{args.steps} steps in {time.perf_counter() - start:.1f}s", flush=True)
+        print(f"{args.steps - first_step} steps in {time.perf_counter() - start:.1f}s", flush=True)
     report = zcompile.step_report(model, optimizer)
     if args.dump:
         report.to_json(str(report_path(args.dump, rank)))

@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it ("" : the name is the module itself)
 _LAZY = {
     "optim": "",
+    "checkpoint": "",
     "ZeroConfig": "zcompile.config",
     "gathered": "zcompile.gathered",
     "ModelStateBytes": "zcompile.memory",
@@ -26,7 +27,7 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 if TYPE_CHECKING:
-    from zcompile import optim
+    from zcompile import checkpoint, optim
     from zcompile.config import ZeroConfig
     from zcompile.gathered import gathered
     from zcompile.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'zcompile' has no attribute {name!r}")
-    module = importlib.import_module(_LAZY[name] or f"zcompile.{name}")
+    module = importlib.import_module(_LAZY[name] or f"zcompile.{name}")  # "" : the name is a submodule
     value = module if not _LAZY[name] else getattr(module, name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
