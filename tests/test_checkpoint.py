@@ -16,13 +16,12 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zcompile
 import zcompile.checkpoint as ckpt
 from support.launch import run_ranks
-from support.models import build_model, model_loss
-from support.training import LOSS_RTOL, RunSpec, _optimizer, micro_batches, train_reference
+from support.models import build_model
+from support.training import LOSS_RTOL, RunSpec, _optimizer, train_reference, train_steps
 from zcompile.consolidate import consolidate
 
 STEPS = 6
@@ -35,20 +34,6 @@ def _fresh(name: str, stage: int):
     spec = RunSpec(model=name, stage=stage, steps=STEPS)
     optimizer = _optimizer(spec, model.parameters(), zero=True)
     return model, torch.compile(model, backend="zero", options={"stage": stage}), optimizer, spec
-
-
-def _train(name, compiled, optimizer, spec, steps, rank, world) -> list[float]:
-    losses = []
-    for step in steps:
-        (tokens, targets), = micro_batches(spec, step, rank, world)
-        loss = model_loss(name, compiled, tokens, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        loss = loss.detach()
-        dist.all_reduce(loss)
-        losses.append(loss.item() / world)
-    return losses
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -69,22 +54,22 @@ def first_launch(rank: int, world: int, root: str) -> dict:
     out = {}
     for name in ("gpt", "hf_llama"):
         model, compiled, optimizer, spec = _fresh(name, 3)
-        out[f"{name}_full"] = _train(name, compiled, optimizer, spec, range(STEPS), rank, world)
+        out[f"{name}_full"] = train_steps(spec, compiled, optimizer, range(STEPS), rank, world)
         if name == "gpt":
             out["gpt_params"] = _params(model)
             out["full_state_dict"] = ckpt.full_state_dict(compiled)
             ckpt.save(os.path.join(root, "gpt_end"), compiled, optimizer)
         model, compiled, optimizer, spec = _fresh(name, 3)
-        _train(name, compiled, optimizer, spec, range(HALF), rank, world)
+        train_steps(spec, compiled, optimizer, range(HALF), rank, world)
         ckpt.save(os.path.join(root, f"{name}_2r"), compiled, optimizer, extra={"rank": rank, "step": HALF})
     # resume at the same world size and stage: before compile, and into a model that has run a step
     model, compiled, optimizer, spec = _fresh("gpt", 3)
     out["extra"] = ckpt.load(os.path.join(root, "gpt_2r"), model, optimizer)
-    out["resumed_before_compile"] = _train("gpt", compiled, optimizer, spec, range(HALF, STEPS), rank, world)
+    out["resumed_before_compile"] = train_steps(spec, compiled, optimizer, range(HALF, STEPS), rank, world)
     model, compiled, optimizer, spec = _fresh("gpt", 3)
-    _train("gpt", compiled, optimizer, spec, [STEPS + 1], rank, world)  # compiled, sharded, state moved on
+    train_steps(spec, compiled, optimizer, [STEPS + 1], rank, world)  # compiled, sharded, state moved on
     ckpt.load(os.path.join(root, "gpt_2r"), compiled, optimizer)
-    out["resumed_after_compile"] = _train("gpt", compiled, optimizer, spec, range(HALF, STEPS), rank, world)
+    out["resumed_after_compile"] = train_steps(spec, compiled, optimizer, range(HALF, STEPS), rank, world)
     # bad inputs: another model, a truncated file, no directory; the model must stay as it was
     other, other_compiled, other_optimizer, _ = _fresh("gpt_untied_odd", 3)
     before = _params(other)
@@ -111,14 +96,14 @@ def second_launch(rank: int, world: int, root: str) -> dict:
     out = {}
     model, compiled, optimizer, spec = _fresh("gpt", 2)
     out["extra"] = ckpt.load(os.path.join(root, "gpt_2r"), compiled, optimizer)
-    out["gpt"] = _train("gpt", compiled, optimizer, spec, range(HALF, STEPS), rank, world)
+    out["gpt"] = train_steps(spec, compiled, optimizer, range(HALF, STEPS), rank, world)
     model, compiled, optimizer, spec = _fresh("hf_llama", 3)
     ckpt.load(os.path.join(root, "hf_llama_2r"), compiled, optimizer)
-    out["hf_llama"] = _train("hf_llama", compiled, optimizer, spec, range(HALF, STEPS), rank, world)
+    out["hf_llama"] = train_steps(spec, compiled, optimizer, range(HALF, STEPS), rank, world)
     model, compiled, optimizer, spec = _fresh("gpt", 3)
-    out["gpt_full_4r"] = _train("gpt", compiled, optimizer, spec, range(HALF), rank, world)
+    out["gpt_full_4r"] = train_steps(spec, compiled, optimizer, range(HALF), rank, world)
     ckpt.save(os.path.join(root, "gpt_4r"), compiled, optimizer)
-    out["gpt_full_4r"] += _train("gpt", compiled, optimizer, spec, range(HALF, STEPS), rank, world)
+    out["gpt_full_4r"] += train_steps(spec, compiled, optimizer, range(HALF, STEPS), rank, world)
     return out
 
 
@@ -126,7 +111,7 @@ def third_launch(rank: int, world: int, root: str) -> dict:
     """2 ranks: resume the 4-rank checkpoint."""
     model, compiled, optimizer, spec = _fresh("gpt", 3)
     ckpt.load(os.path.join(root, "gpt_4r"), model, optimizer)
-    return {"gpt": _train("gpt", compiled, optimizer, spec, range(HALF, STEPS), rank, world)}
+    return {"gpt": train_steps(spec, compiled, optimizer, range(HALF, STEPS), rank, world)}
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,14 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import zcompile
 import zcompile.checkpoint as ckpt
 from support.launch import run_ranks
-from support.models import build_model, model_loss
-from support.training import RunSpec, _optimizer, micro_batches
+from support.models import build_model
+from support.training import RunSpec, _optimizer, train_steps
 from zcompile.state_dict_hooks import ShardedStateDictError
 
 SPEC = RunSpec(model="gpt", steps=4)
@@ -30,20 +29,6 @@ def _fresh(stage: int):
     torch._dynamo.reset()
     model = build_model("gpt")
     return model, torch.compile(model, backend="zero", options={"stage": stage}), _optimizer(SPEC, model.parameters(), True)
-
-
-def _train(compiled, optimizer, steps, rank, world) -> list[float]:
-    losses = []
-    for step in steps:
-        (tokens, targets), = micro_batches(SPEC, step, rank, world)
-        loss = model_loss("gpt", compiled, tokens, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        loss = loss.detach()
-        dist.all_reduce(loss)
-        losses.append(loss.item() / world)
-    return losses
 
 
 def _error(fn) -> str:
@@ -58,21 +43,21 @@ def routes_on_rank(rank: int, world: int, root: str) -> dict:
     out = {"full": {}}
     for stage in (1, 2, 3):
         _, compiled, optimizer = _fresh(stage)
-        out["full"][stage] = _train(compiled, optimizer, range(SPEC.steps), rank, world)
+        out["full"][stage] = train_steps(SPEC, compiled, optimizer, range(SPEC.steps), rank, world)
     initial = build_model("gpt").state_dict()  # the weights every run starts from
 
     # model.load_state_dict into a trained model at every stage: the next steps restart from it
     out["reloaded"] = {}
     for stage in (1, 2, 3):
         model, compiled, optimizer = _fresh(stage)
-        _train(compiled, optimizer, range(2), rank, world)
+        train_steps(SPEC, compiled, optimizer, range(2), rank, world)
         model.load_state_dict(initial)
         optimizer = _optimizer(SPEC, model.parameters(), True)
-        out["reloaded"][stage] = _train(compiled, optimizer, range(SPEC.steps), rank, world)
+        out["reloaded"][stage] = train_steps(SPEC, compiled, optimizer, range(SPEC.steps), rank, world)
 
     # stage 3: state_dict refuses (directly and through DCP), works inside gathered()
     model, compiled, optimizer = _fresh(3)
-    _train(compiled, optimizer, range(2), rank, world)
+    train_steps(SPEC, compiled, optimizer, range(2), rank, world)
     out["stage3_state_dict"] = _error(model.state_dict)
     out["stage3_dcp_model"] = _error(lambda: get_model_state_dict(compiled))
     with zcompile.gathered(model):
@@ -85,21 +70,21 @@ def routes_on_rank(rank: int, world: int, root: str) -> dict:
 
     # stage 2: model.state_dict + per-rank torch.save of optimizer.state_dict(), and the same through DCP
     model, compiled, optimizer = _fresh(2)
-    _train(compiled, optimizer, range(2), rank, world)
+    train_steps(SPEC, compiled, optimizer, range(2), rank, world)
     torch.save(optimizer.state_dict(), os.path.join(root, f"optim_{rank}.pt"))
     model_state = {k: v.clone() for k, v in model.state_dict().items()}
     dcp.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, checkpoint_id=os.path.join(root, "dcp"))
     model, compiled, optimizer = _fresh(2)
     model.load_state_dict(model_state)
     optimizer.load_state_dict(torch.load(os.path.join(root, f"optim_{rank}.pt"), weights_only=False))
-    out["torch_save_resumed"] = _train(compiled, optimizer, range(2, SPEC.steps), rank, world)
+    out["torch_save_resumed"] = train_steps(SPEC, compiled, optimizer, range(2, SPEC.steps), rank, world)
     model, compiled, optimizer = _fresh(2)
-    _train(compiled, optimizer, [9], rank, world)  # a step on other data: state exists, values differ
+    train_steps(SPEC, compiled, optimizer, [9], rank, world)  # a step on other data: state exists, values differ
     dest = {"model": model.state_dict(), "optim": optimizer.state_dict()}
     dcp.load(dest, checkpoint_id=os.path.join(root, "dcp"))
     model.load_state_dict(dest["model"])
     optimizer.load_state_dict(dest["optim"])
-    out["dcp_resumed"] = _train(compiled, optimizer, range(2, SPEC.steps), rank, world)
+    out["dcp_resumed"] = train_steps(SPEC, compiled, optimizer, range(2, SPEC.steps), rank, world)
 
     # DCP's optimizer-state initialization on a fresh optimizer is refused, not silently empty
     model, compiled, optimizer = _fresh(2)

@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from zcompile.checkpoint_layout import (FORMAT, META_KEY, PARAM_GROUPS_KEY, FlatPiece, buffer_key, extra_key,
-                                        from_bytes, named_unique_params, optim_key, param_aliases, param_key,
-                                        persistent_buffers, to_bytes)
+from zcompile.checkpoint_layout import (FORMAT, META_KEY, PARAM_GROUPS_KEY, FlatPiece, as_flat_piece, buffer_key,
+                                        extra_key, from_bytes, group_of, named_unique_params, optim_key,
+                                        param_aliases, param_key, persistent_buffers, to_bytes)
 from zcompile.consolidate import full_state_dict
 from zcompile.param_shards import shard_of
 from zcompile.process_group import DataParallelGroup, all_gather_eager
@@ -41,27 +41,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be loaded into this model (raised on every rank; the model is untouched)."""
 
 
-# ----------------------------------------------------------------------------- the group and pieces
-def _group_of(params: list[torch.nn.Parameter]) -> DataParallelGroup:
-    """The data-parallel group the model is sharded over (the default group before any compile)."""
-    for param in params:
-        sharded = shard_of(param)
-        if sharded is not None:
-            return sharded.group
-    return DataParallelGroup.resolve(None)
-
-
-def _flat(local: torch.Tensor, numel: int, group: DataParallelGroup) -> torch.Tensor:
-    """``local`` (this rank's piece) as the piece of a flat ``[numel]`` tensor DCP can reshard."""
-    if group.world_size == 1:
-        return local
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh = DeviceMesh.from_group(group.process_group, local.device.type)
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
-
-
+# ----------------------------------------------------------------------------- pieces
 def _piece(numel: int, group: DataParallelGroup) -> FlatPiece:
     return FlatPiece(numel, group.world_size, group.rank)
 
@@ -86,11 +66,11 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     are written (keep training meanwhile; do not start another save of the same path before).
     """
     params = named_unique_params(model)
-    group = _group_of([p for _, p in params])
+    group = group_of([p for _, p in params])
     state: dict[str, Any] = {}
     for name, param in params:
         piece = _piece(param.numel(), group)
-        state[param_key(name)] = _flat(_master_piece(param, piece), param.numel(), group)
+        state[param_key(name)] = as_flat_piece(_master_piece(param, piece), param.numel(), group)
     for name, buffer in persistent_buffers(model):
         state[buffer_key(name)] = buffer.detach()
     if optimizer is not None:
@@ -126,7 +106,7 @@ def _optimizer_entries(optimizer, params, group: DataParallelGroup) -> dict[str,
         piece = _piece(param.numel(), group)
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == piece.chunk:
-                entries[optim_key(name, key)] = _flat(value.detach()[: piece.owned], param.numel(), group)
+                entries[optim_key(name, key)] = as_flat_piece(value.detach()[: piece.owned], param.numel(), group)
             else:  # a step count or another replicated value
                 entries[optim_key(name, key)] = to_bytes(value)
     groups = [{k: v for k, v in g.items() if k != "params"} | {"param_names": [names[id(p)] for p in g["params"]]}
@@ -145,7 +125,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     model must be in the checkpoint and nothing else (a missing name is always an error).
     """
     params = named_unique_params(model)
-    group = _group_of([p for _, p in params])
+    group = group_of([p for _, p in params])
     path = os.fspath(path)
     problem = None
     try:
@@ -228,7 +208,7 @@ def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup)
     dest = {k: v for k, v in dest.items() if k in keys}
     for name, param in params:
         piece = _piece(param.numel(), group)
-        dest[param_key(name)] = _flat(torch.empty(piece.owned, device=param.device), param.numel(), group)
+        dest[param_key(name)] = as_flat_piece(torch.empty(piece.owned, device=param.device), param.numel(), group)
     for name, buffer in persistent_buffers(model):
         if buffer_key(name) in keys:
             dest[buffer_key(name)] = torch.empty_like(buffer)
@@ -237,7 +217,7 @@ def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup)
             piece = _piece(param.numel(), group)
             for key in (k for k in keys if k.startswith(optim_key(name, ""))):
                 if hasattr(keys[key], "size"):  # a flat per-parameter tensor
-                    dest[key] = _flat(torch.empty(piece.owned, device=param.device), param.numel(), group)
+                    dest[key] = as_flat_piece(torch.empty(piece.owned, device=param.device), param.numel(), group)
                 else:
                     dest[key] = b""
         if PARAM_GROUPS_KEY in keys:

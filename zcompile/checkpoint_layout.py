@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 
+from zcompile.param_shards import shard_of
+from zcompile.process_group import DataParallelGroup
+
 FORMAT = 1
 META_KEY = "zcompile/meta"
 PARAM_GROUPS_KEY = "optim/param_groups"
@@ -68,6 +71,27 @@ class FlatPiece:
     def owned(self) -> int:
         """Real (unpadded) elements of this rank's piece: ``chunk``, fewer or none on the last ranks."""
         return max(0, min(self.numel - self.rank * self.chunk, self.chunk))
+
+
+def group_of(params) -> DataParallelGroup:
+    """The data-parallel group ``params`` are sharded over (the default group before any compile)."""
+    for param in params:
+        sharded = shard_of(param)
+        if sharded is not None:
+            return sharded.group
+    return DataParallelGroup.resolve(None)
+
+
+def as_flat_piece(local: torch.Tensor, numel: int, group: DataParallelGroup) -> torch.Tensor:
+    """``local`` (this rank's piece) as the piece of a flat ``[numel]`` tensor that DCP reshards: a
+    DTensor ``Shard(0)`` over ``group`` (a plain tensor in a world of one, where it is the whole)."""
+    if group.world_size == 1:
+        return local
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh.from_group(group.process_group, local.device.type)
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
 
 
 def to_bytes(value: Any) -> bytes:

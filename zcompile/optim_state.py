@@ -19,27 +19,13 @@ from typing import Any
 
 import torch
 
-from zcompile.checkpoint_layout import FlatPiece
+from zcompile.checkpoint_layout import FlatPiece, as_flat_piece, group_of
 from zcompile.param_shards import shard_of
 from zcompile.process_group import DataParallelGroup
 
 
 def _group(optimizer) -> DataParallelGroup:
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if shard_of(param) is not None:
-                return shard_of(param).group
-    return DataParallelGroup.resolve(None)
-
-
-def _as_flat_piece(local: torch.Tensor, numel: int, group: DataParallelGroup) -> torch.Tensor:
-    if group.world_size == 1:
-        return local
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh = DeviceMesh.from_group(group.process_group, local.device.type)
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+    return group_of(p for g in optimizer.param_groups for p in g["params"])
 
 
 def sharded_state_dict(optimizer, torch_state_dict: dict) -> dict:
@@ -50,7 +36,7 @@ def sharded_state_dict(optimizer, torch_state_dict: dict) -> dict:
     for index, entry in torch_state_dict["state"].items():
         param = params[index]
         piece = FlatPiece(param.numel(), group.world_size, group.rank)
-        state[index] = {key: _as_flat_piece(value.detach()[: piece.owned], param.numel(), group)
+        state[index] = {key: as_flat_piece(value.detach()[: piece.owned], param.numel(), group)
                         if _is_shard_tensor(value, piece) else value for key, value in entry.items()}
     return {"state": state, "param_groups": torch_state_dict["param_groups"]}
 

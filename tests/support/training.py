@@ -203,3 +203,19 @@ def assert_same_training(result, reference, spec):
         torch.testing.assert_close(result.params[name], expected, rtol=0, atol=atol, msg=name)
     # the run really trained: parameters moved away from their initial values
     assert result.losses[-1] != result.losses[0]
+
+
+def train_steps(spec: RunSpec, compiled, optimizer, steps, rank: int, world: int) -> list[float]:
+    """One optimizer step per step of ``steps`` (its global batch, this rank's slice); the mean losses."""
+    losses = []
+    for step in steps:
+        (tokens, targets), = micro_batches(spec, step, rank, world)
+        loss = model_loss(spec.model, compiled, tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = loss.detach()
+        if world > 1:
+            dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    return losses
