@@ -22,6 +22,7 @@ import zcompile.checkpoint as ckpt
 from support.launch import run_ranks
 from support.models import build_model
 from support.training import LOSS_RTOL, RunSpec, _optimizer, train_reference, train_steps
+from zcompile.cli import main as cli_main
 from zcompile.consolidate import consolidate
 
 STEPS = 6
@@ -61,7 +62,11 @@ def first_launch(rank: int, world: int, root: str) -> dict:
             ckpt.save(os.path.join(root, "gpt_end"), compiled, optimizer)
         model, compiled, optimizer, spec = _fresh(name, 3)
         train_steps(spec, compiled, optimizer, range(HALF), rank, world)
-        ckpt.save(os.path.join(root, f"{name}_2r"), compiled, optimizer, extra={"rank": rank, "step": HALF})
+        written = ckpt.save(os.path.join(root, f"{name}_2r"), compiled, optimizer, extra={"rank": rank, "step": HALF},
+                            async_save=name == "gpt")  # staged now, written in the background
+        if name == "gpt":
+            train_steps(spec, compiled, optimizer, range(HALF, STEPS), rank, world)  # training goes on meanwhile
+            written.result()
     # resume at the same world size and stage: before compile, and into a model that has run a step
     model, compiled, optimizer, spec = _fresh("gpt", 3)
     out["extra"] = ckpt.load(os.path.join(root, "gpt_2r"), model, optimizer)
@@ -152,8 +157,10 @@ def test_full_state_dict_and_consolidated_file_equal_the_trained_weights(launche
     full = first[0]["full_state_dict"]
     assert first[1]["full_state_dict"] is None  # rank 0 only
     for path in (tmp_path / "gpt.pt", tmp_path / "gpt.safetensors"):
-        summary = consolidate(os.path.join(root, "gpt_end"), path)
-        assert summary["saved_world_size"] == 2
+        if path.suffix == ".pt":
+            assert cli_main(["consolidate", os.path.join(root, "gpt_end"), str(path)]) == 0  # the command
+        else:
+            assert consolidate(os.path.join(root, "gpt_end"), path)["saved_world_size"] == 2
         plain = build_model("gpt")  # a plain, non-distributed model of the same architecture
         if path.suffix == ".pt":
             state = torch.load(path)

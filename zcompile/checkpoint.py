@@ -27,12 +27,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from zcompile.checkpoint_layout import (FORMAT, META_KEY, PARAM_GROUPS_KEY, FlatPiece, as_flat_piece, buffer_key,
                                         extra_key, from_bytes, group_of, named_unique_params, optim_key,
-                                        param_aliases, param_key, persistent_buffers, to_bytes)
+                                        param_aliases, param_key, persistent_buffers, to_bytes, unwrap)
 from zcompile.consolidate import full_state_dict
 from zcompile.param_shards import shard_of
 from zcompile.process_group import DataParallelGroup, all_gather_eager
 
 log = logging.getLogger(__name__)
+
+ASYNC_GROUP_ATTR = "_zcompile_async_checkpoint_group"  # on the user's module: the group of its background saves
 
 __all__ = ["CheckpointError", "save", "load", "full_state_dict"]
 
@@ -62,8 +64,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
 
     Collective: every rank of the model's group calls it. ``extra`` (scheduler, data-loader
     state...) is saved per rank and returned by ``load``. With ``async_save`` the values are staged
-    in host memory and written in the background: the returned future completes when the files
-    are written (keep training meanwhile; do not start another save of the same path before).
+    in host memory and written in the background: the returned ``Future`` completes when the files
+    are written (keep training meanwhile; wait for it before another save of the same path).
     """
     params = named_unique_params(model)
     group = group_of([p for _, p in params])
@@ -77,12 +79,35 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         state.update(_optimizer_entries(optimizer, params, group))
     state[META_KEY] = json.dumps(_meta(model, params, optimizer, group))
     state[extra_key(group.rank)] = to_bytes(extra or {})
-    writer = dcp.async_save if async_save else dcp.save
-    result = writer(state, checkpoint_id=os.fspath(path), process_group=group.process_group,
-                    no_dist=group.world_size == 1)
+    if async_save:
+        result = dcp.async_save(state, checkpoint_id=os.fspath(path), process_group=_async_group(model, group),
+                                no_dist=group.world_size == 1)
+        result = getattr(result, "upload_completion", result)  # (other checkpointer types: a response)
+    else:
+        result = dcp.save(state, checkpoint_id=os.fspath(path), process_group=group.process_group,
+                          no_dist=group.world_size == 1)
     log.info("checkpoint: %s %d parameters to %s (rank %d of %d)", "saving" if async_save else "saved",
              len(params), path, group.rank, group.world_size)
     return result
+
+
+def _async_group(model: torch.nn.Module, group: DataParallelGroup) -> dist.ProcessGroup | None:
+    """A gloo group of the same ranks for background saves, made once per model and kept on it.
+
+    The background thread runs DCP's collectives while training issues its own: on the training
+    group they would interleave differently on each rank and deadlock or crash it.
+    """
+    if group.world_size == 1:
+        return None
+    root = unwrap(model)
+    cached = root.__dict__.get(ASYNC_GROUP_ATTR)
+    if cached is None:
+        if dist.get_world_size() != group.world_size:
+            raise ValueError("zcompile.checkpoint.save(async_save=True) makes a process group for the background "
+                             "save, which needs the data-parallel group to span every rank; save synchronously")
+        cached = dist.new_group(dist.get_process_group_ranks(group.process_group), backend="gloo")
+        root.__dict__[ASYNC_GROUP_ATTR] = cached
+    return cached
 
 
 def _meta(model, params, optimizer, group: DataParallelGroup) -> dict:
