@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from zcompile.checkpoint_layout import (FORMAT, META_KEY, PARAM_GROUPS_KEY, FlatPiece, as_flat_piece, buffer_key,
-                                        extra_key, from_bytes, group_of, named_unique_params, optim_key,
+                                        extra_key, flat_mesh, from_bytes, group_of, named_unique_params, optim_key,
                                         param_aliases, param_key, persistent_buffers, to_bytes, unwrap)
 from zcompile.consolidate import full_state_dict
 from zcompile.param_shards import shard_of
@@ -44,6 +44,10 @@ class CheckpointError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- pieces
+def _device_type(params) -> str:
+    return params[0][1].device.type if params else "cpu"
+
+
 def _piece(numel: int, group: DataParallelGroup) -> FlatPiece:
     return FlatPiece(numel, group.world_size, group.rank)
 
@@ -69,14 +73,15 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     """
     params = named_unique_params(model)
     group = group_of([p for _, p in params])
+    mesh = flat_mesh(group, _device_type(params))
     state: dict[str, Any] = {}
     for name, param in params:
         piece = _piece(param.numel(), group)
-        state[param_key(name)] = as_flat_piece(_master_piece(param, piece), param.numel(), group)
+        state[param_key(name)] = as_flat_piece(_master_piece(param, piece), param.numel(), mesh)
     for name, buffer in persistent_buffers(model):
         state[buffer_key(name)] = buffer.detach()
     if optimizer is not None:
-        state.update(_optimizer_entries(optimizer, params, group))
+        state.update(_optimizer_entries(optimizer, params, group, mesh))
     state[META_KEY] = json.dumps(_meta(model, params, optimizer, group))
     state[extra_key(group.rank)] = to_bytes(extra or {})
     if async_save:
@@ -120,7 +125,7 @@ def _meta(model, params, optimizer, group: DataParallelGroup) -> dict:
     }
 
 
-def _optimizer_entries(optimizer, params, group: DataParallelGroup) -> dict[str, Any]:
+def _optimizer_entries(optimizer, params, group: DataParallelGroup, mesh) -> dict[str, Any]:
     entries: dict[str, Any] = {}
     names = {id(p): name for name, p in params}
     for param, state in optimizer.state.items():
@@ -131,7 +136,7 @@ def _optimizer_entries(optimizer, params, group: DataParallelGroup) -> dict[str,
         piece = _piece(param.numel(), group)
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == piece.chunk:
-                entries[optim_key(name, key)] = as_flat_piece(value.detach()[: piece.owned], param.numel(), group)
+                entries[optim_key(name, key)] = as_flat_piece(value.detach()[: piece.owned], param.numel(), mesh)
             else:  # a step count or another replicated value
                 entries[optim_key(name, key)] = to_bytes(value)
     groups = [{k: v for k, v in g.items() if k != "params"} | {"param_names": [names[id(p)] for p in g["params"]]}
@@ -160,7 +165,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         problem = f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
     _agree(problem, group, path)
     keys = metadata.state_dict_metadata
-    dest = _destination(keys, params, model, optimizer, group)
+    dest, optimizer_shards = _destination(keys, params, model, optimizer, group)
     try:
         dcp.load(dest, checkpoint_id=path, process_group=group.process_group, no_dist=group.world_size == 1)
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException; it reaches every rank
@@ -169,7 +174,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     meta = json.loads(dest[META_KEY])
     _apply_model(dest, params, model, group)
     if optimizer is not None and meta.get("optimizer") is not None:
-        _apply_optimizer(dest, keys, optimizer, params, group)
+        _apply_optimizer(dest, optimizer_shards, optimizer, params)
     saved_ranks = meta["world_size"]
     extra_rank = group.rank if group.rank < saved_ranks else 0  # a rank the save did not have gets rank 0's
     extra = dest.get(extra_key(extra_rank))
@@ -225,15 +230,18 @@ def _agree(problem: str | None, group: DataParallelGroup, path: str) -> None:
                               "optimizer are unchanged")
 
 
-def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup) -> dict[str, Any]:
-    """New buffers, in this rank's layout, for every entry that will be read."""
+def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup):
+    """New buffers, in this rank's layout, for every entry that will be read; and, by key, the
+    padded shards the optimizer-state pieces are views of (read in place, kept as the state)."""
+    mesh = flat_mesh(group, _device_type(params))
+    optimizer_shards: dict[str, torch.Tensor] = {}
     dest: dict[str, Any] = {META_KEY: "", extra_key(group.rank): b""}
     if group.rank != 0:
         dest[extra_key(0)] = b""
     dest = {k: v for k, v in dest.items() if k in keys}
     for name, param in params:
         piece = _piece(param.numel(), group)
-        dest[param_key(name)] = as_flat_piece(torch.empty(piece.owned, device=param.device), param.numel(), group)
+        dest[param_key(name)] = as_flat_piece(torch.empty(piece.owned, device=param.device), param.numel(), mesh)
     for name, buffer in persistent_buffers(model):
         if buffer_key(name) in keys:
             dest[buffer_key(name)] = torch.empty_like(buffer)
@@ -241,13 +249,15 @@ def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup)
         for name, param in params:
             piece = _piece(param.numel(), group)
             for key in (k for k in keys if k.startswith(optim_key(name, ""))):
-                if hasattr(keys[key], "size"):  # a flat per-parameter tensor
-                    dest[key] = as_flat_piece(torch.empty(piece.owned, device=param.device), param.numel(), group)
+                if hasattr(keys[key], "size"):  # a flat per-parameter tensor, read into a padded shard
+                    shard = torch.zeros(piece.chunk, device=param.device)  # padding stays zero
+                    optimizer_shards[key] = shard
+                    dest[key] = as_flat_piece(shard[: piece.owned], param.numel(), mesh)
                 else:
                     dest[key] = b""
         if PARAM_GROUPS_KEY in keys:
             dest[PARAM_GROUPS_KEY] = b""
-    return dest
+    return dest, optimizer_shards
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -285,25 +295,15 @@ def _fill_full(param: torch.nn.Parameter, values: torch.Tensor, group: DataParal
 
 
 @torch.no_grad()
-def _apply_optimizer(dest: dict, keys: dict, optimizer, params, group: DataParallelGroup) -> None:
+def _apply_optimizer(dest: dict, optimizer_shards: dict[str, torch.Tensor], optimizer, params) -> None:
     groups = from_bytes(dest[PARAM_GROUPS_KEY]) if PARAM_GROUPS_KEY in dest else []
     if len(groups) == len(optimizer.param_groups):
         for saved, live in zip(groups, optimizer.param_groups):
             live.update({k: tuple(v) if isinstance(live.get(k), tuple) else v
                          for k, v in saved.items() if k not in ("param_names", "params")})
     for name, param in params:
-        state = {}
-        for key in (k for k in dest if k.startswith(optim_key(name, ""))):
-            state_key = key[len(optim_key(name, "")):]
-            value = dest[key]
-            if isinstance(value, bytes):
-                state[state_key] = from_bytes(value)
-            else:
-                local = _local(value)
-                piece = _piece(param.numel(), group)
-                full_shard = torch.zeros(piece.chunk, device=local.device)  # padding stays zero
-                full_shard[: local.numel()] = local
-                state[state_key] = full_shard
+        prefix = optim_key(name, "")
+        state = {key[len(prefix):]: optimizer_shards[key] if key in optimizer_shards else from_bytes(dest[key])
+                 for key in dest if key.startswith(prefix)}
         if state:
             optimizer.state[param] = state
-

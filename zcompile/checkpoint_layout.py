@@ -82,15 +82,23 @@ def group_of(params) -> DataParallelGroup:
     return DataParallelGroup.resolve(None)
 
 
-def as_flat_piece(local: torch.Tensor, numel: int, group: DataParallelGroup) -> torch.Tensor:
-    """``local`` (this rank's piece) as the piece of a flat ``[numel]`` tensor that DCP reshards: a
-    DTensor ``Shard(0)`` over ``group`` (a plain tensor in a world of one, where it is the whole)."""
+def flat_mesh(group: DataParallelGroup, device_type: str):
+    """The 1-D device mesh of ``group`` that flat pieces live on (None in a world of one). Made once
+    per save or load: making one per tensor was most of a small checkpoint's time."""
     if group.world_size == 1:
-        return local
+        return None
     from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group.process_group, device_type)
+
+
+def as_flat_piece(local: torch.Tensor, numel: int, mesh) -> torch.Tensor:
+    """``local`` (this rank's piece) as the piece of a flat ``[numel]`` tensor that DCP reshards: a
+    DTensor ``Shard(0)`` on ``mesh`` (``flat_mesh``), or ``local`` itself in a world of one."""
+    if mesh is None:
+        return local
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh = DeviceMesh.from_group(group.process_group, local.device.type)
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from zcompile.checkpoint_layout import FlatPiece, as_flat_piece, group_of
+from zcompile.checkpoint_layout import FlatPiece, as_flat_piece, flat_mesh, group_of
 from zcompile.param_shards import shard_of
 from zcompile.process_group import DataParallelGroup
 
@@ -32,11 +32,12 @@ def sharded_state_dict(optimizer, torch_state_dict: dict) -> dict:
     """``torch_state_dict`` (torch's ``Optimizer.state_dict()``) with shard tensors as flat pieces."""
     group = _group(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    mesh = flat_mesh(group, params[0].device.type if params else "cpu")
     state = {}
     for index, entry in torch_state_dict["state"].items():
         param = params[index]
         piece = FlatPiece(param.numel(), group.world_size, group.rank)
-        state[index] = {key: as_flat_piece(value.detach()[: piece.owned], param.numel(), group)
+        state[index] = {key: as_flat_piece(value.detach()[: piece.owned], param.numel(), mesh)
                         if _is_shard_tensor(value, piece) else value for key, value in entry.items()}
     return {"state": state, "param_groups": torch_state_dict["param_groups"]}
 
