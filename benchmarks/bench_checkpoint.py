@@ -76,7 +76,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
 import zcompile  # noqa: E402
 import zcompile.checkpoint as ckpt  # noqa: E402
-from common import print_table  # noqa: E402
+from common import print_table, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 LR = 3e-4
@@ -391,12 +391,8 @@ def print_tables(rows: list[dict], setup: str) -> dict:
 
 def main() -> None:
     args = parse_args()
-    os.environ.setdefault("COLUMNS", "170")  # rich tables: one line per row when stdout is not a terminal
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, cores = start_gloo_benchmark()
     exact = _can_reset_peak()
-    cores = os.cpu_count()
     setup = f"{world} gloo ranks on {cores} CPU cores, 1 thread/rank"
     load = os.getloadavg()[0]
     root = (args.dir or tempfile.mkdtemp(prefix="zcompile_bench_checkpoint_")) if rank == 0 else None

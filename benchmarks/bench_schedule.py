@@ -57,7 +57,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
 import zcompile  # noqa: E402
-from common import print_table  # noqa: E402
+from common import print_table, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 from zcompile.passes.collectives import ALL_GATHER, ALL_REDUCE, COLLECTIVE_KINDS, REDUCE_SCATTER  # noqa: E402
 from zcompile.passes.liveness import (  # noqa: E402
@@ -375,11 +375,7 @@ def print_tables(results: list[dict], setup: str) -> dict:
 
 def main() -> None:
     args = parse_args()
-    os.environ.setdefault("COLUMNS", "170")  # rich tables: one line per row when stdout is not a terminal
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cores = os.cpu_count()
+    rank, world, cores = start_gloo_benchmark()
     setup = (f"{world} gloo ranks on {cores} CPU cores{' (oversubscribed)' if world > cores else ''}, "
              f"1 thread/rank, batch {args.batch}/rank, n_embd {args.embd}, block 64")
     load = os.getloadavg()[0]

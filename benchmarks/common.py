@@ -1,7 +1,20 @@
 """Helpers shared by the benchmarks: timing (do_bench on CUDA, wall-clock medians on CPU) and tables."""
 
+import os
 import statistics
 import time
+
+
+def start_gloo_benchmark() -> tuple[int, int, int]:
+    """The set-up of the multi-rank CPU benchmarks: one-line rich tables when stdout is not a
+    terminal, one thread per rank, the gloo process group. Returns (rank, world size, CPU cores)."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("COLUMNS", "170")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), os.cpu_count()
 
 
 def time_ms(fn, cuda: bool, repeats: int) -> float:
