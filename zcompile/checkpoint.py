@@ -25,11 +25,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from zcompile.checkpoint_layout import (FORMAT, META_KEY, PARAM_GROUPS_KEY, FlatPiece, as_flat_piece, buffer_key,
+from zcompile.checkpoint_layout import (FORMAT, META_KEY, PARAM_GROUPS_KEY, as_flat_piece, buffer_key,
                                         extra_key, flat_mesh, from_bytes, group_of, named_unique_params, optim_key,
                                         param_aliases, param_key, persistent_buffers, to_bytes, unwrap)
 from zcompile.consolidate import full_state_dict
-from zcompile.param_shards import shard_of
+from zcompile.param_shards import FlatPiece, shard_of
 from zcompile.process_group import DataParallelGroup, all_gather_eager
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ def _optimizer_entries(optimizer, params, group: DataParallelGroup, mesh) -> dic
                              "in the model; pass the model the optimizer trains")
         piece = _piece(param.numel(), group)
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == piece.chunk:
+            if piece.is_shard(value):
                 entries[optim_key(name, key)] = as_flat_piece(value.detach()[: piece.owned], param.numel(), mesh)
             else:  # a step count or another replicated value
                 entries[optim_key(name, key)] = to_bytes(value)
@@ -284,8 +284,7 @@ def _apply_model(dest: dict, params, model, group: DataParallelGroup) -> None:
 def _fill_full(param: torch.nn.Parameter, values: torch.Tensor, group: DataParallelGroup) -> None:
     """A parameter not sharded yet (load before compile): its full value from every rank's piece."""
     piece = _piece(param.numel(), group)
-    padded = torch.zeros(piece.chunk, device=values.device)
-    padded[: values.numel()] = values
+    padded = piece.padded(values)
     if group.world_size == 1:
         full = padded
     else:

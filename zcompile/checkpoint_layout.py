@@ -2,8 +2,8 @@
 
 A checkpoint is a ``torch.distributed.checkpoint`` (DCP) directory. Every parameter is stored as a
 flat fp32 tensor of its ``numel`` elements (the master weights), cut between ranks the way
-``zcompile.param_shards`` cuts it (rank ``r`` owns ``[r * c, min((r + 1) * c, numel))`` with
-``c = ceil(numel / N)``), which is exactly DTensor's ``Shard(0)`` chunking: DCP records the global
+``zcompile.param_shards.FlatPiece`` cuts it (rank ``r`` owns ``[r * c, min((r + 1) * c, numel))``
+with ``c = ceil(numel / N)``), which is exactly DTensor's ``Shard(0)`` chunking: DCP records the global
 size and each rank's piece, and reshards on load to any other number of ranks. Optimizer state
 tensors of a parameter's shard size are stored the same way; everything else is replicated.
 
@@ -20,8 +20,6 @@ Keys (a flat dict, so DCP never re-nests them):
 from __future__ import annotations
 
 import io
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,29 +46,6 @@ def optim_key(name: str, state_key: str) -> str:
 
 def extra_key(rank: int) -> str:
     return f"extra/rank{rank}"
-
-
-@dataclass(frozen=True)
-class FlatPiece:
-    """This rank's piece of a flat tensor of ``numel`` elements cut between ``world`` ranks."""
-
-    numel: int
-    world: int
-    rank: int
-
-    @property
-    def chunk(self) -> int:
-        """Elements per rank (the shard size: at least 1, so an empty shard never exists)."""
-        return max(1, math.ceil(self.numel / self.world))
-
-    @property
-    def offset(self) -> int:
-        return min(self.numel, self.rank * self.chunk)
-
-    @property
-    def owned(self) -> int:
-        """Real (unpadded) elements of this rank's piece: ``chunk``, fewer or none on the last ranks."""
-        return max(0, min(self.numel - self.rank * self.chunk, self.chunk))
 
 
 def group_of(params) -> DataParallelGroup:

@@ -24,7 +24,6 @@ pass writes the updated shard in that dtype, ready to be all-gathered.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Iterable
 
 import torch
@@ -38,8 +37,6 @@ from zcompile.optim_state import load_sharded_state_dict, sharded_state_dict
 from zcompile.optim_buckets import (BucketedGradReduce, BucketedParamRefresh, plan_optimizer_buckets,
                                     reduce_grads_onto_shards)
 from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of
-
-log = logging.getLogger(__name__)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -98,8 +95,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             [s for s, _, _ in todo if s.stage == 1 and s.shard.grad is not None and s.param.grad is not None],
             bucket_bytes)
         reduced = [s for s, _, _ in todo if s.stage == 1 and s.group.world_size > 1 and s.shard.grad is None]
-        reducer = BucketedGradReduce(
-            plan_optimizer_buckets(reduced, _reduce_dtype, bucket_bytes), _reduce_dtype)
+        reducer = BucketedGradReduce(plan_optimizer_buckets(reduced, lambda s: s.grad_reduce_dtype, bucket_bytes))
         refreshed = [s for s, _, _ in todo if s.stage in (1, 2)]
         refresher = BucketedParamRefresh(plan_optimizer_buckets(refreshed, lambda s: s.param.dtype, bucket_bytes))
         for sharded, param, group in todo:
@@ -198,10 +194,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if sharded.stage != 1:
             return sharded.shard.grad.detach()
         return sharded.padded_flat(sharded.param.grad, torch.float32)
-
-
-def _reduce_dtype(sharded: ShardedParam) -> torch.dtype:
-    return sharded.grad_reduce_dtype
 
 
 class AdamW(ShardedOptimizer):

@@ -68,7 +68,6 @@ class BucketedGradReduce:
     """Stage 1: each member's averaged gradient shard, reduce-scattered one bucket ahead."""
 
     buckets: list[list[ShardedParam]]
-    reduce_dtype_of: Callable[[ShardedParam], torch.dtype]
     records: list[CollectiveRecord] = field(default_factory=list)
     _bucket_of: dict = field(default_factory=dict, init=False)
     _pending: dict = field(default_factory=dict, init=False)  # bucket index -> (work, output)
@@ -98,13 +97,17 @@ class BucketedGradReduce:
         self._started.add(index)
         bucket = self.buckets[index]
         world = bucket[0].group.world_size
-        dtype = self.reduce_dtype_of(bucket[0])
+        dtype = bucket[0].grad_reduce_dtype
         pieces = [m.padded_flat(m.param.grad, dtype).view(world, m.shard_numel) for m in bucket]
         full = torch.cat(pieces, dim=1).reshape(-1) if len(pieces) > 1 else pieces[0].reshape(-1)
         out = torch.empty(full.numel() // world, dtype=dtype, device=full.device)
         work = reduce_scatter_eager(out, full, bucket[0].group, async_op=True)
         self._pending[index] = (work, out)
         self.records.append(_record("reduce_scatter", bucket, dtype))
+
+
+def _grad_reduce_dtype(member: ShardedParam) -> torch.dtype:
+    return member.grad_reduce_dtype
 
 
 def reduce_grads_onto_shards(members: list[ShardedParam], bucket_bytes: int) -> list[CollectiveRecord]:
@@ -116,10 +119,7 @@ def reduce_grads_onto_shards(members: list[ShardedParam], bucket_bytes: int) -> 
     as the fused update's ``grad_scale`` does), so an unclipped step is bitwise the same.
     """
     distributed = [m for m in members if m.group.world_size > 1]
-    def dtype_of(member: ShardedParam) -> torch.dtype:
-        return member.grad_reduce_dtype
-
-    reducer = BucketedGradReduce(plan_optimizer_buckets(distributed, dtype_of, bucket_bytes), dtype_of)
+    reducer = BucketedGradReduce(plan_optimizer_buckets(distributed, _grad_reduce_dtype, bucket_bytes))
     for member in members:
         world = member.group.world_size
         if world > 1:

@@ -15,12 +15,11 @@ the shard's device: torch's own loader would cast it to the parameter's dtype (b
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
-from zcompile.checkpoint_layout import FlatPiece, as_flat_piece, flat_mesh, group_of
-from zcompile.param_shards import shard_of
+from zcompile.checkpoint_layout import as_flat_piece, flat_mesh, group_of
+from zcompile.param_shards import FlatPiece, shard_of
 from zcompile.process_group import DataParallelGroup
 
 
@@ -38,12 +37,8 @@ def sharded_state_dict(optimizer, torch_state_dict: dict) -> dict:
         param = params[index]
         piece = FlatPiece(param.numel(), group.world_size, group.rank)
         state[index] = {key: as_flat_piece(value.detach()[: piece.owned], param.numel(), mesh)
-                        if _is_shard_tensor(value, piece) else value for key, value in entry.items()}
+                        if piece.is_shard(value) else value for key, value in entry.items()}
     return {"state": state, "param_groups": torch_state_dict["param_groups"]}
-
-
-def _is_shard_tensor(value: Any, piece: FlatPiece) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == piece.chunk
 
 
 def _my_shard(value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, key: str) -> torch.Tensor:
@@ -62,9 +57,7 @@ def _my_shard(value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, key: s
         raise ValueError(f"optimizer state {key!r} has {value.numel()} elements; a parameter of {param.numel()} "
                          f"elements on {piece.world} ranks takes {param.numel()} (full) or {piece.chunk} (a shard)")
     device = shard_of(param).shard.device if shard_of(param) is not None else param.device
-    shard = torch.zeros(piece.chunk, dtype=torch.float32, device=device)  # padding stays zero
-    shard[: local.numel()] = local.to(device=device, dtype=torch.float32)
-    return shard
+    return piece.padded(local.to(device), device)
 
 
 def _merged_state(state: dict) -> dict[str, dict]:

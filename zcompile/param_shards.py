@@ -26,6 +26,42 @@ log = logging.getLogger(__name__)
 SHARD_ATTR = "_zcompile_shard"
 
 
+@dataclass(frozen=True)
+class FlatPiece:
+    """Rank ``rank``'s piece of a flat tensor of ``numel`` elements cut between ``world`` ranks: the
+    layout of every shard (and, in ``zcompile.checkpoint``, of every saved tensor; it is DTensor's
+    ``Shard(0)`` chunking, so DCP reshards it)."""
+
+    numel: int
+    world: int
+    rank: int
+
+    @property
+    def chunk(self) -> int:
+        """Elements per rank, the shard size (at least 1: a shard is never empty)."""
+        return max(1, math.ceil(self.numel / self.world))
+
+    @property
+    def offset(self) -> int:
+        """Index of this rank's first element in the flat, padded tensor."""
+        return self.rank * self.chunk
+
+    @property
+    def owned(self) -> int:
+        """Real (unpadded) elements of this rank's piece: ``chunk``, fewer or none on the last ranks."""
+        return max(0, min(self.numel - self.offset, self.chunk))
+
+    def is_shard(self, value) -> bool:
+        """Whether ``value`` is a tensor laid out like this rank's shard (optimizer moments are)."""
+        return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == self.chunk
+
+    def padded(self, local: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+        """A new fp32 shard holding ``local`` (this rank's ``owned`` elements), zero past them."""
+        shard = torch.zeros(self.chunk, dtype=torch.float32, device=device or local.device)
+        shard[: local.numel()] = local
+        return shard
+
+
 @dataclass(eq=False)
 class ShardedParam:
     """One parameter's sharding: its full geometry, the owned flat shard and the stage it runs."""
@@ -55,6 +91,10 @@ class ShardedParam:
         return self._replicated_alias
 
     @property
+    def piece(self) -> FlatPiece:
+        return FlatPiece(self.numel, self.group.world_size, self.group.rank)
+
+    @property
     def shard_numel(self) -> int:
         return self.shard.numel()
 
@@ -65,12 +105,12 @@ class ShardedParam:
     @property
     def shard_offset(self) -> int:
         """Index of this rank's first element in the flat, padded parameter."""
-        return self.group.rank * self.shard_numel
+        return self.piece.offset
 
     @property
     def owned_numel(self) -> int:
         """Elements of the real (unpadded) parameter that this rank's shard covers."""
-        return max(0, min(self.numel - self.shard_offset, self.shard_numel))
+        return self.piece.owned
 
     @property
     def grad_reduce_dtype(self) -> torch.dtype:
@@ -143,7 +183,7 @@ def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: Dat
     from zcompile.clip import install_torch_clip_patch  # local: zcompile.clip imports this module
 
     install_torch_clip_patch()
-    shard_numel = max(1, math.ceil(param.numel() / group.world_size))
+    shard_numel = FlatPiece(param.numel(), group.world_size, group.rank).chunk
     shard = torch.zeros(shard_numel, dtype=torch.float32, device=param.device)
     sharded = ShardedParam(param=param, name=name, stage=stage, group=group, shard=shard, reduce_dtype=reduce_dtype)
     sharded.write_shard_from_full()
