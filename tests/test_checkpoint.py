@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import zcompile
 import zcompile.checkpoint as ckpt
@@ -24,6 +26,7 @@ from support.models import build_model
 from support.training import LOSS_RTOL, RunSpec, _optimizer, train_reference, train_steps
 from zcompile.cli import main as cli_main
 from zcompile.consolidate import consolidate
+from zcompile.rank_check import RankDivergenceError
 
 STEPS = 6
 HALF = STEPS // 2
@@ -78,12 +81,14 @@ def first_launch(rank: int, world: int, root: str) -> dict:
     # bad inputs: another model, a truncated file, no directory; the model must stay as it was
     other, other_compiled, other_optimizer, _ = _fresh("gpt_untied_odd", 3)
     before = _params(other)
-    broken = os.path.join(root, f"broken_{rank}")  # each rank breaks its own copy identically
-    shutil.copytree(os.path.join(root, "gpt_2r"), broken)
-    for file in sorted(os.listdir(broken)):
-        if file.endswith(".distcp"):
-            with open(os.path.join(broken, file), "r+b") as handle:
-                handle.truncate(os.path.getsize(os.path.join(broken, file)) // 2)
+    broken = os.path.join(root, "broken")  # one copy, truncated by rank 0 (every rank must load one path)
+    if rank == 0:
+        shutil.copytree(os.path.join(root, "gpt_2r"), broken)
+        for file in sorted(os.listdir(broken)):
+            if file.endswith(".distcp"):
+                with open(os.path.join(broken, file), "r+b") as handle:
+                    handle.truncate(os.path.getsize(os.path.join(broken, file)) // 2)
+    dist.barrier()
     model, compiled, optimizer, _ = _fresh("gpt", 3)
     untouched = _params(model)
     out["errors"] = {
@@ -93,6 +98,28 @@ def first_launch(rank: int, world: int, root: str) -> dict:
     }
     out["other_untouched"] = all(torch.equal(before[k], v) for k, v in _params(other).items())
     out["model_untouched"] = all(torch.equal(untouched[k], v) for k, v in _params(model).items())
+    out["divergent"] = _divergent_calls(rank, world, root, model, optimizer)
+    return out
+
+
+def _divergent_calls(rank, world, root, model, optimizer) -> dict[str, str | None]:
+    """Rank-divergent checkpoint calls: an error in seconds on the ranks that made them, never a wait."""
+    def outcome(fn):
+        try:
+            fn()
+        except (ckpt.CheckpointError, RankDivergenceError) as error:
+            return f"{type(error).__name__}: {error}"
+        return None
+
+    # a path made per rank: one directory each and no checkpoint; refused on every rank
+    out = {"per_rank_path": outcome(lambda: ckpt.save(os.path.join(root, f"mine_{rank}"), model, optimizer))}
+    out["per_rank_path_wrote"] = any(os.path.exists(os.path.join(root, f"mine_{r}")) and
+                                     os.listdir(os.path.join(root, f"mine_{r}")) for r in range(world))
+    # the last calls on this group: after a lone call the ranks' call counts differ (the job would stop)
+    start = time.perf_counter()
+    if rank == 0:  # `if rank == 0: save(...)`, the torch.save habit
+        out["lone_save"] = outcome(lambda: ckpt.save(os.path.join(root, "lone"), model, optimizer, timeout_s=3))
+    out["seconds"] = time.perf_counter() - start
     return out
 
 
@@ -175,6 +202,17 @@ def test_full_state_dict_and_consolidated_file_equal_the_trained_weights(launche
     for name, value in reference.params.items():
         # the AdamW tolerance of support.training (6 steps at lr 1e-2, eps 1e-6)
         torch.testing.assert_close(full[name], value, rtol=0, atol=STEPS * 1e-2 * 1e-9 / 1e-6)
+
+
+def test_rank_divergent_calls_are_errors_not_hangs(launches):
+    _, first, _, _ = launches
+    for result in first:
+        divergent = result["divergent"]
+        assert "different 'path'" in divergent["per_rank_path"] and "broadcast_object_list" in divergent["per_rank_path"]
+        assert not divergent["per_rank_path_wrote"]
+    lone = first[0]["divergent"]
+    assert lone["lone_save"].startswith("RankDivergenceError") and "ranks [1] did not within 3s" in lone["lone_save"]
+    assert "if rank == 0" in lone["lone_save"] and lone["seconds"] < 30
 
 
 def test_bad_checkpoints_fail_on_every_rank_and_change_nothing(launches):

@@ -25,8 +25,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from zcompile.checkpoint_layout import (FORMAT, META_KEY, PARAM_GROUPS_KEY, as_flat_piece, buffer_key,
-                                        extra_key, flat_mesh, from_bytes, group_of, named_unique_params, optim_key,
+from zcompile.checkpoint_layout import (FORMAT, META_KEY, PARAM_GROUPS_KEY, CheckpointError, agree_on_call,
+                                        as_flat_piece, buffer_key, extra_key, flat_mesh, from_bytes, group_of, named_unique_params, optim_key,
                                         param_aliases, param_key, persistent_buffers, to_bytes, unwrap)
 from zcompile.consolidate import full_state_dict
 from zcompile.param_shards import FlatPiece, shard_of
@@ -37,10 +37,6 @@ log = logging.getLogger(__name__)
 ASYNC_GROUP_ATTR = "_zcompile_async_checkpoint_group"  # on the user's module: the group of its background saves
 
 __all__ = ["CheckpointError", "save", "load", "full_state_dict"]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be loaded into this model (raised on every rank; the model is untouched)."""
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -63,16 +59,18 @@ def _master_piece(param: torch.nn.Parameter, piece: FlatPiece) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- save
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         extra: dict | None = None, async_save: bool = False):
+         extra: dict | None = None, async_save: bool = False, timeout_s: float = 300.0):
     """Writes ``model``'s (and ``optimizer``'s) shards and this rank's ``extra`` to the directory ``path``.
 
     Collective: every rank of the model's group calls it. ``extra`` (scheduler, data-loader
     state...) is saved per rank and returned by ``load``. With ``async_save`` the values are staged
     in host memory and written in the background: the returned ``Future`` completes when the files
     are written (keep training meanwhile; wait for it before another save of the same path).
+    A rank that does not make the same call within ``timeout_s`` is an error on the others.
     """
     params = named_unique_params(model)
     group = group_of([p for _, p in params])
+    agree_on_call("save", path, group, timeout_s, optimizer=optimizer is not None, async_save=async_save)
     mesh = flat_mesh(group, _device_type(params))
     state: dict[str, Any] = {}
     for name, param in params:
@@ -147,12 +145,13 @@ def _optimizer_entries(optimizer, params, group: DataParallelGroup, mesh) -> dic
 
 # ----------------------------------------------------------------------------- load
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         strict: bool = True) -> dict:
+         strict: bool = True, timeout_s: float = 300.0) -> dict:
     """Restores ``model`` (and ``optimizer``) from ``path``; returns the ``extra`` dict saved with it.
 
     Works before or after ``torch.compile`` and at another number of ranks or stage than the save.
     Collective: every rank of the model's group calls it. ``strict``: every parameter of the
-    model must be in the checkpoint and nothing else (a missing name is always an error).
+    model must be in the checkpoint and nothing else (a missing name is always an error). A rank
+    that does not make the same call within ``timeout_s`` is an error on the others.
     """
     params = named_unique_params(model)
     group = group_of([p for _, p in params])
@@ -163,7 +162,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         _check(metadata.state_dict_metadata, params, model, optimizer, strict)
     except (Exception, CheckpointException) as error:  # reported on every rank below, never alone (no hang)
         problem = f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
-    _agree(problem, group, path)
+    agree_on_call("load", path, group, timeout_s, problem, optimizer=optimizer is not None, strict=strict)
     keys = metadata.state_dict_metadata
     dest, optimizer_shards = _destination(keys, params, model, optimizer, group)
     try:
@@ -215,19 +214,6 @@ def _check(keys: dict, params, model, optimizer, strict: bool) -> None:
                                   "strict=False to ignore them")
     if optimizer is not None and not any(k.startswith("optim/") for k in keys):
         raise CheckpointError("an optimizer was given but the checkpoint holds no optimizer state")
-
-
-def _agree(problem: str | None, group: DataParallelGroup, path: str) -> None:
-    """Every rank learns whether any rank found a problem; all raise together (no rank waits alone)."""
-    problems = [problem]
-    if group.world_size > 1:
-        problems = [None] * group.world_size
-        dist.all_gather_object(problems, problem, group=group.process_group)
-    found = [(rank, text) for rank, text in enumerate(problems) if text]
-    if found:
-        rank, text = found[0]
-        raise CheckpointError(f"zcompile.checkpoint.load({path!r}): {text} (found on rank {rank}); the model and "
-                              "optimizer are unchanged")
 
 
 def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup):

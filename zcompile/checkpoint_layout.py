@@ -20,12 +20,15 @@ Keys (a flat dict, so DCP never re-nests them):
 from __future__ import annotations
 
 import io
+import json
+import os
 from typing import Any
 
 import torch
 
 from zcompile.param_shards import shard_of
 from zcompile.process_group import DataParallelGroup
+from zcompile.rank_check import exchange_on_store
 
 FORMAT = 1
 META_KEY = "zcompile/meta"
@@ -46,6 +49,41 @@ def optim_key(name: str, state_key: str) -> str:
 
 def extra_key(rank: int) -> str:
     return f"extra/rank{rank}"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint call that cannot go on (raised on every rank that made it; the model is untouched)."""
+
+
+def agree_on_call(call: str, path: str | os.PathLike | None, group: DataParallelGroup, timeout_s: float,
+                  problem: str | None = None, **same: Any) -> None:
+    """Every rank of ``group`` made the same checkpoint ``call`` with the same ``path`` and ``same``
+    arguments, and no rank found a ``problem``; otherwise an error on every rank that came.
+
+    Saving and loading are collective: a rank that skips the call (``if rank == 0: save(...)``)
+    would leave the others waiting in DCP's collectives until the process group's timeout, and a
+    path made per rank (a time stamp) would write one directory per rank and no readable checkpoint.
+    """
+    mine = {"call": call, "path": None if path is None else os.path.abspath(os.fspath(path)), "problem": problem,
+            **same}
+    everyone = exchange_on_store(
+        mine, group, timeout_s, "checkpoint", f"zcompile.checkpoint.{call}",
+        "Every rank of the group must make the same checkpoint calls: they read and write together, so a "
+        "call under `if rank == 0:` waits forever for the others. Call it on every rank (the files are written "
+        "once), or raise timeout_s if a rank is only slow.")
+    for key in ("call", "path", *same):
+        values = [entry[key] for entry in everyone]
+        if len({json.dumps(v) for v in values}) > 1:
+            fix = (" A path made per rank (the rank, a time stamp) gives each rank a directory of its own and no "
+                   "readable checkpoint: make it the same everywhere (a step number, or rank 0's path sent with "
+                   "dist.broadcast_object_list)." if key == "path" else "")
+            raise CheckpointError(f"zcompile.checkpoint.{call}: the ranks passed different {key!r}: "
+                                  f"{dict(enumerate(values))}.{fix}")
+    found = [(rank, entry["problem"]) for rank, entry in enumerate(everyone) if entry["problem"]]
+    if found:
+        rank, text = found[0]
+        raise CheckpointError(f"zcompile.checkpoint.{call}({os.fspath(path)!r}): {text} (found on rank {rank}); "
+                              "the model and optimizer are unchanged")
 
 
 def group_of(params) -> DataParallelGroup:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from zcompile.checkpoint_layout import META_KEY, buffer_key, param_key, unwrap
+from zcompile.checkpoint_layout import META_KEY, agree_on_call, buffer_key, param_key, unwrap
 from zcompile.param_shards import shard_of
 from zcompile.process_group import DataParallelGroup, all_gather_eager
 
@@ -36,15 +36,17 @@ def _gather_master(param: torch.nn.Parameter) -> torch.Tensor:
 
 
 @torch.no_grad()
-def full_state_dict(model: torch.nn.Module, rank: int = 0) -> dict[str, torch.Tensor] | None:
+def full_state_dict(model: torch.nn.Module, rank: int = 0, timeout_s: float = 300.0) -> dict[str, torch.Tensor] | None:
     """The model's full state dict (fp32 master weights, on the CPU) on ``rank``; ``None`` on the others.
 
     Collective over the model's group: every rank calls it. Memory: one full parameter at a time
-    on every rank, plus the result on ``rank``.
+    on every rank, plus the result on ``rank``. A rank that does not call it within ``timeout_s``
+    (``if rank == 0: full_state_dict(model)``) is an error on the others, not a hang.
     """
     refs = _state_refs(unwrap(model))
     group = next((s.group for s in map(shard_of, refs.values()) if s is not None), None)
     group = group or DataParallelGroup.resolve(None)
+    agree_on_call("full_state_dict", None, group, timeout_s)  # (``rank`` may differ: every rank gathers)
     mine = group.rank == rank
     out: dict[str, torch.Tensor] | None = {} if mine else None
     done: dict[int, torch.Tensor] = {}  # a tied weight is gathered once

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -56,36 +57,50 @@ def sequence_signature(gm: torch.fx.GraphModule) -> list:
     return signature
 
 
-def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s: float, what: str,
-                            detail: str = "") -> None:
-    """Raises ``RankDivergenceError`` unless every rank of ``group`` passes the same ``signature``.
+def exchange_on_store(value: Any, group: DataParallelGroup, timeout_s: float, purpose: str, doing: str,
+                      fix: str) -> list:
+    """Every rank's ``value`` (JSON-able), exchanged through the store, in rank order.
 
-    The n-th check of a rank is compared with every other rank's n-th check.
+    The n-th call of a rank for ``purpose`` meets every other rank's n-th call for it. A rank that
+    does not come within ``timeout_s`` (it skipped the call, or took another code path) makes a
+    ``RankDivergenceError`` here, on the ranks that came, naming the missing ones, instead of a
+    collective that waits for it until the process group's timeout. Uses the store, not a
+    collective, so that a missing rank is a timeout and not a hang.
     """
     if group.world_size == 1:
-        return
-    digest = hashlib.sha256(json.dumps(signature).encode()).hexdigest()[:16]
+        return [value]
     store = default_store()
     # the counter lives in the store, so it survives torch._dynamo.reset() and needs no global
-    sequence = store.add(f"zcompile/check/{group.name}/sequence/{group.rank}", 1)
-    prefix = f"zcompile/check/{group.name}/{sequence}/"
-    store.set(f"{prefix}{group.rank}", digest)
+    sequence = store.add(f"zcompile/{purpose}/{group.name}/sequence/{group.rank}", 1)
+    prefix = f"zcompile/{purpose}/{group.name}/{sequence}/"
+    store.set(f"{prefix}{group.rank}", json.dumps(value))
     keys = [f"{prefix}{rank}" for rank in range(group.world_size)]
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
     except Exception as error:  # the store raises a generic error on timeout
         missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
         raise RankDivergenceError(
-            f"zero backend: rank {group.rank} compiled {what} (its check #{sequence}) but ranks {missing} did not within "
-            f"{timeout_s:.0f}s. The ranks took different compile paths (different models, code paths or input "
-            "shapes per rank) and their collectives would deadlock. Give every rank the same model and "
-            "inputs of the same shapes (drop_last=True in the sampler), or raise check_timeout_s if a rank "
-            "is only slow."
-        ) from error
-    digests = {rank: store.get(key).decode() for rank, key in enumerate(keys)}
-    if len(set(digests.values())) > 1:
+            f"{doing}: rank {group.rank} got there (its call #{sequence}) but ranks {missing} did not within "
+            f"{timeout_s:.0f}s. {fix}") from error
+    return [json.loads(store.get(key)) for key in keys]
+
+
+def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s: float, what: str,
+                            detail: str = "") -> None:
+    """Raises ``RankDivergenceError`` unless every rank of ``group`` passes the same ``signature``.
+
+    The n-th check of a rank is compared with every other rank's n-th check.
+    """
+    digest = hashlib.sha256(json.dumps(signature).encode()).hexdigest()[:16]
+    digests = exchange_on_store(
+        digest, group, timeout_s, "check", f"zero backend: {what}",
+        "The ranks took different compile paths (different models, code paths or input shapes per rank) and "
+        "their collectives would deadlock. Give every rank the same model and inputs of the same shapes "
+        "(drop_last=True in the sampler), or raise check_timeout_s if a rank is only slow.")
+    if len(set(digests)) > 1:
         raise RankDivergenceError(
             f"zero backend: {what} would issue different collectives on different ranks "
-            f"(digest per rank {digests}; {detail}). Every rank must compile the same model with the same options."
+            f"(digest per rank {dict(enumerate(digests))}; {detail}). Every rank must compile the same model with "
+            "the same options."
         )
     log.debug("rank check passed for %s (digest %s)", what, digest)
