@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -81,10 +82,17 @@ def _state_refs(root: torch.nn.Module) -> dict[str, torch.Tensor]:
     return refs
 
 
+def _read(state: dict, path: str) -> None:
+    """``dcp.load`` of ``state`` in this process alone (DCP warns that it assumes so: it is meant)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+
+
 def read_meta(path: str | os.PathLike) -> dict:
     """The ``zcompile/meta`` entry of a checkpoint directory (no process group needed)."""
     state = {META_KEY: ""}
-    dcp.load(state, checkpoint_id=os.fspath(path), no_dist=True)
+    _read(state, os.fspath(path))
     return json.loads(state[META_KEY])
 
 
@@ -101,7 +109,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, An
     result: dict[str, torch.Tensor] = {}
     for name, info in meta["params"].items():
         flat = torch.empty(keys[param_key(name)].size)
-        dcp.load({param_key(name): flat}, checkpoint_id=path, no_dist=True)
+        _read({param_key(name): flat}, path)
         full = flat.view(info["shape"])
         for alias in meta["aliases"].get(name, [name]):
             result[alias] = full
@@ -110,7 +118,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, An
         if entry is None:
             continue
         buffer = torch.empty(entry.size, dtype=entry.properties.dtype)
-        dcp.load({buffer_key(name): buffer}, checkpoint_id=path, no_dist=True)
+        _read({buffer_key(name): buffer}, path)
         result[name] = buffer
     out = os.fspath(out)
     if out.endswith(".safetensors"):
