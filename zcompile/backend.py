@@ -114,14 +114,17 @@ class ShardSwap:
         # new, or sharded for another stage or group: shard_parameter raises with the fix
         return shard_parameter(param, name, self.plan.stage, self.group, self.plan.reduce_dtype)
 
-    def swap(self, args: list) -> list:
+    def swap(self, args: list, counted: bool = True) -> list:
+        # a call with gradients is counted on its parameters' shards (zcompile.step_agreement)
+        training = int(counted and torch.is_grad_enabled())
         if self.plan.stage == 1:
             for p in self.plan.params:
-                self.sharded(args[p.index], p.name)
+                self.sharded(args[p.index], p.name).training_calls += training
             return args
         appended = []
         for p in self.plan.params:
             sharded = self.sharded(args[p.index], p.name)
+            sharded.training_calls += training
             if self.plan.stage == 3:
                 args[p.index] = sharded.shard
             else:
@@ -137,7 +140,7 @@ class ShardSwap:
         """
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         originals = {id(a) for a in example_inputs}
-        args = self.swap(list(example_inputs))
+        args = self.swap(list(example_inputs), counted=False)
         if fake_mode is None:
             return args
         return [a if id(a) in originals else fake_mode.from_tensor(a, static_shapes=True) for a in args]

@@ -53,6 +53,7 @@ from zcompile.comm_volume import CollectiveRecord
 from zcompile.optim_buckets import reduce_grads_onto_shards
 from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of
 from zcompile.process_group import DataParallelGroup, all_reduce_eager
+from zcompile.step_agreement import DEFAULT_TIMEOUT_S as STEP_AGREEMENT_TIMEOUT_S, agree_before_step
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def averaged_grad_shards(members: list[ShardedParam], bucket_bytes: int) -> tupl
     """The members that have a gradient, each with its averaged gradient shard on ``shard.grad``
     (stage 1 reduce-scattered now), and the collectives that issued."""
     _common_group(members)  # before any collective
-    early = [m for m in members if m.stage == 1 and m.param.grad is not None]
+    early = [m for m in members if m.param.grad is not None]  # stage 1, or eager code at stages 2 and 3
     records = reduce_grads_onto_shards(early, bucket_bytes)
     return [m for m in members if m.shard.grad is not None], records
 
@@ -182,12 +183,19 @@ def _torch_route_members(params: list[torch.Tensor]) -> list[ShardedParam]:
             for index, (p, s) in enumerate(zip(params, shards)) if s is not None or p.grad is not None]
 
 
+def _agree(params: list[torch.Tensor], what: str) -> None:
+    """Before the clip's collectives: every rank is clipping the same step (``zcompile.step_agreement``)."""
+    members = [s for s in dict.fromkeys(map(shard_of, params)) if s is not None]
+    agree_before_step(members, what, STEP_AGREEMENT_TIMEOUT_S)
+
+
 def _routed_clip_grad_norm(original):
     @functools.wraps(original)
     def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         params = _listed(parameters)
         if not any(shard_of(p) is not None for p in params):
             return original(params if params else parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+        _agree(params, "torch.nn.utils.clip_grad_norm_()")
         with torch.no_grad():
             return clip_grad_norm_of_shards(_torch_route_members(params), max_norm, norm_type,
                                             error_if_nonfinite=error_if_nonfinite)
@@ -202,6 +210,7 @@ def _routed_clip_grad_value(original):
         params = _listed(parameters)
         if not any(shard_of(p) is not None for p in params):
             return original(params, clip_value, foreach)
+        _agree(params, "torch.nn.utils.clip_grad_value_()")
         with torch.no_grad():
             clip_grad_value_of_shards(_torch_route_members(params), clip_value)
 

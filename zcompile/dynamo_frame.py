@@ -1,4 +1,5 @@
-"""The one place zcompile reads Dynamo internals: the modules of the frame being compiled.
+"""The one place zcompile reads Dynamo internals: the modules of the frame being compiled, and why
+a frame runs eagerly.
 
 A backend receives a graph and its example inputs, not the ``nn.Module`` they came from; but the
 module's own ``state_dict`` / ``load_state_dict`` must learn that its parameters are sharded (see
@@ -6,11 +7,16 @@ module's own ``state_dict`` / ``load_state_dict`` must learn that its parameters
 compiled frame's locals (``self`` for a ``forward``). Reading them uses
 ``torch._dynamo.symbolic_convert.InstructionTranslator.current_tx`` (torch 2.11-2.13); when that
 is not available the caller gets no modules and logs it, and nothing else changes.
+
+When eager code touches a sharded parameter, the error says why Dynamo did not compile it
+(``eager_fallback_reason``: the recompile limit, or a skipped frame / graph break), read from the
+cache entries of the frames on the Python stack.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
@@ -28,3 +34,41 @@ def modules_of_compiled_frame() -> list[torch.nn.Module]:
         log.debug("zcompile: cannot read the compiled frame's locals (%s: %s)", type(error).__name__, error)
         return []
     return [value for value in f_locals.values() if isinstance(value, torch.nn.Module)]
+
+
+def eager_fallback_reason() -> str:
+    """Why the calling code runs eagerly, read from Dynamo's caches of the frames on the stack.
+
+    A frame whose code has compiled entries but is executing in Python was run uncompiled by
+    Dynamo: at the recompile limit when it holds that many entries, otherwise skipped or split at a
+    graph break. Uses ``torch._dynamo.eval_frame._debug_get_cache_entry_list`` (torch 2.11-2.13).
+    """
+    try:
+        from torch._dynamo import eval_frame
+
+        frame, fell_back = sys._getframe(1), None
+        while frame is not None:
+            if frame.f_code.co_filename == eval_frame.__file__:  # under a torch.compile'd call
+                return _fallback_reason(fell_back) if fell_back is not None else OUTSIDE_COMPILE
+            if fell_back is None and eval_frame._debug_get_cache_entry_list(frame.f_code):
+                fell_back = frame.f_code
+            frame = frame.f_back
+        return OUTSIDE_COMPILE
+    except Exception as error:  # internals moved: say less, never fail here
+        log.debug("zcompile: cannot read Dynamo's cache entries (%s: %s)", type(error).__name__, error)
+    return ""
+
+
+OUTSIDE_COMPILE = "It runs outside torch.compile (eager code, or the original module rather than the compiled one)."
+
+
+def _fallback_reason(code) -> str:
+    where = f"{code.co_name!r} ({code.co_filename}:{code.co_firstlineno})"
+    limit = torch._dynamo.config.recompile_limit
+    if len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) >= limit:
+        return (f"Dynamo ran {where} eagerly because it hit torch._dynamo.config.recompile_limit (cache_size_limit) "
+                f"= {limit} recompiles (a new input shape or dtype each time): mark the changing dimension dynamic "
+                "(torch._dynamo.mark_dynamic, or torch.compile(dynamic=True)), pad inputs to a few fixed shapes, or "
+                "raise torch._dynamo.config.cache_size_limit.")
+    return (f"Dynamo ran {where} eagerly (a skipped frame or a graph break there; TORCH_LOGS=graph_breaks says "
+            "why): make it compile, or keep it out of the training step.")

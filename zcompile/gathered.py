@@ -8,6 +8,9 @@ from typing import Iterator
 import torch
 
 from zcompile.param_shards import ShardedParam, shard_of
+from zcompile.rank_check import RankDivergenceError, exchange_on_store
+
+DEFAULT_TIMEOUT_S = 60.0
 
 
 def _stage3_shards(model: torch.nn.Module) -> list[ShardedParam]:
@@ -21,19 +24,35 @@ def _stage3_shards(model: torch.nn.Module) -> list[ShardedParam]:
 
 
 @contextlib.contextmanager
-def gathered(model: torch.nn.Module, writeback: bool = True) -> Iterator[torch.nn.Module]:
+def gathered(model: torch.nn.Module, writeback: bool | None = None, rank0_only: bool = False,
+             timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[torch.nn.Module]:
     """Materializes the full parameters of ``model`` inside the block and frees them after.
 
-    Use it for evaluation, export or inspection in eager mode (call the original module,
-    ``compiled._orig_mod``, or read ``state_dict()``). Every rank of the group must enter it: the
-    parameters are all-gathered. With ``writeback=True`` changes made to the full parameters inside
-    the block are copied back into this rank's shards on exit. Parameters of stages 1 and 2 are
-    always full, so for them this is a no-op.
+    Use it for evaluation, ``generate()``, export or inspection in eager mode (call the original
+    module, ``compiled._orig_mod``, or read ``state_dict()``). Every rank of the group must enter
+    it: the parameters are gathered. Before any collective the ranks agree through the store, so
+    a rank that enters alone (``if rank == 0: with gathered(model): ...``) gets a
+    ``RankDivergenceError`` naming the missing ranks within ``timeout_s`` instead of a hang.
+
+    ``writeback`` (default True, False with ``rank0_only``): changes made to the full parameters
+    inside the block are copied back into this rank's shards on exit. ``rank0_only=True`` gathers to
+    rank 0 only (every rank still enters; the others keep their parameters sharded): saving or
+    exporting from rank 0 without a full model on every rank. It cannot write back (rank 0's
+    changes would have to be scattered); ``writeback=True`` with it is refused.
+
+    Parameters of stages 1 and 2 are always full, so for them this is a no-op (no agreement needed).
+    A parameter already gathered by an enclosing ``gathered`` is left to it.
     """
-    shards = _stage3_shards(model)
+    if rank0_only and writeback:
+        raise ValueError("zcompile.gathered: writeback=True with rank0_only=True is not supported (rank 0's changes "
+                         "would have to be scattered to every rank); use writeback=False, or rank0_only=False")
+    writeback = not rank0_only if writeback is None else writeback
+    shards = [s for s in _stage3_shards(model) if s.is_freed]
+    if shards:
+        _agree_on_entry(shards, rank0_only, writeback, timeout_s)
     with torch.no_grad():
         for sharded in shards:
-            sharded.materialize_full()
+            sharded.materialize_full(rank0_only)
     try:
         yield model
     finally:
@@ -42,3 +61,18 @@ def gathered(model: torch.nn.Module, writeback: bool = True) -> Iterator[torch.n
                 if writeback:
                     sharded.write_shard_from_full()
                 sharded.free_full()
+
+
+def _agree_on_entry(shards: list[ShardedParam], rank0_only: bool, writeback: bool, timeout_s: float) -> None:
+    """Every rank enters with the same parameters and arguments, or every rank that came raises."""
+    group = shards[0].group
+    call = [len(shards), sum(s.numel for s in shards), rank0_only, writeback]
+    calls = exchange_on_store(
+        call, group, timeout_s, "gathered", "zcompile.gathered(model)",
+        "Every rank must enter `with zcompile.gathered(model):` (it gathers the parameters with collectives); "
+        "to save or export from one rank, enter it on every rank with rank0_only=True and act on rank 0 inside.")
+    if any(other != call for other in calls):
+        raise RankDivergenceError(
+            "zcompile.gathered(model): the ranks entered it with different models or arguments "
+            f"([parameters, elements, rank0_only, writeback] per rank: {dict(enumerate(calls))}); "
+            "enter it on every rank with the same model and arguments.")

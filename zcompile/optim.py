@@ -24,6 +24,7 @@ pass writes the updated shard in that dtype, ready to be all-gathered.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Iterable
 
 import torch
@@ -37,12 +38,16 @@ from zcompile.optim_state import load_sharded_state_dict, sharded_state_dict
 from zcompile.optim_buckets import (BucketedGradReduce, BucketedParamRefresh, plan_optimizer_buckets,
                                     reduce_grads_onto_shards)
 from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of
+from zcompile.step_agreement import DEFAULT_TIMEOUT_S, agree_before_step
+
+log = logging.getLogger(__name__)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """Base class: gradient collection and parameter refresh around a per-shard update rule."""
 
-    def __init__(self, params: Iterable, defaults: dict, bucket_mb: float = 4.0, max_grad_norm: float | None = None):
+    def __init__(self, params: Iterable, defaults: dict, bucket_mb: float = 4.0, max_grad_norm: float | None = None,
+                 check_timeout_s: float | None = DEFAULT_TIMEOUT_S):
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb < 0:
             raise ValueError(f"{type(self).__name__}: bucket_mb must be a number >= 0 (MiB), got {bucket_mb!r}")
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
@@ -51,7 +56,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.bucket_mb = bucket_mb  # per-rank shard MiB per bucketed collective (0: one per parameter)
         self.max_grad_norm = max_grad_norm  # clip the 2-norm to this inside step() (None: no clipping)
         self.last_grad_norm: float | None = None  # pre-clip norm of the last step (None: not computed)
+        if check_timeout_s is not None and (isinstance(check_timeout_s, bool) or not isinstance(check_timeout_s, (int, float))
+                                            or not check_timeout_s > 0):
+            raise ValueError(f"{type(self).__name__}: check_timeout_s must be None or a number > 0, got {check_timeout_s!r}")
+        # how long step() waits for every rank to reach it (zcompile.step_agreement); None: no check
+        self.check_timeout_s = check_timeout_s
         self._clipped_since_step = False
+        self._warned_eager_grads = False
         super().__init__(params, defaults)
         for index, param in enumerate(self._all_params()):
             if not isinstance(param, torch.nn.Parameter):
@@ -75,8 +86,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._refuse_state_probe()
+        agree_before_step(self._members(), "optimizer.step()", self.check_timeout_s)  # before any collective
         if self.max_grad_norm is not None and not self._clipped_since_step:
-            self.clip_grad_norm_(self.max_grad_norm)
+            self._clip_grad_norm(self.max_grad_norm)
         if not self._clipped_since_step:
             self.last_grad_norm = None
         self._clipped_since_step = False
@@ -84,16 +96,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
                 sharded = self._sharded(param, index)
-                if sharded is not None and (sharded.shard.grad is not None or (
-                        sharded.stage == 1 and sharded.param.grad is not None)):
+                if sharded is not None and (sharded.shard.grad is not None or sharded.param.grad is not None):
                     todo.append((sharded, param, group))
         bucket_bytes = int(self.bucket_mb * 2**20)
-        # collectives already issued by clipping; a stage-1 gradient both reduced early and grown by
-        # a later backward (or kept as zeros by zero_grad(set_to_none=False)) is folded in now
+        # collectives already issued by clipping; a full local gradient next to the shard's (stage 1
+        # reduced early and grown by a later backward, or zeros kept by zero_grad(set_to_none=False);
+        # stages 2 and 3: a gradient from eager code) is reduced and folded in now
         early = [r for s, _, _ in todo for r in s.take_pre_step_records()]
-        early += reduce_grads_onto_shards(
-            [s for s, _, _ in todo if s.stage == 1 and s.shard.grad is not None and s.param.grad is not None],
-            bucket_bytes)
+        early += reduce_grads_onto_shards(self._local_grads_to_fold([s for s, _, _ in todo]), bucket_bytes)
         reduced = [s for s, _, _ in todo if s.stage == 1 and s.group.world_size > 1 and s.shard.grad is None]
         reducer = BucketedGradReduce(plan_optimizer_buckets(reduced, lambda s: s.grad_reduce_dtype, bucket_bytes))
         refreshed = [s for s, _, _ in todo if s.stage in (1, 2)]
@@ -128,6 +138,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Returns the total norm before clipping (an fp32 tensor); also kept as ``last_grad_norm``.
         A call takes the place of ``max_grad_norm`` for the next step.
         """
+        agree_before_step(self._members(), "optimizer.clip_grad_norm_()", self.check_timeout_s)
+        return self._clip_grad_norm(max_norm, norm_type)
+
+    def _clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``clip_grad_norm_`` once the ranks agreed (``step()`` clips for ``max_grad_norm`` after its own agreement)."""
         members = [s for group in self.param_groups for index, param in enumerate(group["params"])
                    if (s := self._sharded(param, index)) is not None]
         norm = clip_grad_norm_of_shards(members, max_norm, norm_type, int(self.bucket_mb * 2**20))
@@ -149,6 +164,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         tensor.grad.detach_()
                         tensor.grad.zero_()
 
+    def _local_grads_to_fold(self, members: list[ShardedParam]) -> list[ShardedParam]:
+        """The members whose full local ``param.grad`` is reduced onto ``shard.grad`` before the update.
+
+        At stages 2 and 3 the compiled backward writes the shard's gradient, so a ``param.grad``
+        comes from the parameter running outside the compiled graphs: Dynamo ran the frame eagerly
+        (recompile limit, skipped frame) or the user's eager code did. Its gradient is reduced like
+        stage 1's, so training stays exact (without overlap); ignoring it would leave the weights
+        unchanged with no error. Said once per optimizer.
+        """
+        eager = [m for m in members if m.stage != 1 and m.param.grad is not None]
+        if eager and not self._warned_eager_grads:
+            self._warned_eager_grads = True
+            log.warning(
+                "zcompile: %d stage-%d parameters (%s, ...) got gradients outside the compiled graphs: Dynamo ran "
+                "their frame eagerly (its recompile limit, a skipped frame or a graph break; see Dynamo's warnings "
+                "and TORCH_LOGS=recompiles,graph_breaks) or eager code used them. They are reduce-scattered at the "
+                "step, so training stays exact but this communication is not overlapped; make the frame compile "
+                "to get it back.", len(eager), eager[0].stage, eager[0].name)
+        return [m for m in members if m.param.grad is not None and (m.stage != 1 or m.shard.grad is not None)]
+
     def _sharded(self, param: torch.Tensor, index: int) -> ShardedParam | None:
         """The shard of ``param``; a parameter trained outside any compiled graph is sharded here
         (stage-1 semantics, see ``param_shards.shard_eager_parameter``)."""
@@ -157,6 +192,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return sharded
         group = next((s.group for s in map(shard_of, self._all_params()) if s is not None), None)
         return shard_eager_parameter(param, index, group if group is not None else DataParallelGroup.resolve(None))
+
+    def _members(self) -> list[ShardedParam]:
+        return [s for s in dict.fromkeys(map(shard_of, self._all_params())) if s is not None]
 
     def _refuse_state_probe(self) -> None:
         """DCP's ``get_optimizer_state_dict`` makes the state of a fresh optimizer by a step with zero
@@ -201,18 +239,19 @@ class AdamW(ShardedOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, bucket_mb: float = 4.0,
-                 max_grad_norm: float | None = None, **unsupported: Any):
+                 max_grad_norm: float | None = None, check_timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                 **unsupported: Any):
         if amsgrad:
             raise ValueError("zcompile.optim.AdamW: amsgrad=True is not supported; use amsgrad=False")
         if unsupported:
             raise TypeError(
                 f"zcompile.optim.AdamW: unsupported arguments {sorted(unsupported)}; "
-                "supported: lr, betas, eps, weight_decay, bucket_mb, max_grad_norm"
+                "supported: lr, betas, eps, weight_decay, bucket_mb, max_grad_norm, check_timeout_s"
             )
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"zcompile.optim.AdamW: invalid hyper-parameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), bucket_mb,
-                         max_grad_norm)
+                         max_grad_norm, check_timeout_s=check_timeout_s)
 
     def _update(self, shard, grad, grad_scale, state, group, lowp_out):
         if not state:
@@ -231,13 +270,14 @@ class SGD(ShardedOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, bucket_mb: float = 4.0,
-                 max_grad_norm: float | None = None):
+                 max_grad_norm: float | None = None, check_timeout_s: float | None = DEFAULT_TIMEOUT_S):
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"zcompile.optim.SGD: invalid hyper-parameters lr={lr} momentum={momentum} weight_decay={weight_decay}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("zcompile.optim.SGD: nesterov requires momentum > 0 and zero dampening")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
-                                      weight_decay=weight_decay, nesterov=nesterov), bucket_mb, max_grad_norm)
+                                      weight_decay=weight_decay, nesterov=nesterov), bucket_mb, max_grad_norm,
+                         check_timeout_s=check_timeout_s)
 
     def _update(self, shard, grad, grad_scale, state, group, lowp_out):
         first_step = "momentum_buffer" not in state

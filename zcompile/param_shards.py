@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from zcompile.process_group import DataParallelGroup, all_gather_eager
+from zcompile.process_group import DataParallelGroup, all_gather_eager, gather_to_first_eager
+from zcompile.sharded_parameter import mark_sharded
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class ShardedParam:
     # collectives issued for this step's gradient before the step (stage 1's reduce-scatter and the
     # norm's all-reduce when gradients are clipped, see zcompile.clip); the step reports and clears them
     pre_step_records: list = field(default_factory=list, repr=False)
+    # compiled calls with gradients enabled since the ranks last agreed on a step (zcompile.step_agreement)
+    training_calls: int = field(default=0, repr=False)
     shape: torch.Size = field(init=False)
     numel: int = field(init=False)
     _replicated_alias: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -129,18 +132,28 @@ class ShardedParam:
         """Drops the full-size storage (stage 3 at rest); shape and strides are kept."""
         self.param.untyped_storage().resize_(0)
 
-    def materialize_full(self) -> None:
-        """Re-allocates the full storage and fills it from every rank's shard (collective)."""
+    def materialize_full(self, rank0_only: bool = False) -> None:
+        """Re-allocates the full storage and fills it from every rank's shard (collective).
+
+        ``rank0_only``: gathered to the group's rank 0 only; the other ranks send their shard and
+        stay freed.
+        """
+        shard = self.shard.detach().to(self.param.dtype)
+        if rank0_only and self.group.rank != 0:
+            gather_to_first_eager(None, shard, self.group)
+            return
         if self.is_freed:
             nbytes = self.numel * self.param.element_size()
             self.param.untyped_storage().resize_(nbytes)
         flat_full = self.param.data.view(-1)
-        shard = self.shard.detach().to(self.param.dtype)
         if self.group.world_size == 1:
             flat_full.copy_(shard[: self.numel])
             return
         gathered = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
-        all_gather_eager(gathered, shard, self.group)
+        if rank0_only:
+            gather_to_first_eager(gathered, shard, self.group)
+        else:
+            all_gather_eager(gathered, shard, self.group)
         flat_full.copy_(gathered[: self.numel])
 
     def padded_flat(self, full: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -190,6 +203,7 @@ def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: Dat
     shard.requires_grad_(param.requires_grad)
     setattr(param, SHARD_ATTR, sharded)
     if stage == 3:
+        mark_sharded(param)  # eager use of the freed parameter raises a clear error (zcompile.sharded_parameter)
         sharded.free_full()
     log.debug("sharded %s %s -> %d elements on rank %d", name, tuple(param.shape), shard_numel, group.rank)
     return sharded

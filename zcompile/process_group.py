@@ -52,6 +52,12 @@ def reduce_scatter_eager(out: torch.Tensor, full: torch.Tensor, group: DataParal
     return _reduce_scatter_flat(out, full, op=dist.ReduceOp.SUM, group=group.process_group, async_op=async_op)
 
 
+def gather_to_first_eager(out: torch.Tensor | None, shard: torch.Tensor, group: DataParallelGroup) -> None:
+    """``out`` (on the group's rank 0; None elsewhere) = every rank's ``shard`` concatenated."""
+    pieces = list(out.view(group.world_size, -1).unbind(0)) if group.rank == 0 else None
+    dist.gather(shard, pieces, group_dst=0, group=group.process_group)
+
+
 def all_reduce_eager(tensor: torch.Tensor, group: DataParallelGroup, op: dist.ReduceOp.RedOpType) -> None:
     """``tensor`` (in place) = ``op`` over every rank's ``tensor`` (a scalar, for gradient clipping)."""
     dist.all_reduce(tensor, op=op, group=group.process_group)

@@ -58,6 +58,8 @@ class RunSpec:
     # how the zero run clips: "optimizer" (optimizer.clip_grad_norm_), "option" (max_grad_norm=, 2-norm
     # only) or "torch" (torch.nn.utils.clip_grad_norm_ over model.parameters()); the reference uses torch's
     clip_via: str = "optimizer"
+    dynamic: bool | None = None  # torch.compile(dynamic=...) of the zero run
+    recompile_limit: int | None = None  # torch._dynamo.config.recompile_limit during the zero run (None: torch's)
 
 
 @dataclass
@@ -118,26 +120,15 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     model = build_model(spec.model)
     compiled_graphs = []
     options = {"stage": spec.stage, "compiler": "eager", "on_compile": compiled_graphs.append, **spec.options}
-    compiled = torch.compile(model, backend="zero", options=options)
+    compiled = torch.compile(model, backend="zero", options=options, dynamic=spec.dynamic)
     optimizer = None if spec.optimizer_after_forward else _optimizer(spec, model.parameters(), zero=True)
     losses, state_bytes, grad_norms = [], 0, []
-    for step in range(spec.steps):
-        step_loss = 0.0
-        for tokens, targets in micro_batches(spec, step, rank, world):
-            loss = model_loss(spec.model, compiled, tokens, targets) / spec.grad_accum
-            loss.backward()
-            step_loss += loss.detach()
-            if optimizer is None:
-                optimizer = _optimizer(spec, model.parameters(), zero=True)
-        norm = _clip_before_step(spec, model, optimizer)
-        optimizer.step()
-        if spec.clip is not None:
-            grad_norms.append(norm if norm is not None else optimizer.last_grad_norm)
-        state_bytes = zcompile.model_state_bytes(model, optimizer).total
-        optimizer.zero_grad(set_to_none=spec.zero_grad_to_none)
-        if world > 1:
-            dist.all_reduce(step_loss)
-        losses.append(float(step_loss) / world)
+    limit = spec.recompile_limit or torch._dynamo.config.recompile_limit
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        for step in range(spec.steps):
+            optimizer = _train_zero_step(spec, compiled, model, optimizer, step, rank, world, losses, grad_norms)
+            state_bytes = zcompile.model_state_bytes(model, optimizer).total
+            optimizer.zero_grad(set_to_none=spec.zero_grad_to_none)
     collectives = step_collectives(compiled_graphs, optimizer)
     with zcompile.gathered(model):
         params = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -149,6 +140,27 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
         facts["report_kept_bytes"] = zcompile.step_report(model, optimizer).memory["kept_gathered_bytes"]
     return RunResult(losses, params, state_bytes, sum(p.numel() for p in unique), padded, collectives, graphs,
                      facts, grad_norms)
+
+
+def _train_zero_step(spec: RunSpec, compiled, model, optimizer, step: int, rank: int, world: int, losses: list,
+                     grad_norms: list):
+    """One step of ``train_zero`` (its micro-batches, clip, update); returns the optimizer (made at the
+    first backward with ``optimizer_after_forward``)."""
+    step_loss = 0.0
+    for tokens, targets in micro_batches(spec, step, rank, world):
+        loss = model_loss(spec.model, compiled, tokens, targets) / spec.grad_accum
+        loss.backward()
+        step_loss += loss.detach()
+        if optimizer is None:
+            optimizer = _optimizer(spec, model.parameters(), zero=True)
+    norm = _clip_before_step(spec, model, optimizer)
+    optimizer.step()
+    if spec.clip is not None:
+        grad_norms.append(norm if norm is not None else optimizer.last_grad_norm)
+    if world > 1:
+        dist.all_reduce(step_loss)
+    losses.append(float(step_loss) / world)
+    return optimizer
 
 
 def train_reference(spec: RunSpec, world: int = 1, microbatch_like_ranks: bool = False,

@@ -1,0 +1,145 @@
+"""Code outside the compiled graphs is never silently wrong and never hangs.
+
+Eager fallbacks (Dynamo's recompile limit) train exactly at stages 1 and 2 and fail with a clear
+error at stage 3; eager use of a stage-3 weight names ``zcompile.gathered``; rank-divergent code
+(``gathered`` or ``optimizer.step()`` on some ranks only) is a ``RankDivergenceError`` on every
+rank in seconds instead of a wait for the process-group timeout.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zcompile
+from support.launch import run_ranks
+from support.models import build_model, global_batch
+from support.training import RunSpec, assert_same_training, micro_batches, train_reference, train_zero
+from zcompile.rank_check import RankDivergenceError
+from zcompile.sharded_parameter import ShardedParameterError
+
+# a new sequence length every step with static shapes: from the third step on, Dynamo is past its
+# recompile limit of 2 and runs the model's forward frame eagerly
+FALLBACK = dict(seq_lens=(16, 8, 12, 10), steps=4, dynamic=False, recompile_limit=2, optimizer="sgd", lr=0.1)
+
+
+def _stage3_model_after_one_step():
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 3})
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1)
+    tokens, targets = global_batch(0, 2)
+    compiled(tokens, targets).backward()
+    optimizer.step()
+    return model, compiled, (tokens, targets)
+
+
+def test_eager_use_of_a_stage3_weight_names_gathered():
+    model, compiled, (tokens, targets) = _stage3_model_after_one_step()
+    weight = model.blocks[0].attn.qkv.weight
+    assert weight.shape == (96, 32) and weight.dtype == torch.float32  # metadata stays readable
+    with pytest.raises(ShardedParameterError, match=r"'blocks\.0\.attn\.qkv\.weight'.*sharded.*zcompile\.gathered"):
+        weight.sum()
+    with pytest.raises(ShardedParameterError, match="zcompile.gathered"), torch.no_grad():
+        weight.data.fill_(0.0)  # a write through .data: was a write into freed storage
+    with pytest.raises(ShardedParameterError, match="outside torch.compile.*zcompile.gathered"):
+        model(tokens, targets)  # the original module, not the compiled one
+    with zcompile.gathered(model):
+        eager = model(tokens, targets)
+        assert type(weight.sum()) is torch.Tensor  # ops on the gathered weight give plain tensors
+    with torch.no_grad():
+        torch.testing.assert_close(eager, compiled(tokens, targets), rtol=0, atol=0)
+    with pytest.raises(ShardedParameterError):
+        weight.sum()  # freed again after the block
+
+
+def test_recompile_limit_at_stage3_names_the_limit():
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 3}, dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        compiled(*global_batch(0, 2, (16,))).backward()
+        with pytest.raises(ShardedParameterError, match=r"recompile_limit \(cache_size_limit\) = 1.*mark_dynamic"):
+            compiled(*global_batch(0, 2, (8,)))
+
+
+def test_gathered_refuses_writeback_with_rank0_only():
+    with pytest.raises(ValueError, match="writeback=True with rank0_only=True"):
+        with zcompile.gathered(torch.nn.Linear(2, 2), writeback=True, rank0_only=True):
+            pass
+
+
+def _fallback_runs(rank, world):
+    torch.manual_seed(0)
+    return [train_zero(RunSpec(stage=stage, **FALLBACK), rank, world) for stage in (1, 2)]
+
+
+def test_recompile_limit_at_stages_1_and_2_trains_like_one_process():
+    reference = train_reference(RunSpec(**FALLBACK))
+    for stage, result in zip((1, 2), run_ranks(2, _fallback_runs)[0]):
+        assert_same_training(result, reference, RunSpec(stage=stage, **FALLBACK))
+
+
+def _skip_step_on_rank0(rank, world, stage):
+    """Rank 0 skips its step 1 (`if not isfinite(loss): continue`); both ranks must raise, at once."""
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": stage})
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, check_timeout_s=20)
+    spec = RunSpec(stage=stage)
+    start = None
+    try:
+        for step in range(4):
+            (tokens, targets), = micro_batches(spec, step, rank, world)
+            loss = compiled(tokens, targets)
+            if step == 1 and rank == 0:
+                continue
+            loss.backward()
+            start = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad()
+    except RankDivergenceError as error:
+        return str(error), time.perf_counter() - start
+    return None, None
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_step_skipped_on_one_rank_fails_fast_on_every_rank(stage):
+    for message, seconds in run_ranks(2, _skip_step_on_rank0, stage):
+        assert message is not None, "a step skipped on one rank went unnoticed"
+        assert "different training steps" in message and "skip_nonfinite" in message
+        assert seconds < 10, seconds  # the ranks meet at the next step: no timeout to wait for
+
+
+def _gathered_on_rank0_only(rank, world):
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 3})
+    tokens, targets = global_batch(0, 2)
+    compiled(tokens, targets).backward()
+    with zcompile.gathered(model, rank0_only=True):  # every rank enters; only rank 0 holds the weights
+        on_rank0 = {name: p.detach().clone() for name, p in model.named_parameters()} if rank == 0 else None
+        assert rank == 0 or all(p.untyped_storage().size() == 0 for p in model.parameters())
+    with zcompile.gathered(model):
+        everywhere = {name: p.detach().clone() for name, p in model.named_parameters()}
+    if rank == 0:
+        assert on_rank0.keys() == everywhere.keys()
+        for name, value in everywhere.items():
+            torch.testing.assert_close(on_rank0[name], value, rtol=0, atol=0, msg=name)
+    message = seconds = None
+    if rank == 0:
+        start = time.perf_counter()
+        try:
+            with zcompile.gathered(model, timeout_s=3):
+                pass
+        except RankDivergenceError as error:
+            message, seconds = str(error), time.perf_counter() - start
+    dist.barrier()  # rank 1 went on without entering; rank 0's error must come before this
+    return message, seconds
+
+
+def test_gathered_on_one_rank_fails_fast_and_rank0_only_gathers():
+    (message, seconds), _ = run_ranks(2, _gathered_on_rank0_only)
+    assert message is not None and "ranks [1] did not" in message and "rank0_only=True" in message
+    assert seconds < 10, seconds

@@ -1,0 +1,110 @@
+"""Stage-3 parameters that say they are sharded when eager code touches them.
+
+At rest a stage-3 parameter keeps its shape and strides (Dynamo's guards read them) but its
+storage is freed: the full value exists only inside compiled graphs and ``zcompile.gathered``.
+Eager code that reads or writes it anyway (Dynamo running a frame uncompiled, ``generate()``
+outside ``gathered``, ``model.lm_head.weight.sum()``) would get torch's "setStorage ... out of
+bounds for storage of size 0", or write through a null pointer. So the parameter's class becomes
+``ShardedParameter``, an ``nn.Parameter`` whose ``__torch_function__`` raises
+``ShardedParameterError`` (the parameter, why it is sharded, where Dynamo fell back, the fix) for
+any operation on it while its storage is freed. Metadata (shape, dtype, device, grad, storage) stays
+readable; ``detach()`` and ``.data`` of a freed parameter give a ``FreedTensor`` that raises the same way.
+
+Cost: nothing in compiled graphs (Dynamo traces ``__torch_function__`` with ``is_compiling()``
+true, and the graphs receive the shards, not the parameters); one Python call per eager op on the
+parameter inside ``gathered`` (its storage is there, the op runs unchanged and returns a plain tensor).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._C import DisableTorchFunctionSubclass
+
+from zcompile.dynamo_frame import eager_fallback_reason
+
+NAME_ATTR = "_zcompile_name"  # on a FreedTensor: the parameter it aliases
+
+# reading these never touches the (freed) elements
+_METADATA = {
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.stride, torch.Tensor.numel, torch.Tensor.nelement,
+    torch.Tensor.ndimension, torch.Tensor.untyped_storage, torch.Tensor.storage_offset, torch.Tensor.is_contiguous,
+    torch.Tensor.element_size, torch.Tensor.requires_grad_, torch.Tensor.register_hook,
+    torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.__hash__, torch.Tensor.__format__,
+    *(getattr(torch.Tensor, name).__get__ for name in (
+        "shape", "dtype", "device", "ndim", "layout", "requires_grad", "grad", "is_leaf", "grad_fn", "is_cuda",
+        "is_meta", "is_sparse", "is_quantized", "_base", "is_nested", "itemsize", "nbytes")),
+    torch.Tensor.requires_grad.__set__, torch.Tensor.grad.__set__, torch.Tensor.grad.__delete__,
+}
+# these alias the parameter: the alias must keep refusing (state_dict() detaches before its hooks run)
+_ALIASES = {torch.Tensor.detach, torch.Tensor.data.__get__}
+
+
+class ShardedParameterError(RuntimeError):
+    """Eager code used a stage-3 parameter whose full value exists on no rank."""
+
+
+def mark_sharded(param: torch.nn.Parameter) -> None:
+    """Makes ``param`` refuse eager use while freed (its class becomes ``ShardedParameter``)."""
+    if type(param) is torch.nn.Parameter:
+        param.__class__ = ShardedParameter
+
+
+def is_freed(tensor: torch.Tensor) -> bool:
+    with DisableTorchFunctionSubclass():
+        return tensor.untyped_storage().size() == 0 and tensor.numel() > 0
+
+
+def _guarded_call(func, args, kwargs):
+    kwargs = kwargs or {}
+    with DisableTorchFunctionSubclass():
+        if not torch.compiler.is_compiling() and func not in _METADATA:
+            freed = _first_freed(args, kwargs)
+            if freed is not None:
+                if func in _ALIASES:
+                    alias = func(*args, **kwargs).as_subclass(FreedTensor)
+                    setattr(alias, NAME_ATTR, _name_of(freed))
+                    return alias
+                raise ShardedParameterError(_message(freed, func))
+        return func(*args, **kwargs)
+
+
+class ShardedParameter(torch.nn.Parameter):
+    """A stage-3 ``nn.Parameter``: raises ``ShardedParameterError`` on eager use while freed (module doc)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _guarded_call(func, args, kwargs)
+
+
+class FreedTensor(torch.Tensor):
+    """``detach()`` / ``.data`` of a freed ``ShardedParameter``: refuses element access the same way."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _guarded_call(func, args, kwargs)
+
+
+def _first_freed(args, kwargs) -> torch.Tensor | None:
+    for value in (*args, *kwargs.values()):
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, (ShardedParameter, FreedTensor)) and is_freed(item):
+                return item
+    return None
+
+
+def _name_of(tensor: torch.Tensor) -> str:
+    from zcompile.param_shards import shard_of  # local: param_shards imports this module
+
+    sharded = shard_of(tensor)
+    return sharded.name if sharded is not None else getattr(tensor, NAME_ATTR, "?")
+
+
+def _message(tensor: torch.Tensor, func) -> str:
+    name = getattr(func, "__name__", str(func))
+    return (
+        f"zcompile: parameter {_name_of(tensor)!r} {tuple(tensor.shape)} is sharded (ZeRO stage 3): each rank holds "
+        f"1/N of it and its full value exists only inside the compiled graphs, so eager code cannot use it "
+        f"({name} outside a compiled graph). {eager_fallback_reason()} To use the full weights in eager code "
+        "(generate(), evaluation, export), every rank enters `with zcompile.gathered(model): ...` "
+        "(`gathered(model, rank0_only=True)` gathers to rank 0 only); for checkpoints use zcompile.checkpoint."
+    )

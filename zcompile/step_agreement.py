@@ -1,0 +1,43 @@
+"""The ranks agree, before the collectives of ``optimizer.step()`` or of gradient clipping, that
+every one of them got there from the same training step.
+
+Why: code between the compiled graphs can branch per rank. ``if not torch.isfinite(loss):
+continue`` on one rank skips its step; the other ranks' step then meets that rank's next
+forward/backward in the collectives: a hang until the process group's timeout at stage 2 and,
+where the collectives happen to line up (stage 1), ranks that silently train on different steps.
+
+How: each compiled call with gradients enabled counts one on each of its parameters' shards
+(``ShardSwap`` in ``zcompile.backend``). Before its first collective, a step (or a clip) exchanges
+through the store its call number and the training calls its parameters saw since the last
+agreement. A rank that does not come within the timeout, or comes from a different number of
+training calls, makes every rank that came raise ``RankDivergenceError`` saying which. Evaluation
+under ``torch.no_grad()`` is not counted, so evaluating on rank 0 only stays allowed. The cost is
+one store round trip per step (see the README's fault table).
+"""
+
+from __future__ import annotations
+
+from zcompile.param_shards import ShardedParam
+from zcompile.rank_check import RankDivergenceError, exchange_on_store
+
+DEFAULT_TIMEOUT_S = 60.0
+
+FIX = ("Every rank must call it once per training step, after the same forward/backward calls. A rank that skips a "
+       "step on its own (`if not torch.isfinite(loss): continue`) makes the ranks diverge: let the optimizer skip "
+       "non-finite steps on every rank together (zcompile.optim.AdamW(..., skip_nonfinite=True)).")
+
+
+def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float | None) -> None:
+    """Raises ``RankDivergenceError`` unless every rank of the members' group reaches ``what`` from
+    the same number of training calls (module docstring); ``timeout_s=None`` skips the check."""
+    if timeout_s is None or not members or members[0].group.world_size == 1:
+        return
+    calls = sum(m.training_calls for m in members)
+    for member in members:
+        member.training_calls = 0
+    arrivals = exchange_on_store([what, calls], members[0].group, timeout_s, "step", f"zcompile {what}", FIX)
+    if any(arrival != [what, calls] for arrival in arrivals):
+        per_rank = {rank: f"{other} after {count} training calls" for rank, (other, count) in enumerate(arrivals)}
+        raise RankDivergenceError(
+            f"zcompile {what}: the ranks come from different training steps (what each rank called, and its compiled "
+            f"calls with gradients since the last step: {per_rank}). {FIX}")
