@@ -94,8 +94,13 @@ def record_compiled_graphs(params: list[torch.nn.Parameter], graphs: CompiledGra
 
 def compiled_graphs_of(model: torch.nn.Module) -> list[CompiledGraphs]:
     """Every ``CompiledGraphs`` the backend recorded on ``model``'s parameters, in compile order."""
+    return compiled_graphs_of_params(model.parameters())
+
+
+def compiled_graphs_of_params(params) -> list[CompiledGraphs]:
+    """Every ``CompiledGraphs`` the backend recorded on ``params``, in compile order."""
     found = []
-    for param in model.parameters():
+    for param in params:
         for graphs in getattr(param, COMPILE_LOG_ATTR, ()):
             if all(graphs is not seen for seen in found):
                 found.append(graphs)

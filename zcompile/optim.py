@@ -17,6 +17,12 @@ Gradient clipping: ``clip_grad_norm_(max_norm)`` between backward and ``step()``
 norm (``zcompile.clip``; at stage 1 that reduce-scatters the gradients before the step, and the
 step does not reduce them again). ``last_grad_norm`` is the norm before clipping of the last step.
 
+Non-finite gradients: with ``skip_nonfinite=True`` (default: on under fp16) a step whose gradients
+are not finite on any rank is skipped by every rank together, decided from one all-reduced flag
+(``zcompile.nonfinite``); ``skipped_steps`` counts them. Before its first collective a step checks
+that every rank is taking it after the same training calls (``zcompile.step_agreement``,
+``check_timeout_s``), so a rank that skips its step alone is an error on every rank, not a hang.
+
 The update is one fused pass (``zcompile.kernels.fused_optim``): the Triton kernel on GPU, its
 pure-torch reference on CPU. When the replicated parameter is in a low-precision dtype, the same
 pass writes the updated shard in that dtype, ready to be all-gathered.
@@ -25,6 +31,7 @@ pass writes the updated shard in that dtype, ready to be all-gathered.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, Iterable
 
 import torch
@@ -39,6 +46,7 @@ from zcompile.optim_buckets import (BucketedGradReduce, BucketedParamRefresh, pl
                                     reduce_grads_onto_shards)
 from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of
 from zcompile.step_agreement import DEFAULT_TIMEOUT_S, agree_before_step
+from zcompile.nonfinite import nonfinite_flag, skip_nonfinite_by_default
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +55,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """Base class: gradient collection and parameter refresh around a per-shard update rule."""
 
     def __init__(self, params: Iterable, defaults: dict, bucket_mb: float = 4.0, max_grad_norm: float | None = None,
-                 check_timeout_s: float | None = DEFAULT_TIMEOUT_S):
+                 check_timeout_s: float | None = DEFAULT_TIMEOUT_S, skip_nonfinite: bool | None = None):
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb < 0:
             raise ValueError(f"{type(self).__name__}: bucket_mb must be a number >= 0 (MiB), got {bucket_mb!r}")
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
@@ -61,6 +69,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: check_timeout_s must be None or a number > 0, got {check_timeout_s!r}")
         # how long step() waits for every rank to reach it (zcompile.step_agreement); None: no check
         self.check_timeout_s = check_timeout_s
+        if skip_nonfinite is not None and not isinstance(skip_nonfinite, bool):
+            raise ValueError(f"{type(self).__name__}: skip_nonfinite must be None, True or False, got {skip_nonfinite!r}")
+        self.skip_nonfinite = skip_nonfinite  # skip steps with non-finite gradients (None: under fp16 only)
+        self.skipped_steps = 0  # steps skipped so far because a gradient was not finite on some rank
+        self.last_step_skipped = False
         self._clipped_since_step = False
         self._warned_eager_grads = False
         super().__init__(params, defaults)
@@ -104,6 +117,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # stages 2 and 3: a gradient from eager code) is reduced and folded in now
         early = [r for s, _, _ in todo for r in s.take_pre_step_records()]
         early += reduce_grads_onto_shards(self._local_grads_to_fold([s for s, _, _ in todo]), bucket_bytes)
+        self.last_step_skipped, flag_records = self._nonfinite_step([s for s, _, _ in todo])
+        if self.last_step_skipped:
+            self.last_step_collectives = early + flag_records
+            return loss
+        early += flag_records
         reduced = [s for s, _, _ in todo if s.stage == 1 and s.group.world_size > 1 and s.shard.grad is None]
         reducer = BucketedGradReduce(plan_optimizer_buckets(reduced, lambda s: s.grad_reduce_dtype, bucket_bytes))
         refreshed = [s for s, _, _ in todo if s.stage in (1, 2)]
@@ -163,6 +181,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     else:
                         tensor.grad.detach_()
                         tensor.grad.zero_()
+
+    def _nonfinite_step(self, members: list[ShardedParam]) -> tuple[bool, list[CollectiveRecord]]:
+        """Whether this step is skipped (``skip_nonfinite``; the same on every rank, ``zcompile.nonfinite``)
+        and the collectives deciding it took."""
+        enabled = self.skip_nonfinite
+        if enabled is None:
+            enabled = skip_nonfinite_by_default(list(self._all_params()))
+        if not enabled or not members:
+            return False, []
+        if self.last_grad_norm is not None:  # clipped this step: the global norm decides, no extra collective
+            nonfinite, records = not math.isfinite(self.last_grad_norm), []
+        else:
+            nonfinite, record = nonfinite_flag(members)
+            records = [record] if record is not None else []
+        if nonfinite:
+            self.skipped_steps += 1
+            log.warning("zcompile: step skipped on every rank: a gradient is not finite on some rank (%d skipped so "
+                        "far; skip_nonfinite)", self.skipped_steps)
+        return nonfinite, records
 
     def _local_grads_to_fold(self, members: list[ShardedParam]) -> list[ShardedParam]:
         """The members whose full local ``param.grad`` is reduced onto ``shard.grad`` before the update.
@@ -240,18 +277,18 @@ class AdamW(ShardedOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, bucket_mb: float = 4.0,
                  max_grad_norm: float | None = None, check_timeout_s: float | None = DEFAULT_TIMEOUT_S,
-                 **unsupported: Any):
+                 skip_nonfinite: bool | None = None, **unsupported: Any):
         if amsgrad:
             raise ValueError("zcompile.optim.AdamW: amsgrad=True is not supported; use amsgrad=False")
         if unsupported:
             raise TypeError(
                 f"zcompile.optim.AdamW: unsupported arguments {sorted(unsupported)}; "
-                "supported: lr, betas, eps, weight_decay, bucket_mb, max_grad_norm, check_timeout_s"
+                "supported: lr, betas, eps, weight_decay, bucket_mb, max_grad_norm, check_timeout_s, skip_nonfinite"
             )
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"zcompile.optim.AdamW: invalid hyper-parameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), bucket_mb,
-                         max_grad_norm, check_timeout_s=check_timeout_s)
+                         max_grad_norm, check_timeout_s=check_timeout_s, skip_nonfinite=skip_nonfinite)
 
     def _update(self, shard, grad, grad_scale, state, group, lowp_out):
         if not state:
@@ -270,14 +307,15 @@ class SGD(ShardedOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, bucket_mb: float = 4.0,
-                 max_grad_norm: float | None = None, check_timeout_s: float | None = DEFAULT_TIMEOUT_S):
+                 max_grad_norm: float | None = None, check_timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                 skip_nonfinite: bool | None = None):
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"zcompile.optim.SGD: invalid hyper-parameters lr={lr} momentum={momentum} weight_decay={weight_decay}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("zcompile.optim.SGD: nesterov requires momentum > 0 and zero dampening")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov), bucket_mb, max_grad_norm,
-                         check_timeout_s=check_timeout_s)
+                         check_timeout_s=check_timeout_s, skip_nonfinite=skip_nonfinite)
 
     def _update(self, shard, grad, grad_scale, state, group, lowp_out):
         first_step = "momentum_buffer" not in state

@@ -51,6 +51,7 @@ class StepReport:
     memory: dict[str, int]
     schedule: list[OverlapRecord] = field(default_factory=list)
     grad_norm: float | None = None  # the optimizer's pre-clip gradient norm of the step (None: not clipped)
+    skipped_steps: int = 0  # steps the optimizer skipped so far because a gradient was not finite (skip_nonfinite)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -92,7 +93,8 @@ class StepReport:
                if mem.get("kept_gathered_bytes") else ""),
             f"schedule: {len(self.schedule)} collectives in graphs, {exposed} with no compute between issue "
             "and wait (exposed)",
-        ] + ([f"gradient norm {self.grad_norm:.6g} (before clipping)"] if self.grad_norm is not None else [])
+        ] + ([f"gradient norm {self.grad_norm:.6g} (before clipping)"] if self.grad_norm is not None else []) + (
+            [f"{self.skipped_steps} step(s) skipped: gradients not finite (skip_nonfinite)"] if self.skipped_steps else [])
 
     def render(self) -> str:
         """The report as plain text (what ``print`` shows without rich)."""
@@ -164,6 +166,7 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
         },
         schedule=schedule,
         grad_norm=getattr(optimizer, "last_grad_norm", None),
+        skipped_steps=getattr(optimizer, "skipped_steps", 0),
     )
 
 

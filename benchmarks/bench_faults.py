@@ -1,0 +1,249 @@
+"""The fault table: what a user sees, and how fast, when code outside the compiled graphs goes wrong.
+
+    python benchmarks/bench_faults.py [--out benchmarks/results/faults_2.json] [--only NAME ...]
+
+Each fault is a fresh run of 2 gloo ranks on this machine (``tests/support/launch.run_ranks``)
+training the example GPT (``examples/gpt.py``: 2 layers, n_embd 64, seq 32, batch 4 per rank) with
+the default options and timeouts (``check_timeout_s`` 60 s). One rank misbehaves the way real
+training loops do; every rank records what it ended with (no error, or the exception's type and
+first line) and the wall-clock seconds from the moment the first rank misbehaved to its own end
+(both ranks run on this machine, so ``time.time()`` is one clock). A rank still running after
+300 s is a hang and is reported as such. Run it after a change to the checks and paste the table
+into the README's fault table.
+
+The per-step cost of the checks themselves is ``bench_step_checks.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests"), os.path.join(HERE, "..", "examples")]
+
+from common import print_table  # noqa: E402
+from support.launch import run_ranks  # noqa: E402
+
+SEQ = 32
+
+
+def _model_and_batches(stage: int, options: dict | None = None, dynamic=None, lr: float = 1e-2):
+    import zcompile
+    from gpt import GPT, GPTConfig
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=SEQ, n_layer=2, n_head=2, n_embd=64))
+    compiled = torch.compile(model, backend="zero", options={"stage": stage, **(options or {})}, dynamic=dynamic)
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=lr)
+    return model, compiled, optimizer
+
+
+def _batch(step: int, rank: int, seq: int = SEQ):
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, 256, (4, seq), generator=generator)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def _train(compiled, optimizer, steps, rank, seq_of=lambda step: SEQ):
+    for step in steps:
+        loss = compiled(*_batch(step, rank, seq_of(step)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return float(loss.detach())
+
+
+class Clock:
+    """When the first rank misbehaved (written to a file every rank reads at the end)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def mark(self) -> None:
+        with open(self.path, "w") as handle:
+            handle.write(repr(time.time()))
+
+    def since(self) -> float | None:
+        if not os.path.exists(self.path):
+            return None
+        with open(self.path) as handle:
+            return time.time() - float(handle.read())
+
+
+def _outcome(body, clock: Clock):
+    try:
+        detail = body()
+        return {"result": "no error", "detail": detail, "seconds": clock.since()}
+    except BaseException as error:  # what the user sees is the point here
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return {"result": type(error).__name__, "detail": first[:300], "seconds": clock.since()}
+
+
+# -- the faults: each runs on every rank, returns this rank's outcome --------------------------------
+
+def recompile_limit(rank, world, clock_path, stage):
+    clock = Clock(clock_path)
+    model, compiled, optimizer = _model_and_batches(stage, dynamic=False)
+
+    def body():
+        torch._dynamo.config.recompile_limit = 2
+        _train(compiled, optimizer, range(2), rank, lambda step: 8 + 4 * step)
+        if rank == 0:
+            clock.mark()  # from the third sequence length on, Dynamo runs the forward eagerly
+        return f"loss {_train(compiled, optimizer, range(2, 6), rank, lambda step: 8 + 4 * step):.4f}"
+
+    return _outcome(body, clock)
+
+
+def eager_weight_read(rank, world, clock_path):
+    clock = Clock(clock_path)
+    model, compiled, optimizer = _model_and_batches(3)
+    _train(compiled, optimizer, range(1), rank)
+
+    def body():
+        clock.mark()
+        return float(model.head.weight.norm())
+
+    return _outcome(body, clock)
+
+
+def gathered_on_rank0_only(rank, world, clock_path):
+    import zcompile
+
+    clock = Clock(clock_path)
+    model, compiled, optimizer = _model_and_batches(3)
+    _train(compiled, optimizer, range(1), rank)
+
+    def body():
+        if rank == 0:
+            clock.mark()
+            with zcompile.gathered(model):
+                torch.save(model.state_dict(), os.path.join(os.path.dirname(clock_path), "model.pt"))
+        return _train(compiled, optimizer, range(1, 3), rank)
+
+    return _outcome(body, clock)
+
+
+def step_skipped_on_one_rank(rank, world, clock_path, stage):
+    clock = Clock(clock_path)
+    model, compiled, optimizer = _model_and_batches(stage)
+
+    def body():
+        for step in range(4):
+            loss = compiled(*_batch(step, rank))
+            if step == 1 and rank == 0:  # `if not torch.isfinite(loss): continue` on one rank
+                clock.mark()
+                continue
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return float(loss.detach())
+
+    return _outcome(body, clock)
+
+
+def eval_on_rank0_only(rank, world, clock_path, stage):
+    clock = Clock(clock_path)
+    model, compiled, optimizer = _model_and_batches(stage)
+    _train(compiled, optimizer, range(1), rank)
+
+    def body():
+        if rank == 0:
+            clock.mark()
+            with torch.no_grad():
+                compiled(*_batch(100, rank))
+        return _train(compiled, optimizer, range(1, 3), rank)
+
+    return _outcome(body, clock)
+
+
+def shape_change_on_one_rank(rank, world, clock_path):
+    clock = Clock(clock_path)
+    model, compiled, optimizer = _model_and_batches(2, dynamic=False)
+    _train(compiled, optimizer, range(1), rank)
+
+    def body():
+        if rank == 0:
+            clock.mark()
+        return _train(compiled, optimizer, range(1, 3), rank, lambda step: SEQ // 2 if rank == 0 else SEQ)
+
+    return _outcome(body, clock)
+
+
+def nan_on_one_rank(rank, world, clock_path):
+    import zcompile
+
+    clock = Clock(clock_path)
+    model, compiled, _ = _model_and_batches(2)
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-2, skip_nonfinite=True)
+
+    def body():
+        for step in range(3):
+            loss = compiled(*_batch(step, rank))
+            if step == 1 and rank == 0:
+                clock.mark()
+                loss = loss * float("nan")
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        digest = sum(float(p.double().sum()) for p in model.parameters())
+        return f"skipped {optimizer.skipped_steps} step(s); parameter sum {digest:.6f}"
+
+    return _outcome(body, clock)
+
+
+FAULTS = {
+    "recompile limit, stage 2": (recompile_limit, 2),
+    "recompile limit, stage 3": (recompile_limit, 3),
+    "stage-3 weight read outside gathered()": (eager_weight_read,),
+    "gathered() on rank 0 only": (gathered_on_rank0_only,),
+    "step skipped on one rank, stage 1": (step_skipped_on_one_rank, 1),
+    "step skipped on one rank, stage 2": (step_skipped_on_one_rank, 2),
+    "step skipped on one rank, stage 3": (step_skipped_on_one_rank, 3),
+    "eval on rank 0 only (no_grad), stage 2": (eval_on_rank0_only, 2),
+    "eval on rank 0 only (no_grad), stage 3": (eval_on_rank0_only, 3),
+    "input shape changes on one rank, stage 2": (shape_change_on_one_rank,),
+    "NaN loss on one rank, skip_nonfinite": (nan_on_one_rank,),
+}
+
+
+def run_fault(name: str, out_dir: str) -> list[dict]:
+    fn, *args = FAULTS[name]
+    clock_path = os.path.join(out_dir, name.replace(" ", "_").replace("/", "_") + ".clock")
+    try:
+        return run_ranks(2, fn, clock_path, *args, timeout_s=300)
+    except TimeoutError as error:
+        return [{"result": "HANG", "detail": str(error)[:300], "seconds": 300.0}] * 2
+
+
+def main() -> None:
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "faults_2.json"))
+    parser.add_argument("--only", nargs="*", default=None, help="names of FAULTS to run (default: all)")
+    args = parser.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as out_dir:
+        for name in args.only or FAULTS:
+            results[name] = run_fault(name, out_dir)
+    rows = []
+    for name, ranks in results.items():
+        for rank, outcome in enumerate(ranks):
+            seconds = "" if outcome["seconds"] is None else f"{outcome['seconds']:.1f}"
+            rows.append((name if rank == 0 else "", str(rank), outcome["result"], seconds, outcome["detail"][:110].replace("[", "(")))
+    print_table("faults, 2 gloo ranks, default timeouts", ("fault", "rank", "ends with", "s", "first line"), rows)
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump({"torch": torch.__version__, "cores": os.cpu_count(), "faults": results}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

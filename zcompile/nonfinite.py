@@ -1,0 +1,52 @@
+"""Steps whose gradients are not finite, skipped by every rank together.
+
+A NaN or inf gradient on one rank reaches the others only through the reductions, and at stages
+2 and 3 only the shards its elements fall in: a rank deciding from its own gradients would skip a
+step the others take, and the ranks' weights (and then their collectives) diverge. So the
+decision is one flag all-reduced (MAX) over the group: every rank skips, or none. When the step
+clips, the global gradient norm already went through an all-reduce and is not finite exactly when
+some rank's gradient is not: it decides, with no extra collective.
+
+The rank-local ``if not torch.isfinite(loss): continue`` is the pattern this replaces: a rank that
+skips alone leaves the others waiting in their step (zcompile.step_agreement then fails every rank).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zcompile.comm_volume import CollectiveRecord
+from zcompile.param_shards import ShardedParam
+from zcompile.process_group import all_reduce_eager
+
+
+def local_grads_finite(members: list[ShardedParam]) -> bool:
+    """Whether every gradient this rank holds for ``members`` (shard and full) is finite."""
+    grads = [g.detach() for m in members for g in (m.shard.grad, m.param.grad) if g is not None]
+    if not grads:
+        return True
+    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+
+def nonfinite_flag(members: list[ShardedParam]) -> tuple[bool, CollectiveRecord | None]:
+    """Whether any rank of the members' group has a non-finite gradient (collective: one scalar
+    all-reduce), and the record of that all-reduce (None in a world of one)."""
+    nonfinite = not local_grads_finite(members)
+    group = members[0].group if members else None
+    if group is None or group.world_size == 1:
+        return nonfinite, None
+    flag = torch.tensor(float(nonfinite), device=members[0].shard.device)
+    all_reduce_eager(flag, group, dist.ReduceOp.MAX)
+    record = CollectiveRecord("all_reduce", 1, torch.float32, "optimizer", (), group.name or "", group.world_size)
+    return bool(flag.item() > 0), record
+
+
+def skip_nonfinite_by_default(params: list[torch.nn.Parameter]) -> bool:
+    """``skip_nonfinite=None``: on under fp16 (parameters in fp16, or compiled with param_dtype fp16),
+    where overflowing gradients are expected; off otherwise."""
+    from zcompile.compiled import compiled_graphs_of_params  # local: compiled imports the pass layer
+
+    if any(p.dtype == torch.float16 for p in params):
+        return True
+    return any(g.context.config.param_dtype == torch.float16 for g in compiled_graphs_of_params(params))
