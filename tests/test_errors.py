@@ -57,6 +57,8 @@ def _train_divergent(rank, world, kind):
     options = {"stage": 3, "check_timeout_s": 5}
     if kind == "options" and rank == 1:
         options["param_dtype"] = "bf16"
+    if kind == "buckets" and rank == 1:
+        options["bucket_mb"] = 0  # not in the plan: the Dynamo-level check passes, the forward's gathers differ
     if kind == "missing" and rank == 1:
         return "skipped"  # rank 1 never compiles: rank 0 must time out, not hang
     tokens, targets = global_batch(0, 2)
@@ -67,7 +69,7 @@ def _train_divergent(rank, world, kind):
     return "no error"
 
 
-@pytest.mark.parametrize("kind", ["model", "options", "missing"])
+@pytest.mark.parametrize("kind", ["model", "options", "buckets", "missing"])
 def test_divergent_ranks_fail_fast(kind):
     outcomes = run_ranks(2, _train_divergent, kind, timeout_s=120)
     failing = outcomes[:1] if kind == "missing" else outcomes
@@ -75,5 +77,14 @@ def test_divergent_ranks_fail_fast(kind):
         assert "RankDivergenceError" in outcome, outcome
     if kind == "missing":
         assert "ranks [1] did not within 5s" in outcomes[0]
-    else:
-        assert "would issue different collectives" in outcomes[0]
+        return
+    assert outcomes[0] == outcomes[1] and "would issue different collectives" in outcomes[0]
+    assert {  # what differs, first: a parameter, a setting, a collective (of the forward graph, after its passes)
+        "model": "(parameter #0: rank 0: parameter 'wte.weight' shape [256, 32] float32; "
+                 "rank 1: parameter 'wte.weight' shape [253, 21] float32)",
+        "options": "(setting 'param_dtype': rank 0 None, rank 1 bfloat16)",
+        "buckets": "forward graph of Dynamo graph 0_0 would issue different collectives on different ranks "
+                   "(collective #0: rank 0: all_gather of [17088] float32 moving 28 parameters: 'wte.weight', "
+                   "'wpe.weight', 'blocks.0.ln_1.weight', 'blocks.0.ln_1.bias', ...; "
+                   "rank 1: all_gather of [4096] float32 moving parameter 'wte.weight')",
+    }[kind] in outcomes[0]

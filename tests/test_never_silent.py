@@ -143,3 +143,26 @@ def test_gathered_on_one_rank_fails_fast_and_rank0_only_gathers():
     (message, seconds), _ = run_ranks(2, _gathered_on_rank0_only)
     assert message is not None and "ranks [1] did not" in message and "rank0_only=True" in message
     assert seconds < 10, seconds
+
+
+def test_generate_needs_gathered_and_matches_plain_torch():
+    """``generate()`` of a Hugging Face model trained at stage 3: an error naming ``gathered`` without
+    it; inside it, the same tokens as the plain model holding the same weights."""
+    pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    model = build_model("hf_gpt2")
+    compiled = torch.compile(model, backend="zero", options={"stage": 3})
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1)
+    tokens, _ = global_batch(0, 2)
+    compiled(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    prompt = tokens[:1, :4]
+    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with pytest.raises(ShardedParameterError, match="zcompile.gathered"):
+        model.generate(prompt, **settings)
+    with zcompile.gathered(model):
+        ours = model.generate(prompt, **settings)
+        plain = build_model("hf_gpt2")
+        plain.load_state_dict(model.state_dict())
+    torch.testing.assert_close(ours, plain.generate(prompt, **settings), rtol=0, atol=0)
+    assert ours.shape == (1, 9)

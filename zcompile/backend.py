@@ -34,8 +34,13 @@ from zcompile.pass_runner import PassRunner
 from zcompile.passes.param_collectives import ShardingPlan, plan_sharding
 from zcompile.pipeline import run_passes
 from zcompile.process_group import DataParallelGroup
-from zcompile.rank_check import check_same_collectives
+from zcompile.rank_check import (
+    check_same_collectives,
+    issues_collectives,
+    raise_if_aborted,
+)
 from zcompile.state_dict_hooks import attach_state_dict_hooks
+from zcompile.step_agreement import agree_on_call
 from zcompile.zeropp import attach_groups, resolve_zeropp
 
 log = logging.getLogger(__name__)
@@ -61,7 +66,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     runner = PassRunner.for_graph(gm, resolve_dump_root(config.dump), group.rank)
     runner.dump.write_json(SHARDING_PLAN_FILE, json.loads(plan.to_json()))
     zeropp = resolve_zeropp(config, group)
-    if config.check_ranks and group.world_size > 1:
+    if config.check_ranks and group.world_size > 1 and issues_collectives(plan, zeropp.active):
         check_same_collectives(plan, gm, group, config.check_timeout_s, zeropp.signature() if zeropp.active else None)
     zeropp = attach_groups(zeropp, group)  # makes process groups: only once the ranks agree
     context = CompileContext(config, group, plan, zeropp, runner, _device_type(example_inputs))
@@ -75,7 +80,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     )
     if config.on_compile is not None:
         config.on_compile(graphs)
-    return swap.wrap(compiled)
+    return swap.wrap(compiled, _agreed_call(config, group, gm), config.check_timeout_s)
 
 
 def copy_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -145,14 +150,35 @@ class ShardSwap:
             return args
         return [a if id(a) in originals else fake_mode.from_tensor(a, static_shapes=True) for a in args]
 
-    def wrap(self, compiled: Callable) -> Callable:
+    def wrap(self, compiled: Callable, agreed_call: str | None = None, timeout_s: float = 60.0) -> Callable:
+        """The compiled graph taking the shards; ``agreed_call``: what every rank must be calling
+        before it runs (``zcompile.step_agreement.agree_on_call``), None for no agreement."""
         if not self.plan.params:
             return compiled
 
         def run_with_shards(*args):
-            return compiled(*self.swap(list(args)))
+            try:
+                return compiled(*self.swap(list(args)))
+            except Exception as error:  # a collective failed: maybe another rank left, saying why
+                raise_if_aborted(self.group, error)
+                raise
 
-        return run_with_shards
+        if agreed_call is None:
+            return run_with_shards
+
+        def run_agreed(*args):
+            agree_on_call(self.group, agreed_call, timeout_s)
+            return run_with_shards(*args)
+
+        return run_agreed
+
+
+def _agreed_call(config: ZeroConfig, group: DataParallelGroup, gm: torch.fx.GraphModule) -> str | None:
+    """Stage 3: a call of this graph starts with all-gathers, so the ranks agree on it first
+    (``zcompile.step_agreement``); stages 1 and 2 agree at the step."""
+    if config.stage != 3 or not config.check_ranks or group.world_size == 1:
+        return None
+    return f"a call of compiled graph {gm.meta.get('dynamo_compile_id', '?')}"
 
 
 def _check_devices(plan: ShardingPlan, example_inputs: list, group: DataParallelGroup) -> None:

@@ -40,7 +40,10 @@ class ZeroConfig:
             world of one when no process group is initialized.
         check_ranks: compare, across ranks, the sequence of collectives each compiled graph will
             issue, and fail with a clear error instead of deadlocking when they differ.
-        check_timeout_s: how long the rank check waits for the other ranks' graphs.
+        check_timeout_s: how long the rank check waits for the other ranks' graphs. A rank that does
+            not come in that time (it took another code path) is named in a ``RankDivergenceError``;
+            60 s covers the compile-time skew between ranks on a loaded machine and ends a real
+            divergence long before the process group's own 30-minute timeout.
         on_compile: called with each ``CompiledGraphs`` (the plan and the Dynamo, forward and
             backward graphs, filled in as they compile) for inspection and tests.
         bucket_mb: per-rank size (MiB) up to which consecutive all-gathers, and consecutive
@@ -79,7 +82,7 @@ class ZeroConfig:
     compiler: str = "eager"
     group: Any = None
     check_ranks: bool = True
-    check_timeout_s: float = 300.0
+    check_timeout_s: float = 60.0
     on_compile: Callable[[Any], None] | None = None
     dump: str | None = None
     bucket_mb: float = 4.0

@@ -14,7 +14,11 @@ from zcompile.comm_volume import graph_collectives
 from zcompile.compiled import CompiledGraphs
 from zcompile.dumps import collectives_file
 from zcompile.pipeline import JOINT, PIPELINE, run_passes
-from zcompile.rank_check import check_same_on_all_ranks, sequence_signature
+from zcompile.rank_check import (
+    check_same_on_all_ranks,
+    sequence_difference,
+    sequence_signature,
+)
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +28,11 @@ def _post_partition(graph_module: torch.fx.GraphModule, kind: str, graphs: Compi
     context = graphs.context
     graph_module = run_passes(context, kind, graph_module)
     setattr(graphs, kind, graph_module)
-    if context.config.check_ranks:
+    signature = sequence_signature(graph_module) if context.config.check_ranks else []
+    if signature:  # no collective, nothing to deadlock on: a graph one rank compiles alone (eval) is fine
         # the schedule decided the issue order; every rank must have decided the same
-        check_same_on_all_ranks(sequence_signature(graph_module), context.group, context.config.check_timeout_s,
-                                f"the {kind} graph of Dynamo graph {context.graph_id}")
+        check_same_on_all_ranks(signature, context.group, context.config.check_timeout_s,
+                                f"the {kind} graph of Dynamo graph {context.graph_id}", sequence_difference)
     context.runner.dump.write_json(collectives_file(kind),
                                    [c.to_json() for c in graph_collectives(graph_module, kind)])
     return graph_module

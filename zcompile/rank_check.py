@@ -1,49 +1,64 @@
-"""Compile-time check that every rank's graph issues the same collectives, in the same order.
+"""Compile-time check that every rank's graph issues the same collectives, in the same order, and
+the store exchange that the other cross-rank agreements (``gathered``, checkpoints, steps) share.
 
 A rank whose compiled graph issues different collectives (another model, another stage, a
 parameter missing) would deadlock the job at the first mismatched collective. Each rank publishes
-a digest of its planned collectives in the process group's key-value store under the graph's
-Dynamo compile id and waits, with a timeout, for the others'. The store is used rather than a
-collective so that a rank that never compiles this graph produces a timeout error, not a hang.
+the signature of its planned collectives in the process group's key-value store and waits, with a
+timeout, for the others'. The store is used rather than a collective so that a rank that never
+compiles this graph produces a timeout error, not a hang; the signatures themselves are exchanged
+(not digests) so that the error can name the first setting, parameter or collective that differs.
+
+A rank that raises ``RankDivergenceError`` here first leaves an abort note in the store: the other
+ranks stop waiting in their own exchanges (and a collective that failed because this rank left can
+say why, ``raise_if_aborted``) instead of waiting for a rank that will never come.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 
 from zcompile.passes.collectives import collective_nodes
+from zcompile.passes.metadata import params_of
 from zcompile.process_group import DataParallelGroup, default_store
 
 log = logging.getLogger(__name__)
+
+FIRST_WAIT_S = 1.0  # one store.wait, notified at once: ranks that arrive within it cost no polling
+POLL_S = 0.25  # then store.check every POLL_S (a timed-out store.wait prints c10d warnings each time)
+SHOWN = 4  # extra parameters or collectives listed by name, ranks described, in a difference
+CHECK_FIX = ("The ranks took different compile paths (different models, code paths or input shapes per rank) and "
+             "their collectives would deadlock. Give every rank the same model and inputs of the same shapes "
+             "(drop_last=True in the sampler), or raise check_timeout_s if a rank is only slow. Evaluating on one "
+             "rank only works at stages 1 and 2 under torch.no_grad(); at stage 3 the forward gathers parameters from "
+             "every rank, so evaluate on every rank.")
 
 
 class RankDivergenceError(RuntimeError):
     """The ranks would issue different collectives (and deadlock) if the job went on."""
 
 
+# ---- signatures and where two of them differ (pure functions) ----
+
 def collective_signature(plan, extra: list | None = None) -> list:
-    return list(extra or []) + [plan.stage, plan.world_size, str(plan.param_dtype), str(plan.reduce_dtype)] + [[p.name, list(p.shape), p.requires_grad, str(p.dtype)] for p in plan.params]
-
-
-def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGroup, timeout_s: float,
-                            extra: list | None = None) -> None:
-    """Raises ``RankDivergenceError`` unless all ranks planned identical collectives for this graph.
-
-    ``extra``: more settings that decide the collectives (the ZeRO++ options).
-    """
-    compile_id = str(gm.meta.get("dynamo_compile_id", "unknown"))
-    check_same_on_all_ranks(collective_signature(plan, extra), group, timeout_s, f"graph {compile_id}",
-                            f"this rank's parameters: {[p.name for p in plan.params][:8]}...")
+    """``[settings, parameters]``: what decides a Dynamo graph's collectives, named so a difference can be."""
+    settings = {"stage": plan.stage, "world_size": plan.world_size, "param_dtype": str(plan.param_dtype),
+                "reduce_dtype": str(plan.reduce_dtype)}
+    if extra:
+        settings["zero++"] = list(extra)
+    return [settings, [[p.name, list(p.shape), p.requires_grad, str(p.dtype)] for p in plan.params]]
 
 
 def sequence_signature(gm: torch.fx.GraphModule) -> list:
-    """The collectives of a compiled (aten) graph in issue order: kind, shape, dtype, other arguments.
+    """The collectives of a compiled (aten) graph in issue order: kind, input shape, dtype, other
+    arguments, and the parameters it moves (from the node metadata, when the pass that made it said).
 
     The group is the last argument of every collective op; it is left out because sub-groups
     (one per node) have a different name on each node. Its size is in the other arguments.
@@ -52,10 +67,141 @@ def sequence_signature(gm: torch.fx.GraphModule) -> list:
     for collective in collective_nodes(gm):
         val = collective.input_val
         shape = list(val.shape) if val is not None else None
-        signature.append([str(collective.node.target), shape, str(getattr(val, "dtype", None)),
-                          [str(a) for a in collective.node.args[1:-1]]])
+        signature.append([collective.kind, shape, str(getattr(val, "dtype", None)),
+                          [str(a) for a in collective.node.args[1:-1]], params_of(collective.node)])
     return signature
 
+
+def plan_difference(mine: list, theirs: list, rank: int, other: int) -> str | None:
+    """Where two ranks' ``collective_signature`` first differ, in words; None when they do not."""
+    (settings, params), (other_settings, other_params) = mine, theirs
+    for key in list(settings) + [k for k in other_settings if k not in settings]:
+        if settings.get(key) != other_settings.get(key):
+            return (f"setting {key!r}: rank {rank} {_short(settings.get(key))}, "
+                    f"rank {other} {_short(other_settings.get(key))}")
+    for index, (param, other_param) in enumerate(zip(params, other_params)):
+        if param != other_param:
+            return f"parameter #{index}: rank {rank}: {_param(param)}; rank {other}: {_param(other_param)}"
+    return _more_entries(params, other_params, rank, other, "parameters", lambda p: repr(p[0]))
+
+
+def sequence_difference(mine: list, theirs: list, rank: int, other: int) -> str | None:
+    """Where two ranks' ``sequence_signature`` first differ, in words; None when they do not."""
+    for index, (collective, other_collective) in enumerate(zip(mine, theirs)):
+        if collective != other_collective:
+            # the arguments (group size, reduce op) only when they are what differs
+            with_args = collective[:3] == other_collective[:3] and collective[3] != other_collective[3]
+            # two buckets alike but for their parameters: show them from where they part
+            alike = collective[:4] == other_collective[:4]
+            start = _first_difference(collective[4], other_collective[4]) if alike else 0
+            return (f"collective #{index}: rank {rank}: {_collective(collective, with_args, start)}; "
+                    f"rank {other}: {_collective(other_collective, with_args, start)}")
+    return _more_entries(mine, theirs, rank, other, "collectives", _collective)
+
+
+def entry_difference(mine: list, theirs: list, rank: int, other: int) -> str | None:
+    """Where two lists first differ, entry by entry (for signatures without a describer of their own)."""
+    for index, (entry, other_entry) in enumerate(zip(mine, theirs)):
+        if entry != other_entry:
+            return f"entry #{index}: rank {rank}: {json.dumps(entry)}; rank {other}: {json.dumps(other_entry)}"
+    return _more_entries(mine, theirs, rank, other, "entries", json.dumps)
+
+
+def describe_differences(signatures: list, difference: Callable[[list, list, int, int], str | None]) -> str:
+    """Each rank whose signature differs from rank 0's, and where first (the first ``SHOWN`` ranks)."""
+    found = [text for rank, signature in enumerate(signatures[1:], 1)
+             if (text := difference(signatures[0], signature, 0, rank)) is not None]
+    more = f"; and {len(found) - SHOWN} more ranks" if len(found) > SHOWN else ""
+    return "; ".join(found[:SHOWN]) + more
+
+
+def _more_entries(mine: list, theirs: list, rank: int, other: int, what: str, describe: Callable) -> str | None:
+    if len(mine) == len(theirs):
+        return None
+    longer, extra = (rank, mine[len(theirs):]) if len(mine) > len(theirs) else (other, theirs[len(mine):])
+    shown = ", ".join(describe(entry) for entry in extra[:SHOWN]) + (", ..." if len(extra) > SHOWN else "")
+    return f"rank {longer} has {len(extra)} more {what} than rank {other if longer == rank else rank}: {shown}"
+
+
+def _short(value: Any) -> str:
+    return value.removeprefix("torch.") if isinstance(value, str) else json.dumps(value)
+
+
+def _param(entry: list) -> str:
+    name, shape, requires_grad, dtype = entry
+    return f"parameter {name!r} shape {shape} {_short(dtype)}" + ("" if requires_grad else " (frozen)")
+
+
+def _collective(entry: list, with_args: bool = False, start: int = 0) -> str:
+    """``all_gather of [96] float32 moving parameter 'h.0.weight'``; a bucket's parameters from ``start``."""
+    kind, shape, dtype, args, params = entry
+    text = f"{kind} of {shape} {_short(dtype)}" + (f" with arguments {args}" if with_args else "")
+    if len(params) == 1:
+        return f"{text} moving parameter {params[0]!r}"
+    if not params:
+        return text
+    shown = ", ".join(repr(p) for p in params[start:start + SHOWN]) or "none"
+    more = ", ..." if start + SHOWN < len(params) else ""
+    return f"{text} moving {len(params)} parameters" + (f", from #{start}: " if start else ": ") + shown + more
+
+
+def _first_difference(mine: list, theirs: list) -> int:
+    """The first index where two lists differ (the shorter one's length when it is a prefix; 0 when equal)."""
+    if mine == theirs:
+        return 0
+    return next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+
+
+# ---- the checks ----
+
+def issues_collectives(plan, zeropp_active: bool, grad_enabled: bool | None = None) -> bool:
+    """Whether compiling this Dynamo graph needs the ranks' agreement: it will issue a collective,
+    or ZeRO++ will make its process groups (a collective) for it.
+
+    A graph without either cannot deadlock, so one rank may compile it alone: evaluation on rank 0
+    under ``torch.no_grad()`` at stages 1 and 2. Stage 1 graphs have no collectives; a stage 2 graph
+    has only the backward's reduce-scatters, absent when no gradient will be computed (grad mode off
+    at compile, or no parameter requiring grad: AOTAutograd then makes an inference graph). The
+    post-partition check still runs on any graph whose collectives turn out not empty.
+    """
+    if zeropp_active:
+        return True
+    if not plan.params or plan.stage == 1:
+        return False
+    if plan.stage == 2:
+        grad_enabled = torch.is_grad_enabled() if grad_enabled is None else grad_enabled
+        return grad_enabled and any(p.requires_grad for p in plan.params)
+    return True
+
+
+def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGroup, timeout_s: float,
+                           extra: list | None = None) -> None:
+    """Raises ``RankDivergenceError`` unless all ranks planned identical collectives for this graph.
+
+    ``extra``: more settings that decide the collectives (the ZeRO++ options).
+    """
+    compile_id = str(gm.meta.get("dynamo_compile_id", "unknown"))
+    check_same_on_all_ranks(collective_signature(plan, extra), group, timeout_s, f"graph {compile_id}",
+                            plan_difference)
+
+
+def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s: float, what: str,
+                            difference: Callable[[list, list, int, int], str | None] = entry_difference) -> None:
+    """Raises ``RankDivergenceError`` unless every rank of ``group`` passes the same ``signature``;
+    the error names, per rank, the first place where ``difference`` finds it differs from rank 0's.
+
+    The n-th check of a rank is compared with every other rank's n-th check.
+    """
+    signatures = exchange_on_store(signature, group, timeout_s, "check", f"zero backend: {what}", CHECK_FIX)
+    if any(other != signatures[group.rank] for other in signatures):
+        _tell_others_and_raise(None, group, (
+            f"zero backend: {what} would issue different collectives on different ranks "
+            f"({describe_differences(signatures, difference)}). Every rank must compile the same model with "
+            "the same options."))
+    log.debug("rank check passed for %s (%d entries)", what, len(signature))
+
+
+# ---- the exchange through the store, and the abort note ----
 
 def exchange_on_store(value: Any, group: DataParallelGroup, timeout_s: float, purpose: str, doing: str,
                       fix: str) -> list:
@@ -64,43 +210,98 @@ def exchange_on_store(value: Any, group: DataParallelGroup, timeout_s: float, pu
     The n-th call of a rank for ``purpose`` meets every other rank's n-th call for it. A rank that
     does not come within ``timeout_s`` (it skipped the call, or took another code path) makes a
     ``RankDivergenceError`` here, on the ranks that came, naming the missing ones, instead of a
-    collective that waits for it until the process group's timeout. Uses the store, not a
-    collective, so that a missing rank is a timeout and not a hang.
+    collective that waits for it until the process group's timeout; a rank that already gave up
+    elsewhere (its abort note) ends the wait at once. Uses the store, not a collective, so that a
+    missing rank is a timeout and not a hang.
     """
     if group.world_size == 1:
         return [value]
-    store = default_store()
+    return exchange_through(default_store(), value, group, timeout_s, purpose, doing, fix)
+
+
+def exchange_through(store: dist.Store, value: Any, group: DataParallelGroup, timeout_s: float, purpose: str,
+                     doing: str, fix: str) -> list:
+    """``exchange_on_store`` on a given ``store``. Cost when every rank comes: five store round trips
+    (add, set, wait, multi_get, delete), so it may run once per training step; the keys stay
+    bounded (two calls' worth per rank and purpose)."""
     # the counter lives in the store, so it survives torch._dynamo.reset() and needs no global
     sequence = store.add(f"zcompile/{purpose}/{group.name}/sequence/{group.rank}", 1)
-    prefix = f"zcompile/{purpose}/{group.name}/{sequence}/"
-    store.set(f"{prefix}{group.rank}", json.dumps(value))
-    keys = [f"{prefix}{rank}" for rank in range(group.world_size)]
-    try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except Exception as error:  # the store raises a generic error on timeout
-        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
-        raise RankDivergenceError(
-            f"{doing}: rank {group.rank} got there (its call #{sequence}) but ranks {missing} did not within "
-            f"{timeout_s:.0f}s. {fix}") from error
-    return [json.loads(store.get(key)) for key in keys]
+    keys = _exchange_keys(purpose, group, sequence)
+    store.set(keys[group.rank], json.dumps(value))
+    _wait_for_ranks(store, keys, group, timeout_s, f"{doing}: rank {group.rank} (its call #{sequence})", fix)
+    values = [json.loads(raw) for raw in store.multi_get(keys)]
+    if sequence > 2:  # this rank is at n: every rank has read call n-2's keys (it set its n-1 key after)
+        store.delete_key(_exchange_keys(purpose, group, sequence - 2)[group.rank])
+    return values
 
 
-def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s: float, what: str,
-                            detail: str = "") -> None:
-    """Raises ``RankDivergenceError`` unless every rank of ``group`` passes the same ``signature``.
+def raise_if_aborted(group: DataParallelGroup, error: BaseException | None = None) -> None:
+    """Raises ``RankDivergenceError`` (from ``error``) when a rank of ``group`` left an abort note.
 
-    The n-th check of a rank is compared with every other rank's n-th check.
+    For code that caught a failed collective: the other rank probably left because it found the
+    ranks diverged, and its reason is more useful than "connection closed". Does nothing when there
+    is no note or the store cannot be read (the rank holding it may be gone).
     """
-    digest = hashlib.sha256(json.dumps(signature).encode()).hexdigest()[:16]
-    digests = exchange_on_store(
-        digest, group, timeout_s, "check", f"zero backend: {what}",
-        "The ranks took different compile paths (different models, code paths or input shapes per rank) and "
-        "their collectives would deadlock. Give every rank the same model and inputs of the same shapes "
-        "(drop_last=True in the sampler), or raise check_timeout_s if a rank is only slow.")
-    if len(set(digests)) > 1:
-        raise RankDivergenceError(
-            f"zero backend: {what} would issue different collectives on different ranks "
-            f"(digest per rank {dict(enumerate(digests))}; {detail}). Every rank must compile the same model with "
-            "the same options."
-        )
-    log.debug("rank check passed for %s (digest %s)", what, digest)
+    if group.world_size == 1 or not dist.is_initialized():
+        return
+    note = abort_note(default_store(), group)
+    if note is not None:
+        rank, message = note
+        raise RankDivergenceError(f"zcompile: rank {group.rank} stopped because rank {rank} reported: {message}") \
+            from error
+
+
+def abort_note(store: dist.Store, group: DataParallelGroup) -> tuple[int, str] | None:
+    """``(rank, message)`` of the abort note of ``group``, or None (no note, or no store to read it from)."""
+    try:
+        if not store.check([_abort_key(group)]):
+            return None
+        rank, message = json.loads(store.get(_abort_key(group)))
+    except Exception:  # the store may be gone with the rank that held it
+        log.debug("could not read the abort note of group %s", group.name, exc_info=True)
+        return None
+    return rank, message
+
+
+def _exchange_keys(purpose: str, group: DataParallelGroup, sequence: int) -> list[str]:
+    return [f"zcompile/{purpose}/{group.name}/{sequence}/{rank}" for rank in range(group.world_size)]
+
+
+def _abort_key(group: DataParallelGroup) -> str:
+    return f"zcompile/abort/{group.name}"
+
+
+def _wait_for_ranks(store: dist.Store, keys: list[str], group: DataParallelGroup, timeout_s: float, where: str,
+                    fix: str) -> None:
+    """Returns once every key is set; raises when the time is up or another rank left an abort note."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        store.wait(keys, timedelta(seconds=min(FIRST_WAIT_S, timeout_s)))
+        return
+    except dist.DistStoreError:  # a timeout: c10d has printed a warning about it
+        log.info("%s: waiting for ranks %s for up to %.0fs more", where, _missing(store, keys),
+                 deadline - time.monotonic())
+    while time.monotonic() < deadline:
+        if store.check(keys):
+            return
+        note = abort_note(store, group)
+        if note is not None and note[0] != group.rank:
+            raise RankDivergenceError(f"{where} stopped waiting: rank {note[0]} reported: {note[1]}")
+        time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
+    if store.check(keys):
+        return
+    _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} did not within "
+                                         f"{timeout_s:.0f}s. {fix}")
+
+
+def _missing(store: dist.Store, keys: list[str]) -> list[int]:
+    return [rank for rank, key in enumerate(keys) if not store.check([key])]
+
+
+def _tell_others_and_raise(store: dist.Store | None, group: DataParallelGroup, message: str) -> NoReturn:
+    """Leaves the abort note (the first one stays: it names the cause), then raises ``message``."""
+    try:
+        (store or default_store()).compare_set(_abort_key(group), "", json.dumps([group.rank, message]))
+    except Exception:  # the store may be gone with the rank that held it; the error below still tells
+        log.debug("could not leave the abort note for group %s", group.name, exc_info=True)
+    raise RankDivergenceError(message)

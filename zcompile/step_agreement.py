@@ -9,7 +9,9 @@ where the collectives happen to line up (stage 1), ranks that silently train on 
 How: each compiled call with gradients enabled counts one on each of its parameters' shards
 (``ShardSwap`` in ``zcompile.backend``). Before its first collective, a step (or a clip) exchanges
 through the store its call number and the training calls its parameters saw since the last
-agreement. A rank that does not come within the timeout, or comes from a different number of
+agreement. At stage 3 the forward itself starts with all-gathers, so each compiled stage-3 call
+also takes a turn on the same sequence (``agree_on_call``): a rank that skipped its backward meets
+the others' step there. A rank that does not come within the timeout, or comes from a different number of
 training calls, makes every rank that came raise ``RankDivergenceError`` saying which. Evaluation
 under ``torch.no_grad()`` is not counted, so evaluating on rank 0 only stays allowed. The cost is
 one store round trip per step (see the README's fault table).
@@ -18,6 +20,7 @@ one store round trip per step (see the README's fault table).
 from __future__ import annotations
 
 from zcompile.param_shards import ShardedParam
+from zcompile.process_group import DataParallelGroup
 from zcompile.rank_check import RankDivergenceError, exchange_on_store
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -25,6 +28,18 @@ DEFAULT_TIMEOUT_S = 60.0
 FIX = ("Every rank must call it once per training step, after the same forward/backward calls. A rank that skips a "
        "step on its own (`if not torch.isfinite(loss): continue`) makes the ranks diverge: let the optimizer skip "
        "non-finite steps on every rank together (zcompile.optim.AdamW(..., skip_nonfinite=True)).")
+
+
+def agree_on_call(group: DataParallelGroup, what: str, timeout_s: float) -> None:
+    """Before a compiled call that starts with collectives (a stage-3 forward): every rank is making
+    the same call. On the same sequence as the steps, so a rank that skipped its backward and step
+    (and is already in its next forward) meets the others' ``optimizer.step()`` here and every rank
+    raises at once, before a collective could pair a forward's all-gather with a backward's."""
+    arrivals = exchange_on_store(what, group, timeout_s, "step", f"zcompile: {what}", FIX)
+    if any(arrival != what for arrival in arrivals):
+        raise RankDivergenceError(
+            f"zcompile: the ranks are at different points of training (per rank: {dict(enumerate(arrivals))}); "
+            f"their collectives would not match. {FIX}")
 
 
 def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float | None) -> None:
@@ -35,9 +50,10 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
     calls = sum(m.training_calls for m in members)
     for member in members:
         member.training_calls = 0
-    arrivals = exchange_on_store([what, calls], members[0].group, timeout_s, "step", f"zcompile {what}", FIX)
-    if any(arrival != [what, calls] for arrival in arrivals):
-        per_rank = {rank: f"{other} after {count} training calls" for rank, (other, count) in enumerate(arrivals)}
+    arrival = f"{what} after {calls} training calls"
+    arrivals = exchange_on_store(arrival, members[0].group, timeout_s, "step", f"zcompile {what}", FIX)
+    if any(other != arrival for other in arrivals):
+        per_rank = dict(enumerate(arrivals))
         raise RankDivergenceError(
             f"zcompile {what}: the ranks come from different training steps (what each rank called, and its compiled "
             f"calls with gradients since the last step: {per_rank}). {FIX}")

@@ -27,13 +27,24 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_entry(rank: int, world: int, port: int, fn, args, out_dir: str) -> None:
+def _init_process_group(rank: int, world: int, port: int, store_in_parent: bool) -> None:
+    timeout = timedelta(seconds=120)
+    if not store_in_parent:  # rank 0 hosts the store (env://)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        return
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _rank_entry(rank: int, world: int, port: int, fn, args, out_dir: str, env: dict[str, str],
+                store_in_parent: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **env)
+    dist.set_debug_level_from_env()  # torch read TORCH_DISTRIBUTED_DEBUG when it was imported, before env
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+        _init_process_group(rank, world, port, store_in_parent)
         result = fn(rank, world, *args)
         torch.save({"ok": result}, path)
     except BaseException as error:  # report any failure to the parent instead of hanging it
@@ -43,16 +54,25 @@ def _rank_entry(rank: int, world: int, port: int, fn, args, out_dir: str) -> Non
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 300) -> list:
+def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 300, env: dict[str, str] | None = None,
+              store_in_parent: bool = False) -> list:
     """Runs ``fn(rank, world, *args)`` on ``world`` fresh gloo processes; returns each rank's result.
+
+    ``env``: variables set in each rank's environment before ``init_process_group`` (e.g.
+    ``TORCH_DISTRIBUTED_DEBUG``, which torch reads there). ``store_in_parent``: the key-value store is
+    hosted by this process, as torchrun's agent hosts it, so it outlives any rank (else rank 0 hosts it).
 
     A rank that raises makes this raise with its traceback; ranks still alive after ``timeout_s``
     are killed and reported, so a deadlock fails the test instead of hanging the suite.
     """
     context = mp.get_context("spawn")
-    port = _free_port()
+    # held until the ranks have ended
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False) if store_in_parent else None
+    port = store.port if store is not None else _free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [context.Process(target=_rank_entry, args=(r, world, port, fn, args, out_dir)) for r in range(world)]
+        procs = [context.Process(target=_rank_entry,
+                                 args=(r, world, port, fn, args, out_dir, env or {}, store_in_parent))
+                 for r in range(world)]
         for proc in procs:
             proc.start()
         for proc in procs:

@@ -1,0 +1,274 @@
+"""The rank checks: errors that say what differs, no check for graphs without collectives, abort
+notes that end every rank's wait, and the exchange's keys and speed.
+
+Three tiers: pure functions on two signatures; the store exchange on an in-process ``HashStore``
+with one thread per rank; two gloo ranks evaluating on rank 0 only (stage 2: allowed, no wait;
+stage 3: an error on both ranks in seconds), and training under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from support.hand_built import layered_graph
+from support.launch import run_ranks
+from support.models import build_model, global_batch, model_loss
+from support.training import RunSpec, train_zero
+from zcompile.passes.metadata import tag
+from zcompile.passes.param_collectives import ParamInput, ShardingPlan
+
+import zcompile
+from zcompile.process_group import DataParallelGroup
+from zcompile.rank_check import (
+    RankDivergenceError,
+    abort_note,
+    collective_signature,
+    describe_differences,
+    entry_difference,
+    exchange_through,
+    issues_collectives,
+    plan_difference,
+    sequence_difference,
+    sequence_signature,
+)
+
+
+def _plan(stage=3, params=(("h.0.attn.weight", (32, 96)), ("h.0.attn.bias", (96,))), requires_grad=True,
+          param_dtype=None) -> ShardingPlan:
+    inputs = [ParamInput(i, name, shape, requires_grad) for i, (name, shape) in enumerate(params)]
+    return ShardingPlan(stage, 2, "0", param_dtype, None, inputs)
+
+
+# ---- where two signatures differ (pure) ----
+
+def test_plan_difference_names_the_parameter_and_its_shapes():
+    mine = collective_signature(_plan())
+    theirs = collective_signature(_plan(params=(("h.0.attn.weight", (32, 64)), ("h.0.attn.bias", (96,)))))
+    assert plan_difference(mine, mine, 0, 1) is None
+    assert plan_difference(mine, theirs, 0, 1) == (
+        "parameter #0: rank 0: parameter 'h.0.attn.weight' shape [32, 96] float32; "
+        "rank 1: parameter 'h.0.attn.weight' shape [32, 64] float32")
+    frozen = collective_signature(_plan(requires_grad=False))
+    assert plan_difference(mine, frozen, 0, 1).endswith("shape [32, 96] float32 (frozen)")
+
+
+def test_plan_difference_names_the_setting_before_the_parameters():
+    bf16 = collective_signature(_plan(param_dtype=torch.bfloat16, params=()))
+    assert plan_difference(collective_signature(_plan()), bf16, 0, 1) == \
+        "setting 'param_dtype': rank 0 None, rank 1 bfloat16"
+    zeropp = collective_signature(_plan(), extra=["zero++", True, False, 128, 0, 2])
+    assert plan_difference(collective_signature(_plan()), zeropp, 0, 1) == \
+        "setting 'zero++': rank 0 null, rank 1 [\"zero++\", true, false, 128, 0, 2]"
+
+
+def test_plan_difference_counts_the_extra_parameters():
+    more = [("h.0.attn.weight", (32, 96)), ("h.0.attn.bias", (96,))] + [(f"h.{i}.w", (4,)) for i in range(1, 7)]
+    text = plan_difference(collective_signature(_plan()), collective_signature(_plan(params=more)), 0, 1)
+    assert text == "rank 1 has 6 more parameters than rank 0: 'h.1.w', 'h.2.w', 'h.3.w', 'h.4.w', ..."
+    assert plan_difference(collective_signature(_plan(params=more)), collective_signature(_plan()), 0, 1) \
+        .startswith("rank 0 has 6 more parameters than rank 1")
+
+
+def _sequence(shard=8, layers=3, bucket=False) -> list:
+    gm = layered_graph(layers=layers, shard=shard)
+    for i, node in enumerate(n for n in gm.graph.nodes if n.name.startswith("gather")):
+        tag(node, param=f"h.{i}.weight")
+    if bucket:
+        tag(next(n for n in gm.graph.nodes if n.name == "reduce"), params=[f"h.{i}.weight" for i in range(layers)])
+    return sequence_signature(gm)
+
+
+def test_sequence_signature_reads_kind_shape_dtype_and_parameters():
+    assert _sequence(bucket=True) == [["all_gather", [8], "torch.float32", ["2"], ["h.0.weight"]],
+                                      ["all_gather", [8], "torch.float32", ["2"], ["h.1.weight"]],
+                                      ["all_gather", [8], "torch.float32", ["2"], ["h.2.weight"]],
+                                      ["reduce_scatter", [16], "torch.float32", ["sum", "2"],
+                                       ["h.0.weight", "h.1.weight", "h.2.weight"]]]
+
+
+def test_sequence_difference_names_the_first_differing_collective():
+    assert sequence_difference(_sequence(), _sequence(), 0, 1) is None
+    assert sequence_difference(_sequence(), _sequence(shard=4), 0, 1) == (
+        "collective #0: rank 0: all_gather of [8] float32 moving parameter 'h.0.weight'; "
+        "rank 1: all_gather of [4] float32 moving parameter 'h.0.weight'")
+    assert sequence_difference(_sequence(layers=2), _sequence(layers=3), 0, 1) == (
+        "collective #2: rank 0: reduce_scatter of [16] float32; "
+        "rank 1: all_gather of [8] float32 moving parameter 'h.2.weight'")
+    shorter = _sequence()[:2]
+    assert sequence_difference(_sequence(), shorter, 0, 1) == (
+        "rank 0 has 2 more collectives than rank 1: all_gather of [8] float32 moving parameter 'h.2.weight', "
+        "reduce_scatter of [16] float32")
+
+
+def test_sequence_difference_shows_arguments_and_bucket_members_where_they_differ():
+    mine, theirs = _sequence(bucket=True), _sequence(bucket=True)
+    theirs[0][3] = ["4"]  # another group size, same input
+    assert sequence_difference(mine, theirs, 0, 1).startswith(
+        "collective #0: rank 0: all_gather of [8] float32 with arguments ['2'] moving parameter 'h.0.weight'; "
+        "rank 1: all_gather of [8] float32 with arguments ['4']")
+    theirs = _sequence(bucket=True)
+    theirs[3][4] = ["h.0.weight", "h.1.weight", "h.9.weight"]
+    assert sequence_difference(mine, theirs, 0, 1) == (
+        "collective #3: rank 0: reduce_scatter of [16] float32 moving 3 parameters, from #2: 'h.2.weight'; "
+        "rank 1: reduce_scatter of [16] float32 moving 3 parameters, from #2: 'h.9.weight'")
+
+
+def test_describe_differences_lists_each_rank_that_differs_from_rank_0():
+    signatures = [[1, 2], [1, 2], [1, 3], [1, 2, 4]]
+    assert describe_differences(signatures, entry_difference) == (
+        "entry #1: rank 0: 2; rank 2: 3; rank 3 has 1 more entries than rank 0: 4")
+
+
+def test_graphs_without_collectives_need_no_agreement():
+    assert not issues_collectives(_plan(stage=1), zeropp_active=False)
+    assert not issues_collectives(_plan(params=()), zeropp_active=False)
+    assert issues_collectives(_plan(stage=2), zeropp_active=False, grad_enabled=True)
+    assert not issues_collectives(_plan(stage=2), zeropp_active=False, grad_enabled=False)  # torch.no_grad()
+    assert not issues_collectives(_plan(stage=2, requires_grad=False), zeropp_active=False, grad_enabled=True)
+    assert issues_collectives(_plan(stage=3), zeropp_active=False, grad_enabled=False)  # gathers in forward
+    assert issues_collectives(_plan(stage=1), zeropp_active=True)  # ZeRO++ makes process groups: a collective
+    with torch.no_grad():
+        assert not issues_collectives(_plan(stage=2), zeropp_active=False)
+
+
+# ---- the exchange on a store: one thread per rank ----
+
+def _group(rank: int) -> DataParallelGroup:
+    return DataParallelGroup(rank=rank, world_size=2, name="g", process_group=None)
+
+
+def test_exchange_meets_every_call_and_keeps_the_store_small():
+    store, results = dist.HashStore(), {}
+
+    def rank_calls(rank):
+        results[rank] = [exchange_through(store, [rank, call], _group(rank), 10, "step", "step", "fix")
+                         for call in range(6)]
+
+    threads = [threading.Thread(target=rank_calls, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert results[0] == results[1] == [[[0, call], [1, call]] for call in range(6)]
+    assert store.num_keys() == 6  # per rank: its counter and its keys of the last two calls
+
+
+def test_a_rank_alone_times_out_naming_the_missing_rank_and_leaves_a_note():
+    store = dist.HashStore()
+    start = time.perf_counter()
+    with pytest.raises(RankDivergenceError, match=r"doing: rank 0 \(its call #1\) got there but ranks \[1\] did "
+                                                  r"not within 2s\. the fix"):
+        exchange_through(store, "x", _group(0), 1.5, "check", "doing", "the fix")
+    assert time.perf_counter() - start < 5
+    rank, message = abort_note(store, _group(1))
+    assert rank == 0 and "ranks [1] did not" in message
+
+
+def test_a_note_from_another_rank_ends_the_wait_at_once():
+    store = dist.HashStore()
+    store.set("zcompile/abort/g", '[0, "zero backend: graph 0/1: rank 0 gave up"]')
+    start = time.perf_counter()
+    with pytest.raises(RankDivergenceError, match=r"rank 1 \(its call #1\) stopped waiting: rank 0 reported: "
+                                                  r"zero backend: graph 0/1: rank 0 gave up"):
+        exchange_through(store, "x", _group(1), 60, "step", "zcompile optimizer.step()", "fix")
+    assert time.perf_counter() - start < 5  # not the 60s timeout
+
+
+# ---- two gloo ranks: evaluation on rank 0 only ----
+
+def _train_step(compiled, optimizer):
+    model_loss("gpt", compiled, *global_batch(0, 2)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _eval_on_rank0_without_collectives(rank, stage):
+    """Stages 1, 2: rank 0 evaluates under no_grad (a graph without collectives) while rank 1 waits at
+    the next step; then both train on. Returns rank 0's eval seconds and the first step's."""
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": stage})  # the default 60s timeout
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1)
+    start = time.perf_counter()
+    _train_step(compiled, optimizer)
+    first_step_s = time.perf_counter() - start
+    eval_s = None
+    if rank == 0:
+        start = time.perf_counter()
+        with torch.no_grad():
+            model_loss("gpt", compiled, *global_batch(1, 2))
+        eval_s = time.perf_counter() - start
+    _train_step(compiled, optimizer)  # the ranks still agree: the eval took no turn in any exchange
+    return {"eval_s": eval_s, "first_step_s": first_step_s}
+
+
+def _eval_on_rank0_stage3(rank):
+    """Stage 3: rank 0's eval graph all-gathers, so it needs rank 1, which went on training. Both must
+    raise within seconds: rank 0 naming rank 1 after its 5s, rank 1 relaying rank 0's report (its own
+    timeout is longer, as a rank's is when it arrives first: it must not need it)."""
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    options = {"stage": 3, "check_timeout_s": 5 if rank == 0 else 60}  # not in the signature: no divergence
+    compiled = torch.compile(model, backend="zero", options=options)
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(compiled, optimizer)
+    start, error = time.perf_counter(), None
+    try:
+        if rank == 0:
+            with torch.no_grad():
+                model_loss("gpt", compiled, *global_batch(1, 2))
+        else:
+            _train_step(compiled, optimizer)  # waits for rank 0 (at the store, or in a collective)
+    except Exception as raised:  # noqa: BLE001 - any error goes back to the test (Dynamo wraps compile errors)
+        error = raised
+    divergence = next((e for e in _chain(error) if isinstance(e, RankDivergenceError)), None)
+    return {"error": f"{type(error).__name__}: {error}", "divergence": str(divergence) if divergence else None,
+            "seconds": time.perf_counter() - start}  # rank 0 now leaves, as a failing rank does
+
+
+def _chain(error):
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def _eval_on_rank0_only(rank, world):
+    return {**{f"stage{stage}": _eval_on_rank0_without_collectives(rank, stage) for stage in (1, 2)},
+            "stage3": _eval_on_rank0_stage3(rank)}
+
+
+def test_eval_on_rank0_only_works_at_stages_1_2_and_fails_fast_on_both_ranks_at_stage3():
+    # the store outlives rank 0, as torchrun's does: rank 1 reads rank 0's note after it left
+    rank0, rank1 = run_ranks(2, _eval_on_rank0_only, timeout_s=240, store_in_parent=True)
+    # stages 1, 2: no check, no wait (the default timeout is 60s): a compile of its own, quicker than the first step's
+    for stage in (1, 2):
+        times = rank0[f"stage{stage}"]
+        assert times["eval_s"] < times["first_step_s"] + 5, (stage, times)
+    # stage 3: rank 0 names rank 1 after its 5s; rank 1, waiting at its next call, relays rank 0's report
+    stage3 = rank0["stage3"]
+    assert stage3["divergence"] and "ranks [1] did not within 5s" in stage3["divergence"], stage3["error"]
+    assert 5 <= stage3["seconds"] < 20, stage3
+    stage3 = rank1["stage3"]
+    assert stage3["divergence"] and "rank 0 reported" in stage3["divergence"], stage3["error"]
+    assert "ranks [1] did not within 5s" in stage3["divergence"]
+    assert stage3["seconds"] < 30, stage3  # never the process group's timeout (120s in the launcher)
+
+
+# ---- torch's own runtime net ----
+
+def _train_two_steps(rank, world):
+    """The losses of 2 stage-2 steps, and the class of the process group's CPU backend."""
+    backend = type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__
+    return train_zero(RunSpec(stage=2, steps=2, optimizer="sgd", lr=0.1), rank, world).losses, backend
+
+
+def test_trains_under_torch_distributed_debug_detail():
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` wraps the process group to fingerprint every collective
+    across ranks; zcompile's collectives pass it, and the arithmetic is the same to the bit."""
+    plain = run_ranks(2, _train_two_steps)
+    checked = run_ranks(2, _train_two_steps, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert [backend for _, backend in checked] == ["_ProcessGroupWrapper"] * 2  # the net was there
+    assert [backend for _, backend in plain] == ["ProcessGroupGloo"] * 2
+    assert [losses for losses, _ in checked] == [losses for losses, _ in plain] and len(plain[0][0]) == 2
