@@ -5,7 +5,8 @@ which is what DDP, or one process on the global batch, sees. Where it lives depe
 
 - stages 2 and 3: on ``shard.grad``, averaged by the backward graph's reduce-scatter; the ranks'
   shards are disjoint (zero padding past ``numel`` on the last). So norm^p = the sum over ranks of
-  each rank's sum of ``|g|^p`` over its shards (the max for the inf-norm): one scalar all-reduce.
+  each rank's sum of ``|g|^p`` over its shards (the max for the inf-norm): one scalar all-reduce
+  (for the inf-norm, two elements: the max and a NaN flag, as a backend's MAX may drop a NaN).
 - stage 1, and parameters trained outside any graph (given stage-1 shards, as the optimizer
   does): ``param.grad`` is this rank's local, unreduced gradient; the averaged one only exists
   after the step's reduce-scatter. Clipping performs that reduce-scatter early
@@ -116,11 +117,27 @@ def global_grad_norm(members: list[ShardedParam], norm_type: float, group: DataP
         stacked = torch.stack([n.to(device) for n in norms]).to(torch.float64)
         local = stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum()
     record = None
-    if group is not None and group.world_size > 1:
-        all_reduce_eager(local, group, dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+    if group is not None and group.world_size > 1 and math.isinf(norm_type):
+        local = _all_reduce_max_keeping_nan(local, group)
+        record = CollectiveRecord("all_reduce", 2, torch.float64, "optimizer", (), group.name or "", group.world_size)
+    elif group is not None and group.world_size > 1:
+        all_reduce_eager(local, group, dist.ReduceOp.SUM)  # a NaN or inf term makes the sum NaN or inf
         record = CollectiveRecord("all_reduce", 1, torch.float64, "optimizer", (), group.name or "", group.world_size)
     total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
     return total.to(torch.float32), record
+
+
+def _all_reduce_max_keeping_nan(value: torch.Tensor, group: DataParallelGroup) -> torch.Tensor:
+    """The MAX over ranks of the scalar ``value``, NaN when any rank's is NaN (collective).
+
+    gloo's MAX drops a NaN that is not the first operand (``max(1, nan)`` is 1: measured on 2
+    ranks, a NaN from rank 1 vanished, one from rank 0 stayed). The inf-norm of a NaN gradient
+    would then depend on which rank held it, and ``skip_nonfinite``, which decides from this norm
+    when the step clips, would update with it. A NaN flag travels in the same all-reduce.
+    """
+    packed = torch.stack([value, torch.isnan(value).to(value.dtype)])
+    all_reduce_eager(packed, group, dist.ReduceOp.MAX)
+    return torch.where(packed[1] > 0, torch.full_like(packed[0], math.nan), packed[0])
 
 
 def _check_norm_type(norm_type: float) -> float:

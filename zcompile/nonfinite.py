@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from zcompile.comm_volume import CollectiveRecord
+from zcompile.compiled import compiled_graphs_of_params
 from zcompile.param_shards import ShardedParam
 from zcompile.process_group import all_reduce_eager
 
@@ -45,8 +46,6 @@ def nonfinite_flag(members: list[ShardedParam]) -> tuple[bool, CollectiveRecord 
 def skip_nonfinite_by_default(params: list[torch.nn.Parameter]) -> bool:
     """``skip_nonfinite=None``: on under fp16 (parameters in fp16, or compiled with param_dtype fp16),
     where overflowing gradients are expected; off otherwise."""
-    from zcompile.compiled import compiled_graphs_of_params  # local: compiled imports the pass layer
-
     if any(p.dtype == torch.float16 for p in params):
         return True
     return any(g.context.config.param_dtype == torch.float16 for g in compiled_graphs_of_params(params))

@@ -73,6 +73,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: skip_nonfinite must be None, True or False, got {skip_nonfinite!r}")
         self.skip_nonfinite = skip_nonfinite  # skip steps with non-finite gradients (None: under fp16 only)
         self.skipped_steps = 0  # steps skipped so far because a gradient was not finite on some rank
+        self.step_calls = 0  # step() calls so far, skipped ones included (the skip warning names the step)
         self.last_step_skipped = False
         self._clipped_since_step = False
         self._warned_eager_grads = False
@@ -117,6 +118,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # stages 2 and 3: a gradient from eager code) is reduced and folded in now
         early = [r for s, _, _ in todo for r in s.take_pre_step_records()]
         early += reduce_grads_onto_shards(self._local_grads_to_fold([s for s, _, _ in todo]), bucket_bytes)
+        self.step_calls += 1
         self.last_step_skipped, flag_records = self._nonfinite_step([s for s, _, _ in todo])
         if self.last_step_skipped:
             self.last_step_collectives = early + flag_records
@@ -197,8 +199,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             records = [record] if record is not None else []
         if nonfinite:
             self.skipped_steps += 1
-            log.warning("zcompile: step skipped on every rank: a gradient is not finite on some rank (%d skipped so "
-                        "far; skip_nonfinite)", self.skipped_steps)
+            log.warning("zcompile: optimizer step %d skipped on every rank: gradients not finite on some rank (%d "
+                        "skipped so far; skip_nonfinite)", self.step_calls, self.skipped_steps)
         return nonfinite, records
 
     def _local_grads_to_fold(self, members: list[ShardedParam]) -> list[ShardedParam]:
