@@ -5,15 +5,18 @@
 For each stage, the example GPT (``examples/gpt.py`` defaults: 4 layers, n_embd 128, the
 ``train_gpt.py`` global batch of 16) trains ``--steps`` AdamW steps with the defaults: the ranks
 agree through the store before every ``optimizer.step()`` (``zcompile.step_agreement``) and, at
-stage 3, before every compiled call; ``skip_nonfinite=True`` adds its all-reduced flag. The time
-overhead is measured three ways in one run: (1) the same model without any check
-(``check_ranks=False``, ``check_timeout_s=None``, ``skip_nonfinite=False``) trained in steps
-alternating with the checked one, medians over steps of the slowest rank, compared; (2) the time
-spent inside the check functions (timed where the optimizer and the backend call them), which
-also counts waiting there for the slower rank, time the next collective would otherwise wait;
-(3) one store agreement with the ranks in step (a barrier first), the pure cost of a check. Whole
-steps move by up to 30% between runs on this shared 2-core machine; (1) is a ratio within one run.
-Goal (issue 14): below 1% of a step.
+stage 3, before every compiled call; ``skip_nonfinite=True`` adds each rank's finiteness check of
+its gradients (the flags ride on the step's exchange). One compiled model trains with the checks
+off (``check_timeout_s=None``, ``skip_nonfinite=False``, no per-call agreement), on (defaults) and
+on with ``skip_nonfinite``, in steps that cycle through the three, each timed from a barrier on
+the slowest rank. Reported per mode: (1) the median step against the median step without checks
+(a ratio within one run; an A/A run of this loop moves by 1-3%, the noise floor); (2) the critical
+path: per step, the least time any rank spent inside the check functions (timed where the
+optimizer and the backend call them). The rank that arrives last at an exchange waits for nobody,
+so its time is what the checks add to the step; the other ranks' time there is waiting for it,
+which the next collective would wait otherwise (also shown, as the slowest rank's time inside);
+(3) one store exchange with the ranks in step (a barrier first). Goal (issue 14): below 1% of a
+step.
 """
 
 from __future__ import annotations
@@ -39,13 +42,18 @@ from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 
 class CheckTimer:
-    """Wraps the check functions where their callers look them up, and adds up their time."""
+    """Wraps the check functions where their callers look them up and adds up their time; with
+    ``enabled`` False the stage-3 per-call agreement is skipped (the optimizer's checks are
+    switched by its own ``check_timeout_s`` and ``skip_nonfinite``)."""
 
     def __init__(self):
         self.seconds = 0.0
+        self.enabled = True
 
-    def timed(self, function):
+    def timed(self, function, switchable: bool = False):
         def wrapper(*args, **kwargs):
+            if switchable and not self.enabled:
+                return None
             start = time.perf_counter()
             try:
                 return function(*args, **kwargs)
@@ -55,50 +63,68 @@ class CheckTimer:
         return wrapper
 
     def install(self) -> None:
-        zcompile.backend.agree_on_call = self.timed(zcompile.backend.agree_on_call)
+        zcompile.backend.agree_on_call = self.timed(zcompile.backend.agree_on_call, switchable=True)
         zcompile.optim.agree_before_step = self.timed(zcompile.optim.agree_before_step)
-        if hasattr(zcompile.optim, "nonfinite_flag"):
-            zcompile.optim.nonfinite_flag = self.timed(zcompile.optim.nonfinite_flag)
+        zcompile.optim.nonfinite_flag = self.timed(zcompile.optim.nonfinite_flag)
+        zcompile.optim.local_grads_finite = self.timed(zcompile.optim.local_grads_finite)
 
 
 def _train_step(compiled, optimizer, step: int, config, rank: int, world: int) -> float:
+    """One step, timed from a barrier (so that one rank's lead does not count as a check's wait),
+    slowest rank."""
     tokens, targets = synthetic_batch(step, 16, config)
     local = slice(rank * 16 // world, (rank + 1) * 16 // world)
+    dist.barrier()
     start = time.perf_counter()
     compiled(tokens[local], targets[local]).backward()
     optimizer.step()
     optimizer.zero_grad()
-    return time.perf_counter() - start
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+MODES = ("off", "checks", "checks + skip_nonfinite")
 
 
 def run_stage(stage: int, steps: int, warmup: int, rank: int, world: int, timer: CheckTimer) -> dict:
-    """Two copies of the model, with and without the checks, trained in alternating steps (so drift
-    of the machine's speed hits both alike)."""
+    """One compiled model whose steps cycle through the modes: no checks; the default checks (the
+    store agreement before each step and, at stage 3, each compiled call); those plus
+    ``skip_nonfinite``'s all-reduced flag. Cycling lets drift of the machine's speed hit every
+    mode alike. ``steps`` per mode."""
     torch._dynamo.reset()
     config = GPTConfig(n_layer=4, n_embd=128)
-    runs = {}
-    for checked in (True, False):
-        torch.manual_seed(0)
-        model = GPT(config)
-        options = {"stage": stage} if checked else {"stage": stage, "check_ranks": False}
-        compiled = torch.compile(model, backend="zero", options=options)
-        optimizer = zcompile.optim.AdamW(model.parameters(), lr=3e-3, skip_nonfinite=checked,
-                                         check_timeout_s=60.0 if checked else None)
-        runs[checked] = (compiled, optimizer, [])
-    inside = 0.0
-    for step in range(warmup + steps):
-        for checked, (compiled, optimizer, times) in runs.items():
-            before = timer.seconds
-            elapsed = _train_step(compiled, optimizer, step, config, rank, world)
-            if step >= warmup:
-                times.append(elapsed)
-                inside += (timer.seconds - before) if checked else 0.0
-    medians = [statistics.median(runs[checked][2]) for checked in (True, False)]
-    measured = torch.tensor([*medians, inside / steps], dtype=torch.float64)
-    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-    with_checks, without, inside_s = measured.tolist()
-    return {"stage": stage, "step_ms": with_checks * 1e3, "step_ms_without_checks": without * 1e3,
-            "overhead_percent": 100 * (with_checks / without - 1), "inside_checks_ms": inside_s * 1e3}
+    torch.manual_seed(0)
+    model = GPT(config)
+    compiled = torch.compile(model, backend="zero", options={"stage": stage})
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=3e-3)
+    times = {mode: [] for mode in MODES}
+    inside = {mode: [] for mode in MODES}  # per step: (most, least) seconds a rank spent in the checks
+    for step in range(warmup + steps * len(MODES)):
+        mode = MODES[step % len(MODES)]
+        timer.enabled = mode != "off"
+        optimizer.check_timeout_s = None if mode == "off" else 60.0
+        # the default (None: off for these fp32 parameters, decided per step), or on
+        optimizer.skip_nonfinite = {"off": False, "checks": None}.get(mode, True)
+        before = timer.seconds
+        elapsed = _train_step(compiled, optimizer, step, config, rank, world)
+        spent = torch.tensor([timer.seconds - before], dtype=torch.float64)
+        most, least = spent.clone(), spent.clone()
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        if step >= warmup:
+            times[mode].append(elapsed)
+            inside[mode].append((most.item(), least.item()))
+    medians = {mode: statistics.median(times[mode]) * 1e3 for mode in MODES}
+    checked = MODES[1:]
+    return {
+        "stage": stage, "step_ms": medians,
+        "overhead_percent": {mode: 100 * (medians[mode] / medians["off"] - 1) for mode in checked},
+        "inside_checks_ms": {mode: statistics.median(most for most, _ in inside[mode]) * 1e3 for mode in checked},
+        "critical_path_ms": {mode: statistics.median(least for _, least in inside[mode]) * 1e3 for mode in checked},
+        "critical_path_percent": {mode: 100 * statistics.median(least for _, least in inside[mode]) * 1e3
+                                  / medians["off"] for mode in checked},
+    }
 
 
 def exchange_cost_ms(calls: int = 200) -> float:
@@ -118,7 +144,7 @@ def exchange_cost_ms(calls: int = 200) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -129,9 +155,12 @@ def main() -> None:
     exchange_ms = exchange_cost_ms()
     if rank == 0:
         print_table(f"runtime checks per step, example GPT, {world} gloo ranks, {cores} cores",
-                    ("stage", "step ms, checks", "step ms, none", "overhead %", "inside checks ms/step"),
-                    [(str(r["stage"]), f"{r['step_ms']:.1f}", f"{r['step_ms_without_checks']:.1f}",
-                      f"{r['overhead_percent']:+.1f}", f"{r['inside_checks_ms']:.2f}") for r in rows])
+                    ("stage", "step ms, off", *(f"{m}: step ms (A/B %), critical path ms (% of step), "
+                                                "slowest rank inside ms" for m in MODES[1:])),
+                    [(str(r["stage"]), f"{r['step_ms']['off']:.1f}",
+                      *(f"{r['step_ms'][m]:.1f} ({r['overhead_percent'][m]:+.1f}), {r['critical_path_ms'][m]:.2f} "
+                        f"({r['critical_path_percent'][m]:.2f}), {r['inside_checks_ms'][m]:.2f}"
+                        for m in MODES[1:])) for r in rows])
         print(f"one store agreement with the ranks in step: {exchange_ms:.3f} ms (median of 200)")
         if args.out:
             with open(args.out, "w") as handle:

@@ -139,11 +139,13 @@ def test_local_check_sees_full_and_shard_gradients():
 
 # --- 2 gloo ranks: one rank's gradients go bad ------------------------------------------------------
 
-# (stage, the rank whose gradients go bad at NAN_STEP, norm type clipped to HUGE_MAX_NORM or None)
+# (stage, the rank whose gradients go bad at NAN_STEP, norm type clipped to HUGE_MAX_NORM or None,
+#  the optimizer's check_timeout_s: with the step agreement on, the flags ride on it)
 VARIANTS = (
-    (1, 0, None),  # the NaN is in rank 0's local full gradient, before the step's reduce-scatter
-    (2, 0, None),  # the NaN reached the shards through the backward's reduce-scatter
-    (2, 1, math.inf),  # one NaN in one of rank 1's shards only: the clip's max-norm all-reduce decides
+    (1, 0, None, 60.0),  # the NaN is in rank 0's local full gradient, before the step's reduce-scatter
+    (2, 0, None, 60.0),  # the NaN reached the shards through the backward's reduce-scatter
+    (2, 0, None, None),  # no step agreement: one all-reduced flag decides
+    (2, 1, math.inf, 60.0),  # one NaN in one of rank 1's shards only: the clip's max-norm all-reduce decides
 )
 
 
@@ -152,10 +154,11 @@ def _poison_one_shard_element(model: torch.nn.Module) -> None:
     shard_of(next(model.parameters())).shard.grad.view(-1)[0] = float("nan")
 
 
-def _nan_run(rank: int, world: int, stage: int, bad_rank: int, clip_norm_type: float | None):
+def _nan_run(rank: int, world: int, stage: int, bad_rank: int, clip_norm_type: float | None,
+             check_timeout_s: float | None):
     """(the steps skipped, the skipped step's optimizer collectives, the weights on this rank and on every rank)."""
     model, compiled = _compiled(stage)
-    optimizer = zcompile.optim.SGD(model.parameters(), lr=LR, skip_nonfinite=True)
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=LR, skip_nonfinite=True, check_timeout_s=check_timeout_s)
     spec = RunSpec(stage=stage, optimizer="sgd", lr=LR)
     skipped, skipped_records = [], None
     for step in range(STEPS):
@@ -185,15 +188,18 @@ def _nan_runs(rank: int, world: int) -> list:
 
 def test_nan_on_one_rank_skips_on_every_rank_like_a_reference_that_skips():
     """Every variant (one spawn): both ranks skip step 1 and only it, hold identical weights, equal
-    to one process training on steps 0 and 2 only; the skip was decided by one all-reduce."""
+    to one process training on steps 0 and 2 only; the skip was decided with no collective of its
+    own (the step agreement's exchange or the clip's norm), or one all-reduce without the agreement."""
     reference = _reference_skipping(NAN_STEP)
     for variant, *results in zip(VARIANTS, *run_ranks(2, _nan_runs), strict=True):
-        _, _, clip_norm_type = variant
+        _, _, clip_norm_type, check_timeout_s = variant
         # the poisoned step itself, not a later one whose weights went NaN
         assert [skipped for skipped, _, _, _ in results] == [[NAN_STEP]] * 2, variant
         _, records, params, gathered = results[0]
         all_reduces = [r for r in records if r[0] == "all_reduce"]
-        if clip_norm_type is None:  # the 0/1 flag
+        if clip_norm_type is None and check_timeout_s is not None:  # the flags came with the step agreement
+            assert all_reduces == [], (variant, records)
+        elif clip_norm_type is None:  # the 0/1 flag
             assert all_reduces == [("all_reduce", 1, torch.float32)], (variant, records)
         else:  # the norm's all-reduce (max and NaN flag), no extra collective
             assert all_reduces == [("all_reduce", 2, torch.float64)], (variant, records)

@@ -18,8 +18,9 @@ norm (``zcompile.clip``; at stage 1 that reduce-scatters the gradients before th
 step does not reduce them again). ``last_grad_norm`` is the norm before clipping of the last step.
 
 Non-finite gradients: with ``skip_nonfinite=True`` (default: on under fp16) a step whose gradients
-are not finite on any rank is skipped by every rank together, decided from one all-reduced flag
-(``zcompile.nonfinite``); ``skipped_steps`` counts them. Before its first collective a step checks
+are not finite on any rank is skipped by every rank together, decided from each rank's flag carried
+by the step agreement below (or one all-reduced flag when that check is off; ``zcompile.nonfinite``);
+``skipped_steps`` counts them. Before its first collective a step checks
 that every rank is taking it after the same training calls (``zcompile.step_agreement``,
 ``check_timeout_s``), so a rank that skips its step alone is an error on every rank, not a hang.
 
@@ -46,7 +47,7 @@ from zcompile.optim_buckets import (BucketedGradReduce, BucketedParamRefresh, pl
                                     reduce_grads_onto_shards)
 from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of
 from zcompile.step_agreement import DEFAULT_TIMEOUT_S, agree_before_step
-from zcompile.nonfinite import nonfinite_flag, skip_nonfinite_by_default
+from zcompile.nonfinite import local_grads_finite, nonfinite_flag, skip_nonfinite_by_default
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._refuse_state_probe()
-        agree_before_step(self._members(), "optimizer.step()", self.check_timeout_s)  # before any collective
+        members = self._members()
+        skip_enabled = self._skip_nonfinite_enabled()
+        # skip_nonfinite without clipping decides from each rank's flag, carried by the agreement
+        flag_in_agreement = skip_enabled and self.max_grad_norm is None and not self._clipped_since_step
+        finite_everywhere = agree_before_step(members, "optimizer.step()", self.check_timeout_s,  # before any collective
+                                              local_grads_finite(members) if flag_in_agreement else None)
         if self.max_grad_norm is not None and not self._clipped_since_step:
             self._clip_grad_norm(self.max_grad_norm)
         if not self._clipped_since_step:
@@ -119,7 +125,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         early = [r for s, _, _ in todo for r in s.take_pre_step_records()]
         early += reduce_grads_onto_shards(self._local_grads_to_fold([s for s, _, _ in todo]), bucket_bytes)
         self.step_calls += 1
-        self.last_step_skipped, flag_records = self._nonfinite_step([s for s, _, _ in todo])
+        with_grads = [s for s, _, _ in todo]
+        if finite_everywhere is not None and not set(map(id, with_grads)) <= set(map(id, members)):
+            finite_everywhere = None  # a parameter sharded just now (trained eagerly) was not in the flag
+        self.last_step_skipped, flag_records = self._nonfinite_step(with_grads, skip_enabled, finite_everywhere)
         if self.last_step_skipped:
             self.last_step_collectives = early + flag_records
             return loss
@@ -184,16 +193,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         tensor.grad.detach_()
                         tensor.grad.zero_()
 
-    def _nonfinite_step(self, members: list[ShardedParam]) -> tuple[bool, list[CollectiveRecord]]:
+    def _skip_nonfinite_enabled(self) -> bool:
+        if self.skip_nonfinite is not None:
+            return self.skip_nonfinite
+        return skip_nonfinite_by_default(list(self._all_params()))
+
+    def _nonfinite_step(self, members: list[ShardedParam], enabled: bool,
+                        finite_everywhere: bool | None) -> tuple[bool, list[CollectiveRecord]]:
         """Whether this step is skipped (``skip_nonfinite``; the same on every rank, ``zcompile.nonfinite``)
-        and the collectives deciding it took."""
-        enabled = self.skip_nonfinite
-        if enabled is None:
-            enabled = skip_nonfinite_by_default(list(self._all_params()))
+        and the collectives deciding it took: none when the clip's global norm or the flags the
+        ranks exchanged in the step agreement (``finite_everywhere``) decide."""
         if not enabled or not members:
             return False, []
         if self.last_grad_norm is not None:  # clipped this step: the global norm decides, no extra collective
             nonfinite, records = not math.isfinite(self.last_grad_norm), []
+        elif finite_everywhere is not None:
+            nonfinite, records = not finite_everywhere, []
         else:
             nonfinite, record = nonfinite_flag(members)
             records = [record] if record is not None else []

@@ -14,7 +14,8 @@ also takes a turn on the same sequence (``agree_on_call``): a rank that skipped 
 the others' step there. A rank that does not come within the timeout, or comes from a different number of
 training calls, makes every rank that came raise ``RankDivergenceError`` saying which. Evaluation
 under ``torch.no_grad()`` is not counted, so evaluating on rank 0 only stays allowed. The cost is
-one store round trip per step (see the README's fault table).
+one store exchange per step (and per stage-3 compiled call; see the README's fault table); the
+step's exchange also carries each rank's "are my gradients finite?" for ``skip_nonfinite``.
 """
 
 from __future__ import annotations
@@ -35,25 +36,33 @@ def agree_on_call(group: DataParallelGroup, what: str, timeout_s: float) -> None
     the same call. On the same sequence as the steps, so a rank that skipped its backward and step
     (and is already in its next forward) meets the others' ``optimizer.step()`` here and every rank
     raises at once, before a collective could pair a forward's all-gather with a backward's."""
-    arrivals = exchange_on_store(what, group, timeout_s, "step", f"zcompile: {what}", FIX)
+    arrivals = [other for other, _ in exchange_on_store([what, None], group, timeout_s, "step", f"zcompile: {what}",
+                                                         FIX)]
     if any(arrival != what for arrival in arrivals):
         raise RankDivergenceError(
             f"zcompile: the ranks are at different points of training (per rank: {dict(enumerate(arrivals))}); "
             f"their collectives would not match. {FIX}")
 
 
-def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float | None) -> None:
+def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float | None,
+                      grads_finite: bool | None = None) -> bool | None:
     """Raises ``RankDivergenceError`` unless every rank of the members' group reaches ``what`` from
-    the same number of training calls (module docstring); ``timeout_s=None`` skips the check."""
+    the same number of training calls (module docstring); ``timeout_s=None`` skips the check.
+
+    ``grads_finite``: whether this rank's gradients are finite, carried in the same exchange so that
+    ``skip_nonfinite`` needs no collective of its own. Returns whether they are finite on every
+    rank; None when not asked, or when nothing was exchanged (check off, one rank)."""
     if timeout_s is None or not members or members[0].group.world_size == 1:
-        return
+        return None
     calls = sum(m.training_calls for m in members)
     for member in members:
         member.training_calls = 0
     arrival = f"{what} after {calls} training calls"
-    arrivals = exchange_on_store(arrival, members[0].group, timeout_s, "step", f"zcompile {what}", FIX)
-    if any(other != arrival for other in arrivals):
-        per_rank = dict(enumerate(arrivals))
+    arrivals = exchange_on_store([arrival, grads_finite], members[0].group, timeout_s, "step", f"zcompile {what}",
+                                 FIX)
+    if any(other != arrival for other, _ in arrivals):
+        per_rank = {rank: other for rank, (other, _) in enumerate(arrivals)}
         raise RankDivergenceError(
             f"zcompile {what}: the ranks come from different training steps (what each rank called, and its compiled "
             f"calls with gradients since the last step: {per_rank}). {FIX}")
+    return None if grads_finite is None else all(finite for _, finite in arrivals)
