@@ -2,7 +2,8 @@
 
     python benchmarks/bench_faults.py [--out benchmarks/results/faults_2.json] [--only NAME ...]
 
-Each fault is a fresh run of 2 gloo ranks on this machine (``tests/support/launch.run_ranks``)
+Each fault is a fresh run of 2 gloo ranks on this machine (``tests/support/launch.run_ranks``, the
+key-value store hosted outside the ranks as torchrun's agent hosts it)
 training the example GPT (``examples/gpt.py``: 2 layers, n_embd 64, seq 32, batch 4 per rank) with
 the default options and timeouts (``check_timeout_s`` 60 s). One rank misbehaves the way real
 training loops do; every rank records what it ended with (no error, or the exception's type and
@@ -80,10 +81,14 @@ class Clock:
 def _outcome(body, clock: Clock):
     try:
         detail = body()
-        return {"result": "no error", "detail": detail, "seconds": clock.since()}
+        return {"result": "no error", "detail": str(detail), "seconds": clock.since()}
     except BaseException as error:  # what the user sees is the point here
+        kind = type(error).__name__
+        inner = getattr(error, "inner_exception", None)  # Dynamo's BackendCompilerFailed wraps the backend's error
+        if inner is not None:
+            kind, error = f"{kind}({type(inner).__name__})", inner
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        return {"result": type(error).__name__, "detail": first[:300], "seconds": clock.since()}
+        return {"result": kind, "detail": first[:300], "seconds": clock.since()}
 
 
 # -- the faults: each runs on every rank, returns this rank's outcome --------------------------------
@@ -218,7 +223,7 @@ def run_fault(name: str, out_dir: str) -> list[dict]:
     fn, *args = FAULTS[name]
     clock_path = os.path.join(out_dir, name.replace(" ", "_").replace("/", "_") + ".clock")
     try:
-        return run_ranks(2, fn, clock_path, *args, timeout_s=300)
+        return run_ranks(2, fn, clock_path, *args, timeout_s=300, store_in_parent=True)  # as under torchrun
     except TimeoutError as error:
         return [{"result": "HANG", "detail": str(error)[:300], "seconds": 300.0}] * 2
 
@@ -234,15 +239,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out_dir:
         for name in args.only or FAULTS:
             results[name] = run_fault(name, out_dir)
+            if args.out:  # after each fault: a later crash keeps what was measured
+                with open(args.out, "w") as handle:
+                    json.dump({"torch": torch.__version__, "cores": os.cpu_count(), "faults": results}, handle,
+                              indent=1)
     rows = []
     for name, ranks in results.items():
         for rank, outcome in enumerate(ranks):
             seconds = "" if outcome["seconds"] is None else f"{outcome['seconds']:.1f}"
             rows.append((name if rank == 0 else "", str(rank), outcome["result"], seconds, outcome["detail"][:110].replace("[", "(")))
     print_table("faults, 2 gloo ranks, default timeouts", ("fault", "rank", "ends with", "s", "first line"), rows)
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump({"torch": torch.__version__, "cores": os.cpu_count(), "faults": results}, handle, indent=1)
 
 
 if __name__ == "__main__":

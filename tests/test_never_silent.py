@@ -81,6 +81,36 @@ def test_recompile_limit_at_stages_1_and_2_trains_like_one_process():
         assert_same_training(result, reference, RunSpec(stage=stage, **FALLBACK))
 
 
+# zeroing gradients through the model: clipped stage 1 (its shards hold the early-reduced gradient),
+# stage 2 in place (set_to_none=False); and `p.grad = None`, which misses the shards
+ZEROED_VIA_MODEL = (RunSpec(stage=1, clip=0.05, zero_grad_via="model"),
+                    RunSpec(stage=2, zero_grad_via="model", zero_grad_to_none=False))
+NOT_ZEROED = RunSpec(stage=2, zero_grad_via="param")
+
+
+def _zero_grad_runs(rank, world):
+    import logging
+
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("zcompile.optim").addHandler(handler)
+    results = [train_zero(spec, rank, world) for spec in (*ZEROED_VIA_MODEL, NOT_ZEROED)]
+    return results, [w for w in warnings if "were not zeroed since the last step" in w]
+
+
+def test_model_zero_grad_clears_the_gradient_shards_and_p_grad_none_is_not_silent():
+    """model.zero_grad() used to leave the shards' gradients: every later step trained on the sum of
+    all gradients so far (losses off the reference from step 2)."""
+    (*zeroed, not_zeroed), warnings = run_ranks(2, _zero_grad_runs)[0]
+    for spec, result in zip(ZEROED_VIA_MODEL, zeroed, strict=True):
+        assert_same_training(result, train_reference(spec), spec)
+    # p.grad = None cannot reach the shards: torch's accumulate-when-not-zeroed, and a warning saying so
+    assert len(warnings) == 1 and "model.zero_grad()" in warnings[0] and "p.grad = None" in warnings[0], warnings
+    accumulated = train_reference(NOT_ZEROED)
+    assert abs(not_zeroed.losses[-1] - accumulated.losses[-1]) > 1e-3  # it did train differently
+
+
 def _skip_step_on_rank0(rank, world, stage):
     """Rank 0 skips its step 1 (`if not isfinite(loss): continue`); both ranks must raise, at once."""
     torch._dynamo.reset()

@@ -5,7 +5,9 @@ Each stage runs the same loop: ``zcompile.optim.AdamW`` over two groups (weight 
 weights; none, and half the learning rate, on biases and norms), a linear warmup (``LambdaLR``)
 chained to a cosine decay (``CosineAnnealingLR``) by ``SequentialLR``, stepped after every optimizer
 step, and every ``EVAL_EVERY`` steps the loss of a held-out batch through the compiled model under
-``model.eval()`` + ``torch.no_grad()``, taken twice, before ``model.train()``. Evaluation makes
+``model.eval()`` + ``torch.no_grad()``, taken twice, before ``model.train()``. Gradients are zeroed
+through the model (``model.zero_grad()``, what Hugging Face Trainer and accelerate call), which at
+stages 2 and 3 must clear the gradient shards (``zcompile.zero_grad_route``). Evaluation makes
 Dynamo compile other graphs (no autograd, ``training=False``) from the same sharded parameters,
 and training must go on from the same shards afterwards.
 
@@ -105,7 +107,7 @@ def _train(rank: int, world: int, stage: int | None) -> dict:
             loss += part_loss.detach()
         out["lrs"].append([group["lr"] for group in optimizer.param_groups])  # what this step uses
         optimizer.step()
-        optimizer.zero_grad()
+        run.zero_grad()  # through the model, as Trainer and accelerate do: it must clear the shards' gradients too
         scheduler.step()
         out["losses"].append(_mean_over(loss, world, zero))
         if (step + 1) % EVAL_EVERY == 0:

@@ -16,6 +16,7 @@ from zcompile.dumps import collectives_file
 from zcompile.pipeline import JOINT, PIPELINE, run_passes
 from zcompile.rank_check import (
     check_same_on_all_ranks,
+    raise_if_aborted,
     sequence_difference,
     sequence_signature,
 )
@@ -57,6 +58,22 @@ class _JointPasses(CustomGraphPass):
         return get_hash_for_files((run_passes.__code__.co_filename,), repr(options))
 
 
+def _quoting_abort_notes(run: Callable, graphs: CompiledGraphs) -> Callable:
+    """A compiled backward whose failed collective says why the other rank left, when it did so
+    on purpose (its abort note, ``rank_check.raise_if_aborted``), rather than gloo's "connection
+    closed by peer": autograd runs the backward, outside the forward's wrapper that does the same."""
+    group = graphs.context.group
+
+    def backward(*args):
+        try:
+            return run(*args)
+        except Exception as error:
+            raise_if_aborted(group, error)
+            raise
+
+    return backward
+
+
 def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: CompiledGraphs) -> Callable:
     """Runs AOTAutograd on the rewritten Dynamo graph and compiles forward and backward.
 
@@ -72,7 +89,8 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
 
         def make_compiler(kind: str):
             def compile_eager(graph_module, inputs):
-                return make_boxed_func(_post_partition(graph_module, kind, graphs).forward)
+                run = _post_partition(graph_module, kind, graphs).forward
+                return make_boxed_func(_quoting_abort_notes(run, graphs) if kind == "backward" else run)
 
             return compile_eager
 

@@ -48,6 +48,7 @@ from zcompile.optim_buckets import (BucketedGradReduce, BucketedParamRefresh, pl
 from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of
 from zcompile.step_agreement import DEFAULT_TIMEOUT_S, agree_before_step
 from zcompile.nonfinite import local_grads_finite, nonfinite_flag, skip_nonfinite_by_default
+from zcompile.zero_grad_route import clear_shard_grad, remember_stepped_grads, stale_grad_members
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.step_calls = 0  # step() calls so far, skipped ones included (the skip warning names the step)
         self.last_step_skipped = False
         self._clipped_since_step = False
+        self._warned_stale_grads = False
         self._warned_eager_grads = False
         super().__init__(params, defaults)
         for index, param in enumerate(self._all_params()):
@@ -126,11 +128,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         early += reduce_grads_onto_shards(self._local_grads_to_fold([s for s, _, _ in todo]), bucket_bytes)
         self.step_calls += 1
         with_grads = [s for s, _, _ in todo]
+        self._warn_if_not_zeroed(with_grads)
         if finite_everywhere is not None and not set(map(id, with_grads)) <= set(map(id, members)):
             finite_everywhere = None  # a parameter sharded just now (trained eagerly) was not in the flag
         self.last_step_skipped, flag_records = self._nonfinite_step(with_grads, skip_enabled, finite_everywhere)
         if self.last_step_skipped:
             self.last_step_collectives = early + flag_records
+            remember_stepped_grads(with_grads)
             return loss
         early += flag_records
         reduced = [s for s, _, _ in todo if s.stage == 1 and s.group.world_size > 1 and s.shard.grad is None]
@@ -155,6 +159,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.last_step_collectives = early + reducer.records + refresher.records
         # measured while gradients still exist (zero_grad frees them): what step_report shows
         self.last_step_state_bytes = model_state_bytes(self._all_params(), self)
+        remember_stepped_grads(with_grads)
         return loss
 
     @torch.no_grad()
@@ -183,15 +188,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for param in group["params"]:
                 sharded = shard_of(param)
-                tensors = [param] if sharded is None else [param, sharded.shard]
-                for tensor in tensors:
-                    if tensor.grad is None:
-                        continue
-                    if set_to_none:
-                        tensor.grad = None
-                    else:
-                        tensor.grad.detach_()
-                        tensor.grad.zero_()
+                if sharded is not None:
+                    clear_shard_grad(sharded, set_to_none)
+                if param.grad is None:
+                    continue
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.detach_()
+                    param.grad.zero_()
+
+    def _warn_if_not_zeroed(self, members: list[ShardedParam]) -> None:
+        """Said once per optimizer: a step found the last step's gradient shards, added onto."""
+        stale = stale_grad_members(members)
+        if stale and not self._warned_stale_grads:
+            self._warned_stale_grads = True
+            log.warning(
+                "zcompile: optimizer step %d: the gradients of %d parameters (%s, ...) were not zeroed since the last "
+                "step, so this step's gradients were added onto the last one's (torch's behaviour when nothing "
+                "zeroes them). zcompile's gradients live on shards that optimizer.zero_grad() and model.zero_grad() "
+                "clear, but `p.grad = None` does not: zero through one of those two.",
+                self.step_calls, len(stale), stale[0].name)
 
     def _skip_nonfinite_enabled(self) -> bool:
         if self.skip_nonfinite is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,8 @@ class ShardedParam:
     pre_step_records: list = field(default_factory=list, repr=False)
     # compiled calls with gradients enabled since the ranks last agreed on a step (zcompile.step_agreement)
     training_calls: int = field(default=0, repr=False)
+    # the shard's gradient at the last optimizer step, until a zero_grad (zcompile.zero_grad_route)
+    stepped_grad: weakref.ref | None = field(default=None, repr=False)
     shape: torch.Size = field(init=False)
     numel: int = field(init=False)
     _replicated_alias: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -193,9 +196,11 @@ def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: Dat
     _check_shardable(param, name)
     # every shard is made here (by the backend, or by the optimizer for an eager parameter): from
     # now on torch.nn.utils.clip_grad_norm_ may see a zcompile parameter and must route it
-    from zcompile.clip import install_torch_clip_patch  # local: zcompile.clip imports this module
+    from zcompile.clip import install_torch_clip_patch  # local: these modules import this one
+    from zcompile.zero_grad_route import install_zero_grad_route
 
     install_torch_clip_patch()
+    install_zero_grad_route()  # and module.zero_grad() must clear the gradient shards
     shard_numel = FlatPiece(param.numel(), group.world_size, group.rank).chunk
     shard = torch.zeros(shard_numel, dtype=torch.float32, device=param.device)
     sharded = ShardedParam(param=param, name=name, stage=stage, group=group, shard=shard, reduce_dtype=reduce_dtype)

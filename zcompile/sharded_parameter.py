@@ -30,9 +30,13 @@ _METADATA = {
     torch.Tensor.ndimension, torch.Tensor.untyped_storage, torch.Tensor.storage_offset, torch.Tensor.is_contiguous,
     torch.Tensor.element_size, torch.Tensor.requires_grad_, torch.Tensor.register_hook,
     torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.__hash__, torch.Tensor.__format__,
+    torch.Tensor.__len__, torch.Tensor.get_device, torch.Tensor.data_ptr,
+    # dtype questions (transformers' PreTrainedModel.dtype asks is_floating_point of each parameter)
+    torch.Tensor.is_floating_point, torch.is_floating_point, torch.Tensor.is_complex, torch.is_complex,
+    torch.Tensor.is_signed, torch.numel,
     *(getattr(torch.Tensor, name).__get__ for name in (
         "shape", "dtype", "device", "ndim", "layout", "requires_grad", "grad", "is_leaf", "grad_fn", "is_cuda",
-        "is_meta", "is_sparse", "is_quantized", "_base", "is_nested", "itemsize", "nbytes")),
+        "is_cpu", "is_meta", "is_sparse", "is_quantized", "_base", "is_nested", "itemsize", "nbytes")),
     torch.Tensor.requires_grad.__set__, torch.Tensor.grad.__set__, torch.Tensor.grad.__delete__,
 }
 # these alias the parameter: the alias must keep refusing (state_dict() detaches before its hooks run)

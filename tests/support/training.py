@@ -49,6 +49,9 @@ class RunSpec:
     lr: float = 1e-2
     grad_accum: int = 1  # backward calls per optimizer step (each on its own micro-batch)
     zero_grad_to_none: bool = True
+    # how the zero run zeroes gradients after a step: "optimizer" (optimizer.zero_grad), "model"
+    # (compiled.zero_grad, as Trainer and accelerate do) or "param" (p.grad = None for each parameter)
+    zero_grad_via: str = "optimizer"
     optimizer_after_forward: bool = False
     seq_lens: tuple[int, ...] = ()  # per-step sequence length (recompiles on new shapes); () = full
     options: dict = field(default_factory=dict)
@@ -128,7 +131,7 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
         for step in range(spec.steps):
             optimizer = _train_zero_step(spec, compiled, model, optimizer, step, rank, world, losses, grad_norms)
             state_bytes = zcompile.model_state_bytes(model, optimizer).total
-            optimizer.zero_grad(set_to_none=spec.zero_grad_to_none)
+            _zero_grad(spec, compiled, optimizer)
     collectives = step_collectives(compiled_graphs, optimizer)
     with zcompile.gathered(model):
         params = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -140,6 +143,16 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
         facts["report_kept_bytes"] = zcompile.step_report(model, optimizer).memory["kept_gathered_bytes"]
     return RunResult(losses, params, state_bytes, sum(p.numel() for p in unique), padded, collectives, graphs,
                      facts, grad_norms)
+
+
+def _zero_grad(spec: RunSpec, compiled, optimizer) -> None:
+    if spec.zero_grad_via == "optimizer":
+        optimizer.zero_grad(set_to_none=spec.zero_grad_to_none)
+    elif spec.zero_grad_via == "model":
+        compiled.zero_grad(set_to_none=spec.zero_grad_to_none)
+    else:
+        for param in compiled.parameters():
+            param.grad = None
 
 
 def _train_zero_step(spec: RunSpec, compiled, model, optimizer, step: int, rank: int, world: int, losses: list,

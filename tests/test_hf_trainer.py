@@ -1,0 +1,197 @@
+"""Hugging Face Trainer with zcompile (``zcompile.integrations.hf.ZeroTrainer``) against the plain
+DDP Trainer, on 2 gloo ranks (and 4 for resuming on another world size).
+
+The reference is ``transformers.Trainer`` itself on the same processes: it wraps the model in
+DistributedDataParallel, clips with ``torch.nn.utils.clip_grad_norm_`` and builds torch's AdamW
+from the same arguments. The only arithmetic that differs is the order of the cross-rank
+gradient sum (an all-reduce against zcompile's reduce-scatter) and the AdamW kernels' rounding,
+about 1e-7 relative per step on this model; after 20 clipped steps the logged losses, the logged
+gradient norms and the final weights stay within 1e-6 relative (weights: 1e-6 of their scale).
+A lost clip (the issue this integration closes: Trainer's max_grad_norm clipped nothing) moves
+the losses by 1e-4 from the third step, and a lost zero_grad by more.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+transformers = pytest.importorskip("transformers")
+
+from support.launch import run_ranks  # noqa: E402
+
+STEPS, GRAD_ACCUM, EVAL_EVERY, MAX_GRAD_NORM = 20, 4, 5, 0.2
+RTOL = 1e-6
+SEQ, VOCAB = 16, 128
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Random token sequences, the labels the inputs (the model shifts them)."""
+
+    def __init__(self, count: int, seed: int):
+        self.ids = torch.randint(0, VOCAB, (count, SEQ), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def _llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _args(output_dir: str, world: int, **overrides) -> transformers.TrainingArguments:
+    settings = dict(output_dir=output_dir, per_device_train_batch_size=8 // world, per_device_eval_batch_size=4,
+                    max_steps=STEPS, learning_rate=3e-3, max_grad_norm=MAX_GRAD_NORM, logging_steps=1,
+                    lr_scheduler_type="linear", warmup_steps=3, weight_decay=0.1, seed=0, data_seed=0,
+                    report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+                    gradient_accumulation_steps=GRAD_ACCUM, eval_strategy="steps", eval_steps=EVAL_EVERY)
+    return transformers.TrainingArguments(**{**settings, **overrides})
+
+
+def _history(trainer) -> dict:
+    logs = trainer.state.log_history
+    return {"losses": [h["loss"] for h in logs if "loss" in h], "grad_norms": [h["grad_norm"] for h in logs if "loss" in h],
+            "lrs": [h["learning_rate"] for h in logs if "loss" in h], "evals": [h["eval_loss"] for h in logs if "eval_loss" in h]}
+
+
+def _train_each_way(rank: int, world: int, out_dir: str) -> dict:
+    """The plain DDP Trainer, then ZeroTrainer at stages 2 and 3 (each saving its model)."""
+    import zcompile
+    from zcompile.integrations.hf import ZeroTrainer
+
+    train, held_out = TokenDataset(STEPS * GRAD_ACCUM * 8, seed=0), TokenDataset(16, seed=1)
+    runs = {}
+    for way in ("ddp", 2, 3):
+        torch._dynamo.reset()
+        model = _llama()
+        args = _args(os.path.join(out_dir, f"run_{way}"), world)
+        if way == "ddp":
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=train, eval_dataset=held_out)
+        else:
+            trainer = ZeroTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
+                                  zero_options={"stage": way})
+        trainer.train()
+        runs[way] = _history(trainer)
+        if way == "ddp":
+            runs[way]["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        else:
+            assert isinstance(trainer.optimizer.optimizer, zcompile.optim.AdamW)
+            assert not isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+            trainer.save_model(os.path.join(out_dir, f"saved_{way}"))
+            with zcompile.gathered(model):  # the Trainer-side weights the saved folder must hold
+                runs[way]["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return runs
+
+
+@pytest.fixture(scope="module")
+def each_way(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("hf"))
+    return run_ranks(2, _train_each_way, out_dir, timeout_s=600)[0], out_dir
+
+
+def _assert_close_lists(actual: list, expected: list, what: str) -> None:
+    assert len(actual) == len(expected) > 0, (what, actual, expected)
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        assert abs(a - e) <= RTOL * abs(e), (what, step, actual, expected)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_trainer_trains_like_the_ddp_trainer(each_way, stage):
+    """Clipped (the norms are above MAX_GRAD_NORM), accumulated over 4 micro-batches, evaluated every
+    5 steps, with Trainer's decay / no-decay groups and linear schedule: as plain DDP does."""
+    runs, _ = each_way
+    ddp, zero = runs["ddp"], runs[stage]
+    assert len(ddp["losses"]) == STEPS and len(ddp["evals"]) == STEPS // EVAL_EVERY
+    assert min(ddp["grad_norms"]) > MAX_GRAD_NORM  # every step really clips
+    _assert_close_lists(zero["losses"], ddp["losses"], "loss")
+    _assert_close_lists(zero["grad_norms"], ddp["grad_norms"], "grad_norm")
+    _assert_close_lists(zero["evals"], ddp["evals"], "eval_loss")
+    assert zero["lrs"] == ddp["lrs"]
+    for name, value in ddp["params"].items():
+        torch.testing.assert_close(zero["params"][name], value, rtol=RTOL, atol=RTOL * value.abs().max().item(),
+                                   msg=name)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_model_is_a_folder_from_pretrained_loads(each_way, stage):
+    runs, out_dir = each_way
+    plain = transformers.LlamaForCausalLM.from_pretrained(os.path.join(out_dir, f"saved_{stage}"))
+    saved = dict(plain.named_parameters())
+    assert set(saved) == set(runs[stage]["params"])
+    for name, value in runs[stage]["params"].items():
+        assert torch.equal(saved[name].detach(), value), name
+
+
+# ---- checkpoints: resume at the same and at another number of ranks ----
+
+RESUME_STEPS, SAVE_EVERY = 8, 4
+
+
+def _resume_args(out_dir: str, world: int) -> transformers.TrainingArguments:
+    return _args(out_dir, world, max_steps=RESUME_STEPS, save_strategy="steps", save_steps=SAVE_EVERY,
+                 gradient_accumulation_steps=1, eval_strategy="no")
+
+
+def _trainer(out_dir: str, world: int):
+    from zcompile.integrations.hf import ZeroTrainer
+
+    torch._dynamo.reset()
+    return ZeroTrainer(model=_llama(), args=_resume_args(out_dir, world),
+                       train_dataset=TokenDataset(RESUME_STEPS * 8, seed=0), zero_options={"stage": 3})
+
+
+def _train_then_resume(rank: int, world: int, out_dir: str) -> tuple[dict, dict]:
+    """Uninterrupted (saving at step 4), then a fresh model and trainer resuming from step 4."""
+    uninterrupted = _trainer(out_dir, world)
+    uninterrupted.train()
+    resumed = _trainer(out_dir, world)
+    resumed.train(resume_from_checkpoint=os.path.join(out_dir, f"checkpoint-{SAVE_EVERY}"))
+    return _history(uninterrupted), _history(resumed)
+
+
+def _resume(rank: int, world: int, out_dir: str) -> dict:
+    trainer = _trainer(out_dir, world)
+    trainer.train(resume_from_checkpoint=os.path.join(out_dir, f"checkpoint-{SAVE_EVERY}"))
+    return _history(trainer)
+
+
+def test_resume_from_checkpoint_continues_exactly_also_on_4_ranks(tmp_path):
+    uninterrupted, resumed = run_ranks(2, _train_then_resume, str(tmp_path), timeout_s=600)[0]
+    assert os.path.isdir(tmp_path / f"checkpoint-{SAVE_EVERY}" / "zcompile")  # the sharded checkpoint
+    # the resumed log starts with the checkpoint's history (steps 1-4) and goes on from there
+    assert resumed["losses"] == uninterrupted["losses"] and resumed["grad_norms"] == uninterrupted["grad_norms"]
+    on_four = run_ranks(4, _resume, str(tmp_path), timeout_s=600)[0]
+    # 4 ranks sum the same global batch's gradients in another order: rounding only
+    _assert_close_lists(on_four["losses"], uninterrupted["losses"], "loss on 4 ranks")
+    _assert_close_lists(on_four["grad_norms"], uninterrupted["grad_norms"], "grad_norm on 4 ranks")
+
+
+def test_refusals_name_the_fix(tmp_path):
+    from zcompile.integrations.hf import ZeroTrainer
+
+    dataset = TokenDataset(8, seed=0)
+    with pytest.raises(ValueError, match="fp16=True is not supported.*bf16=True"):
+        ZeroTrainer(model=_llama(), args=_args(str(tmp_path), 1, eval_strategy="no", fp16=True, use_cpu=False), train_dataset=dataset)
+    with pytest.raises(ValueError, match="torch_compile_backend='inductor'.*set torch_compile_backend='zero'"):
+        ZeroTrainer(model=_llama(), args=_args(str(tmp_path), 1, eval_strategy="no", torch_compile_backend="inductor"),
+                    train_dataset=dataset)
+    trainer = ZeroTrainer(model=_llama(), args=_args(str(tmp_path), 1, eval_strategy="no", optim="adafactor"), train_dataset=dataset)
+    with pytest.raises(ValueError, match=r"optim='adafactor'\) has no zcompile optimizer"):
+        trainer.create_optimizer()
+    trainer = ZeroTrainer(model=_llama(), args=_args(str(tmp_path), 1, eval_strategy="no"), train_dataset=dataset,
+                          optimizers=(torch.optim.AdamW(_llama().parameters()), None))
+    with pytest.raises(TypeError, match="not a zcompile.optim optimizer"):
+        trainer.create_optimizer()
+    # torch_compile_backend="zero" (which accelerate refuses by name) is ZeroTrainer's own compile
+    args = _args(str(tmp_path), 1, eval_strategy="no", torch_compile_backend="zero")
+    trainer = ZeroTrainer(model=_llama(), args=args, train_dataset=dataset)
+    assert not trainer.args.torch_compile

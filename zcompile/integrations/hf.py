@@ -1,0 +1,191 @@
+"""Hugging Face ``Trainer`` with zcompile: ``ZeroTrainer`` is ``Trainer`` with the model compiled by
+the zero backend.
+
+    from zcompile.integrations.hf import ZeroTrainer
+    trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=..., zero_options={"stage": 3})
+    trainer.train()                      # torchrun --nproc-per-node N train.py
+
+What it changes in ``Trainer``, and why:
+- the model is compiled with ``torch.compile(model, backend="zero", options=zero_options)`` where
+  Trainer would wrap it in DistributedDataParallel (zcompile reduces the gradients itself; DDP on
+  top would all-reduce them a second time). ``TrainingArguments(torch_compile_backend="zero")``
+  is accepted and means the same (accelerate itself refuses the name);
+- the optimizer is ``zcompile.optim.AdamW`` (or ``SGD`` for ``optim="sgd"``) over Trainer's own
+  decay / no-decay parameter groups, learning rate, betas and epsilon; Trainer's LR scheduler
+  drives it unchanged;
+- ``max_grad_norm`` clips by the global norm over every rank's gradient shards
+  (``optimizer.clip_grad_norm_``), and the logged ``grad_norm`` is that norm;
+- ``save_model()`` writes a normal Hugging Face folder (``config.json`` + safetensors) of the
+  consolidated weights from rank 0 (every rank takes part in gathering them), which
+  ``from_pretrained`` loads into a plain model; a Trainer checkpoint also holds zcompile's sharded
+  checkpoint (``zcompile/``: master weights, optimizer state, scheduler), from which
+  ``trainer.train(resume_from_checkpoint=...)`` resumes, at the same or another number of ranks.
+
+Refused with the reason: DeepSpeed or FSDP arguments (another sharding), ``fp16=True`` (its
+GradScaler unscales ``param.grad``, which zcompile's sharded gradients are not: use ``bf16=True``),
+another ``torch_compile_backend``, and an ``optim`` zcompile has no optimizer for.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any
+
+import torch
+import transformers
+
+import zcompile.checkpoint
+import zcompile.optim
+from zcompile.consolidate import full_state_dict
+
+log = logging.getLogger(__name__)
+
+if not hasattr(transformers.Trainer, "_clip_grad_norm"):  # the hooks overridden below came with transformers 5
+    raise ImportError(f"zcompile.integrations.hf needs transformers>=5.0 (found {transformers.__version__}): "
+                      "pip install -U 'transformers>=5' accelerate")
+
+CHECKPOINT_SUBDIR = "zcompile"  # in a Trainer checkpoint folder: zcompile's sharded checkpoint
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf")  # Trainer names zcompile.optim.AdamW stands for
+
+
+class ZeroTrainer(transformers.Trainer):
+    """``transformers.Trainer`` training with zcompile (module docstring).
+
+    ``zero_options``: the zero backend's options (``torch.compile(..., options=...)``; default
+    ``{"stage": 3}``). ``optimizer_options``: extra ``zcompile.optim`` arguments (``bucket_mb``,
+    ``skip_nonfinite``, ``check_timeout_s``). An optimizer passed in ``optimizers=`` must be a
+    ``zcompile.optim`` one.
+    """
+
+    def __init__(self, *args: Any, zero_options: dict | None = None, optimizer_options: dict | None = None,
+                 **kwargs: Any):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            _take_over_torch_compile(training_args)
+            _refuse_unsupported(training_args)
+        self.zero_options = {"stage": 3, **(zero_options or {})}
+        self.optimizer_options = dict(optimizer_options or {})
+        self._zero_compiled: torch.nn.Module | None = None
+        super().__init__(*args, **kwargs)
+        _refuse_unsupported(self.args)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError("ZeroTrainer: DeepSpeed or FSDP is enabled (an accelerate config or TrainingArguments); "
+                             "zcompile shards the model itself: turn them off")
+
+    # ---- the model: compiled by the zero backend, never wrapped in DDP ----
+
+    def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader=None) -> torch.nn.Module:
+        """The zero-compiled model, for training and evaluation alike (at stage 3 the plain model's
+        weights are shards: it cannot run outside the compiled graphs)."""
+        if self._zero_compiled is None:
+            self._zero_compiled = torch.compile(self.model, backend="zero", options=self.zero_options)
+        return self._zero_compiled
+
+    # ---- the optimizer: zcompile's, from Trainer's arguments ----
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            self.optimizer = self._zero_optimizer_from_args(self.model if model is None else model)
+        elif not isinstance(_unwrapped(self.optimizer), zcompile.optim.ShardedOptimizer):
+            raise TypeError(
+                f"ZeroTrainer: optimizers=({type(_unwrapped(self.optimizer)).__name__}, ...) is not a zcompile.optim "
+                "optimizer: its step would not see the gradients, which live on zcompile's shards. Pass "
+                "zcompile.optim.AdamW / SGD, or no optimizer to have one built from the TrainingArguments")
+        return self.optimizer
+
+    def _zero_optimizer_from_args(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        args = self.args
+        optim = str(getattr(args.optim, "value", args.optim))
+        decay = set(self.get_decay_parameter_names(model))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        if optim in ADAMW_OPTIMS:
+            return zcompile.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                        eps=args.adam_epsilon, **self.optimizer_options)
+        if optim == "sgd":
+            return zcompile.optim.SGD(groups, lr=args.learning_rate, **self.optimizer_options)
+        raise ValueError(f"ZeroTrainer: TrainingArguments(optim={optim!r}) has no zcompile optimizer; use "
+                         f"{' / '.join(ADAMW_OPTIMS)} (zcompile.optim.AdamW) or 'sgd', or pass a zcompile.optim "
+                         "optimizer in optimizers=")
+
+    def _zero_optimizer(self) -> zcompile.optim.ShardedOptimizer:
+        return _unwrapped(self.optimizer)
+
+    # ---- clipping and the logged norm: the global norm over every rank's shards ----
+
+    def _clip_grad_norm(self, model: torch.nn.Module) -> torch.Tensor:
+        return self._zero_optimizer().clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
+        if grad_norm is None:  # no clipping asked for: the norm for the log, clipping nothing
+            grad_norm = self._zero_optimizer().clip_grad_norm_(math.inf)
+        return grad_norm
+
+    # ---- saving and resuming ----
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """A Hugging Face folder of the consolidated fp32 weights, written by rank 0; every rank calls
+        it (Trainer does) because every rank holds a part of the weights."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state_dict = full_state_dict(self.model, rank=0)  # collective; the weights on rank 0 only
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        extra = {"lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None}
+        zcompile.checkpoint.save(os.path.join(output_dir, CHECKPOINT_SUBDIR), self.model, self._zero_optimizer(),
+                                 extra=extra)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        if _zero_checkpoint(resume_from_checkpoint) is None:  # a checkpoint of another Trainer: its weights
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # else: the weights come with the optimizer state, from zcompile's checkpoint (below)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        path = _zero_checkpoint(checkpoint) if checkpoint is not None else None
+        if path is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        extra = zcompile.checkpoint.load(path, self.model, self._zero_optimizer())
+        if self.lr_scheduler is not None and extra.get("lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+
+
+def _unwrapped(optimizer: torch.optim.Optimizer) -> Any:
+    """accelerate wraps the optimizer (``AcceleratedOptimizer``); zcompile's is inside."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _zero_checkpoint(checkpoint: str) -> str | None:
+    path = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
+    return path if os.path.isdir(path) else None
+
+
+def _take_over_torch_compile(args: transformers.TrainingArguments) -> None:
+    """``torch_compile_backend="zero"`` means ZeroTrainer; accelerate would refuse the name, and the
+    model must not be compiled a second time by accelerate."""
+    if not args.torch_compile:
+        return
+    if args.torch_compile_backend != "zero":
+        raise ValueError(
+            f"ZeroTrainer: TrainingArguments(torch_compile_backend={args.torch_compile_backend!r}): ZeroTrainer "
+            "compiles the model with the zero backend itself; drop torch_compile, or set torch_compile_backend='zero'")
+    if args.torch_compile_mode is not None:
+        raise ValueError("ZeroTrainer: torch_compile_mode is not supported by the zero backend; pass its options "
+                         "in zero_options= instead")
+    args.torch_compile, args.torch_compile_backend = False, None
+
+
+def _refuse_unsupported(args: transformers.TrainingArguments) -> None:
+    if args.fp16:
+        raise ValueError("ZeroTrainer: fp16=True is not supported: its GradScaler unscales param.grad, and "
+                         "zcompile's gradients live on shards. Use bf16=True (or zero_options={'param_dtype': "
+                         "'bf16'})")
+    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+        raise ValueError("ZeroTrainer: TrainingArguments(deepspeed=...) / fsdp=... ask for another sharding; "
+                         "zcompile shards the model itself: drop them")
