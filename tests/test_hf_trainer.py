@@ -89,7 +89,22 @@ def _train_each_way(rank: int, world: int, out_dir: str) -> dict:
             trainer.save_model(os.path.join(out_dir, f"saved_{way}"))
             with zcompile.gathered(model):  # the Trainer-side weights the saved folder must hold
                 runs[way]["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    runs["accelerate"] = _accelerate_prepare_error(train)
     return runs
+
+
+def _accelerate_prepare_error(dataset) -> str:
+    """accelerate's prepare(model) wraps a zero-compiled model in DDP: refused at the first call."""
+    import accelerate
+
+    torch._dynamo.reset()
+    model = torch.compile(_llama(), backend="zero", options={"stage": 2})
+    model = accelerate.Accelerator(cpu=True).prepare(model)
+    try:
+        model(**{k: v[None] for k, v in dataset[0].items()})
+    except Exception as error:
+        return str(error)
+    return "no error"
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +144,12 @@ def test_save_model_is_a_folder_from_pretrained_loads(each_way, stage):
     assert set(saved) == set(runs[stage]["params"])
     for name, value in runs[stage]["params"].items():
         assert torch.equal(saved[name].detach(), value), name
+
+
+def test_accelerate_wrapping_a_zero_model_in_ddp_is_refused_with_the_pattern(each_way):
+    runs, _ = each_way
+    message = runs["accelerate"]
+    assert "runs inside DistributedDataParallel" in message and "prepare the data loaders only" in message, message
 
 
 # ---- checkpoints: resume at the same and at another number of ranks ----

@@ -27,7 +27,7 @@ import torch
 from zcompile.compiled import CompileContext, CompiledGraphs, record_compiled_graphs
 from zcompile.config import ZeroConfig
 from zcompile.dumps import SHARDING_PLAN_FILE, resolve_dump_root
-from zcompile.dynamo_frame import modules_of_compiled_frame
+from zcompile.dynamo_frame import modules_of_compiled_frame, outer_data_parallel_wrapper
 from zcompile.inner import compile_with_aot
 from zcompile.param_shards import ShardedParam, shard_of, shard_parameter
 from zcompile.pass_runner import PassRunner
@@ -51,6 +51,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     if mode is not None:
         raise ValueError(f"zero backend: torch.compile(mode={mode!r}) is not supported; pass options instead")
     config = ZeroConfig.from_options(options)
+    _refuse_outer_data_parallel()
     start = time.perf_counter()
     group = DataParallelGroup.resolve(config.group)
     gm = copy_dynamo_graph(gm)
@@ -120,22 +121,34 @@ class ShardSwap:
         return shard_parameter(param, name, self.plan.stage, self.group, self.plan.reduce_dtype)
 
     def swap(self, args: list, counted: bool = True) -> list:
-        # a call with gradients is counted on its parameters' shards (zcompile.step_agreement)
+        # calls, and calls with gradients, are counted on their parameters' shards (zcompile.step_agreement)
         training = int(counted and torch.is_grad_enabled())
-        if self.plan.stage == 1:
-            for p in self.plan.params:
-                self.sharded(args[p.index], p.name).training_calls += training
-            return args
         appended = []
         for p in self.plan.params:
             sharded = self.sharded(args[p.index], p.name)
             sharded.training_calls += training
+            if counted and sharded.calls_since_step is not None:
+                sharded.calls_since_step += 1
+            if self.plan.stage == 1:
+                continue
             if self.plan.stage == 3:
                 args[p.index] = sharded.shard
             else:
                 args[p.index] = sharded.replicated_alias
                 appended.append(sharded.shard)
-        return args + appended
+        return args + appended if appended else args
+
+    def first_call_since_agreed_step(self, args: tuple) -> bool:
+        """Whether none of this call's parameters ran since the ranks agreed on a step: the ranks
+        then left that agreement together and this is where each goes next, so the call needs no
+        agreement of its own (the common case: the forward right after ``optimizer.step()``; one
+        store exchange per step instead of two). A rank that went elsewhere meets the others' next
+        agreement, which compares what each is doing, as before."""
+        for p in self.plan.params:
+            sharded = shard_of(args[p.index])
+            if sharded is None or sharded.calls_since_step != 0:
+                return False
+        return True
 
     def swap_for_tracing(self, example_inputs: list) -> list:
         """``swap`` with the new inputs as static-shape fake tensors of Dynamo's fake mode.
@@ -167,7 +180,8 @@ class ShardSwap:
             return run_with_shards
 
         def run_agreed(*args):
-            agree_on_call(self.group, agreed_call, timeout_s)
+            if not self.first_call_since_agreed_step(args):
+                agree_on_call(self.group, agreed_call, timeout_s)
             return run_with_shards(*args)
 
         return run_agreed
@@ -179,6 +193,19 @@ def _agreed_call(config: ZeroConfig, group: DataParallelGroup, gm: torch.fx.Grap
     if config.stage != 3 or not config.check_ranks or group.world_size == 1:
         return None
     return f"a call of compiled graph {gm.meta.get('dynamo_compile_id', '?')}"
+
+
+def _refuse_outer_data_parallel() -> None:
+    """A zero-compiled model inside DDP (accelerate's ``prepare(model)`` does it) would have its
+    gradients reduced twice, or, where they live on shards, DDP waiting for gradients that never
+    come to param.grad; stage 3 parameters are freed between calls and DDP's broadcasts read them."""
+    wrapper = outer_data_parallel_wrapper()
+    if wrapper is not None:
+        raise ValueError(
+            f"zero backend: the compiled model runs inside {wrapper}, which reduces the gradients that zcompile "
+            "reduces itself. Do not wrap a zero-compiled model: with accelerate, prepare the data loaders only "
+            "(not the model or the optimizer) and clip with optimizer.clip_grad_norm_; with Hugging Face Trainer "
+            "use zcompile.integrations.hf.ZeroTrainer")
 
 
 def _check_devices(plan: ShardingPlan, example_inputs: list, group: DataParallelGroup) -> None:

@@ -36,6 +36,22 @@ def modules_of_compiled_frame() -> list[torch.nn.Module]:
     return [value for value in f_locals.values() if isinstance(value, torch.nn.Module)]
 
 
+def outer_data_parallel_wrapper() -> str | None:
+    """The class name of a data-parallel wrapper (DDP, DataParallel, FSDP) whose ``forward`` is on
+    the Python stack: the model being compiled runs inside it. Read while the backend compiles a
+    graph, which Dynamo does during the first call, from inside the wrapper's ``forward``."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        if isinstance(owner, (DistributedDataParallel, DataParallel, FullyShardedDataParallel)):
+            return type(owner).__name__
+        frame = frame.f_back
+    return None
+
+
 def eager_fallback_reason() -> str:
     """Why the calling code runs eagerly, read from Dynamo's caches of the frames on the stack.
 

@@ -9,12 +9,15 @@ where the collectives happen to line up (stage 1), ranks that silently train on 
 How: each compiled call with gradients enabled counts one on each of its parameters' shards
 (``ShardSwap`` in ``zcompile.backend``). Before its first collective, a step (or a clip) exchanges
 through the store its call number and the training calls its parameters saw since the last
-agreement. At stage 3 the forward itself starts with all-gathers, so each compiled stage-3 call
-also takes a turn on the same sequence (``agree_on_call``): a rank that skipped its backward meets
-the others' step there. A rank that does not come within the timeout, or comes from a different number of
+agreement. At stage 3 the forward itself starts with all-gathers, so a compiled stage-3 call also
+takes a turn on the same sequence (``agree_on_call``): a rank that skipped its step meets the
+others' step there. The first call after an agreed step needs no turn of its own (every rank left
+that agreement together and goes on to it; ``ShardSwap.first_call_since_agreed_step``): a rank that
+went elsewhere instead meets the others at their next agreement, or, waiting in a collective,
+gets the note of the rank that timed out there. A rank that does not come within the timeout, or comes from a different number of
 training calls, makes every rank that came raise ``RankDivergenceError`` saying which. Evaluation
 under ``torch.no_grad()`` is not counted, so evaluating on rank 0 only stays allowed. The cost is
-one store exchange per step (and per stage-3 compiled call; see the README's fault table); the
+one store exchange per step (and per further stage-3 compiled call; see the README's fault table); the
 step's exchange also carries each rank's "are my gradients finite?" for ``skip_nonfinite``.
 """
 
@@ -65,4 +68,6 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
         raise RankDivergenceError(
             f"zcompile {what}: the ranks come from different training steps (what each rank called, and its compiled "
             f"calls with gradients since the last step: {per_rank}). {FIX}")
+    for member in members:
+        member.calls_since_step = 0
     return None if grads_finite is None else all(finite for _, finite in arrivals)
