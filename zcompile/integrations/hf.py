@@ -130,7 +130,8 @@ class ZeroTrainer(transformers.Trainer):
         """A Hugging Face folder of the consolidated fp32 weights, written by rank 0; every rank calls
         it (Trainer does) because every rank holds a part of the weights."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = full_state_dict(self.model, rank=0)  # collective; the weights on rank 0 only
+        # collective (a rank-0-only call is a RankDivergenceError in 60 s); the weights on rank 0 only
+        state_dict = full_state_dict(self.model, rank=0, timeout_s=60.0)
         if self.args.should_save:
             self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
