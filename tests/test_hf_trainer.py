@@ -216,3 +216,28 @@ def test_refusals_name_the_fix(tmp_path):
     args = _args(str(tmp_path), 1, eval_strategy="no", torch_compile_backend="zero")
     trainer = ZeroTrainer(model=_llama(), args=args, train_dataset=dataset)
     assert not trainer.args.torch_compile
+
+
+def _losses_after_3_steps(tmp_path, zero: bool, bf16: bool) -> list[float]:
+    from zcompile.integrations.hf import ZeroTrainer
+
+    torch._dynamo.reset()
+    args = _args(str(tmp_path), 1, eval_strategy="no", max_steps=3, gradient_accumulation_steps=1, bf16=bf16)
+    kwargs = dict(model=_llama(), args=args, train_dataset=TokenDataset(24, seed=0))
+    trainer = ZeroTrainer(**kwargs, zero_options={"stage": 3}) if zero else transformers.Trainer(**kwargs)
+    trainer.train()
+    return _history(trainer)["losses"]
+
+
+def test_bf16_mixed_precision_is_applied(tmp_path):
+    """bf16=True is accelerate's autocast around forward: ZeroTrainer keeps it (it was silently
+    dropped with the DDP wrap it replaces). One process: the plain Trainer is the reference."""
+    fp32 = _losses_after_3_steps(tmp_path, zero=True, bf16=False)
+    zero_bf16 = _losses_after_3_steps(tmp_path, zero=True, bf16=True)
+    plain_bf16 = _losses_after_3_steps(tmp_path, zero=False, bf16=True)
+    # the first loss comes from the same weights through bf16 autocast: as the plain Trainer's, and
+    # 1e-5 relative away from fp32 (later steps: the weights drift apart by bf16 rounding)
+    assert abs(zero_bf16[0] - plain_bf16[0]) <= 1e-6 * abs(plain_bf16[0]), (zero_bf16, plain_bf16)
+    assert abs(zero_bf16[0] - fp32[0]) > 5e-6 * abs(fp32[0]), (zero_bf16, fp32)
+    for a, b in zip(zero_bf16, plain_bf16, strict=True):
+        assert abs(a - b) <= 5e-5 * abs(b), (zero_bf16, plain_bf16)

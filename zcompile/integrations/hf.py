@@ -80,7 +80,10 @@ class ZeroTrainer(transformers.Trainer):
         """The zero-compiled model, for training and evaluation alike (at stage 3 the plain model's
         weights are shards: it cannot run outside the compiled graphs)."""
         if self._zero_compiled is None:
-            self._zero_compiled = torch.compile(self.model, backend="zero", options=self.zero_options)
+            # accelerate's preparation without its DDP wrap (evaluation_mode): device placement and,
+            # with bf16=True, the autocast around forward that Trainer's mixed precision is
+            prepared = self.accelerator.prepare_model(self.model, evaluation_mode=True)
+            self._zero_compiled = torch.compile(prepared, backend="zero", options=self.zero_options)
         return self._zero_compiled
 
     # ---- the optimizer: zcompile's, from Trainer's arguments ----
