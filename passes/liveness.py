@@ -6,6 +6,8 @@
   reader (through views; a copy is a reader and a storage of its own).
 - ``peak_bytes``: the most bytes alive at once over such intervals.
 - ``gathered_peak_bytes(gm)``: the gathered-parameter peak of a graph as it is ordered now.
+- ``saved_activation_bytes(forward, backward)``: what the forward saves for the backward, less
+  inputs (parameters, shards) and gathered weights kept for backward (counted with the gathers).
 
 The planner predicts with these rules and the report measures the final graph with the same ones,
 so a plan and its report agree by construction.
@@ -96,3 +98,28 @@ def gathered_peak_bytes(gm: torch.fx.GraphModule | None) -> int:
     for node in gm.graph.find_nodes(op="call_function", target=ALL_GATHER):
         live += [(start, last, nbytes) for _, start, last, nbytes in storages(dag, position, node)]
     return peak_bytes(live)
+
+
+def saved_for_backward(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The forward's nodes the backward receives: AOTAutograd's forward returns its outputs, then
+    the saved values, one per backward placeholder that is not a tangent."""
+    saved_count = sum(1 for p in backward.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents"))
+    outputs = list(torch.utils._pytree.tree_leaves(forward.graph.output_node().args))
+    return [node for node in outputs[len(outputs) - saved_count:] if isinstance(node, torch.fx.Node)]
+
+
+def saved_activation_bytes(forward: torch.fx.GraphModule | None, backward: torch.fx.GraphModule | None) -> int:
+    """Bytes the forward saves for the backward that are activations: not graph inputs (parameters,
+    shards, the batch) and not gathered weights (all-gather outputs kept for backward, counted by
+    ``gathered_peak_bytes``)."""
+    if forward is None or backward is None:
+        return 0
+    gathered = set()
+    for collective in forward.graph.find_nodes(op="call_function", target=ALL_GATHER):
+        stack = [collective]
+        while stack:
+            node = stack.pop()
+            gathered.add(node)
+            stack += [user for user in node.users if user not in gathered and is_call_to(user, PREP_OPS)]
+    saved = dict.fromkeys(saved_for_backward(forward, backward))  # a node saved twice is one storage
+    return sum(node_bytes(node) for node in saved if node.op != "placeholder" and node not in gathered)

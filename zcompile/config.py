@@ -59,6 +59,11 @@ class ZeroConfig:
             communication saved per byte kept, the last layers of forward first. ``0``: re-gather all.
             A graph that runs several times before backward (one block graph reused per layer)
             keeps that much per run.
+        activation_memory_budget: activations the forward saves for backward, the rest recomputed
+            in backward (AOTAutograd's memory-budget partitioner, stage-3 gathers re-gathered where
+            recomputed): a fraction 0..1 of what the default partition saves (``0``: recompute
+            everything, ``1``: the default), or ``"<n>MiB"`` per compiled graph and rank (eager
+            inner compiler; turned into a fraction by a trial partition). ``None``: the default.
         dump: directory for per-pass graph dumps, ``passes.json``, the plan and the collectives of
             every compiled graph (``DIR/rank{R}/{graph_id}/``); ``None`` reads ``$ZCOMPILE_DUMP``.
             ``python -m zcompile inspect DIR`` summarizes it.
@@ -90,6 +95,7 @@ class ZeroConfig:
     prefetch: int = 1
     memory_budget_mb: float | None = None
     keep_gathered_mb: float = 0.0
+    activation_memory_budget: float | str | None = None
     quantize_weights: bool = False
     quantize_grads: bool = False
     quantize_block: int = 128
@@ -134,6 +140,7 @@ class ZeroConfig:
         if self.stage != 3 and self.keep_gathered_mb:
             raise ValueError(f"zero backend: keep_gathered_mb keeps stage-3 gathered weights for backward; stage "
                              f"{self.stage} keeps every weight already. Use stage 3, or drop keep_gathered_mb")
+        self._check_activation_memory_budget()
         for name in ("quantize_weights", "quantize_grads"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"zero backend: option {name!r} must be a bool, got {getattr(self, name)!r}")
@@ -164,6 +171,22 @@ class ZeroConfig:
     def effective_reduce_dtype(self) -> torch.dtype | None:
         return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
 
+    def _check_activation_memory_budget(self) -> None:
+        budget = self.activation_memory_budget
+        if budget is None:
+            return
+        if isinstance(budget, str):
+            if activation_budget_bytes(budget) is None:
+                raise ValueError(f"zero backend: option 'activation_memory_budget' as a string is MiB per rank, like "
+                                 f"'256MiB', got {budget!r}")
+            if self.compiler != "eager":
+                raise ValueError("zero backend: option 'activation_memory_budget' in MiB needs compiler='eager' (a "
+                                 "trial partition turns it into a fraction); with inductor give a fraction 0..1")
+            return
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+            raise ValueError(f"zero backend: option 'activation_memory_budget' must be a fraction 0..1 of the saved "
+                             f"activations or a string like '256MiB', got {budget!r}")
+
     @classmethod
     def from_options(cls, options: ZeroConfig | dict[str, Any] | None) -> ZeroConfig:
         """Builds a config from ``torch.compile``'s ``options`` (a dict, a ZeroConfig or None)."""
@@ -185,6 +208,16 @@ class ZeroConfig:
 
     def replace(self, **changes: Any) -> ZeroConfig:
         return dataclasses.replace(self, **changes)
+
+
+def activation_budget_bytes(budget: str) -> int | None:
+    """``"256MiB"`` (or ``"256 MiB"``) -> bytes; None when the string is not of that form."""
+    number = budget.strip().removesuffix("MiB").strip()
+    try:
+        value = float(number)
+    except ValueError:
+        return None
+    return int(value * 2**20) if budget.strip().endswith("MiB") and value >= 0 else None
 
 
 def _parse_dtype(option: str, value: Any) -> torch.dtype | None:

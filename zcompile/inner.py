@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
+import warnings
 from typing import Callable
 
 import torch
@@ -11,6 +14,8 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from zcompile.comm_volume import graph_collectives
+from zcompile.config import activation_budget_bytes
+from zcompile.passes.liveness import saved_activation_bytes
 from zcompile.compiled import CompiledGraphs
 from zcompile.dumps import collectives_file
 from zcompile.pipeline import JOINT, PIPELINE, run_passes
@@ -85,7 +90,10 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
 
         def partition(joint, joint_inputs, **kwargs):
             run_passes(graphs.context, "joint", joint)
-            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            budget = activation_budget_fraction(graphs.context.config.activation_memory_budget, joint, joint_inputs,
+                                                kwargs)
+            with activation_budget(budget):
+                return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         def make_compiler(kind: str):
             def compile_eager(graph_module, inputs):
@@ -110,4 +118,31 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
         return compile_fx_inner(_post_partition(graph_module, kind, graphs), inputs, **kwargs)
 
     patches = {"joint_custom_pre_pass": _JointPasses(graphs)} if _joint_rows(graphs) else None
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+    with activation_budget(graphs.context.config.activation_memory_budget):  # a fraction (config checked it)
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+def activation_budget(fraction: float | None):
+    """AOTAutograd's memory-budget partitioner for the partitions made inside (its config, read by
+    ``min_cut_rematerialization_partition``: 1 saves what the default min-cut saves, 0 recomputes
+    everything it may); ``None`` changes nothing."""
+    if fraction is None:
+        return contextlib.nullcontext()
+    return torch._functorch.config.patch(activation_memory_budget=float(fraction))
+
+
+def activation_budget_fraction(budget: float | str | None, joint: torch.fx.GraphModule, joint_inputs,
+                               kwargs: dict) -> float | None:
+    """The option as a fraction: a MiB budget is divided by what a trial partition (of a copy, with
+    the default budget) saves, capped at 1."""
+    if not isinstance(budget, str):
+        return budget
+    with warnings.catch_warnings():  # deepcopy of the graph's pytree specs warns of a torch-internal deprecation
+        warnings.simplefilter("ignore", FutureWarning)
+        trial = copy.deepcopy(joint)
+    forward, backward = min_cut_rematerialization_partition(trial, joint_inputs, **kwargs)
+    saved = saved_activation_bytes(forward, backward)
+    fraction = 1.0 if saved == 0 else min(1.0, activation_budget_bytes(budget) / saved)
+    log.info("zero backend: activation_memory_budget %s of %.2f MiB saved by default: fraction %.3f", budget,
+             saved / 2**20, fraction)
+    return fraction

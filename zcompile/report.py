@@ -24,7 +24,7 @@ from zcompile.compiled import CompiledGraphs, compiled_graphs_of
 from zcompile.memory import model_state_bytes, zero_formula_bytes
 from zcompile.passes import metadata
 from zcompile.passes.collectives import COLLECTIVE_OPS, WAIT, collective_nodes
-from zcompile.passes.liveness import gathered_peak_bytes
+from zcompile.passes.liveness import gathered_peak_bytes, saved_activation_bytes
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,8 @@ class StepReport:
             f"{mem['formula_bytes'] / 2**20:.2f} MiB by the formula; peak gathered parameters "
             f"{mem['peak_gathered_bytes'] / 2**20:.2f} MiB"
             + (f" (of which {mem['kept_gathered_bytes'] / 2**20:.2f} MiB kept for backward)"
-               if mem.get("kept_gathered_bytes") else ""),
+               if mem.get("kept_gathered_bytes") else "")
+            + f"; saved activations {mem.get('saved_activation_bytes', 0) / 2**20:.2f} MiB",
             f"schedule: {len(self.schedule)} collectives in graphs, {exposed} with no compute between issue "
             "and wait (exposed)",
         ] + ([f"gradient norm {self.grad_norm:.6g} (before clipping)"] if self.grad_norm is not None else []) + (
@@ -163,6 +164,7 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
             "hpz_secondary_bytes": _hpz_secondary_bytes(graphs, unique) - sum(
                 p.hpz_secondary_bytes for g in graphs if g.keep_gathered for p in g.keep_gathered.kept),
             "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in graphs if g.keep_gathered),
+            "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) for g in graphs),
         },
         schedule=schedule,
         grad_norm=getattr(optimizer, "last_grad_norm", None),

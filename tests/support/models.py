@@ -41,6 +41,18 @@ class GPTWithBreaks(GPT):
         return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class GPTCheckpointed(GPT):
+    """The GPT with each block under ``torch.utils.checkpoint`` (non-reentrant): user activation
+    checkpointing, which Dynamo traces and the zero backend must keep recomputing correctly."""
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        logits = self.head(self.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 def build_model(name: str) -> torch.nn.Module:
     """The models the tests train, each deterministic (seeded, no dropout)."""
     torch.manual_seed(0)
@@ -50,6 +62,8 @@ def build_model(name: str) -> torch.nn.Module:
     if name == "gpt_loop_breaks":  # untied: a stage-3 parameter must not be used both in and out of graphs
         return GPTWithBreaks(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32,
                                        tie_weights=False), in_loop=True)
+    if name == "gpt_checkpointed":
+        return GPTCheckpointed(small)
     if name == "gpt_frozen":  # position embedding and first block's norm frozen
         model = GPT(small)
         model.wpe.weight.requires_grad_(False)

@@ -1,0 +1,114 @@
+"""``activation_memory_budget``: the forward saves a fraction of its activations (or MiB of them) and
+the backward recomputes the rest, re-gathering stage-3 weights where it recomputes; training is
+unchanged. Saved-activation bytes are read from the partitioned graphs
+(``passes.liveness.saved_activation_bytes``, in ``step_report().memory``) and checked here against
+an independent count: the bytes of the backward's saved non-input placeholders.
+
+Recomputing on CPU redoes the same ops on the same values, so losses and weights are compared
+bitwise on one process; on 2 ranks the reference is a single process, with the tolerances of
+``support.training``. User activation checkpointing (``torch.utils.checkpoint``) keeps working.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zcompile
+from support.launch import run_ranks
+from support.models import build_model, global_batch
+from support.training import RunSpec, assert_same_training, train_reference, train_zero
+
+
+def _train(budget, model_name: str = "gpt", stage: int = 3, steps: int = 2):
+    """Trains on one process; returns (losses, parameters, step report memory, compiled graphs)."""
+    torch._dynamo.reset()
+    model = build_model(model_name)
+    graphs = []
+    options = {"stage": stage, "activation_memory_budget": budget, "on_compile": graphs.append}
+    compiled = torch.compile(model, backend="zero", options=options)
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        loss = compiled(*global_batch(step, 8))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    memory = zcompile.step_report(model, optimizer).memory
+    with zcompile.gathered(model):
+        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return losses, params, memory, graphs
+
+
+def _independent_saved_bytes(graphs) -> int:
+    """Bytes of the backward's placeholders that are neither tangents nor the forward's inputs
+    (matched by name: AOTAutograd keeps the joint graph's names on both sides)."""
+    total = 0
+    for g in graphs:
+        inputs = {p.name for p in g.forward.graph.find_nodes(op="placeholder")}
+        for p in g.backward.graph.find_nodes(op="placeholder"):
+            if not p.name.startswith("tangents") and p.name not in inputs:
+                value = p.meta.get("val")
+                total += value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+    return total
+
+
+@pytest.fixture(scope="module")
+def budgets():
+    return {budget: _train(budget) for budget in (None, 0.5, 0.0, "0.02MiB")}
+
+
+def test_saved_activations_follow_the_budget(budgets):
+    default = budgets[None][2]["saved_activation_bytes"]
+    assert default > 0
+    for budget, (_, _, memory, graphs) in budgets.items():
+        saved = memory["saved_activation_bytes"]
+        assert saved == _independent_saved_bytes(graphs), budget  # at world 1 nothing is gathered
+        if budget == 0.5:
+            assert saved <= 0.55 * default, (saved, default)
+        if budget == 0.0:
+            assert saved <= 0.05 * default, (saved, default)
+        if budget == "0.02MiB":
+            assert saved <= 0.02 * 2**20 * 1.05 < default, (saved, default)
+
+
+def test_training_is_unchanged_by_the_budget(budgets):
+    losses, params, _, _ = budgets[None]
+    for budget, (other_losses, other_params, _, _) in budgets.items():
+        assert other_losses == losses, budget
+        for name, value in params.items():
+            assert torch.equal(other_params[name], value), (budget, name)
+
+
+def test_user_activation_checkpointing_still_trains_like_the_plain_model():
+    losses, params, _, _ = _train(None, "gpt_checkpointed", steps=3)
+    reference = _train(None, "gpt", steps=3)  # the same weights and ops, without checkpoint()
+    assert losses == reference[0]
+    for name, value in reference[1].items():
+        assert torch.equal(params[name], value), name
+
+
+def _stage3_with_budget(rank, world):
+    return [train_zero(spec, rank, world) for spec in SPECS]
+
+
+SPECS = (RunSpec(stage=3, options={"activation_memory_budget": 0.5}),
+         RunSpec(model="gpt_checkpointed", stage=3, options={"activation_memory_budget": 0.5}))
+
+
+def test_stage3_with_a_budget_on_2_ranks_trains_like_one_process():
+    """Recomputed regions re-gather their stage-3 weights: same training as one process."""
+    for spec, result in zip(SPECS, run_ranks(2, _stage3_with_budget)[0], strict=True):
+        assert_same_training(result, train_reference(spec), spec)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (1.5, "fraction 0..1"), (-0.1, "fraction 0..1"), (True, "fraction 0..1"), ("12", "like '256MiB'"),
+    ("lots MiB", "like '256MiB'"),
+])
+def test_bad_budgets_name_the_option(bad, match):
+    with pytest.raises(ValueError, match=f"activation_memory_budget.*{match}"):
+        zcompile.ZeroConfig(activation_memory_budget=bad)
+    with pytest.raises(ValueError, match="needs compiler='eager'"):
+        zcompile.ZeroConfig(activation_memory_budget="8MiB", compiler="inductor")
