@@ -32,11 +32,15 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", type=int, default=3, choices=(1, 2, 3))
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--embd", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16, help="global batch, split across ranks")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--compiler", default="eager", choices=("eager", "inductor"))
+    parser.add_argument("--bucket-mb", type=float, default=1.0,
+                        help="bucket size of the graphs' collectives: 1 MiB gives about one layer per bucket here, so "
+                        "gathers are prefetched under the previous layer's compute and the gathered peak stays a few "
+                        "layers")
     parser.add_argument("--dump", default=None, help="directory for graph dumps and report.json (see `python -m zcompile inspect`)")
     parser.add_argument("--param-dtype", default=None, help="e.g. bf16 (compute and gather dtype)")
     parser.add_argument("--keep-gathered-mb", type=float, default=0.0,
@@ -52,6 +56,15 @@ def parse_args() -> argparse.Namespace:
 
 def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
+
+
+def peak_line(memory: dict, ddp_bytes: int) -> str:
+    """This rank's peak by the report's parts, next to DDP's (its model states and the same activations)."""
+    ours = memory["model_states_bytes"] + memory["peak_gathered_bytes"] + memory["saved_activation_bytes"]
+    ddp = ddp_bytes + memory["saved_activation_bytes"]
+    return (f"per-rank peak: model states {mib(memory['model_states_bytes'])} + gathered parameters "
+            f"{mib(memory['peak_gathered_bytes'])} + saved activations {mib(memory['saved_activation_bytes'])} = "
+            f"{mib(ours)}; DDP: {mib(ddp_bytes)} + the same activations = {mib(ddp)} ({ddp / ours:.2f}x ours)")
 
 
 def evaluate(compiled, batch, rank: int, world: int, device, step: int) -> None:
@@ -87,7 +100,7 @@ def main() -> None:
     num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
     graphs = []
     options = {"stage": args.stage, "compiler": args.compiler, "param_dtype": args.param_dtype, "on_compile": graphs.append,
-               "dump": args.dump, "keep_gathered_mb": args.keep_gathered_mb}
+               "dump": args.dump, "keep_gathered_mb": args.keep_gathered_mb, "bucket_mb": args.bucket_mb}
     compiled = torch.compile(model, backend="zero", options=options)
     optimizer = zcompile.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, max_grad_norm=args.clip)
     first_step = 0
@@ -134,6 +147,7 @@ def main() -> None:
         report.to_json(str(report_path(args.dump, rank)))
     if rank == 0:
         report.print()
+        print(peak_line(report.memory, ddp_bytes), flush=True)
     if distributed:
         dist.destroy_process_group()
 
