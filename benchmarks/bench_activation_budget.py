@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,7 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..", "examples")]
 
 import zcompile  # noqa: E402
 import zcompile.optim  # noqa: E402
-from common import print_table, start_gloo_benchmark  # noqa: E402
+from common import print_table, start_gloo_benchmark, timed_training_step  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 BUDGETS = (None, 0.75, 0.5, 0.25, 0.0)
@@ -38,14 +37,7 @@ PER_RANK = 4
 def _step(compiled, optimizer, step: int, rank: int) -> float:
     tokens, targets = synthetic_batch(step, PER_RANK * dist.get_world_size(), CONFIG)
     local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    dist.barrier()
-    start = time.perf_counter()
-    compiled(tokens[local], targets[local]).backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
+    return timed_training_step(compiled, optimizer, tokens[local], targets[local])
 
 
 def run_stage(stage: int, steps: int, rank: int) -> list[dict]:

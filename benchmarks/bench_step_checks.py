@@ -37,7 +37,7 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..", "examples")]
 import zcompile  # noqa: E402
 import zcompile.backend  # noqa: E402
 import zcompile.optim  # noqa: E402
-from common import print_table, start_gloo_benchmark  # noqa: E402
+from common import print_table, start_gloo_benchmark, timed_training_step  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 
@@ -70,18 +70,9 @@ class CheckTimer:
 
 
 def _train_step(compiled, optimizer, step: int, config, rank: int, world: int) -> float:
-    """One step, timed from a barrier (so that one rank's lead does not count as a check's wait),
-    slowest rank."""
     tokens, targets = synthetic_batch(step, 16, config)
     local = slice(rank * 16 // world, (rank + 1) * 16 // world)
-    dist.barrier()
-    start = time.perf_counter()
-    compiled(tokens[local], targets[local]).backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
+    return timed_training_step(compiled, optimizer, tokens[local], targets[local])
 
 
 MODES = ("off", "checks", "checks + skip_nonfinite")

@@ -17,6 +17,22 @@ def start_gloo_benchmark() -> tuple[int, int, int]:
     return dist.get_rank(), dist.get_world_size(), os.cpu_count()
 
 
+def timed_training_step(compiled, optimizer, tokens, targets) -> float:
+    """Seconds of one training step (forward, backward, step, zero_grad) on the slowest rank,
+    timed from a barrier so that one rank's lead does not count as time spent inside the step."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    compiled(tokens, targets).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
 def time_ms(fn, cuda: bool, repeats: int) -> float:
     if cuda:
         import triton.testing
