@@ -14,10 +14,20 @@ backward graph (the compute keeps its order) so that
   of it until the piece's last reader) stay within the budget.
 
 ``plan_schedule`` builds a networkx dependency graph of the nodes, reads the compute order and
-the collectives from it and returns a ``SchedulePlan`` (data: per collective where it is issued
-and waited, its depth and bytes; the same on every rank because it reads only the graph).
+the collectives from it into a ``ScheduleProblem`` and asks a **policy** how deep to prefetch
+each all-gather; it returns a ``SchedulePlan`` (data: per collective where it is issued and
+waited, its depth and bytes; the same on every rank because it reads only the graph).
 ``schedule_pass`` turns the plan into priorities and re-orders the graph with a list scheduler
 (``graph_order.topological_order``), which never breaks a data dependency.
+
+A policy is any callable ``policy(problem: ScheduleProblem) -> Sequence[int]``: the prefetch depth
+of each of ``problem.gathers`` (in order of first use; depth ``d`` issues gather ``j`` just before
+the first use of gather ``j - d``, so ``0 <= d <= j``). ``greedy_prefetch`` (the default) takes
+the deepest depth up to ``problem.prefetch`` that fits ``problem.memory_budget``;
+``zcompile.tune_policies.CostGuidedPrefetch`` picks per bucket the least depth whose compute hides
+the transfer. Reduce-scatters are placed by the pass itself (issued early, waited late). A policy
+must decide from the problem alone (and constants agreed across ranks): every rank must plan the
+same schedule (passes/README.md, invariant 1).
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import json
 import logging
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
 
 import networkx as nx
 import torch
@@ -55,6 +66,7 @@ class SchedulePlan:
     memory_budget: int | None
     collectives: list[ScheduledCollective] = field(default_factory=list)
     peak_gathered_bytes: int = 0  # predicted, with this schedule
+    policy: str = "greedy_prefetch"  # the policy that chose the prefetch depths
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -80,13 +92,82 @@ def _real_uses(dag: nx.DiGraph, wait: torch.fx.Node) -> list[torch.fx.Node]:
     return uses
 
 
-def plan_schedule(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int | None = None,
-                  graph: str = "") -> SchedulePlan:
-    """Where each collective of ``gm`` is issued and waited (see the module docstring)."""
+Interval = tuple[float, float, int]  # (from position, last use position, bytes) of one storage
+
+
+@dataclass(frozen=True)
+class GatherSlot:
+    """One all-gather as a policy sees it: its bytes, its first reader and the storages it lives in.
+
+    ``position`` is the first reader's position in the graph's current (compute) order, which the
+    schedule keeps; ``pieces`` are the copies made of the gathered buffer (bucket pieces), each
+    alive from its copy to its last reader, and ``buffer_last`` the buffer's own last reader.
+    """
+
+    name: str
+    bytes: int
+    first_use: str
+    position: int
+    buffer_last: float
+    pieces: tuple[Interval, ...]
+
+
+@dataclass(frozen=True)
+class ScheduleProblem:
+    """What a schedule policy decides on: the graph's all-gathers in order of first use, the node
+    order they sit in, and the options that bound prefetching (``prefetch``, ``memory_budget``)."""
+
+    graph: str
+    prefetch: int
+    memory_budget: int | None
+    gathers: tuple[GatherSlot, ...]
+    nodes: tuple[torch.fx.Node, ...]  # the graph's nodes in order: ``nodes[slot.position]`` is a first use
+
+    def issue_position(self, j: int, depth: int) -> float:
+        """Where gather ``j`` is issued at ``depth``: just before the first use of gather ``j - depth``."""
+        return self.gathers[j - depth].position - 0.5
+
+    def intervals(self, depths: Sequence[int]) -> list[Interval]:
+        """Storages of the first ``len(depths)`` gathers when prefetched at ``depths``."""
+        live: list[Interval] = []
+        for j, depth in enumerate(depths):
+            slot = self.gathers[j]
+            live += list(slot.pieces) + [(self.issue_position(j, depth), slot.buffer_last, slot.bytes)]
+        return live
+
+    def peak_bytes(self, depths: Sequence[int]) -> int:
+        """Most gathered bytes alive at once when the first ``len(depths)`` gathers use ``depths``."""
+        return peak_bytes(self.intervals(depths))
+
+
+SchedulePolicy = Callable[[ScheduleProblem], Sequence[int]]
+
+
+def greedy_prefetch(problem: ScheduleProblem) -> list[int]:
+    """The default policy: each gather as deep as ``prefetch`` allows, lowered (first gathers first)
+    until the gathered bytes alive at once fit ``memory_budget``; depth 0 always fits."""
+    depths: list[int] = []
+    for j in range(len(problem.gathers)):
+        for depth in range(min(problem.prefetch, j), -1, -1):
+            if problem.memory_budget is None or depth == 0 or \
+                    problem.peak_bytes([*depths, depth]) <= problem.memory_budget:
+                break
+        depths.append(depth)
+    return depths
+
+
+def policy_name(policy: SchedulePolicy) -> str:
+    """A policy's ``name`` attribute, else its function or class name (what plans and reports show)."""
+    return str(getattr(policy, "name", None) or getattr(policy, "__name__", None) or type(policy).__name__)
+
+
+def schedule_problem(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int | None = None,
+                     graph: str = "") -> tuple[ScheduleProblem, list[ScheduledCollective]]:
+    """The all-gathers of ``gm`` as a ``ScheduleProblem``, and the reduce-scatters already placed."""
     dag = dependency_graph(gm)
     position = nx.get_node_attributes(dag, "position")
-    plan = SchedulePlan(graph, prefetch, memory_budget)
-    gathers = []  # (collective, first use position, first use node)
+    reduces: list[ScheduledCollective] = []
+    gathers = []  # (collective node, first use)
     for collective in collective_nodes(gm):
         waits = collective.waits
         if collective.kind not in ("all_gather", "reduce_scatter") or len(waits) != 1:
@@ -94,35 +175,57 @@ def plan_schedule(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int | 
         node = collective.node
         uses = sorted(_real_uses(dag, waits[0]), key=position.__getitem__)
         if collective.kind == "reduce_scatter":
-            plan.collectives.append(ScheduledCollective(node.name, collective.kind, collective.bytes, "",
-                                                        uses[0].name if uses and uses[0].op != "output" else "", 0))
+            reduces.append(ScheduledCollective(node.name, collective.kind, collective.bytes, "",
+                                               uses[0].name if uses and uses[0].op != "output" else "", 0))
             continue
-        if not uses:
-            continue
-        gathers.append((node, position[uses[0]], uses[0]))
-    gathers.sort(key=lambda g: g[1])
-    live: list[tuple[float, float, int]] = []  # (from position, last use position, bytes) per storage
-    for j, (node, first, first_use) in enumerate(gathers):
-        nbytes = node_bytes(node)
+        if uses:
+            gathers.append((node, uses[0]))
+    gathers.sort(key=lambda g: position[g[1]])
+    slots = []
+    for node, first_use in gathers:
+        first = position[first_use]
         # pieces are copied out right after the wait, which the schedule puts just before the first use
         (_, _, buffer_last, _), *copies = storages(dag, position, node)
-        pieces = [(max(copy_at, first - 0.5), copy_last, nbytes) for _, copy_at, copy_last, nbytes in copies]
-        buffer_last = max(buffer_last, first - 0.5)
-        for depth in range(min(prefetch, j), -1, -1):
-            issue = gathers[j - depth][1] - 0.5 if depth else first - 0.5
-            peak = peak_bytes(live + pieces + [(issue, buffer_last, nbytes)])
-            if memory_budget is None or peak <= memory_budget or depth == 0:
-                break
-        issue_node = gathers[j - depth][2]
-        live += pieces + [(issue, buffer_last, nbytes)]
-        plan.collectives.append(ScheduledCollective(node.name, "all_gather", nbytes, issue_node.name,
-                                                    first_use.name, depth))
-    plan.peak_gathered_bytes = peak_bytes(live)
+        pieces = tuple((max(copy_at, first - 0.5), copy_last, nbytes) for _, copy_at, copy_last, nbytes in copies)
+        slots.append(GatherSlot(node.name, node_bytes(node), first_use.name, first, max(buffer_last, first - 0.5),
+                                pieces))
+    problem = ScheduleProblem(graph, prefetch, memory_budget, tuple(slots), tuple(gm.graph.nodes))
+    return problem, reduces
+
+
+def plan_schedule(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int | None = None,
+                  graph: str = "", policy: SchedulePolicy | None = None) -> SchedulePlan:
+    """Where each collective of ``gm`` is issued and waited, the depths chosen by ``policy``
+    (``greedy_prefetch`` when None; see the module docstring)."""
+    policy = greedy_prefetch if policy is None else policy
+    problem, reduces = schedule_problem(gm, prefetch, memory_budget, graph)
+    depths = _checked_depths(policy, problem)
+    plan = SchedulePlan(graph, prefetch, memory_budget, list(reduces), policy=policy_name(policy))
+    for j, (slot, depth) in enumerate(zip(problem.gathers, depths)):
+        issue_before = problem.gathers[j - depth].first_use
+        plan.collectives.append(ScheduledCollective(slot.name, "all_gather", slot.bytes, issue_before,
+                                                    slot.first_use, depth))
+    plan.peak_gathered_bytes = problem.peak_bytes(depths)
     if memory_budget is not None and plan.peak_gathered_bytes > memory_budget:
-        log.warning("schedule (%s): gathered parameters need %d bytes at peak even without prefetch, over the "
-                    "budget of %d; raise memory_budget_mb or lower bucket_mb", graph, plan.peak_gathered_bytes,
+        log.warning("schedule (%s): gathered parameters need %d bytes at peak with policy %s, over the budget of "
+                    "%d; raise memory_budget_mb or lower bucket_mb", graph, plan.peak_gathered_bytes, plan.policy,
                     memory_budget)
     return plan
+
+
+def _checked_depths(policy: SchedulePolicy, problem: ScheduleProblem) -> list[int]:
+    """The policy's depths, refused with the rule when they are not one int ``0 <= d <= j`` per gather."""
+    depths = list(policy(problem))
+    name = policy_name(policy)
+    if len(depths) != len(problem.gathers):
+        raise ValueError(f"schedule_policy {name!r} returned {len(depths)} depths for the {len(problem.gathers)} "
+                         f"all-gathers of graph {problem.graph!r}; return one prefetch depth per problem.gathers")
+    for j, depth in enumerate(depths):
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= j:
+            raise ValueError(f"schedule_policy {name!r}: depth {depth!r} for all-gather {j} "
+                             f"({problem.gathers[j].name}) of graph {problem.graph!r}; a depth is an int "
+                             f"0 <= depth <= {j} (gather j is issued before the first use of gather j - depth)")
+    return depths
 
 
 def schedule_pass(gm: torch.fx.GraphModule, plan: SchedulePlan) -> torch.fx.GraphModule:

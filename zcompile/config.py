@@ -54,6 +54,11 @@ class ZeroConfig:
         prefetch: how many buckets ahead an all-gather is issued (with ``overlap``).
         memory_budget_mb: per-rank bytes (MiB) of gathered parameters alive at once that the
             schedule may use; prefetching is reduced to fit. ``None``: bounded by ``prefetch``.
+        schedule_policy: the function that chooses each all-gather's prefetch depth (with
+            ``overlap``): ``policy(problem: zcompile.passes.schedule.ScheduleProblem) -> depths``.
+            ``None`` is ``greedy_prefetch`` (as deep as ``prefetch``, within ``memory_budget_mb``);
+            ``zcompile.tune_policies.CostGuidedPrefetch`` picks per bucket the least depth that
+            the cost model says hides the transfer. A policy must decide the same on every rank.
         keep_gathered_mb: stage 3: per-rank bytes (MiB) of gathered weights that each compiled
             graph may keep from forward to backward instead of re-gathering them; chosen by
             communication saved per byte kept, the last layers of forward first. ``0``: re-gather all.
@@ -94,6 +99,7 @@ class ZeroConfig:
     overlap: bool = True
     prefetch: int = 1
     memory_budget_mb: float | None = None
+    schedule_policy: Callable[[Any], Any] | None = None
     keep_gathered_mb: float = 0.0
     activation_memory_budget: float | str | None = None
     quantize_weights: bool = False
@@ -133,6 +139,9 @@ class ZeroConfig:
                 or self.memory_budget_mb <= 0):
             raise ValueError(
                 f"zero backend: option 'memory_budget_mb' must be a positive number (MiB) or None, got {self.memory_budget_mb!r}")
+        if self.schedule_policy is not None and not callable(self.schedule_policy):
+            raise TypeError(f"zero backend: option 'schedule_policy' must be a callable policy(problem) -> depths "
+                            f"(passes/README.md) or None for greedy prefetch, got {self.schedule_policy!r}")
         if isinstance(self.keep_gathered_mb, bool) or not isinstance(self.keep_gathered_mb, (int, float)) or \
                 self.keep_gathered_mb < 0:
             raise ValueError(

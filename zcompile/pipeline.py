@@ -112,8 +112,9 @@ PIPELINE: tuple[PassRow, ...] = (
     PassRow("schedule", PARTITIONED, schedule_pass,
             enabled=lambda c: c.config.overlap,
             planner=plan_schedule, plan_name="schedule",
-            options=lambda c, g: {"prefetch": c.config.prefetch, "graph": g, "memory_budget": (
-                None if c.config.memory_budget_mb is None else int(c.config.memory_budget_mb * MIB))},
+            options=lambda c, g: {"prefetch": c.config.prefetch, "graph": g, "policy": c.config.schedule_policy,
+                                  "memory_budget": (None if c.config.memory_budget_mb is None
+                                                    else int(c.config.memory_budget_mb * MIB))},
             after=("bucket_collectives", "quantize_weights", "quantize_grads")),
 )
 
