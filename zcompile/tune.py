@@ -42,6 +42,11 @@ MIB = 2**20
 RESULT_JSON, RESULT_PNG = "tune.json", "tune.png"
 
 
+def load_result(path: str) -> TuneResult:
+    """A result saved by ``tune(out_dir=...)`` (``tune.json``): ``load_result(path).best`` are its options."""
+    return TuneResult.from_json(path)
+
+
 def default_optimizer(params):
     """``zcompile.optim.AdamW(params, lr=1e-3)``: the optimizer a trial trains with unless given one."""
     from zcompile.optim import AdamW
