@@ -1,5 +1,6 @@
 """``zcompile inspect DIR`` and ``zcompile diff DIR_A DIR_B`` read the backend's dump directories;
-``zcompile consolidate CKPT OUT`` writes a checkpoint's full weights to one file (no process group).
+``zcompile consolidate CKPT OUT`` writes a checkpoint's full weights to one file (no process group);
+``zcompile tune-report tune.json`` prints a result saved by ``zcompile.tune`` again.
 
 The dump's layout and its loader are ``zcompile.dumps``.
 Every file may be missing; an unreadable one is a warning on stderr. Tables fit 100 columns and
@@ -326,7 +327,28 @@ def build_parser() -> argparse.ArgumentParser:
         "a plain model loads (torch.save, or safetensors for OUT ending in .safetensors)")
     consolidate.add_argument("checkpoint")
     consolidate.add_argument("out")
+    report = commands.add_parser("tune-report", parents=[common], help="the trials and choice of a zcompile.tune "
+                                 "result (tune.json), as tune printed them")
+    report.add_argument("result")
     return parser
+
+
+def cmd_tune_report(args: argparse.Namespace, out: Output, warnings: list[str]) -> int:
+    import json
+
+    from zcompile.tune_result import TuneResult
+
+    try:
+        result = TuneResult.from_json(args.result)
+    except FileNotFoundError:
+        raise DumpError(f"{args.result}: no such file (tune writes OUT_DIR/tune.json)") from None
+    except (json.JSONDecodeError, ValueError, KeyError, TypeError) as error:
+        raise DumpError(f"{args.result}: not a zcompile tune result ({type(error).__name__}: {error})") from None
+    if args.plain:
+        out.line(result.render())
+    else:
+        result.print()
+    return 0
 
 
 def cmd_consolidate(args: argparse.Namespace, out: Output, warnings: list[str]) -> int:
@@ -345,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out, warnings = Output(args.plain), []
     try:
-        command = {"inspect": cmd_inspect, "diff": cmd_diff, "consolidate": cmd_consolidate}[args.command]
+        command = {"inspect": cmd_inspect, "diff": cmd_diff, "consolidate": cmd_consolidate,
+                   "tune-report": cmd_tune_report}[args.command]
         status = command(args, out, warnings)
     except DumpError as error:
         print(f"zcompile {args.command}: error: {error}", file=sys.stderr)
