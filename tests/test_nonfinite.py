@@ -124,12 +124,10 @@ def test_step_report_counts_skipped_steps():
 
 
 def test_local_check_sees_full_and_shard_gradients():
-    class Member:
+    class Member:  # what local_grads_finite reads of a ShardedParam
         def __init__(self, shard_grad, param_grad):
-            self.shard = torch.zeros(2)
-            self.shard.grad = shard_grad
-            self.param = torch.nn.Parameter(torch.zeros(2))
-            self.param.grad = param_grad
+            self.shard_grad = shard_grad
+            self.full_grad = param_grad
 
     assert local_grads_finite([Member(torch.ones(2), None)])
     assert local_grads_finite([Member(None, None)])

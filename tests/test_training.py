@@ -78,18 +78,18 @@ def test_stage3_memory_is_16_psi_over_n(world_name, request):
         world = len(ranks)
         for result in ranks:
             expected = zero_formula_bytes(result.num_params, world, stage=3)
-            assert abs(result.state_bytes - expected) <= 0.15 * expected, (spec.model, result.state_bytes, expected)
-            assert result.state_bytes < zero_formula_bytes(result.num_params, world, stage=None) / world * 1.15
+            # padding: each parameter is cut into N equal chunks, so a rank holds at most N-1
+            # elements more than numel/N per parameter; the small GPT has 5% of its elements there at N=4
+            assert expected <= result.state_bytes <= 1.05 * expected, (spec.model, result.state_bytes, expected)
 
 
 def test_stage1_and_2_memory_follow_their_formulas(world2):
+    """fp32 stages 1 and 2 hold ZeRO's bytes: the master shard is the replicated parameter's own slice
+    (8Ψ + 8Ψ/N and 4Ψ + 12Ψ/N), not a copy of it (which held 4Ψ/N more: 1.17x and 1.20x)."""
     for spec, rank0, _ in world2:
         if spec.stage in (1, 2) and spec.optimizer == "adamw":
-            # fp32: replicated params (4Ψ), grads full (stage 1) or sharded (stage 2), moments and
-            # master shard 12Ψ/N.
-            grads = 4 * rank0.num_params if spec.stage == 1 else 4 * rank0.num_params // 2
-            expected = 4 * rank0.num_params + grads + 12 * rank0.num_params // 2
-            assert abs(rank0.state_bytes - expected) <= 0.15 * expected, (spec, rank0.state_bytes, expected)
+            expected = zero_formula_bytes(rank0.num_params, 2, spec.stage)
+            assert expected <= rank0.state_bytes <= 1.05 * expected, (spec, rank0.state_bytes, expected)
 
 
 def test_communication_volume_per_step(world2, world4):

@@ -20,6 +20,8 @@ _LAZY = {
     "ModelStateBytes": "zcompile.memory",
     "model_state_bytes": "zcompile.memory",
     "zero_formula_bytes": "zcompile.memory",
+    "MemoryEstimate": "zcompile.estimate",
+    "estimate_memory": "zcompile.estimate",
     "PassError": "zcompile.pass_runner",
     "StepReport": "zcompile.report",
     "step_report": "zcompile.report",
@@ -29,6 +31,7 @@ __all__ = list(_LAZY)
 if TYPE_CHECKING:
     from zcompile import checkpoint, optim
     from zcompile.config import ZeroConfig
+    from zcompile.estimate import MemoryEstimate, estimate_memory
     from zcompile.gathered import gathered
     from zcompile.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
     from zcompile.pass_runner import PassError

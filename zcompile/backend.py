@@ -101,7 +101,8 @@ class ShardSwap:
     """Replaces, in a call's arguments, each parameter by what the rewritten graph takes instead.
 
     stage 3: the shard at the parameter's position; stage 2: a detached alias of the replicated
-    parameter (its gradient goes to the shard) plus the shards appended; stage 1: nothing.
+    parameter (its gradient goes to the shard) plus the shards appended; stage 1: nothing, or the
+    low-precision replica (``param_dtype``), whose gradient is then the local full gradient.
 
     The shard is looked up on the parameter passed at each call, not fixed at compile time:
     Dynamo reuses one graph for every instance of a module class (each transformer block), so
@@ -118,7 +119,7 @@ class ShardSwap:
         if existing is not None and existing.stage == self.plan.stage and existing.group.name == self.group.name:
             return existing
         # new, or sharded for another stage or group: shard_parameter raises with the fix
-        return shard_parameter(param, name, self.plan.stage, self.group, self.plan.reduce_dtype)
+        return shard_parameter(param, name, self.plan.stage, self.group, self.plan.reduce_dtype, self.plan.param_dtype)
 
     def swap(self, args: list, counted: bool = True) -> list:
         # calls, and calls with gradients, are counted on their parameters' shards (zcompile.step_agreement)
@@ -130,12 +131,14 @@ class ShardSwap:
             if counted and sharded.calls_since_step is not None:
                 sharded.calls_since_step += 1
             if self.plan.stage == 1:
+                if sharded.replica is not None:
+                    args[p.index] = sharded.replica  # its gradient is stage 1's full gradient
                 continue
             if self.plan.stage == 3:
                 args[p.index] = sharded.shard
             else:
                 args[p.index] = sharded.replicated_alias
-                appended.append(sharded.shard)
+                appended.append(sharded.grad_target)
         return args + appended if appended else args
 
     def first_call_since_agreed_step(self, args: tuple) -> bool:

@@ -258,7 +258,7 @@ def _apply_model(dest: dict, params, model, group: DataParallelGroup) -> None:
         if sharded is not None:
             sharded.shard[: values.numel()].copy_(values)
             if sharded.stage in (1, 2):
-                sharded.materialize_full()  # the replicated parameter from the new shards
+                sharded.refresh_replicated()  # the replicated parameter (or replica) from the new shards
         else:
             _fill_full(param, values, group)
     buffers = dict(persistent_buffers(model))

@@ -84,7 +84,7 @@ def clip_grad_norm_of_shards(members: list[ShardedParam], max_norm: float, norm_
         )
     clip_coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # torch's rule, in fp32
     for member in with_grad:
-        member.shard.grad.detach().mul_(clip_coef.to(member.shard.grad.device))
+        member.shard_grad.detach().mul_(clip_coef.to(member.shard_grad.device))
     _keep_records(with_grad, records)
     return total
 
@@ -94,7 +94,7 @@ def clip_grad_value_of_shards(members: list[ShardedParam], clip_value: float,
     """Clamps the averaged gradient of ``members`` to ``[-clip_value, clip_value]`` (collective at stage 1)."""
     with_grad, records = averaged_grad_shards(members, bucket_bytes)
     for member in with_grad:
-        member.shard.grad.detach().clamp_(min=-float(clip_value), max=float(clip_value))
+        member.shard_grad.detach().clamp_(min=-float(clip_value), max=float(clip_value))
     _keep_records(with_grad, records)
 
 
@@ -102,16 +102,16 @@ def averaged_grad_shards(members: list[ShardedParam], bucket_bytes: int) -> tupl
     """The members that have a gradient, each with its averaged gradient shard on ``shard.grad``
     (stage 1 reduce-scattered now), and the collectives that issued."""
     _common_group(members)  # before any collective
-    early = [m for m in members if m.param.grad is not None]  # stage 1, or eager code at stages 2 and 3
+    early = [m for m in members if m.full_grad is not None]  # stage 1, or eager code at stages 2 and 3
     records = reduce_grads_onto_shards(early, bucket_bytes)
-    return [m for m in members if m.shard.grad is not None], records
+    return [m for m in members if m.shard_grad is not None], records
 
 
 def global_grad_norm(members: list[ShardedParam], norm_type: float, group: DataParallelGroup | None,
                      device: torch.device) -> tuple[torch.Tensor, CollectiveRecord | None]:
     """The ``norm_type``-norm of every rank's gradient shards viewed as one vector (fp32), and the
     record of the scalar all-reduce that made it global (None in a world of one)."""
-    norms = [torch.linalg.vector_norm(m.shard.grad.detach(), norm_type) for m in members]  # fp32, like torch's
+    norms = [torch.linalg.vector_norm(m.shard_grad.detach(), norm_type, dtype=torch.float32) for m in members]  # fp32, like torch's
     local = torch.zeros((), dtype=torch.float64, device=device)
     if norms:
         stacked = torch.stack([n.to(device) for n in norms]).to(torch.float64)

@@ -1,4 +1,4 @@
-"""``gathered(model)``: the full parameters of a stage-3 model, materialized for eager use."""
+"""``gathered(model)``: the full parameters of a sharded model, materialized for eager use."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ from zcompile.rank_check import RankDivergenceError, exchange_on_store
 DEFAULT_TIMEOUT_S = 60.0
 
 
-def _stage3_shards(model: torch.nn.Module) -> list[ShardedParam]:
+def _freed_shards(model: torch.nn.Module) -> list[ShardedParam]:
+    """The parameters whose full value exists on no rank at rest: stage 3's, and stage 1's and 2's
+    kept as a low-precision replica (``param_dtype``)."""
     seen, shards = set(), []
     for param in model.parameters():
         sharded = shard_of(param)
-        if sharded is not None and sharded.stage == 3 and id(param) not in seen:
+        if sharded is not None and (sharded.stage == 3 or sharded.replica is not None) and id(param) not in seen:
             seen.add(id(param))
             shards.append(sharded)
     return shards
@@ -40,14 +42,16 @@ def gathered(model: torch.nn.Module, writeback: bool | None = None, rank0_only: 
     exporting from rank 0 without a full model on every rank. It cannot write back (rank 0's
     changes would have to be scattered); ``writeback=True`` with it is refused.
 
-    Parameters of stages 1 and 2 are always full, so for them this is a no-op (no agreement needed).
+    Parameters of stages 1 and 2 are full (fp32) unless ``param_dtype`` keeps them as low-precision
+    replicas: the fp32 values are then gathered from the master shards like stage 3's, and a write-back
+    refreshes the replicas too. For full ones this is a no-op (no agreement needed).
     A parameter already gathered by an enclosing ``gathered`` is left to it.
     """
     if rank0_only and writeback:
         raise ValueError("zcompile.gathered: writeback=True with rank0_only=True is not supported (rank 0's changes "
                          "would have to be scattered to every rank); use writeback=False, or rank0_only=False")
     writeback = not rank0_only if writeback is None else writeback
-    shards = [s for s in _stage3_shards(model) if s.is_freed]
+    shards = [s for s in _freed_shards(model) if s.is_freed]
     if shards:
         _agree_on_entry(shards, rank0_only, writeback, timeout_s)
     with torch.no_grad():

@@ -48,8 +48,10 @@ def model_state_bytes(model: torch.nn.Module | Iterable[torch.Tensor],
     seen: set = set()
     params = list(dict.fromkeys(model.parameters() if isinstance(model, torch.nn.Module) else model))
     shards = [shard_of(p) for p in params]
-    param_tensors = [p for p in params] + [s.shard for s in shards if s is not None]
-    grad_tensors = [p.grad for p in params] + [s.shard.grad for s in shards if s is not None]
+    sharded = [s for s in shards if s is not None]
+    param_tensors = params + [s.shard for s in sharded] + [s.replica for s in sharded]
+    grad_tensors = [p.grad for p in params] + [s.shard_grad for s in sharded] + [
+        s.replica.grad for s in sharded if s.replica is not None]
     state_tensors = []
     if optimizer is not None:
         for state in optimizer.state.values():
@@ -61,18 +63,22 @@ def model_state_bytes(model: torch.nn.Module | Iterable[torch.Tensor],
     )
 
 
-def zero_formula_bytes(num_params: int, world_size: int, stage: int | None) -> int:
-    """ZeRO's model-state bytes per rank for fp32 AdamW (4 params + 4 grads + 8 moments per element).
+def zero_formula_bytes(num_params: int, world_size: int, stage: int | None,
+                       param_dtype: torch.dtype | None = None) -> int:
+    """ZeRO's model-state bytes per rank for AdamW (``../shared/ZERO.md``).
 
+    fp32 (``param_dtype`` None or fp32): 4 params + 4 grads + 8 moments per element. Mixed
+    precision (a 2-byte ``param_dtype``): 2 low-precision params + 2 grads + 12 fp32 master and
+    moments, the low-precision ones replicated or sharded by stage as in the ZeRO paper.
     ``stage=None`` is plain data parallelism (DDP): everything replicated.
     """
-    psi, n = num_params, world_size
-    if stage is None:
-        return 16 * psi
-    if stage == 1:
-        return 4 * psi + 4 * psi + 8 * psi // n
-    if stage == 2:
-        return 4 * psi + 12 * psi // n
-    if stage == 3:
-        return 16 * psi // n
-    raise ValueError(f"stage must be None, 1, 2 or 3, got {stage}")
+    low = param_dtype.itemsize if param_dtype is not None and param_dtype.itemsize < 4 else None
+    # (bytes per element replicated on every rank, bytes per element sharded 1/N)
+    if low is None:
+        split = {None: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)}
+    else:
+        split = {None: (2 * low + 12, 0), 1: (2 * low, 12), 2: (low, low + 12), 3: (0, 2 * low + 12)}
+    if stage not in split:
+        raise ValueError(f"stage must be None, 1, 2 or 3, got {stage}")
+    replicated, sharded = split[stage]
+    return replicated * num_params + sharded * num_params // world_size

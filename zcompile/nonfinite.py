@@ -30,7 +30,7 @@ def local_grads_finite(members: list[ShardedParam]) -> bool:
     so large, beyond about 1e19, that their squares overflow fp32: a step worth skipping too). One
     vectorized pass per gradient: ``torch.isfinite(g).all()`` costs ten times as much on CPU
     (0.2 against 2.5 ms for the example GPT's 0.9M gradient elements)."""
-    grads = [g.detach() for m in members for g in (m.shard.grad, m.param.grad) if g is not None]
+    grads = [g.detach() for m in members for g in (m.shard_grad, m.full_grad) if g is not None]
     if not grads:
         return True
     norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])

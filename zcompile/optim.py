@@ -118,7 +118,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
                 sharded = self._sharded(param, index)
-                if sharded is not None and (sharded.shard.grad is not None or sharded.param.grad is not None):
+                if sharded is not None and (sharded.shard_grad is not None or sharded.full_grad is not None):
                     todo.append((sharded, param, group))
         bucket_bytes = int(self.bucket_mb * 2**20)
         # collectives already issued by clipping; a full local gradient next to the shard's (stage 1
@@ -137,21 +137,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
             remember_stepped_grads(with_grads)
             return loss
         early += flag_records
-        reduced = [s for s, _, _ in todo if s.stage == 1 and s.group.world_size > 1 and s.shard.grad is None]
+        reduced = [s for s, _, _ in todo if s.stage == 1 and s.group.world_size > 1 and s.shard_grad is None]
         reducer = BucketedGradReduce(plan_optimizer_buckets(reduced, lambda s: s.grad_reduce_dtype, bucket_bytes))
         refreshed = [s for s, _, _ in todo if s.stage in (1, 2)]
-        refresher = BucketedParamRefresh(plan_optimizer_buckets(refreshed, lambda s: s.param.dtype, bucket_bytes))
+        refresher = BucketedParamRefresh(plan_optimizer_buckets(refreshed, lambda s: s.replicated.dtype, bucket_bytes))
         for sharded, param, group in todo:
-            if sharded.shard.grad is not None:  # stages 2 and 3, or stage 1 reduced early by clipping
-                grad, grad_scale = sharded.shard.grad.detach(), 1.0
+            if sharded.shard_grad is not None:  # stages 2 and 3, or stage 1 reduced early by clipping
+                grad, grad_scale = sharded.shard_grad.detach(), 1.0
             elif sharded.stage == 1 and sharded.group.world_size > 1:
                 grad, grad_scale = reducer.grad(sharded), 1.0 / sharded.group.world_size
             else:
                 grad, grad_scale = self._local_grad(sharded), 1.0
             shard = sharded.shard.detach()
             lowp = None
-            if sharded.stage in (1, 2) and param.dtype != shard.dtype:
-                lowp = torch.empty_like(shard, dtype=param.dtype)  # the next all-gather's input
+            if sharded.stage in (1, 2) and sharded.replicated.dtype != shard.dtype:
+                lowp = torch.empty_like(shard, dtype=sharded.replicated.dtype)  # the next all-gather's input
             self._update(shard, grad, grad_scale, self.state[param], group, lowp)
             if sharded.stage in (1, 2):
                 refresher.updated(sharded, lowp)
@@ -244,7 +244,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         stage 1's, so training stays exact (without overlap); ignoring it would leave the weights
         unchanged with no error. Said once per optimizer.
         """
-        eager = [m for m in members if m.stage != 1 and m.param.grad is not None]
+        eager = [m for m in members if m.stage != 1 and m.full_grad is not None]
         if eager and not self._warned_eager_grads:
             self._warned_eager_grads = True
             log.warning(
@@ -253,7 +253,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "and TORCH_LOGS=recompiles,graph_breaks) or eager code used them. They are reduce-scattered at the "
                 "step, so training stays exact but this communication is not overlapped; make the frame compile "
                 "to get it back.", len(eager), eager[0].stage, eager[0].name)
-        return [m for m in members if m.param.grad is not None and (m.stage != 1 or m.shard.grad is not None)]
+        return [m for m in members if m.full_grad is not None and (m.stage != 1 or m.shard_grad is not None)]
 
     def _sharded(self, param: torch.Tensor, index: int) -> ShardedParam | None:
         """The shard of ``param``; a parameter trained outside any compiled graph is sharded here
@@ -301,8 +301,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The gradient shard when no reduction is left: stages 2 and 3 (reduced in the backward
         graph) or a world of one (stage 1's full gradient, flat and padded, is the shard)."""
         if sharded.stage != 1:
-            return sharded.shard.grad.detach()
-        return sharded.padded_flat(sharded.param.grad, torch.float32)
+            return sharded.shard_grad.detach()
+        return sharded.padded_flat(sharded.full_grad, torch.float32)
 
 
 class AdamW(ShardedOptimizer):

@@ -98,7 +98,7 @@ class BucketedGradReduce:
         bucket = self.buckets[index]
         world = bucket[0].group.world_size
         dtype = bucket[0].grad_reduce_dtype
-        pieces = [m.padded_flat(m.param.grad, dtype).view(world, m.shard_numel) for m in bucket]
+        pieces = [m.padded_flat(m.full_grad, dtype).view(world, m.shard_numel) for m in bucket]
         full = torch.cat(pieces, dim=1).reshape(-1) if len(pieces) > 1 else pieces[0].reshape(-1)
         out = torch.empty(full.numel() // world, dtype=dtype, device=full.device)
         work = reduce_scatter_eager(out, full, bucket[0].group, async_op=True)
@@ -127,12 +127,12 @@ def reduce_grads_onto_shards(members: list[ShardedParam], bucket_bytes: int) -> 
         else:
             # a tensor of its own: padded_flat may return a view of param.grad, and zero_grad's
             # in-place detach_ refuses views
-            grad = member.padded_flat(member.param.grad, torch.float32).clone()
-        if member.shard.grad is None:
-            member.shard.grad = grad
+            grad = member.padded_flat(member.full_grad, torch.float32).clone()
+        if member.shard_grad is None:
+            member.shard_grad = grad
         else:  # a backward after an earlier clip, or zero_grad(set_to_none=False)
-            member.shard.grad.add_(grad)
-        member.param.grad = None
+            member.shard_grad.add_(grad)
+        member.full_grad = None
     return reducer.records
 
 
@@ -151,7 +151,7 @@ class BucketedParamRefresh:
 
     def updated(self, member: ShardedParam, shard_in_param_dtype: torch.Tensor | None) -> None:
         """``member``'s shard is final (``shard_in_param_dtype``: already cast, or None to cast here)."""
-        shard = shard_in_param_dtype if shard_in_param_dtype is not None else member.shard.detach().to(member.param.dtype)
+        shard = shard_in_param_dtype if shard_in_param_dtype is not None else member.shard.detach().to(member.replicated.dtype)
         self._updated[id(member)] = shard
         bucket = self.buckets[self._bucket_of[id(member)]]
         if all(id(m) in self._updated for m in bucket):
@@ -166,7 +166,7 @@ class BucketedParamRefresh:
         group = bucket[0].group
         if group.world_size == 1:
             for m, shard in zip(bucket, shards):
-                m.param.data.view(-1).copy_(shard[: m.numel])
+                m.replicated.view(-1).copy_(shard[: m.numel])
             return
         flat = torch.cat(shards) if len(shards) > 1 else shards[0]
         gathered = torch.empty(flat.numel() * group.world_size, dtype=flat.dtype, device=flat.device)
@@ -185,5 +185,5 @@ class BucketedParamRefresh:
         offset = 0
         for m in bucket:
             full = rows[:, offset: offset + m.shard_numel].reshape(-1)
-            m.param.data.view(-1).copy_(full[: m.numel])
+            m.replicated.view(-1).copy_(full[: m.numel])
             offset += m.shard_numel

@@ -2,7 +2,8 @@
 
 Each parameter is flattened, padded to a multiple of N and cut into N equal slices; rank r owns
 slice r. The shard is an fp32 leaf tensor (the master weight): gradients of the compiled graphs
-land on ``shard.grad`` and the optimizer updates the shard. The user's ``nn.Parameter`` keeps its
+land on ``shard.grad`` and the optimizer updates the shard. At stages 1 and 2 with an fp32
+parameter the shard is a view of the parameter's own (padded) storage, not a copy. The user's ``nn.Parameter`` keeps its
 shape and strides (so Dynamo's guards stay valid) and, at stage 3, its storage is freed.
 
 The link from a parameter to its shard is stored on the parameter itself (``SHARD_ATTR``), so the
@@ -74,6 +75,12 @@ class ShardedParam:
     group: DataParallelGroup
     shard: torch.Tensor
     reduce_dtype: torch.dtype | None = None  # stage 1: dtype of the reduce-scatter at the step
+    # stages 1 and 2 with param_dtype: the replicated parameter in that dtype, what the graphs read
+    # and the step's all-gather refreshes; the fp32 parameter is then freed like a stage-3 one
+    replica: torch.Tensor | None = None
+    # stage 2 with a replica: this rank's slice of the replica's padded storage, a leaf whose .grad
+    # receives the averaged gradient shard in the replica's dtype (ZeRO's 2 bytes, not fp32's 4)
+    grad_carrier: torch.Tensor | None = None
     # collectives issued for this step's gradient before the step (stage 1's reduce-scatter and the
     # norm's all-reduce when gradients are clipped, see zcompile.clip); the step reports and clears them
     pre_step_records: list = field(default_factory=list, repr=False)
@@ -94,10 +101,49 @@ class ShardedParam:
 
     @property
     def replicated_alias(self) -> torch.Tensor:
-        """A detached view of the full parameter (stage 2 graphs read it; its grad goes to the shard)."""
+        """A detached view of the full parameter, or its low-precision replica (stage 2 graphs read
+        it; its grad goes to the shard)."""
+        if self.replica is not None:
+            return self.replica.detach()
         if self._replicated_alias is None:
             self._replicated_alias = self.param.detach()
         return self._replicated_alias
+
+    @property
+    def replicated(self) -> torch.Tensor:
+        """The full tensor a stage-1/2 step refreshes: the low-precision replica, else the parameter's data."""
+        return self.replica if self.replica is not None else self.param.data
+
+    @property
+    def grad_target(self) -> torch.Tensor:
+        """The leaf whose ``.grad`` is this rank's averaged gradient shard: the grad carrier, else the shard."""
+        return self.grad_carrier if self.grad_carrier is not None else self.shard
+
+    @property
+    def shard_grad(self) -> torch.Tensor | None:
+        """This rank's averaged gradient shard (stages 2 and 3 after backward; stage 1 once reduced)."""
+        return self.grad_target.grad
+
+    @shard_grad.setter
+    def shard_grad(self, value: torch.Tensor | None) -> None:
+        target = self.grad_target
+        target.grad = None if value is None else value.to(target.dtype)
+
+    @property
+    def full_grad(self) -> torch.Tensor | None:
+        """This rank's local, unreduced full gradient: stage 1's (on the replica when there is one),
+        or one from eager code at stages 2 and 3."""
+        if self.replica is not None and self.replica.grad is not None:
+            return self.replica.grad
+        return self.param.grad
+
+    @full_grad.setter
+    def full_grad(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise ValueError("ShardedParam.full_grad can only be cleared (set to None)")
+        if self.replica is not None:
+            self.replica.grad = None
+        self.param.grad = None
 
     @property
     def piece(self) -> FlatPiece:
@@ -168,11 +214,27 @@ class ShardedParam:
         return F.pad(flat, (0, self.padded_numel - self.numel)) if self.padded_numel > self.numel else flat
 
     def write_shard_from_full(self) -> None:
-        """Copies this rank's slice of the full parameter into the shard (local, no collective)."""
+        """Copies this rank's slice of the full parameter into the shard, and the whole of it into the
+        low-precision replica if there is one (local, no collective)."""
         owned = self.owned_numel
         with torch.no_grad():
             if owned:
                 self.shard[:owned].copy_(self.param.data.view(-1)[self.shard_offset : self.shard_offset + owned])
+            if self.replica is not None:
+                self.replica.copy_(self.param.data)
+
+    def refresh_replicated(self) -> None:
+        """Stages 1 and 2: the replicated parameter (or its replica) from every rank's shard (collective)."""
+        if self.replica is None:
+            self.materialize_full()
+            return
+        shard = self.shard.detach().to(self.replica.dtype)
+        gathered = shard
+        if self.group.world_size > 1:
+            gathered = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
+            all_gather_eager(gathered, shard, self.group)
+        with torch.no_grad():
+            self.replica.view(-1).copy_(gathered[: self.numel])
 
 
 def shard_of(param: torch.Tensor) -> ShardedParam | None:
@@ -180,20 +242,28 @@ def shard_of(param: torch.Tensor) -> ShardedParam | None:
 
 
 def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: DataParallelGroup,
-                    reduce_dtype: torch.dtype | None = None) -> ShardedParam:
+                    reduce_dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None) -> ShardedParam:
     """Creates (or returns the existing) shard of ``param``; frees the full storage at stage 3.
+
+    Stages 1 and 2 with a ``param_dtype`` other than the parameter's keep the replicated parameter
+    in ``param_dtype`` (``ShardedParam.replica``): ZeRO's mixed-precision scheme, 2 bytes per
+    replicated element with the fp32 master on the shard only. The fp32 parameter is freed then.
 
     A parameter already sharded by an earlier compile (another graph of the same model, or a
     recompile) keeps its shard; asking for a different stage or group is an error because the
     optimizer state and the other graphs were built for the first one.
     """
     existing = shard_of(param)
+    replica_dtype = _replica_dtype(param, stage, param_dtype)
     if existing is not None:
-        if existing.stage != stage or existing.group.name != group.name:
+        existing_dtype = None if existing.replica is None else existing.replica.dtype
+        if existing.stage != stage or existing.group.name != group.name or (
+                existing.stage in (1, 2) and existing.param.requires_grad and existing_dtype != replica_dtype):
             raise ValueError(
                 f"zero backend: parameter {name!r} is already sharded with stage {existing.stage} on group "
-                f"{existing.group.name!r}; it cannot be compiled again with stage {stage} on group "
-                f"{group.name!r}. Use one ZeroConfig for every torch.compile of the same model."
+                f"{existing.group.name!r} (replicated in {existing_dtype or existing.param.dtype}); it cannot be "
+                f"compiled again with stage {stage} on group {group.name!r} (replicated in "
+                f"{replica_dtype or param.dtype}). Use one ZeroConfig for every torch.compile of the same model."
             )
         return existing
     _check_shardable(param, name)
@@ -204,17 +274,45 @@ def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: Dat
 
     install_torch_clip_patch()
     install_zero_grad_route()  # and module.zero_grad() must clear the gradient shards
-    shard_numel = FlatPiece(param.numel(), group.world_size, group.rank).chunk
-    shard = torch.zeros(shard_numel, dtype=torch.float32, device=param.device)
+    piece = FlatPiece(param.numel(), group.world_size, group.rank)
+    shard_numel = piece.chunk
+    if stage in (1, 2) and param.dtype == torch.float32 and replica_dtype is None:
+        shard = _shard_in_replicated_storage(param, piece)  # the master weight is the replica's own slice
+    else:
+        shard = torch.zeros(shard_numel, dtype=torch.float32, device=param.device)
     sharded = ShardedParam(param=param, name=name, stage=stage, group=group, shard=shard, reduce_dtype=reduce_dtype)
+    if replica_dtype is not None:
+        padded = torch.zeros(piece.chunk * piece.world, dtype=replica_dtype, device=param.device)
+        sharded.replica = padded[: piece.numel].view(param.shape)
+        if stage == 1:  # the graphs take the replica as the parameter: its gradient is the full local one
+            sharded.replica.requires_grad_(True)
+        else:  # the graphs route the gradient, reduce-scattered, to this rank's slice of the replica
+            sharded.grad_carrier = padded[piece.offset : piece.offset + piece.chunk].requires_grad_(True)
     sharded.write_shard_from_full()
     shard.requires_grad_(param.requires_grad)
     setattr(param, SHARD_ATTR, sharded)
-    if stage == 3:
+    if stage == 3 or replica_dtype is not None:
         mark_sharded(param)  # eager use of the freed parameter raises a clear error (zcompile.sharded_parameter)
         sharded.free_full()
     log.debug("sharded %s %s -> %d elements on rank %d", name, tuple(param.shape), shard_numel, group.rank)
     return sharded
+
+
+def _shard_in_replicated_storage(param: torch.nn.Parameter, piece: FlatPiece) -> torch.Tensor:
+    """Stages 1 and 2 in fp32: moves ``param`` into a flat storage padded to ``world`` whole chunks
+    and returns this rank's chunk of it as the shard (a view, no copy of its own).
+
+    ZeRO's fp32 accounting (``../shared/ZERO.md``) has no separate master weight: the replicated
+    fp32 parameter already holds this rank's slice, so a shard of its own would hold those 4Psi/N
+    bytes twice. The optimizer updates the slice in place and the step's all-gather fills the
+    others. The parameter keeps its object, shape, strides and dtype (Dynamo's guards hold); its
+    storage grows by the padding only (fewer than ``world`` elements).
+    """
+    padded = torch.zeros(piece.chunk * piece.world, dtype=param.dtype, device=param.device)
+    with torch.no_grad():
+        padded[: piece.numel].copy_(param.data.reshape(-1))
+    param.data = padded[: piece.numel].view(param.shape)
+    return padded[piece.offset : piece.offset + piece.chunk]
 
 
 def shard_eager_parameter(param: torch.nn.Parameter, index: int, group: DataParallelGroup) -> ShardedParam:
@@ -230,6 +328,14 @@ def shard_eager_parameter(param: torch.nn.Parameter, index: int, group: DataPara
         "frame); it is kept replicated and its gradient reduce-scattered like stage 1's", index, tuple(param.shape),
     )
     return shard_parameter(param, f"param#{index}", stage=1, group=group)
+
+
+def _replica_dtype(param: torch.nn.Parameter, stage: int, param_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype of the low-precision replica of a stage-1/2 parameter, None for no replica: only
+    trained parameters (a frozen one has no master weight to keep apart) wider than ``param_dtype``."""
+    if stage not in (1, 2) or param_dtype is None or not param.requires_grad:
+        return None
+    return param_dtype if param_dtype.itemsize < param.dtype.itemsize else None
 
 
 def _check_shardable(param: torch.Tensor, name: str) -> None:

@@ -159,7 +159,7 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
         collectives=[r.to_json() for r in records], totals=summarize(records), formula_elements=formula,
         memory={
             "model_states_bytes": measured,
-            "formula_bytes": zero_formula_bytes(num_params, plan.world_size, plan.stage),
+            "formula_bytes": zero_formula_bytes(num_params, plan.world_size, plan.stage, plan.param_dtype),
             "peak_gathered_bytes": peak_gathered,
             "hpz_secondary_bytes": _hpz_secondary_bytes(graphs, unique) - sum(
                 p.hpz_secondary_bytes for g in graphs if g.keep_gathered for p in g.keep_gathered.kept),

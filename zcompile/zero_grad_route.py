@@ -30,16 +30,17 @@ ORIGINAL_ATTR = "__zcompile_original__"
 
 
 def clear_shard_grad(sharded: ShardedParam, set_to_none: bool) -> None:
-    """What ``zero_grad`` does to a parameter's gradient, done to its shard's."""
+    """What ``zero_grad`` does to a parameter's gradient, done to its shard's (and to its
+    low-precision replica's, which holds stage 1's full gradient under ``param_dtype``)."""
     sharded.stepped_grad = None  # zeroed since the step (see stale_grad_members)
-    grad = sharded.shard.grad
-    if grad is None:
-        return
-    if set_to_none:
-        sharded.shard.grad = None
-    else:
-        grad.detach_()
-        grad.zero_()
+    for holder in (sharded.grad_target, sharded.replica):
+        if holder is None or holder.grad is None:
+            continue
+        if set_to_none:
+            holder.grad = None
+        else:
+            holder.grad.detach_()
+            holder.grad.zero_()
 
 
 def install_zero_grad_route() -> None:
@@ -64,7 +65,7 @@ def install_zero_grad_route() -> None:
 def remember_stepped_grads(members: list[ShardedParam]) -> None:
     """After a step: which gradient each shard had, to tell at the next step whether it was zeroed."""
     for member in members:
-        grad = member.shard.grad
+        grad = member.shard_grad
         member.stepped_grad = None if grad is None else weakref.ref(grad)
 
 
@@ -73,4 +74,4 @@ def stale_grad_members(members: list[ShardedParam]) -> list[ShardedParam]:
     ``zero_grad`` (optimizer's or module's, which reset the mark) cleared since: this step's
     gradient was added onto the last one's."""
     return [m for m in members
-            if m.stepped_grad is not None and m.shard.grad is not None and m.stepped_grad() is m.shard.grad]
+            if m.stepped_grad is not None and m.shard_grad is not None and m.stepped_grad() is m.shard_grad]

@@ -1,0 +1,201 @@
+"""``estimate_memory``: per-rank bytes of a zero-compiled model, predicted before anything runs.
+
+DeepSpeed's ``estimate_zero3_model_states_mem_needs`` gives model states from a parameter count;
+this gives every part zcompile's ``step_report().memory`` measures, for any options:
+
+- **model states** (parameters and their replicas, fp32 master shards, gradients, optimizer
+  moments), parameter by parameter, by the rules zcompile allocates with: each parameter cut into
+  N equal chunks (``param_shards.FlatPiece``, so padding is included); stages 1 and 2 in fp32 keep
+  the shard inside the replicated parameter, with ``param_dtype`` a low-precision replica and an
+  fp32 shard; stage 3 the shard only. Frozen parameters have no gradient and no moments; tied
+  parameters count once. These equal ``model_state_bytes`` after a step (tests check it exactly).
+- **gathered peak** (stage 3): the parameters in registration order (the order most models use
+  them in) bucketed as the bucketing pass does (consecutive, up to ``bucket_mb`` of gathered bytes),
+  ``prefetch`` buckets in flight behind the one in use, plus the bucket whose pieces are being
+  copied out of its buffer (the two coexist); capped by ``memory_budget_mb`` as the schedule caps
+  prefetching (never below one bucket's buffer and pieces).
+- **kept weights** (``keep_gathered_mb``): the budget, or every gathered weight if fewer.
+- **saved activations** (with ``batch``): the model traced once on the ``meta`` device (nothing
+  allocated, no process group) through AOTAutograd's default partition, and the forward's saved
+  values counted by ``passes.liveness.saved_activation_bytes``, times ``activation_memory_budget``
+  when it is a fraction. Stage 3's weight re-gathers do not change what is saved.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from zcompile.config import ZeroConfig, activation_budget_bytes
+from zcompile.param_shards import FlatPiece
+
+log = logging.getLogger(__name__)
+
+MIB = 2**20
+MOMENTS = {"adamw": 2, "sgd": 0, "sgd_momentum": 1}  # fp32 state tensors per shard element
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted bytes per rank (the same parts as ``step_report().memory``)."""
+
+    world_size: int
+    stage: int
+    params_bytes: int  # parameters, replicas and master shards
+    grads_bytes: int  # after backward, before zero_grad
+    optimizer_bytes: int
+    gathered_peak_bytes: int
+    kept_gathered_bytes: int
+    saved_activation_bytes: int | None  # None: no batch was given
+
+    @property
+    def model_states_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """Model states + gathered peak + kept weights + saved activations (0 when unknown)."""
+        return (self.model_states_bytes + self.gathered_peak_bytes + self.kept_gathered_bytes
+                + (self.saved_activation_bytes or 0))
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "model_states_bytes": self.model_states_bytes, "peak_bytes": self.peak_bytes}
+
+
+def estimate_memory(model: torch.nn.Module, world_size: int, options: ZeroConfig | dict | None = None,
+                    batch: Any = None, optimizer: str = "adamw") -> MemoryEstimate:
+    """Per-rank bytes of ``model`` trained with the zero backend on ``world_size`` ranks (module doc).
+
+    ``options``: the backend's options; ``batch``: one rank's inputs (a tensor, a tuple of
+    positional arguments or a dict of keyword arguments of ``model``) to estimate saved activations;
+    ``optimizer``: ``"adamw"`` (2 moments), ``"sgd_momentum"`` (1) or ``"sgd"`` (0). Call it on the
+    model before ``torch.compile`` shards it.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"estimate_memory: world_size must be an int >= 1, got {world_size!r}")
+    if optimizer not in MOMENTS:
+        raise ValueError(f"estimate_memory: optimizer must be one of {sorted(MOMENTS)}, got {optimizer!r}")
+    config = ZeroConfig.from_options(options)
+    params = list(dict.fromkeys(model.parameters()))
+    states = [_param_states(p, config, world_size, MOMENTS[optimizer]) for p in params]
+    gathered = _gathered_peak(params, config, world_size)
+    kept = 0
+    if config.stage == 3 and config.keep_gathered_mb > 0:
+        kept = min(int(config.keep_gathered_mb * MIB), sum(_gathered_bytes(p, config, world_size) for p in params))
+    saved = None if batch is None else _saved_activations(model, batch, config)
+    return MemoryEstimate(world_size, config.stage, sum(s[0] for s in states), sum(s[1] for s in states),
+                          sum(s[2] for s in states), gathered, kept, saved)
+
+
+def _param_states(param: torch.nn.Parameter, config: ZeroConfig, world: int, moments: int) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes this rank holds for ``param`` after a step."""
+    piece = FlatPiece(param.numel(), world, 0)
+    numel, chunk, size = param.numel(), piece.chunk, param.element_size()
+    trained = param.requires_grad
+    shard = 4 * chunk  # the fp32 master
+    low = config.param_dtype
+    replica = (config.stage in (1, 2) and trained and low is not None and low.itemsize < size)
+    if config.stage == 3:
+        params, full_grad = shard, False
+    elif replica:
+        params, full_grad, size = numel * low.itemsize + shard, config.stage == 1, low.itemsize
+    elif param.dtype == torch.float32:
+        params, full_grad = 4 * chunk * world, config.stage == 1  # the shard is a slice of it
+    else:
+        params, full_grad = numel * size + shard, config.stage == 1
+    if not trained:
+        return params, 0, 0
+    grads = numel * size if full_grad else 4 * chunk
+    return params, grads, moments * 4 * chunk
+
+
+def _gathered_bytes(param: torch.nn.Parameter, config: ZeroConfig, world: int) -> int:
+    dtype = config.param_dtype or param.dtype
+    return FlatPiece(param.numel(), world, 0).chunk * world * dtype.itemsize
+
+
+def _gathered_peak(params: list[torch.nn.Parameter], config: ZeroConfig, world: int) -> int:
+    if config.stage != 3 or world == 1:
+        return 0
+    sizes = [_gathered_bytes(p, config, world) for p in params]
+    bucket_bytes = int(config.bucket_mb * MIB)
+    buckets: list[int] = []
+    for nbytes in sizes:
+        if buckets and bucket_bytes and buckets[-1] + nbytes <= bucket_bytes:
+            buckets[-1] += nbytes
+        else:
+            buckets.append(nbytes)
+    depth = config.prefetch if config.overlap else 0
+    in_flight = [sum(buckets[j:j + depth + 1]) for j in range(len(buckets))]
+    # the next bucket's buffer and its copied-out pieces coexist once it lands
+    peak = max(in_flight[j] + (buckets[j + 1] if j + 1 < len(buckets) else 0) for j in range(len(buckets)))
+    if config.memory_budget_mb is not None:
+        floor = max(2 * b for b in buckets)  # one bucket's buffer and pieces: no prefetch at all
+        peak = max(min(peak, int(config.memory_budget_mb * MIB)), floor)
+    return peak
+
+
+def _saved_activations(model: torch.nn.Module, batch: Any, config: ZeroConfig) -> int:
+    """What the forwards save for backward, from one compile on the meta device (module doc): the
+    min-cut partition zcompile uses, with the same activation budget, summed over Dynamo's graphs."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    from zcompile.inner import activation_budget, activation_budget_fraction
+    from zcompile.passes.liveness import saved_activation_bytes
+
+    saved: list[int] = []
+
+    def partition(joint, joint_inputs, **kwargs):
+        fraction = activation_budget_fraction(config.activation_memory_budget, joint, joint_inputs, kwargs)
+        with activation_budget(fraction):
+            forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        saved.append(saved_activation_bytes(forward, backward))
+        return forward, backward
+
+    def run(gm, example_inputs):
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=run, bw_compiler=run, partition_fn=partition)
+    args, kwargs = _as_call(batch)
+    to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v  # noqa: E731
+    args, kwargs = tuple(map(to_meta, args)), {k: to_meta(v) for k, v in kwargs.items()}
+    device_type = _device_type(batch)
+    torch._dynamo.reset()
+    try:
+        with warnings.catch_warnings():  # meta kernels without autograd (nll_loss) warn while AOTAutograd traces
+            warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
+            with torch.autocast(device_type, dtype=config.param_dtype, enabled=config.param_dtype is not None):
+                torch.compile(_on_meta(model), backend=backend)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    return sum(saved)
+
+
+def _on_meta(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` on the meta device, made without copying its weights (tied ones stay tied)."""
+    memo: dict[int, torch.Tensor] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in memo:
+            continue
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _as_call(batch: Any) -> tuple[tuple, dict]:
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def _device_type(batch: Any) -> str:
+    args, kwargs = _as_call(batch)
+    return next((v.device.type for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), "cpu")
