@@ -104,6 +104,11 @@ class ComputeCosts:
     def seconds(self, flops: float, nbytes: float) -> float:
         return self.op_overhead_s + max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
 
+    def scaled(self, factor: float) -> ComputeCosts:
+        """The same device ``factor`` times slower: every node's predicted time multiplied by ``factor``
+        (``zcompile.tune_calibration`` fits it to a measured step)."""
+        return ComputeCosts(self.flops_per_s / factor, self.bytes_per_s / factor, self.op_overhead_s * factor)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 

@@ -25,7 +25,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -33,9 +33,9 @@ import torch
 from zcompile.cost_model import measure_collective_costs, measure_compute_costs
 from zcompile.process_group import DataParallelGroup
 from zcompile.tune_result import TuneResult
-from zcompile.tune_search import STRATEGIES, Trial, default_max_trials, run_search
-from zcompile.tune_space import SearchSpace
-from zcompile.tune_trial import TrialSetup, measure_point, predict_point
+from zcompile.tune_search import STRATEGIES, Measured, Trial, default_max_trials, run_search
+from zcompile.tune_space import Point, SearchSpace
+from zcompile.tune_trial import TrialFailed, TrialSetup, measure_point, predict_point
 
 log = logging.getLogger(__name__)
 MIB = 2**20
@@ -116,26 +116,32 @@ def tune(make_model: Callable[[], torch.nn.Module], loss_fn: Callable[[torch.nn.
     search_space = SearchSpace.build(space, base_options)
     _check_arguments(batches, optimizer, steps, warmup, memory_limit_mb, strategy, max_trials, out_dir)
     group = DataParallelGroup.resolve(search_space.base_options.get("group"))
-    timings: dict[str, float] = {}
+    timings = {"costs_s": 0.0, "calibrate_s": 0.0, "predict_s": 0.0, "measure_s": 0.0}
     collective_costs = measure_collective_costs(group.process_group)
-    compute_costs = measure_compute_costs(group=group.process_group)
+    raw_compute = measure_compute_costs(group=group.process_group)
     timings["costs_s"] = time.perf_counter() - started
     setup = TrialSetup(make_model, loss_fn, list(batches), optimizer or default_optimizer, search_space.base_options,
-                       group, collective_costs, compute_costs, steps, warmup)
+                       group, collective_costs, raw_compute, steps, warmup)
     bar = _Progress(progress and group.rank == 0)
     bar.start(len(search_space) + (len(search_space) if strategy == "grid"
                                    else (max_trials or default_max_trials(len(search_space)))))
-    phase = {"predicted_at": None}
+    default, setup = _measure_default(setup, search_space.default, timings)
 
     def predict(point):
+        began = time.perf_counter()
         predicted = predict_point(setup, point)
+        timings["predict_s"] += time.perf_counter() - began
         bar.predicted()
         return predicted
 
     def measure(point):
-        if phase["predicted_at"] is None:
-            phase["predicted_at"] = time.perf_counter()
-        return measure_point(setup, point)
+        if point.index == search_space.default.index:
+            return default()
+        began = time.perf_counter()
+        try:
+            return measure_point(setup, point)[0]
+        finally:
+            timings["measure_s"] += time.perf_counter() - began
 
     limit = None if memory_limit_mb is None else int(memory_limit_mb * MIB)
     try:
@@ -143,11 +149,9 @@ def tune(make_model: Callable[[], torch.nn.Module], loss_fn: Callable[[torch.nn.
                             memory_limit_bytes=limit, on_trial=bar.measured)
     finally:
         bar.close()
-    ended = time.perf_counter()
-    predicted_at = phase["predicted_at"] or ended
-    timings.update(predict_s=predicted_at - started - timings["costs_s"], measure_s=ended - predicted_at)
     result = TuneResult(trials, search_space.base_options, search_space.space, strategy, group.world_size, steps,
-                        warmup, memory_limit_mb, ended - started, timings, collective_costs, compute_costs)
+                        warmup, memory_limit_mb, time.perf_counter() - started, timings, collective_costs,
+                        setup.compute_costs, setup.calibration)
     log.info("tune: %d points, %d measured, best %s, Spearman %s, %.1f s", len(trials), len(result.measured),
              None if result.best_trial is None else result.best_trial.index, result.rank_correlation, result.wall_s)
     if out_dir is not None and group.rank == 0:
@@ -155,6 +159,27 @@ def tune(make_model: Callable[[], torch.nn.Module], loss_fn: Callable[[torch.nn.
         result.to_json(os.path.join(out_dir, RESULT_JSON))
         result.plot(os.path.join(out_dir, RESULT_PNG))
     return result
+
+
+def _measure_default(setup: TrialSetup, point: Point, timings: dict[str, float]
+                     ) -> tuple[Callable[[], Measured], TrialSetup]:
+    """Measures the default options first and calibrates the cost model on them
+    (``zcompile.tune_calibration``): returns how the search gets that measurement (the measurement,
+    or the failure raised again) and the setup whose predictions use the calibrated costs."""
+    began = time.perf_counter()
+    try:
+        measured, calibration = measure_point(setup, point, calibrate_costs=True)
+    except TrialFailed as error:
+        log.warning("tune: the default options failed (%s); predicting with uncalibrated costs", error)
+        failure = error
+
+        def default() -> Measured:
+            raise failure
+        return default, setup
+    finally:
+        timings["calibrate_s"] = time.perf_counter() - began
+    setup = replace(setup, compute_costs=calibration.compute_costs(setup.compute_costs), calibration=calibration)
+    return lambda: measured, setup
 
 
 def _check_arguments(batches, optimizer, steps, warmup, memory_limit_mb, strategy, max_trials, out_dir) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from zcompile.cost_model import CollectiveCosts, ComputeCosts
 from zcompile.passes.schedule import policy_name
+from zcompile.tune_calibration import StepCalibration
 from zcompile.tune_policies import POLICY_NAMES, policy_from_name
 from zcompile.tune_search import MEASURED, Measured, Predicted, Trial, best_trial, spearman
 from zcompile.tune_space import POLICY_OPTION
@@ -36,9 +37,10 @@ class TuneResult:
     warmup: int
     memory_limit_mb: float | None = None
     wall_s: float = 0.0  # the whole tune call
-    timings: dict[str, float] = field(default_factory=dict)  # seconds: costs, predict, measure
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: costs, calibrate, predict, measure
     collective_costs: CollectiveCosts | None = None
-    compute_costs: ComputeCosts | None = None
+    compute_costs: ComputeCosts | None = None  # calibrated: what the predictions and policies used
+    calibration: StepCalibration | None = None
 
     # ------------------------------------------------------------------ what the search found
     @property
@@ -100,6 +102,7 @@ class TuneResult:
             "speedup_over_default": self.speedup_over_default,
             "collective_costs": None if self.collective_costs is None else json.loads(self.collective_costs.to_json()),
             "compute_costs": None if self.compute_costs is None else asdict(self.compute_costs),
+            "calibration": None if self.calibration is None else asdict(self.calibration),
             "trials": [_trial_dict(t) for t in self.trials],
         }
 
@@ -115,14 +118,15 @@ class TuneResult:
         if data.get("format") != FORMAT:
             raise ValueError(f"not a zcompile tune result (format {data.get('format')!r}, expected {FORMAT!r})")
         costs = data.get("collective_costs")
-        compute = data.get("compute_costs")
+        compute, calibration = data.get("compute_costs"), data.get("calibration")
         return cls(
             trials=[_trial_from(t) for t in data["trials"]], base_options=data["base_options"], space=data["space"],
             strategy=data["strategy"], world_size=data["world_size"], steps=data["steps"], warmup=data["warmup"],
             memory_limit_mb=data.get("memory_limit_mb"), wall_s=data.get("wall_s", 0.0),
             timings=data.get("timings", {}),
             collective_costs=None if costs is None else CollectiveCosts.from_json(json.dumps(costs)),
-            compute_costs=None if compute is None else ComputeCosts(**compute))
+            compute_costs=None if compute is None else ComputeCosts(**compute),
+            calibration=None if calibration is None else StepCalibration(**calibration))
 
     @classmethod
     def from_json(cls, path: str) -> TuneResult:

@@ -37,6 +37,7 @@ class Predicted:
     exposed_comm_s: float
     memory_bytes: int  # model states + gathered peak + kept weights + saved activations, per rank
     memory_parts: dict[str, int] = field(default_factory=dict)
+    time_parts: dict[str, float] = field(default_factory=dict)  # compute, issue, comm (hidden or not), in seconds
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class Measured:
     exposed_comm_s: float  # time blocked in waits during one profiled step, the most of any rank
     memory_bytes: int  # model states held + the profiled step's peak allocation, the most of any rank
     losses: tuple[float, ...] = ()  # this rank's loss of every step run (warm-up, timed, profiled)
+    graphs_s: float = 0.0  # median over timed steps of the slowest rank's forward + backward
 
 
 @dataclass

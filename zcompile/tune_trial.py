@@ -18,7 +18,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -28,11 +28,13 @@ from zcompile.memory import model_state_bytes
 from zcompile.process_group import DataParallelGroup
 from zcompile.report import step_report
 from zcompile.timeline import record_step
+from zcompile.tune_calibration import StepCalibration, calibrate
 from zcompile.tune_policies import POLICY_NAMES, policy_from_name
 from zcompile.tune_search import Measured, Predicted
 from zcompile.tune_space import POLICY_OPTION, Point
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class TrialFailed(RuntimeError):
@@ -50,9 +52,10 @@ class TrialSetup:
     base_options: dict[str, Any]
     group: DataParallelGroup
     collective_costs: CollectiveCosts
-    compute_costs: ComputeCosts
+    compute_costs: ComputeCosts  # what predictions use: calibrated once the default was measured
     steps: int = 5
     warmup: int = 2
+    calibration: StepCalibration = StepCalibration()
 
     def options(self, point: Point) -> dict[str, Any]:
         """The backend options of ``point``: base + the point's, a policy name turned into the policy."""
@@ -77,56 +80,77 @@ def predict_point(setup: TrialSetup, point: Point) -> Predicted:
         setup.loss_fn(compiled, setup.batch(0)).backward()
         prediction = predict_step(graphs, setup.collective_costs, setup.compute_costs)
         memory = step_report(model, None, graphs).memory
-        return [prediction.step_s, prediction.exposed_comm_s, memory["formula_bytes"],
-                memory["peak_gathered_bytes"], memory["kept_gathered_bytes"], memory["saved_activation_bytes"]]
+        return [prediction.step_s, prediction.exposed_comm_s, prediction.compute_s, prediction.issue_s,
+                prediction.comm_s, memory["formula_bytes"], memory["peak_gathered_bytes"],
+                memory["kept_gathered_bytes"], memory["saved_activation_bytes"]]
 
-    step_s, exposed_s, *parts = _fresh(lambda: agreed(local, 6, setup.group))
+    step_s, exposed_s, compute_s, issue_s, comm_s, *parts = _fresh(lambda: agreed(local, 9, setup.group))
     names = ("model_states", "gathered_peak", "kept_gathered", "saved_activations")
     memory_parts = {name: int(value) for name, value in zip(names, parts)}
-    return Predicted(step_s, exposed_s, sum(memory_parts.values()), memory_parts)
+    outside = setup.calibration.outside_graphs_s
+    time_parts = {"compute": compute_s, "issue": issue_s, "comm": comm_s, "outside_graphs": outside}
+    return Predicted(step_s + outside, exposed_s, sum(memory_parts.values()), memory_parts, time_parts)
 
 
-def measure_point(setup: TrialSetup, point: Point) -> Measured:
+def measure_point(setup: TrialSetup, point: Point, calibrate_costs: bool = False
+                  ) -> tuple[Measured, StepCalibration | None]:
     """Trains ``point`` ``warmup`` steps untimed and ``steps`` timed, then profiles one more step.
 
     Step time: the median over the timed steps of the slowest rank's time (each step started from a
-    barrier). Exposed communication: time blocked in ``wait_tensor`` in the profiled step.
-    Memory: model states held after the steps plus the profiled step's peak of allocations.
+    barrier); ``graphs_s`` the same for forward + backward alone. Exposed communication: time
+    blocked in ``wait_tensor`` in the profiled step. Memory: model states held after the steps plus
+    the profiled step's peak of allocations. ``calibrate_costs``: also fit the cost model to these
+    agreed times on this point's graphs (``zcompile.tune_calibration``).
     """
     options = setup.options(point)
     losses: list[float] = []
+    graphs: list = []
 
     def local() -> list[float]:
         model = setup.make_model()
         optimizer = setup.make_optimizer(model.parameters())
-        compiled = torch.compile(model, backend="zero", options=options)
+        compiled = torch.compile(model, backend="zero", options={**options, "on_compile": graphs.append})
+        times: list[float] = []
 
         def train_step() -> None:
+            start = time.perf_counter()
             loss = setup.loss_fn(compiled, setup.batch(len(losses)))
             loss.backward()
+            times.append(time.perf_counter() - start)
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
 
         for _ in range(setup.warmup):
             train_step()
-        times = []
+        steps, in_graphs = [], []
         for _ in range(setup.steps):
             _barrier(setup.group)
             start = time.perf_counter()
             train_step()
-            times.append(time.perf_counter() - start)
+            steps.append(time.perf_counter() - start)
+            in_graphs.append(times[-1])
         _barrier(setup.group)
         with tempfile.TemporaryDirectory() as trace_dir:
             timeline = record_step(train_step, trace_dir, rank=setup.group.rank)
         states = model_state_bytes(model, optimizer).total
-        return [*times, timeline.wait_us / 1e6, states + timeline.peak_bytes]
+        return [*steps, *in_graphs, timeline.wait_us / 1e6, states + timeline.peak_bytes]
 
-    *slowest, waited_s, memory = _fresh(lambda: agreed(local, setup.steps + 2, setup.group))
-    return Measured(statistics.median(slowest), waited_s, int(memory), tuple(losses))
+    def run() -> tuple[Measured, StepCalibration | None]:
+        values = agreed(local, 2 * setup.steps + 2, setup.group)
+        step_s, graphs_s = (statistics.median(values[i * setup.steps:(i + 1) * setup.steps]) for i in (0, 1))
+        measured = Measured(step_s, values[-2], int(values[-1]), tuple(losses), graphs_s)
+        calibration = None
+        if calibrate_costs:
+            calibration = calibrate(lambda costs: predict_step(graphs, setup.collective_costs, costs),
+                                    setup.compute_costs, graphs_s, step_s)
+        graphs.clear()
+        return measured, calibration
+
+    return _fresh(run)
 
 
-def _fresh(run: Callable[[], list[float]]) -> list[float]:
+def _fresh(run: Callable[[], T]) -> T:
     """``run()`` between two Dynamo resets, garbage collected after: nothing of it reaches the next trial."""
     torch._dynamo.reset()
     try:
