@@ -78,6 +78,7 @@ def test_model_states_follow_zeros_mixed_precision_formula(results, index):
     formula = zero_formula_bytes(result.num_params, 2, spec.stage, torch.bfloat16)
     sgd = formula - 4 * result.num_params // 2  # SGD with momentum keeps 4 bytes of state per element, Adam 8
     assert sgd <= result.state_bytes <= 1.05 * sgd, (spec.stage, result.state_bytes, sgd)
+    assert result.estimated_state_bytes == result.state_bytes  # zcompile.estimate_memory, before compiling
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -95,3 +96,4 @@ def test_bf16_model_trains_with_fp32_master_weights(stage):
         assert abs(ours - theirs) <= 1e-2 * theirs, (result.losses, reference.losses)
     assert result.losses[-1] < result.losses[0]
     assert all(c.dtype == torch.bfloat16 for c in result.collectives if c.kind == "all_gather")
+    assert result.estimated_state_bytes == result.state_bytes  # bf16 parameters, fp32 shards, predicted

@@ -16,11 +16,12 @@ def _sharded(numel, dtype=torch.float32, world=2, name="p"):
 
 
 def test_buckets_are_consecutive_same_dtype_and_bounded():
-    a, b, c = _sharded(100), _sharded(100), _sharded(300)  # shards of 50, 50, 150 fp32 elements
+    a, b, c = _sharded(100), _sharded(100), _sharded(300)  # 400, 400, 1200 bytes of full fp32 parameter
     half = _sharded(100, torch.bfloat16)
     d = _sharded(10)
-    plan = plan_optimizer_buckets([a, b, c, half, d], lambda s: s.param.dtype, bucket_bytes=400)
-    # a + b = 400 bytes fill one bucket; c alone exceeds it; the bf16 one breaks the fp32 run
+    plan = plan_optimizer_buckets([a, b, c, half, d], lambda s: s.param.dtype, bucket_bytes=800)
+    # a + b = 800 full bytes (the gathered buffer, not the 400 bytes of shard) fill one bucket; c
+    # alone exceeds it; the bf16 one breaks the fp32 run
     assert [[m.param.numel() for m in bucket] for bucket in plan] == [[100, 100], [300], [100], [10]]
     assert [len(b) for b in plan_optimizer_buckets([a, b, c], lambda s: s.param.dtype, 0)] == [1, 1, 1]
 

@@ -92,6 +92,15 @@ def test_stage1_and_2_memory_follow_their_formulas(world2):
             assert expected <= rank0.state_bytes <= 1.05 * expected, (spec, rank0.state_bytes, expected)
 
 
+def test_estimate_memory_predicts_the_measured_model_states(world2, world4):
+    """zcompile.estimate_memory, made before compiling, equals the bytes measured after a step to the
+    byte (params, replicas, shards, gradients, moments; padding, tied weights), at every stage and world."""
+    for spec, *ranks in world2 + world4:
+        for rank, result in enumerate(ranks):
+            assert result.estimated_state_bytes == result.state_bytes, (spec, rank, result.estimated_state_bytes,
+                                                                        result.state_bytes)
+
+
 def test_communication_volume_per_step(world2, world4):
     """Stages 1 and 2 move exactly 2Ψ (padded) elements per rank per step; stage 3 at most 3Ψ."""
     for spec, result, *_ in world2 + world4:

@@ -15,17 +15,18 @@ this gives every part zcompile's ``step_report().memory`` measures, for any opti
   copied out of its buffer (the two coexist); capped by ``memory_budget_mb`` as the schedule caps
   prefetching (never below one bucket's buffer and pieces).
 - **kept weights** (``keep_gathered_mb``): the budget, or every gathered weight if fewer.
-- **saved activations** (with ``batch``): the model traced once on the ``meta`` device (nothing
-  allocated, no process group) through AOTAutograd's default partition, and the forward's saved
-  values counted by ``passes.liveness.saved_activation_bytes``, times ``activation_memory_budget``
-  when it is a fraction. Stage 3's weight re-gathers do not change what is saved.
+- **saved activations** (with ``batch``): the model compiled once on fake tensors (a copy whose
+  parameters have no storage: nothing allocated, no process group, autocast to ``param_dtype``
+  applied as the backend applies it) through the min-cut partition zcompile uses, and the
+  forward's saved values counted by ``passes.liveness.saved_activation_bytes``, with
+  ``activation_memory_budget`` applied by the same partitioner. Stage 3's weight re-gathers do not
+  change what is saved.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -100,17 +101,19 @@ def _param_states(param: torch.nn.Parameter, config: ZeroConfig, world: int, mom
     shard = 4 * chunk  # the fp32 master
     low = config.param_dtype
     replica = (config.stage in (1, 2) and trained and low is not None and low.itemsize < size)
+    grad_shard = 4 * chunk  # the averaged gradient shard, fp32 on the master
     if config.stage == 3:
-        params, full_grad = shard, False
-    elif replica:
-        params, full_grad, size = numel * low.itemsize + shard, config.stage == 1, low.itemsize
+        params = shard
+    elif replica:  # padded like the fp32 case; stage 2's gradient shard is a low-precision slice of it
+        size = low.itemsize
+        params, grad_shard = chunk * world * size + shard, chunk * size
     elif param.dtype == torch.float32:
-        params, full_grad = 4 * chunk * world, config.stage == 1  # the shard is a slice of it
+        params = 4 * chunk * world  # the shard is a slice of it
     else:
-        params, full_grad = numel * size + shard, config.stage == 1
+        params = numel * size + shard
     if not trained:
         return params, 0, 0
-    grads = numel * size if full_grad else 4 * chunk
+    grads = numel * size if config.stage == 1 else grad_shard  # stage 1: the full local gradient
     return params, grads, moments * 4 * chunk
 
 
@@ -141,50 +144,76 @@ def _gathered_peak(params: list[torch.nn.Parameter], config: ZeroConfig, world: 
 
 
 def _saved_activations(model: torch.nn.Module, batch: Any, config: ZeroConfig) -> int:
-    """What the forwards save for backward, from one compile on the meta device (module doc): the
+    """What the forwards save for backward, from one compile on fake tensors (module doc): the
     min-cut partition zcompile uses, with the same activation budget, summed over Dynamo's graphs."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from zcompile.inner import activation_budget, activation_budget_fraction
     from zcompile.passes.liveness import saved_activation_bytes
 
     saved: list[int] = []
 
-    def partition(joint, joint_inputs, **kwargs):
-        fraction = activation_budget_fraction(config.activation_memory_budget, joint, joint_inputs, kwargs)
-        with activation_budget(fraction):
-            forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        saved.append(saved_activation_bytes(forward, backward))
-        return forward, backward
-
     def run(gm, example_inputs):
         return make_boxed_func(gm.forward)
 
-    backend = aot_autograd(fw_compiler=run, bw_compiler=run, partition_fn=partition)
+    def backend(gm: torch.fx.GraphModule, example_inputs: list):
+        # AOTAutograd names the Dynamo graph's inputs primals_1, primals_2, ... in order
+        params = {f"primals_{i + 1}" for i, v in enumerate(example_inputs) if isinstance(v, torch.nn.Parameter)}
+
+        def partition(joint, joint_inputs, **kwargs):
+            fraction = activation_budget_fraction(config.activation_memory_budget, joint, joint_inputs, kwargs)
+            with activation_budget(fraction):
+                forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            saved.append(saved_activation_bytes(forward, backward) - _saved_weight_bytes(forward, backward, params))
+            return forward, backward
+
+        return aot_autograd(fw_compiler=run, bw_compiler=run, partition_fn=partition)(gm, example_inputs)
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     args, kwargs = _as_call(batch)
-    to_meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v  # noqa: E731
-    args, kwargs = tuple(map(to_meta, args)), {k: to_meta(v) for k, v in kwargs.items()}
-    device_type = _device_type(batch)
+    fake = lambda v: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    args, kwargs = tuple(map(fake, args)), {k: fake(v) for k, v in kwargs.items()}
+    device_type = next((v.device.type for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), "cpu")
     torch._dynamo.reset()
     try:
-        with warnings.catch_warnings():  # meta kernels without autograd (nll_loss) warn while AOTAutograd traces
-            warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
-            with torch.autocast(device_type, dtype=config.param_dtype, enabled=config.param_dtype is not None):
-                torch.compile(_on_meta(model), backend=backend)(*args, **kwargs)
+        with torch.autocast(device_type, dtype=config.param_dtype, enabled=config.param_dtype is not None):
+            torch.compile(_faked(model, fake_mode), backend=backend)(*args, **kwargs)
     finally:
         torch._dynamo.reset()
     return sum(saved)
 
 
-def _on_meta(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` on the meta device, made without copying its weights (tied ones stay tied)."""
+def _saved_weight_bytes(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, params: set[str]) -> int:
+    """Saved values made from parameters alone (autocast's low-precision copies of the weights):
+    zcompile's graphs do not save those (stage 3 re-gathers them in ``param_dtype``, stages 1 and
+    2 read a replica already in it), and ``step_report`` does not count them as activations."""
+    from zcompile.passes.liveness import node_bytes, saved_for_backward
+
+    total = 0
+    for node in dict.fromkeys(saved_for_backward(forward, backward)):
+        if node.op == "placeholder":
+            continue
+        sources, stack, seen = set(), [node], {node}
+        while stack:
+            for source in stack.pop().all_input_nodes:
+                if source not in seen:
+                    seen.add(source)
+                    (sources.add(source.name) if source.op == "placeholder" else stack.append(source))
+        if sources and sources <= params:
+            total += node_bytes(node)
+    return total
+
+
+def _faked(model: torch.nn.Module, fake_mode) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake tensors: same device, dtype and shape,
+    no storage (tied ones stay tied; ``model`` is not touched)."""
     memo: dict[int, torch.Tensor] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) in memo:
-            continue
-        meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else meta
+        if id(tensor) not in memo:
+            fake = fake_mode.from_tensor(tensor.detach())
+            memo[id(tensor)] = torch.nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else fake
     return copy.deepcopy(model, memo)
 
 
@@ -194,8 +223,3 @@ def _as_call(batch: Any) -> tuple[tuple, dict]:
     if isinstance(batch, (tuple, list)):
         return tuple(batch), {}
     return (batch,), {}
-
-
-def _device_type(batch: Any) -> str:
-    args, kwargs = _as_call(batch)
-    return next((v.device.type for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), "cpu")

@@ -9,7 +9,7 @@ What a step does per parameter, by stage:
 
 then the fp32 shard is updated, and at stages 1 and 2 the updated shards are all-gathered back
 into the replicated parameters. Optimizer state (moments) has the shard's size. Those eager
-collectives are bucketed (``bucket_mb`` of shard per rank, like the backend option) and run while
+collectives are bucketed (``bucket_mb`` of full parameter per bucket, as the backend option counts) and run while
 the next bucket updates (``zcompile.optim_buckets``).
 
 Gradient clipping: ``clip_grad_norm_(max_norm)`` between backward and ``step()``, or
@@ -63,7 +63,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                           or not max_grad_norm > 0):
             raise ValueError(f"{type(self).__name__}: max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
-        self.bucket_mb = bucket_mb  # per-rank shard MiB per bucketed collective (0: one per parameter)
+        self.bucket_mb = bucket_mb  # MiB of full parameter per bucketed collective (0: one per parameter)
         self.max_grad_norm = max_grad_norm  # clip the 2-norm to this inside step() (None: no clipping)
         self.last_grad_norm: float | None = None  # pre-clip norm of the last step (None: not computed)
         if check_timeout_s is not None and (isinstance(check_timeout_s, bool) or not isinstance(check_timeout_s, (int, float))

@@ -4,8 +4,8 @@ At stages 1 and 2 the optimizer all-gathers every updated shard back into the re
 parameter, and at stage 1 it first reduce-scatters every full gradient. One blocking collective
 per parameter pays the collective latency once per parameter and leaves the network idle while
 the rank updates. Here consecutive parameters (same process group, dtype and device) are grouped
-into buckets of up to ``bucket_bytes`` of shard per rank, each moved by one collective over a
-flat buffer, and the collectives run asynchronously:
+into buckets of up to ``bucket_bytes`` of full (gathered) parameter, each moved by one collective
+over a flat buffer, and the collectives run asynchronously:
 
 - ``BucketedGradReduce`` (stage 1): the reduce-scatter of bucket ``i + 1`` is in flight while the
   optimizer updates the parameters of bucket ``i``;
@@ -37,13 +37,17 @@ from zcompile.param_shards import ShardedParam
 def plan_optimizer_buckets(members: list[ShardedParam], dtype_of: Callable[[ShardedParam], torch.dtype],
                            bucket_bytes: int) -> list[list[ShardedParam]]:
     """Consecutive ``members`` grouped while they share group, dtype (``dtype_of(member)``) and
-    device, up to ``bucket_bytes`` of shard per rank (a larger member is a bucket of its own)."""
+    device, up to ``bucket_bytes`` of full parameter (a larger member is a bucket of its own).
+
+    Full bytes, as the backend's ``bucket_mb`` counts them: a bucket's gathered buffer (and gloo's
+    copies of it) then stays ``bucket_bytes`` whatever the number of ranks; counted in shard bytes it
+    grew N-fold (4 MiB of shard held 8 MiB of gathered buffer twice over at 2 ranks, 256 MiB at 64)."""
     buckets: list[list[ShardedParam]] = []
     key = None
     size = 0
     for member in members:
         member_key = (member.group.name, dtype_of(member), member.shard.device)
-        nbytes = member.shard_numel * dtype_of(member).itemsize
+        nbytes = member.padded_numel * dtype_of(member).itemsize
         if not buckets or member_key != key or size + nbytes > bucket_bytes:
             buckets.append([])
             key, size = member_key, 0

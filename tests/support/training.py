@@ -76,6 +76,7 @@ class RunResult:
     graphs: list = field(default_factory=list)  # (forward code, backward code) per compiled graph
     facts: dict = field(default_factory=dict)  # structure of the compiled graphs, see graph_facts
     grad_norms: list[float] = field(default_factory=list)  # pre-clip gradient norm per step (clipped runs)
+    estimated_state_bytes: int = 0  # zcompile.estimate_memory's model states, made before compiling
 
 
 def _optimizer(spec: RunSpec, params, zero: bool):
@@ -123,6 +124,7 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     model = build_model(spec.model)
     compiled_graphs = []
     options = {"stage": spec.stage, "compiler": "eager", "on_compile": compiled_graphs.append, **spec.options}
+    estimate = zcompile.estimate_memory(model, world, options, optimizer="sgd_momentum" if spec.optimizer == "sgd" else "adamw")
     compiled = torch.compile(model, backend="zero", options=options, dynamic=spec.dynamic)
     optimizer = None if spec.optimizer_after_forward else _optimizer(spec, model.parameters(), zero=True)
     losses, state_bytes, grad_norms = [], 0, []
@@ -142,7 +144,7 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     if facts["keep_plans"]:
         facts["report_kept_bytes"] = zcompile.step_report(model, optimizer).memory["kept_gathered_bytes"]
     return RunResult(losses, params, state_bytes, sum(p.numel() for p in unique), padded, collectives, graphs,
-                     facts, grad_norms)
+                     facts, grad_norms, estimate.model_states_bytes)
 
 
 def _zero_grad(spec: RunSpec, compiled, optimizer) -> None:
