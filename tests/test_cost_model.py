@@ -167,6 +167,24 @@ def test_issue_overhead_is_charged_to_compute():
         assert prediction.step_s == prediction.compute_s + prediction.issue_s + prediction.exposed_comm_s
 
 
+def test_transfers_slow_down_while_compute_runs():
+    # overlap_slowdown 2: a transfer moves at half speed while a layer computes, full speed while
+    # compute waits. gather0 and gather1 issued at 0; wait0 [0,2] (gather0 alone, full speed) | layer0
+    # 2..5: gather1 does 1.5 of its 2 s | gather2 issued at 5 | wait1: 0.5 s left, 5..5.5 | layer1
+    # 5.5..8.5: gather2 does 1.5 | wait2 5.5..9 -> 8.5..9 | layer2 9..12 | reduce issued at 12, the
+    # 2 s tail carries its 1 s at half speed: done at 14, reduce_wait free
+    gm = layered_graph()
+    gm = schedule_pass(gm, plan_schedule(gm, prefetch=1))
+    slow = CollectiveCosts(2, HAND_COLLECTIVES.costs, overlap_slowdown=2.0)
+    prediction = predict(gm, slow, HAND_COMPUTE)
+    assert (prediction.step_s, prediction.compute_s, prediction.comm_s, prediction.exposed_comm_s) == (14, 11, 7, 3)
+    assert _timeline(prediction) == {"gather0": (0, 0, 2, 2), "gather1": (0, 2, 5.5, 0.5), "gather2": (5, 5.5, 9, 0.5),
+                                     "reduce": (12, 12, 14, 0)}
+    # unscheduled, every transfer is waited at once: contention changes nothing
+    assert predict(layered_graph(), slow, HAND_COMPUTE).step_s == 18
+    assert CollectiveCosts.from_json(slow.to_json()) == slow
+
+
 def test_unwaited_transfer_extends_the_step_and_world_of_one_is_free():
     gm = layered_graph(layers=1)
     wait = next(n for n in gm.graph.nodes if n.name == "reduce_wait")
@@ -221,6 +239,7 @@ def test_measured_costs_agree_across_ranks_and_predict_a_fresh_size():
     assert costs.world_size == 2 and set(costs.costs) == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
     for cost in costs.costs.values():
         assert cost.seconds_per_byte > 0 and cost.latency_s >= 0
+    assert costs.overlap_slowdown >= 1.0  # an all-gather under a matmul loop: never faster than alone
     # CPU timing on a shared 2-core machine (both ranks and gloo's threads on 2 cores) is noisy:
     # a factor of 5 still fails a model that is wrong in units (1000x) or ignores bandwidth
     predicted = costs.seconds("all_gather", FRESH_BYTES)

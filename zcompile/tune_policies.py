@@ -33,7 +33,8 @@ class CostGuidedPrefetch:
 
     Walks the gathers in order of first use on the cost model's clocks: compute time from the
     nodes' roofline (``cost_model.node_seconds``), one communication stream on which a transfer
-    starts when issued and the earlier ones are done. For gather ``j`` it tries depths 0, 1, ...:
+    starts when issued and the earlier ones are done, ``overlap_slowdown`` times slower than alone
+    since compute runs beside it. For gather ``j`` it tries depths 0, 1, ...:
     the first whose transfer ends by the first use wins; if none does, the deepest that fits
     ``memory_budget`` (it exposes the least). Costs must be the same on every rank (the tuner's
     are agreed; ``measure_collective_costs`` / ``measure_compute_costs`` agree them).
@@ -50,7 +51,7 @@ class CostGuidedPrefetch:
         comm_free = 0.0
         for j, slot in enumerate(problem.gathers):
             needed_at = clock[slot.position]
-            seconds = transfer.seconds(slot.bytes)
+            seconds = transfer.seconds(slot.bytes) * self.collective_costs.overlap_slowdown  # it runs under compute
             chosen = 0
             for depth in range(0, min(problem.prefetch, j) + 1):
                 if depth and problem.memory_budget is not None and \
