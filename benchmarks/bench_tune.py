@@ -15,6 +15,8 @@ full results):
   configuration differ by the machine's noise, which the second ratio leaves out);
 - the pick against the default options, measured in the same (model) run;
 - Spearman's rank correlation of predicted and measured step time over the grid's 12 points;
+- the configurations both runs measured, model run over grid run: how much two measurements of the
+  same point differ on this machine (the noise floor of every ratio above);
 - wall time of each strategy, split into cost measurement, predictions and measured trials, and the
   seconds per point predicted and per trial measured: a run costs about costs + N x predict + M x
   measure for N points of which M are measured.
@@ -52,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8, help="GPT layers (the Llama has --llama-layers)")
     parser.add_argument("--llama-layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per trial (median)")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per trial (median)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--strategies", nargs="+", default=["grid", "model"], choices=("grid", "model"))
     parser.add_argument("--out", default=None, help="JSON results (default benchmarks/results/tune_N.json)")
@@ -117,6 +119,9 @@ def summarize(grid, model) -> dict:
         out["pick_over_grid_best"] = pick.measured.step_s / best.measured.step_s
         out["pick_over_grid_best_same_run"] = grid_of_pick.measured.step_s / best.measured.step_s
         out["trials_fraction"] = len(model.measured) / len(grid.measured)
+        # the same configuration measured once by each run: how far two measurements of one point differ here
+        out["repeat_ratios"] = {t.index: t.measured.step_s / grid.trials[t.index].measured.step_s for t in model.measured
+                                if grid.trials[t.index].measured is not None}
         predicted = sorted(grid.trials, key=lambda t: (t.predicted.step_s, t.index))
         out["grid_rank_of_predicted_best"] = sorted(grid.measured, key=lambda t: t.measured.step_s).index(
             next(t for t in grid.trials if t.index == predicted[0].index)) + 1
@@ -148,6 +153,7 @@ def main() -> None:
         batches = local_batches(rank, world, args.batch)
         runs = {}
         for strategy in args.strategies:
+            torch._dynamo.reset()
             started = time.perf_counter()
             runs[strategy] = tune(make_model, loss_fn, batches, space=SPACE, steps=args.steps, warmup=args.warmup,
                                   strategy=strategy, progress=rank == 0)

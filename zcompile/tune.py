@@ -25,7 +25,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -60,7 +60,6 @@ class _Progress:
 
     enabled: bool
     bar: Any = None
-    counts: dict[str, int] = field(default_factory=lambda: {"predicted": 0, "measured": 0})
 
     def start(self, total: int) -> None:
         if not self.enabled:
@@ -73,14 +72,13 @@ class _Progress:
         self.bar = tqdm(total=total, desc="tune: predicting", unit="point")
 
     def predicted(self) -> None:
-        self._advance("predicted", "tune: predicting")
+        self._advance("tune: predicting")
 
     def measured(self, trial: Trial) -> None:
         step = "" if trial.measured is None else f" #{trial.index} {trial.measured.step_s * 1e3:.1f} ms"
-        self._advance("measured", f"tune: measuring{step}")
+        self._advance(f"tune: measuring{step}")
 
-    def _advance(self, key: str, description: str) -> None:
-        self.counts[key] += 1
+    def _advance(self, description: str) -> None:
         if self.bar is not None:
             self.bar.set_description(description)
             self.bar.update(1)
