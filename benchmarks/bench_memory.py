@@ -79,11 +79,24 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int) -> dict:
             live = zcompile.model_state_bytes(model, optimizer)
         optimizer.zero_grad()
     before_step = zcompile.model_state_bytes(model, optimizer).total
+    phases, held = {}, {}
     with tempfile.TemporaryDirectory() as trace_dir:
         def step():
             loss_of(compiled, batch(2, rank, world)).backward()
             optimizer.step()
         timeline = record_step(step, trace_dir, rank)
+        optimizer.zero_grad()
+        # the same step again, one phase at a time: where the peak is (each phase from what is live
+        # when it starts: forward from the states, backward from states + what forward left)
+        for phase, run_phase in (("forward", lambda: held.__setitem__("loss", loss_of(compiled, batch(3, rank, world)))),
+                                 ("backward", lambda: held.pop("loss").backward()),
+                                 ("optimizer", optimizer.step)):
+            start = zcompile.model_state_bytes(model, optimizer).total + (held.get("forward_left", 0))
+            phases[phase] = start + record_step(run_phase, trace_dir, rank).peak_bytes
+            if phase == "forward":
+                held["forward_left"] = phases[phase] - start  # activations and outputs alive after forward, at most
+            else:
+                held.pop("forward_left", None)
     optimizer.zero_grad()
     report = zcompile.step_report(model, optimizer).memory
     num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
@@ -97,6 +110,7 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int) -> dict:
         "peak_bytes": peak, "parts": {k: report[k] for k in ("model_states_bytes", "peak_gathered_bytes",
                                                               "saved_activation_bytes")},
         "peak_vs_parts": peak / bound,
+        "phase_peaks": phases,
         "estimate": estimate.to_dict(),
         "estimate_model_states_vs_live": estimate.model_states_bytes / live.total,
         "estimate_vs_measured": {
@@ -134,13 +148,15 @@ def main() -> None:
                          f"{result['formula_bytes'] / MIB:.2f}", f"{result['live_vs_formula']:.3f}",
                          f"{result['peak_bytes'] / MIB:.2f}",
                          " + ".join(f"{v / MIB:.2f}" for v in result["parts"].values()),
-                         f"{result['peak_vs_parts']:.2f}", f"{result['estimate_model_states_vs_live']:.3f}",
+                         f"{result['peak_vs_parts']:.2f}",
+                         " / ".join(f"{v / MIB:.1f}" for v in result["phase_peaks"].values()),
+                         f"{result['estimate_model_states_vs_live']:.3f}",
                          " / ".join(f"{v:.2f}" for v in result["estimate_vs_measured"].values()),
                          " ".join(f"{a:.4f}/{b:.4f}" for a, b in zip(result["losses"], reference))))
     if rank == 0:
         print_table(f"GPT-2 (4 layers, n_embd 192), {world} ranks, AdamW: MiB per rank",
                     ["run", "live", "ZeRO formula", "ratio", "step peak", "states + gathered + activations",
-                     "peak/parts", "estimate/live", "estimate/measured gathered / activations",
+                     "peak/parts", "fwd / bwd / opt peak", "estimate/live", "estimate/measured gathered / activations",
                      "losses zero/reference"], rows)
         out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"memory_{world}.json")
         with open(out, "w") as f:

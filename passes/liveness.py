@@ -19,7 +19,7 @@ import networkx as nx
 import torch
 
 from zcompile.passes.collectives import ALL_GATHER
-from zcompile.passes.op_sets import COPIES, PREP_OPS, is_call_to
+from zcompile.passes.op_sets import COPIES, PREP_OPS, VIEW_OPS, is_call_to
 
 
 def tensor_bytes(value) -> int:
@@ -122,4 +122,12 @@ def saved_activation_bytes(forward: torch.fx.GraphModule | None, backward: torch
             gathered.add(node)
             stack += [user for user in node.users if user not in gathered and is_call_to(user, PREP_OPS)]
     saved = dict.fromkeys(saved_for_backward(forward, backward))  # a node saved twice is one storage
-    return sum(node_bytes(node) for node in saved if node.op != "placeholder" and node not in gathered)
+    return sum(node_bytes(node) for node in saved if not _aliases_an_input(node) and node not in gathered)
+
+
+def _aliases_an_input(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a graph input or a view of one (a weight's transpose saved for a matmul's
+    backward): no storage of its own."""
+    while is_call_to(node, VIEW_OPS) and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node.op == "placeholder"

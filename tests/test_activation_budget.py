@@ -42,11 +42,16 @@ def _train(budget, model_name: str = "gpt", stage: int = 3, steps: int = 2):
 
 
 def _independent_saved_bytes(graphs) -> int:
-    """Bytes of the backward's placeholders that are neither tangents nor the forward's inputs
-    (matched by name: AOTAutograd keeps the joint graph's names on both sides)."""
+    """Bytes of the backward's placeholders that are neither tangents nor the forward's inputs nor a
+    view or transpose of one (a weight's transpose saved for a matmul's backward, the targets
+    flattened for the loss: no storage of their own), matched by name: AOTAutograd keeps the joint
+    graph's names on both sides."""
     total = 0
     for g in graphs:
         inputs = {p.name for p in g.forward.graph.find_nodes(op="placeholder")}
+        for view in (torch.ops.aten.t.default, torch.ops.aten.view.default):
+            inputs |= {n.name for n in g.forward.graph.find_nodes(op="call_function", target=view)
+                       if n.args[0].op == "placeholder"}
         for p in g.backward.graph.find_nodes(op="placeholder"):
             if not p.name.startswith("tangents") and p.name not in inputs:
                 value = p.meta.get("val")

@@ -27,7 +27,7 @@ import torch
 from zcompile.compiled import CompileContext, CompiledGraphs, record_compiled_graphs
 from zcompile.config import ZeroConfig
 from zcompile.dumps import SHARDING_PLAN_FILE, resolve_dump_root
-from zcompile.dynamo_frame import modules_of_compiled_frame, outer_data_parallel_wrapper
+from zcompile.dynamo_frame import forward_modules_on_stack, modules_of_compiled_frame, outer_data_parallel_wrapper
 from zcompile.inner import compile_with_aot
 from zcompile.param_shards import ShardedParam, shard_of, shard_parameter
 from zcompile.pass_runner import PassRunner
@@ -73,7 +73,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     context = CompileContext(config, group, plan, zeropp, runner, _device_type(example_inputs))
     gm = run_passes(context, "dynamo", gm)
     graphs = CompiledGraphs(dynamo=gm, context=context)
-    record_compiled_graphs([example_inputs[p.index] for p in plan.params], graphs)  # for step_report
+    record_compiled_graphs(_recorded_on(plan, example_inputs), graphs)  # for step_report
     compiled = compile_with_aot(gm, tracing_inputs, graphs)
     log.info(
         "zero backend: compiled a graph with %d parameters (stage %d, world %d, %s) in %.2fs",
@@ -188,6 +188,16 @@ class ShardSwap:
             return run_with_shards(*args)
 
         return run_agreed
+
+
+def _recorded_on(plan: ShardingPlan, example_inputs: list) -> list[torch.nn.Parameter]:
+    """The parameters ``step_report`` finds this graph through: its own, or for a graph without any
+    (a loss function compiled after a graph break) those of the modules of its frame, else of the
+    outermost module whose forward calls it, so that its saved activations are in the report."""
+    if plan.params:
+        return [example_inputs[p.index] for p in plan.params]
+    modules = modules_of_compiled_frame() or forward_modules_on_stack()[-1:]
+    return [param for module in modules for param in module.parameters()]
 
 
 def _agreed_call(config: ZeroConfig, group: DataParallelGroup, gm: torch.fx.GraphModule) -> str | None:

@@ -36,6 +36,19 @@ def modules_of_compiled_frame() -> list[torch.nn.Module]:
     return [value for value in f_locals.values() if isinstance(value, torch.nn.Module)]
 
 
+def forward_modules_on_stack() -> list[torch.nn.Module]:
+    """The modules whose ``forward`` is on the Python stack, innermost first: while the backend
+    compiles a graph of a function called from a model's forward (a loss after a graph break),
+    the model it belongs to."""
+    modules, frame = [], sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
+        if isinstance(owner, torch.nn.Module) and all(owner is not m for m in modules):
+            modules.append(owner)
+        frame = frame.f_back
+    return modules
+
+
 def outer_data_parallel_wrapper() -> str | None:
     """The class name of a data-parallel wrapper (DDP, DataParallel, FSDP) whose ``forward`` is on
     the Python stack: the model being compiled runs inside it. Read while the backend compiles a
