@@ -97,3 +97,39 @@ def test_bf16_model_trains_with_fp32_master_weights(stage):
     assert result.losses[-1] < result.losses[0]
     assert all(c.dtype == torch.bfloat16 for c in result.collectives if c.kind == "all_gather")
     assert result.estimated_state_bytes == result.state_bytes  # bf16 parameters, fp32 shards, predicted
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_replicated_fp32_parameters_are_freed_and_say_so(stage):
+    """With param_dtype at stages 1 and 2 the fp32 parameters exist only as shards between steps
+    (the graphs read a bf16 replica): eager use raises naming the fix, ``gathered`` brings the fp32
+    values back (equal to the masters, not to the bf16 replica), and a write inside it reaches the
+    masters and the replica the next step reads. One process (a world of one)."""
+    from zcompile.param_shards import shard_of
+    from zcompile.sharded_parameter import ShardedParameterError
+
+    from support.models import build_model, global_batch, model_loss
+    import zcompile
+
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.05)
+    compiled = torch.compile(model, backend="zero", options={"stage": stage, "param_dtype": "bf16"})
+    model_loss("gpt", compiled, *global_batch(0, 4)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    head = model.head.weight
+    sharded = shard_of(head)
+    assert sharded.replica is not None and sharded.replica.dtype == torch.bfloat16
+    with pytest.raises(ShardedParameterError, match=f"stage {stage} with param_dtype.*zcompile.gathered"):
+        head.sum()
+    with pytest.raises(RuntimeError, match="gathered"):
+        model.state_dict()
+    with zcompile.gathered(model):
+        assert torch.equal(head.detach().reshape(-1), sharded.shard.detach()[: head.numel()])  # fp32 masters
+        assert "head.weight" in model.state_dict()
+        with torch.no_grad():
+            head.mul_(0)
+    assert not sharded.shard.detach().any() and not sharded.replica.any()
+    model_loss("gpt", compiled, *global_batch(1, 4)).backward()  # trains on from the written weights
+    optimizer.step()
