@@ -133,3 +133,34 @@ def test_replicated_fp32_parameters_are_freed_and_say_so(stage):
     assert not sharded.shard.detach().any() and not sharded.replica.any()
     model_loss("gpt", compiled, *global_batch(1, 4)).backward()  # trains on from the written weights
     optimizer.step()
+
+
+def test_checkpoint_of_bf16_replicas_resumes_at_another_stage(tmp_path):
+    """A stage-2 bf16 run saved (fp32 masters) and loaded into a stage-1 bf16 model that has already
+    compiled: the loaded masters refresh the replica the graphs read, so the next loss is the same
+    bits as the saving run's. One process."""
+    import zcompile
+    import zcompile.checkpoint as ckpt
+    from support.models import build_model, global_batch, model_loss
+    from zcompile.param_shards import shard_of
+
+    def fresh(stage):
+        torch._dynamo.reset()
+        model = build_model("gpt")
+        optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, torch.compile(model, backend="zero", options={"stage": stage, "param_dtype": "bf16"}), optimizer
+
+    model, compiled, optimizer = fresh(2)
+    for step in range(2):
+        model_loss("gpt", compiled, *global_batch(step, 4)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    ckpt.save(str(tmp_path), model, optimizer)
+    expected = model_loss("gpt", compiled, *global_batch(2, 4)).item()
+    model2, compiled2, optimizer2 = fresh(1)
+    model_loss("gpt", compiled2, *global_batch(0, 4)).backward()  # compiled: the replica exists
+    optimizer2.zero_grad()
+    ckpt.load(str(tmp_path), model2, optimizer2)
+    assert model_loss("gpt", compiled2, *global_batch(2, 4)).item() == expected
+    loaded = shard_of(model2.head.weight)
+    assert torch.equal(loaded.replica, loaded.shard.detach()[: loaded.numel].view(loaded.shape).to(torch.bfloat16))
