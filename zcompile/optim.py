@@ -48,7 +48,8 @@ from zcompile.optim_buckets import (BucketedGradReduce, BucketedParamRefresh, pl
 from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of
 from zcompile.step_agreement import DEFAULT_TIMEOUT_S, agree_before_step
 from zcompile.nonfinite import local_grads_finite, nonfinite_flag, skip_nonfinite_by_default
-from zcompile.zero_grad_route import clear_shard_grad, remember_stepped_grads, stale_grad_members
+from zcompile.zero_grad_route import (clear_shard_grad, remember_stepped_grads, stale_grad_members,
+                                      zero_tensor_grad)
 
 log = logging.getLogger(__name__)
 
@@ -190,13 +191,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 sharded = shard_of(param)
                 if sharded is not None:
                     clear_shard_grad(sharded, set_to_none)
-                if param.grad is None:
-                    continue
-                if set_to_none:
-                    param.grad = None
-                else:
-                    param.grad.detach_()
-                    param.grad.zero_()
+                zero_tensor_grad(param, set_to_none)
 
     def _warn_if_not_zeroed(self, members: list[ShardedParam]) -> None:
         """Said once per optimizer: a step found the last step's gradient shards, added onto."""

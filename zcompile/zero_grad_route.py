@@ -34,13 +34,19 @@ def clear_shard_grad(sharded: ShardedParam, set_to_none: bool) -> None:
     low-precision replica's, which holds stage 1's full gradient under ``param_dtype``)."""
     sharded.stepped_grad = None  # zeroed since the step (see stale_grad_members)
     for holder in (sharded.grad_target, sharded.replica):
-        if holder is None or holder.grad is None:
-            continue
-        if set_to_none:
-            holder.grad = None
-        else:
-            holder.grad.detach_()
-            holder.grad.zero_()
+        if holder is not None:
+            zero_tensor_grad(holder, set_to_none)
+
+
+def zero_tensor_grad(tensor: torch.Tensor, set_to_none: bool) -> None:
+    """``tensor.grad`` dropped, or zeroed in place (detached first), as ``Optimizer.zero_grad`` does."""
+    if tensor.grad is None:
+        return
+    if set_to_none:
+        tensor.grad = None
+    else:
+        tensor.grad.detach_()
+        tensor.grad.zero_()
 
 
 def install_zero_grad_route() -> None:
