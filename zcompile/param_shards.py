@@ -3,8 +3,10 @@
 Each parameter is flattened, padded to a multiple of N and cut into N equal slices; rank r owns
 slice r. The shard is an fp32 leaf tensor (the master weight): gradients of the compiled graphs
 land on ``shard.grad`` and the optimizer updates the shard. At stages 1 and 2 with an fp32
-parameter the shard is a view of the parameter's own (padded) storage, not a copy. The user's ``nn.Parameter`` keeps its
-shape and strides (so Dynamo's guards stay valid) and, at stage 3, its storage is freed.
+parameter the shard is a view of the parameter's own (padded) storage, not a copy; with a
+narrower ``param_dtype`` the graphs read a replica in that dtype instead (``ShardedParam.replica``).
+The user's ``nn.Parameter`` keeps its shape and strides (so Dynamo's guards stay valid) and, at
+stage 3 or beside a replica, its storage is freed.
 
 The link from a parameter to its shard is stored on the parameter itself (``SHARD_ATTR``), so the
 optimizer, ``gathered`` and later compiles of other graphs find the same shard without any
