@@ -1,8 +1,8 @@
 """zcompile.tune: the model strategy's pick against the grid's best, against the default options,
 how well the cost model ranks the points, and the tuning wall time.
 
-    torchrun --nproc-per-node 2 benchmarks/bench_tune.py [--models gpt llama] [--steps 5]
-        [--out benchmarks/results/tune_2.json]
+    torchrun --nproc-per-node 2 benchmarks/bench_tune.py --models gpt [--steps 15]
+        [--out benchmarks/results/tune_gpt_2.json] [--plot benchmarks/results/tune_gpt_2.png]
 
 For each model (the example GPT, 8 layers; a transformers Llama from a config) one run does
 ``tune(strategy="grid")`` then ``tune(strategy="model")`` on the same space (``SPACE``: bucket size x
@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per trial (median)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--strategies", nargs="+", default=["grid", "model"], choices=("grid", "model"))
-    parser.add_argument("--out", default=None, help="JSON results (default benchmarks/results/tune_N.json)")
+    parser.add_argument("--out", default=None, help="JSON results (default benchmarks/results/tune_MODELS_N.json)")
     parser.add_argument("--plot", default=None, help="the grid's plot of the first model (PNG)")
     return parser.parse_args()
 
@@ -143,6 +143,16 @@ def rows(name: str, summary: dict, grid, model) -> list[tuple[str, ...]]:
              f"{g['wall_s']:.0f}" if g else "-", f"{m['wall_s']:.0f}" if m else "-")]
 
 
+def write(args, world: int, cores: int, load_start, results: dict) -> None:
+    """The JSON of the models measured so far (``--out``; one file per model with ``--models`` alone)."""
+    out = args.out or os.path.join(HERE, "results", f"tune_{'_'.join(args.models)}_{world}.json")
+    with open(out, "w") as handle:
+        json.dump({"world_size": world, "cores": cores, "space": SPACE, "steps": args.steps, "warmup": args.warmup,
+                   "load_average": {"start": load_start, "end": os.getloadavg()}, "torch": torch.__version__,
+                   "models": results}, handle, indent=1)
+    print(f"wrote {out}", flush=True)
+
+
 def main() -> None:
     args = parse_args()
     rank, world, cores = start_gloo_benchmark()
@@ -166,18 +176,14 @@ def main() -> None:
         table += rows(name, summary, grid, model)
         if rank == 0 and args.plot and grid is not None and name == args.models[0]:
             grid.plot(args.plot)
-    load_end = os.getloadavg()
+        if rank == 0:  # after each model: a later crash keeps what was measured
+            write(args, world, cores, load_start, results)
     if rank == 0:
+        load_end = os.getloadavg()
         print_table(f"zcompile.tune on {world} gloo ranks ({cores} cores; load average {load_start[0]:.1f} at the "
                     f"start, {load_end[0]:.1f} at the end); step times in ms, median of {args.steps} steps",
                     ("model", "grid best", "model pick", "pick / grid best (own / grid's)", "measured",
                      "default (pick's speedup)", "Spearman (grid)", "grid s", "model s"), table)
-        out = args.out or os.path.join(HERE, "results", f"tune_{world}.json")
-        with open(out, "w") as handle:
-            json.dump({"world_size": world, "cores": cores, "space": SPACE, "steps": args.steps,
-                       "warmup": args.warmup, "load_average": {"start": load_start, "end": load_end},
-                       "torch": torch.__version__, "models": results}, handle, indent=1)
-        print(f"wrote {out}")
     dist.destroy_process_group()
 
 
