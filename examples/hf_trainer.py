@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--out", default="runs/hf_trainer")
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
+    parser.add_argument("--param-dtype", default=None, help="e.g. bf16: ZeRO's mixed precision (bf16 weights and "
+                        "gradients, fp32 masters and moments on the shards)")
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -67,7 +69,7 @@ def main() -> None:
         lr_scheduler_type="cosine", max_grad_norm=1.0, logging_steps=5, eval_strategy="steps", eval_steps=10,
         per_device_eval_batch_size=8, save_strategy="steps", save_steps=args.save_every, use_cpu=True, seed=0,
         report_to=[], disable_tqdm=True)
-    trainer = ZeroTrainer(model=model, args=training_args, zero_options={"stage": args.stage},
+    trainer = ZeroTrainer(model=model, args=training_args, zero_options={"stage": args.stage, "param_dtype": args.param_dtype},
                           train_dataset=Progressions(256, 64, config.vocab_size, seed=0),
                           eval_dataset=Progressions(32, 64, config.vocab_size, seed=1))
     trainer.train(resume_from_checkpoint=True if args.resume else None)
