@@ -1,0 +1,94 @@
+"""Hardware profiles (``zcompile.hardware``): the shipped files load, their collective costs follow
+nccl-tests' bus-bandwidth rule, and a broken profile is a clear error naming the field."""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from zcompile.hardware import HardwareProfileError, available_profiles, load_profile, profile_from_dict
+
+GIB = 2**30
+
+
+def test_shipped_profiles_load_and_name_their_sources():
+    assert {"h100-sxm", "a100-80gb", "cpu-local"} <= set(available_profiles())
+    for name in available_profiles():
+        profile = load_profile(name)
+        assert profile.name == name
+        assert json.loads(open(profile.source).read())["sources"]
+
+
+def test_all_gather_inside_a_node_follows_the_bus_bandwidth_rule():
+    """8 H100s in one node: an all-gather whose output is 1 GiB puts 7/8 GiB through each GPU's
+    NVLink at the profile's 365 GB/s bus bandwidth, after 3 latency steps (log2 8)."""
+    h100 = load_profile("h100-sxm")
+    costs = h100.collective_costs(8)
+    expected = 3 * 8e-6 + GIB * 7 / 8 / 365e9
+    assert costs.seconds("all_gather", GIB) == pytest.approx(expected, rel=1e-12)
+    # an all-reduce moves its bytes twice (reduce-scatter then all-gather)
+    assert costs.seconds("all_reduce", GIB) == pytest.approx(3 * 8e-6 + 2 * GIB * 7 / 8 / 365e9, rel=1e-12)
+
+
+def test_a_group_across_nodes_runs_at_the_inter_node_link():
+    h100 = load_profile("h100-sxm")
+    across = h100.collective_costs(1024).seconds("reduce_scatter", GIB)
+    assert across == pytest.approx(10 * 15e-6 + GIB * 1023 / 1024 / 42e9, rel=1e-12)
+    # the same 16 ranks are one node when nodes hold 16 (node_size overrides the profile's)
+    assert h100.collective_costs(16, node_size=16).seconds("all_gather", GIB) < \
+        h100.collective_costs(16).seconds("all_gather", GIB)
+    assert h100.collective_costs(1).seconds("all_gather", GIB) == 0  # a world of one communicates nothing
+
+
+def test_compute_costs_take_the_dtypes_peak():
+    a100 = load_profile("a100-80gb")
+    assert a100.compute_costs(torch.bfloat16).flops_per_s == 312e12
+    assert a100.compute_costs("fp32").flops_per_s == 19.5e12
+    # a 4096^3 bf16 matmul is compute-bound: 2 * 4096^3 FLOPs at 312 TFLOP/s, plus one op's overhead
+    seconds = a100.compute_costs(torch.bfloat16).seconds(2 * 4096**3, 3 * 4096**2 * 2)
+    assert seconds == pytest.approx(6e-6 + 2 * 4096**3 / 312e12)
+    with pytest.raises(HardwareProfileError, match="no peak_flops_per_s for torch.float64"):
+        a100.compute_costs(torch.float64)
+
+
+def _h100() -> dict:
+    return json.loads(open(load_profile("h100-sxm").source).read())
+
+
+@pytest.mark.parametrize("path", ["links.inter_node.bus_bytes_per_s", "memory_bytes_per_s", "sources", "node_size"])
+def test_a_missing_field_is_named(path):
+    data = _h100()
+    *parents, last = path.split(".")
+    holder = data
+    for key in parents:
+        holder = holder[key]
+    del holder[last]
+    with pytest.raises(HardwareProfileError, match=f"missing field '{path}'"):
+        profile_from_dict(data, "broken.json")
+
+
+@pytest.mark.parametrize("path, value", [("links.intra_node.bus_bytes_per_s", -1.0), ("peak_flops_per_s.bf16", 0),
+                                         ("links.inter_node.latency_s", float("nan")), ("memory_bytes", "80GB")])
+def test_an_impossible_value_is_named(path, value):
+    data = copy.deepcopy(_h100())
+    *parents, last = path.split(".")
+    holder = data
+    for key in parents:
+        holder = holder[key]
+    holder[last] = value
+    with pytest.raises(HardwareProfileError, match=f"broken.json.*{path.replace('.', '[.]')} must be a number"):
+        profile_from_dict(data, "broken.json")
+
+
+def test_unknown_profile_lists_the_shipped_ones():
+    with pytest.raises(HardwareProfileError, match="no hardware profile named 'tpu-v9'.*h100-sxm"):
+        load_profile("tpu-v9")
+
+
+def test_log2_steps_grow_slowly_with_the_world():
+    """The latency term grows with log2 of the ranks (a tree's depth), not linearly (a ring's)."""
+    h100 = load_profile("h100-sxm")
+    small = h100.collective_costs(2048).cost("all_gather").latency_s
+    assert small == pytest.approx(15e-6 * math.ceil(math.log2(2048)))
