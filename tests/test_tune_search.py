@@ -4,7 +4,7 @@ ties, Spearman against scipy, the Pareto front."""
 
 import pytest
 
-from zcompile.tune_search import (FAILED, INVALID, MEASURED, PREDICTED, PRUNED, Measured, Predicted, Trial,
+from zcompile.tune_search import (FAILED, INVALID, MEASURED, PREDICTED, PRUNED, SAME, Measured, Predicted, Trial,
                                   best_trial, default_max_trials, measure_order, pareto_front, run_search, spearman)
 from zcompile.tune_space import Point
 
@@ -18,8 +18,9 @@ def _points(n, default=0, invalid=()):
 class Fake:
     """Predicted step i -> ``predicted[i]``, measured -> ``measured[i]``; records what it was asked."""
 
-    def __init__(self, predicted, measured, memory=None, fail_predict=(), fail_measure=()):
+    def __init__(self, predicted, measured, memory=None, fail_predict=(), fail_measure=(), digests=None):
         self.predicted, self.measured = predicted, measured
+        self.digests = digests or [0] * len(predicted)
         self.memory = memory or [MIB] * len(predicted)
         self.fail_predict, self.fail_measure = set(fail_predict), set(fail_measure)
         self.asked_predict, self.asked_measure = [], []
@@ -28,7 +29,7 @@ class Fake:
         self.asked_predict.append(point.index)
         if point.index in self.fail_predict:
             raise RuntimeError("does not compile")
-        return Predicted(self.predicted[point.index], 0.0, self.memory[point.index])
+        return Predicted(self.predicted[point.index], 0.0, self.memory[point.index], graphs_digest=self.digests[point.index])
 
     def measure(self, point):
         self.asked_measure.append(point.index)
@@ -76,6 +77,16 @@ def test_failed_and_invalid_points_are_recorded_and_the_search_goes_on():
     assert trials[4].error == "refused"
     assert fake.asked_measure == [0, 2, 3]  # after the failure, the next best predicted
     assert best_trial(trials).index == 3
+
+
+def test_points_compiled_to_the_same_graphs_are_measured_once():
+    # 1 and 3 compile to the default's (2) graphs, 4 to 0's; digest 0 means unknown: never merged
+    fake = Fake(predicted=[1, 2, 3, 1, 1, 4, 4], measured=[5, 6, 7, 8, 9, 3, 3], digests=[7, 9, 9, 9, 7, 0, 0])
+    trials = run_search(_points(7, default=2), fake.predict, fake.measure, strategy="grid")
+    assert [t.status for t in trials] == [MEASURED, SAME, MEASURED, SAME, SAME, MEASURED, MEASURED]
+    assert [t.error for t in trials if t.status == SAME] == ["same compiled graphs as #2", "same compiled graphs as #2",
+                                                            "same compiled graphs as #0"]
+    assert fake.asked_measure == [0, 2, 5, 6]
 
 
 def test_ties_go_to_the_lower_index_whatever_the_order_of_measurement():

@@ -5,7 +5,10 @@ what to measure, pick the best.
 runs the same on a fake (tests) as on the real compile-and-time of ``zcompile.tune_trial``:
 
 1. every valid point is predicted (``predict(point) -> Predicted``); a prediction that raises is a
-   ``failed`` trial; one over ``memory_limit_bytes`` is ``pruned``;
+   ``failed`` trial; one over ``memory_limit_bytes`` is ``pruned``; one whose compiled graphs are
+   those of another point (``graphs_digest``: ``bucket_mb=4`` holding the whole model makes every
+   ``prefetch`` the same program) is ``same`` as that point (the default, else the lowest index)
+   and not measured: timing one program twice only measures noise;
 2. ``strategy="grid"`` measures every remaining point in index order; ``"model"`` measures the
    default point first, then the best predicted (predicted step time, then index) until
    ``max_trials`` points were measured; a measurement that raises is ``failed`` and the search goes on;
@@ -27,7 +30,7 @@ from zcompile.tune_space import Point
 
 log = logging.getLogger(__name__)
 
-MEASURED, PREDICTED, PRUNED, FAILED, INVALID = "measured", "predicted", "pruned", "failed", "invalid"
+MEASURED, PREDICTED, PRUNED, FAILED, INVALID, SAME = "measured", "predicted", "pruned", "failed", "invalid", "same"
 STRATEGIES = ("model", "grid")
 
 
@@ -38,6 +41,7 @@ class Predicted:
     memory_bytes: int  # model states + gathered peak + kept weights + saved activations, per rank
     memory_parts: dict[str, int] = field(default_factory=dict)
     time_parts: dict[str, float] = field(default_factory=dict)  # compute, issue, comm (hidden or not), in seconds
+    graphs_digest: int = 0  # of the compiled graphs' code: equal digests, the same program (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,7 @@ def run_search(points: list[Point] | tuple[Point, ...], predict: Callable[[Point
     trials = [Trial(p.index, p.options, p.is_default) for p in points]
     for point, trial in zip(points, trials):
         _predict_one(point, trial, predict, memory_limit_bytes)
+    _mark_same_programs(trials)
     budget = len(trials) if strategy == "grid" else (max_trials or default_max_trials(len(trials)))
     for index in measure_order(trials, strategy)[:budget]:
         _measure_one(points[index], trials[index], measure)
@@ -100,6 +105,17 @@ def _predict_one(point: Point, trial: Trial, predict: Callable[[Point], Predicte
         trial.status = PRUNED
         trial.error = (f"predicted {trial.predicted.memory_bytes / 2**20:.2f} MiB per rank, over the limit of "
                        f"{memory_limit_bytes / 2**20:.2f} MiB")
+
+
+def _mark_same_programs(trials: list[Trial]) -> None:
+    """Points compiled to the same graphs as an earlier one (the default first) become ``same``."""
+    first: dict[int, Trial] = {}
+    for trial in sorted(trials, key=lambda t: (not t.is_default, t.index)):
+        if trial.status != PREDICTED or not trial.predicted.graphs_digest:
+            continue
+        twin = first.setdefault(trial.predicted.graphs_digest, trial)
+        if twin is not trial:
+            trial.status, trial.error = SAME, f"same compiled graphs as #{twin.index}"
 
 
 def _measure_one(point: Point, trial: Trial, measure: Callable[[Point], Measured]) -> None:

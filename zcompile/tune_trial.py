@@ -13,6 +13,7 @@ zcompile's own rank checks end their wait after ``check_timeout_s``.
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 import statistics
 import tempfile
@@ -81,15 +82,23 @@ def predict_point(setup: TrialSetup, point: Point) -> Predicted:
         prediction = predict_step(graphs, setup.collective_costs, setup.compute_costs)
         memory = step_report(model, None, graphs).memory
         return [prediction.step_s, prediction.exposed_comm_s, prediction.compute_s, prediction.issue_s,
-                prediction.comm_s, memory["formula_bytes"], memory["peak_gathered_bytes"],
+                prediction.comm_s, graphs_digest(graphs), memory["formula_bytes"], memory["peak_gathered_bytes"],
                 memory["kept_gathered_bytes"], memory["saved_activation_bytes"]]
 
-    step_s, exposed_s, compute_s, issue_s, comm_s, *parts = _fresh(lambda: agreed(local, 9, setup.group))
+    step_s, exposed_s, compute_s, issue_s, comm_s, digest, *parts = _fresh(lambda: agreed(local, 10, setup.group))
     names = ("model_states", "gathered_peak", "kept_gathered", "saved_activations")
     memory_parts = {name: int(value) for name, value in zip(names, parts)}
     outside = setup.calibration.outside_graphs_s
     time_parts = {"compute": compute_s, "issue": issue_s, "comm": comm_s, "outside_graphs": outside}
-    return Predicted(step_s + outside, exposed_s, sum(memory_parts.values()), memory_parts, time_parts)
+    return Predicted(step_s + outside, exposed_s, sum(memory_parts.values()), memory_parts, time_parts, int(digest))
+
+
+def graphs_digest(graphs: list) -> int:
+    """48 bits of a hash of the forward and backward graphs' code: the same for the same program (exact
+    in a float64, so it travels with the agreed values)."""
+    code = "".join((g.forward.code if g.forward is not None else "") + (g.backward.code if g.backward is not None
+                                                                         else "") for g in graphs)
+    return int(hashlib.sha1(code.encode()).hexdigest()[:12], 16)
 
 
 def measure_point(setup: TrialSetup, point: Point, calibrate_costs: bool = False
