@@ -93,6 +93,15 @@ def local_batches(rank: int, world: int, batch: int) -> list:
     return out
 
 
+def measured_program(result, index: int):
+    """The trial of ``result`` that measured point ``index``'s program: the point itself, or the point it
+    compiled the same graphs as (status ``same``); None when that program was not measured."""
+    trial = result.trials[index]
+    if trial.measured is not None or trial.predicted is None:
+        return trial if trial.measured is not None else None
+    return next((t for t in result.measured if t.predicted.graphs_digest == trial.predicted.graphs_digest), None)
+
+
 def summarize(grid, model) -> dict:
     """The figures of one model: pick against grid best and default, correlation, wall time."""
     out = {}
@@ -115,16 +124,17 @@ def summarize(grid, model) -> dict:
                         "spearman_measured": model.rank_correlation, "wall_s": model.wall_s,
                         "timings": model.timings}
     if grid is not None and model is not None:
-        grid_of_pick = grid.trials[pick.index]
+        grid_of_pick = measured_program(grid, pick.index)
         out["pick_over_grid_best"] = pick.measured.step_s / best.measured.step_s
         out["pick_over_grid_best_same_run"] = grid_of_pick.measured.step_s / best.measured.step_s
-        out["trials_fraction"] = len(model.measured) / len(grid.measured)
-        # the same configuration measured once by each run: how far two measurements of one point differ here
-        out["repeat_ratios"] = {t.index: t.measured.step_s / grid.trials[t.index].measured.step_s for t in model.measured
-                                if grid.trials[t.index].measured is not None}
-        predicted = sorted(grid.trials, key=lambda t: (t.predicted.step_s, t.index))
-        out["grid_rank_of_predicted_best"] = sorted(grid.measured, key=lambda t: t.measured.step_s).index(
-            next(t for t in grid.trials if t.index == predicted[0].index)) + 1
+        out["pick_is_grid_best_program"] = grid_of_pick.index == best.index
+        out["trials_fraction"] = len(model.measured) / len(grid.trials)  # of the space
+        # the same program measured once by each run: how far two measurements of one point differ here
+        out["repeat_ratios"] = {t.index: t.measured.step_s / measured_program(grid, t.index).measured.step_s
+                                for t in model.measured if measured_program(grid, t.index) is not None}
+        predicted_best = min((t for t in grid.trials if t.predicted is not None), key=lambda t: (t.predicted.step_s, t.index))
+        ranked = sorted(grid.measured, key=lambda t: t.measured.step_s)
+        out["grid_rank_of_predicted_best"] = ranked.index(measured_program(grid, predicted_best.index)) + 1
     return out
 
 
