@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from support.launch import run_ranks
+from support.models import build_model, global_batch
 from support.training import RunSpec, assert_same_training, train_reference, train_zero, zero_run_on_rank
 from zcompile import zero_formula_bytes
 
@@ -99,6 +100,36 @@ def test_estimate_memory_predicts_the_measured_model_states(world2, world4):
         for rank, result in enumerate(ranks):
             assert result.estimated_state_bytes == result.state_bytes, (spec, rank, result.estimated_state_bytes,
                                                                         result.state_bytes)
+
+
+def test_simulation_predicts_the_real_collectives_and_model_states(world2, world4):
+    """zcompile.simulate, in this process with no ranks (fake tensors, torch's fake process group),
+    compiles the same model for the same world and stage: its graphs issue the same collectives,
+    kind by kind and byte for byte, as the real 2- and 4-rank runs; the optimizer's all-gathers and
+    reduce-scatters move the same bytes; its model states equal rank 0's measured bytes."""
+    from zcompile.simulate import simulate
+
+    for spec, *ranks in world2 + world4:
+        if spec.model != "gpt" or spec.optimizer != "adamw":
+            continue
+        world, rank0 = len(ranks), ranks[0]
+        tokens, targets = global_batch(0, spec.batch_size // world)
+        simulated = simulate(lambda: build_model(spec.model), (tokens, targets), world_size=world,
+                             options={"stage": spec.stage, **spec.options}, hardware="cpu-local")
+        for where in ("forward", "backward", "optimizer"):
+            real = sorted((r.kind, r.bytes) for r in rank0.collectives if r.where == where)
+            ours = sorted((c.kind, c.bytes) for c in simulated.collectives if c.where == where)
+            if where == "optimizer":  # the real step buckets them: compare bytes per kind
+                real, ours = _bytes_by_kind(real), _bytes_by_kind(ours)
+            assert ours == real, (spec, where, ours, real)
+        assert simulated.memory["model_states_bytes"] == rank0.state_bytes, spec
+
+
+def _bytes_by_kind(pairs: list[tuple[str, int]]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for kind, nbytes in pairs:
+        totals[kind] = totals.get(kind, 0) + nbytes
+    return totals
 
 
 def test_communication_volume_per_step(world2, world4):

@@ -15,6 +15,7 @@ module-level registry.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import weakref
@@ -268,6 +269,20 @@ def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: Dat
                 f"{replica_dtype or param.dtype}). Use one ZeroConfig for every torch.compile of the same model."
             )
         return existing
+    with _allocation_mode(param):
+        return _new_shard(param, name, stage, group, reduce_dtype, replica_dtype)
+
+
+def _allocation_mode(param: torch.nn.Parameter):
+    """The fake-tensor mode of a fake parameter (``zcompile.simulate``: its shards are fake too, so a
+    model of any size is sharded without memory), else nothing."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return param.fake_mode if isinstance(param, FakeTensor) else contextlib.nullcontext()
+
+
+def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataParallelGroup,
+               reduce_dtype: torch.dtype | None, replica_dtype: torch.dtype | None) -> ShardedParam:
     _check_shardable(param, name)
     # every shard is made here (by the backend, or by the optimizer for an eager parameter): from
     # now on torch.nn.utils.clip_grad_norm_ may see a zcompile parameter and must route it

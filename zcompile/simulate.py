@@ -1,0 +1,221 @@
+"""``simulate``: compile a model for a world of ranks this machine does not have, and predict its step.
+
+``simulate(make_model, example_batch, world_size=1024, options=..., hardware="h100-sxm")`` builds
+the model under a ``FakeTensorMode`` (parameters with shapes and dtypes, no storage), starts
+torch's fake process group of ``world_size`` ranks (``torch.testing._internal.distributed.fake_pg``:
+collectives return at once, nothing is sent) and runs one forward and backward through the real
+zero backend and its passes on fake inputs. Nothing is allocated at full size: shards of fake
+parameters are fake too (``param_shards``).
+
+This process plays rank 0. The choices that depend on the rank are the shard sizes (rank 0 holds
+a full chunk, the largest) and the hpZ/qgZ group layout (rank 0's node); the plans (buckets,
+schedule, kept weights) read only the graph and are the same on every rank. The compile-time rank
+check and the step agreement are off: there are no other ranks to ask.
+
+From the compiled graphs it returns:
+
+- memory per rank: model states by ``estimate_memory``'s allocation rules (equal to ZeRO's
+  formulas up to padding), the gathered peak of the schedule, kept weights and saved activations by
+  ``passes.liveness``, as ``step_report`` counts them;
+- every collective of a step with its bytes and whether its group stays inside a node, plus the
+  optimizer's all-gather and reduce-scatter of stages 1 and 2 (not in the graphs);
+- the predicted step time and exposed communication (``cost_model.predict_step`` with the hardware
+  profile's costs, ``zcompile.hardware``), the optimizer's communication added as exposed, and
+  MFU: 6 x parameters x tokens per step over the step time and the profile's peak FLOP/s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from zcompile.config import ZeroConfig
+from zcompile.estimate import estimate_memory
+from zcompile.hardware import HardwareProfile, load_profile
+from zcompile.passes.collectives import collective_nodes
+from zcompile.passes.liveness import gathered_peak_bytes, saved_activation_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SimulatedCollective:
+    where: str  # forward, backward or optimizer
+    kind: str
+    bytes: int
+    group_size: int
+    inside_node: bool
+
+
+@dataclass
+class SimulationResult:
+    world_size: int
+    node_size: int
+    hardware: str
+    num_params: int
+    tokens_per_rank: int
+    memory: dict[str, int]  # bytes per rank, the parts of step_report().memory
+    collectives: list[SimulatedCollective] = field(default_factory=list)
+    step_s: float = 0.0
+    compute_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    mfu: float = 0.0
+    simulate_s: float = 0.0  # wall time of the simulation itself
+
+    @property
+    def per_rank_bytes(self) -> int:
+        return sum(self.memory[k] for k in ("model_states_bytes", "peak_gathered_bytes", "kept_gathered_bytes",
+                                            "saved_activation_bytes"))
+
+    def bytes_by(self, where: str | None = None, inside_node: bool | None = None) -> int:
+        return sum(c.bytes for c in self.collectives if (where is None or c.where == where)
+                   and (inside_node is None or c.inside_node == inside_node))
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "per_rank_bytes": self.per_rank_bytes}
+
+
+def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, world_size: int,
+             node_size: int | None = None, options: ZeroConfig | dict | None = None,
+             hardware: str | HardwareProfile = "h100-sxm",
+             loss_fn: Callable[[Any], torch.Tensor] | None = None) -> SimulationResult:
+    """Compiles ``make_model()`` for ``world_size`` ranks without them and predicts memory and time (module doc).
+
+    ``example_batch``: one rank's inputs (a tensor, a tuple of positional or a dict of keyword
+    arguments); ``loss_fn(output)`` makes the scalar to differentiate (default: the output if it is
+    a tensor, else its ``loss``); ``node_size``: ranks per node (default the profile's).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"zcompile.simulate: world_size must be an int >= 1, got {world_size!r}")
+    profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+    node_size = node_size or profile.node_size
+    config = ZeroConfig.from_options(options).replace(check_ranks=False)
+    start = time.perf_counter()
+    graphs: list = []
+    user_hook = config.on_compile
+    config = config.replace(on_compile=lambda g: (graphs.append(g), user_hook and user_hook(g)))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with _fake_world(world_size, node_size):
+        with fake_mode:
+            model = make_model()
+        args, kwargs = _fake_call(example_batch, fake_mode)
+        torch._dynamo.reset()
+        try:
+            output = torch.compile(model, backend="zero", options=config)(*args, **kwargs)
+            _loss(output, loss_fn).backward()
+        finally:
+            torch._dynamo.reset()
+        states = estimate_memory(model, world_size, config)
+    num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    tokens = _tokens(args, kwargs)
+    result = SimulationResult(world_size, node_size, profile.name, num_params, tokens, memory={
+        "model_states_bytes": states.model_states_bytes,
+        "peak_gathered_bytes": max([gathered_peak_bytes(gm) for g in graphs for gm in (g.forward, g.backward)] or [0]),
+        "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in graphs if g.keep_gathered),
+        "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) for g in graphs),
+    })
+    result.collectives = _graph_collectives(graphs, node_size) + _optimizer_collectives(model, config, world_size,
+                                                                                        node_size)
+    _predict(result, graphs, profile, config)
+    result.simulate_s = time.perf_counter() - start
+    log.info("simulate: %d parameters on %d ranks (%s): %.1f MiB per rank, step %.3f s, MFU %.1f%%", num_params,
+             world_size, profile.name, result.per_rank_bytes / 2**20, result.step_s, 100 * result.mfu)
+    return result
+
+
+@contextlib.contextmanager
+def _fake_world(world_size: int, node_size: int):
+    """torch's fake process group of ``world_size`` ranks, this process rank 0, for the block."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("zcompile.simulate runs without a process group of its own: call it in a process "
+                           "that has not called init_process_group (not under torchrun)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _fake_call(batch: Any, fake_mode) -> tuple[tuple, dict]:
+    fake = lambda v: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    if isinstance(batch, dict):
+        return (), {k: fake(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return tuple(map(fake, batch)), {}
+    return (fake(batch),), {}
+
+
+def _loss(output: Any, loss_fn: Callable | None) -> torch.Tensor:
+    if loss_fn is not None:
+        return loss_fn(output)
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() == 0 else output.float().sum()
+    loss = getattr(output, "loss", None)
+    if loss is None:
+        raise ValueError("zcompile.simulate: the model's output is neither a tensor nor has a .loss; "
+                         "pass loss_fn=lambda output: ... to make the scalar to differentiate")
+    return loss
+
+
+def _tokens(args: tuple, kwargs: dict) -> int:
+    """Tokens per rank and step: the element count of the first integer input (the token ids)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and not value.is_floating_point():
+            return value.numel()
+    return 0
+
+
+def _graph_collectives(graphs: list, node_size: int) -> list[SimulatedCollective]:
+    out = []
+    for g in graphs:
+        for where in ("forward", "backward"):
+            gm = getattr(g, where)
+            for collective in collective_nodes(gm) if gm is not None else []:
+                size = collective.group_size or g.plan.world_size  # an all-reduce does not say: the world
+                out.append(SimulatedCollective(where, collective.kind, collective.bytes, size, size <= node_size))
+    return out
+
+
+def _optimizer_collectives(model: torch.nn.Module, config: ZeroConfig, world: int,
+                           node_size: int) -> list[SimulatedCollective]:
+    """Stages 1 and 2: the step's all-gather of the updated parameters (and stage 1's reduce-scatter of
+    the full gradients), padded, in the replicated dtype (``zcompile.optim_buckets``)."""
+    if config.stage == 3 or world == 1:
+        return []
+    out = []
+    for param in dict.fromkeys(model.parameters()):
+        if not param.requires_grad:
+            continue
+        padded = -(-param.numel() // world) * world
+        dtype = config.param_dtype or param.dtype
+        out.append(SimulatedCollective("optimizer", "all_gather", padded * dtype.itemsize, world, world <= node_size))
+        if config.stage == 1:
+            reduce_dtype = config.effective_reduce_dtype or torch.float32
+            out.append(SimulatedCollective("optimizer", "reduce_scatter", padded * reduce_dtype.itemsize, world,
+                                           world <= node_size))
+    return out
+
+
+def _predict(result: SimulationResult, graphs: list, profile: HardwareProfile, config: ZeroConfig) -> None:
+    from zcompile.cost_model import predict_step
+
+    collective_costs = profile.collective_costs(result.world_size, result.node_size)
+    compute_dtype = config.param_dtype or torch.float32
+    prediction = predict_step(graphs, collective_costs, profile.compute_costs(compute_dtype))
+    optimizer_comm = sum(collective_costs.seconds(c.kind, c.bytes) for c in result.collectives if c.where == "optimizer")
+    result.compute_s = prediction.compute_s
+    result.exposed_comm_s = prediction.exposed_comm_s + optimizer_comm
+    result.step_s = prediction.step_s + optimizer_comm
+    peak = profile.peak_flops_per_s.get({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute_dtype, "fp32"))
+    if result.step_s > 0 and peak:
+        result.mfu = 6 * result.num_params * result.tokens_per_rank / result.step_s / peak
