@@ -18,6 +18,7 @@ from typing import Any
 
 from zcompile.dumps import GRAPH_KINDS, DumpError, GraphDump, RankDump, graph_order, load_dump
 from zcompile.passes.collectives import KINDS
+from zcompile.simulate_cli import add_parser as add_simulate_parser, cmd_simulate
 
 WIDTH = 100
 WHERE = ("forward", "backward", "optimizer")
@@ -330,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("tune-report", parents=[common], help="the trials and choice of a zcompile.tune "
                                  "result (tune.json), as tune printed them")
     report.add_argument("result")
+    add_simulate_parser(commands, common)
     return parser
 
 
@@ -368,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     out, warnings = Output(args.plain), []
     try:
         command = {"inspect": cmd_inspect, "diff": cmd_diff, "consolidate": cmd_consolidate,
-                   "tune-report": cmd_tune_report}[args.command]
+                   "tune-report": cmd_tune_report, "simulate": cmd_simulate}[args.command]
         status = command(args, out, warnings)
     except DumpError as error:
         print(f"zcompile {args.command}: error: {error}", file=sys.stderr)

@@ -1,0 +1,84 @@
+"""``zcompile simulate SPEC``: ``zcompile.simulate`` from the command line, for a transformers model.
+
+``SPEC`` is a small JSON model spec: a transformers config as a dict with its ``model_type``
+(``{"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, ...}``), built with
+``AutoConfig.for_model`` and ``AutoModelForCausalLM.from_config`` on fake tensors (nothing is
+allocated or downloaded). Prints the memory per rank by parts, the collectives per step and the
+predicted step; ``--json OUT`` also writes the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+GIB = 2**30
+
+
+def add_parser(commands, common: argparse.ArgumentParser) -> None:
+    parser = commands.add_parser("simulate", parents=[common], help="memory and step time of a transformers model "
+                                 "at a world size this machine does not have (zcompile.simulate)")
+    parser.add_argument("spec", help="JSON file: a transformers config dict with its model_type")
+    parser.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
+    parser.add_argument("--node-size", type=int, default=None, help="ranks per node (default: the profile's)")
+    parser.add_argument("--hardware", default="h100-sxm", help="profile name (h100-sxm, a100-80gb, cpu-local) or path")
+    parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a zero backend option (JSON value, or a plain string), e.g. stage=3, param_dtype=bf16")
+    parser.add_argument("--json", default=None, metavar="OUT", help="also write the result as JSON")
+
+
+def parse_options(pairs: list[str]) -> dict:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"--option {pair!r}: expected KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
+    import torch
+    import transformers
+
+    from zcompile.simulate import simulate
+
+    from zcompile.dumps import DumpError  # the CLI's "exit 2 with a message" error
+
+    try:
+        with open(args.spec) as f:
+            spec = json.load(f)
+        model_type = spec.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("the spec needs a model_type (e.g. \"llama\", \"gpt2\")")
+        config = transformers.AutoConfig.for_model(model_type, **spec)
+        options = parse_options(args.option)
+    except (OSError, ValueError) as error:
+        raise DumpError(f"{args.spec}: {error}") from None
+    config.use_cache = False
+    ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
+    try:
+        result = simulate(lambda: transformers.AutoModelForCausalLM.from_config(config),
+                          {"input_ids": ids, "labels": ids}, world_size=args.world, node_size=args.node_size,
+                          options=options, hardware=args.hardware)
+    except ValueError as error:  # a bad option, world size or hardware profile: said, not a traceback
+        raise DumpError(str(error)) from None
+    rows = [[part, f"{nbytes / GIB:.2f}"] for part, nbytes in result.memory.items()]
+    rows.append(["per rank", f"{result.per_rank_bytes / GIB:.2f}"])
+    out.table(f"{model_type}, {result.num_params / 1e9:.2f}B parameters, {result.world_size} ranks "
+              f"({result.node_size} per node), {result.hardware}: GiB per rank", ["part", "GiB"], rows, numeric={1})
+    rows = [[where, f"{result.bytes_by(where) / GIB:.2f}", f"{result.bytes_by(where, inside_node=False) / GIB:.2f}"]
+            for where in ("forward", "backward", "optimizer")]
+    out.table("collectives per step and rank (GiB)", ["where", "all", "across nodes"], rows, numeric={1, 2})
+    out.line(f"step {result.step_s * 1e3:.1f} ms (compute {result.compute_s * 1e3:.1f} ms, exposed communication "
+             f"{result.exposed_comm_s * 1e3:.1f} ms), {result.tokens_per_rank / result.step_s:,.0f} tokens/s per rank, "
+             f"MFU {100 * result.mfu:.1f}%; simulated in {result.simulate_s:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.to_dict(), f, indent=1)
+    return 0
