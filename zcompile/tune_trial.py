@@ -6,8 +6,10 @@ optimizer), and drops them after: no compiled code, shard or optimizer state of 
 the next. Every number either returns is agreed across ranks before it is used (``agreed``: the
 largest over ranks, so a step is as slow as its slowest rank), and a failure on any rank raises
 ``TrialFailed`` on every rank with the first failing rank's error, so the search takes the same
-path everywhere. A rank that fails in the middle of a step leaves the others inside a collective:
-zcompile's own rank checks end their wait after ``check_timeout_s``.
+path everywhere. A rank that fails in the middle of a step can leave the others inside a collective
+of the step, where only the process group's own timeout ends their wait: the failing rank logs its
+error at once (a warning), and trials run with a longer ``check_timeout_s`` (``TRIAL_CHECK_TIMEOUT_S``)
+so that a loaded machine's skew between ranks is not such a failure.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# zcompile's rank checks wait 60 s for the other ranks by default; a trial compiles while another rank may
+# still be finishing the last trial's profiled step on a loaded machine (ranks were seen 60+ s apart on
+# 2 shared cores, and a rank that gave up left the others inside a collective): a trial waits longer
+# unless the options say otherwise.
+TRIAL_CHECK_TIMEOUT_S = 300.0
+
+
 class TrialFailed(RuntimeError):
     """A point failed to compile or train on at least one rank (raised on every rank)."""
 
@@ -60,7 +69,7 @@ class TrialSetup:
 
     def options(self, point: Point) -> dict[str, Any]:
         """The backend options of ``point``: base + the point's, a policy name turned into the policy."""
-        options = {**self.base_options, **point.options}
+        options = {"check_timeout_s": TRIAL_CHECK_TIMEOUT_S, **self.base_options, **point.options}
         if isinstance(options.get(POLICY_OPTION), str) and options[POLICY_OPTION] in POLICY_NAMES:
             options[POLICY_OPTION] = policy_from_name(options[POLICY_OPTION], self.collective_costs,
                                                       self.compute_costs)
@@ -177,7 +186,7 @@ def agreed(local: Callable[[], list[float]], width: int, group: DataParallelGrou
         values = [float(v) for v in local()]
     except Exception as raised:  # noqa: BLE001 - reported to every rank, then raised there
         error, values = f"{type(raised).__name__}: {raised}", [0.0] * width
-        log.debug("tune: trial failed on rank %d", group.rank, exc_info=True)
+        log.warning("tune: trial failed on rank %d: %s", group.rank, error, exc_info=log.isEnabledFor(logging.DEBUG))
     if group.world_size == 1:
         if error is not None:
             raise TrialFailed(error)
