@@ -135,6 +135,7 @@ def test_replicated_fp32_parameters_are_freed_and_say_so(stage):
     optimizer.step()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # one process on purpose
 def test_checkpoint_of_bf16_replicas_resumes_at_another_stage(tmp_path):
     """A stage-2 bf16 run saved (fp32 masters) and loaded into a stage-1 bf16 model that has already
     compiled: the loaded masters refresh the replica the graphs read, so the next loss is the same
