@@ -165,3 +165,32 @@ def test_checkpoint_of_bf16_replicas_resumes_at_another_stage(tmp_path):
     assert model_loss("gpt", compiled2, *global_batch(2, 4)).item() == expected
     loaded = shard_of(model2.head.weight)
     assert torch.equal(loaded.replica, loaded.shard.detach()[: loaded.numel].view(loaded.shape).to(torch.bfloat16))
+
+
+def _param_dtype_on_rank0_only(rank, world):
+    import time
+
+    import zcompile
+    from support.models import build_model, global_batch, model_loss
+    from zcompile.rank_check import RankDivergenceError
+
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-3, check_timeout_s=20)
+    options = {"stage": 1, **({"param_dtype": "bf16"} if rank == 0 else {})}
+    compiled = torch.compile(model, backend="zero", options=options)
+    model_loss("gpt", compiled, *global_batch(0, 4)).backward()
+    start = time.perf_counter()
+    with pytest.raises(RankDivergenceError) as error:
+        optimizer.step()
+    return str(error.value), time.perf_counter() - start
+
+
+def test_param_dtype_on_one_rank_only_is_an_error_on_every_rank():
+    """Stage-1 graphs issue no collectives, so the compile-time check cannot see one rank compiled
+    with param_dtype and another without; the step's all-gathers would then move bf16 buckets on one
+    rank and fp32 on the other, which gloo answers by aborting the process ("Received data size
+    doesn't match"). The step's agreement compares the replicated dtypes first: both ranks raise."""
+    for message, seconds in run_ranks(2, _param_dtype_on_rank0_only, timeout_s=120):
+        assert "replicated weights in different dtypes" in message and "same param_dtype" in message, message
+        assert seconds < 20, seconds

@@ -61,13 +61,31 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
     for member in members:
         member.training_calls = 0
     arrival = f"{what} after {calls} training calls"
-    arrivals = exchange_on_store([arrival, grads_finite], members[0].group, timeout_s, "step", f"zcompile {what}",
-                                 FIX)
-    if any(other != arrival for other, _ in arrivals):
-        per_rank = {rank: other for rank, (other, _) in enumerate(arrivals)}
+    layout = replicated_layout(members)
+    arrivals = exchange_on_store([arrival, layout, grads_finite], members[0].group, timeout_s, "step",
+                                 f"zcompile {what}", FIX)
+    if any(other != arrival for other, _, _ in arrivals):
+        per_rank = {rank: other for rank, (other, _, _) in enumerate(arrivals)}
         raise RankDivergenceError(
             f"zcompile {what}: the ranks come from different training steps (what each rank called, and its compiled "
             f"calls with gradients since the last step: {per_rank}). {FIX}")
+    if any(other != layout for _, other, _ in arrivals):
+        per_rank = {rank: other for rank, (_, other, _) in enumerate(arrivals)}
+        raise RankDivergenceError(
+            f"zcompile {what}: the ranks hold the replicated weights in different dtypes (per rank, stage-1/2 "
+            f"parameters by dtype: {per_rank}), so the step's all-gathers would not match. Compile the model with the "
+            "same param_dtype on every rank.")
     for member in members:
         member.calls_since_step = 0
-    return None if grads_finite is None else all(finite for _, finite in arrivals)
+    return None if grads_finite is None else all(finite for _, _, finite in arrivals)
+
+
+def replicated_layout(members: list[ShardedParam]) -> dict[str, int]:
+    """How many stage-1/2 parameters each dtype of replicated weights holds: what the step's all-gathers
+    move (a rank compiled with another ``param_dtype`` would gather other bytes: gloo aborts the process)."""
+    layout: dict[str, int] = {}
+    for member in members:
+        if member.stage in (1, 2):
+            dtype = str(member.replicated.dtype)
+            layout[dtype] = layout.get(dtype, 0) + 1
+    return layout
