@@ -172,9 +172,7 @@ def _saved_activations(model: torch.nn.Module, batch: Any, config: ZeroConfig) -
         return aot_autograd(fw_compiler=run, bw_compiler=run, partition_fn=partition)(gm, example_inputs)
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    args, kwargs = _as_call(batch)
-    fake = lambda v: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
-    args, kwargs = tuple(map(fake, args)), {k: fake(v) for k, v in kwargs.items()}
+    args, kwargs = fake_call(batch, fake_mode)
     device_type = next((v.device.type for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), "cpu")
     torch._dynamo.reset()
     try:
@@ -217,9 +215,12 @@ def _faked(model: torch.nn.Module, fake_mode) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _as_call(batch: Any) -> tuple[tuple, dict]:
+def fake_call(batch: Any, fake_mode) -> tuple[tuple, dict]:
+    """``batch`` (a tensor, a tuple of positional or a dict of keyword arguments) as the positional
+    and keyword arguments of a call, its tensors made fake in ``fake_mode``."""
+    fake = lambda v: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
     if isinstance(batch, dict):
-        return (), dict(batch)
+        return (), {k: fake(v) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
-        return tuple(batch), {}
-    return (batch,), {}
+        return tuple(map(fake, batch)), {}
+    return (fake(batch),), {}

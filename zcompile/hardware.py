@@ -70,13 +70,17 @@ class HardwareProfile:
         link = self.intra_node if world_size <= node_size else self.inter_node
         return CollectiveCosts(world_size, {kind: link.cost(kind, world_size) for kind in KINDS})
 
-    def compute_costs(self, dtype: torch.dtype | str = torch.bfloat16) -> ComputeCosts:
-        """``ComputeCosts`` at the peak FLOP/s of ``dtype`` (the compute dtype, ``param_dtype`` or fp32)."""
+    def peak_flops(self, dtype: torch.dtype | str) -> float:
+        """Peak FLOP/s in ``dtype`` (a ``torch.dtype`` or ``"bf16"``/``"fp16"``/``"fp32"``)."""
         name = next((k for k, v in _DTYPES.items() if v == dtype or k == dtype), None)
         if name not in self.peak_flops_per_s:
             raise HardwareProfileError(f"hardware profile {self.name!r} has no peak_flops_per_s for {dtype}; "
                                        f"it has {sorted(self.peak_flops_per_s)}")
-        return ComputeCosts(self.peak_flops_per_s[name], self.memory_bytes_per_s, self.op_overhead_s)
+        return self.peak_flops_per_s[name]
+
+    def compute_costs(self, dtype: torch.dtype | str = torch.bfloat16) -> ComputeCosts:
+        """``ComputeCosts`` at the peak FLOP/s of ``dtype`` (the compute dtype, ``param_dtype`` or fp32)."""
+        return ComputeCosts(self.peak_flops(dtype), self.memory_bytes_per_s, self.op_overhead_s)
 
 
 def available_profiles() -> list[str]:

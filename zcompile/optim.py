@@ -141,7 +141,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         reduced = [s for s, _, _ in todo if s.stage == 1 and s.group.world_size > 1 and s.shard_grad is None]
         reducer = BucketedGradReduce(plan_optimizer_buckets(reduced, lambda s: s.grad_reduce_dtype, bucket_bytes))
         refreshed = [s for s, _, _ in todo if s.stage in (1, 2)]
-        refresher = BucketedParamRefresh(plan_optimizer_buckets(refreshed, lambda s: s.replicated.dtype, bucket_bytes))
+        refresher = BucketedParamRefresh(plan_optimizer_buckets(refreshed, lambda s: s.replicated_dtype, bucket_bytes))
         for sharded, param, group in todo:
             if sharded.shard_grad is not None:  # stages 2 and 3, or stage 1 reduced early by clipping
                 grad, grad_scale = sharded.shard_grad.detach(), 1.0
@@ -151,8 +151,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 grad, grad_scale = self._local_grad(sharded), 1.0
             shard = sharded.shard.detach()
             lowp = None
-            if sharded.stage in (1, 2) and sharded.replicated.dtype != shard.dtype:
-                lowp = torch.empty_like(shard, dtype=sharded.replicated.dtype)  # the next all-gather's input
+            if sharded.stage in (1, 2) and sharded.replicated_dtype != shard.dtype:
+                lowp = torch.empty_like(shard, dtype=sharded.replicated_dtype)  # the next all-gather's input
             self._update(shard, grad, grad_scale, self.state[param], group, lowp)
             if sharded.stage in (1, 2):
                 refresher.updated(sharded, lowp)

@@ -136,7 +136,7 @@ def reduce_grads_onto_shards(members: list[ShardedParam], bucket_bytes: int) -> 
             member.shard_grad = grad
         else:  # a backward after an earlier clip, or zero_grad(set_to_none=False)
             member.shard_grad.add_(grad)
-        member.full_grad = None
+        member.clear_full_grad()
     return reducer.records
 
 
@@ -155,7 +155,7 @@ class BucketedParamRefresh:
 
     def updated(self, member: ShardedParam, shard_in_param_dtype: torch.Tensor | None) -> None:
         """``member``'s shard is final (``shard_in_param_dtype``: already cast, or None to cast here)."""
-        shard = shard_in_param_dtype if shard_in_param_dtype is not None else member.shard.detach().to(member.replicated.dtype)
+        shard = shard_in_param_dtype if shard_in_param_dtype is not None else member.shard.detach().to(member.replicated_dtype)
         self._updated[id(member)] = shard
         bucket = self.buckets[self._bucket_of[id(member)]]
         if all(id(m) in self._updated for m in bucket):

@@ -106,16 +106,19 @@ class ShardedParam:
     def replicated_alias(self) -> torch.Tensor:
         """A detached view of the full parameter, or its low-precision replica (stage 2 graphs read
         it; its grad goes to the shard)."""
-        if self.replica is not None:
-            return self.replica.detach()
-        if self._replicated_alias is None:
-            self._replicated_alias = self.param.detach()
+        if self._replicated_alias is None:  # made once: ShardSwap reads it at every compiled call
+            self._replicated_alias = (self.replica if self.replica is not None else self.param).detach()
         return self._replicated_alias
 
     @property
     def replicated(self) -> torch.Tensor:
         """The full tensor a stage-1/2 step refreshes: the low-precision replica, else the parameter's data."""
         return self.replica if self.replica is not None else self.param.data
+
+    @property
+    def replicated_dtype(self) -> torch.dtype:
+        """The dtype the step's all-gather moves at stages 1 and 2 (the replica's, else the parameter's)."""
+        return self.replica.dtype if self.replica is not None else self.param.dtype
 
     @property
     def grad_target(self) -> torch.Tensor:
@@ -140,13 +143,18 @@ class ShardedParam:
             return self.replica.grad
         return self.param.grad
 
-    @full_grad.setter
-    def full_grad(self, value: torch.Tensor | None) -> None:
-        if value is not None:
-            raise ValueError("ShardedParam.full_grad can only be cleared (set to None)")
+    def clear_full_grad(self) -> None:
         if self.replica is not None:
             self.replica.grad = None
         self.param.grad = None
+
+    @property
+    def freed_reason(self) -> str:
+        """Why no rank holds this parameter's full fp32 value between steps (for error messages)."""
+        if self.replica is None:
+            return "ZeRO stage 3"
+        return (f"ZeRO stage {self.stage} with param_dtype={self.replica.dtype}: the graphs read a "
+                f"{self.replica.dtype} replica, the fp32 values live on the shards")
 
     @property
     def piece(self) -> FlatPiece:

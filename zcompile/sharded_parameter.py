@@ -96,6 +96,13 @@ def _first_freed(args, kwargs) -> torch.Tensor | None:
     return None
 
 
+def _freed_reason(tensor: torch.Tensor) -> str:
+    from zcompile.param_shards import shard_of  # local: param_shards imports this module
+
+    sharded = shard_of(tensor)
+    return "ZeRO stage 3" if sharded is None else sharded.freed_reason
+
+
 def _name_of(tensor: torch.Tensor) -> str:
     from zcompile.param_shards import shard_of  # local: param_shards imports this module
 
@@ -103,22 +110,12 @@ def _name_of(tensor: torch.Tensor) -> str:
     return sharded.name if sharded is not None else getattr(tensor, NAME_ATTR, "?")
 
 
-def _why(tensor: torch.Tensor) -> str:
-    from zcompile.param_shards import shard_of  # local: param_shards imports this module
-
-    sharded = shard_of(tensor)
-    if sharded is None or sharded.replica is None:
-        return "ZeRO stage 3"
-    return (f"ZeRO stage {sharded.stage} with param_dtype={sharded.replica.dtype}: the graphs read a "
-            f"{sharded.replica.dtype} replica")
-
-
 def _message(tensor: torch.Tensor, func) -> str:
     name = getattr(func, "__name__", str(func))
     return (
-        f"zcompile: parameter {_name_of(tensor)!r} {tuple(tensor.shape)} is sharded ({_why(tensor)}): each rank "
-        f"holds 1/N of its fp32 value and the full value exists only inside the compiled graphs, so eager code cannot use it "
-        f"({name} outside a compiled graph). {eager_fallback_reason()} To use the full weights in eager code "
+        f"zcompile: parameter {_name_of(tensor)!r} {tuple(tensor.shape)} is sharded ({_freed_reason(tensor)}): "
+        "each rank holds 1/N of its fp32 value and the full value exists only inside the compiled graphs, so eager "
+        f"code cannot use it ({name} outside a compiled graph). {eager_fallback_reason()} To use the full weights in eager code "
         "(generate(), evaluation, export), every rank enters `with zcompile.gathered(model): ...` "
         "(`gathered(model, rank0_only=True)` gathers to rank 0 only); for checkpoints use zcompile.checkpoint."
     )

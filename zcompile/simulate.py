@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist
 
 from zcompile.config import ZeroConfig
-from zcompile.estimate import estimate_memory
+from zcompile.estimate import estimate_memory, fake_call
 from zcompile.hardware import HardwareProfile, load_profile
+from zcompile.param_shards import shard_of
 from zcompile.passes.collectives import collective_nodes
 from zcompile.passes.liveness import gathered_peak_bytes, saved_activation_bytes
 
@@ -78,7 +79,15 @@ class SimulationResult:
                    and (inside_node is None or c.inside_node == inside_node))
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "per_rank_bytes": self.per_rank_bytes}
+        """The result as JSON data, the collectives summed per kind and where they run."""
+        totals: dict[str, dict] = {}
+        for c in self.collectives:
+            entry = totals.setdefault(f"{c.where} {c.kind}", {"count": 0, "bytes": 0, "across_nodes_bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += c.bytes
+            entry["across_nodes_bytes"] += 0 if c.inside_node else c.bytes
+        return {**{k: v for k, v in asdict(self).items() if k != "collectives"}, "collectives": totals,
+                "per_rank_bytes": self.per_rank_bytes}
 
 
 def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, world_size: int,
@@ -106,7 +115,7 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
     with _fake_world(world_size, node_size):
         with fake_mode:
             model = make_model()
-        args, kwargs = _fake_call(example_batch, fake_mode)
+        args, kwargs = fake_call(example_batch, fake_mode)
         torch._dynamo.reset()
         try:
             output = torch.compile(model, backend="zero", options=config)(*args, **kwargs)
@@ -122,8 +131,7 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
         "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in graphs if g.keep_gathered),
         "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) for g in graphs),
     })
-    result.collectives = _graph_collectives(graphs, node_size) + _optimizer_collectives(model, config, world_size,
-                                                                                        node_size)
+    result.collectives = _graph_collectives(graphs, node_size) + _optimizer_collectives(model, node_size)
     _predict(result, graphs, profile, config)
     result.simulate_s = time.perf_counter() - start
     log.info("simulate: %d parameters on %d ranks (%s): %.1f MiB per rank, step %.3f s, MFU %.1f%%", num_params,
@@ -144,15 +152,6 @@ def _fake_world(world_size: int, node_size: int):
         yield
     finally:
         dist.destroy_process_group()
-
-
-def _fake_call(batch: Any, fake_mode) -> tuple[tuple, dict]:
-    fake = lambda v: fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
-    if isinstance(batch, dict):
-        return (), {k: fake(v) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return tuple(map(fake, batch)), {}
-    return (fake(batch),), {}
 
 
 def _loss(output: Any, loss_fn: Callable | None) -> torch.Tensor:
@@ -186,23 +185,20 @@ def _graph_collectives(graphs: list, node_size: int) -> list[SimulatedCollective
     return out
 
 
-def _optimizer_collectives(model: torch.nn.Module, config: ZeroConfig, world: int,
-                           node_size: int) -> list[SimulatedCollective]:
-    """Stages 1 and 2: the step's all-gather of the updated parameters (and stage 1's reduce-scatter of
-    the full gradients), padded, in the replicated dtype (``zcompile.optim_buckets``)."""
-    if config.stage == 3 or world == 1:
-        return []
+def _optimizer_collectives(model: torch.nn.Module, node_size: int) -> list[SimulatedCollective]:
+    """Stages 1 and 2: what the step moves per trained parameter, read from the shards the backend
+    made (as ``zcompile.optim`` reads them): the updated parameter all-gathered in the replicated
+    dtype, and at stage 1 first the full gradient reduce-scattered in its reduce dtype; padded."""
     out = []
-    for param in dict.fromkeys(model.parameters()):
-        if not param.requires_grad:
+    for sharded in filter(None, map(shard_of, dict.fromkeys(model.parameters()))):
+        world = sharded.group.world_size
+        if sharded.stage == 3 or world == 1 or not sharded.param.requires_grad:
             continue
-        padded = -(-param.numel() // world) * world
-        dtype = config.param_dtype or param.dtype
-        out.append(SimulatedCollective("optimizer", "all_gather", padded * dtype.itemsize, world, world <= node_size))
-        if config.stage == 1:
-            reduce_dtype = config.effective_reduce_dtype or torch.float32
-            out.append(SimulatedCollective("optimizer", "reduce_scatter", padded * reduce_dtype.itemsize, world,
-                                           world <= node_size))
+        moved = [("all_gather", sharded.replicated_dtype)]
+        if sharded.stage == 1:
+            moved.insert(0, ("reduce_scatter", sharded.grad_reduce_dtype))
+        out += [SimulatedCollective("optimizer", kind, sharded.padded_numel * dtype.itemsize, world, world <= node_size)
+                for kind, dtype in moved]
     return out
 
 
@@ -216,6 +212,5 @@ def _predict(result: SimulationResult, graphs: list, profile: HardwareProfile, c
     result.compute_s = prediction.compute_s
     result.exposed_comm_s = prediction.exposed_comm_s + optimizer_comm
     result.step_s = prediction.step_s + optimizer_comm
-    peak = profile.peak_flops_per_s.get({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute_dtype, "fp32"))
-    if result.step_s > 0 and peak:
-        result.mfu = 6 * result.num_params * result.tokens_per_rank / result.step_s / peak
+    if result.step_s > 0:
+        result.mfu = 6 * result.num_params * result.tokens_per_rank / result.step_s / profile.peak_flops(compute_dtype)

@@ -59,17 +59,11 @@ def _refuse_freed_parameters(module, state_dict, prefix, local_metadata) -> None
     for name, sharded in _owned_shards(module):
         if sharded.is_freed:
             raise ShardedStateDictError(
-                f"state_dict(): parameter {prefix + name!r} is sharded by zcompile ({_why_freed(sharded)}); no rank holds "
+                f"state_dict(): parameter {prefix + name!r} is sharded by zcompile ({sharded.freed_reason}); no rank holds "
                 "its full value, so this state dict could not be read back. Use zcompile.checkpoint.save(path, "
                 "model, optimizer) for a sharded checkpoint (reshardable, DCP format), "
                 "zcompile.checkpoint.full_state_dict(model) for the full weights on rank 0, or call state_dict() "
                 "inside `with zcompile.gathered(model):` (every rank)")
-
-
-def _why_freed(sharded: ShardedParam) -> str:
-    if sharded.replica is None:
-        return "ZeRO stage 3"
-    return f"ZeRO stage {sharded.stage} with param_dtype: the replicated weights are {sharded.replica.dtype}, fp32 only on the shards"
 
 
 def _materialize_before_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

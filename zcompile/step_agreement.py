@@ -86,6 +86,6 @@ def replicated_layout(members: list[ShardedParam]) -> dict[str, int]:
     layout: dict[str, int] = {}
     for member in members:
         if member.stage in (1, 2):
-            dtype = str(member.replicated.dtype)
+            dtype = str(member.replicated_dtype)
             layout[dtype] = layout.get(dtype, 0) + 1
     return layout
