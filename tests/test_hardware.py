@@ -92,3 +92,19 @@ def test_log2_steps_grow_slowly_with_the_world():
     h100 = load_profile("h100-sxm")
     small = h100.collective_costs(2048).cost("all_gather").latency_s
     assert small == pytest.approx(15e-6 * math.ceil(math.log2(2048)))
+
+
+def test_a_group_is_priced_on_the_link_its_ranks_need():
+    """Per-group pricing (``LinkCosts``): 64 ranks in nodes of 8; the 8 ranks of node 0 use NVLink,
+    the 8 ranks with local rank 0 (one per node) InfiniBand; a group of unknown ranks is across
+    nodes when larger than a node."""
+    h100 = load_profile("h100-sxm")
+    costs = h100.link_costs(64, 8, {"intra": tuple(range(8)), "inter": tuple(range(0, 64, 8))})
+    assert not costs.across_nodes("intra", 8) and costs.across_nodes("inter", 8)
+    assert costs.across_nodes("unknown", 16) and not costs.across_nodes("unknown", 8)
+    assert h100.group_cost("all_gather", 8, across_nodes=False).seconds(GIB) == pytest.approx(
+        3 * 8e-6 + GIB * 7 / 8 / 365e9, rel=1e-12)
+    assert h100.group_cost("all_to_all", 8, across_nodes=True).seconds(GIB) == pytest.approx(
+        3 * 15e-6 + GIB * 7 / 8 / 42e9, rel=1e-12)
+    # the whole-world costs are the same rule at the world's size
+    assert h100.collective_costs(64).cost("reduce_scatter") == h100.group_cost("reduce_scatter", 64, True)

@@ -1,11 +1,15 @@
 """``zcompile.simulate`` at a world this machine does not have (64 ranks, one process) against ZeRO's
 formulas; its agreement with real 2- and 4-rank runs is in test_training."""
 
+import json
+import math
+
 import pytest
 import torch
 
 import zcompile
 from support.models import build_model, global_batch
+from zcompile.hardware import load_profile, profile_from_dict
 from zcompile.simulate import simulate
 
 WORLD = 64
@@ -90,3 +94,68 @@ def test_command_line_simulates_a_transformers_spec(tmp_path, capsys):
                                 "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}))
     assert main(["simulate", str(spec), "--world", "16", "--option", "stage=5"]) == 2
     assert "stage" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- ZeRO++ groups priced per link
+def _link_seconds(link: dict, ranks: int, nbytes: int) -> float:
+    """nccl-tests' bus-bandwidth rule from the profile file's own figures: log2 latency steps plus
+    (N - 1) / N of the bytes through the link."""
+    return link["latency_s"] * math.ceil(math.log2(ranks)) + nbytes * (ranks - 1) / ranks / link["bus_bytes_per_s"]
+
+
+def _simulate_gpt(options: dict, hardware="h100-sxm"):
+    tokens, targets = global_batch(0, 2)
+    return simulate(lambda: build_model("gpt"), (tokens, targets), world_size=WORLD, node_size=8, options=options,
+                    hardware=hardware)
+
+
+@pytest.fixture(scope="module")
+def hpz():
+    return _simulate_gpt({"stage": 3, "hpz_size": "node"})
+
+
+def test_hpz_secondary_gathers_run_at_the_intra_node_link(hpz):
+    """64 ranks, nodes of 8, hpZ over the node: backward re-gathers the secondary shards over 8 ranks
+    of one node (NVLink), the forward gathers the primary ones over all 64 (InfiniBand)."""
+    links = json.loads(open(load_profile("h100-sxm").source).read())["links"]
+    secondary = [c for c in hpz.collectives if c.where == "backward" and c.kind == "all_gather"]
+    primary = [c for c in hpz.collectives if c.where == "forward" and c.kind == "all_gather"]
+    assert secondary and primary
+    for c in secondary:
+        assert (c.group_size, c.inside_node) == (8, True)
+        assert c.seconds == pytest.approx(_link_seconds(links["intra_node"], 8, c.bytes), rel=1e-12)
+    for c in primary:
+        assert (c.group_size, c.inside_node) == (WORLD, False)
+        assert c.seconds == pytest.approx(_link_seconds(links["inter_node"], WORLD, c.bytes), rel=1e-12)
+
+
+def test_qgz_second_all_to_all_crosses_nodes_though_its_group_is_small():
+    """qgZ's second all-to-all runs between the 8 ranks of one local rank, one per node: a group no
+    larger than a node, yet across nodes (priced on the inter-node link); the first stays inside one."""
+    links = json.loads(open(load_profile("h100-sxm").source).read())["links"]
+    result = _simulate_gpt({"stage": 3, "quantize_grads": True})
+    to_all = [c for c in result.collectives if c.kind == "all_to_all"]
+    assert [(c.group_size, c.inside_node) for c in to_all] == [(8, True), (8, False)]
+    intra, inter = to_all
+    assert intra.seconds == pytest.approx(_link_seconds(links["intra_node"], 8, intra.bytes), rel=1e-12)
+    assert inter.seconds == pytest.approx(_link_seconds(links["inter_node"], 8, inter.bytes), rel=1e-12)
+
+
+def test_hpz_exposes_less_communication_when_nodes_are_far_apart():
+    """A profile whose inter-node link is 1,000x slower than NVLink: the backward re-gather that hpZ
+    keeps inside the node leaves less exposed than stage 3's re-gather across nodes; the difference
+    is at least most of that gather's time at the inter-node bandwidth."""
+    data = json.loads(open(load_profile("h100-sxm").source).read())
+    data["links"] = {"intra_node": {"bus_bytes_per_s": 1e12, "latency_s": 0.0},
+                     "inter_node": {"bus_bytes_per_s": 1e9, "latency_s": 0.0}}
+    slow = profile_from_dict(data, "slow-inter.json")
+    plain = _simulate_gpt({"stage": 3}, slow)
+    hpz = _simulate_gpt({"stage": 3, "hpz_size": "node"}, slow)
+    regather = sum(c.bytes for c in plain.collectives if c.where == "backward" and c.kind == "all_gather")
+    assert hpz.exposed_comm_s < plain.exposed_comm_s
+    assert plain.exposed_comm_s - hpz.exposed_comm_s > 0.9 * regather * 63 / 64 / 1e9
+
+
+def test_node_size_argument_and_option_must_agree():
+    with pytest.raises(ValueError, match="node_size=8 and the option node_size=4 disagree"):
+        simulate(lambda: build_model("gpt"), global_batch(0, 2), world_size=16, node_size=8, options={"node_size": 4})

@@ -5,7 +5,9 @@
   timed on the process group (``measure_collective_costs``), plus the same form for the time on the
   issuing thread. Every rank then takes the element-wise median of all ranks' constants, so
   every rank holds the same numbers: a schedule planned from them must be identical on all
-  ranks (passes/README.md, invariant 1).
+  ranks (passes/README.md, invariant 1). Measured so, on one group, a collective is priced by its
+  kind alone; a hardware profile prices it by its own group and link instead (``CollectivePricing``,
+  ``zcompile.hardware.LinkCosts``: ZeRO++'s intra-node collectives on the intra-node link).
 - **Compute** costs a roofline per FX node: ``op_overhead_s + max(flops / flops_per_s,
   bytes / bytes_per_s)``, FLOPs from ``torch.utils.flop_counter``'s formulas, bytes the tensors the
   op reads and writes, both read from the nodes' ``meta["val"]``; throughput, bandwidth and the
@@ -36,7 +38,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -88,6 +90,10 @@ class CollectiveCosts:
     def seconds(self, kind: str, nbytes: int) -> float:
         return self.cost(kind).seconds(nbytes)
 
+    def cost_of(self, collective: CollectiveNode) -> CollectiveCost:
+        """Measured on one group (``measure_collective_costs``): every collective priced by its kind."""
+        return self.cost(collective.kind)
+
     def to_json(self) -> str:
         return json.dumps({"world_size": self.world_size, "costs": {k: asdict(c) for k, c in self.costs.items()},
                            "overlap_slowdown": self.overlap_slowdown})
@@ -97,6 +103,19 @@ class CollectiveCosts:
         data = json.loads(text)
         return cls(data["world_size"], {k: CollectiveCost(**c) for k, c in data["costs"].items()},
                    data.get("overlap_slowdown", 1.0))
+
+
+class CollectivePricing(Protocol):
+    """What ``predict`` asks of collective costs: a collective's cost, and the contention factor.
+
+    ``CollectiveCosts`` (measured on the process group) prices by kind alone;
+    ``zcompile.hardware.LinkCosts`` (a hardware profile) by kind, group size and the link the
+    group runs over, so ZeRO++'s intra-node collectives are priced on the intra-node link.
+    """
+
+    overlap_slowdown: float
+
+    def cost_of(self, collective: CollectiveNode) -> CollectiveCost: ...
 
 
 @dataclass(frozen=True)
@@ -383,6 +402,7 @@ class PredictedCollective:
     start_s: float  # when the transfer starts: issued, and the transfers before it done
     end_s: float
     waited_s: float  # how long compute blocked on it at its wait
+    seconds: float = 0.0  # its transfer time at full speed (the cost it was priced at)
 
 
 @dataclass
@@ -442,7 +462,7 @@ class _CommStream:
         return self.now + left
 
 
-def predict(gm: torch.fx.GraphModule, collectives: CollectiveCosts, compute: ComputeCosts,
+def predict(gm: torch.fx.GraphModule, collectives: CollectivePricing, compute: ComputeCosts,
             graph: str = "") -> Prediction:
     """Simulates ``gm`` in its node order on one compute stream and one communication stream.
 
@@ -456,10 +476,11 @@ def predict(gm: torch.fx.GraphModule, collectives: CollectiveCosts, compute: Com
     for node in gm.graph.nodes:
         collective = CollectiveNode.of(node)
         if collective is not None:
-            nbytes, cost = collective.bytes, collectives.cost(collective.kind)
+            nbytes, cost = collective.bytes, collectives.cost_of(collective)
             duration, issue = cost.seconds(nbytes), cost.issue_seconds(nbytes)
             pending[node] = len(records)
-            records.append(PredictedCollective(graph, node.name, collective.kind, nbytes, clock, clock, clock, 0.0))
+            records.append(PredictedCollective(graph, node.name, collective.kind, nbytes, clock, clock, clock, 0.0,
+                                               duration))
             stream.queue.append(_Transfer(len(records) - 1, duration))
             stream.advance(clock + issue, computing=True)
             comm_s += duration
@@ -489,20 +510,38 @@ def predict(gm: torch.fx.GraphModule, collectives: CollectiveCosts, compute: Com
     return prediction
 
 
-def predict_step(compiled_graphs: Iterable, collectives: CollectiveCosts, compute: ComputeCosts) -> Prediction:
-    """Forward graphs in compile order, then backward graphs in reverse (autograd's order), back to back.
+@dataclass(frozen=True)
+class StepGraph:
+    """One graph of a step: ``where`` (forward or backward), the index of its compile, the graph."""
 
-    ``compiled_graphs``: the ``CompiledGraphs`` passed to ``on_compile``; graphs not compiled yet
-    (``None``) are skipped. Times of the collectives are on the step's clock.
-    """
+    where: str
+    index: int
+    gm: torch.fx.GraphModule
+
+    @property
+    def name(self) -> str:
+        """``forward0``, ``backward2``: the ``graph`` of its ``PredictedCollective`` records."""
+        return f"{self.where}{self.index}"
+
+
+def step_graphs(compiled_graphs: Iterable) -> list[StepGraph]:
+    """The graphs of one step in the order they run: forward graphs in compile order, then backward
+    graphs in reverse (autograd's order); graphs not compiled yet (``None``) left out."""
     compiled_graphs = list(compiled_graphs)
-    parts = [(f"forward{i}", g.forward) for i, g in enumerate(compiled_graphs)]
-    parts += [(f"backward{i}", g.backward) for i, g in reversed(list(enumerate(compiled_graphs)))]
+    parts = [StepGraph("forward", i, g.forward) for i, g in enumerate(compiled_graphs)]
+    parts += [StepGraph("backward", i, g.backward) for i, g in reversed(list(enumerate(compiled_graphs)))]
+    return [part for part in parts if part.gm is not None]
+
+
+def predict_step(compiled_graphs: Iterable, collectives: CollectivePricing, compute: ComputeCosts) -> Prediction:
+    """The graphs of ``step_graphs`` predicted back to back.
+
+    ``compiled_graphs``: the ``CompiledGraphs`` passed to ``on_compile``. Times of the collectives
+    are on the step's clock.
+    """
     total = Prediction("step")
-    for name, gm in parts:
-        if gm is None:
-            continue
-        part = predict(gm, collectives, compute, name)
+    for graph in step_graphs(compiled_graphs):
+        part = predict(graph.gm, collectives, compute, graph.name)
         offset = total.step_s
         total.collectives += [replace(c, issue_s=c.issue_s + offset, start_s=c.start_s + offset,
                                       end_s=c.end_s + offset) for c in part.collectives]

@@ -12,7 +12,15 @@ nccl-tests figures) and ``cpu-local`` (fitted on the development machine by
 ``B`` bytes (``passes.collectives``: an all-gather's output, the others' input) takes
 ``latency_s * ceil(log2 N) + f * B * (N - 1) / N / bus_bytes_per_s``, ``f`` = 2 for an all-reduce
 (reduce-scatter then all-gather) and 1 otherwise, on the inter-node link as soon as the group spans
-nodes (its slowest link). ``compute_costs(dtype)`` gives ``ComputeCosts`` at the dtype's peak.
+nodes (its slowest link). ``group_cost`` is that rule, the only copy of it.
+
+ZeRO++ runs collectives on sub-groups of the world: hpZ's secondary all-gathers and qgZ's first
+all-to-all inside a node, qgZ's second all-to-all across nodes between ranks of the same local rank
+(a group of N / K ranks, one per node: small, yet across nodes). ``link_costs(world_size,
+node_size, group_ranks)`` prices each collective of a graph by its own group (``LinkCosts``): at its
+group's size, on the link its group's ranks need (``topology.spans_nodes``); a group whose ranks are
+not known is taken as consecutive ranks from a node's start (across nodes when larger than a node).
+``compute_costs(dtype)`` gives ``ComputeCosts`` at the dtype's peak.
 """
 
 from __future__ import annotations
@@ -20,13 +28,15 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
 from zcompile.cost_model import CollectiveCost, CollectiveCosts, ComputeCosts
-from zcompile.passes.collectives import ALL_REDUCE, COLLECTIVE_KINDS, KINDS
+from zcompile.passes.collectives import ALL_REDUCE, COLLECTIVE_KINDS, KINDS, CollectiveNode
+from zcompile.topology import spans_nodes
 
 PROFILE_DIR = Path(__file__).parent / "hardware_profiles"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -62,13 +72,28 @@ class HardwareProfile:
     inter_node: Link
     source: str = ""  # the file it was read from
 
+    def group_cost(self, kind: str, group_size: int, across_nodes: bool) -> CollectiveCost:
+        """``kind`` over a group of ``group_size`` ranks, on the inter-node link when the group spans
+        nodes, else the intra-node one; a group of one communicates nothing."""
+        if group_size < 2:
+            return CollectiveCost()
+        return (self.inter_node if across_nodes else self.intra_node).cost(kind, group_size)
+
     def collective_costs(self, world_size: int, node_size: int | None = None) -> CollectiveCosts:
-        """``CollectiveCosts`` for a group of ``world_size`` ranks, ``node_size`` per node (default the profile's)."""
+        """``CollectiveCosts`` for the whole world (``world_size`` ranks, ``node_size`` per node, default
+        the profile's): every collective priced as if it ran over all ranks (``link_costs`` prices
+        sub-groups by their own size and link)."""
         node_size = node_size or self.node_size
         if world_size < 2:
             return CollectiveCosts(world_size, {})
-        link = self.intra_node if world_size <= node_size else self.inter_node
-        return CollectiveCosts(world_size, {kind: link.cost(kind, world_size) for kind in KINDS})
+        across = world_size > node_size
+        return CollectiveCosts(world_size, {kind: self.group_cost(kind, world_size, across) for kind in KINDS})
+
+    def link_costs(self, world_size: int, node_size: int | None = None,
+                   group_ranks: Mapping[str, tuple[int, ...]] | None = None) -> LinkCosts:
+        """Costs that price each collective by its group (module docstring); ``group_ranks``: group
+        name -> global ranks (``process_group.group_ranks_by_name``)."""
+        return LinkCosts(self, world_size, node_size or self.node_size, dict(group_ranks or {}))
 
     def peak_flops(self, dtype: torch.dtype | str) -> float:
         """Peak FLOP/s in ``dtype`` (a ``torch.dtype`` or ``"bf16"``/``"fp16"``/``"fp32"``)."""
@@ -81,6 +106,31 @@ class HardwareProfile:
     def compute_costs(self, dtype: torch.dtype | str = torch.bfloat16) -> ComputeCosts:
         """``ComputeCosts`` at the peak FLOP/s of ``dtype`` (the compute dtype, ``param_dtype`` or fp32)."""
         return ComputeCosts(self.peak_flops(dtype), self.memory_bytes_per_s, self.op_overhead_s)
+
+
+@dataclass(frozen=True)
+class LinkCosts:
+    """A profile's costs for one world, each collective priced by its own group (``CollectivePricing``)."""
+
+    profile: HardwareProfile
+    world_size: int
+    node_size: int
+    group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # group name -> global ranks
+    overlap_slowdown: float = 1.0  # a profile's links are not slowed by compute (a GPU's copy engines)
+
+    def group_size(self, collective: CollectiveNode) -> int:
+        """Ranks of the collective's group (an all-reduce does not say: its group's, else the world's)."""
+        return collective.group_size or len(self.group_ranks.get(collective.group_name, ())) or self.world_size
+
+    def across_nodes(self, group_name: str, group_size: int) -> bool:
+        """Whether the group runs over the inter-node link: its ranks span nodes (when known), else it
+        is larger than a node."""
+        ranks = self.group_ranks.get(group_name)
+        return spans_nodes(ranks, self.node_size) if ranks else group_size > self.node_size
+
+    def cost_of(self, collective: CollectiveNode) -> CollectiveCost:
+        size = self.group_size(collective)
+        return self.profile.group_cost(collective.kind, size, self.across_nodes(collective.group_name, size))
 
 
 def available_profiles() -> list[str]:

@@ -76,6 +76,15 @@ def find_group(ranks: list[int]) -> dist.ProcessGroup | None:
     return None
 
 
+def group_ranks_by_name() -> dict[str, tuple[int, ...]]:
+    """The global ranks (in group-rank order) of every process group this rank is in, by group name:
+    what the ``group_name`` argument of a graph's collective stands for. Reads the registry
+    ``find_group`` reads."""
+    return {group.group_name: tuple(sorted(members, key=members.__getitem__))
+            for group, members in dist.distributed_c10d._world.pg_group_ranks.items()
+            if group is not dist.GroupMember.NON_GROUP_MEMBER}
+
+
 def default_store() -> dist.Store:
     """The key-value store of the default process group (used for rank checks, never for data)."""
     return dist.distributed_c10d._get_default_store()

@@ -10,17 +10,20 @@ parameters are fake too (``param_shards``).
 This process plays rank 0. The choices that depend on the rank are the shard sizes (rank 0 holds
 a full chunk, the largest) and the hpZ/qgZ group layout (rank 0's node); the plans (buckets,
 schedule, kept weights) read only the graph and are the same on every rank. The compile-time rank
-check and the step agreement are off: there are no other ranks to ask.
+check and the step agreement are off: there are no other ranks to ask. ``node_size`` is also the
+ZeRO++ option ``node_size`` (``hpz_size="node"``, qgZ's hierarchy) unless the options set it.
 
 From the compiled graphs it returns:
 
 - memory per rank: model states by ``estimate_memory``'s allocation rules (equal to ZeRO's
   formulas up to padding), the gathered peak of the schedule, kept weights and saved activations by
   ``passes.liveness``, as ``step_report`` counts them;
-- every collective of a step with its bytes and whether its group stays inside a node, plus the
-  optimizer's all-gather and reduce-scatter of stages 1 and 2 (not in the graphs);
+- every collective of a step with its bytes, its group's size, whether its group's ranks stay
+  inside a node and its predicted transfer time, plus the optimizer's all-gather and
+  reduce-scatter of stages 1 and 2 (not in the graphs);
 - the predicted step time and exposed communication (``cost_model.predict_step`` with the hardware
-  profile's costs, ``zcompile.hardware``), the optimizer's communication added as exposed, and
+  profile's costs, each collective priced on its own group's link: ``HardwareProfile.link_costs``),
+  the optimizer's communication added as exposed, and
   MFU: 6 x parameters x tokens per step over the step time and the profile's peak FLOP/s.
 """
 
@@ -36,10 +39,12 @@ import torch
 import torch.distributed as dist
 
 from zcompile.config import ZeroConfig
+from zcompile.cost_model import ComputeCosts, predict_step, step_graphs
 from zcompile.estimate import estimate_memory, fake_call
-from zcompile.hardware import HardwareProfile, load_profile
+from zcompile.hardware import HardwareProfile, LinkCosts, load_profile
 from zcompile.param_shards import shard_of
 from zcompile.passes.collectives import collective_nodes
+from zcompile.process_group import group_ranks_by_name
 from zcompile.passes.liveness import gathered_peak_bytes, saved_activation_bytes
 
 log = logging.getLogger(__name__)
@@ -51,7 +56,10 @@ class SimulatedCollective:
     kind: str
     bytes: int
     group_size: int
-    inside_node: bool
+    inside_node: bool  # its group's ranks are on one node: priced on the intra-node link
+    seconds: float = 0.0  # predicted transfer time
+    graph: str = ""  # forward0, backward0 (cost_model.StepGraph.name); "" for the optimizer's
+    node: str = ""  # the collective's node in that graph
 
 
 @dataclass
@@ -82,10 +90,12 @@ class SimulationResult:
         """The result as JSON data, the collectives summed per kind and where they run."""
         totals: dict[str, dict] = {}
         for c in self.collectives:
-            entry = totals.setdefault(f"{c.where} {c.kind}", {"count": 0, "bytes": 0, "across_nodes_bytes": 0})
+            entry = totals.setdefault(f"{c.where} {c.kind}", {"count": 0, "bytes": 0, "across_nodes_bytes": 0,
+                                                              "seconds": 0.0})
             entry["count"] += 1
             entry["bytes"] += c.bytes
             entry["across_nodes_bytes"] += 0 if c.inside_node else c.bytes
+            entry["seconds"] += c.seconds
         return {**{k: v for k, v in asdict(self).items() if k != "collectives"}, "collectives": totals,
                 "per_rank_bytes": self.per_rank_bytes}
 
@@ -103,8 +113,9 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"zcompile.simulate: world_size must be an int >= 1, got {world_size!r}")
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
-    node_size = node_size or profile.node_size
     config = ZeroConfig.from_options(options).replace(check_ranks=False)
+    node_size = _node_size(node_size, config, profile)
+    config = config.replace(node_size=node_size)
     start = time.perf_counter()
     graphs: list = []
     user_hook = config.on_compile
@@ -123,6 +134,7 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
         finally:
             torch._dynamo.reset()
         states = estimate_memory(model, world_size, config)
+        pricing = profile.link_costs(world_size, node_size, group_ranks_by_name())
     num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
     tokens = _tokens(args, kwargs)
     result = SimulationResult(world_size, node_size, profile.name, num_params, tokens, memory={
@@ -131,12 +143,22 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
         "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in graphs if g.keep_gathered),
         "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) for g in graphs),
     })
-    result.collectives = _graph_collectives(graphs, node_size) + _optimizer_collectives(model, node_size)
-    _predict(result, graphs, profile, config)
+    result.collectives = _graph_collectives(graphs, pricing) + _optimizer_collectives(model, pricing)
+    _predict(result, graphs, pricing, profile.compute_costs(config.param_dtype or torch.float32))
     result.simulate_s = time.perf_counter() - start
     log.info("simulate: %d parameters on %d ranks (%s): %.1f MiB per rank, step %.3f s, MFU %.1f%%", num_params,
              world_size, profile.name, result.per_rank_bytes / 2**20, result.step_s, 100 * result.mfu)
     return result
+
+
+def _node_size(node_size: int | None, config: ZeroConfig, profile: HardwareProfile) -> int:
+    """Ranks per node: the argument, else the ``node_size`` option, else the profile's; the two must agree."""
+    if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1):
+        raise ValueError(f"zcompile.simulate: node_size must be an int >= 1 or None (the profile's), got {node_size!r}")
+    if node_size is not None and config.node_size is not None and node_size != config.node_size:
+        raise ValueError(f"zcompile.simulate: node_size={node_size} and the option node_size={config.node_size} "
+                         "disagree; give one of them")
+    return node_size or config.node_size or profile.node_size
 
 
 @contextlib.contextmanager
@@ -174,18 +196,19 @@ def _tokens(args: tuple, kwargs: dict) -> int:
     return 0
 
 
-def _graph_collectives(graphs: list, node_size: int) -> list[SimulatedCollective]:
+def _graph_collectives(graphs: list, pricing: LinkCosts) -> list[SimulatedCollective]:
+    """The graphs' collectives in the order a step runs them (``step_graphs``)."""
     out = []
-    for g in graphs:
-        for where in ("forward", "backward"):
-            gm = getattr(g, where)
-            for collective in collective_nodes(gm) if gm is not None else []:
-                size = collective.group_size or g.plan.world_size  # an all-reduce does not say: the world
-                out.append(SimulatedCollective(where, collective.kind, collective.bytes, size, size <= node_size))
+    for graph in step_graphs(graphs):
+        for collective in collective_nodes(graph.gm):
+            size = pricing.group_size(collective)
+            inside = not pricing.across_nodes(collective.group_name, size)
+            out.append(SimulatedCollective(graph.where, collective.kind, collective.bytes, size, inside,
+                                           graph=graph.name, node=collective.node.name))
     return out
 
 
-def _optimizer_collectives(model: torch.nn.Module, node_size: int) -> list[SimulatedCollective]:
+def _optimizer_collectives(model: torch.nn.Module, pricing: LinkCosts) -> list[SimulatedCollective]:
     """Stages 1 and 2: what the step moves per trained parameter, read from the shards the backend
     made (as ``zcompile.optim`` reads them): the updated parameter all-gathered in the replicated
     dtype, and at stage 1 first the full gradient reduce-scattered in its reduce dtype; padded."""
@@ -197,20 +220,23 @@ def _optimizer_collectives(model: torch.nn.Module, node_size: int) -> list[Simul
         moved = [("all_gather", sharded.replicated_dtype)]
         if sharded.stage == 1:
             moved.insert(0, ("reduce_scatter", sharded.grad_reduce_dtype))
-        out += [SimulatedCollective("optimizer", kind, sharded.padded_numel * dtype.itemsize, world, world <= node_size)
-                for kind, dtype in moved]
+        across = pricing.across_nodes(sharded.group.name, world)
+        for kind, dtype in moved:
+            nbytes = sharded.padded_numel * dtype.itemsize
+            seconds = pricing.profile.group_cost(kind, world, across).seconds(nbytes)
+            out.append(SimulatedCollective("optimizer", kind, nbytes, world, not across, seconds))
     return out
 
 
-def _predict(result: SimulationResult, graphs: list, profile: HardwareProfile, config: ZeroConfig) -> None:
-    from zcompile.cost_model import predict_step
-
-    collective_costs = profile.collective_costs(result.world_size, result.node_size)
-    compute_dtype = config.param_dtype or torch.float32
-    prediction = predict_step(graphs, collective_costs, profile.compute_costs(compute_dtype))
-    optimizer_comm = sum(collective_costs.seconds(c.kind, c.bytes) for c in result.collectives if c.where == "optimizer")
+def _predict(result: SimulationResult, graphs: list, pricing: LinkCosts, compute: ComputeCosts) -> None:
+    """Step, exposed communication and MFU from ``predict_step``; each graph collective's predicted seconds."""
+    prediction = predict_step(graphs, pricing, compute)
+    seconds = {(c.graph, c.name): c.seconds for c in prediction.collectives}
+    for c in result.collectives:
+        c.seconds = seconds.get((c.graph, c.node), c.seconds)
+    optimizer_comm = sum(c.seconds for c in result.collectives if c.where == "optimizer")
     result.compute_s = prediction.compute_s
     result.exposed_comm_s = prediction.exposed_comm_s + optimizer_comm
     result.step_s = prediction.step_s + optimizer_comm
     if result.step_s > 0:
-        result.mfu = 6 * result.num_params * result.tokens_per_rank / result.step_s / profile.peak_flops(compute_dtype)
+        result.mfu = 6 * result.num_params * result.tokens_per_rank / result.step_s / compute.flops_per_s

@@ -54,6 +54,11 @@ class NodeLayout:
         return [node * self.node_size + local_rank for node in range(self.nodes)]
 
 
+def spans_nodes(ranks: list[int] | tuple[int, ...], node_size: int) -> bool:
+    """Whether the global ``ranks`` lie on more than one node of ``node_size`` ranks (node-major layout)."""
+    return len({rank // node_size for rank in ranks}) > 1
+
+
 @dataclass(frozen=True)
 class NodeGroups:
     """This rank's intra-node and inter-node groups."""
