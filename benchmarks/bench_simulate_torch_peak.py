@@ -1,0 +1,161 @@
+"""``zcompile.simulate``'s memory per rank against torch's own estimate at a world this machine does not have.
+
+    python benchmarks/bench_simulate_torch_peak.py          # results/simulate_torch_peak.json
+    python benchmarks/bench_simulate_torch_peak.py --worlds 8 64 --layers 4
+
+The same small Llama (``SHAPE``; one rank's batch of ``BATCH`` x ``SEQ`` tokens, fp32, AdamW) at each
+world size, two ways, each in one process on torch's fake process group
+(``torch.testing._internal.distributed.fake_pg.FakeStore``, backend ``"fake"``):
+
+- **torch**: FSDP2, ``fully_shard`` on every decoder layer and then the root (torchtitan's
+  wrapping; ``reshard_after_forward=True``, ZeRO-3's placement), built and run under
+  ``FakeTensorMode``, tracked by ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`` over
+  two iterations of forward, backward, ``optimizer.step()``, ``zero_grad()`` (the first makes the
+  optimizer state; torchtitan's ``scripts/estimate/estimation.py`` does the same). Reported: the
+  peak and its parts by FSDPMemTracker's categories at that peak;
+- **zcompile**: ``zcompile.simulate(..., options={"stage": 3})``: model states, gathered peak, kept
+  weights, saved activations (the parts ``step_report`` measures), and their sum.
+
+The two are compared by what each counts (the issue's goal: within 10%). They do not count the same
+things; ``main`` prints both side by side and the JSON holds every part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from common import print_table  # noqa: E402
+
+SHAPE = dict(hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, vocab_size=4096)
+BATCH, SEQ = 2, 256
+MIB = 2**20
+
+
+def llama_config(layers: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_hidden_layers=layers, max_position_embeddings=SEQ, use_cache=False, **SHAPE)
+
+
+def torch_fsdp2_peak(world: int, layers: int) -> dict:
+    """FSDP2 under FakeTensorMode and the fake process group, tracked by FSDPMemTracker (module doc)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import LlamaForCausalLM
+
+    start = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        with FakeTensorMode():
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(llama_config(layers))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            ids = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ))
+            tracker = FSDPMemTracker(model, optimizer)
+            tracker.track_inputs((ids,))
+            with tracker:
+                for iteration in range(2):
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    optimizer.step()
+                    if iteration == 1:
+                        after_step = _by_name(tracker.get_tracker_snapshot("current"))
+                    optimizer.zero_grad()
+                    if iteration == 0:
+                        tracker.reset_mod_stats()
+            peak = _by_name(tracker.get_tracker_snapshot("peak"))
+    finally:
+        dist.destroy_process_group()
+    return {"peak": peak, "after_step": after_step, "seconds": time.perf_counter() - start}
+
+
+def _by_name(snapshot: dict) -> dict[str, int]:
+    """FSDPMemTracker's snapshot of the one (CPU) device: category name -> bytes."""
+    (parts,) = snapshot.values()
+    return {getattr(k, "value", k): int(v) for k, v in parts.items()}
+
+
+def zcompile_simulated(world: int, layers: int) -> dict:
+    from transformers import LlamaForCausalLM
+
+    from zcompile.simulate import simulate
+
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    result = simulate(lambda: LlamaForCausalLM(llama_config(layers)), {"input_ids": ids, "labels": ids},
+                      world_size=world, options={"stage": 3}, hardware="cpu-local")
+    return {**result.memory, "per_rank_bytes": result.per_rank_bytes, "num_params": result.num_params,
+            "seconds": result.simulate_s}
+
+
+def compare(torch_run: dict, ours: dict) -> dict:
+    """Each side's peak and the parts that correspond (module doc): states, gathered, activations, the rest."""
+    peak, after = torch_run["peak"], torch_run["after_step"]
+    torch_parts = {
+        "model_states_at_peak": peak["Sharded Param"] + peak["Sharded Grad"] + peak["OptState"],
+        "model_states_after_step": after["Sharded Param"] + after["Sharded Grad"] + after["OptState"],
+        "gathered": peak["Unsharded Param"] + peak["All Gather"] + peak["Unsharded Grad"] + peak["Reduce Scatter"],
+        "activations": peak["Activation"],
+        "temporaries": peak["Temp"],
+        "other": peak["Buffer"] + peak["Inputs"],
+    }
+    return {
+        "torch_peak_bytes": peak["Total"], "zcompile_parts_bytes": ours["per_rank_bytes"],
+        "zcompile_over_torch_peak": ours["per_rank_bytes"] / peak["Total"],
+        "torch_parts": torch_parts,
+        "ratios": {"model_states (after step)": ours["model_states_bytes"] / torch_parts["model_states_after_step"],
+                   "gathered": ours["peak_gathered_bytes"] / max(1, torch_parts["gathered"]),
+                   "activations": ours["saved_activation_bytes"] / max(1, torch_parts["activations"])},
+        "torch_peak_without_temporaries": peak["Total"] - torch_parts["temporaries"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worlds", nargs="+", type=int, default=[8, 64])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "simulate_torch_peak.json"))
+    args = parser.parse_args()
+    os.environ.setdefault("COLUMNS", "200")
+    results, rows = [], []
+    for world in args.worlds:
+        torch_run = torch_fsdp2_peak(world, args.layers)
+        ours = zcompile_simulated(world, args.layers)
+        check = compare(torch_run, ours)
+        results.append({"world": world, "layers": args.layers, "shape": SHAPE, "batch": BATCH, "seq": SEQ,
+                        "torch_fsdp2": torch_run, "zcompile": ours, "check": check})
+        t = check["torch_parts"]
+        rows.append((str(world), f"{check['torch_peak_bytes'] / MIB:.2f}",
+                     f"{t['model_states_at_peak'] / MIB:.2f} + {t['gathered'] / MIB:.2f} + "
+                     f"{t['activations'] / MIB:.2f} + {t['temporaries'] / MIB:.2f}",
+                     f"{ours['per_rank_bytes'] / MIB:.2f}",
+                     f"{ours['model_states_bytes'] / MIB:.2f} + {ours['peak_gathered_bytes'] / MIB:.2f} + "
+                     f"{ours['saved_activation_bytes'] / MIB:.2f}",
+                     f"{check['zcompile_over_torch_peak']:.2f}",
+                     " / ".join(f"{v:.2f}" for v in check["ratios"].values())))
+        print(rows[-1], flush=True)
+    print_table(f"Llama {args.layers} layers {SHAPE}, batch {BATCH}x{SEQ}, fp32 AdamW: MiB per rank",
+                ["world", "torch FSDP2 peak", "states + gathered + activations + temp", "zcompile parts",
+                 "states + gathered + saved activations", "zcompile/torch", "states / gathered / activations"], rows)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
