@@ -25,6 +25,7 @@ _LAZY = {
     "PassError": "zcompile.pass_runner",
     "StepReport": "zcompile.report",
     "step_report": "zcompile.report",
+    "simulate_tune": "zcompile.tune_simulate",
 }
 __all__ = list(_LAZY)
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from zcompile.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
     from zcompile.pass_runner import PassError
     from zcompile.report import StepReport, step_report
+    from zcompile.tune_simulate import simulate_tune
 
 
 def __getattr__(name: str):

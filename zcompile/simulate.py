@@ -110,8 +110,7 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
     arguments); ``loss_fn(output)`` makes the scalar to differentiate (default: the output if it is
     a tensor, else its ``loss``); ``node_size``: ranks per node (default the profile's).
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"zcompile.simulate: world_size must be an int >= 1, got {world_size!r}")
+    check_world(world_size, node_size)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     config = ZeroConfig.from_options(options).replace(check_ranks=False)
     node_size = _node_size(node_size, config, profile)
@@ -151,10 +150,16 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
     return result
 
 
-def _node_size(node_size: int | None, config: ZeroConfig, profile: HardwareProfile) -> int:
-    """Ranks per node: the argument, else the ``node_size`` option, else the profile's; the two must agree."""
+def check_world(world_size: int, node_size: int | None) -> None:
+    """Refuses a world size or node size that is not a positive int, naming it."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"zcompile.simulate: world_size must be an int >= 1, got {world_size!r}")
     if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1):
         raise ValueError(f"zcompile.simulate: node_size must be an int >= 1 or None (the profile's), got {node_size!r}")
+
+
+def _node_size(node_size: int | None, config: ZeroConfig, profile: HardwareProfile) -> int:
+    """Ranks per node: the argument, else the ``node_size`` option, else the profile's; the two must agree."""
     if node_size is not None and config.node_size is not None and node_size != config.node_size:
         raise ValueError(f"zcompile.simulate: node_size={node_size} and the option node_size={config.node_size} "
                          "disagree; give one of them")

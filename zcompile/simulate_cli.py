@@ -5,6 +5,10 @@
 ``AutoConfig.for_model`` and ``AutoModelForCausalLM.from_config`` on fake tensors (nothing is
 allocated or downloaded). Prints the memory per rank by parts, the collectives per step and the
 predicted step; ``--json OUT`` also writes the result.
+
+With ``--space KEY=V1,V2`` (repeated) it tunes by simulation instead (``zcompile.simulate_tune``):
+every combination simulated on top of the ``--option`` ones, a table of the points, the Pareto front
+of memory per GPU against step time and the fastest point that fits; ``--plot PNG`` draws it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,20 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="a zero backend option (JSON value, or a plain string), e.g. stage=3, param_dtype=bf16")
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the result as JSON")
+    parser.add_argument("--space", action="append", default=[], metavar="KEY=V1,V2",
+                        help="tune by simulation: candidates of a zero backend option (repeat for more options)")
+    parser.add_argument("--memory-limit-gb", type=float, default=None, help="with --space: GiB per GPU; points "
+                        "over it are pruned")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="with --space: step time against memory, "
+                        "the Pareto front highlighted")
+
+
+def _value(text: str):
+    """A JSON value (``3``, ``null``, ``true``), else the plain string (``bf16``, ``node``)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -35,11 +53,19 @@ def parse_options(pairs: list[str]) -> dict:
         key, sep, value = pair.partition("=")
         if not sep:
             raise ValueError(f"--option {pair!r}: expected KEY=VALUE")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
+        options[key] = _value(value)
     return options
+
+
+def parse_space(pairs: list[str]) -> dict:
+    """``["bucket_mb=16,64", "hpz_size=null,node"]`` -> ``{"bucket_mb": [16, 64], "hpz_size": [None, "node"]}``."""
+    space = {}
+    for pair in pairs:
+        key, sep, values = pair.partition("=")
+        if not sep or not values:
+            raise ValueError(f"--space {pair!r}: expected KEY=V1,V2,...")
+        space[key] = [_value(v) for v in values.split(",")]
+    return space
 
 
 def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
@@ -58,10 +84,14 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
             raise ValueError("the spec needs a model_type (e.g. \"llama\", \"gpt2\")")
         config = transformers.AutoConfig.for_model(model_type, **spec)
         options = parse_options(args.option)
+        space = parse_space(args.space)
     except (OSError, ValueError) as error:
         raise DumpError(f"{args.spec}: {error}") from None
     config.use_cache = False
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
+    if space:
+        return _tune(args, out, lambda: transformers.AutoModelForCausalLM.from_config(config),
+                     {"input_ids": ids, "labels": ids}, space, options)
     try:
         result = simulate(lambda: transformers.AutoModelForCausalLM.from_config(config),
                           {"input_ids": ids, "labels": ids}, world_size=args.world, node_size=args.node_size,
@@ -81,4 +111,25 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result.to_dict(), f, indent=1)
+    return 0
+
+
+def _tune(args: argparse.Namespace, out, make_model, batch: dict, space: dict, options: dict) -> int:
+    from zcompile.dumps import DumpError
+    from zcompile.tune_simulate import simulate_tune
+    from zcompile.tune_simulate_report import COLUMNS, LEFT, point_rows, summary_lines
+
+    try:
+        result = simulate_tune(make_model, batch, space=space, world_size=args.world, node_size=args.node_size,
+                               base_options=options, hardware=args.hardware, memory_limit_gb=args.memory_limit_gb)
+    except (TypeError, ValueError) as error:  # a bad space, option, world size or profile: said, not a traceback
+        raise DumpError(str(error)) from None
+    out.table(f"{len(result.points)} points simulated at {result.world_size} ranks ({result.hardware})",
+              list(COLUMNS), point_rows(result), numeric=set(range(len(COLUMNS))) - LEFT)
+    for line in summary_lines(result):
+        out.line(line)
+    if args.json:
+        result.to_json(args.json)
+    if args.plot:
+        result.plot(args.plot)
     return 0

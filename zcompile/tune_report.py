@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 COLUMNS = ("#", "options", "status", "pred ms", "meas ms", "pred exposed", "meas exposed", "pred MiB", "meas MiB",
            "")
+LEFT = {1, 2, 9}  # the columns of text, left-justified
 
 
 def _ms(seconds: float | None) -> str:
@@ -66,32 +67,49 @@ def summary_lines(result: TuneResult) -> list[str]:
     return lines
 
 
-def render_result(result: TuneResult) -> str:
-    rows = [list(COLUMNS)] + trial_rows(result)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    text = ["  ".join(cell.ljust(w) if i in (1, 2, 9) else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-            for row in rows]
-    return "\n".join(text + summary_lines(result))
+def render_table(columns: tuple[str, ...], rows: list[list[str]], left: set[int]) -> str:
+    """Plain-text table: columns padded to their widest cell, ``left`` ones left-justified."""
+    rows = [list(columns)] + rows
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    return "\n".join("  ".join(cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in
+                               enumerate(zip(row, widths))) for row in rows)
 
 
-def print_result(result: TuneResult) -> None:
+def print_table(title: str, columns: tuple[str, ...], rows: list[list[str]], left: set[int], lines: list[str]) -> None:
+    """A rich table (plain text without rich) and the ``lines`` after it."""
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        print(render_result(result))
+        print("\n".join([title, render_table(columns, rows, left)] + lines))
         return
-    table = Table(title=f"zcompile.tune: {len(result.trials)} points, {result.world_size} rank(s)")
-    for i, column in enumerate(COLUMNS):
-        table.add_column(column, justify="left" if i in (1, 2, 9) else "right")
-    for row in trial_rows(result):
+    table = Table(title=title)
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i in left else "right")
+    for row in rows:
         table.add_row(*row)
     console = Console()
     if not console.is_terminal:  # a log or a pipe: one line per row rather than 80 columns of wrapped cells
         console = Console(width=180)
     console.print(table)
-    for line in summary_lines(result):
+    for line in lines:
         console.print(line, highlight=False)
+
+
+def render_result(result: TuneResult) -> str:
+    return "\n".join([render_table(COLUMNS, trial_rows(result), LEFT)] + summary_lines(result))
+
+
+def print_result(result: TuneResult) -> None:
+    print_table(f"zcompile.tune: {len(result.trials)} points, {result.world_size} rank(s)", COLUMNS,
+                trial_rows(result), LEFT, summary_lines(result))
+
+
+def draw_front(axis, points: list[tuple[float, float]], label: str = "Pareto front") -> None:
+    """The Pareto front of ``points`` (no other point less on both coordinates) as a line on ``axis``."""
+    front = sorted(points[i] for i in pareto_front(points))
+    if front:
+        axis.plot([x for x, _ in front], [y for _, y in front], color="tab:orange", marker="o", label=label)
 
 
 def plot_result(result: TuneResult, path: str) -> None:
@@ -113,10 +131,8 @@ def plot_result(result: TuneResult, path: str) -> None:
     left.set_xlabel("predicted ms")
     left.set_ylabel("measured ms")
     points = [(t.measured.memory_bytes / 2**20, t.measured.step_s * 1e3) for t in measured]
-    front = sorted((points[i] for i in pareto_front(points)))
     right.scatter([m for m, _ in points], [s for _, s in points], s=18, color="tab:blue", label="measured")
-    if front:
-        right.plot([m for m, _ in front], [s for _, s in front], color="tab:orange", marker="o", label="Pareto front")
+    draw_front(right, points)
     for trial, label, color in ((best, "best", "tab:green"), (result.default, "default", "tab:red")):
         if trial is not None and trial.status == MEASURED:
             right.scatter([trial.measured.memory_bytes / 2**20], [trial.measured.step_s * 1e3], s=60,
