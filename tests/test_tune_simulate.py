@@ -8,7 +8,7 @@ import pytest
 
 import zcompile
 from support.models import build_model, global_batch
-from zcompile.tune_simulate import GIB, simulate_tune
+from zcompile.tune_simulate import GIB, SimulatedTuneResult
 
 WORLD = 64
 SPACE = {"stage": [2, 3], "bucket_mb": [0, 4], "hpz_size": [None, "node"]}
@@ -104,6 +104,8 @@ def test_json_table_and_plot(result, tmp_path):
     assert saved["front"] == [p.index for p in result.front]
     assert [p["status"] for p in saved["points"]] == [p.status for p in result.points]
     assert saved["points"][0]["options"] == {"stage": 2, "bucket_mb": 0, "hpz_size": None}
+    again = SimulatedTuneResult.from_json(str(tmp_path / "sim.json"))
+    assert [p.index for p in again.front] == saved["front"] and again.best == result.best
     text = result.render()
     assert "Pareto front" in text and "fastest that fits HBM: #" in text
     pytest.importorskip("matplotlib")

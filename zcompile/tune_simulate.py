@@ -126,6 +126,19 @@ class SimulatedTuneResult:
                 handle.write(text + "\n")
         return text
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SimulatedTuneResult:
+        if data.get("format") != FORMAT:
+            raise ValueError(f"not a zcompile simulate_tune result (format {data.get('format')!r}, expected {FORMAT!r})")
+        return cls([SimulatedPoint(**p) for p in data["points"]], data["base_options"], data["space"],
+                   data["world_size"], data["node_size"], data["hardware"], data["hbm_bytes"],
+                   data.get("memory_limit_gb"), data.get("wall_s", 0.0))
+
+    @classmethod
+    def from_json(cls, path: str) -> SimulatedTuneResult:
+        with open(path) as handle:
+            return cls.from_dict(json.load(handle))
+
     def print(self) -> None:
         """The points as a table (rich when installed) and the choices: a user-facing call."""
         from zcompile.tune_simulate_report import print_simulated

@@ -75,13 +75,20 @@ def plot_simulated(result: SimulatedTuneResult, path: str, title: str | None = N
 
     fig, axis = plt.subplots(figsize=(6.4, 4.2), dpi=90)
     simulated = [p for p in result.points if p.step_s is not None]
-    for status, color in (("predicted", "tab:blue"), ("pruned", "lightgrey")):
+    for status, color, label in (("predicted", "tab:blue", "simulated"), ("pruned", "lightgrey", "over the limit")):
         shown = [p for p in simulated if p.status == status]
-        axis.scatter([p.memory_bytes / GIB for p in shown], [p.step_s for p in shown], s=22, color=color,
-                     label="simulated" if status == "predicted" else "over the memory limit")
+        if shown:
+            axis.scatter([p.memory_bytes / GIB for p in shown], [p.step_s for p in shown], s=22, color=color,
+                         label=label)
+    labels: dict[tuple[str, str], tuple] = {}  # points at one spot (3 digits) share a label
     for p in simulated:
-        axis.annotate(f"#{p.index}", (p.memory_bytes / GIB, p.step_s), fontsize=7, xytext=(3, 3),
-                      textcoords="offset points")
+        values = "/".join(str(jsonable_value(p.options[name])) for name in result.space if name in p.options)
+        spot = (f"{p.memory_bytes / GIB:.3g}", f"{p.step_s:.3g}")
+        labels.setdefault(spot, (p.memory_bytes / GIB, p.step_s, []))[2].append(f"#{p.index} {values}")
+    for x, y, texts in labels.values():
+        axis.annotate(", ".join(texts), (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    axis.text(0.99, 0.01, "labels: " + "/".join(result.space), transform=axis.transAxes, fontsize=7, ha="right",
+              va="bottom", color="grey")
     draw_front(axis, [(p.memory_bytes / GIB, p.step_s) for p in result.eligible])
     chosen = result.fastest_fitting
     if chosen is not None:
