@@ -115,15 +115,9 @@ def plan_buckets(gm: torch.fx.GraphModule, bucket_bytes: int, graph: str = "") -
         open_buckets.setdefault(key, []).append((node, shard_elements))
     for key in list(open_buckets):
         close(key)
-    plan.buckets.sort(key=lambda b: min(_position(gm, name) for name in b.members))
+    position = {node.name: index for index, node in enumerate(gm.graph.nodes)}
+    plan.buckets.sort(key=lambda b: min(position[name] for name in b.members))
     return plan
-
-
-def _position(gm: torch.fx.GraphModule, name: str) -> int:
-    for index, node in enumerate(gm.graph.nodes):
-        if node.name == name:
-            return index
-    raise KeyError(name)
 
 
 def bucket_collectives_pass(gm: torch.fx.GraphModule, plan: BucketPlan) -> torch.fx.GraphModule:
@@ -137,14 +131,21 @@ def bucket_collectives_pass(gm: torch.fx.GraphModule, plan: BucketPlan) -> torch
         members = [by_name[name] for name in bucket.members]
         waits = [next(iter(m.users)) for m in members]
         anchor = members[0] if bucket.kind == "all_gather" else members[-1]
+        # the nodes inserted are those between the anchor's old predecessor and the anchor: found
+        # there, not by a scan of the whole graph per bucket (quadratic in the parameters)
+        before_insertion = anchor.prev
         with graph.inserting_before(anchor):
             results = (_gather_bucket if bucket.kind == "all_gather" else _reduce_bucket)(graph, members, bucket)
+        new_nodes = []
+        node = before_insertion.next
+        while node is not anchor:
+            new_nodes.append(node)
+            node = node.next
         for wait, result in zip(waits, results):
             wait.replace_all_uses_with(result)
         for wait, member in zip(waits, members):
             graph.erase_node(wait)
             graph.erase_node(member)
-        new_nodes = [n for n in graph.nodes if n.name not in by_name]
         for node in new_nodes:
             metadata.tag(node, bucket=index, params=list(bucket.params),
                          role=metadata.ROLE_GATHER if bucket.kind == "all_gather" else metadata.ROLE_REDUCE)

@@ -3,6 +3,8 @@
 Tolerances: see ``support.training`` (``assert_same_training``).
 """
 
+import re
+
 import pytest
 import torch
 
@@ -25,6 +27,8 @@ WORLD2_SPECS = (
     + [RunSpec(model="hf_llama", stage=s, lr=3e-3) for s in STAGES]
     + [RunSpec(model="hf_llama", stage=3, optimizer="sgd", lr=0.1)]
     + [RunSpec(model="gpt_untied_odd", stage=s) for s in (2, 3)]
+    # regional compilation (zcompile.mark_repeated_blocks): one subgraph per block class
+    + [RunSpec(model="gpt", stage=3, regional=True), RunSpec(model="hf_llama", stage=2, lr=3e-3, regional=True)]
 )
 WORLD4_SPECS = (
     [RunSpec(model="gpt", stage=s) for s in STAGES]
@@ -46,7 +50,7 @@ def world4():
 
 
 def _label(spec):
-    return f"{spec.model}-stage{spec.stage}-{spec.optimizer}"
+    return f"{spec.model}-stage{spec.stage}-{spec.optimizer}" + ("-regional" if spec.regional else "")
 
 
 @pytest.mark.parametrize("index", range(len(WORLD2_SPECS)), ids=[_label(s) for s in WORLD2_SPECS])
@@ -161,3 +165,18 @@ def test_stage3_graph_structure(world2):
             assert facts["bw_reduce_scatters"] > 0, facts
         else:
             assert facts["fw_all_gathers"] == facts["bw_all_gathers"] == facts["bw_reduce_scatters"] == 0, facts
+
+
+def test_regional_runs_trace_each_block_class_once(world2):
+    """With mark_repeated_blocks every layer calls the one subgraph of its class (forward and
+    backward): the parity above is then the parity of a block traced once and reused."""
+    regional = [(spec, rank0) for spec, rank0, _ in world2 if spec.regional]
+    assert regional
+    for spec, rank0 in regional:
+        forward_code = "".join(fw for fw, _ in rank0.graphs)
+        backward_code = "".join(bw for _, bw in rank0.graphs)
+        # partitioned_fw_subgraph_<Dynamo's subgraph>_<AOTAutograd's variant for the call's inputs>
+        calls = re.findall(r"invoke_subgraph\(partitioned_fw_subgraph_(\d+)_\d+, ", forward_code)
+        assert len(calls) == 2, (spec, calls)  # both layers of the test models
+        assert len(set(calls)) == 1, (spec, calls)  # one subgraph traced by Dynamo, called per layer
+        assert len(re.findall(r"invoke_subgraph\(partitioned_bw_subgraph_\d+_\d+, ", backward_code)) == 2, spec

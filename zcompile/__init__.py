@@ -23,6 +23,7 @@ _LAZY = {
     "MemoryEstimate": "zcompile.estimate",
     "estimate_memory": "zcompile.estimate",
     "PassError": "zcompile.pass_runner",
+    "mark_repeated_blocks": "zcompile.regional",
     "StepReport": "zcompile.report",
     "step_report": "zcompile.report",
     "simulate_tune": "zcompile.tune_simulate",
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from zcompile.gathered import gathered
     from zcompile.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
     from zcompile.pass_runner import PassError
+    from zcompile.regional import mark_repeated_blocks
     from zcompile.report import StepReport, step_report
     from zcompile.tune_simulate import simulate_tune
 

@@ -91,6 +91,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 )
         self.last_step_collectives: list[CollectiveRecord] = []
         self.last_step_state_bytes: ModelStateBytes | None = None  # measured at the end of step()
+        self._state_layout: tuple = ()  # what last_step_state_bytes was measured for (_state_bytes_at_step)
 
     def _update(self, shard: torch.Tensor, grad: torch.Tensor, grad_scale: float, state: dict, group: dict,
                 lowp_out: torch.Tensor | None) -> None:
@@ -159,7 +160,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         refresher.finish()
         self.last_step_collectives = early + reducer.records + refresher.records
         # measured while gradients still exist (zero_grad frees them): what step_report shows
-        self.last_step_state_bytes = model_state_bytes(self._all_params(), self)
+        self.last_step_state_bytes = self._state_bytes_at_step(self._members())
         remember_stepped_grads(with_grads)
         return loss
 
@@ -287,6 +288,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores what ``state_dict()`` returned (or DCP resharded from it); the state stays fp32."""
         load_sharded_state_dict(self, state_dict)
+
+    def _state_bytes_at_step(self, members: list) -> ModelStateBytes:
+        """``model_state_bytes`` at the end of a step, walked again only when what exists changed
+        (which gradients, which optimizer states): a step re-makes the same tensors at the same
+        sizes, and the storage walk is the optimizer's largest per-step cost on small models."""
+        layout = (tuple((id(s), s.shard_grad is not None, s.full_grad is not None) for s in members),
+                  sum(len(state) for state in self.state.values()), len(self.state))
+        if layout != self._state_layout or self.last_step_state_bytes is None:
+            self._state_layout = layout
+            return model_state_bytes(self._all_params(), self)
+        return self.last_step_state_bytes
 
     def _all_params(self):
         return (p for group in self.param_groups for p in group["params"])

@@ -148,18 +148,22 @@ class BucketedParamRefresh:
     records: list[CollectiveRecord] = field(default_factory=list)
     _bucket_of: dict = field(default_factory=dict, init=False)
     _updated: dict = field(default_factory=dict, init=False)  # id(member) -> shard in the param dtype
+    _waiting: list = field(default_factory=list, init=False)  # per bucket: members not updated yet
     _in_flight: tuple | None = field(default=None, init=False)  # (bucket, work, gathered)
 
     def __post_init__(self) -> None:
         self._bucket_of = _bucket_index(self.buckets)
+        self._waiting = [len(bucket) for bucket in self.buckets]
 
     def updated(self, member: ShardedParam, shard_in_param_dtype: torch.Tensor | None) -> None:
         """``member``'s shard is final (``shard_in_param_dtype``: already cast, or None to cast here)."""
         shard = shard_in_param_dtype if shard_in_param_dtype is not None else member.shard.detach().to(member.replicated_dtype)
+        index = self._bucket_of[id(member)]
+        if id(member) not in self._updated:
+            self._waiting[index] -= 1  # a count, not a scan of the bucket: linear in the parameters
         self._updated[id(member)] = shard
-        bucket = self.buckets[self._bucket_of[id(member)]]
-        if all(id(m) in self._updated for m in bucket):
-            self._launch(bucket)
+        if self._waiting[index] == 0:
+            self._launch(self.buckets[index])
 
     def finish(self) -> None:
         """Waits for the last bucket in flight and writes it into its parameters."""
@@ -170,7 +174,9 @@ class BucketedParamRefresh:
         group = bucket[0].group
         if group.world_size == 1:
             for m, shard in zip(bucket, shards):
-                m.replicated.view(-1).copy_(shard[: m.numel])
+                replicated = m.replicated.view(-1)
+                if shard.data_ptr() != replicated.data_ptr():  # fp32 stage 1/2: the shard is that storage
+                    replicated.copy_(shard[: m.numel])
             return
         flat = torch.cat(shards) if len(shards) > 1 else shards[0]
         gathered = torch.empty(flat.numel() * group.world_size, dtype=flat.dtype, device=flat.device)

@@ -63,6 +63,7 @@ class RunSpec:
     clip_via: str = "optimizer"
     dynamic: bool | None = None  # torch.compile(dynamic=...) of the zero run
     recompile_limit: int | None = None  # torch._dynamo.config.recompile_limit during the zero run (None: torch's)
+    regional: bool = False  # zcompile.mark_repeated_blocks(model) before compiling
 
 
 @dataclass
@@ -122,6 +123,8 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     """Trains ``spec.model`` with the zero backend on this rank; returns the gathered result."""
     torch._dynamo.reset()
     model = build_model(spec.model)
+    if spec.regional:
+        assert zcompile.mark_repeated_blocks(model), "the model has no repeated blocks to mark"
     compiled_graphs = []
     options = {"stage": spec.stage, "compiler": "eager", "on_compile": compiled_graphs.append, **spec.options}
     estimate = zcompile.estimate_memory(model, world, options, optimizer="sgd_momentum" if spec.optimizer == "sgd" else "adamw")

@@ -1,0 +1,78 @@
+"""zcompile.mark_repeated_blocks: which modules become regions, what stays as it was, wrong names.
+
+The multi-rank parity of regional runs is in test_training (``regional=True`` specs).
+"""
+
+import pytest
+import torch
+
+import zcompile
+from support.models import GPT, GPTConfig, synthetic_batch  # puts examples/ on the path
+from gpt import Block
+from zcompile.regional import marked_block_count
+
+CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
+
+
+def _pair():
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    reference = GPT(CONFIG)
+    reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+def test_finds_the_block_class_and_leaves_other_instances_alone():
+    model, reference = _pair()
+    keys = list(model.state_dict())
+    assert zcompile.mark_repeated_blocks(model) == [Block]  # not nn.Linear of the MLP's Sequential
+    assert marked_block_count(model) == CONFIG.n_layer
+    assert all(isinstance(block, Block) for block in model.blocks)
+    assert list(model.state_dict()) == keys
+    assert marked_block_count(reference) == 0 and type(reference.blocks[0]) is Block
+    assert zcompile.mark_repeated_blocks(model) == [type(model.blocks[0])]  # again: nothing new
+    assert marked_block_count(model) == CONFIG.n_layer
+
+
+def test_a_marked_model_compiles_each_block_once_and_computes_the_same():
+    """Dynamo's graph calls one subgraph per layer; the loss and every gradient equal the
+    unmarked model's (an instance-bound mark reused layer 0's weights at every layer)."""
+    model, reference = _pair()
+    zcompile.mark_repeated_blocks(model)
+    graphs = []
+
+    def backend(gm, example_inputs):  # records Dynamo's graph; an invoke_subgraph runs only compiled
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    tokens, targets = synthetic_batch(0, 2, CONFIG)
+    torch._dynamo.reset()
+    try:
+        loss = torch.compile(model, backend=backend)(tokens, targets)
+    finally:
+        torch._dynamo.reset()
+    expected = reference(tokens, targets)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+    for (name, param), ref_param in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-6, atol=1e-7, msg=name)
+    calls = [node for gm in graphs for node in gm.graph.nodes if "invoke_subgraph" in str(node.target)]
+    assert len(calls) == CONFIG.n_layer
+    assert len({node.args[0].target for node in calls}) == 1
+
+
+def test_named_classes_and_errors():
+    model, _ = _pair()
+    assert zcompile.mark_repeated_blocks(model, block_classes=["LayerNorm"]) == [torch.nn.LayerNorm]
+    assert marked_block_count(model) == 2 * CONFIG.n_layer + 1
+    with pytest.raises(ValueError, match="no submodule of GPT is a Attention.*Block"):
+        zcompile.mark_repeated_blocks(GPT(CONFIG), block_classes=["Attention"])
+    with pytest.raises(TypeError, match="nn.Module"):
+        zcompile.mark_repeated_blocks(lambda x: x)
+
+
+def test_a_model_without_repeated_blocks_is_said_not_silent(caplog):
+    with caplog.at_level("WARNING", logger="zcompile.regional"):
+        assert zcompile.mark_repeated_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())) == []
+    assert "nothing marked" in caplog.text
