@@ -385,10 +385,25 @@ def node_bytes(node: torch.fx.Node) -> int:
 
 
 def node_seconds(node: torch.fx.Node, compute: ComputeCosts) -> float:
-    """Predicted compute time of one node; 0 for placeholders, outputs and Python calls (getitem)."""
+    """Predicted compute time of one node; 0 for placeholders, outputs and Python calls (getitem).
+    A call of a subgraph (a block of ``zcompile.mark_repeated_blocks``) costs its nodes'."""
+    subgraph = _called_subgraph(node)
+    if subgraph is not None:
+        return sum(node_seconds(inner, compute) for inner in subgraph.graph.nodes)
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
     return compute.seconds(node_flops(node), node_bytes(node))
+
+
+def _called_subgraph(node: torch.fx.Node) -> torch.fx.GraphModule | None:
+    """The graph module an ``invoke_subgraph`` node runs (its first argument, an attribute of the graph)."""
+    if node.op != "call_function" or node.target is not torch.ops.higher_order.invoke_subgraph:
+        return None
+    attribute, owner = node.args[0], node.graph.owning_module
+    if not isinstance(attribute, torch.fx.Node) or attribute.op != "get_attr" or owner is None:
+        return None
+    subgraph = getattr(owner, attribute.target, None)
+    return subgraph if isinstance(subgraph, torch.fx.GraphModule) else None
 
 
 # ----------------------------------------------------------------------------- prediction
