@@ -134,6 +134,7 @@ def measure(name: str, stage: int, steps: int, rank: int, world: int) -> dict:
         "forward_s": statistics.median(p[0] for p in phases),
         "backward_s": statistics.median(p[1] for p in phases),
         "optimizer_s": statistics.median(p[2] for p in phases),
+        "step_s_min": min(p[3] for p in phases),
         "step_s_all": [p[3] for p in phases],
         "num_params": report.num_params,
     }
@@ -189,6 +190,7 @@ def compare(measured: dict, sim: dict) -> dict:
                        "bytes_equal": (measured["collectives"].get(k) or {}).get("bytes")
                        == (sim["collectives"].get(k) or {}).get("bytes")} for k in kinds}
     times = {k: _ratio(sim[k], measured[k]) for k in ("step_s", "forward_s", "backward_s", "optimizer_s")}
+    times["step_s_min"] = _ratio(sim["step_s"], min(measured["step_s_all"]))
     return {
         "memory_ratio": memory, "memory_within_5pct": all(abs(r - 1) <= 0.05 for r in memory.values() if r is not None),
         "collectives": collectives,
@@ -204,6 +206,32 @@ def _ratio(simulated_value: float, measured_value: float) -> float | None:
     return simulated_value / measured_value
 
 
+def machine_busy_s() -> float:
+    """CPU seconds every process on the machine has used so far (``/proc/stat``: user, nice, system,
+    irq, softirq, steal); 0 where there is no ``/proc``."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """Cores that other processes kept busy, on average, from its creation to ``cores()``: the
+    machine's CPU seconds less the ranks' own (all their threads), over the wall time. Collective:
+    every rank calls ``cores()``."""
+
+    def __init__(self) -> None:
+        self.start, self.busy, self.own = time.perf_counter(), machine_busy_s(), time.process_time()
+
+    def cores(self) -> float:
+        own = torch.tensor([time.process_time() - self.own], dtype=torch.float64)
+        dist.all_reduce(own)
+        return max(machine_busy_s() - self.busy - own.item(), 0.0) / (time.perf_counter() - self.start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="+", default=["gpt", "llama"])
@@ -211,6 +239,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--profile", default="cpu-local", help="hardware profile name or path for simulate")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--from-measured", metavar="JSON", help="no training: simulate again against the "
+                        "measurements in this earlier result (python, not torchrun), e.g. with another --profile")
     parser.add_argument("--simulate", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.simulate:  # the subprocess: no process group
@@ -221,24 +251,35 @@ def main() -> None:
         return
 
     os.environ.setdefault("COLUMNS", "200")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    load_before = os.getloadavg()
-    start = time.perf_counter()
-    runs = []
-    for name in args.models:
-        for stage in args.stages:
-            runs.append({"model": name, "stage": stage, "world": world, "profile": args.profile,
-                         "measured": measure(name, stage, args.steps, rank, world)})
-            if rank == 0:
-                m = runs[-1]["measured"]
-                print(f"measured {name} stage {stage}: step {m['step_s'] * 1e3:.1f} ms, "
-                      f"{m['per_rank_bytes'] / MIB:.2f} MiB", flush=True)
-    measure_s, load_after = time.perf_counter() - start, os.getloadavg()
-    dist.destroy_process_group()
-    if rank != 0:
-        return
+    if args.from_measured:
+        with open(args.from_measured) as f:
+            earlier = json.load(f)
+        world, runs = earlier["world"], [{**r, "profile": args.profile} for r in earlier["runs"]]
+        load_before, load_after, measure_s, others_cores = (earlier[k] for k in (
+            "load_average_before", "load_average_after_measuring", "measure_s", "other_processes_cores"))
+    else:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        load_before = os.getloadavg()
+        start, everything = time.perf_counter(), OtherLoad()
+        runs = []
+        for name in args.models:
+            for stage in args.stages:
+                load = OtherLoad()
+                measured = measure(name, stage, args.steps, rank, world)
+                measured["other_processes_cores"] = load.cores()
+                runs.append({"model": name, "stage": stage, "world": world, "profile": args.profile,
+                             "measured": measured})
+                if rank == 0:
+                    print(f"measured {name} stage {stage}: step {measured['step_s'] * 1e3:.1f} ms, "
+                          f"{measured['per_rank_bytes'] / MIB:.2f} MiB, other processes "
+                          f"{measured['other_processes_cores']:.2f} cores", flush=True)
+        measure_s, load_after = time.perf_counter() - start, os.getloadavg()
+        others_cores = everything.cores()
+        dist.destroy_process_group()
+        if rank != 0:
+            return
     sims = simulate_cases([{k: r[k] for k in ("model", "stage", "world", "profile")} for r in runs])
     rows = []
     for run, sim in zip(runs, sims):
@@ -256,23 +297,27 @@ def main() -> None:
                      f"{m['optimizer_s'] * 1e3:.0f})",
                      f"{sim['step_s'] * 1e3:.0f} ({sim['forward_s'] * 1e3:.0f}/{sim['backward_s'] * 1e3:.0f}/"
                      f"{sim['optimizer_s'] * 1e3:.0f})",
-                     f"{check['time_ratio']['step_s']:.2f}"))
+                     f"{check['time_ratio']['step_s']:.2f} ({check['time_ratio']['step_s_min']:.2f})",
+                     f"{m.get('other_processes_cores', float('nan')):.2f}"))
     print_table(f"measured vs simulated ({args.profile}), {world} gloo ranks, MiB per rank "
                 "(states + gathered + kept + activations), ms (forward/backward/optimizer)",
                 ["run", "measured parts", "simulated parts", "sim/meas", "step peak", "collectives",
-                 "measured step", "simulated step", "sim/meas"], rows)
+                 "measured step", "simulated step", "sim/meas (vs fastest step)", "others' cores"], rows)
     for run in runs:
         for key, c in run["check"]["collectives"].items():
             if not (c["count_equal"] and c["bytes_equal"]):
-                print(f"  {run['model']} stage {run['stage']} {key}: measured {c['measured']}, simulated {c['simulated']}")
+                print(f"  {run['model']} stage {run['stage']} {key}: measured {c['measured']}, "
+                      f"simulated {c['simulated']}")
     result = {"world": world, "profile": args.profile, "batch_per_rank": BATCH_PER_RANK, "seq": SEQ,
-              "options": OPTIONS, "steps": args.steps, "cpu_cores": os.cpu_count(),
+              "options": OPTIONS, "steps": earlier["steps"] if args.from_measured else args.steps,
+              "cpu_cores": os.cpu_count(),
               "load_average_before": load_before, "load_average_after_measuring": load_after,
-              "measure_s": measure_s, "runs": runs}
+              "measure_s": measure_s, "other_processes_cores": others_cores, "runs": runs}
     out = args.out or os.path.join(HERE, "results", f"simulate_check_{world}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    print("wrote", out, f"(load average {load_before[0]:.2f} before, {load_after[0]:.2f} after measuring)")
+    print("wrote", out, f"(load average {load_before[0]:.2f} before, {load_after[0]:.2f} after measuring; other "
+          f"processes used {others_cores:.2f} of {os.cpu_count()} cores while measuring)")
 
 
 if __name__ == "__main__":
