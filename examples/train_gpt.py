@@ -50,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--resume", default=None, help="checkpoint directory to resume from (any number of ranks, "
                         "any stage)")
     parser.add_argument("--clip", type=float, default=None, help="clip the global gradient 2-norm to this value")
+    parser.add_argument("--regional", action="store_true",
+                        help="trace the repeated block once (zcompile.mark_repeated_blocks): compile time for deep models")
     parser.add_argument("--eval-every", type=int, default=0, help="evaluate on a held-out batch every K steps")
     return parser.parse_args()
 
@@ -98,6 +100,8 @@ def main() -> None:
     config = GPTConfig(n_layer=args.layers, n_embd=args.embd)
     model = GPT(config).to(device)
     num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    if args.regional:
+        zcompile.mark_repeated_blocks(model)
     graphs = []
     options = {"stage": args.stage, "compiler": args.compiler, "param_dtype": args.param_dtype, "on_compile": graphs.append,
                "dump": args.dump, "keep_gathered_mb": args.keep_gathered_mb, "bucket_mb": args.bucket_mb}

@@ -20,6 +20,7 @@ import torch
 
 from zcompile.passes.collectives import ALL_GATHER
 from zcompile.passes.op_sets import COPIES, PREP_OPS, VIEW_OPS, is_call_to
+from zcompile.passes.regions import subgraph_output_origin
 
 
 def tensor_bytes(value) -> int:
@@ -122,7 +123,14 @@ def saved_activation_bytes(forward: torch.fx.GraphModule | None, backward: torch
             gathered.add(node)
             stack += [user for user in node.users if user not in gathered and is_call_to(user, PREP_OPS)]
     saved = dict.fromkeys(saved_for_backward(forward, backward))  # a node saved twice is one storage
-    return sum(node_bytes(node) for node in saved if not _aliases_an_input(node) and node not in gathered)
+    total = 0
+    for node in saved:
+        # a block subgraph's input handed back by its call (mark_repeated_blocks) is that input's storage
+        origin = subgraph_output_origin(forward, node)
+        start = node if origin is None else origin[0]
+        if not _aliases_an_input(start) and start not in gathered:
+            total += node_bytes(node)
+    return total
 
 
 def _aliases_an_input(node: torch.fx.Node) -> bool:

@@ -23,9 +23,11 @@ from zcompile.passes.collectives import WAIT
 
 aten = torch.ops.aten
 
-SHAPE_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default})
+SHAPE_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default,
+                         aten.detach.default})
 SLICE_VIEWS = frozenset({aten.slice.Tensor, aten.select.int})
-LAYOUT_VIEWS = frozenset({aten.t.default, aten.permute.default, aten.expand.default, aten.as_strided.default})
+LAYOUT_VIEWS = frozenset({aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default,
+                          aten.as_strided.default})
 VIEW_OPS = SHAPE_VIEWS | SLICE_VIEWS | LAYOUT_VIEWS
 
 CASTS = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.default})

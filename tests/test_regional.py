@@ -76,3 +76,33 @@ def test_a_model_without_repeated_blocks_is_said_not_silent(caplog):
     with caplog.at_level("WARNING", logger="zcompile.regional"):
         assert zcompile.mark_repeated_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())) == []
     assert "nothing marked" in caplog.text
+
+
+def test_stage3_regathers_the_blocks_weights_instead_of_saving_them():
+    """A block's subgraph hands its weight inputs back for its backward; without
+    passes/regions.py the outer partition saves them (every layer's gathered weights alive from
+    forward to backward). Simulated at 8 ranks: the marked model saves, gathers and reduces
+    exactly what the unmarked one does, and estimate_memory says the same before compiling."""
+    from zcompile.simulate import simulate
+
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
+    batch = synthetic_batch(0, 2, config)
+
+    def make(regional):
+        def make_model():
+            model = GPT(config)
+            if regional:
+                zcompile.mark_repeated_blocks(model)
+            return model
+        return make_model
+
+    # default buckets: a block's weights are all live at its call, so without buckets (bucket_mb=0)
+    # the marked model's gathered peak is one block's weights, not one weight's
+    results = {r: simulate(make(r), batch, world_size=8, hardware="h100-sxm") for r in (False, True)}
+    plain, marked = results[False], results[True]
+    assert marked.memory == plain.memory
+    for where in ("forward", "backward"):
+        assert marked.bytes_by(where) == plain.bytes_by(where) > 0, where
+    estimates = [zcompile.estimate_memory(make(r)(), 8, {"stage": 3}, batch=batch).saved_activation_bytes
+                 for r in (False, True)]
+    assert estimates[0] == estimates[1] == plain.memory["saved_activation_bytes"]

@@ -109,6 +109,7 @@ def test_dump_layout(reported):
         post_partition = ["remove_unused_gathers", "bucket_collectives", "schedule"]
         assert [(p["pass"], p["graph"]) for p in passes] == (  # (autocast is off: no param_dtype)
             [("insert_param_collectives", "dynamo")]
+            + ([("regather_through_regions", "joint")] if stage == 3 else [])
             + [(name, "forward") for name in post_partition] + [(name, "backward") for name in post_partition]
         )
         for kind in ("forward", "backward"):

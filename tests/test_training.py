@@ -4,6 +4,7 @@ Tolerances: see ``support.training`` (``assert_same_training``).
 """
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -180,3 +181,14 @@ def test_regional_runs_trace_each_block_class_once(world2):
         assert len(calls) == 2, (spec, calls)  # both layers of the test models
         assert len(set(calls)) == 1, (spec, calls)  # one subgraph traced by Dynamo, called per layer
         assert len(re.findall(r"invoke_subgraph\(partitioned_bw_subgraph_\d+_\d+, ", backward_code)) == 2, spec
+        # the same collectives as the unmarked model's run: at stage 3 the backward re-gathers the
+        # blocks' weights (passes/regions.py) instead of saving them through the subgraph calls
+        unmarked = next(r0 for s, r0, _ in world2 if s == replace(spec, regional=False))
+        assert _elements_by_kind(rank0) == _elements_by_kind(unmarked), spec
+
+
+def _elements_by_kind(result) -> dict:
+    totals: dict = {}
+    for c in result.collectives:
+        totals[(c.where, c.kind)] = totals.get((c.where, c.kind), 0) + c.elements
+    return totals

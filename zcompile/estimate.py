@@ -153,7 +153,7 @@ def _saved_activations(model: torch.nn.Module, batch: Any, config: ZeroConfig) -
     from zcompile.inner import activation_budget, activation_budget_fraction
     from zcompile.passes.liveness import saved_activation_bytes
 
-    saved: list[int] = []
+    saved: dict[int, int] = {}  # per Dynamo graph: its partition's (a block subgraph's is made first)
 
     def run(gm, example_inputs):
         return make_boxed_func(gm.forward)
@@ -166,7 +166,7 @@ def _saved_activations(model: torch.nn.Module, batch: Any, config: ZeroConfig) -
             fraction = activation_budget_fraction(config.activation_memory_budget, joint, joint_inputs, kwargs)
             with activation_budget(fraction):
                 forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-            saved.append(saved_activation_bytes(forward, backward) - _saved_weight_bytes(forward, backward, params))
+            saved[id(gm)] = saved_activation_bytes(forward, backward) - _saved_weight_bytes(forward, backward, params)
             return forward, backward
 
         return aot_autograd(fw_compiler=run, bw_compiler=run, partition_fn=partition)(gm, example_inputs)
@@ -180,7 +180,7 @@ def _saved_activations(model: torch.nn.Module, batch: Any, config: ZeroConfig) -
             torch.compile(_faked(model, fake_mode), backend=backend)(*args, **kwargs)
     finally:
         torch._dynamo.reset()
-    return sum(saved)
+    return sum(saved.values())
 
 
 def _saved_weight_bytes(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, params: set[str]) -> int:
@@ -188,12 +188,19 @@ def _saved_weight_bytes(forward: torch.fx.GraphModule, backward: torch.fx.GraphM
     zcompile's graphs do not save those (stage 3 re-gathers them in ``param_dtype``, stages 1 and
     2 read a replica already in it), and ``step_report`` does not count them as activations."""
     from zcompile.passes.liveness import node_bytes, saved_for_backward
+    from zcompile.passes.regions import subgraph_output_origin
 
     total = 0
     for node in dict.fromkeys(saved_for_backward(forward, backward)):
         if node.op == "placeholder":
             continue
-        sources, stack, seen = set(), [node], {node}
+        # a block's input handed back by its subgraph call (mark_repeated_blocks) is judged by the
+        # operand it is (an input: liveness does not count it either)
+        origin = subgraph_output_origin(forward, node)
+        start = origin[0] if origin is not None else node
+        if start.op == "placeholder":
+            continue
+        sources, stack, seen = set(), [start], {start}
         while stack:
             for source in stack.pop().all_input_nodes:
                 if source not in seen:

@@ -37,6 +37,7 @@ from zcompile.passes.mixed_precision import autocast_pass
 from zcompile.passes.param_collectives import insert_param_collectives_pass
 from zcompile.passes.quantize_grads import quantize_grads_pass
 from zcompile.passes.quantize_weights import quantize_weights_pass
+from zcompile.passes.regions import regather_through_regions_pass
 from zcompile.passes.schedule import plan_schedule, schedule_pass
 
 DYNAMO = ("dynamo",)
@@ -88,6 +89,10 @@ PIPELINE: tuple[PassRow, ...] = (
             planner=plan_keep_gathered, plan_name="keep_gathered",
             options=lambda c, g: {"budget_bytes": int(c.config.keep_gathered_mb * MIB)},
             after=("insert_param_collectives", "hpz")),
+    # after keep_gathered: a weight it keeps (its tag lifted) stays saved through a block's call
+    PassRow("regather_through_regions", JOINT, regather_through_regions_pass,
+            enabled=lambda c: c.sharding.stage == 3 and bool(c.sharding.params),
+            after=("insert_param_collectives", "keep_gathered")),
     PassRow("remove_unused_gathers", PARTITIONED, remove_unused_gathers_pass),
     PassRow("hpz_forward_shortcut", FORWARD, hpz_forward_shortcut_pass,
             enabled=lambda c: c.zeropp.hpz_size > 1,
