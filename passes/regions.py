@@ -10,10 +10,11 @@ backward, which is the memory ZeRO-3 exists to free.
 
 ``regather_through_regions_pass`` rewires each such argument of a backward call to the weight it
 is (the forward call's operand, the gathered weight, tagged ``MUST_RECOMPUTE`` by stage 3's
-gathers) through the same views, rebuilt in the outer graph and tagged the same way. The
-partitioner then re-gathers the weight in backward, as it does without regions. Weights kept on
-purpose (``keep_gathered``, whose tags are lifted before this pass) and everything else a block
-saves (activations) are left as they are.
+gathers) through the same views, rebuilt in the outer graph with the weight's tags. The
+partitioner then re-gathers the weight in backward, as it does without regions. It runs before
+``keep_gathered``, which then sees the backward reading each block's weights and may keep some
+(lifting the rebuilt views' tags with the gather's). Everything else a block saves (activations)
+is left as it is.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def regather_through_regions_pass(gm: torch.fx.GraphModule) -> torch.fx.GraphMod
         for argument in call.args[_OPERANDS:]:
             origin = subgraph_output_origin(gm, argument)
             if origin is None or origin[0].meta.get(metadata.RECOMPUTE) != CheckpointPolicy.MUST_RECOMPUTE:
-                continue  # an activation, or a weight kept gathered on purpose: saving it is right
+                continue  # an activation (or a stage 1/2 weight): saving it is right
             source, views = origin
             with graph.inserting_before(call):
                 rebuilt = source

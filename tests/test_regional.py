@@ -78,11 +78,14 @@ def test_a_model_without_repeated_blocks_is_said_not_silent(caplog):
     assert "nothing marked" in caplog.text
 
 
-def test_stage3_regathers_the_blocks_weights_instead_of_saving_them():
+@pytest.mark.parametrize("options", [{}, {"keep_gathered_mb": 0.05}, {"hpz_size": "node"}, {"param_dtype": "bf16"}],
+                         ids=["default", "keep_gathered", "hpz", "bf16"])
+def test_stage3_regathers_the_blocks_weights_instead_of_saving_them(options):
     """A block's subgraph hands its weight inputs back for its backward; without
     passes/regions.py the outer partition saves them (every layer's gathered weights alive from
-    forward to backward). Simulated at 8 ranks: the marked model saves, gathers and reduces
-    exactly what the unmarked one does, and estimate_memory says the same before compiling."""
+    forward to backward), and keep_gathered could not see them read by the backward. Simulated at
+    8 ranks in nodes of 4: the marked model saves, keeps, gathers (inside and across nodes) and
+    reduces exactly what the unmarked one does, and estimate_memory says the same before compiling."""
     from zcompile.simulate import simulate
 
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
@@ -98,11 +101,16 @@ def test_stage3_regathers_the_blocks_weights_instead_of_saving_them():
 
     # default buckets: a block's weights are all live at its call, so without buckets (bucket_mb=0)
     # the marked model's gathered peak is one block's weights, not one weight's
-    results = {r: simulate(make(r), batch, world_size=8, hardware="h100-sxm") for r in (False, True)}
+    results = {r: simulate(make(r), batch, world_size=8, node_size=4, hardware="h100-sxm", options=options)
+               for r in (False, True)}
     plain, marked = results[False], results[True]
     assert marked.memory == plain.memory
+    assert (plain.memory["kept_gathered_bytes"] > 0) == ("keep_gathered_mb" in options)
     for where in ("forward", "backward"):
         assert marked.bytes_by(where) == plain.bytes_by(where) > 0, where
+    assert marked.bytes_by(inside_node=True) == plain.bytes_by(inside_node=True)
+    if options:
+        return
     estimates = [zcompile.estimate_memory(make(r)(), 8, {"stage": 3}, batch=batch).saved_activation_bytes
                  for r in (False, True)]
     assert estimates[0] == estimates[1] == plain.memory["saved_activation_bytes"]

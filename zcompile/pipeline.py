@@ -84,15 +84,15 @@ PIPELINE: tuple[PassRow, ...] = (
             options=lambda c, g: {"hpz_size": c.zeropp.hpz_size, "hpz_rank": c.zeropp.hpz_rank,
                                   "hpz_group_name": c.zeropp.hpz_group_name},
             after=("insert_param_collectives",)),
+    # before keep_gathered: it then sees the blocks' weights read by the backward and may keep them
+    PassRow("regather_through_regions", JOINT, regather_through_regions_pass,
+            enabled=lambda c: c.sharding.stage == 3 and bool(c.sharding.params),
+            after=("insert_param_collectives", "hpz")),
     PassRow("keep_gathered", JOINT, keep_gathered_pass,
             enabled=lambda c: c.config.keep_gathered_mb > 0,  # ZeroConfig allows it at stage 3 only
             planner=plan_keep_gathered, plan_name="keep_gathered",
             options=lambda c, g: {"budget_bytes": int(c.config.keep_gathered_mb * MIB)},
-            after=("insert_param_collectives", "hpz")),
-    # after keep_gathered: a weight it keeps (its tag lifted) stays saved through a block's call
-    PassRow("regather_through_regions", JOINT, regather_through_regions_pass,
-            enabled=lambda c: c.sharding.stage == 3 and bool(c.sharding.params),
-            after=("insert_param_collectives", "keep_gathered")),
+            after=("insert_param_collectives", "hpz", "regather_through_regions")),
     PassRow("remove_unused_gathers", PARTITIONED, remove_unused_gathers_pass),
     PassRow("hpz_forward_shortcut", FORWARD, hpz_forward_shortcut_pass,
             enabled=lambda c: c.zeropp.hpz_size > 1,
