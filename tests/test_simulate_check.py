@@ -46,7 +46,8 @@ def _llama_steps_on_rank(rank: int, world: int) -> dict:
             optimizer.step()
         report = zcompile.step_report(model, optimizer)
         optimizer.zero_grad()
-        out[stage] = {"memory": report.memory, "collectives": [(w, k, c, b) for w, k, c, _, b in report.collective_rows()]}
+        rows = [(where, kind, count, nbytes) for where, kind, count, _, nbytes in report.collective_rows()]
+        out[stage] = {"memory": report.memory, "collectives": rows}
     dist.barrier()
     return out
 
@@ -147,8 +148,12 @@ def _fsdp2_tracked(world: int) -> tuple[dict, dict, list[torch.Size]]:
             peak = tracker.get_tracker_snapshot("peak")
     finally:
         dist.destroy_process_group()
-    by_name = lambda snapshot: {getattr(k, "value", k): v for k, v in next(iter(snapshot.values())).items()}  # noqa: E731
-    return by_name(peak), by_name(after_step), shapes
+    return _by_name(peak), _by_name(after_step), shapes
+
+
+def _by_name(snapshot: dict) -> dict:
+    """FSDPMemTracker's snapshot of the one (CPU) device: category name -> bytes."""
+    return {getattr(k, "value", k): v for k, v in next(iter(snapshot.values())).items()}
 
 
 def test_simulated_memory_against_torch_fsdp2_mem_tracker():
