@@ -114,3 +114,23 @@ def test_stage3_regathers_the_blocks_weights_instead_of_saving_them(options):
     estimates = [zcompile.estimate_memory(make(r)(), 8, {"stage": 3}, batch=batch).saved_activation_bytes
                  for r in (False, True)]
     assert estimates[0] == estimates[1] == plain.memory["saved_activation_bytes"]
+
+
+def test_copies_stay_marked_and_a_saved_model_loads_as_its_own_classes():
+    import copy
+    import io
+
+    from gpt import Block
+
+    model, _ = _pair()
+    zcompile.mark_repeated_blocks(model)
+    copied = copy.deepcopy(model)
+    assert marked_block_count(copied) == CONFIG.n_layer and copied.head.weight is copied.wte.weight
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # the generated subclass has no importable name: saved as Block
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded.blocks[0]) is Block and marked_block_count(loaded) == 0
+    tokens, _ = synthetic_batch(0, 2, CONFIG)
+    torch.testing.assert_close(loaded(tokens), model(tokens), rtol=0, atol=0)
+    torch.testing.assert_close(copied(tokens), model(tokens), rtol=0, atol=0)

@@ -23,6 +23,7 @@ of its own whose ``forward`` is the marked one (``isinstance`` and state dicts a
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Iterable
 
@@ -65,6 +66,27 @@ def marked_block_count(model: torch.nn.Module) -> int:
 
 class _Region:
     """Base of the region subclasses (``_region_class``): how a marked block is recognised."""
+
+    def __deepcopy__(self, memo):
+        # a copy stays marked (copy.deepcopy would otherwise go through __reduce_ex__ below)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return copied
+
+    def __reduce_ex__(self, protocol):
+        # pickled (torch.save(model)) as the block's own class: the generated subclass has no
+        # importable name, and the mark is a compile-time hint the loaded model does not need
+        reduced = super().__reduce_ex__(protocol)
+        if isinstance(reduced, tuple) and len(reduced) > 1 and reduced[1] and reduced[1][0] is type(self):
+            unmarked = next(base for base in type(self).__mro__ if not issubclass(base, _Region))
+            reduced = (_new_instance, (unmarked, *reduced[1][1:]), *reduced[2:])
+        return reduced
+
+
+def _new_instance(cls: type, *args):
+    """Unpickling's constructor of a block pickled as its own class (``_Region.__reduce_ex__``)."""
+    return cls.__new__(cls, *args)
 
 
 def _region_class(cls: type) -> type:
