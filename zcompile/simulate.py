@@ -42,12 +42,14 @@ from zcompile.config import ZeroConfig
 from zcompile.cost_model import ComputeCosts, predict_step, step_graphs
 from zcompile.estimate import estimate_memory, fake_call
 from zcompile.hardware import HardwareProfile, LinkCosts, load_profile
+from zcompile.optim_buckets import plan_optimizer_buckets
 from zcompile.param_shards import shard_of
 from zcompile.passes.collectives import collective_nodes
 from zcompile.process_group import group_ranks_by_name
 from zcompile.passes.liveness import gathered_peak_bytes, saved_activation_bytes
 
 log = logging.getLogger(__name__)
+OPTIMIZER_BUCKET_MB = 4.0  # zcompile.optim's default bucket_mb: the optimizer the simulation assumes
 
 
 @dataclass
@@ -213,23 +215,24 @@ def _graph_collectives(graphs: list, pricing: LinkCosts) -> list[SimulatedCollec
     return out
 
 
-def _optimizer_collectives(model: torch.nn.Module, pricing: LinkCosts) -> list[SimulatedCollective]:
-    """Stages 1 and 2: what the step moves per trained parameter, read from the shards the backend
-    made (as ``zcompile.optim`` reads them): the updated parameter all-gathered in the replicated
-    dtype, and at stage 1 first the full gradient reduce-scattered in its reduce dtype; padded."""
+def _optimizer_collectives(model: torch.nn.Module, pricing: LinkCosts,
+                           bucket_mb: float = OPTIMIZER_BUCKET_MB) -> list[SimulatedCollective]:
+    """Stages 1 and 2: what ``zcompile.optim``'s step moves, read from the shards the backend made and
+    bucketed as the step buckets them (``optim_buckets.plan_optimizer_buckets``, its default 4 MiB of
+    full parameter): at stage 1 the full gradients reduce-scattered in their reduce dtype, then the
+    updated parameters all-gathered in the replicated dtype; one collective per bucket, padded."""
+    members = [s for s in filter(None, map(shard_of, dict.fromkeys(model.parameters())))
+               if s.stage in (1, 2) and s.group.world_size > 1 and s.param.requires_grad]
+    moves = [("reduce_scatter", lambda s: s.grad_reduce_dtype, [s for s in members if s.stage == 1]),
+             ("all_gather", lambda s: s.replicated_dtype, members)]
     out = []
-    for sharded in filter(None, map(shard_of, dict.fromkeys(model.parameters()))):
-        world = sharded.group.world_size
-        if sharded.stage == 3 or world == 1 or not sharded.param.requires_grad:
-            continue
-        moved = [("all_gather", sharded.replicated_dtype)]
-        if sharded.stage == 1:
-            moved.insert(0, ("reduce_scatter", sharded.grad_reduce_dtype))
-        across = pricing.across_nodes(sharded.group.name, world)
-        for kind, dtype in moved:
-            nbytes = sharded.padded_numel * dtype.itemsize
-            seconds = pricing.profile.group_cost(kind, world, across).seconds(nbytes)
-            out.append(SimulatedCollective("optimizer", kind, nbytes, world, not across, seconds))
+    for kind, dtype_of, moved in moves:
+        for bucket in plan_optimizer_buckets(moved, dtype_of, int(bucket_mb * 2**20)):
+            group = bucket[0].group
+            across = pricing.across_nodes(group.name, group.world_size)
+            nbytes = sum(s.padded_numel * dtype_of(s).itemsize for s in bucket)
+            seconds = pricing.profile.group_cost(kind, group.world_size, across).seconds(nbytes)
+            out.append(SimulatedCollective("optimizer", kind, nbytes, group.world_size, not across, seconds))
     return out
 
 
