@@ -14,7 +14,9 @@ world size, two ways, each in one process on torch's fake process group
   optimizer state; torchtitan's ``scripts/estimate/estimation.py`` does the same). Reported: the
   peak and its parts by FSDPMemTracker's categories at that peak;
 - **zcompile**: ``zcompile.simulate(..., options={"stage": 3})``: model states, gathered peak, kept
-  weights, saved activations (the parts ``step_report`` measures), and their sum.
+  weights, saved activations (the parts ``step_report`` measures), and their sum;
+- **eager saved**: what eager autograd saves for backward in one real forward of the same model
+  (``saved_tensors_hooks``), the saved part of FSDP2's "Activation".
 
 The two are compared by what each counts (the issue's goal: within 10%). They do not count the same
 things; ``main`` prints both side by side and the JSON holds every part.
@@ -91,6 +93,29 @@ def _by_name(snapshot: dict) -> dict[str, int]:
     return {getattr(k, "value", k): int(v) for k, v in parts.items()}
 
 
+def eager_saved_bytes(layers: int) -> int:
+    """What eager autograd saves for backward in one forward of the model (real tensors, one process):
+    unique storages packed by ``saved_tensors_hooks``, parameters and the batch left out. FSDP2 runs the
+    model eagerly, so this is the saved part of FSDPMemTracker's "Activation"."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config(layers))
+    ids = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ))
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {ids.untyped_storage().data_ptr()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=ids, labels=ids)
+    return sum(saved.values())
+
+
 def zcompile_simulated(world: int, layers: int) -> dict:
     from transformers import LlamaForCausalLM
 
@@ -103,7 +128,7 @@ def zcompile_simulated(world: int, layers: int) -> dict:
             "seconds": result.simulate_s}
 
 
-def compare(torch_run: dict, ours: dict) -> dict:
+def compare(torch_run: dict, ours: dict, eager_saved: int) -> dict:
     """Each side's peak and the parts that correspond (module doc): states, gathered, activations, the rest."""
     peak, after = torch_run["peak"], torch_run["after_step"]
     torch_parts = {
@@ -122,6 +147,8 @@ def compare(torch_run: dict, ours: dict) -> dict:
                    "gathered": ours["peak_gathered_bytes"] / max(1, torch_parts["gathered"]),
                    "activations": ours["saved_activation_bytes"] / max(1, torch_parts["activations"])},
         "torch_peak_without_temporaries": peak["Total"] - torch_parts["temporaries"],
+        "eager_saved_activation_bytes": eager_saved,
+        "zcompile_saved_over_eager_saved": ours["saved_activation_bytes"] / eager_saved,
     }
 
 
@@ -133,10 +160,11 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("COLUMNS", "200")
     results, rows = [], []
+    eager_saved = eager_saved_bytes(args.layers)
     for world in args.worlds:
         torch_run = torch_fsdp2_peak(world, args.layers)
         ours = zcompile_simulated(world, args.layers)
-        check = compare(torch_run, ours)
+        check = compare(torch_run, ours, eager_saved)
         results.append({"world": world, "layers": args.layers, "shape": SHAPE, "batch": BATCH, "seq": SEQ,
                         "torch_fsdp2": torch_run, "zcompile": ours, "check": check})
         t = check["torch_parts"]
