@@ -21,7 +21,8 @@ ranks, then
 - **simulated**: after training, rank 0 leaves the process group and starts a subprocess (no
   process group there: ``simulate`` makes its own fake one) that runs ``zcompile.simulate`` with
   ``hardware="cpu-local"`` (or ``--profile``) on the same model, one rank's batch, options and world
-  size, and predicts the forward and backward graphs separately with the same costs.
+  size, and predicts the forward and backward graphs separately with the same costs; and a step
+  peak from a walk over its compiled graphs (``step_peak.py``, a prototype) against the allocator's.
 
 Goals (the issue's): memory parts within 5%, collectives identical in count and bytes, step time
 within 25%. ``main`` prints the table and writes the JSON; what disagrees, and why, is in the README
@@ -49,6 +50,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 from common import print_table  # noqa: E402
 
 import zcompile  # noqa: E402
+from step_peak import step_peak_bytes  # noqa: E402
 from zcompile.timeline import record_step  # noqa: E402
 
 BATCH_PER_RANK, SEQ, VOCAB = 4, 128, 2048
@@ -159,8 +161,11 @@ def simulated(name: str, stage: int, world: int, profile: str) -> dict:
     split = {where: sum(predict(getattr(g, where), costs, compute).step_s for g in graphs)
              for where in ("forward", "backward")}
     data = result.to_dict()
+    states = zcompile.estimate_memory(build(name), world, {"stage": stage, **OPTIONS})
     return {
         "memory": data["memory"], "per_rank_bytes": data["per_rank_bytes"],
+        # prototype (step_peak.py): the peak of a step from a walk over the compiled graphs
+        "step_peak_bytes": step_peak_bytes(graphs, states.params_bytes + states.optimizer_bytes),
         "collectives": {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in data["collectives"].items()},
         "step_s": result.step_s, "forward_s": split["forward"], "backward_s": split["backward"],
         "optimizer_s": result.step_s - split["forward"] - split["backward"],
@@ -186,6 +191,8 @@ def simulate_cases(cases: list[dict]) -> list[dict]:
 def compare(measured: dict, sim: dict) -> dict:
     memory = {k: _ratio(sim["memory"][k], measured["memory"][k]) for k in PARTS}
     memory["per_rank_bytes"] = _ratio(sim["per_rank_bytes"], measured["per_rank_bytes"])
+    step_peak = {"parts_sum": _ratio(sim["per_rank_bytes"], measured["step_peak_bytes_per_rank"][0]),
+                 "graph_walk": _ratio(sim["step_peak_bytes"], measured["step_peak_bytes_per_rank"][0])}
     kinds = sorted(set(measured["collectives"]) | set(sim["collectives"]))
     collectives = {k: {"measured": measured["collectives"].get(k), "simulated": sim["collectives"].get(k),
                        "count_equal": (measured["collectives"].get(k) or {}).get("count")
@@ -196,6 +203,7 @@ def compare(measured: dict, sim: dict) -> dict:
     times["step_s_min"] = _ratio(sim["step_s"], min(measured["step_s_all"]))
     return {
         "memory_ratio": memory, "memory_within_5pct": all(abs(r - 1) <= 0.05 for r in memory.values() if r is not None),
+        "step_peak_ratio": step_peak,  # simulated over the allocator's peak of a real step (rank 0)
         "collectives": collectives,
         "collectives_identical": all(c["count_equal"] and c["bytes_equal"] for c in collectives.values()),
         "collective_bytes_identical": all(c["bytes_equal"] for c in collectives.values()),
@@ -305,7 +313,7 @@ def main() -> None:
                      " + ".join(f"{m['memory'][k] / MIB:.2f}" for k in PARTS),
                      " + ".join(f"{sim['memory'][k] / MIB:.2f}" for k in PARTS),
                      f"{check['memory_ratio']['per_rank_bytes']:.3f}",
-                     f"{m['step_peak_bytes_per_rank'][0] / MIB:.2f}",
+                     f"{m['step_peak_bytes_per_rank'][0] / MIB:.2f} / {sim['step_peak_bytes'] / MIB:.2f}",
                      "same" if check["collectives_identical"] else
                      ("bytes same" if check["collective_bytes_identical"] else "DIFFER"),
                      f"{m['step_s'] * 1e3:.0f} ({m['forward_s'] * 1e3:.0f}/{m['backward_s'] * 1e3:.0f}/"
@@ -316,7 +324,7 @@ def main() -> None:
                      f"{m.get('other_processes_cores', float('nan')):.2f}"))
     print_table(f"measured vs simulated ({args.profile}), {world} gloo ranks, MiB per rank "
                 "(states + gathered + kept + activations), ms (forward/backward/optimizer)",
-                ["run", "measured parts", "simulated parts", "sim/meas", "step peak", "collectives",
+                ["run", "measured parts", "simulated parts", "sim/meas", "step peak: measured / walk", "collectives",
                  "measured step", "simulated step", "sim/meas (vs fastest step)", "others' cores"], rows)
     for run in runs:
         for key, c in run["check"]["collectives"].items():

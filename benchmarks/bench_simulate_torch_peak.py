@@ -15,6 +15,8 @@ world size, two ways, each in one process on torch's fake process group
   peak and its parts by FSDPMemTracker's categories at that peak;
 - **zcompile**: ``zcompile.simulate(..., options={"stage": 3})``: model states, gathered peak, kept
   weights, saved activations (the parts ``step_report`` measures), and their sum;
+- **zcompile's step peak** from a walk over its compiled graphs (``step_peak.py``, a prototype:
+  parameters and optimizer state, plus the most bytes forward or backward holds at once);
 - **eager saved**: what eager autograd saves for backward in one real forward of the same model
   (``saved_tensors_hooks``), the saved part of FSDP2's "Activation".
 
@@ -37,6 +39,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from common import print_table  # noqa: E402
+from step_peak import step_peak_bytes  # noqa: E402
+
+import zcompile  # noqa: E402
 
 SHAPE = dict(hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, vocab_size=4096)
 BATCH, SEQ = 2, 256
@@ -122,10 +127,15 @@ def zcompile_simulated(world: int, layers: int) -> dict:
     from zcompile.simulate import simulate
 
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    graphs: list = []
     result = simulate(lambda: LlamaForCausalLM(llama_config(layers)), {"input_ids": ids, "labels": ids},
-                      world_size=world, options={"stage": 3}, hardware="cpu-local")
+                      world_size=world, options={"stage": 3, "on_compile": graphs.append}, hardware="cpu-local")
+    with torch.device("meta"):
+        states = zcompile.estimate_memory(LlamaForCausalLM(llama_config(layers)), world, {"stage": 3})
     return {**result.memory, "per_rank_bytes": result.per_rank_bytes, "num_params": result.num_params,
-            "seconds": result.simulate_s}
+            "seconds": result.simulate_s,
+            # prototype (step_peak.py): the peak of a step from a walk over the compiled graphs
+            "step_peak_bytes": step_peak_bytes(graphs, states.params_bytes + states.optimizer_bytes)}
 
 
 def compare(torch_run: dict, ours: dict, eager_saved: int) -> dict:
@@ -142,6 +152,7 @@ def compare(torch_run: dict, ours: dict, eager_saved: int) -> dict:
     return {
         "torch_peak_bytes": peak["Total"], "zcompile_parts_bytes": ours["per_rank_bytes"],
         "zcompile_over_torch_peak": ours["per_rank_bytes"] / peak["Total"],
+        "zcompile_step_peak_over_torch_peak": ours["step_peak_bytes"] / peak["Total"],
         "torch_parts": torch_parts,
         "ratios": {"model_states (after step)": ours["model_states_bytes"] / torch_parts["model_states_after_step"],
                    "gathered": ours["peak_gathered_bytes"] / max(1, torch_parts["gathered"]),
@@ -175,11 +186,13 @@ def main() -> None:
                      f"{ours['model_states_bytes'] / MIB:.2f} + {ours['peak_gathered_bytes'] / MIB:.2f} + "
                      f"{ours['saved_activation_bytes'] / MIB:.2f}",
                      f"{check['zcompile_over_torch_peak']:.2f}",
+                     f"{ours['step_peak_bytes'] / MIB:.2f} ({check['zcompile_step_peak_over_torch_peak']:.2f})",
                      " / ".join(f"{v:.2f}" for v in check["ratios"].values())))
         print(rows[-1], flush=True)
     print_table(f"Llama {args.layers} layers {SHAPE}, batch {BATCH}x{SEQ}, fp32 AdamW: MiB per rank",
                 ["world", "torch FSDP2 peak", "states + gathered + activations + temp", "zcompile parts",
-                 "states + gathered + saved activations", "zcompile/torch", "states / gathered / activations"], rows)
+                 "states + gathered + saved activations", "zcompile/torch", "graph walk peak (/torch)",
+                 "states / gathered / activations"], rows)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print("wrote", args.out)
