@@ -134,3 +134,16 @@ def test_copies_stay_marked_and_a_saved_model_loads_as_its_own_classes():
     tokens, _ = synthetic_batch(0, 2, CONFIG)
     torch.testing.assert_close(loaded(tokens), model(tokens), rtol=0, atol=0)
     torch.testing.assert_close(copied(tokens), model(tokens), rtol=0, atol=0)
+
+
+def test_inductor_with_marked_blocks_is_refused_with_the_fix():
+    """It trained wrong from the second step on 2 ranks (stages 2 and 3); refused, not silent."""
+    model, _ = _pair()
+    zcompile.mark_repeated_blocks(model)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="zero", options={"stage": 3, "compiler": "inductor"})
+        with pytest.raises(Exception, match="compiler='eager' with regional compilation"):
+            compiled(*synthetic_batch(0, 2, CONFIG))
+    finally:
+        torch._dynamo.reset()
