@@ -225,11 +225,13 @@ def _refuse_outer_data_parallel() -> None:
 def _refuse_regions_with_inductor(gm: torch.fx.GraphModule, config: ZeroConfig) -> None:
     """Blocks traced once (``mark_repeated_blocks``) compiled by inductor trained wrong from the
     second step at stages 2 and 3 (measured on 2 ranks: loss 5.5638 against 5.5471), while the
-    eager inner compiler trains them exactly: refused until that is understood."""
+    eager inner compiler trains them exactly. Torch's: a plain ``torch.compile(backend="inductor")``
+    of the same marked model, no zcompile, trains wrong the same way (torch 2.13, CPU). Refused."""
     if config.compiler == "inductor" and any(
             node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph for node in gm.graph.nodes):
         raise ValueError("zero backend: compiler='inductor' with blocks marked by zcompile.mark_repeated_blocks (or "
-                         "torch.compiler.nested_compile_region) is not supported yet: it trained wrong in our tests. "
+                         "torch.compiler.nested_compile_region) is not supported: inductor trains such blocks wrong (torch 2.13; "
+                         "plain torch.compile(backend='inductor') of a marked model does too). "
                          "Use compiler='eager' with regional compilation, or compile the model without marking its blocks")
 
 
