@@ -22,9 +22,14 @@ import operator
 
 import torch
 
-from zcompile.passes.collectives import ALL_GATHER, WAIT
-from zcompile.passes.liveness import _aliases_an_input, node_bytes, saved_activation_bytes, saved_for_backward
-from zcompile.passes.op_sets import PREP_OPS, is_call_to
+from zcompile.passes.collectives import WAIT
+from zcompile.passes.liveness import (
+    gathered_values,
+    is_saved_activation,
+    node_bytes,
+    saved_activation_bytes,
+    saved_for_backward,
+)
 
 
 def _aliases(node: torch.fx.Node) -> bool:
@@ -92,19 +97,7 @@ def step_transient_peak(graphs: list) -> dict[str, int]:
     return {"forward": forward, "backward": backward, "saved": saved_total}
 
 
-def _gathered(forward: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    """The forward's all-gathers and what prepares their buffers (``saved_activation_bytes``'s rule)."""
-    gathered: set[torch.fx.Node] = set()
-    for collective in forward.graph.find_nodes(op="call_function", target=ALL_GATHER):
-        stack = [collective]
-        while stack:
-            node = stack.pop()
-            gathered.add(node)
-            stack += [user for user in node.users if user not in gathered and is_call_to(user, PREP_OPS)]
-    return gathered
-
-
 def _activations(forward: torch.fx.GraphModule, saved: list[torch.fx.Node]) -> list[bool]:
     """Per saved forward value: counted by ``saved_activation_bytes`` (not an input, not gathered)."""
-    gathered = _gathered(forward)
-    return [not _aliases_an_input(node) and node not in gathered for node in saved]
+    gathered = gathered_values(forward)
+    return [is_saved_activation(forward, node, gathered) for node in saved]

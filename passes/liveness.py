@@ -115,22 +115,30 @@ def saved_activation_bytes(forward: torch.fx.GraphModule | None, backward: torch
     ``gathered_peak_bytes``)."""
     if forward is None or backward is None:
         return 0
-    gathered = set()
+    gathered = gathered_values(forward)
+    saved = dict.fromkeys(saved_for_backward(forward, backward))  # a node saved twice is one storage
+    return sum(node_bytes(node) for node in saved if is_saved_activation(forward, node, gathered))
+
+
+def gathered_values(forward: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The forward's all-gathers and what prepares their buffers for the readers (``PREP_OPS``)."""
+    gathered: set[torch.fx.Node] = set()
     for collective in forward.graph.find_nodes(op="call_function", target=ALL_GATHER):
         stack = [collective]
         while stack:
             node = stack.pop()
             gathered.add(node)
             stack += [user for user in node.users if user not in gathered and is_call_to(user, PREP_OPS)]
-    saved = dict.fromkeys(saved_for_backward(forward, backward))  # a node saved twice is one storage
-    total = 0
-    for node in saved:
-        # a block subgraph's input handed back by its call (mark_repeated_blocks) is that input's storage
-        origin = subgraph_output_origin(forward, node)
-        start = node if origin is None else origin[0]
-        if not _aliases_an_input(start) and start not in gathered:
-            total += node_bytes(node)
-    return total
+    return gathered
+
+
+def is_saved_activation(forward: torch.fx.GraphModule, node: torch.fx.Node, gathered: set[torch.fx.Node]) -> bool:
+    """Whether saved value ``node`` is an activation: not an input or a view of one, not a gathered
+    weight (``gathered``: ``gathered_values(forward)``). A block subgraph's input handed back by its
+    call (``mark_repeated_blocks``) is judged by the operand it is."""
+    origin = subgraph_output_origin(forward, node)
+    start = node if origin is None else origin[0]
+    return not _aliases_an_input(start) and start not in gathered
 
 
 def _aliases_an_input(node: torch.fx.Node) -> bool:
