@@ -50,7 +50,7 @@ DEFAULT_CONFIGS = ("ddp", "ddp+compile", "fsdp2", "zero1", "zero2", "zero3", "ze
 SEQ, PER_RANK, EMBD = 128, 4, 128
 
 
-def build(config: str, layers: int, compiler: str, world: int, compiled_graphs: list):
+def build(config: str, layers: int, compiler: str, compiled_graphs: list):
     """(the module to call, its optimizer) for one configuration, from a fresh seeded model."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=512, block_size=SEQ, n_layer=layers, n_head=4, n_embd=EMBD))
@@ -113,7 +113,7 @@ def run_config(config: str, layers: int, compiler: str, steps: int, rank: int, w
 
     compilation_time_metrics.clear()
     compiled_graphs: list = []
-    module, optimizer = build(config, layers, compiler, world, compiled_graphs)
+    module, optimizer = build(config, layers, compiler, compiled_graphs)
     cfg = GPTConfig(vocab_size=512, block_size=SEQ)
     batches = []
     for step in range(steps + 2):

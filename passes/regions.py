@@ -66,6 +66,11 @@ def _is_subgraph_call(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target is INVOKE_SUBGRAPH
 
 
+def subgraph_calls(gm: torch.fx.GraphModule) -> int:
+    """How many calls of block subgraphs (``mark_repeated_blocks``) graph ``gm`` makes."""
+    return sum(map(_is_subgraph_call, gm.graph.nodes))
+
+
 def subgraph_output_origin(gm: torch.fx.GraphModule, argument) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
     """For ``getitem(call, k)`` of a subgraph call whose subgraph returns at ``k`` one of its inputs,
     or views of it: the call's operand behind that input and the views to apply to it, in order.

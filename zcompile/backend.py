@@ -32,6 +32,7 @@ from zcompile.inner import compile_with_aot
 from zcompile.param_shards import ShardedParam, shard_of, shard_parameter
 from zcompile.pass_runner import PassRunner
 from zcompile.passes.param_collectives import ShardingPlan, plan_sharding
+from zcompile.passes.regions import subgraph_calls
 from zcompile.pipeline import run_passes
 from zcompile.process_group import DataParallelGroup
 from zcompile.rank_check import (
@@ -227,8 +228,7 @@ def _refuse_regions_with_inductor(gm: torch.fx.GraphModule, config: ZeroConfig) 
     second step at stages 2 and 3 (measured on 2 ranks: loss 5.5638 against 5.5471), while the
     eager inner compiler trains them exactly. Torch's: a plain ``torch.compile(backend="inductor")``
     of the same marked model, no zcompile, trains wrong the same way (torch 2.13, CPU). Refused."""
-    if config.compiler == "inductor" and any(
-            node.op == "call_function" and node.target is torch.ops.higher_order.invoke_subgraph for node in gm.graph.nodes):
+    if config.compiler == "inductor" and subgraph_calls(gm):
         raise ValueError("zero backend: compiler='inductor' with blocks marked by zcompile.mark_repeated_blocks (or "
                          "torch.compiler.nested_compile_region) is not supported: inductor trains such blocks wrong (torch 2.13; "
                          "plain torch.compile(backend='inductor') of a marked model does too). "

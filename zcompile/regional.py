@@ -32,7 +32,6 @@ import torch
 log = logging.getLogger(__name__)
 
 
-
 def mark_repeated_blocks(model: torch.nn.Module, block_classes: Iterable[type | str] | None = None) -> list[type]:
     """Marks every repeated block of ``model`` for one trace per block class (module docstring).
 
@@ -111,13 +110,17 @@ def _repeated_classes(model: torch.nn.Module) -> list[type]:
             counts: dict[type, int] = {}
             for child in module.children():
                 counts[type(child)] = counts.get(type(child), 0) + 1
-            found.update((cls, None) for cls, n in counts.items() if n >= 2 and _has_own_forward(cls))
+            found.update((type(child), None) for child in module.children()
+                         if counts[type(child)] >= 2 and _is_block(child))
     return list(found)
 
 
-def _has_own_forward(cls: type) -> bool:
-    # plain containers and leaf layers (nn.Linear in an nn.Sequential MLP) are not blocks worth a region
-    return not cls.__module__.startswith("torch.nn.modules")
+def _is_block(module: torch.nn.Module) -> bool:
+    # a leaf layer (nn.Linear in an MLP's nn.Sequential) is not a block worth a region, nor a container
+    return next(module.children(), None) is not None and not isinstance(module, _CONTAINERS)
+
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
 
 def _named_classes(model: torch.nn.Module, block_classes: Iterable[type | str]) -> list[type]:
