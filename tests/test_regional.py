@@ -62,6 +62,13 @@ def test_a_marked_model_compiles_each_block_once_and_computes_the_same():
     assert len({node.args[0].target for node in calls}) == 1
 
 
+def test_torch_layers_with_submodules_are_blocks():
+    encoder = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(32, 2, 64, batch_first=True), 2,
+                                          enable_nested_tensor=False)
+    assert zcompile.mark_repeated_blocks(encoder) == [torch.nn.TransformerEncoderLayer]
+    assert marked_block_count(encoder) == 2
+
+
 def test_named_classes_and_errors():
     model, _ = _pair()
     assert zcompile.mark_repeated_blocks(model, block_classes=["LayerNorm"]) == [torch.nn.LayerNorm]
@@ -147,3 +154,32 @@ def test_inductor_with_marked_blocks_is_refused_with_the_fix():
             compiled(*synthetic_batch(0, 2, CONFIG))
     finally:
         torch._dynamo.reset()
+
+
+def _compile_marked_on_rank0_only(rank, world):
+    """Rank 0 marks its blocks, rank 1 does not; returns the error each rank met (or None)."""
+    import time
+
+    model, _ = _pair()
+    if rank == 0:
+        zcompile.mark_repeated_blocks(model)
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "check_timeout_s": 30})
+    tokens, targets = synthetic_batch(0, 2, CONFIG)
+    started = time.perf_counter()
+    try:
+        compiled(tokens, targets).backward()
+    except Exception as error:  # Dynamo wraps the backend's RankDivergenceError
+        return str(error), time.perf_counter() - started
+    return None, time.perf_counter() - started
+
+
+def test_blocks_marked_on_one_rank_only_is_an_error_on_every_rank_naming_it():
+    """The buckets of the backward follow the block calls, so the ranks' collectives would differ;
+    the compile-time check names the marking, on both ranks, before any collective runs."""
+    from support.launch import run_ranks
+
+    results = run_ranks(2, _compile_marked_on_rank0_only, timeout_s=120)
+    for message, seconds in results:
+        assert message is not None and "RankDivergenceError" in message, message
+        assert "blocks marked by mark_repeated_blocks" in message, message
+        assert seconds < 30, seconds  # at the check, not at a collective's timeout

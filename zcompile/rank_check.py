@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from zcompile.passes.collectives import collective_nodes
 from zcompile.passes.metadata import params_of
+from zcompile.passes.regions import subgraph_calls
 from zcompile.process_group import DataParallelGroup, default_store
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,18 @@ class RankDivergenceError(RuntimeError):
 
 # ---- signatures and where two of them differ (pure functions) ----
 
-def collective_signature(plan, extra: list | None = None) -> list:
-    """``[settings, parameters]``: what decides a Dynamo graph's collectives, named so a difference can be."""
+MARKED_BLOCKS = "blocks marked by mark_repeated_blocks"
+
+
+def collective_signature(plan, extra: list | None = None, marked_blocks: int = 0) -> list:
+    """``[settings, parameters]``: what decides a Dynamo graph's collectives, named so a difference can be.
+    ``marked_blocks``: the graph's block subgraph calls (they decide the buckets of its backward)."""
     settings = {"stage": plan.stage, "world_size": plan.world_size, "param_dtype": str(plan.param_dtype),
                 "reduce_dtype": str(plan.reduce_dtype)}
     if extra:
         settings["zero++"] = list(extra)
+    if marked_blocks:
+        settings[MARKED_BLOCKS] = marked_blocks
     return [settings, [[p.name, list(p.shape), p.requires_grad, str(p.dtype)] for p in plan.params]]
 
 
@@ -178,11 +185,12 @@ def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGr
                            extra: list | None = None) -> None:
     """Raises ``RankDivergenceError`` unless all ranks planned identical collectives for this graph.
 
-    ``extra``: more settings that decide the collectives (the ZeRO++ options).
+    ``extra``: more settings that decide the collectives (the ZeRO++ options). Blocks marked on one
+    rank only (``mark_repeated_blocks``) are named here, before the backward's buckets differ.
     """
     compile_id = str(gm.meta.get("dynamo_compile_id", "unknown"))
-    check_same_on_all_ranks(collective_signature(plan, extra), group, timeout_s, f"graph {compile_id}",
-                            plan_difference)
+    check_same_on_all_ranks(collective_signature(plan, extra, subgraph_calls(gm)), group, timeout_s,
+                            f"graph {compile_id}", plan_difference)
 
 
 def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s: float, what: str,
