@@ -62,6 +62,55 @@ def test_a_marked_model_compiles_each_block_once_and_computes_the_same():
     assert len({node.args[0].target for node in calls}) == 1
 
 
+def _block_schemas_made(layers: int, backend, monkeypatch) -> int:
+    """How many times torch re-traced a block for invoke_subgraph's schema in one training compile."""
+    from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+
+    made = []
+    original = InvokeSubgraphHOP.gen_schema
+
+    def counted(self, *args):
+        made.append(args[1])
+        return original(self, *args)
+
+    monkeypatch.setattr(InvokeSubgraphHOP, "gen_schema", counted)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=layers, n_head=2, n_embd=32))
+    zcompile.mark_repeated_blocks(model)
+    torch._dynamo.reset()
+    try:
+        torch.compile(model, **backend)(*synthetic_batch(0, 2, CONFIG)).backward()
+    finally:
+        torch._dynamo.reset()
+    return len(made)
+
+
+def test_a_block_is_traced_for_its_schema_once_per_compile_not_once_per_layer(monkeypatch):
+    """torch 2.13 re-traces a block at every call to check it for input mutation, twice per layer
+    (plain aot_eager below: the torch cause, still there); the zero backend holds
+    regional.schema_once_per_subgraph around AOTAutograd, so the count does not grow with depth,
+    and the HOP is left as it was."""
+    plain = {n: _block_schemas_made(n, {"backend": "aot_eager"}, monkeypatch) for n in (2, 4)}
+    assert plain[4] - plain[2] == 2 * 2, plain
+    zero = {n: _block_schemas_made(n, {"backend": "zero", "options": {"stage": 3}}, monkeypatch) for n in (2, 4)}
+    assert zero[2] == zero[4] <= 3, zero
+    assert "gen_schema" not in vars(torch.ops.higher_order.invoke_subgraph)
+
+
+def test_schema_table_is_per_subgraph_and_removed_on_the_way_out():
+    from zcompile.regional import schema_once_per_subgraph
+
+    hop = torch.ops.higher_order.invoke_subgraph
+    with pytest.raises(RuntimeError, match="inside"):
+        with schema_once_per_subgraph():
+            assert "gen_schema" in vars(hop)
+            with schema_once_per_subgraph():  # nested: the outer table stays
+                inner = vars(hop)["gen_schema"]
+            assert vars(hop)["gen_schema"] is inner
+            raise RuntimeError("inside")
+    assert "gen_schema" not in vars(hop)
+
+
 def test_torch_layers_with_submodules_are_blocks():
     encoder = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(32, 2, 64, batch_first=True), 2,
                                           enable_nested_tensor=False)

@@ -18,6 +18,7 @@ from zcompile.config import activation_budget_bytes
 from zcompile.passes.liveness import saved_activation_bytes
 from zcompile.compiled import CompiledGraphs
 from zcompile.dumps import collectives_file
+from zcompile.passes.regions import subgraph_calls
 from zcompile.pipeline import JOINT, PIPELINE, run_passes
 from zcompile.rank_check import (
     check_same_on_all_ranks,
@@ -25,6 +26,7 @@ from zcompile.rank_check import (
     sequence_difference,
     sequence_signature,
 )
+from zcompile.regional import schema_once_per_subgraph
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +111,9 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
             partition_fn=partition,
             keep_inference_input_mutations=True,
         )
-        return backend(gm, example_inputs)
+        # block subgraphs (mark_repeated_blocks): torch re-traces a block per call without it
+        with schema_once_per_subgraph() if subgraph_calls(gm) else contextlib.nullcontext():
+            return backend(gm, example_inputs)
 
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
