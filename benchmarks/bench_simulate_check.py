@@ -21,8 +21,9 @@ ranks, then
 - **simulated**: after training, rank 0 leaves the process group and starts a subprocess (no
   process group there: ``simulate`` makes its own fake one) that runs ``zcompile.simulate`` with
   ``hardware="cpu-local"`` (or ``--profile``) on the same model, one rank's batch, options and world
-  size, and predicts the forward and backward graphs separately with the same costs; and a step
-  peak from a walk over its compiled graphs (``step_peak.py``, a prototype) against the allocator's.
+  size, and predicts the forward and backward graphs separately with the same costs; and its step
+  peak (``result.step_peak_bytes``, a walk over the compiled graphs: ``zcompile.step_peak``) against
+  the allocator's.
 
 Goals (the issue's): memory parts within 5%, collectives identical in count and bytes, step time
 within 25%. ``main`` prints the table and writes the JSON; what disagrees, and why, is in the README
@@ -50,7 +51,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 from common import print_table  # noqa: E402
 
 import zcompile  # noqa: E402
-from step_peak import step_peak_bytes  # noqa: E402
 from zcompile.timeline import record_step  # noqa: E402
 
 BATCH_PER_RANK, SEQ, VOCAB = 4, 128, 2048
@@ -161,11 +161,10 @@ def simulated(name: str, stage: int, world: int, profile: str) -> dict:
     split = {where: sum(predict(getattr(g, where), costs, compute).step_s for g in graphs)
              for where in ("forward", "backward")}
     data = result.to_dict()
-    states = zcompile.estimate_memory(build(name), world, {"stage": stage, **OPTIONS})
     return {
         "memory": data["memory"], "per_rank_bytes": data["per_rank_bytes"],
-        # prototype (step_peak.py): the peak of a step from a walk over the compiled graphs
-        "step_peak_bytes": step_peak_bytes(graphs, states.params_bytes + states.optimizer_bytes),
+        # the peak of a step from a walk over the compiled graphs (zcompile.step_peak)
+        "step_peak_bytes": result.step_peak_bytes,
         "collectives": {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in data["collectives"].items()},
         "step_s": result.step_s, "forward_s": split["forward"], "backward_s": split["backward"],
         "optimizer_s": result.step_s - split["forward"] - split["backward"],

@@ -39,7 +39,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from common import print_table  # noqa: E402
-from step_peak import step_peak_bytes  # noqa: E402
 
 import zcompile  # noqa: E402
 
@@ -127,15 +126,12 @@ def zcompile_simulated(world: int, layers: int) -> dict:
     from zcompile.simulate import simulate
 
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
-    graphs: list = []
     result = simulate(lambda: LlamaForCausalLM(llama_config(layers)), {"input_ids": ids, "labels": ids},
-                      world_size=world, options={"stage": 3, "on_compile": graphs.append}, hardware="cpu-local")
-    with torch.device("meta"):
-        states = zcompile.estimate_memory(LlamaForCausalLM(llama_config(layers)), world, {"stage": 3})
+                      world_size=world, options={"stage": 3}, hardware="cpu-local")
     return {**result.memory, "per_rank_bytes": result.per_rank_bytes, "num_params": result.num_params,
             "seconds": result.simulate_s,
-            # prototype (step_peak.py): the peak of a step from a walk over the compiled graphs
-            "step_peak_bytes": step_peak_bytes(graphs, states.params_bytes + states.optimizer_bytes)}
+            # the peak of a step from a walk over the compiled graphs (zcompile.step_peak)
+            "step_peak_bytes": result.step_peak_bytes}
 
 
 def compare(torch_run: dict, ours: dict, eager_saved: int) -> dict:

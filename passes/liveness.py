@@ -7,7 +7,12 @@
 - ``peak_bytes``: the most bytes alive at once over such intervals.
 - ``gathered_peak_bytes(gm)``: the gathered-parameter peak of a graph as it is ordered now.
 - ``saved_activation_bytes(forward, backward)``: what the forward saves for the backward, less
-  inputs (parameters, shards) and gathered weights kept for backward (counted with the gathers).
+  inputs (parameters, shards) and gathered weights kept for backward (counted with the gathers),
+  each storage once (a saved value and a saved view of it are one storage).
+- ``aliases(node)`` / ``storage_of(gm, node)``: which values allocate nothing (views, a
+  collective's wait, ops whose schema returns an alias) and the storage a value lives in.
+- ``live_peak_bytes(gm, preloaded)``: the most bytes a graph holds at once as its generated code
+  runs it, every value freed after its last reader (``zcompile.step_peak`` sums a step from it).
 
 The planner predicts with these rules and the report measures the final graph with the same ones,
 so a plan and its report agree by construction.
@@ -15,12 +20,18 @@ so a plan and its report agree by construction.
 
 from __future__ import annotations
 
+import logging
+import operator
+from typing import Hashable
+
 import networkx as nx
 import torch
 
-from zcompile.passes.collectives import ALL_GATHER
+from zcompile.passes.collectives import ALL_GATHER, WAIT
 from zcompile.passes.op_sets import COPIES, PREP_OPS, VIEW_OPS, is_call_to
-from zcompile.passes.regions import subgraph_output_origin
+from zcompile.passes.regions import INVOKE_SUBGRAPH, _subgraph, subgraph_output_origin
+
+log = logging.getLogger(__name__)
 
 
 def tensor_bytes(value) -> int:
@@ -112,12 +123,26 @@ def saved_for_backward(forward: torch.fx.GraphModule, backward: torch.fx.GraphMo
 def saved_activation_bytes(forward: torch.fx.GraphModule | None, backward: torch.fx.GraphModule | None) -> int:
     """Bytes the forward saves for the backward that are activations: not graph inputs (parameters,
     shards, the batch) and not gathered weights (all-gather outputs kept for backward, counted by
-    ``gathered_peak_bytes``)."""
+    ``gathered_peak_bytes``); each storage once."""
     if forward is None or backward is None:
         return 0
     gathered = gathered_values(forward)
-    saved = dict.fromkeys(saved_for_backward(forward, backward))  # a node saved twice is one storage
-    return sum(node_bytes(node) for node in saved if is_saved_activation(forward, node, gathered))
+    storages_held = saved_storages(forward, backward)
+    return sum(nbytes for node, (_, nbytes) in storages_held.items() if is_saved_activation(forward, node, gathered))
+
+
+def saved_storages(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule) -> dict[torch.fx.Node, tuple[Hashable, int]]:
+    """The storages the forward's saved values hold from forward to backward, activations and kept
+    gathered weights alike: saved node -> (its storage's key, bytes), for the first saved node of each
+    storage (``storage_of``); saved inputs and views of them (no storage of their own) left out."""
+    out, seen = {}, set()
+    for node in saved_for_backward(forward, backward):
+        key, nbytes = storage_of(forward, node)
+        if key is None or key in seen:
+            continue
+        seen.add(key)
+        out[node] = (key, nbytes)
+    return out
 
 
 def gathered_values(forward: torch.fx.GraphModule) -> set[torch.fx.Node]:
@@ -133,17 +158,142 @@ def gathered_values(forward: torch.fx.GraphModule) -> set[torch.fx.Node]:
 
 
 def is_saved_activation(forward: torch.fx.GraphModule, node: torch.fx.Node, gathered: set[torch.fx.Node]) -> bool:
-    """Whether saved value ``node`` is an activation: not an input or a view of one, not a gathered
-    weight (``gathered``: ``gathered_values(forward)``). A block subgraph's input handed back by its
-    call (``mark_repeated_blocks``) is judged by the operand it is."""
-    origin = subgraph_output_origin(forward, node)
-    start = node if origin is None else origin[0]
-    return not _aliases_an_input(start) and start not in gathered
+    """Whether saved value ``node`` is an activation: its storage (``storage_of``) is not an input's
+    and not a gathered weight's (``gathered``: ``gathered_values(forward)``). A block subgraph's input
+    handed back by its call (``mark_repeated_blocks``) is judged by the operand it is."""
+    key, _ = storage_of(forward, node)
+    return key is not None and key not in gathered
 
 
-def _aliases_an_input(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is a graph input or a view of one (a weight's transpose saved for a matmul's
-    backward): no storage of its own."""
-    while is_call_to(node, VIEW_OPS) and isinstance(node.args[0], torch.fx.Node):
-        node = node.args[0]
-    return node.op == "placeholder"
+def aliases(node: torch.fx.Node) -> bool:
+    """Whether ``node`` allocates nothing: its value lives in its first argument's storage (a view,
+    ``VIEW_OPS``; a collective's wait; an op whose schema returns an alias of an input, as views and
+    in-place ops do; ``getitem`` of an op that returns views, such as ``split``)."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    if is_call_to(node, VIEW_OPS) or node.target is WAIT:
+        return True
+    if node.target is operator.getitem:
+        return aliases(node.args[0])
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
+
+
+def storage_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[Hashable | None, int]:
+    """The storage ``node``'s value lives in, as (key, bytes): the node that allocated it, reached
+    through ``aliases``; a block subgraph's output is its operand when the block hands an input back,
+    else (call, the subgraph's own storage key). ``(None, 0)`` for a graph input or a view of one."""
+    root = _root(gm, node)
+    if root.op == "placeholder":
+        return None, 0
+    inner = _subgraph_output(gm, root)
+    if inner is not None:
+        subgraph, returned = inner
+        key, nbytes = storage_of(subgraph, returned)
+        return (None, 0) if key is None else ((root.args[0], key), nbytes)
+    return root, node_bytes(root)
+
+
+def _root(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node:
+    """The node behind ``node``'s value: through ``aliases`` and block subgraphs' handed-back inputs."""
+    while True:
+        if aliases(node):
+            node = node.args[0]
+            continue
+        origin = subgraph_output_origin(gm, node)
+        if origin is None:
+            return node
+        node = origin[0]
+
+
+def _subgraph_output(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[torch.fx.GraphModule, torch.fx.Node] | None:
+    """For ``getitem(call, k)`` of a block subgraph call: the subgraph and the node it returns at ``k``."""
+    if not (node.op == "call_function" and node.target is operator.getitem and is_call_to(node.args[0], SUBGRAPH_CALL)):
+        return None
+    subgraph = _subgraph(gm, node.args[0])
+    returned = None if subgraph is None else subgraph.graph.output_node().args[0]
+    index = node.args[1]
+    if not isinstance(returned, (tuple, list)) or index >= len(returned) or not isinstance(returned[index], torch.fx.Node):
+        return None
+    return subgraph, returned[index]
+
+
+SUBGRAPH_CALL = frozenset({INVOKE_SUBGRAPH})
+
+
+def live_peak_bytes(gm: torch.fx.GraphModule, preloaded: dict[torch.fx.Node, tuple[Hashable, int]] | None = None,
+                    hold_inputs: bool = False) -> int:
+    """Most bytes ``gm`` holds at once when its generated code runs it: every value it allocates from
+    its node to the last reader of it or of an alias of it (``storage_of``; FX's code frees a value
+    after its last reader), the values it returns to the end. Graph inputs are not counted except
+    ``preloaded`` placeholders (placeholder -> (storage key, bytes); placeholders with one key are one
+    storage), from the start to their last reader, or to the end with ``hold_inputs`` (a caller that
+    keeps its arguments until the graph returns, as ``make_boxed_func`` does). A block subgraph call
+    adds, while it runs, what its subgraph holds at once (this walk of it) beyond the outputs it
+    returns. Another higher-order op's inside is not counted: logged as a warning naming it."""
+    preloaded = preloaded or {}
+    nodes = list(gm.graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    end = len(nodes)
+    buffers: dict[Hashable, list] = {}  # key -> [from, last read, bytes]
+    buffer_of: dict[torch.fx.Node, Hashable] = {}
+    transients: list[tuple[float, int]] = []
+    for node in nodes:
+        key = _buffer(gm, node, preloaded, buffers, position, hold_inputs)
+        if key is not None:
+            buffer_of[node] = key
+        if is_call_to(node, SUBGRAPH_CALL):
+            transients.append((position[node], _subgraph_transient(gm, node)))
+        elif node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            log.warning("live_peak_bytes: %s in %s runs %s, whose inside is not walked: only its outputs are "
+                        "counted", node.name, type(gm).__name__, node.target)
+    for node in nodes:
+        key = buffer_of.get(node)
+        for reader in node.users if key is not None else ():
+            buffers[key][1] = max(buffers[key][1], end if reader.op == "output" else position[reader])
+    events = [(start, nbytes) for start, _, nbytes in buffers.values()]
+    events += [(max(start, last) + 0.5, -nbytes) for start, last, nbytes in buffers.values()]
+    events += [e for at, extra in transients for e in ((at, extra), (at + 0.25, -extra))]
+    live = peak = 0
+    for _, delta in sorted(events):
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def _buffer(gm, node, preloaded, buffers, position, hold: bool) -> Hashable | None:
+    """The key of the storage ``node`` lives in, created in ``buffers`` at its first value; ``None``
+    for a graph input that is not preloaded (or a view of one) and for what is not a tensor op. An
+    op with several outputs makes each at its node; each lives until the last reader of its
+    ``getitem``, one that no ``getitem`` reads is freed at once."""
+    if node.op not in ("placeholder", "call_function"):
+        return None
+    if node.op == "call_function" and isinstance(node.meta.get("val"), (tuple, list)) and not aliases(node):
+        read = {user.args[1]: node_bytes(user) for user in node.users if user.target is operator.getitem}
+        unread = 0 if is_call_to(node, SUBGRAPH_CALL) else max(0, node_bytes(node) - sum(read.values()))
+        buffers[node] = [position[node], position[node], unread]  # a call's are in its transient
+        return None
+    root = _root(gm, node)
+    if root.op == "placeholder":
+        if root not in preloaded:
+            return None
+        key, nbytes = preloaded[root]
+        buffers.setdefault(key, [0, len(position) if hold else 0, nbytes])
+        return key
+    key, nbytes = storage_of(gm, root)
+    if key is not None and key not in buffers:
+        made = root.args[0] if root.target is operator.getitem else root
+        buffers[key] = [position[made], position[made], nbytes]
+    return key
+
+
+def _subgraph_transient(gm: torch.fx.GraphModule, call: torch.fx.Node) -> int:
+    """Bytes a block subgraph call holds while it runs beyond the outputs it returns."""
+    subgraph = _subgraph(gm, call)
+    if subgraph is None:
+        log.warning("live_peak_bytes: %s calls no subgraph found on its graph: what it holds inside is not "
+                    "counted", call.name)
+        return 0
+    returned = subgraph.graph.output_node().args[0]
+    outputs = {storage_of(subgraph, r)[0]: storage_of(subgraph, r)[1] for r in returned if isinstance(r, torch.fx.Node)}
+    return max(0, live_peak_bytes(subgraph) - sum(b for k, b in outputs.items() if k is not None))

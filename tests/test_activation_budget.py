@@ -42,20 +42,26 @@ def _train(budget, model_name: str = "gpt", stage: int = 3, steps: int = 2):
 
 
 def _independent_saved_bytes(graphs) -> int:
-    """Bytes of the backward's placeholders that are neither tangents nor the forward's inputs nor a
-    view or transpose of one (a weight's transpose saved for a matmul's backward, the targets
-    flattened for the loss: no storage of their own), matched by name: AOTAutograd keeps the joint
-    graph's names on both sides."""
+    """Bytes of the storages of the backward's placeholders that are neither tangents nor the forward's
+    inputs nor a view or transpose of one (a weight's transpose saved for a matmul's backward, the
+    targets flattened for the loss: no storage of their own), matched by name: AOTAutograd keeps the
+    joint graph's names on both sides. Each storage once, told by the fake tensor the trace left on
+    the placeholder (a saved value and a saved view of it, the attention's output and its detach,
+    share the trace's fake storage): the graph walk of ``liveness.storage_of`` is not used here."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
     total = 0
     for g in graphs:
         inputs = {p.name for p in g.forward.graph.find_nodes(op="placeholder")}
         for view in (torch.ops.aten.t.default, torch.ops.aten.view.default):
             inputs |= {n.name for n in g.forward.graph.find_nodes(op="call_function", target=view)
                        if n.args[0].op == "placeholder"}
+        storages = {}
         for p in g.backward.graph.find_nodes(op="placeholder"):
-            if not p.name.startswith("tangents") and p.name not in inputs:
-                value = p.meta.get("val")
-                total += value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+            value = p.meta.get("val")
+            if not p.name.startswith("tangents") and p.name not in inputs and isinstance(value, torch.Tensor):
+                storages[StorageWeakRef(value.untyped_storage())] = value.untyped_storage().nbytes()
+        total += sum(storages.values())
     return total
 
 

@@ -187,13 +187,11 @@ def _saved_weight_bytes(forward: torch.fx.GraphModule, backward: torch.fx.GraphM
     """Saved values made from parameters alone (autocast's low-precision copies of the weights):
     zcompile's graphs do not save those (stage 3 re-gathers them in ``param_dtype``, stages 1 and
     2 read a replica already in it), and ``step_report`` does not count them as activations."""
-    from zcompile.passes.liveness import node_bytes, saved_for_backward
+    from zcompile.passes.liveness import saved_storages
     from zcompile.passes.regions import subgraph_output_origin
 
     total = 0
-    for node in dict.fromkeys(saved_for_backward(forward, backward)):
-        if node.op == "placeholder":
-            continue
+    for node, (_, nbytes) in saved_storages(forward, backward).items():  # each storage once, as liveness counts
         # a block's input handed back by its subgraph call (mark_repeated_blocks) is judged by the
         # operand it is (an input: liveness does not count it either)
         origin = subgraph_output_origin(forward, node)
@@ -207,7 +205,7 @@ def _saved_weight_bytes(forward: torch.fx.GraphModule, backward: torch.fx.GraphM
                     seen.add(source)
                     (sources.add(source.name) if source.op == "placeholder" else stack.append(source))
         if sources and sources <= params:
-            total += node_bytes(node)
+            total += nbytes
     return total
 
 

@@ -17,7 +17,9 @@ From the compiled graphs it returns:
 
 - memory per rank: model states by ``estimate_memory``'s allocation rules (equal to ZeRO's
   formulas up to padding), the gathered peak of the schedule, kept weights and saved activations by
-  ``passes.liveness``, as ``step_report`` counts them;
+  ``passes.liveness``, as ``step_report`` counts them; and the step's peak from a walk over the
+  compiled graphs (``zcompile.step_peak``: the parts plus backward's transients, forward's
+  intermediates and the gradients made so far), with the phase that holds it;
 - every collective of a step with its bytes, its group's size, whether its group's ranks stay
   inside a node and its predicted transfer time, plus the optimizer's all-gather and
   reduce-scatter of stages 1 and 2 (not in the graphs);
@@ -47,6 +49,7 @@ from zcompile.param_shards import shard_of
 from zcompile.passes.collectives import collective_nodes
 from zcompile.process_group import group_ranks_by_name
 from zcompile.passes.liveness import gathered_peak_bytes, saved_activation_bytes
+from zcompile.step_peak import step_peak
 
 log = logging.getLogger(__name__)
 OPTIMIZER_BUCKET_MB = 4.0  # zcompile.optim's default bucket_mb: the optimizer the simulation assumes
@@ -78,6 +81,8 @@ class SimulationResult:
     exposed_comm_s: float = 0.0
     mfu: float = 0.0
     simulate_s: float = 0.0  # wall time of the simulation itself
+    step_peak_bytes: int = 0  # the most bytes per rank during a step (zcompile.step_peak), model states included
+    step_peak_phase: str = ""  # the phase that holds it: forward<i>, backward<i> or optimizer
 
     @property
     def per_rank_bytes(self) -> int:
@@ -144,6 +149,8 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
         "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in graphs if g.keep_gathered),
         "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) for g in graphs),
     })
+    peak = step_peak(graphs, states.params_bytes, states.grads_bytes, states.optimizer_bytes)
+    result.step_peak_bytes, result.step_peak_phase = peak.peak_bytes, peak.where
     result.collectives = _graph_collectives(graphs, pricing) + _optimizer_collectives(model, pricing)
     _predict(result, graphs, pricing, profile.compute_costs(config.param_dtype or torch.float32))
     result.simulate_s = time.perf_counter() - start

@@ -3,8 +3,9 @@
 ``SPEC`` is a small JSON model spec: a transformers config as a dict with its ``model_type``
 (``{"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, ...}``), built with
 ``AutoConfig.for_model`` and ``AutoModelForCausalLM.from_config`` on fake tensors (nothing is
-allocated or downloaded). Prints the memory per rank by parts, the collectives per step and the
-predicted step; ``--json OUT`` also writes the result.
+allocated or downloaded). Prints the memory per rank by parts, their sum and the step's peak (with
+the phase that holds it: ``zcompile.step_peak``), the collectives per step and the predicted step;
+``--json OUT`` also writes the result.
 
 With ``--space KEY=V1,V2`` (repeated) it tunes by simulation instead (``zcompile.simulate_tune``):
 every combination simulated on top of the ``--option`` ones, a table of the points, the Pareto front
@@ -100,6 +101,7 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
         raise DumpError(str(error)) from None
     rows = [[part, f"{nbytes / GIB:.2f}"] for part, nbytes in result.memory.items()]
     rows.append(["per rank", f"{result.per_rank_bytes / GIB:.2f}"])
+    rows.append([f"step peak ({result.step_peak_phase})", f"{result.step_peak_bytes / GIB:.2f}"])
     out.table(f"{model_type}, {result.num_params / 1e9:.2f}B parameters, {result.world_size} ranks "
               f"({result.node_size} per node), {result.hardware}: GiB per rank", ["part", "GiB"], rows, numeric={1})
     rows = [[where, f"{result.bytes_by(where) / GIB:.2f}", f"{result.bytes_by(where, inside_node=False) / GIB:.2f}"]
