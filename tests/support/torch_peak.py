@@ -19,6 +19,7 @@ Two things make torch's tracker see the compiled step rather than an eager one:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -95,7 +96,9 @@ def tracked_step(make_model: Callable[[], torch.nn.Module], batch: Any, world_si
             tracker.track_external(model, optimizer, *[s.shard for s in shards],
                                    *[s.replica for s in shards if s.replica is not None],
                                    *[v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)])
-            with torch._dynamo.config.patch(error_on_recompile=True), fake_mode, tracker:
+            with torch._dynamo.config.patch(error_on_recompile=True), fake_mode, tracker, warnings.catch_warnings():
+                # the tracker's module hooks are global: torch warns that compiled modules fire them twice
+                warnings.filterwarnings("ignore", "Using `torch.compile.module.` when there are global hooks")
                 loss = forward()
                 forward_peak = _total(tracker.get_tracker_snapshot("peak"))
                 loss.backward()
