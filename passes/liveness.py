@@ -32,6 +32,7 @@ from zcompile.passes.op_sets import COPIES, PREP_OPS, VIEW_OPS, is_call_to
 from zcompile.passes.regions import INVOKE_SUBGRAPH, _subgraph, subgraph_output_origin
 
 log = logging.getLogger(__name__)
+SUBGRAPH_CALL = frozenset({INVOKE_SUBGRAPH})
 
 
 def tensor_bytes(value) -> int:
@@ -131,7 +132,8 @@ def saved_activation_bytes(forward: torch.fx.GraphModule | None, backward: torch
     return sum(nbytes for node, (_, nbytes) in storages_held.items() if is_saved_activation(forward, node, gathered))
 
 
-def saved_storages(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule) -> dict[torch.fx.Node, tuple[Hashable, int]]:
+def saved_storages(forward: torch.fx.GraphModule,
+                   backward: torch.fx.GraphModule) -> dict[torch.fx.Node, tuple[Hashable, int]]:
     """The storages the forward's saved values hold from forward to backward, activations and kept
     gathered weights alike: saved node -> (its storage's key, bytes), for the first saved node of each
     storage (``storage_of``); saved inputs and views of them (no storage of their own) left out."""
@@ -208,17 +210,15 @@ def _root(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node:
 
 def _subgraph_output(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[torch.fx.GraphModule, torch.fx.Node] | None:
     """For ``getitem(call, k)`` of a block subgraph call: the subgraph and the node it returns at ``k``."""
-    if not (node.op == "call_function" and node.target is operator.getitem and is_call_to(node.args[0], SUBGRAPH_CALL)):
+    if not (node.op == "call_function" and node.target is operator.getitem
+            and is_call_to(node.args[0], SUBGRAPH_CALL)):
         return None
     subgraph = _subgraph(gm, node.args[0])
     returned = None if subgraph is None else subgraph.graph.output_node().args[0]
     index = node.args[1]
-    if not isinstance(returned, (tuple, list)) or index >= len(returned) or not isinstance(returned[index], torch.fx.Node):
+    if not isinstance(returned, (tuple, list)) or index >= len(returned):
         return None
-    return subgraph, returned[index]
-
-
-SUBGRAPH_CALL = frozenset({INVOKE_SUBGRAPH})
+    return (subgraph, returned[index]) if isinstance(returned[index], torch.fx.Node) else None
 
 
 def live_peak_bytes(gm: torch.fx.GraphModule, preloaded: dict[torch.fx.Node, tuple[Hashable, int]] | None = None,
@@ -238,15 +238,18 @@ def live_peak_bytes(gm: torch.fx.GraphModule, preloaded: dict[torch.fx.Node, tup
     buffers: dict[Hashable, list] = {}  # key -> [from, last read, bytes]
     buffer_of: dict[torch.fx.Node, Hashable] = {}
     transients: list[tuple[float, int]] = []
+    walked: dict[int, int] = {}  # a subgraph called once per layer is walked once
     for node in nodes:
         key = _buffer(gm, node, preloaded, buffers, position, hold_inputs)
         if key is not None:
             buffer_of[node] = key
         if is_call_to(node, SUBGRAPH_CALL):
-            transients.append((position[node], _subgraph_transient(gm, node)))
-        elif node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
-            log.warning("live_peak_bytes: %s in %s runs %s, whose inside is not walked: only its outputs are "
-                        "counted", node.name, type(gm).__name__, node.target)
+            transients.append((position[node], _subgraph_transient(gm, node, walked)))
+    unwalked = sorted({str(n.target) for n in nodes if n.op == "call_function" and not is_call_to(n, SUBGRAPH_CALL)
+                       and isinstance(n.target, torch._ops.HigherOrderOperator)})
+    if unwalked:
+        log.warning("live_peak_bytes: %s calls %s, whose inside is not walked: only their outputs are counted",
+                    type(gm).__name__, ", ".join(unwalked))
     for node in nodes:
         key = buffer_of.get(node)
         for reader in node.users if key is not None else ():
@@ -287,13 +290,17 @@ def _buffer(gm, node, preloaded, buffers, position, hold: bool) -> Hashable | No
     return key
 
 
-def _subgraph_transient(gm: torch.fx.GraphModule, call: torch.fx.Node) -> int:
-    """Bytes a block subgraph call holds while it runs beyond the outputs it returns."""
+def _subgraph_transient(gm: torch.fx.GraphModule, call: torch.fx.Node, walked: dict[int, int]) -> int:
+    """Bytes a block subgraph call holds while it runs beyond the outputs it returns (``walked``:
+    id of a subgraph -> this, for the calls of one walk)."""
     subgraph = _subgraph(gm, call)
     if subgraph is None:
         log.warning("live_peak_bytes: %s calls no subgraph found on its graph: what it holds inside is not "
                     "counted", call.name)
         return 0
-    returned = subgraph.graph.output_node().args[0]
-    outputs = {storage_of(subgraph, r)[0]: storage_of(subgraph, r)[1] for r in returned if isinstance(r, torch.fx.Node)}
-    return max(0, live_peak_bytes(subgraph) - sum(b for k, b in outputs.items() if k is not None))
+    if id(subgraph) not in walked:
+        returned = [r for r in subgraph.graph.output_node().args[0] if isinstance(r, torch.fx.Node)]
+        outputs = dict(storage_of(subgraph, r) for r in returned)
+        outputs.pop(None, None)
+        walked[id(subgraph)] = max(0, live_peak_bytes(subgraph) - sum(outputs.values()))
+    return walked[id(subgraph)]
