@@ -108,3 +108,47 @@ def test_a_group_is_priced_on_the_link_its_ranks_need():
         3 * 15e-6 + GIB * 7 / 8 / 42e9, rel=1e-12)
     # the whole-world costs are the same rule at the world's size
     assert h100.collective_costs(64).cost("reduce_scatter") == h100.group_cost("reduce_scatter", 64, True)
+
+
+def test_optional_figures_reach_the_cost_model():
+    """A CPU-like profile: attention at half the peak, transcendental ops at their own bandwidth, a
+    reduce-scatter moving twice the rule's bytes (gloo's all-reduce), an issue cost and a contention
+    factor; the GPU profiles leave them out and keep the plain rule."""
+    data = _h100()
+    data.update(attention_efficiency=0.5, transcendental_bytes_per_s=1e12, overlap_slowdown=3.0, device_type="cpu")
+    data["links"]["intra_node"].update(issue_latency_s=1e-4, issue_bytes_per_s=1e10, bus_factor={"reduce_scatter": 2.0})
+    profile = profile_from_dict(data)
+    compute = profile.compute_costs(torch.bfloat16)
+    assert compute.attention_flops_per_s == 989e12 / 2 and compute.transcendental_bytes_per_s == 1e12
+    costs = profile.collective_costs(8)
+    assert costs.overlap_slowdown == 3.0 and profile.link_costs(8).overlap_slowdown == 3.0
+    rs, ag = costs.cost("reduce_scatter"), costs.cost("all_gather")
+    assert rs.seconds_per_byte == pytest.approx(2 * 7 / 8 / 365e9) and ag.seconds_per_byte == pytest.approx(7 / 8 / 365e9)
+    assert ag.issue_seconds(10**6) == pytest.approx(1e-4 + 10**6 / 1e10)
+    plain = load_profile("h100-sxm")
+    assert plain.device_type == "cuda" and plain.collective_costs(8).overlap_slowdown == 1.0
+    assert plain.compute_costs(torch.bfloat16).transcendental_bytes_per_s == 0.0  # the memory bandwidth's
+    assert plain.collective_costs(8).cost("all_gather").issue_seconds(10**9) == 0.0
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("attention_efficiency", 1.5, "attention_efficiency is a fraction"),
+    ("overlap_slowdown", 0.5, "overlap_slowdown is a transfer's time"),
+    ("transcendental_bytes_per_s", -1.0, "transcendental_bytes_per_s must be a number > 0"),
+    ("device_type", "tpu", "device_type must be 'cuda' or 'cpu'"),
+])
+def test_impossible_optional_figure_is_named(key, value, message):
+    data = _h100()
+    data[key] = value
+    with pytest.raises(HardwareProfileError, match=message):
+        profile_from_dict(data)
+
+
+def test_bad_bus_factor_is_named():
+    data = _h100()
+    data["links"]["inter_node"]["bus_factor"] = {"broadcast": 2.0}
+    with pytest.raises(HardwareProfileError, match="links.inter_node.bus_factor must map"):
+        profile_from_dict(data)
+    data["links"]["inter_node"]["bus_factor"] = {"reduce_scatter": 0}
+    with pytest.raises(HardwareProfileError, match="links.inter_node.bus_factor.reduce_scatter must be a number > 0"):
+        profile_from_dict(data)

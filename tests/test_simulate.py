@@ -52,6 +52,44 @@ def test_prediction_has_time_and_mfu(stage3):
     assert stage3.tokens_per_rank == 2 * 16
 
 
+def test_optimizer_update_is_priced_on_rank_zeros_shards(stage3):
+    """On an H100 profile the update is AdamW's fused kernel over each of rank 0's shards (a full
+    chunk of every parameter: ceil(numel / 64) elements): one op's overhead plus 28 bytes per element
+    (reads parameter, gradient and both moments; writes three) at the memory bandwidth."""
+    h100 = load_profile("h100-sxm")
+    chunks = [-(-p.numel() // WORLD) for p in dict.fromkeys(build_model("gpt").parameters())]
+    expected = sum(h100.op_overhead_s + 28 * n / h100.memory_bytes_per_s for n in chunks)
+    assert stage3.optimizer_update_s == pytest.approx(expected, rel=1e-9)
+    assert stage3.optimizer_update_s <= stage3.compute_s
+
+
+def test_cpu_profile_prices_the_reference_update_op_by_op():
+    """On a "cpu" profile zcompile.optim runs the reference update's torch ops: every op counted
+    (torch's dispatcher sees each ``aten`` call of one real update) at its overhead, so the update
+    costs at least that many overheads per shard."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from zcompile.kernels.fused_optim import fused_adamw_reference
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    tensors = [torch.ones(16) for _ in range(4)]
+    with Count():
+        fused_adamw_reference(*tensors, 2, 1e-3, 0.9, 0.999, 1e-8, 0.01)
+    data = json.loads(open(load_profile("cpu-local").source).read())
+    data.update(op_overhead_s=1.0, memory_bytes_per_s=1e30, transcendental_bytes_per_s=1e30, device_type="cpu")
+    tokens, targets = global_batch(0, 2)
+    result = simulate(lambda: build_model("gpt"), (tokens, targets), world_size=4, options={"stage": 3},
+                      hardware=profile_from_dict(data))
+    params = len(list(dict.fromkeys(build_model("gpt").parameters())))
+    assert result.optimizer_update_s == pytest.approx(Count.calls * params, rel=1e-6)
+
+
 def test_stage2_optimizer_gathers_the_parameters_in_bf16():
     tokens, targets = global_batch(0, 2)
     result = simulate(lambda: build_model("gpt"), (tokens, targets), world_size=WORLD,

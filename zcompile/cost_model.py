@@ -124,19 +124,38 @@ class ComputeCosts:
 
     ``op_overhead_s`` is the dispatch time of an op on tiny tensors: on a CPU running small
     models it is most of an op's time, and a pure roofline would miss it.
+
+    Two op classes run slower than the roofline of matmuls and copies says, so each may have its own
+    rate (0: the general one): ``attention_flops_per_s`` for the fused attention kernels
+    (``ATTENTION_OPS``: their FLOPs at about 0.55x a matmul's rate on this machine's CPU, and below a
+    GPU's GEMM peak too), and ``transcendental_bytes_per_s`` for the element-wise ops that evaluate
+    exp, erf or tanh, softmax and the normalizations (``TRANSCENDENTAL_OPS``): a CPU thread computing
+    GELU, exp or softmax moves 10-15 GB/s where its add or clone moves 70-90 (a GPU's are all
+    bandwidth-bound: its profile leaves the field out).
     """
 
     flops_per_s: float
     bytes_per_s: float
     op_overhead_s: float = 0.0
+    attention_flops_per_s: float = 0.0
+    transcendental_bytes_per_s: float = 0.0
 
     def seconds(self, flops: float, nbytes: float) -> float:
         return self.op_overhead_s + max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
 
+    def op_seconds(self, flops: float, nbytes: float, op_class: str = "") -> float:
+        """One op of ``op_class`` (``op_class``: "attention", "transcendental" or anything else) at its
+        class's rates."""
+        flops_per_s = (self.attention_flops_per_s or self.flops_per_s) if op_class == "attention" else self.flops_per_s
+        bytes_per_s = ((self.transcendental_bytes_per_s or self.bytes_per_s) if op_class == "transcendental"
+                       else self.bytes_per_s)
+        return self.op_overhead_s + max(flops / flops_per_s, nbytes / bytes_per_s)
+
     def scaled(self, factor: float) -> ComputeCosts:
         """The same device ``factor`` times slower: every node's predicted time multiplied by ``factor``
         (``zcompile.tune_calibration`` fits it to a measured step)."""
-        return ComputeCosts(self.flops_per_s / factor, self.bytes_per_s / factor, self.op_overhead_s * factor)
+        return ComputeCosts(self.flops_per_s / factor, self.bytes_per_s / factor, self.op_overhead_s * factor,
+                            self.attention_flops_per_s / factor, self.transcendental_bytes_per_s / factor)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -281,39 +300,68 @@ def measure_collective_costs(group: dist.ProcessGroup | None = None, sizes: tupl
     return CollectiveCosts(resolved.world_size, costs, max(agreed[-1], 1.0))
 
 
+MAX_OVERLAP_SLOWDOWN = 100.0  # a transfer that does not progress while the rank computes: serial
+
+
 def _overlap_slowdown(group: DataParallelGroup, device: torch.device, nbytes: int, repeats: int) -> float:
-    """An all-gather of ``nbytes`` run under a loop of small matmuls (polling between them), over the same
-    all-gather alone: median of ``repeats`` of each. 1.0 on a GPU (the copy engines do not share the
-    compute's cores; its kernels would only be queued here)."""
+    """The slowdown at which ``predict``'s contention model reproduces a measured overlap: an all-gather
+    of ``nbytes`` alone (``M``), a loop of small matmuls about as long alone (``C``), and the two
+    together (``T``: issue, compute, wait), medians of ``repeats``. The model moves a transfer at
+    ``1 / s`` of its speed while the rank computes, so overlapping hides ``min(M, C / s)`` and
+    ``s = C / (C + M - T)``; at least 1, at most ``MAX_OVERLAP_SLOWDOWN`` (nothing hidden, or the
+    two together slower than one after the other: on a 2-core VM with both ranks computing, gloo's
+    threads and the compute share the cores and a 1-4 MiB all-gather hides nothing). 1.0 on a GPU
+    (the copy engines do not share the compute's cores; its kernels would only be queued here)."""
     if device.type != "cpu":
         return 1.0
     numel = -(-nbytes // (4 * group.world_size))
     out, shard = torch.empty(numel * group.world_size), torch.ones(numel)
     a = torch.randn(96, 96)
-    alone, busy = [], []
-    for _ in range(repeats):
-        dist.barrier(group=group.process_group)
-        start = time.perf_counter()
+
+    def gather():
         all_gather_eager(out, shard, group, async_op=True).wait()
-        alone.append(time.perf_counter() - start)
-        dist.barrier(group=group.process_group)
-        start = time.perf_counter()
-        work = all_gather_eager(out, shard, group, async_op=True)
-        while not work.is_completed():
+
+    def compute(calls: int):
+        for _ in range(calls):
             torch.mm(a, a)
-        busy.append(time.perf_counter() - start)
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=group.process_group)
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def both(calls: int):
+        work = all_gather_eager(out, shard, group, async_op=True)
+        compute(calls)
         work.wait()
-    return statistics.median(busy) / max(statistics.median(alone), 1e-9)
+
+    transfer = timed(gather)
+    per_call = _median_seconds(lambda: compute(50), repeats, 1, lambda: None) / 50
+    calls = max(1, round(transfer / per_call))
+    computing = timed(lambda: compute(calls))
+    hidden = computing + transfer - timed(lambda: both(calls))
+    if hidden <= computing / MAX_OVERLAP_SLOWDOWN:
+        return MAX_OVERLAP_SLOWDOWN
+    return min(max(computing / hidden, 1.0), MAX_OVERLAP_SLOWDOWN)
 
 
 def measure_compute_costs(device: torch.device | str | None = None, matmul_size: int = 512,
                           copy_bytes: int = 2**22, repeats: int = 5, dtype: torch.dtype = torch.float32,
-                          group: dist.ProcessGroup | None = None) -> ComputeCosts:
-    """Matmul FLOP/s (``matmul_size`` square, ``dtype``), memory bandwidth and op dispatch overhead
-    on ``device``, each the median of ``repeats`` runs.
+                          group: dist.ProcessGroup | None = None,
+                          attention_shape: tuple[int, int, int, int] = (4, 4, 128, 32)) -> ComputeCosts:
+    """Matmul FLOP/s (``matmul_size`` square, ``dtype``), memory bandwidth, op dispatch overhead,
+    causal attention's FLOP/s (``attention_shape``: batch, heads, sequence, head dim) and the
+    bandwidth of the transcendental ops on ``device``, each the median of ``repeats`` runs.
 
     The bandwidth is that of ``clone`` of ``copy_bytes`` (bytes read + written): like the graphs'
     ops it allocates its output, which on a CPU costs page faults a copy into a warm buffer does not.
+    The transcendental ops' is the median over GELU, exp, softmax and layer norm of ``copy_bytes``
+    (``TRANSCENDENTAL_OPS``, bytes read + written), the attention's FLOPs ``flop_counter``'s formula,
+    as ``node_flops`` counts them.
 
     In an initialized process group the numbers are agreed like the collectives' (element-wise
     median over ranks), so predictions that drive decisions are the same on every rank; then
@@ -335,13 +383,26 @@ def measure_compute_costs(device: torch.device | str | None = None, matmul_size:
             add(tiny, tiny)
 
     overhead_s = _median_seconds(dispatch, repeats, 1, sync) / calls
-    values = [2 * n**3 / matmul_s, 2 * src.numel() * 4 / copy_s, overhead_s]
+    heads = torch.randn(attention_shape, device=device, dtype=dtype)
+    attention_s = _median_seconds(
+        lambda: torch.nn.functional.scaled_dot_product_attention(heads, heads, heads, is_causal=True), repeats, 1, sync)
+    attention_flops = flop_counter.sdpa_flop_count(heads.shape, heads.shape, heads.shape)
+    rows = torch.randn(copy_bytes // (4 * 512), 512, device=device, dtype=dtype)
+    weight, bias = torch.ones(512, device=device, dtype=dtype), torch.zeros(512, device=device, dtype=dtype)
+    aten = torch.ops.aten
+    transcendental = [lambda: aten.gelu.default(rows), lambda: aten.exp.default(rows),
+                      lambda: aten._softmax.default(rows, -1, False),
+                      lambda: aten.native_layer_norm.default(rows, [512], weight, bias, 1e-5)]
+    transcendental_s = statistics.median(_median_seconds(op, repeats, 1, sync) for op in transcendental)
+    values = [2 * n**3 / matmul_s, 2 * src.numel() * 4 / copy_s, overhead_s, attention_flops / attention_s,
+              2 * rows.numel() * rows.element_size() / transcendental_s]
     resolved = DataParallelGroup.resolve(group)
     if resolved.world_size > 1:
         values = _agree(values, resolved, _group_device(resolved))
     costs = ComputeCosts(*values)
-    log.info("cost model: compute on %s: %.1f GFLOP/s, %.1f GB/s, %.1f us per op", device,
-             costs.flops_per_s / 1e9, costs.bytes_per_s / 1e9, costs.op_overhead_s * 1e6)
+    log.info("cost model: compute on %s: %.1f GFLOP/s (attention %.1f), %.1f GB/s (transcendental %.1f), "
+             "%.1f us per op", device, costs.flops_per_s / 1e9, costs.attention_flops_per_s / 1e9,
+             costs.bytes_per_s / 1e9, costs.transcendental_bytes_per_s / 1e9, costs.op_overhead_s * 1e6)
     return costs
 
 
@@ -358,6 +419,24 @@ _EXTRA_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
         lambda grad, q, k, v, *_, **__: flop_counter.sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape),
 }
+
+
+# the aten attention kernels (by overload packet name), priced at ``ComputeCosts.attention_flops_per_s``
+ATTENTION_OPS = frozenset(
+    f"_scaled_dot_product_{kind}{suffix}"
+    for kind in ("flash_attention", "flash_attention_for_cpu", "efficient_attention", "cudnn_attention",
+                 "fused_attention_overrideable")
+    for suffix in ("", "_backward"))
+# element-wise ops evaluating exp, log, erf or tanh, softmax and normalizations (with their
+# backwards): compute-bound on a CPU thread, priced at ``ComputeCosts.transcendental_bytes_per_s``
+TRANSCENDENTAL_OPS = frozenset(
+    [f"{op}{suffix}" for op in ("gelu", "silu", "sigmoid", "tanh", "elu", "softplus", "mish")
+     for suffix in ("", "_backward")]
+    + ["exp", "exp2", "expm1", "log", "log1p", "log2", "erf", "erfinv", "sin", "cos",
+       "_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data",
+       "native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward",
+       "native_group_norm", "native_group_norm_backward", "native_batch_norm", "native_batch_norm_backward",
+       "_native_batch_norm_legit", "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training"])
 
 
 def node_flops(node: torch.fx.Node) -> int:
@@ -392,7 +471,14 @@ def node_seconds(node: torch.fx.Node, compute: ComputeCosts) -> float:
         return sum(node_seconds(inner, compute) for inner in subgraph.graph.nodes)
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
-    return compute.seconds(node_flops(node), node_bytes(node))
+    return compute.op_seconds(node_flops(node), node_bytes(node), op_class(node))
+
+
+def op_class(node: torch.fx.Node) -> str:
+    """"attention" (``ATTENTION_OPS``), "transcendental" (``TRANSCENDENTAL_OPS``) or "" (the rest)."""
+    target = node.target
+    name = target.overloadpacket.__name__ if isinstance(target, torch._ops.OpOverload) else ""
+    return "attention" if name in ATTENTION_OPS else "transcendental" if name in TRANSCENDENTAL_OPS else ""
 
 
 def _called_subgraph(node: torch.fx.Node) -> torch.fx.GraphModule | None:
@@ -404,6 +490,14 @@ def _called_subgraph(node: torch.fx.Node) -> torch.fx.GraphModule | None:
         return None
     subgraph = getattr(owner, attribute.target, None)
     return subgraph if isinstance(subgraph, torch.fx.GraphModule) else None
+
+
+def elementwise_seconds(graph: torch.fx.GraphModule, traced_numel: int, numel: int, compute: ComputeCosts) -> float:
+    """Time of an element-wise program (an optimizer's update) traced on tensors of ``traced_numel``
+    elements, run on ``numel``: each op's dispatch overhead, its bytes scaled to ``numel``."""
+    scale = numel / traced_numel
+    return sum(compute.op_seconds(0.0, node_bytes(node) * scale, op_class(node)) for node in graph.graph.nodes
+               if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload))
 
 
 # ----------------------------------------------------------------------------- prediction

@@ -21,6 +21,20 @@ node_size, group_ranks)`` prices each collective of a graph by its own group (``
 group's size, on the link its group's ranks need (``topology.spans_nodes``); a group whose ranks are
 not known is taken as consecutive ranks from a node's start (across nodes when larger than a node).
 ``compute_costs(dtype)`` gives ``ComputeCosts`` at the dtype's peak.
+
+Optional figures, for machines where the plain roofline is wrong (``cpu-local`` has them; the GPU
+profiles leave them out, and each defaults to "no effect"):
+
+- ``attention_efficiency``: the attention kernels' FLOP/s as a fraction of the dtype's peak;
+- ``transcendental_bytes_per_s``: the bandwidth of the ops that evaluate exp, erf or tanh, softmax
+  and the normalizations (``cost_model.TRANSCENDENTAL_OPS``); default ``memory_bytes_per_s``;
+- ``overlap_slowdown``: how much slower a transfer moves while its rank computes (``predict``'s
+  contention model; gloo's threads share a CPU's cores with compute);
+- per link, ``issue_latency_s`` and ``issue_bytes_per_s``: the issuing thread's time per collective,
+  and ``bus_factor``: a kind's bus bytes per byte moved where the backend's algorithm is not
+  nccl-tests' (gloo's reduce-scatter is an all-reduce);
+- ``device_type``: "cuda" (default) or "cpu": which update ``zcompile.optim`` runs, so which one
+  ``simulate`` prices.
 """
 
 from __future__ import annotations
@@ -30,7 +44,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -52,12 +66,21 @@ class HardwareProfileError(ValueError):
 class Link:
     bus_bytes_per_s: float
     latency_s: float
+    # the issuing thread's time per collective (``CollectiveCost.issue_seconds``): gloo copies and
+    # enqueues on the caller's thread; NCCL's launch is in ``op_overhead_s``'s order (left at 0)
+    issue_latency_s: float = 0.0
+    issue_bytes_per_s: float = math.inf
+    # bytes over the bus per byte moved, per (N - 1) / N, where the backend's algorithm differs from
+    # nccl-tests' rule (gloo runs a reduce-scatter as an all-reduce: 2)
+    bus_factor: Mapping[str, float] = field(default_factory=dict)
 
     def cost(self, kind: str, ranks: int) -> CollectiveCost:
         """The cost-model form (latency + bytes x seconds per byte) of ``kind`` over ``ranks`` ranks."""
         steps = math.ceil(math.log2(ranks))
-        per_byte = _BUS_FACTOR[kind] * (ranks - 1) / ranks / self.bus_bytes_per_s
-        return CollectiveCost(latency_s=self.latency_s * steps, seconds_per_byte=per_byte)
+        factor = self.bus_factor.get(kind, _BUS_FACTOR[kind])
+        per_byte = factor * (ranks - 1) / ranks / self.bus_bytes_per_s
+        return CollectiveCost(latency_s=self.latency_s * steps, seconds_per_byte=per_byte,
+                              issue_latency_s=self.issue_latency_s, issue_seconds_per_byte=1.0 / self.issue_bytes_per_s)
 
 
 @dataclass(frozen=True)
@@ -71,6 +94,11 @@ class HardwareProfile:
     intra_node: Link
     inter_node: Link
     source: str = ""  # the file it was read from
+    # optional figures (module docstring): 0 or 1 when a profile leaves them out
+    attention_efficiency: float = 1.0  # the attention kernels' FLOP/s over the dtype's peak
+    transcendental_bytes_per_s: float = 0.0  # ``ComputeCosts.transcendental_bytes_per_s``; 0: memory bandwidth
+    overlap_slowdown: float = 1.0  # ``CollectiveCosts.overlap_slowdown``: a transfer's time while computing / alone
+    device_type: str = "cuda"  # what zcompile.optim runs its update on: the fused kernel ("cuda") or torch ops
 
     def group_cost(self, kind: str, group_size: int, across_nodes: bool) -> CollectiveCost:
         """``kind`` over a group of ``group_size`` ranks, on the inter-node link when the group spans
@@ -87,13 +115,15 @@ class HardwareProfile:
         if world_size < 2:
             return CollectiveCosts(world_size, {})
         across = world_size > node_size
-        return CollectiveCosts(world_size, {kind: self.group_cost(kind, world_size, across) for kind in KINDS})
+        return CollectiveCosts(world_size, {kind: self.group_cost(kind, world_size, across) for kind in KINDS},
+                               self.overlap_slowdown)
 
     def link_costs(self, world_size: int, node_size: int | None = None,
                    group_ranks: Mapping[str, tuple[int, ...]] | None = None) -> LinkCosts:
         """Costs that price each collective by its group (module docstring); ``group_ranks``: group
         name -> global ranks (``process_group.group_ranks_by_name``)."""
-        return LinkCosts(self, world_size, node_size or self.node_size, dict(group_ranks or {}))
+        return LinkCosts(self, world_size, node_size or self.node_size, dict(group_ranks or {}),
+                         self.overlap_slowdown)
 
     def peak_flops(self, dtype: torch.dtype | str) -> float:
         """Peak FLOP/s in ``dtype`` (a ``torch.dtype`` or ``"bf16"``/``"fp16"``/``"fp32"``)."""
@@ -105,7 +135,9 @@ class HardwareProfile:
 
     def compute_costs(self, dtype: torch.dtype | str = torch.bfloat16) -> ComputeCosts:
         """``ComputeCosts`` at the peak FLOP/s of ``dtype`` (the compute dtype, ``param_dtype`` or fp32)."""
-        return ComputeCosts(self.peak_flops(dtype), self.memory_bytes_per_s, self.op_overhead_s)
+        peak = self.peak_flops(dtype)
+        return ComputeCosts(peak, self.memory_bytes_per_s, self.op_overhead_s, peak * self.attention_efficiency,
+                            self.transcendental_bytes_per_s)
 
 
 @dataclass(frozen=True)
@@ -116,7 +148,7 @@ class LinkCosts:
     world_size: int
     node_size: int
     group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # group name -> global ranks
-    overlap_slowdown: float = 1.0  # a profile's links are not slowed by compute (a GPU's copy engines)
+    overlap_slowdown: float = 1.0  # the profile's: 1 unless its links are slowed by compute (a CPU's)
 
     def group_size(self, collective: CollectiveNode) -> int:
         """Ranks of the collective's group (an all-reduce does not say: its group's, else the world's)."""
@@ -181,11 +213,38 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
     node_size = field("node_size")
     if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
         raise HardwareProfileError(f"hardware profile {source!r}: node_size must be an int >= 1, got {node_size!r}")
-    links = {name: Link(positive(f"links.{name}.bus_bytes_per_s"), positive(f"links.{name}.latency_s", True))
-             for name in ("intra_node", "inter_node")}
+    links = {name: _link(name, positive, data) for name in ("intra_node", "inter_node")}
+    optional = {key: positive(key) for key in ("attention_efficiency", "transcendental_bytes_per_s", "overlap_slowdown")
+                if key in data}
+    if optional.get("attention_efficiency", 1.0) > 1.0:
+        raise HardwareProfileError(f"hardware profile {source!r}: attention_efficiency is a fraction of the peak "
+                                   f"FLOP/s, at most 1, got {optional['attention_efficiency']!r}")
+    if optional.get("overlap_slowdown", 1.0) < 1.0:
+        raise HardwareProfileError(f"hardware profile {source!r}: overlap_slowdown is a transfer's time while "
+                                   f"computing over its time alone, at least 1, got {optional['overlap_slowdown']!r}")
+    device_type = data.get("device_type", "cuda")
+    if device_type not in ("cuda", "cpu"):
+        raise HardwareProfileError(f"hardware profile {source!r}: device_type must be 'cuda' or 'cpu', got "
+                                   f"{device_type!r}")
     return HardwareProfile(
         name=str(field("name")),
         peak_flops_per_s={k: positive(f"peak_flops_per_s.{k}") for k in flops},
         memory_bytes_per_s=positive("memory_bytes_per_s"), memory_bytes=positive("memory_bytes"),
         op_overhead_s=positive("op_overhead_s", allow_zero=True), node_size=node_size,
-        intra_node=links["intra_node"], inter_node=links["inter_node"], source=source)
+        intra_node=links["intra_node"], inter_node=links["inter_node"], source=source, device_type=device_type,
+        **optional)
+
+
+def _link(name: str, positive: Callable[..., float], data: dict) -> Link:
+    """``links.<name>``: bus bandwidth and latency, and the optional issue cost and bus factors."""
+    link = data["links"][name] if isinstance(data.get("links"), dict) and isinstance(data["links"].get(name), dict) \
+        else {}
+    prefix = f"links.{name}"
+    factors = link.get("bus_factor", {})
+    if not isinstance(factors, dict) or not set(factors) <= set(KINDS):
+        raise HardwareProfileError(f"hardware profile: {prefix}.bus_factor must map some of {list(KINDS)} to a "
+                                   f"factor, got {factors!r}")
+    return Link(positive(f"{prefix}.bus_bytes_per_s"), positive(f"{prefix}.latency_s", True),
+                positive(f"{prefix}.issue_latency_s", True) if "issue_latency_s" in link else 0.0,
+                positive(f"{prefix}.issue_bytes_per_s") if "issue_bytes_per_s" in link else math.inf,
+                {kind: positive(f"{prefix}.bus_factor.{kind}") for kind in factors})

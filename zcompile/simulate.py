@@ -25,7 +25,10 @@ From the compiled graphs it returns:
   reduce-scatter of stages 1 and 2 (not in the graphs);
 - the predicted step time and exposed communication (``cost_model.predict_step`` with the hardware
   profile's costs, each collective priced on its own group's link: ``HardwareProfile.link_costs``),
-  the optimizer's communication added as exposed, and
+  the optimizer's communication added as exposed and its update as compute (``zcompile.optim.AdamW``
+  over rank 0's shards: on a "cuda" profile its fused kernel, one pass reading parameter, gradient
+  and both moments and writing three of them; on a "cpu" one the reference's torch ops, traced
+  once and priced op by op), and
   MFU: 6 x parameters x tokens per step over the step time and the profile's peak FLOP/s.
 """
 
@@ -41,9 +44,10 @@ import torch
 import torch.distributed as dist
 
 from zcompile.config import ZeroConfig
-from zcompile.cost_model import ComputeCosts, predict_step, step_graphs
+from zcompile.cost_model import ComputeCosts, elementwise_seconds, predict_step, step_graphs
 from zcompile.estimate import estimate_memory, fake_call
 from zcompile.hardware import HardwareProfile, LinkCosts, load_profile
+from zcompile.kernels.fused_optim import fused_adamw_reference
 from zcompile.optim_buckets import plan_optimizer_buckets
 from zcompile.param_shards import shard_of
 from zcompile.passes.collectives import collective_nodes
@@ -77,8 +81,9 @@ class SimulationResult:
     memory: dict[str, int]  # bytes per rank, the parts of step_report().memory
     collectives: list[SimulatedCollective] = field(default_factory=list)
     step_s: float = 0.0
-    compute_s: float = 0.0
+    compute_s: float = 0.0  # the graphs' compute and the optimizer's update
     exposed_comm_s: float = 0.0
+    optimizer_update_s: float = 0.0  # the optimizer's update of this rank's shards
     mfu: float = 0.0
     simulate_s: float = 0.0  # wall time of the simulation itself
     step_peak_bytes: int = 0  # the most bytes per rank during a step (zcompile.step_peak), model states included
@@ -152,7 +157,9 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
     peak = step_peak(graphs, states.params_bytes, states.grads_bytes, states.optimizer_bytes)
     result.step_peak_bytes, result.step_peak_phase = peak.peak_bytes, peak.where
     result.collectives = _graph_collectives(graphs, pricing) + _optimizer_collectives(model, pricing)
-    _predict(result, graphs, pricing, profile.compute_costs(config.param_dtype or torch.float32))
+    compute = profile.compute_costs(config.param_dtype or torch.float32)
+    result.optimizer_update_s = _optimizer_update_seconds(model, profile, compute)
+    _predict(result, graphs, pricing, compute)
     result.simulate_s = time.perf_counter() - start
     log.info("simulate: %d parameters on %d ranks (%s): %.1f MiB per rank, step %.3f s, MFU %.1f%%", num_params,
              world_size, profile.name, result.per_rank_bytes / 2**20, result.step_s, 100 * result.mfu)
@@ -243,6 +250,38 @@ def _optimizer_collectives(model: torch.nn.Module, pricing: LinkCosts,
     return out
 
 
+TRACED_NUMEL = 4096  # elements of the tensors the CPU update is traced on (its ops' bytes scale linearly)
+
+
+def _optimizer_update_seconds(model: torch.nn.Module, profile: HardwareProfile, compute: ComputeCosts) -> float:
+    """``zcompile.optim.AdamW``'s update of rank 0's shards (the module docstring says how it is priced)."""
+    members = [s for s in filter(None, map(shard_of, dict.fromkeys(model.parameters()))) if s.param.requires_grad]
+    total = 0.0
+    for lowp_dtype in {s.replicated_dtype if s.replicated_dtype != s.shard.dtype else None for s in members}:
+        numels = [s.shard.numel() for s in members
+                  if (s.replicated_dtype if s.replicated_dtype != s.shard.dtype else None) == lowp_dtype]
+        if profile.device_type == "cuda":
+            per_element = 7 * 4 + (lowp_dtype.itemsize if lowp_dtype else 0)  # reads p, g, m, v; writes p, m, v
+            total += sum(compute.op_seconds(0.0, per_element * n) for n in numels)
+        else:
+            graph = _traced_cpu_update(lowp_dtype)
+            total += sum(elementwise_seconds(graph, TRACED_NUMEL, n, compute) for n in numels)
+    return total
+
+
+def _traced_cpu_update(lowp_dtype: torch.dtype | None) -> torch.fx.GraphModule:
+    """The torch ops ``zcompile.optim.AdamW`` runs per shard on a CPU, traced on ``TRACED_NUMEL`` elements."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def update(param, grad, exp_avg, exp_avg_sq, *lowp_out):
+        fused_adamw_reference(param, grad, exp_avg, exp_avg_sq, 2, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, *lowp_out)
+
+    tensors = [torch.ones(TRACED_NUMEL) for _ in range(4)]
+    if lowp_dtype is not None:
+        tensors.append(torch.empty(TRACED_NUMEL, dtype=lowp_dtype))
+    return make_fx(update)(*tensors)
+
+
 def _predict(result: SimulationResult, graphs: list, pricing: LinkCosts, compute: ComputeCosts) -> None:
     """Step, exposed communication and MFU from ``predict_step``; each graph collective's predicted seconds."""
     prediction = predict_step(graphs, pricing, compute)
@@ -250,8 +289,8 @@ def _predict(result: SimulationResult, graphs: list, pricing: LinkCosts, compute
     for c in result.collectives:
         c.seconds = seconds.get((c.graph, c.node), c.seconds)
     optimizer_comm = sum(c.seconds for c in result.collectives if c.where == "optimizer")
-    result.compute_s = prediction.compute_s
+    result.compute_s = prediction.compute_s + result.optimizer_update_s
     result.exposed_comm_s = prediction.exposed_comm_s + optimizer_comm
-    result.step_s = prediction.step_s + optimizer_comm
+    result.step_s = prediction.step_s + optimizer_comm + result.optimizer_update_s
     if result.step_s > 0:
         result.mfu = 6 * result.num_params * result.tokens_per_rank / result.step_s / compute.flops_per_s
