@@ -47,7 +47,9 @@ class _GatherParam(torch.autograd.Function):
         if param_dtype is not None and shard.dtype != param_dtype:
             shard = shard.to(param_dtype)
         full = all_gather_in_graph(shard, world_size, group_name) if world_size > 1 else shard
-        return full[:numel].view(shape)
+        # unpadded (the usual case) the gathered buffer is the parameter: no slice, which would be one
+        # more op per parameter for AOTAutograd to trace twice and the partitioner to place
+        return (full if full.numel() == numel else full[:numel]).view(shape)
 
     @staticmethod
     def backward(ctx, grad):
