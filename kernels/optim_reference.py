@@ -42,6 +42,40 @@ def adamw_reference(
 
 
 @torch.no_grad()
+def adamw_reference_foreach(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+) -> None:
+    """``adamw_reference`` on lists of shards (all at the same ``step``), one ``torch._foreach_*`` call
+    per op: the same ops in the same order, so the same bits (torch runs a foreach op on a CPU as
+    the per-tensor kernel over the list), with one dispatch from Python per op instead of one per
+    op and shard."""
+    grads = [g.to(p.dtype) if g.dtype != p.dtype else g for g, p in zip(grads, params)]
+    if grad_scale != 1.0:
+        grads = torch._foreach_mul(grads, grad_scale)
+    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias_correction2**0.5)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-step_size)
+
+
+@torch.no_grad()
 def sgd_reference(
     param: torch.Tensor,
     grad: torch.Tensor,

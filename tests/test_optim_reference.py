@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from zcompile.kernels.optim_reference import adamw_reference, sgd_reference
+from zcompile.kernels.optim_reference import adamw_reference, adamw_reference_foreach, sgd_reference
 
 
 @pytest.mark.parametrize("numel", [1, 7, 1000])
@@ -43,3 +43,24 @@ def test_grad_scale_is_applied_before_the_update():
     sgd_reference(param, grad * 0.25, None, 1.0, 0.0, 0.0, 0.0, False)
     sgd_reference(scaled, grad, None, 1.0, 0.0, 0.0, 0.0, False, grad_scale=0.25)
     assert torch.equal(param, scaled)
+
+
+def test_foreach_adamw_reference_is_bitwise_the_per_shard_one():
+    """The CPU optimizer updates a bucket's shards with one foreach call per op: it must give the
+    bits of ``adamw_reference`` run shard by shard (which equals torch.optim.AdamW's single-tensor
+    path), over steps, with a gradient scale and with bf16 gradients."""
+    torch.manual_seed(0)
+    sizes = [1, 7, 1000, 65537]
+    for grad_scale, grad_dtype in [(1.0, torch.float32), (0.5, torch.float32), (1.0, torch.bfloat16)]:
+        states = [[torch.randn(n), torch.randn(n), torch.rand(n)] for n in sizes]
+        one_by_one = [[t.clone() for t in state] for state in states]
+        grads = [torch.randn(n).to(grad_dtype) for n in sizes]
+        for step in (1, 2, 3):
+            for (param, exp_avg, exp_avg_sq), grad in zip(one_by_one, grads):
+                adamw_reference(param, grad, exp_avg, exp_avg_sq, step, 1e-3, 0.9, 0.999, 1e-8, 0.01, grad_scale)
+            adamw_reference_foreach([state[0] for state in states], grads,
+                                    [state[1] for state in states], [state[2] for state in states], step,
+                                    1e-3, 0.9, 0.999, 1e-8, 0.01, grad_scale)
+        for foreach, single in zip(states, one_by_one):
+            for a, b in zip(foreach, single):
+                assert torch.equal(a, b)

@@ -155,6 +155,10 @@ class BucketedParamRefresh:
         self._bucket_of = _bucket_index(self.buckets)
         self._waiting = [len(bucket) for bucket in self.buckets]
 
+    def bucket_of(self, member: ShardedParam) -> int | None:
+        """The index of ``member``'s bucket; None when it is not refreshed here (stage 3)."""
+        return self._bucket_of.get(id(member))
+
     def updated(self, member: ShardedParam, shard_in_param_dtype: torch.Tensor | None) -> None:
         """``member``'s shard is final (``shard_in_param_dtype``: already cast, or None to cast here)."""
         shard = shard_in_param_dtype if shard_in_param_dtype is not None else member.shard.detach().to(member.replicated_dtype)
