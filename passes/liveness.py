@@ -228,7 +228,8 @@ def live_peak_bytes(gm: torch.fx.GraphModule, preloaded: dict[torch.fx.Node, tup
     after its last reader), the values it returns to the end. Graph inputs are not counted except
     ``preloaded`` placeholders (placeholder -> (storage key, bytes); placeholders with one key are one
     storage), from the start to their last reader, or to the end with ``hold_inputs`` (a caller that
-    keeps its arguments until the graph returns, as ``make_boxed_func`` does). A block subgraph call
+    keeps its arguments until the graph returns, as ``make_boxed_func`` does; zcompile's compilers do
+    not: ``zcompile.inner.boxed_graph_function``, inductor's code). A block subgraph call
     adds, while it runs, what its subgraph holds at once (this walk of it) beyond the outputs it
     returns. Another higher-order op's inside is not counted: logged as a warning naming it."""
     preloaded = preloaded or {}

@@ -18,9 +18,11 @@ from zcompile.step_peak import step_peak
 # Both sides count each storage's bytes once, on the same fake tensors. The walk leaves out what the
 # step holds outside the graphs: the batch, the model's buffers (the Llama's rotary table) and the
 # loss, 0.06% of the Llama's peak and 0.3% of the MLP stack's (its float batch). A wrong rule costs
-# far more than 1% on these models: freeing the backward's inputs after their last reader (inductor's
-# rule, not the eager compiler's) gives 0.85-0.92x, leaving out the tangents (the zeros autograd makes
-# for the logits) 0.91-0.92x, not walking into block subgraph calls 0.97x.
+# far more than 1% on these models: holding the backward's inputs to its end (the eager compiler's
+# make_boxed_func before zcompile.inner.boxed_graph_function) gives 1.17-1.18x on the Llama,
+# leaving out the tangents (the zeros autograd makes for the logits) 0.91-0.92x, not walking into
+# block subgraph calls 0.97x. The Llama cases assert that holding the inputs would be off by more than RTOL: the
+# tracker sees the compiled backward free each input after its last reader, so they fail if it held them.
 RTOL = 0.01
 
 
@@ -59,11 +61,13 @@ def _llama_batch() -> dict:
     return {"input_ids": tokens, "labels": tokens}
 
 
-def _walk(tracked, make_model, world: int, stage: int) -> int:
-    """``step_peak`` of the tracked run's own graphs, with the model states ``estimate_memory`` gives."""
+def _walk(tracked, make_model, world: int, stage: int, hold: bool = False):
+    """``step_peak`` of the tracked run's own graphs, with the model states ``estimate_memory`` gives;
+    ``hold``: as if each backward held its inputs to its end."""
     with torch.device("meta"):
         states = zcompile.estimate_memory(make_model(), world, {"stage": stage})
-    return step_peak(tracked.graphs, states.params_bytes, states.grads_bytes, states.optimizer_bytes)
+    return step_peak(tracked.graphs, states.params_bytes, states.grads_bytes, states.optimizer_bytes,
+                     hold_backward_inputs=hold)
 
 
 def test_simulate_step_peak_agrees_with_torch_memtracker_at_64_ranks():
@@ -77,25 +81,35 @@ def test_simulate_step_peak_agrees_with_torch_memtracker_at_64_ranks():
     result = simulate(make, _llama_batch(), world_size=64, options={"stage": 3}, hardware="cpu-local")
     assert result.step_peak_bytes == pytest.approx(tracked.peak_bytes, rel=RTOL)
     assert result.step_peak_phase == "backward0"
-    assert result.step_peak_bytes > result.per_rank_bytes  # the parts leave backward's transients out
     walk = _walk(tracked, make, 64, 3)
+    assert tracked.peak_bytes * (1 + RTOL) < _walk(tracked, make, 64, 3, hold=True).peak_bytes
     forward = max(v for phase, v in walk.phases.items() if phase.startswith("forward"))
     assert forward == pytest.approx(tracked.forward_peak_bytes, rel=RTOL)
 
 
 @pytest.mark.parametrize("case", ["llama stage 1 at 8", "regional MLP stack stage 3 at 8"])
 def test_step_peak_agrees_with_torch_memtracker(case):
-    """Stage 1 (full gradients made during backward, which holds its inputs to the end) and a model
-    compiled by regions (the walk goes into each ``invoke_subgraph`` call's subgraph)."""
+    """Stage 1 (full gradients made during backward, which frees its inputs as it makes them) and a
+    model compiled by regions (the walk goes into each ``invoke_subgraph`` call's subgraph), up to
+    the end of the backward: at stage 1 the step's peak is now the optimizer's, whose bucket buffers
+    the walk does not count (1.18x the backward's on this Llama). Holding the backward's inputs would
+    be 1.18x on the Llama; the regional stack's peak is inside a block, where it changes 0.5%."""
     if case.startswith("llama"):
         make, batch, loss_fn, stage = lambda: build_model("hf_llama"), _llama_batch(), lambda o: o.loss, 1
     else:
         make, batch, loss_fn, stage = _regional_stack, torch.randn(64, 16), lambda o: o, 3
     tracked = tracked_step(make, batch, 8, {"stage": stage}, loss_fn)
-    walk = _walk(tracked, make, 8, stage)
-    assert walk.peak_bytes == pytest.approx(tracked.peak_bytes, rel=RTOL), (walk.phases, tracked.peak_parts)
-    if case.startswith("regional"):
+    walk, held = _walk(tracked, make, 8, stage), _walk(tracked, make, 8, stage, hold=True)
+    assert _through_backward(walk) == pytest.approx(tracked.backward_peak_bytes, rel=RTOL), walk.phases
+    if case.startswith("llama"):
+        assert tracked.backward_peak_bytes * (1 + RTOL) < _through_backward(held)
+    else:
+        assert walk.peak_bytes == pytest.approx(tracked.peak_bytes, rel=RTOL)  # stage 3: no optimizer buckets
         assert any(n.target is torch.ops.higher_order.invoke_subgraph for n in tracked.graphs[0].backward.graph.nodes)
+
+
+def _through_backward(walk) -> int:
+    return max(v for phase, v in walk.phases.items() if phase != "optimizer")
 
 
 def test_walk_frees_each_value_after_its_last_reader_and_views_allocate_nothing():

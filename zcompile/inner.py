@@ -9,7 +9,7 @@ import warnings
 from typing import Callable
 
 import torch
-from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from functorch.compile import min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
@@ -65,19 +65,48 @@ class _JointPasses(CustomGraphPass):
         return get_hash_for_files((run_passes.__code__.co_filename,), repr(options))
 
 
-def _quoting_abort_notes(run: Callable, graphs: CompiledGraphs) -> Callable:
+def boxed_graph_function(graph_module: torch.fx.GraphModule) -> Callable[[list], object]:
+    """``graph_module`` run in AOTAutograd's boxed calling convention, freeing each input after its last
+    reader: the generated code takes the argument list, unpacks it into locals and clears it, and FX's
+    code sets each local to None after its last reader. ``make_boxed_func(graph_module.forward)``
+    instead keeps the list, so every saved activation and tangent a backward receives lived until the
+    backward returned (AOTAutograd hands its list over and clears its own references to them).
+
+    The graph runs from a copy with boxed code: ``graph_module`` itself, which reports, dumps and
+    ``on_compile`` read, keeps its ordinary ``forward(self, *inputs)``."""
+    # torch.fx.graph._BoxedCodeGen is private: the codegen torch's own aot_eager (boxed_nop) and
+    # regional_inductor use for exactly this, in torch 2.11-2.13; inductor's generated code clears its
+    # argument list the same way. Only here does zcompile read it.
+    from torch.fx.graph import _BoxedCodeGen
+
+    graph = copy.deepcopy(graph_module.graph)  # nodes copied, their meta shallow: cheap
+    graph.set_codegen(_BoxedCodeGen())
+    runnable = torch.fx.GraphModule(graph_module, graph)  # shares graph_module's attributes (block subgraphs)
+    forward = runnable.forward
+
+    def run(args: list):
+        return forward(args)
+
+    run._boxed_call = True  # AOTAutograd passes its own list (steal_args), which the graph clears
+    return run
+
+
+def _quoting_abort_notes(run: Callable[[list], object], graphs: CompiledGraphs) -> Callable[[list], object]:
     """A compiled backward whose failed collective says why the other rank left, when it did so
     on purpose (its abort note, ``rank_check.raise_if_aborted``), rather than gloo's "connection
-    closed by peer": autograd runs the backward, outside the forward's wrapper that does the same."""
+    closed by peer": autograd runs the backward, outside the forward's wrapper that does the same.
+    Boxed like ``run``: it hands the argument list on and keeps no input of its own, so the graph
+    frees each after its last reader."""
     group = graphs.context.group
 
-    def backward(*args):
+    def backward(args: list):
         try:
-            return run(*args)
+            return run(args)
         except Exception as error:
             raise_if_aborted(group, error)
             raise
 
+    backward._boxed_call = True
     return backward
 
 
@@ -99,8 +128,11 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
 
         def make_compiler(kind: str):
             def compile_eager(graph_module, inputs):
-                run = _post_partition(graph_module, kind, graphs).forward
-                return make_boxed_func(_quoting_abort_notes(run, graphs) if kind == "backward" else run)
+                # boxed for every graph, as torch's aot_eager does: AOTAutograd calls the forward with
+                # a list of its own (a copy of the inputs, or the runtime wrapper's list it no longer
+                # reads: it keeps what the epilogue needs aside, since inductor clears it too)
+                run = boxed_graph_function(_post_partition(graph_module, kind, graphs))
+                return _quoting_abort_notes(run, graphs) if kind == "backward" else run
 
             return compile_eager
 

@@ -12,10 +12,12 @@ its last reader, as the generated code frees it) and gives each phase's peak, mo
   forward walk (its outputs to its end);
 - ``backward<i>`` (the last graph's first): the same states and earlier graphs' saved storages, the
   gradients the later graphs' backward made (their share of the gradient bytes by parameter count),
-  and graph i's backward walk with its saved storages and tangents from its start. With the eager
-  inner compiler these stay until the backward returns (``make_boxed_func`` keeps its arguments);
-  inductor frees each after its last reader, and its fusions keep fewer intermediates than the FX
-  graph walked here holds, so there the walk is an upper bound;
+  and graph i's backward walk with its saved storages and tangents from its start, each freed after
+  its last reader: both inner compilers run the backward in the boxed calling convention, which
+  clears the argument list AOTAutograd hands over (``zcompile.inner.boxed_graph_function``; until
+  it, the eager compiler's ``make_boxed_func`` kept every input to the end: 4% more on the tiny
+  Llama at stage 1). Inductor's fusions keep fewer intermediates than the FX graph walked here
+  holds, so there the walk is an upper bound;
 - ``optimizer``: the model states with the gradients.
 
 Not counted: the optimizer's own temporaries (its bucket buffers and the update's intermediates, a
@@ -54,9 +56,12 @@ class StepPeak:
         return max(self.phases, key=self.phases.get, default="")
 
 
-def step_peak(graphs: list, params_bytes: int, grads_bytes: int, optimizer_bytes: int) -> StepPeak:
+def step_peak(graphs: list, params_bytes: int, grads_bytes: int, optimizer_bytes: int,
+              hold_backward_inputs: bool = False) -> StepPeak:
     """The step's peak from the ``CompiledGraphs`` of one step (``on_compile``'s, in compile order)
-    and this rank's model states (``estimate_memory``'s or ``model_state_bytes``' parts)."""
+    and this rank's model states (``estimate_memory``'s or ``model_state_bytes``' parts).
+    ``hold_backward_inputs``: the peak if each backward kept its saved values and tangents until it
+    returned, as the eager compiler did before its boxed call (what that call saves)."""
     states = params_bytes + optimizer_bytes
     saved = [_saved(g) for g in graphs]
     grads_after = _grads_made_after(graphs, grads_bytes)
@@ -66,7 +71,7 @@ def step_peak(graphs: list, params_bytes: int, grads_bytes: int, optimizer_bytes
             phases[f"forward{i}"] = states + sum(map(_total, saved[:i])) + live_peak_bytes(g.forward)
     for i, g in reversed(list(enumerate(graphs))):
         if g.forward is not None and g.backward is not None:
-            walk = live_peak_bytes(g.backward, _backward_preloaded(g), hold_inputs=_holds_inputs(g))
+            walk = live_peak_bytes(g.backward, _backward_preloaded(g), hold_inputs=hold_backward_inputs)
             phases[f"backward{i}"] = states + sum(map(_total, saved[:i])) + grads_after[i] + walk
     phases["optimizer"] = states + grads_bytes
     result = StepPeak(states, phases)
@@ -101,13 +106,6 @@ def _backward_preloaded(g) -> dict:
             preloaded[placeholder] = (key, nbytes)
     preloaded.update({p: (p, node_bytes(p)) for p in placeholders if p.name.startswith("tangents")})
     return preloaded
-
-
-def _holds_inputs(g) -> bool:
-    """Whether the backward's inputs stay alive until it returns: the eager inner compiler's boxed call
-    (``make_boxed_func``) keeps its argument list, so AOTAutograd's clearing of the saved tensors frees
-    nothing; inductor's code clears its arguments and frees each after its last reader."""
-    return g.context is None or g.context.config.compiler == "eager"
 
 
 def _grads_made_after(graphs: list, grads_bytes: int) -> list[int]:

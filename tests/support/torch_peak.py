@@ -61,6 +61,7 @@ class CompiledStepTracker(MemTracker):
 class TrackedStep:
     peak_bytes: int  # MemTracker's peak over the tracked step
     forward_peak_bytes: int  # its peak up to the end of the forward
+    backward_peak_bytes: int  # up to the end of the backward: the optimizer's own temporaries left out
     peak_parts: dict[str, int]  # MemTracker's categories at the peak
     functional_collectives: int
     graphs: list = field(default_factory=list)  # the CompiledGraphs of the compile (on_compile)
@@ -103,12 +104,13 @@ def tracked_step(make_model: Callable[[], torch.nn.Module], batch: Any, world_si
                 forward_peak = _total(tracker.get_tracker_snapshot("peak"))
                 loss.backward()
                 del loss
+                backward_peak = _total(tracker.get_tracker_snapshot("peak"))
                 optimizer.step()
                 optimizer.zero_grad()
         finally:
             torch._dynamo.reset()
     peak = _parts(tracker.get_tracker_snapshot("peak"))
-    return TrackedStep(peak["Total"], forward_peak, peak, tracker.functional_collectives, graphs)
+    return TrackedStep(peak["Total"], forward_peak, backward_peak, peak, tracker.functional_collectives, graphs)
 
 
 def _parts(snapshot: dict) -> dict[str, int]:
