@@ -28,7 +28,9 @@ From the compiled graphs it returns:
   the optimizer's communication added as exposed and its update as compute (``zcompile.optim.AdamW``
   over rank 0's shards: on a "cuda" profile its fused kernel, one pass reading parameter, gradient
   and both moments and writing three of them; on a "cpu" one the reference's torch ops, traced
-  once and priced op by op), and
+  once and priced op by op for each shard: the step runs them as foreach calls over a bucket, so
+  their Python dispatch is charged once per shard where it happens once per bucket, a few
+  microseconds per op), and
   MFU: 6 x parameters x tokens per step over the step time and the profile's peak FLOP/s.
 """
 
