@@ -6,7 +6,7 @@ import torch
 from support.launch import run_ranks
 from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
 from zcompile.process_group import DataParallelGroup
-from zcompile.optim_buckets import plan_optimizer_buckets
+from zcompile.optim_buckets import _copy_rows, plan_optimizer_buckets
 from zcompile.param_shards import shard_parameter
 
 
@@ -24,6 +24,16 @@ def test_buckets_are_consecutive_same_dtype_and_bounded():
     # alone exceeds it; the bf16 one breaks the fp32 run
     assert [[m.param.numel() for m in bucket] for bucket in plan] == [[100, 100], [300], [100], [10]]
     assert [len(b) for b in plan_optimizer_buckets([a, b, c], lambda s: s.param.dtype, 0)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("numel", [12, 11, 9, 8, 1])
+def test_a_members_columns_land_rank_major_without_the_padding(numel):
+    """A member's columns of a gathered bucket (3 ranks, 4 elements each, strided in the bucket's rows)
+    written into its parameter straight from the rows: what the flattened copy gave, padding dropped."""
+    rows = torch.arange(30.0).view(3, 10)[:, 2:6]
+    parameter = torch.full((numel,), -1.0)
+    _copy_rows(parameter, rows, numel)
+    assert torch.equal(parameter, rows.reshape(-1)[:numel])
 
 
 SPECS = [
