@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from support.hand_built import layered_graph
+from support.hand_built import layered_graph, reduce_chain_graph
 from support.launch import run_ranks
 from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
 from zcompile.passes.schedule import plan_schedule, schedule_pass
@@ -28,6 +28,19 @@ def test_prefetch_issues_the_next_gather_before_the_current_layer():
     assert order.index("reduce") < order.index("tail") < order.index("reduce_wait")
     # 2 gathered buffers alive at once: one computing, one in flight (16 fp32 = 64 bytes each)
     assert plan.peak_gathered_bytes == 2 * 64
+
+
+def test_reduce_scatters_are_waited_two_later():
+    """Issued as soon as their bucket's gradients exist, each waited just before the reduce-scatter two
+    later goes out: at most two in flight, each holding its input (a bucket's full gradients) until
+    its wait; the last two waited at the end."""
+    gm = reduce_chain_graph(buckets=4)
+    plan = plan_schedule(gm, prefetch=1)
+    assert [(c.name, c.wait_before) for c in plan.collectives] == [
+        ("reduce0", "reduce2"), ("reduce1", "reduce3"), ("reduce2", ""), ("reduce3", "")]
+    order = _order(schedule_pass(gm, plan))
+    assert order == ["grad0", "reduce0", "grad1", "reduce1", "grad2", "reduce_wait0", "reduce2", "grad3",
+                     "reduce_wait1", "reduce3", "reduce_wait2", "reduce_wait3"]
 
 
 def test_memory_budget_lowers_prefetch_depth():

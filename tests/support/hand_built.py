@@ -34,3 +34,23 @@ def layered_graph(layers=3, shard=8, world=2):
         tail.meta["val"] = torch.empty(shard * world)
     graph.output((reduce_wait, tail))
     return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def reduce_chain_graph(buckets=4, shard=8, world=2):
+    """A backward's shape: ``g = x``, then per bucket ``g = g * 2`` (its gradients) -> reduce-scatter(g)
+    -> wait, each wait right after its collective; the waits are the outputs."""
+    mode = FakeTensorMode()
+    graph = torch.fx.Graph()
+    g = graph.placeholder("x")
+    with mode:
+        g.meta["val"] = torch.empty(shard * world)
+    waits = []
+    for i in range(buckets):
+        g = graph.call_function(aten.mul.Tensor, (g, 2.0), name=f"grad{i}")
+        reduce = graph.call_function(REDUCE_SCATTER, (g, "sum", world, "0"), name=f"reduce{i}")
+        waits.append(graph.call_function(WAIT, (reduce,), name=f"reduce_wait{i}"))
+        with mode:
+            g.meta["val"] = torch.empty(shard * world)
+            reduce.meta["val"] = waits[-1].meta["val"] = torch.empty(shard)
+    graph.output(tuple(waits))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
