@@ -15,8 +15,10 @@ over a flat buffer, and the collectives run asynchronously:
 - ``BucketedParamRefresh`` (stages 1 and 2): the all-gather of a bucket starts as soon as its last
   parameter is updated, moves while the next bucket updates, and is waited (and copied into the
   parameters) just before the next bucket's starts, so one gathered buffer exists at a time.
-  Landing it just after the next one started held two, with gloo's copy of each: 9-13 MiB more at
-  4 MiB buckets on bench_memory's GPT-2, for no measured gain in step time on gloo.
+  Landing it just after the next one started held two, with gloo's copy of each (with the
+  reduce-scatter changes below: 15-19 MiB above the model states at stage 2 on bench_memory's GPT-2
+  at 2 ranks, 4 MiB buckets, now 11), for no step time: 18-20 vs 20-21 ms at stage 2, 33-35 vs
+  34-35 at stage 1 (optimizer steps of the two versions interleaved).
 
 Flat layouts match the in-graph buckets: all-gather input is the concatenation of the members'
 shards, the output ``[N, S]`` rank-major; reduce-scatter input is each member's padded gradient
