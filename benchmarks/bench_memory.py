@@ -2,9 +2,13 @@
 
     torchrun --nproc-per-node 2 benchmarks/bench_memory.py     # writes results/memory_2.json
     torchrun --nproc-per-node 4 benchmarks/bench_memory.py     # results/memory_4.json
+    ... bench_memory.py --optim-bucket-mb 4                    # only the optimizer's default buckets
 
 Model: a transformers GPT-2 (n_layer 4, n_embd 192, the issue's model), AdamW, stages 1-3, in fp32
-and in bf16 mixed precision (``param_dtype="bf16"``). For each:
+and in bf16 mixed precision (``param_dtype="bf16"``), the backend's ``bucket_mb`` 0.5, each with
+every optimizer ``bucket_mb`` of ``--optim-bucket-mb`` (default 4, the optimizer's default, and 0.5,
+the backend's here: the stage 1/2 optimizer holds a few of its buckets at once, 4 MiB each against a
+9.8 MiB model). For each:
 
 - **live**: ``zcompile.model_state_bytes`` after ``optimizer.step()``, before ``zero_grad`` (every live
   storage of parameters, replicas, shards, gradients and moments counted once), against
@@ -21,6 +25,7 @@ single-process run's to 1e-6 (fp32) or 1e-2 relative (bf16).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -59,13 +64,13 @@ def loss_of(model, tokens) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens).loss
 
 
-def run(stage: int, param_dtype: str | None, rank: int, world: int) -> dict:
+def run(stage: int, param_dtype: str | None, rank: int, world: int, optim_bucket_mb: float) -> dict:
     torch._dynamo.reset()
     options = {"stage": stage, "param_dtype": param_dtype, "bucket_mb": 0.5}
     model = build_gpt2()
     estimate = zcompile.estimate_memory(model, world, options, batch={"input_ids": batch(0, rank, world),
                                                                      "labels": batch(0, rank, world)})
-    optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-3, bucket_mb=optim_bucket_mb)
     compiled = torch.compile(model, backend="zero", options=options)
     losses = []
     for step in range(2):
@@ -104,7 +109,8 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int) -> dict:
     peak = before_step + timeline.peak_bytes
     bound = report["model_states_bytes"] + report["peak_gathered_bytes"] + report["saved_activation_bytes"]
     return {
-        "stage": stage, "dtype": param_dtype or "fp32", "num_params": num_params, "losses": losses,
+        "stage": stage, "dtype": param_dtype or "fp32", "optim_bucket_mb": optim_bucket_mb,
+        "num_params": num_params, "losses": losses,
         "live_bytes": live.total, "live_parts": {"params": live.params, "grads": live.grads, "optimizer": live.optimizer},
         "formula_bytes": formula, "live_vs_formula": live.total / formula,
         "peak_bytes": peak, "parts": {k: report[k] for k in ("model_states_bytes", "peak_gathered_bytes",
@@ -136,15 +142,21 @@ def reference_losses(param_dtype: str | None, world: int) -> list[float]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--optim-bucket-mb", type=float, nargs="+", default=[4.0, 0.5],
+                        help="the optimizer's bucket_mb, one run per value (stage 3's optimizer has no buckets: "
+                             "run once, with the first)")
+    args = parser.parse_args()
     rank, world, _ = start_gloo_benchmark()
     rows, results = [], []
     for param_dtype in (None, "bf16"):
         reference = reference_losses(param_dtype, world)
-        for stage in (1, 2, 3):
-            result = run(stage, param_dtype, rank, world)
+        for stage, optim_bucket_mb in [(s, b) for s in (1, 2, 3) for b in args.optim_bucket_mb[:1 if s == 3 else None]]:
+            result = run(stage, param_dtype, rank, world, optim_bucket_mb)
             result["reference_losses"] = reference
             results.append(result)
-            rows.append((f"stage {stage} {result['dtype']}", f"{result['live_bytes'] / MIB:.2f}",
+            label = f"stage {stage} {result['dtype']}" + (f" opt {optim_bucket_mb:g}" if stage < 3 else "")
+            rows.append((label, f"{result['live_bytes'] / MIB:.2f}",
                          f"{result['formula_bytes'] / MIB:.2f}", f"{result['live_vs_formula']:.3f}",
                          f"{result['peak_bytes'] / MIB:.2f}",
                          " + ".join(f"{v / MIB:.2f}" for v in result["parts"].values()),
