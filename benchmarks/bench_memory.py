@@ -16,6 +16,8 @@ the backend's here: the stage 1/2 optimizer holds a few of its buckets at once, 
 - **peak**: the model states alive before the step plus the most the step allocated on top of them
   (``zcompile.timeline.record_step``'s allocator series), against model states + the schedule's
   gathered peak + saved activations (``step_report().memory``) + 10%, each part reported;
+- **fwd+bwd**: forward and backward recorded as one from the model states, against the walk over
+  the compiled graphs (``zcompile.step_peak``; it does not count gloo's own copies);
 - **estimate**: ``zcompile.estimate_memory`` made before the model was compiled, against the
   measurement (model states exactly; the compiled parts from the compiled graphs).
 
@@ -39,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table, start_gloo_benchmark  # noqa: E402
 
 import zcompile  # noqa: E402
+from zcompile.step_peak import step_peak  # noqa: E402
 from zcompile.timeline import record_step  # noqa: E402
 
 SEQ, BATCH_PER_RANK, VOCAB = 64, 2, 4096
@@ -71,7 +74,8 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int, optim_bucket
     estimate = zcompile.estimate_memory(model, world, options, batch={"input_ids": batch(0, rank, world),
                                                                      "labels": batch(0, rank, world)})
     optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-3, bucket_mb=optim_bucket_mb)
-    compiled = torch.compile(model, backend="zero", options=options)
+    graphs = []  # the compiled graphs, for the walk (zcompile.step_peak)
+    compiled = torch.compile(model, backend="zero", options={**options, "on_compile": graphs.append})
     losses = []
     for step in range(2):
         loss = loss_of(compiled, batch(step, rank, world))
@@ -102,7 +106,13 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int, optim_bucket
                 held["forward_left"] = phases[phase] - start  # activations and outputs alive after forward, at most
             else:
                 held.pop("forward_left", None)
+        # forward and backward as one, from the states: what the graph walk predicts
+        optimizer.zero_grad()
+        start = zcompile.model_state_bytes(model, optimizer).total
+        forward_backward = start + record_step(lambda: loss_of(compiled, batch(4, rank, world)).backward(),
+                                               trace_dir, rank).peak_bytes
     optimizer.zero_grad()
+    walk = step_peak(graphs, live.params, live.grads, live.optimizer)
     report = zcompile.step_report(model, optimizer).memory
     num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
     formula = zcompile.zero_formula_bytes(num_params, world, stage, zcompile.ZeroConfig(param_dtype=param_dtype).param_dtype)
@@ -117,6 +127,8 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int, optim_bucket
                                                               "saved_activation_bytes")},
         "peak_vs_parts": peak / bound,
         "phase_peaks": phases,
+        "forward_backward_peak_bytes": forward_backward,
+        "walk_forward_backward_bytes": max(v for phase, v in walk.phases.items() if phase != "optimizer"),
         "estimate": estimate.to_dict(),
         "estimate_model_states_vs_live": estimate.model_states_bytes / live.total,
         "estimate_vs_measured": {
@@ -162,13 +174,15 @@ def main() -> None:
                          " + ".join(f"{v / MIB:.2f}" for v in result["parts"].values()),
                          f"{result['peak_vs_parts']:.2f}",
                          " / ".join(f"{v / MIB:.1f}" for v in result["phase_peaks"].values()),
+                         f"{result['forward_backward_peak_bytes'] / MIB:.2f} / "
+                         f"{result['walk_forward_backward_bytes'] / MIB:.2f}",
                          f"{result['estimate_model_states_vs_live']:.3f}",
                          " / ".join(f"{v:.2f}" for v in result["estimate_vs_measured"].values()),
                          " ".join(f"{a:.4f}/{b:.4f}" for a, b in zip(result["losses"], reference))))
     if rank == 0:
         print_table(f"GPT-2 (4 layers, n_embd 192), {world} ranks, AdamW: MiB per rank",
                     ["run", "live", "ZeRO formula", "ratio", "step peak", "states + gathered + activations",
-                     "peak/parts", "fwd / bwd / opt peak", "estimate/live", "estimate/measured gathered / activations",
+                     "peak/parts", "fwd / bwd / opt peak", "fwd+bwd: peak / walk", "estimate/live", "estimate/measured gathered / activations",
                      "losses zero/reference"], rows)
         out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"memory_{world}.json")
         with open(out, "w") as f:
