@@ -75,7 +75,7 @@ def boxed_graph_function(graph_module: torch.fx.GraphModule) -> Callable[[list],
     The graph runs from a copy with boxed code: ``graph_module`` itself, which reports, dumps and
     ``on_compile`` read, keeps its ordinary ``forward(self, *inputs)``."""
     # torch.fx.graph._BoxedCodeGen is private: the codegen torch's own aot_eager (boxed_nop) and
-    # regional_inductor use for exactly this, in torch 2.11-2.13; inductor's generated code clears its
+    # regional_inductor use for exactly this (read in torch 2.13); inductor's generated code clears its
     # argument list the same way. Only here does zcompile read it.
     from torch.fx.graph import _BoxedCodeGen
 
