@@ -379,24 +379,41 @@ class AdamW(ShardedOptimizer):
 
     def _update_many(self, batch: list[_Update]) -> None:
         """On a CPU, shards at the same step and gradient scale update together through the foreach
-        reference (the same bits as one by one, fewer dispatches); on a GPU each its fused kernel."""
+        reference (the same bits as one by one, fewer dispatches); on a GPU each its fused kernel.
+
+        A run holds at most ``bucket_mb`` of shard (at least one shard): its temporaries (the scaled
+        gradients, the denominators) exist for the whole run at once, and a stage-3 batch is the
+        whole param group."""
         if any(u.shard.is_cuda for u in batch):
             return super()._update_many(batch)
         runs: dict[tuple, list[_Update]] = {}
+        run_bytes: dict[tuple, int] = {}
+        limit = int(self.bucket_mb * 2**20)
         for u in batch:
             if not u.state:
                 u.state.update(step=0, exp_avg=torch.zeros_like(u.shard), exp_avg_sq=torch.zeros_like(u.shard))
             u.state["step"] += 1
-            runs.setdefault((u.state["step"], u.grad_scale), []).append(u)
-        group = batch[0].group
+            key = (u.state["step"], u.grad_scale)
+            nbytes = u.shard.numel() * u.shard.element_size()
+            if key in runs and run_bytes[key] + nbytes > limit:
+                self._adamw_run(runs.pop(key))
+                run_bytes[key] = 0
+            runs.setdefault(key, []).append(u)
+            run_bytes[key] = run_bytes.get(key, 0) + nbytes
+        for run in runs.values():
+            self._adamw_run(run)
+
+    @staticmethod
+    def _adamw_run(run: list[_Update]) -> None:
+        """One foreach update of shards at the same step, gradient scale and param group."""
+        group, (step, grad_scale) = run[0].group, (run[0].state["step"], run[0].grad_scale)
         beta1, beta2 = group["betas"]
-        for (step, grad_scale), run in runs.items():
-            adamw_reference_foreach([u.shard for u in run], [u.grad for u in run],
-                                    [u.state["exp_avg"] for u in run], [u.state["exp_avg_sq"] for u in run], step,
-                                    group["lr"], beta1, beta2, group["eps"], group["weight_decay"], grad_scale)
-            for u in run:
-                if u.lowp is not None:
-                    u.lowp.copy_(u.shard)
+        adamw_reference_foreach([u.shard for u in run], [u.grad for u in run], [u.state["exp_avg"] for u in run],
+                                [u.state["exp_avg_sq"] for u in run], step, group["lr"], beta1, beta2,
+                                group["eps"], group["weight_decay"], grad_scale)
+        for u in run:
+            if u.lowp is not None:
+                u.lowp.copy_(u.shard)
 
 
 class SGD(ShardedOptimizer):
