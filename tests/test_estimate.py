@@ -87,3 +87,16 @@ def test_bad_input_names_the_problem(args, message):
 def test_unknown_optimizer_is_refused():
     with pytest.raises(ValueError, match="optimizer must be one of"):
         zcompile.estimate_memory(build_model("gpt"), 2, optimizer="adam8bit")
+
+
+def test_model_state_bytes_counts_fake_storages_apart():
+    """Under FakeTensorMode every storage's data_ptr is 0: the count must still see each storage once
+    (it keyed on data_ptr and counted one parameter of the whole model)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zcompile.memory import model_state_bytes
+
+    with FakeTensorMode():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    expected = sum(p.numel() * 4 for p in model.parameters())
+    assert model_state_bytes(model).params == expected

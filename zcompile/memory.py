@@ -31,7 +31,8 @@ def _storage_bytes(tensors, seen: set) -> int:
         if tensor is None:
             continue
         storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), tensor.device)
+        # the StorageImpl itself: a fake tensor's data_ptr is 0 for every storage (and warns)
+        key = storage._cdata
         if storage.size() == 0 or key in seen:
             continue
         seen.add(key)
