@@ -58,9 +58,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Update:
-    """One shard's update in a step: what ``_update`` takes, and the batch it belongs to."""
+    """One shard's update in a step: what ``_update`` takes, and its parameter."""
 
-    key: tuple  # (param group, refresh bucket): shards updated together
     sharded: ShardedParam
     shard: torch.Tensor
     grad: torch.Tensor
@@ -174,11 +173,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # updated a batch at a time (one refresh bucket of one param group): the batch's all-gather
         # starts when it is done and moves while the next batch updates
         batch: list[_Update] = []
+        batch_key = None  # (param group, refresh bucket) of the batch
         for sharded, param, group in todo:
             key = (id(group), refresher.bucket_of(sharded))
-            if batch and key != batch[0].key:
+            if batch and key != batch_key:
                 self._update_batch(batch, refresher)
                 batch = []
+            batch_key = key
             if sharded.shard_grad is not None:  # stages 2 and 3, or stage 1 reduced early by clipping
                 grad, grad_scale = sharded.shard_grad.detach(), 1.0
             elif sharded.stage == 1 and sharded.group.world_size > 1:
@@ -189,7 +190,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             lowp = None
             if sharded.stage in (1, 2) and sharded.replicated_dtype != shard.dtype:
                 lowp = torch.empty_like(shard, dtype=sharded.replicated_dtype)  # the next all-gather's input
-            batch.append(_Update(key, sharded, shard, grad, grad_scale, self.state[param], group, lowp))
+            batch.append(_Update(sharded, shard, grad, grad_scale, self.state[param], group, lowp))
         if batch:
             self._update_batch(batch, refresher)
         refresher.finish()
@@ -366,12 +367,16 @@ class AdamW(ShardedOptimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), bucket_mb,
                          max_grad_norm, check_timeout_s=check_timeout_s, skip_nonfinite=skip_nonfinite)
 
-    def _update(self, shard, grad, grad_scale, state, group, lowp_out):
+    @staticmethod
+    def _advance_state(state: dict, shard: torch.Tensor) -> int:
+        """Creates the moments on the first step, counts this one; returns the step."""
         if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(shard)
-            state["exp_avg_sq"] = torch.zeros_like(shard)
+            state.update(step=0, exp_avg=torch.zeros_like(shard), exp_avg_sq=torch.zeros_like(shard))
         state["step"] += 1
+        return state["step"]
+
+    def _update(self, shard, grad, grad_scale, state, group, lowp_out):
+        self._advance_state(state, shard)
         beta1, beta2 = group["betas"]
         update = fused_adamw if shard.is_cuda else fused_adamw_reference
         update(shard, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"], beta1, beta2,
@@ -390,10 +395,7 @@ class AdamW(ShardedOptimizer):
         run_bytes: dict[tuple, int] = {}
         limit = int(self.bucket_mb * 2**20)
         for u in batch:
-            if not u.state:
-                u.state.update(step=0, exp_avg=torch.zeros_like(u.shard), exp_avg_sq=torch.zeros_like(u.shard))
-            u.state["step"] += 1
-            key = (u.state["step"], u.grad_scale)
+            key = (self._advance_state(u.state, u.shard), u.grad_scale)
             nbytes = u.shard.numel() * u.shard.element_size()
             if key in runs and run_bytes[key] + nbytes > limit:
                 self._adamw_run(runs.pop(key))
