@@ -41,6 +41,8 @@ import sys
 import tempfile
 import time
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -51,6 +53,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 from common import print_table  # noqa: E402
 
 import zcompile  # noqa: E402
+from zcompile.compute_efficiency import measure_compute_efficiency  # noqa: E402
+from zcompile.hardware import load_profile  # noqa: E402
 from zcompile.timeline import record_step  # noqa: E402
 
 BATCH_PER_RANK, SEQ, VOCAB = 4, 128, 2048
@@ -98,8 +102,11 @@ def collective_table(rows) -> dict[str, dict[str, int]]:
 
 
 # ----------------------------------------------------------------------------- measured (under torchrun)
-def measure(name: str, stage: int, steps: int, rank: int, world: int) -> dict:
+def measure(name: str, stage: int, steps: int, rank: int, world: int, profile: str) -> dict:
     torch._dynamo.reset()
+    hardware = load_profile(profile)
+    raw_compute = replace(hardware, compute_efficiency=1.0).compute_costs(torch.float32)
+    efficiencies = []
     model = build(name)
     optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-3)
     compiled = torch.compile(model, backend="zero", options={"stage": stage, **OPTIONS})
@@ -119,6 +126,9 @@ def measure(name: str, stage: int, steps: int, rank: int, world: int) -> dict:
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         if step >= 2:  # the first compiles, the second makes the optimizer's state
             phases.append(times.tolist())
+        if step in (1, steps + 1):  # the machine's compute efficiency just before and just after the timed steps
+            efficiencies.append(measure_compute_efficiency(raw_compute,
+                                                           graph_call_overhead_s=hardware.graph_call_overhead_s))
     report = zcompile.step_report(model, optimizer)
     states_before = zcompile.model_state_bytes(model, optimizer).total
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -142,18 +152,23 @@ def measure(name: str, stage: int, steps: int, rank: int, world: int) -> dict:
         "step_s_min": min(p[3] for p in phases),
         "step_s_all": [p[3] for p in phases],
         "num_params": report.num_params,
+        # zcompile.compute_efficiency on the reference workload, around the timed steps: the machine's
+        # state while they ran, which simulate's "alongside" prediction uses in place of the profile's
+        "compute_efficiency_alongside": statistics.mean(efficiencies),
     }
 
 
 # ----------------------------------------------------------------------------- simulated (no process group)
-def simulated(name: str, stage: int, world: int, profile: str) -> dict:
-    """``zcompile.simulate`` of one case, and its forward and backward graphs predicted apart."""
+def simulated(name: str, stage: int, world: int, profile: str, compute_efficiency: float | None = None) -> dict:
+    """``zcompile.simulate`` of one case, and its forward and backward graphs predicted apart;
+    ``compute_efficiency``: in place of the profile's (the one measured alongside the steps)."""
     from zcompile.cost_model import predict
-    from zcompile.hardware import load_profile
     from zcompile.simulate import simulate
 
     graphs = []
     hardware = load_profile(profile)
+    if compute_efficiency is not None:
+        hardware = replace(hardware, compute_efficiency=compute_efficiency)
     options = {"stage": stage, **OPTIONS, "on_compile": graphs.append}
     result = simulate(lambda: build(name), rank_batch(name, 0, 0), world_size=world, node_size=world,
                       options=options, hardware=hardware)
@@ -167,7 +182,9 @@ def simulated(name: str, stage: int, world: int, profile: str) -> dict:
         "step_peak_bytes": result.step_peak_bytes,
         "collectives": {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in data["collectives"].items()},
         "step_s": result.step_s, "forward_s": split["forward"], "backward_s": split["backward"],
-        "optimizer_s": result.step_s - split["forward"] - split["backward"],
+        # the host's time per graph call and collective (the profile's) is in the step, not in a phase
+        "optimizer_s": result.step_s - split["forward"] - split["backward"] - result.host_overhead_s,
+        "host_overhead_s": result.host_overhead_s,
         "compute_s": result.compute_s, "exposed_comm_s": result.exposed_comm_s, "simulate_s": result.simulate_s,
         "num_params": result.num_params,
     }
@@ -263,7 +280,8 @@ def main() -> None:
         with open(args.simulate[0]) as f:
             cases = json.load(f)
         with open(args.simulate[1], "w") as f:
-            json.dump([simulated(c["model"], c["stage"], c["world"], c["profile"]) for c in cases], f)
+            json.dump([simulated(c["model"], c["stage"], c["world"], c["profile"], c.get("compute_efficiency"))
+                       for c in cases], f)
         return
 
     os.environ.setdefault("COLUMNS", "200")
@@ -285,7 +303,7 @@ def main() -> None:
                 tries = []
                 for _ in range(1 + args.retries):  # again while other processes held more than --quiet cores
                     load = OtherLoad()
-                    tries.append(measure(name, stage, args.steps, rank, world))
+                    tries.append(measure(name, stage, args.steps, rank, world, args.profile))
                     tries[-1]["other_processes_cores"] = load.cores()
                     if tries[-1]["other_processes_cores"] <= args.quiet:
                         break
@@ -302,12 +320,22 @@ def main() -> None:
         dist.destroy_process_group()
         if rank != 0:
             return
-    sims = simulate_cases([{k: r[k] for k in ("model", "stage", "world", "profile")} for r in runs])
+    cases = [{k: r[k] for k in ("model", "stage", "world", "profile")} for r in runs]
+    alongside = [i for i, r in enumerate(runs) if "compute_efficiency_alongside" in r["measured"]]
+    sims = simulate_cases(cases + [{**cases[i], "compute_efficiency": runs[i]["measured"]["compute_efficiency_alongside"]}
+                                   for i in alongside])
+    sims_alongside = dict(zip(alongside, sims[len(runs):]))
     rows = []
-    for run, sim in zip(runs, sims):
+    for index, (run, sim) in enumerate(zip(runs, sims)):
         run["simulated"] = sim
         run["check"] = check = compare(run["measured"], sim)
         m = run["measured"]
+        if index in sims_alongside:  # the same profile with the compute efficiency measured around the steps
+            run["simulated_alongside"] = sims_alongside[index]
+            check["time_ratio_alongside"] = _ratio(sims_alongside[index]["step_s"], m["step_s"])
+            check["step_within_25pct_alongside"] = abs(check["time_ratio_alongside"] - 1) <= 0.25
+        alongside_text = (f"{check['time_ratio_alongside']:.2f} (eff. {m['compute_efficiency_alongside']:.2f})"
+                          if index in sims_alongside else "-")
         rows.append((f"{run['model']} stage {run['stage']}",
                      " + ".join(f"{m['memory'][k] / MIB:.2f}" for k in PARTS),
                      " + ".join(f"{sim['memory'][k] / MIB:.2f}" for k in PARTS),
@@ -320,11 +348,12 @@ def main() -> None:
                      f"{sim['step_s'] * 1e3:.0f} ({sim['forward_s'] * 1e3:.0f}/{sim['backward_s'] * 1e3:.0f}/"
                      f"{sim['optimizer_s'] * 1e3:.0f})",
                      f"{check['time_ratio']['step_s']:.2f} ({check['time_ratio']['step_s_min']:.2f})",
-                     f"{m.get('other_processes_cores', float('nan')):.2f}"))
+                     alongside_text, f"{m.get('other_processes_cores', float('nan')):.2f}"))
     print_table(f"measured vs simulated ({args.profile}), {world} gloo ranks, MiB per rank "
                 "(states + gathered + kept + activations), ms (forward/backward/optimizer)",
                 ["run", "measured parts", "simulated parts", "sim/meas", "step peak: measured / walk", "collectives",
-                 "measured step", "simulated step", "sim/meas (vs fastest step)", "others' cores"], rows)
+                 "measured step", "simulated step", "sim/meas (vs fastest step)",
+                 "sim/meas, efficiency measured alongside", "others' cores"], rows)
     for run in runs:
         for key, c in run["check"]["collectives"].items():
             if not (c["count_equal"] and c["bytes_equal"]):

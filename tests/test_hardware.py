@@ -116,7 +116,8 @@ def test_optional_figures_reach_the_cost_model():
     factor; the GPU profiles leave them out and keep the plain rule."""
     data = _h100()
     data.update(attention_efficiency=0.5, transcendental_bytes_per_s=1e12, overlap_slowdown=3.0, device_type="cpu")
-    data["links"]["intra_node"].update(issue_latency_s=1e-4, issue_bytes_per_s=1e10, bus_factor={"reduce_scatter": 2.0})
+    data["links"]["intra_node"].update(issue_latency_s=1e-4, issue_bytes_per_s=1e10, bus_factor={"reduce_scatter": 2.0},
+                                       latency_factor={"reduce_scatter": 3.0})
     profile = profile_from_dict(data)
     compute = profile.compute_costs(torch.bfloat16)
     assert compute.attention_flops_per_s == 989e12 / 2 and compute.transcendental_bytes_per_s == 1e12
@@ -124,6 +125,7 @@ def test_optional_figures_reach_the_cost_model():
     assert costs.overlap_slowdown == 3.0 and profile.link_costs(8).overlap_slowdown == 3.0
     rs, ag = costs.cost("reduce_scatter"), costs.cost("all_gather")
     assert rs.seconds_per_byte == pytest.approx(2 * 7 / 8 / 365e9) and ag.seconds_per_byte == pytest.approx(7 / 8 / 365e9)
+    assert rs.latency_s == pytest.approx(3 * ag.latency_s) and ag.latency_s == pytest.approx(3 * 8e-6)  # log2(8) steps
     assert ag.issue_seconds(10**6) == pytest.approx(1e-4 + 10**6 / 1e10)
     plain = load_profile("h100-sxm")
     assert plain.device_type == "cuda" and plain.collective_costs(8).overlap_slowdown == 1.0
@@ -131,8 +133,20 @@ def test_optional_figures_reach_the_cost_model():
     assert plain.collective_costs(8).cost("all_gather").issue_seconds(10**9) == 0.0
 
 
+def test_compute_efficiency_slows_every_op():
+    """``compute_efficiency`` e divides each op's predicted time by e (``ComputeCosts.scaled``)."""
+    data = _h100()
+    plain = profile_from_dict(data).compute_costs(torch.bfloat16)
+    data["compute_efficiency"] = 0.5
+    slowed = profile_from_dict(data).compute_costs(torch.bfloat16)
+    for flops, nbytes in [(1e12, 1e6), (1e6, 1e10), (0.0, 0.0)]:
+        assert slowed.op_seconds(flops, nbytes) == pytest.approx(2 * plain.op_seconds(flops, nbytes), rel=1e-12)
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("attention_efficiency", 1.5, "attention_efficiency is a fraction"),
+    ("compute_efficiency", 1.2, "compute_efficiency is a fraction"),
+    ("compute_efficiency", 0.0, "compute_efficiency must be a number > 0"),
     ("overlap_slowdown", 0.5, "overlap_slowdown is a transfer's time"),
     ("transcendental_bytes_per_s", -1.0, "transcendental_bytes_per_s must be a number > 0"),
     ("device_type", "tpu", "device_type must be 'cuda' or 'cpu'"),
@@ -144,11 +158,12 @@ def test_impossible_optional_figure_is_named(key, value, message):
         profile_from_dict(data)
 
 
-def test_bad_bus_factor_is_named():
+@pytest.mark.parametrize("key", ["bus_factor", "latency_factor"])
+def test_bad_per_kind_factor_is_named(key):
     data = _h100()
-    data["links"]["inter_node"]["bus_factor"] = {"broadcast": 2.0}
-    with pytest.raises(HardwareProfileError, match="links.inter_node.bus_factor must map"):
+    data["links"]["inter_node"][key] = {"broadcast": 2.0}
+    with pytest.raises(HardwareProfileError, match=f"links.inter_node.{key} must map"):
         profile_from_dict(data)
-    data["links"]["inter_node"]["bus_factor"] = {"reduce_scatter": 0}
-    with pytest.raises(HardwareProfileError, match="links.inter_node.bus_factor.reduce_scatter must be a number > 0"):
+    data["links"]["inter_node"][key] = {"reduce_scatter": 0}
+    with pytest.raises(HardwareProfileError, match=f"links.inter_node.{key}.reduce_scatter must be a number > 0"):
         profile_from_dict(data)

@@ -66,7 +66,8 @@ def test_optimizer_update_is_priced_on_rank_zeros_shards(stage3):
 def test_cpu_profile_prices_the_reference_update_op_by_op():
     """On a "cpu" profile zcompile.optim runs the reference update's torch ops: every op counted
     (torch's dispatcher sees each ``aten`` call of one real update) at its overhead, so the update
-    costs at least that many overheads per shard."""
+    costs at least that many overheads per shard. The profile's host overheads add per graph call
+    (one graph: its forward and its backward) and per trained parameter to the step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from zcompile.kernels.fused_optim import fused_adamw_reference
@@ -82,12 +83,16 @@ def test_cpu_profile_prices_the_reference_update_op_by_op():
     with Count():
         fused_adamw_reference(*tensors, 2, 1e-3, 0.9, 0.999, 1e-8, 0.01)
     data = json.loads(open(load_profile("cpu-local").source).read())
-    data.update(op_overhead_s=1.0, memory_bytes_per_s=1e30, transcendental_bytes_per_s=1e30, device_type="cpu")
+    data.update(op_overhead_s=1.0, memory_bytes_per_s=1e30, transcendental_bytes_per_s=1e30, device_type="cpu",
+                compute_efficiency=1.0, graph_call_overhead_s=1000.0, parameter_overhead_s=1e6)
     tokens, targets = global_batch(0, 2)
     result = simulate(lambda: build_model("gpt"), (tokens, targets), world_size=4, options={"stage": 3},
                       hardware=profile_from_dict(data))
     params = len(list(dict.fromkeys(build_model("gpt").parameters())))
     assert result.optimizer_update_s == pytest.approx(Count.calls * params, rel=1e-6)
+    assert result.graph_calls == 2
+    assert result.host_overhead_s == pytest.approx(2 * 1000.0 + params * 1e6, rel=1e-12)
+    assert result.step_s >= result.host_overhead_s + result.optimizer_update_s
 
 
 def test_stage2_optimizer_gathers_the_parameters_in_bf16():

@@ -27,7 +27,8 @@
 Bytes of a collective are ``zcompile.passes.collectives.CollectiveNode.bytes``: an all-gather moves
 its output (input bytes x group size), the others their input. The model knows nothing of what runs
 between graphs (autograd engine, guards, optimizer): ``zcompile.tune_calibration`` adds that from
-one measured step.
+one measured step, and a hardware profile may carry it as the host's time per graph call and per
+parameter (``HardwareProfile.host_overhead_seconds``, which ``zcompile.simulate`` adds).
 """
 
 from __future__ import annotations

@@ -30,11 +30,21 @@ profiles leave them out, and each defaults to "no effect"):
   and the normalizations (``cost_model.TRANSCENDENTAL_OPS``); default ``memory_bytes_per_s``;
 - ``overlap_slowdown``: how much slower a transfer moves while its rank computes (``predict``'s
   contention model; gloo's threads share a CPU's cores with compute);
-- per link, ``issue_latency_s`` and ``issue_bytes_per_s``: the issuing thread's time per collective,
-  and ``bus_factor``: a kind's bus bytes per byte moved where the backend's algorithm is not
-  nccl-tests' (gloo's reduce-scatter is an all-reduce);
+- per link, ``issue_latency_s`` and ``issue_bytes_per_s``: the issuing thread's time per collective;
+  ``bus_factor``: a kind's bus bytes per byte moved, and ``latency_factor``: its latency over the
+  link's, where the backend's algorithm is not nccl-tests' (gloo's reduce-scatter is an all-reduce:
+  twice the bytes, and on this machine's VM about 2-4x the all-gather's latency);
 - ``device_type``: "cuda" (default) or "cpu": which update ``zcompile.optim`` runs, so which one
-  ``simulate`` prices.
+  ``simulate`` prices;
+- ``compute_efficiency``: the fraction of the micro-benchmarked rates a training step's compute
+  reaches (``zcompile.compute_efficiency``, measured on a reference workload); every op's predicted
+  time is divided by it. Left out (1) in the datasheet profiles;
+- ``graph_call_overhead_s`` and ``parameter_overhead_s``: the host's time per compiled graph call
+  and per trained parameter that no op's price holds (Dynamo's guards, AOTAutograd's wrappers, the
+  autograd engine; zcompile's per-parameter arguments and the optimizer's Python per shard), on
+  the step's critical path where the host runs the ops itself (a CPU); fitted by
+  ``benchmarks/measure_cpu_profile.py`` on tiny models. Left out (0) in the GPU profiles, where the
+  host runs ahead of the device.
 """
 
 from __future__ import annotations
@@ -73,13 +83,16 @@ class Link:
     # bytes over the bus per byte moved, per (N - 1) / N, where the backend's algorithm differs from
     # nccl-tests' rule (gloo runs a reduce-scatter as an all-reduce: 2)
     bus_factor: Mapping[str, float] = field(default_factory=dict)
+    # a kind's latency over ``latency_s`` where its algorithm takes more steps than nccl-tests' rule says
+    latency_factor: Mapping[str, float] = field(default_factory=dict)
 
     def cost(self, kind: str, ranks: int) -> CollectiveCost:
         """The cost-model form (latency + bytes x seconds per byte) of ``kind`` over ``ranks`` ranks."""
         steps = math.ceil(math.log2(ranks))
         factor = self.bus_factor.get(kind, _BUS_FACTOR[kind])
         per_byte = factor * (ranks - 1) / ranks / self.bus_bytes_per_s
-        return CollectiveCost(latency_s=self.latency_s * steps, seconds_per_byte=per_byte,
+        latency = self.latency_s * self.latency_factor.get(kind, 1.0) * steps
+        return CollectiveCost(latency_s=latency, seconds_per_byte=per_byte,
                               issue_latency_s=self.issue_latency_s, issue_seconds_per_byte=1.0 / self.issue_bytes_per_s)
 
 
@@ -99,6 +112,14 @@ class HardwareProfile:
     transcendental_bytes_per_s: float = 0.0  # ``ComputeCosts.transcendental_bytes_per_s``; 0: memory bandwidth
     overlap_slowdown: float = 1.0  # ``CollectiveCosts.overlap_slowdown``: a transfer's time while computing / alone
     device_type: str = "cuda"  # what zcompile.optim runs its update on: the fused kernel ("cuda") or torch ops
+    compute_efficiency: float = 1.0  # a training step's share of the micro-benchmarked rates (zcompile.compute_efficiency)
+    graph_call_overhead_s: float = 0.0  # host time per compiled graph call (forward or backward)
+    parameter_overhead_s: float = 0.0  # host time per trained parameter and step
+
+    def host_overhead_seconds(self, graph_calls: int, parameters: int) -> float:
+        """The step's host time no op's price holds: ``graph_calls`` graph calls, ``parameters`` trained
+        parameters (tensors, not elements)."""
+        return self.graph_call_overhead_s * graph_calls + self.parameter_overhead_s * parameters
 
     def group_cost(self, kind: str, group_size: int, across_nodes: bool) -> CollectiveCost:
         """``kind`` over a group of ``group_size`` ranks, on the inter-node link when the group spans
@@ -136,8 +157,9 @@ class HardwareProfile:
     def compute_costs(self, dtype: torch.dtype | str = torch.bfloat16) -> ComputeCosts:
         """``ComputeCosts`` at the peak FLOP/s of ``dtype`` (the compute dtype, ``param_dtype`` or fp32)."""
         peak = self.peak_flops(dtype)
-        return ComputeCosts(peak, self.memory_bytes_per_s, self.op_overhead_s, peak * self.attention_efficiency,
-                            self.transcendental_bytes_per_s)
+        costs = ComputeCosts(peak, self.memory_bytes_per_s, self.op_overhead_s, peak * self.attention_efficiency,
+                             self.transcendental_bytes_per_s)
+        return costs if self.compute_efficiency == 1.0 else costs.scaled(1.0 / self.compute_efficiency)
 
 
 @dataclass(frozen=True)
@@ -214,11 +236,14 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
     if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
         raise HardwareProfileError(f"hardware profile {source!r}: node_size must be an int >= 1, got {node_size!r}")
     links = {name: _link(name, positive, data) for name in ("intra_node", "inter_node")}
-    optional = {key: positive(key) for key in ("attention_efficiency", "transcendental_bytes_per_s", "overlap_slowdown")
-                if key in data}
-    if optional.get("attention_efficiency", 1.0) > 1.0:
-        raise HardwareProfileError(f"hardware profile {source!r}: attention_efficiency is a fraction of the peak "
-                                   f"FLOP/s, at most 1, got {optional['attention_efficiency']!r}")
+    optional = {key: positive(key) for key in ("attention_efficiency", "transcendental_bytes_per_s", "overlap_slowdown",
+                                               "compute_efficiency") if key in data}
+    optional.update({key: positive(key, allow_zero=True) for key in ("graph_call_overhead_s", "parameter_overhead_s")
+                     if key in data})
+    for fraction in ("attention_efficiency", "compute_efficiency"):
+        if optional.get(fraction, 1.0) > 1.0:
+            raise HardwareProfileError(f"hardware profile {source!r}: {fraction} is a fraction of the measured or "
+                                       f"peak rates, at most 1, got {optional[fraction]!r}")
     if optional.get("overlap_slowdown", 1.0) < 1.0:
         raise HardwareProfileError(f"hardware profile {source!r}: overlap_slowdown is a transfer's time while "
                                    f"computing over its time alone, at least 1, got {optional['overlap_slowdown']!r}")
@@ -236,15 +261,19 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
 
 
 def _link(name: str, positive: Callable[..., float], data: dict) -> Link:
-    """``links.<name>``: bus bandwidth and latency, and the optional issue cost and bus factors."""
+    """``links.<name>``: bus bandwidth and latency, and the optional issue cost and per-kind factors."""
     link = data["links"][name] if isinstance(data.get("links"), dict) and isinstance(data["links"].get(name), dict) \
         else {}
     prefix = f"links.{name}"
-    factors = link.get("bus_factor", {})
-    if not isinstance(factors, dict) or not set(factors) <= set(KINDS):
-        raise HardwareProfileError(f"hardware profile: {prefix}.bus_factor must map some of {list(KINDS)} to a "
-                                   f"factor, got {factors!r}")
+
+    def per_kind(key: str) -> dict[str, float]:
+        factors = link.get(key, {})
+        if not isinstance(factors, dict) or not set(factors) <= set(KINDS):
+            raise HardwareProfileError(f"hardware profile: {prefix}.{key} must map some of {list(KINDS)} to a "
+                                       f"factor, got {factors!r}")
+        return {kind: positive(f"{prefix}.{key}.{kind}") for kind in factors}
+
     return Link(positive(f"{prefix}.bus_bytes_per_s"), positive(f"{prefix}.latency_s", True),
                 positive(f"{prefix}.issue_latency_s", True) if "issue_latency_s" in link else 0.0,
                 positive(f"{prefix}.issue_bytes_per_s") if "issue_bytes_per_s" in link else math.inf,
-                {kind: positive(f"{prefix}.bus_factor.{kind}") for kind in factors})
+                per_kind("bus_factor"), per_kind("latency_factor"))

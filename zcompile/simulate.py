@@ -31,7 +31,9 @@ From the compiled graphs it returns:
   once and priced op by op for each shard: the step runs them as foreach calls over a bucket, so
   their Python dispatch is charged once per shard where it happens once per bucket, a few
   microseconds per op), and
-  MFU: 6 x parameters x tokens per step over the step time and the profile's peak FLOP/s.
+  MFU: 6 x parameters x tokens per step over the step time and the profile's peak FLOP/s. A CPU
+  profile adds the host's time per graph call and per trained parameter (``host_overhead_s``,
+  ``HardwareProfile.host_overhead_seconds``), which a GPU's host spends ahead of the device.
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ class SimulationResult:
     compute_s: float = 0.0  # the graphs' compute and the optimizer's update
     exposed_comm_s: float = 0.0
     optimizer_update_s: float = 0.0  # the optimizer's update of this rank's shards
+    # the host's time per graph call and trained parameter (the profile's; 0 on a GPU profile)
+    host_overhead_s: float = 0.0
+    graph_calls: int = 0  # compiled graph calls per step (forward and backward graphs)
     mfu: float = 0.0
     simulate_s: float = 0.0  # wall time of the simulation itself
     step_peak_bytes: int = 0  # the most bytes per rank during a step (zcompile.step_peak), model states included
@@ -161,7 +166,7 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
     result.collectives = _graph_collectives(graphs, pricing) + _optimizer_collectives(model, pricing)
     compute = profile.compute_costs(config.param_dtype or torch.float32)
     result.optimizer_update_s = _optimizer_update_seconds(model, profile, compute)
-    _predict(result, graphs, pricing, compute)
+    _predict(result, graphs, pricing, compute, sum(p.requires_grad for p in dict.fromkeys(model.parameters())))
     result.simulate_s = time.perf_counter() - start
     log.info("simulate: %d parameters on %d ranks (%s): %.1f MiB per rank, step %.3f s, MFU %.1f%%", num_params,
              world_size, profile.name, result.per_rank_bytes / 2**20, result.step_s, 100 * result.mfu)
@@ -284,15 +289,19 @@ def _traced_cpu_update(lowp_dtype: torch.dtype | None) -> torch.fx.GraphModule:
     return make_fx(update)(*tensors)
 
 
-def _predict(result: SimulationResult, graphs: list, pricing: LinkCosts, compute: ComputeCosts) -> None:
-    """Step, exposed communication and MFU from ``predict_step``; each graph collective's predicted seconds."""
+def _predict(result: SimulationResult, graphs: list, pricing: LinkCosts, compute: ComputeCosts,
+             trained_parameters: int) -> None:
+    """Step, exposed communication and MFU from ``predict_step``; each graph collective's predicted
+    seconds; the host's overhead for the step's graph calls and ``trained_parameters`` parameters."""
     prediction = predict_step(graphs, pricing, compute)
     seconds = {(c.graph, c.name): c.seconds for c in prediction.collectives}
     for c in result.collectives:
         c.seconds = seconds.get((c.graph, c.node), c.seconds)
     optimizer_comm = sum(c.seconds for c in result.collectives if c.where == "optimizer")
+    result.graph_calls = len(step_graphs(graphs))
+    result.host_overhead_s = pricing.profile.host_overhead_seconds(result.graph_calls, trained_parameters)
     result.compute_s = prediction.compute_s + result.optimizer_update_s
     result.exposed_comm_s = prediction.exposed_comm_s + optimizer_comm
-    result.step_s = prediction.step_s + optimizer_comm + result.optimizer_update_s
+    result.step_s = prediction.step_s + optimizer_comm + result.optimizer_update_s + result.host_overhead_s
     if result.step_s > 0:
         result.mfu = 6 * result.num_params * result.tokens_per_rank / result.step_s / compute.flops_per_s
