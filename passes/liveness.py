@@ -29,7 +29,7 @@ import torch
 
 from zcompile.passes.collectives import ALL_GATHER, WAIT
 from zcompile.passes.op_sets import COPIES, PREP_OPS, VIEW_OPS, is_call_to
-from zcompile.passes.regions import INVOKE_SUBGRAPH, _subgraph, subgraph_output_origin
+from zcompile.passes.regions import INVOKE_SUBGRAPH, called_subgraph, subgraph_output_origin
 
 log = logging.getLogger(__name__)
 SUBGRAPH_CALL = frozenset({INVOKE_SUBGRAPH})
@@ -213,7 +213,7 @@ def _subgraph_output(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[tor
     if not (node.op == "call_function" and node.target is operator.getitem
             and is_call_to(node.args[0], SUBGRAPH_CALL)):
         return None
-    subgraph = _subgraph(gm, node.args[0])
+    subgraph = called_subgraph(gm, node.args[0])
     returned = None if subgraph is None else subgraph.graph.output_node().args[0]
     index = node.args[1]
     if not isinstance(returned, (tuple, list)) or index >= len(returned):
@@ -294,7 +294,7 @@ def _buffer(gm, node, preloaded, buffers, position, hold: bool) -> Hashable | No
 def _subgraph_transient(gm: torch.fx.GraphModule, call: torch.fx.Node, walked: dict[int, int]) -> int:
     """Bytes a block subgraph call holds while it runs beyond the outputs it returns (``walked``:
     id of a subgraph -> this, for the calls of one walk)."""
-    subgraph = _subgraph(gm, call)
+    subgraph = called_subgraph(gm, call)
     if subgraph is None:
         log.warning("live_peak_bytes: %s calls no subgraph found on its graph: what it holds inside is not "
                     "counted", call.name)

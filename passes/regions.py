@@ -79,7 +79,7 @@ def subgraph_output_origin(gm: torch.fx.GraphModule, argument) -> tuple[torch.fx
             and argument.target is operator.getitem and _is_subgraph_call(argument.args[0])):
         return None
     forward_call, index = argument.args
-    subgraph = _subgraph(gm, forward_call)
+    subgraph = called_subgraph(gm, forward_call)
     if subgraph is None:
         return None
     returned = subgraph.graph.output_node().args[0]
@@ -101,7 +101,11 @@ def _reads_other_nodes(view: torch.fx.Node) -> bool:
     return any(isinstance(a, torch.fx.Node) for a in (*view.args[1:], *view.kwargs.values()))
 
 
-def _subgraph(gm: torch.fx.GraphModule, call: torch.fx.Node) -> torch.fx.GraphModule | None:
+def called_subgraph(gm: torch.fx.GraphModule, call: torch.fx.Node) -> torch.fx.GraphModule | None:
+    """The graph module the ``invoke_subgraph`` node ``call`` of ``gm`` runs (its first argument, an
+    attribute of ``gm``); None for any other node."""
+    if call.op != "call_function" or call.target is not INVOKE_SUBGRAPH:
+        return None
     attribute = call.args[0]
     if not isinstance(attribute, torch.fx.Node) or attribute.op != "get_attr":
         return None

@@ -48,6 +48,7 @@ from torch.utils import flop_counter
 from zcompile.passes.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, KINDS, REDUCE_SCATTER, WAIT,
                                          CollectiveNode)
 from zcompile.passes.liveness import tensor_bytes
+from zcompile.passes.regions import called_subgraph
 from zcompile.process_group import DataParallelGroup, all_gather_eager
 
 log = logging.getLogger(__name__)
@@ -467,7 +468,7 @@ def node_bytes(node: torch.fx.Node) -> int:
 def node_seconds(node: torch.fx.Node, compute: ComputeCosts) -> float:
     """Predicted compute time of one node; 0 for placeholders, outputs and Python calls (getitem).
     A call of a subgraph (a block of ``zcompile.mark_repeated_blocks``) costs its nodes'."""
-    subgraph = _called_subgraph(node)
+    subgraph = called_subgraph(node.graph.owning_module, node) if node.graph.owning_module is not None else None
     if subgraph is not None:
         return sum(node_seconds(inner, compute) for inner in subgraph.graph.nodes)
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
@@ -480,17 +481,6 @@ def op_class(node: torch.fx.Node) -> str:
     target = node.target
     name = target.overloadpacket.__name__ if isinstance(target, torch._ops.OpOverload) else ""
     return "attention" if name in ATTENTION_OPS else "transcendental" if name in TRANSCENDENTAL_OPS else ""
-
-
-def _called_subgraph(node: torch.fx.Node) -> torch.fx.GraphModule | None:
-    """The graph module an ``invoke_subgraph`` node runs (its first argument, an attribute of the graph)."""
-    if node.op != "call_function" or node.target is not torch.ops.higher_order.invoke_subgraph:
-        return None
-    attribute, owner = node.args[0], node.graph.owning_module
-    if not isinstance(attribute, torch.fx.Node) or attribute.op != "get_attr" or owner is None:
-        return None
-    subgraph = getattr(owner, attribute.target, None)
-    return subgraph if isinstance(subgraph, torch.fx.GraphModule) else None
 
 
 def elementwise_seconds(graph: torch.fx.GraphModule, traced_numel: int, numel: int, compute: ComputeCosts) -> float:

@@ -141,7 +141,7 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _fake_world(world_size, node_size):
+    with fake_world(world_size, node_size):
         with fake_mode:
             model = make_model()
         args, kwargs = fake_call(example_batch, fake_mode)
@@ -190,7 +190,7 @@ def _node_size(node_size: int | None, config: ZeroConfig, profile: HardwareProfi
 
 
 @contextlib.contextmanager
-def _fake_world(world_size: int, node_size: int):
+def fake_world(world_size: int, node_size: int):
     """torch's fake process group of ``world_size`` ranks, this process rank 0, for the block."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

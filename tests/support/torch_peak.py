@@ -29,7 +29,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import zcompile
 from zcompile.estimate import fake_call
 from zcompile.param_shards import shard_of
-from zcompile.simulate import _fake_world
+from zcompile.simulate import fake_world
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
@@ -74,7 +74,7 @@ def tracked_step(make_model: Callable[[], torch.nn.Module], batch: Any, world_si
 
     graphs: list = []
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _fake_world(world_size, world_size):
+    with fake_world(world_size, world_size):
         with fake_mode:
             model = make_model()
         optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-3, check_timeout_s=None)
