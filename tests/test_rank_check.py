@@ -152,7 +152,45 @@ def test_exchange_meets_every_call_and_keeps_the_store_small():
     for thread in threads:
         thread.join(30)
     assert results[0] == results[1] == [[[0, call], [1, call]] for call in range(6)]
-    assert store.num_keys() == 6  # per rank: its counter and its keys of the last two calls
+    # per rank its counter and its keys of the last two calls (6); per call kept the ranks' two
+    # digests (the values differ), the arrived count and the "everyone is here" key (8)
+    assert store.num_keys() == 6 + 8
+
+
+class _CountingStore:
+    """A store that counts the requests each rank (thread) makes, by method."""
+
+    def __init__(self, store: dist.Store):
+        self.store, self.requests = store, {}
+
+    def __getattr__(self, method):
+        def call(*args, **kwargs):
+            key = (threading.current_thread().name, method)
+            self.requests[key] = self.requests.get(key, 0) + 1
+            return getattr(self.store, method)(*args, **kwargs)
+        return call
+
+
+@pytest.mark.parametrize("world", [2, 16])
+def test_agreeing_ranks_make_the_same_few_requests_at_any_world_size(world):
+    """Equal values (a training step's agreement): nobody reads every rank's value, and a rank's
+    requests do not grow with the number of ranks (they were N reads each: N^2 through the store)."""
+    store, results = _CountingStore(dist.HashStore()), {}
+
+    def rank_calls(rank):
+        group = DataParallelGroup(rank=rank, world_size=world, name="g", process_group=None)
+        results[rank] = [exchange_through(store, ["step", call], group, 30, "step", "step", "fix") for call in range(4)]
+
+    threads = [threading.Thread(target=rank_calls, args=(rank,), name=f"rank{rank}") for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert all(results[rank] == [[["step", call]] * world for call in range(4)] for rank in range(world))
+    assert not any(method == "multi_get" for _, method in store.requests)
+    per_rank = [sum(n for (thread, _), n in store.requests.items() if thread == f"rank{rank}") for rank in range(world)]
+    # 6 requests a call, 7 for the last to arrive, 1 get and 4 deletes from the third call on
+    assert max(per_rank) <= 4 * 7 + 2 * 5
 
 
 def test_a_rank_alone_times_out_naming_the_missing_rank_and_leaves_a_note():

@@ -15,6 +15,7 @@ say why, ``raise_if_aborted``) instead of waiting for a rank that will never com
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -229,18 +230,50 @@ def exchange_on_store(value: Any, group: DataParallelGroup, timeout_s: float, pu
 
 def exchange_through(store: dist.Store, value: Any, group: DataParallelGroup, timeout_s: float, purpose: str,
                      doing: str, fix: str) -> list:
-    """``exchange_on_store`` on a given ``store``. Cost when every rank comes: five store round trips
-    (add, set, wait, multi_get, delete), so it may run once per training step; the keys stay
-    bounded (two calls' worth per rank and purpose)."""
+    """``exchange_on_store`` on a given ``store``.
+
+    Each rank sets its value under its own key, counts itself under the digest of its value and among
+    the arrived; the last to arrive sets the call's "everyone is here" key, which every rank waits
+    for. When every rank counted itself under the same digest (the normal case: the ranks agree) the
+    values are this rank's own, and no rank reads the others': a rank's requests are the same few
+    whatever the number of ranks, so the exchange may run once per training step at any scale
+    (reading every rank's value on every rank is N^2 through the one store: a million reads a step at
+    1,024 ranks). Only when values differ does each rank read them all, to name the difference. The
+    keys stay bounded: each call deletes its rank's keys of two calls before."""
     # the counter lives in the store, so it survives torch._dynamo.reset() and needs no global
     sequence = store.add(f"zcompile/{purpose}/{group.name}/sequence/{group.rank}", 1)
     keys = _exchange_keys(purpose, group, sequence)
-    store.set(keys[group.rank], json.dumps(value))
-    _wait_for_ranks(store, keys, group, timeout_s, f"{doing}: rank {group.rank} (its call #{sequence})", fix)
-    values = [json.loads(raw) for raw in store.multi_get(keys)]
-    if sequence > 2:  # this rank is at n: every rank has read call n-2's keys (it set its n-1 key after)
-        store.delete_key(_exchange_keys(purpose, group, sequence - 2)[group.rank])
+    text = json.dumps(value)
+    store.set(keys[group.rank], text)
+    same, arrived, everyone = _shared_keys(purpose, group, sequence, text)
+    store.add(same, 1)  # before arriving: once everyone has arrived, every digest is counted
+    if store.add(arrived, 1) == group.world_size:
+        store.set(everyone, "1")
+    _wait_for_ranks(store, everyone, keys, group, timeout_s, f"{doing}: rank {group.rank} (its call #{sequence})",
+                    fix)
+    if store.add(same, 0) == group.world_size:
+        mine = json.loads(text)
+        values = [mine] * group.world_size
+    else:
+        values = [json.loads(raw) for raw in store.multi_get(keys)]
+    if sequence > 2:  # this rank is at n: every rank has passed call n-1's wait, so is done with n-2's keys
+        _delete_call(store, purpose, group, sequence - 2)
     return values
+
+
+def _shared_keys(purpose: str, group: DataParallelGroup, sequence: int, text: str) -> tuple[str, str, str]:
+    """The keys of one call every rank writes: the count of ranks with this value, of ranks arrived, and
+    the "everyone is here" key."""
+    base = f"zcompile/{purpose}/{group.name}/{sequence}"
+    digest = hashlib.sha1(text.encode()).hexdigest()[:16]
+    return f"{base}/same/{digest}", f"{base}/arrived", f"{base}/everyone"
+
+
+def _delete_call(store: dist.Store, purpose: str, group: DataParallelGroup, sequence: int) -> None:
+    """Deletes this rank's keys of call ``sequence`` and the shared ones (deleting a deleted key is a no-op)."""
+    own = _exchange_keys(purpose, group, sequence)[group.rank]
+    for key in (*_shared_keys(purpose, group, sequence, store.get(own).decode()), own):
+        store.delete_key(key)
 
 
 def raise_if_aborted(group: DataParallelGroup, error: BaseException | None = None) -> None:
@@ -279,24 +312,25 @@ def _abort_key(group: DataParallelGroup) -> str:
     return f"zcompile/abort/{group.name}"
 
 
-def _wait_for_ranks(store: dist.Store, keys: list[str], group: DataParallelGroup, timeout_s: float, where: str,
-                    fix: str) -> None:
-    """Returns once every key is set; raises when the time is up or another rank left an abort note."""
+def _wait_for_ranks(store: dist.Store, everyone: str, keys: list[str], group: DataParallelGroup, timeout_s: float,
+                    where: str, fix: str) -> None:
+    """Returns once ``everyone`` is set; raises when the time is up (naming the ranks whose ``keys`` are
+    not set) or another rank left an abort note."""
     deadline = time.monotonic() + timeout_s
     try:
-        store.wait(keys, timedelta(seconds=min(FIRST_WAIT_S, timeout_s)))
+        store.wait([everyone], timedelta(seconds=min(FIRST_WAIT_S, timeout_s)))
         return
     except dist.DistStoreError:  # a timeout: c10d has printed a warning about it
         log.info("%s: waiting for ranks %s for up to %.0fs more", where, _missing(store, keys),
                  deadline - time.monotonic())
     while time.monotonic() < deadline:
-        if store.check(keys):
+        if store.check([everyone]):
             return
         note = abort_note(store, group)
         if note is not None and note[0] != group.rank:
             raise RankDivergenceError(f"{where} stopped waiting: rank {note[0]} reported: {note[1]}")
         time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
-    if store.check(keys):
+    if store.check([everyone]):
         return
     _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} did not within "
                                          f"{timeout_s:.0f}s. {fix}")
