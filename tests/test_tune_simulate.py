@@ -43,7 +43,9 @@ def test_every_valid_point_is_simulated_and_hpz_at_stage_2_is_invalid(result):
             assert point.status == "invalid" and "hpz_size" in point.error
         else:
             assert point.status == "predicted", point.error
-            assert point.memory_bytes == sum(point.memory_parts.values()) > 0
+            # the step's peak: at least the model states and the saved activations held together
+            parts = point.memory_parts
+            assert point.memory_bytes >= parts["model_states_bytes"] + parts["saved_activation_bytes"] > 0
             assert 0 < point.exposed_comm_s < point.step_s and 0 < point.mfu < 1
     # stage 3 holds 16 bytes per parameter over 64 ranks; stage 2 the bf16 replica on top
     assert by_options[(2, 4, None)].memory_parts["model_states_bytes"] > \

@@ -13,7 +13,9 @@ a Llama-3-8B shape, 95 s for a 70B one). A point that fails to compile is record
 Nothing is measured, so there is no calibration and no ``same`` rule: every point is a prediction
 with the hardware profile's costs.
 
-Decisions: points over ``memory_limit_gb`` (GiB per GPU) are ``pruned``; the front and the choices
+Decisions: points whose step peak (``zcompile.step_peak``: the most bytes per GPU at any moment of
+a step, not the sum of the parts, which the 8B shape at 8 GPUs holds 5 GiB above) is over
+``memory_limit_gb`` (GiB per GPU) are ``pruned``; the front and the choices
 read the remaining ``predicted`` points only. ``front``: the points no other point beats on both
 memory and step time (``tune_search.pareto_front``); ``fastest``: least step time, ties to the lower
 index; ``fastest_fitting``: the same among points that also fit the profile's HBM; ``best``: the
@@ -52,8 +54,10 @@ class SimulatedPoint:
     options: dict[str, Any]  # the space's options of this point (base options not repeated)
     is_default: bool
     status: str = PREDICTED  # predicted, pruned (over the memory limit), failed, invalid
-    memory_bytes: int | None = None  # per GPU: model states + gathered peak + kept weights + saved activations
-    memory_parts: dict[str, int] = field(default_factory=dict)
+    # per GPU: the step's peak (zcompile.step_peak: what must fit; the parts' sum can be below it, by
+    # backward's transients, or above, each part's own peak being at another time)
+    memory_bytes: int | None = None
+    memory_parts: dict[str, int] = field(default_factory=dict)  # model states, gathered peak, kept, activations
     step_s: float | None = None
     exposed_comm_s: float | None = None
     compute_s: float | None = None
@@ -212,7 +216,7 @@ def _simulate_point(point: Point, make_model, example_batch, loss_fn, base_optio
         return simulated
     finally:
         simulated.simulate_s = time.perf_counter() - began
-    simulated.memory_bytes, simulated.memory_parts = result.per_rank_bytes, dict(result.memory)
+    simulated.memory_bytes, simulated.memory_parts = result.step_peak_bytes, dict(result.memory)
     simulated.step_s, simulated.exposed_comm_s = result.step_s, result.exposed_comm_s
     simulated.compute_s, simulated.mfu = result.compute_s, result.mfu
     simulated.across_nodes_bytes = result.bytes_by(inside_node=False)
