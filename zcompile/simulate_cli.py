@@ -107,9 +107,10 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
     rows = [[where, f"{result.bytes_by(where) / GIB:.2f}", f"{result.bytes_by(where, inside_node=False) / GIB:.2f}"]
             for where in ("forward", "backward", "optimizer")]
     out.table("collectives per step and rank (GiB)", ["where", "all", "across nodes"], rows, numeric={1, 2})
+    host = f", host {result.host_overhead_s * 1e3:.1f} ms" if result.host_overhead_s else ""
     out.line(f"step {result.step_s * 1e3:.1f} ms (compute {result.compute_s * 1e3:.1f} ms, exposed communication "
-             f"{result.exposed_comm_s * 1e3:.1f} ms), {result.tokens_per_rank / result.step_s:,.0f} tokens/s per rank, "
-             f"MFU {100 * result.mfu:.1f}%; simulated in {result.simulate_s:.1f} s")
+             f"{result.exposed_comm_s * 1e3:.1f} ms{host}), {result.tokens_per_rank / result.step_s:,.0f} tokens/s per "
+             f"rank, MFU {100 * result.mfu:.1f}%; simulated in {result.simulate_s:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result.to_dict(), f, indent=1)
