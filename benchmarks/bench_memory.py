@@ -19,7 +19,9 @@ the backend's here: the stage 1/2 optimizer holds a few of its buckets at once, 
 - **fwd+bwd**: forward and backward recorded as one from the model states, against the walk over
   the compiled graphs (``zcompile.step_peak``; it does not count gloo's own copies);
 - **estimate**: ``zcompile.estimate_memory`` made before the model was compiled, against the
-  measurement (model states exactly; the compiled parts from the compiled graphs).
+  measurement (model states exactly; the compiled parts from the compiled graphs);
+- **opt ms**: ``optimizer.step()`` alone, unprofiled, the median over ``TIMED_STEPS`` steps of the
+  slowest rank (each timed from a barrier), to see that memory was not bought with step time.
 
 Each row also checks that the run trained: the first two losses of the zero run equal a
 single-process run's to 1e-6 (fp32) or 1e-2 relative (bf16).
@@ -30,8 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -46,6 +50,7 @@ from zcompile.timeline import record_step  # noqa: E402
 
 SEQ, BATCH_PER_RANK, VOCAB = 64, 2, 4096
 MIB = 2**20
+TIMED_STEPS = 9
 
 
 def build_gpt2() -> torch.nn.Module:
@@ -65,6 +70,21 @@ def batch(step: int, rank: int, world: int) -> torch.Tensor:
 
 def loss_of(model, tokens) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens).loss
+
+
+def optimizer_step_ms(compiled, optimizer, rank: int, world: int, first_batch: int) -> float:
+    """The median over ``TIMED_STEPS`` of ``optimizer.step()`` on the slowest rank, in ms."""
+    times = []
+    for step in range(TIMED_STEPS):
+        loss_of(compiled, batch(first_batch + step, rank, world)).backward()
+        dist.barrier()  # one rank's lead is not time inside the step
+        start = time.perf_counter()
+        optimizer.step()
+        elapsed = torch.tensor(time.perf_counter() - start)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item() * 1e3)
+        optimizer.zero_grad()
+    return statistics.median(times)
 
 
 def run(stage: int, param_dtype: str | None, rank: int, world: int, optim_bucket_mb: float) -> dict:
@@ -114,6 +134,7 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int, optim_bucket
     optimizer.zero_grad()
     walk = step_peak(graphs, live.params, live.grads, live.optimizer)
     report = zcompile.step_report(model, optimizer).memory
+    step_ms = optimizer_step_ms(compiled, optimizer, rank, world, first_batch=5)  # last: it trains on
     num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
     formula = zcompile.zero_formula_bytes(num_params, world, stage, zcompile.ZeroConfig(param_dtype=param_dtype).param_dtype)
     peak = before_step + timeline.peak_bytes
@@ -131,6 +152,7 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int, optim_bucket
         "walk_forward_backward_bytes": max(v for phase, v in walk.phases.items() if phase != "optimizer"),
         "estimate": estimate.to_dict(),
         "estimate_model_states_vs_live": estimate.model_states_bytes / live.total,
+        "optimizer_step_ms": step_ms,
         "estimate_vs_measured": {
             "gathered_peak": estimate.gathered_peak_bytes / max(1, report["peak_gathered_bytes"]),
             "saved_activations": estimate.saved_activation_bytes / max(1, report["saved_activation_bytes"])},
@@ -176,13 +198,14 @@ def main() -> None:
                          " / ".join(f"{v / MIB:.1f}" for v in result["phase_peaks"].values()),
                          f"{result['forward_backward_peak_bytes'] / MIB:.2f} / "
                          f"{result['walk_forward_backward_bytes'] / MIB:.2f}",
+                         f"{result['optimizer_step_ms']:.1f}",
                          f"{result['estimate_model_states_vs_live']:.3f}",
                          " / ".join(f"{v:.2f}" for v in result["estimate_vs_measured"].values()),
                          " ".join(f"{a:.4f}/{b:.4f}" for a, b in zip(result["losses"], reference))))
     if rank == 0:
         print_table(f"GPT-2 (4 layers, n_embd 192), {world} ranks, AdamW: MiB per rank",
                     ["run", "live", "ZeRO formula", "ratio", "step peak", "states + gathered + activations",
-                     "peak/parts", "fwd / bwd / opt peak", "fwd+bwd: peak / walk", "estimate/live", "estimate/measured gathered / activations",
+                     "peak/parts", "fwd / bwd / opt peak", "fwd+bwd: peak / walk", "opt ms", "estimate/live", "estimate/measured gathered / activations",
                      "losses zero/reference"], rows)
         out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"memory_{world}.json")
         with open(out, "w") as f:

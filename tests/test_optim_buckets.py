@@ -1,13 +1,18 @@
-"""The optimizer's bucketed eager collectives (stages 1 and 2): plan, and training equal to unbucketed."""
+"""The optimizer's bucketed eager collectives (stages 1 and 2): plan, training equal to unbucketed,
+and the memory one step holds above the model states."""
+
+import tempfile
 
 import pytest
 import torch
 
+import zcompile
 from support.launch import run_ranks
 from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
 from zcompile.process_group import DataParallelGroup
-from zcompile.optim_buckets import _copy_rows, plan_optimizer_buckets
+from zcompile.optim_buckets import _copy_rows, _write_rows, plan_optimizer_buckets
 from zcompile.param_shards import shard_parameter
+from zcompile.timeline import record_step
 
 
 def _sharded(numel, dtype=torch.float32, world=2, name="p"):
@@ -34,6 +39,35 @@ def test_a_members_columns_land_rank_major_without_the_padding(numel):
     parameter = torch.full((numel,), -1.0)
     _copy_rows(parameter, rows, numel)
     assert torch.equal(parameter, rows.reshape(-1)[:numel])
+
+
+@pytest.mark.parametrize("numel", [12, 11, 9, 8, 1])
+def test_a_members_gradient_is_written_into_its_columns_padded(numel):
+    """A bf16 gradient written, cast and zero-padded, into its columns of a bucket's fp32 ``[N, S]``
+    input (3 ranks, 4 elements each): what the padded, cast and concatenated copy held."""
+    rows = torch.full((3, 10), -1.0)
+    flat = torch.arange(1.0, numel + 1).to(torch.bfloat16)
+    _write_rows(rows[:, 2:6], flat, numel)
+    expected = torch.zeros(12)
+    expected[:numel] = flat.float()
+    assert torch.equal(rows[:, 2:6].reshape(-1), expected)
+    assert (rows[:, :2] == -1).all() and (rows[:, 6:] == -1).all()  # the other members' columns untouched
+
+
+@pytest.mark.parametrize("stage, dtype", [(1, None), (2, None), (1, torch.bfloat16), (2, torch.bfloat16), (3, None)])
+def test_padded_replicated_is_the_all_gather_layout(stage, dtype):
+    group = DataParallelGroup(rank=1, world_size=2, name="0", process_group=None)
+    param = torch.nn.Parameter(torch.arange(7.0))
+    sharded = shard_parameter(param, "p", stage, group, param_dtype=dtype)
+    padded = sharded.padded_replicated()
+    if stage == 3:  # nothing replicated to gather into
+        assert padded is None
+        return
+    assert padded.shape == (8,) and padded.dtype == sharded.replicated_dtype
+    assert padded.untyped_storage().data_ptr() == sharded.replicated.untyped_storage().data_ptr()
+    assert torch.equal(padded[:7].float(), torch.arange(7.0)) and padded[7] == 0
+    if dtype is None:  # the fp32 shard is this rank's chunk of that storage
+        assert sharded.shard.data_ptr() == padded[4:].data_ptr()
 
 
 SPECS = [
@@ -70,3 +104,58 @@ def test_buckets_move_the_same_elements_in_fewer_collectives(optimizer_runs, unb
     # the bucket layout changes which collective moves an element, not the element's sum
     for name, value in optimizer_runs[unbucketed].params.items():
         assert torch.equal(optimizer_runs[bucketed].params[name], value), name
+
+
+# ----------------------------------------------------------------------------- memory of one step
+STEP_SIZES = [2**16] * 8  # 256 KiB each in fp32: two to an optimizer bucket, four buckets
+STEP_BUCKET_MB = 0.5
+# The most one step allocates above what is alive before it, in buckets of full parameter, 2 ranks.
+# Stage 2, what can be alive at once: the previous bucket's all-gather in gloo (its flat output, one
+# bucket, and the concatenated inputs, half) and this bucket's update temporaries (two fp32 copies
+# of a foreach run of at most a quarter bucket): 2 buckets; measured 1.5-2.0. Stage 1 adds this
+# bucket's reduced gradient shards (half) and the next bucket's input in flight (one): 3.5 in fp32
+# (measured 2.5-3.5), 4 in bf16, whose update batch (a bf16 bucket) spans two fp32 reduce buckets
+# (measured 2.5-3.5). Before (a gathered bucket beside gloo's, a concatenated reduce-scatter input
+# beside gloo's clone of it, each gradient shard held until the next reduce-scatter had started)
+# every run measured more: 5-8, 2.5-4.5, 6.1-9.1, 4-5.
+STEP_PEAK_BUCKETS = {(1, None): 4.0, (2, None): 2.25, (1, torch.bfloat16): 4.5, (2, torch.bfloat16): 2.25}
+
+
+def _set_grads(params, stage, rank, step):
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    for param in params:
+        sharded = param._zcompile_shard
+        if stage == 1:  # the full local gradient, on the replica when there is one
+            holder = sharded.replica if sharded.replica is not None else param
+            holder.grad = torch.randn(param.shape, generator=generator).to(holder.dtype)
+        else:  # what the compiled backward leaves: the averaged gradient shard
+            target = sharded.grad_target
+            target.grad = torch.randn(sharded.shard_numel, generator=generator).to(target.dtype)
+
+
+def _step_peaks_on_rank(rank, world):
+    """Per configuration: the allocator's peak during one optimizer step above what was alive before
+    it (torch.profiler's memory events, every thread, through ``record_step``), in buckets."""
+    group = DataParallelGroup.resolve()
+    peaks = {}
+    for stage, dtype in STEP_PEAK_BUCKETS:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in STEP_SIZES]
+        for index, param in enumerate(params):  # sharded as the backend does, without compiling
+            shard_parameter(param, f"p{index}", stage, group, param_dtype=dtype)
+        optimizer = zcompile.optim.AdamW(params, lr=1e-2, bucket_mb=STEP_BUCKET_MB)
+        for step in range(2):  # the first creates the moments
+            _set_grads(params, stage, rank, step)
+            optimizer.step()
+            optimizer.zero_grad()
+        _set_grads(params, stage, rank, 2)
+        with tempfile.TemporaryDirectory() as trace_dir:
+            timeline = record_step(optimizer.step, trace_dir, rank)
+        peaks[(stage, dtype)] = timeline.peak_bytes / (STEP_BUCKET_MB * 2**20)
+    return peaks
+
+
+def test_one_step_holds_a_few_buckets_above_the_model_states():
+    for rank, peaks in enumerate(run_ranks(2, _step_peaks_on_rank, timeout_s=300)):
+        for config, bound in STEP_PEAK_BUCKETS.items():
+            assert peaks[config] <= bound, (rank, config, peaks)

@@ -13,18 +13,34 @@ over a flat buffer, and the collectives run asynchronously:
 - ``reduce_grads_onto_shards`` (stage 1, when gradients are clipped): the same reduce-scatters
   issued before the step, leaving the averaged gradient shard on ``shard.grad`` (``zcompile.clip``);
 - ``BucketedParamRefresh`` (stages 1 and 2): the all-gather of a bucket starts as soon as its last
-  parameter is updated, moves while the next bucket updates, and is waited (and copied into the
-  parameters) just before the next bucket's starts, so one gathered buffer exists at a time.
-  Landing it just after the next one started held two, with gloo's copy of each (with the
-  reduce-scatter changes below: 15-19 MiB above the model states at stage 2 on bench_memory's GPT-2
-  at 2 ranks, 4 MiB buckets, now 11), for no step time: 18-20 vs 20-21 ms at stage 2, 33-35 vs
-  34-35 at stage 1 (optimizer steps of the two versions interleaved).
+  parameter is updated, moves while the next bucket updates, and is waited just before the next
+  bucket's starts, so one is in flight at a time. Landing it just after the next one started held
+  two, with gloo's copy of each (15-19 MiB above the model states at stage 2 on bench_memory's
+  GPT-2 at 2 ranks, 4 MiB buckets, then 11), for no step time: 18-20 vs 20-21 ms at stage 2, 33-35
+  vs 34-35 at stage 1 (optimizer steps of the two versions interleaved).
 
-Flat layouts match the in-graph buckets: all-gather input is the concatenation of the members'
-shards, the output ``[N, S]`` rank-major; reduce-scatter input is each member's padded gradient
-viewed ``[N, s_i]``, concatenated along dim 1, so rank ``r`` receives the concatenation of its
-shards. Every rank builds the same buckets from the same parameter order, so the collectives
-match across ranks.
+What a bucket holds, and nothing longer than it must (bench_memory's GPT-2 at 2 ranks, 4 MiB
+buckets, its optimizer phase above the model states, with ``AdamW._update_many``'s smaller runs:
+stage 1 16.8-18.5 -> 11.4 MiB in fp32, 14.9-18.7 -> 7.9 in bf16; stage 2 11.0 -> 6.8 and 12.3 ->
+7.4; parameters bitwise the same after 11-18 steps at 2 and 4 ranks, optimizer steps of the two
+versions interleaved 0.82-1.04x the time):
+
+- the all-gather writes straight into each member's padded replicated storage, which is the
+  gathered ``[N, s_i]`` layout (``ShardedParam.padded_replicated``): no gathered bucket beside
+  gloo's flat buffer and no copy out of it. The bf16 inputs are written by the update into this
+  rank's chunk of that storage (``ShardedOptimizer._prepare_update``), as the fp32 shard already is;
+- the reduce-scatter's input is one ``[N, S]`` buffer each member's gradient is cast and padded
+  into (no per-member padded copy, no concatenation); on CPU gloo it is all-reduced in place, the
+  way gloo runs a reduce-scatter but without gloo's clone of it, and freed once this rank's row is
+  copied out (``_release``);
+- a batch's reduced gradient shards go once the batch is updated, before the next bucket's
+  reduce-scatter input is built.
+
+Flat layouts match the in-graph buckets: rank ``r``'s all-gather input is the concatenation of the
+members' shards and its output ``[N, S]`` rank-major (each member's columns its padded storage);
+reduce-scatter input is each member's padded gradient viewed ``[N, s_i]``, side by side along dim
+1, so rank ``r`` receives the concatenation of its shards. Every rank builds the same buckets from
+the same parameter order, so the collectives match across ranks.
 """
 
 from __future__ import annotations
@@ -34,7 +50,9 @@ from typing import Callable
 
 import torch
 
-from zcompile.process_group import all_gather_eager, reduce_scatter_eager
+import torch.distributed as dist
+
+from zcompile.process_group import DataParallelGroup, all_gather_eager, reduce_scatter_eager
 from zcompile.comm_volume import CollectiveRecord
 from zcompile.param_shards import ShardedParam
 
@@ -74,12 +92,21 @@ def _record(kind: str, bucket: list[ShardedParam], dtype: torch.dtype) -> Collec
 
 @dataclass
 class BucketedGradReduce:
-    """Stage 1: each member's averaged gradient shard, reduce-scattered one bucket ahead."""
+    """Stage 1: each member's averaged gradient shard, reduce-scattered one bucket ahead.
+
+    A bucket's input is one ``[N, S]`` buffer that each member's gradient is written into (cast and
+    padded in the copy: no per-member padded or cast copy, no concatenation). On CPU gloo it is
+    all-reduced in place and this rank's row kept (gloo runs a reduce-scatter so, on a copy of its
+    input: the same bits, without that second bucket-sized buffer); elsewhere reduce-scattered.
+    ``free_full_grads``: each member's full gradient is dropped once it is in its bucket's input
+    (``reduce_grads_onto_shards`` clears them anyway; the step keeps stage 1's full gradients)."""
 
     buckets: list[list[ShardedParam]]
+    free_full_grads: bool = False
     records: list[CollectiveRecord] = field(default_factory=list)
     _bucket_of: dict = field(default_factory=dict, init=False)
-    _pending: dict = field(default_factory=dict, init=False)  # bucket index -> (work, output)
+    # bucket index -> (work, the [N, S] input when reduced in place else None, the output else None)
+    _pending: dict = field(default_factory=dict, init=False)
     _started: set = field(default_factory=set, init=False)
     _ready: dict = field(default_factory=dict, init=False)  # ShardedParam -> grad shard
 
@@ -91,9 +118,12 @@ class BucketedGradReduce:
         index = self._bucket_of[id(member)]
         if id(member) not in self._ready:
             self._start(index)
-            work, out = self._pending.pop(index)
+            work, rows, out = self._pending.pop(index)
             work.wait()
-            del work  # gloo's work holds its copy of the bucket's input (full size) until it is released
+            del work  # the work holds the bucket's input (full size: ours, or the backend's copy) until released
+            if rows is not None:  # all-reduced in place: this rank's row, and the [N, S] buffer goes now
+                out = rows[member.group.rank].clone()
+                _release(rows)
             self._start(index + 1)  # moves while this bucket updates
             offset = 0
             for m in self.buckets[index]:
@@ -106,14 +136,31 @@ class BucketedGradReduce:
             return
         self._started.add(index)
         bucket = self.buckets[index]
-        world = bucket[0].group.world_size
-        dtype = bucket[0].grad_reduce_dtype
-        pieces = [m.padded_flat(m.full_grad, dtype).view(world, m.shard_numel) for m in bucket]
-        full = torch.cat(pieces, dim=1).reshape(-1) if len(pieces) > 1 else pieces[0].reshape(-1)
-        out = torch.empty(full.numel() // world, dtype=dtype, device=full.device)
-        work = reduce_scatter_eager(out, full, bucket[0].group, async_op=True)
-        self._pending[index] = (work, out)
+        group, dtype = bucket[0].group, bucket[0].grad_reduce_dtype
+        width = sum(m.shard_numel for m in bucket)
+        rows = torch.empty(group.world_size, width, dtype=dtype, device=bucket[0].shard.device)
+        offset = 0
+        for m in bucket:
+            _write_rows(rows[:, offset: offset + m.shard_numel], m.full_grad.detach().reshape(-1), m.numel)
+            offset += m.shard_numel
+            if self.free_full_grads:
+                m.clear_full_grad()
+        if _gloo_on_cpu(group, rows):
+            work, out = dist.all_reduce(rows, group=group.process_group, async_op=True), None
+        else:  # the backend keeps the input alive while it needs it
+            out = torch.empty(width, dtype=dtype, device=rows.device)
+            work, rows = reduce_scatter_eager(out, rows.view(-1), group, async_op=True), None
+        self._pending[index] = (work, rows, out)
         self.records.append(_record("reduce_scatter", bucket, dtype))
+
+
+def _gloo_on_cpu(group: DataParallelGroup, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s collectives run on gloo, whose reduce-scatter is an all-reduce of a clone
+    of the input followed by a copy of this rank's piece (torch 2.13's ProcessGroupGloo; the profiler
+    shows ``gloo:all_reduce``, ``zcompile.timeline``): the all-reduce of a buffer of one's own is
+    then the same collective, to the bit, with one bucket-sized buffer less."""
+    return (tensor.device.type == "cpu" and group.process_group is not None
+            and "gloo" in str(dist.get_backend(group.process_group)))
 
 
 def _grad_reduce_dtype(member: ShardedParam) -> torch.dtype:
@@ -129,7 +176,8 @@ def reduce_grads_onto_shards(members: list[ShardedParam], bucket_bytes: int) -> 
     as the fused update's ``grad_scale`` does), so an unclipped step is bitwise the same.
     """
     distributed = [m for m in members if m.group.world_size > 1]
-    reducer = BucketedGradReduce(plan_optimizer_buckets(distributed, _grad_reduce_dtype, bucket_bytes))
+    reducer = BucketedGradReduce(plan_optimizer_buckets(distributed, _grad_reduce_dtype, bucket_bytes),
+                                 free_full_grads=True)
     for member in members:
         world = member.group.world_size
         if world > 1:
@@ -189,6 +237,12 @@ class BucketedParamRefresh:
                     replicated.copy_(shard[: m.numel])
             return
         self._land()  # the previous bucket moved while this one was being updated; its buffers go first
+        outputs = [m.padded_replicated() for m in bucket]
+        if all(out is not None for out in outputs):  # straight into the parameters (or replicas)
+            work = _all_gather_into(outputs, shards, group)
+            self.records.append(_record("all_gather", bucket, shards[0].dtype))
+            self._in_flight = (bucket, work, None)
+            return
         flat = torch.cat(shards) if len(shards) > 1 else shards[0]
         gathered = torch.empty(flat.numel() * group.world_size, dtype=flat.dtype, device=flat.device)
         work = all_gather_eager(gathered, flat, group, async_op=True)
@@ -201,11 +255,57 @@ class BucketedParamRefresh:
         bucket, work, gathered = self._in_flight
         self._in_flight = None
         work.wait()
+        if gathered is None:  # landed in the parameters' own storages
+            return
         rows = gathered.view(bucket[0].group.world_size, -1)
         offset = 0
         for m in bucket:
             _copy_rows(m.replicated.view(-1), rows[:, offset: offset + m.shard_numel], m.numel)
             offset += m.shard_numel
+        _release(gathered)
+
+
+def _release(buffer: torch.Tensor) -> None:
+    """Frees a waited collective's buffer of our own now, on this thread. Its work holds it too, and
+    when gloo's worker thread drops the work last (a race with our release), the memory is freed
+    there, where the profiler does not see it: ``zcompile.timeline``'s series then keeps it to the
+    end of the step (bench_memory's stage 1 peaks moved by a bucket between runs)."""
+    buffer.untyped_storage().resize_(0)
+
+
+def _all_gather_into(outputs: list[torch.Tensor], shards: list[torch.Tensor], group: DataParallelGroup) -> dist.Work:
+    """Each ``outputs[i]`` (a member's flat padded storage, ``[N * s_i]``) = every rank's ``shards[i]``,
+    as one collective; async. ``shards[i]`` may be this rank's chunk of ``outputs[i]`` (fp32 stages 1
+    and 2: the shard is a view of the parameter's storage), which torch's all-gathers allow.
+
+    Through the process group's coalesced all-gather (``torch.distributed`` has no public form of it
+    that writes into given outputs: ``all_gather_coalesced`` is deprecated), for one member too: gloo
+    gathers into a flat buffer of its own and copies each member's piece into its storage (instead
+    of into a gathered bucket copied again), and when it enqueues the work it sizes a transient
+    ``[members, first shard]`` tensor (``AsyncAllgatherCoalescedWork::getOutputTensors``; the flat
+    all-gather's is the whole output). The smallest shard first keeps that within the bucket's shard
+    bytes (bench_memory's first bucket, the 3 MiB embedding first: 15 MiB at 2 ranks); the order is
+    the same on every rank, as the buckets are."""
+    order = sorted(range(len(outputs)), key=lambda i: shards[i].numel())
+    process_group = group.process_group
+    # torch 2.13 renamed it (as the flat collectives, zcompile.process_group); 2.11 has the old name
+    coalesced = (getattr(process_group, "all_gather_single_coalesced", None)
+                 or process_group.allgather_into_tensor_coalesced)
+    return coalesced([outputs[i] for i in order], [shards[i] for i in order])
+
+
+def _write_rows(rows: torch.Tensor, flat: torch.Tensor, numel: int) -> None:
+    """``rows`` (``[N, s]``, strided: one member's columns of a bucket) = ``flat[:numel]`` zero-padded to
+    ``N * s`` elements and read rank-major, cast in the copy: ``_copy_rows`` the other way."""
+    width = rows.shape[1]
+    whole = min(numel // width, rows.shape[0]) if width else 0
+    if whole:
+        rows[:whole].copy_(flat[: whole * width].view(whole, width))
+    if whole < rows.shape[0]:
+        rest = numel - whole * width
+        rows[whole, :rest].copy_(flat[whole * width: numel])
+        rows[whole, rest:].zero_()
+        rows[whole + 1:].zero_()
 
 
 def _copy_rows(dst: torch.Tensor, rows: torch.Tensor, numel: int) -> None:

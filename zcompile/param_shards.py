@@ -120,6 +120,17 @@ class ShardedParam:
         """The dtype the step's all-gather moves at stages 1 and 2 (the replica's, else the parameter's)."""
         return self.replica.dtype if self.replica is not None else self.param.dtype
 
+    def padded_replicated(self) -> torch.Tensor | None:
+        """The replicated tensor's whole padded storage, flat (``padded_numel`` elements, rank r's chunk
+        at ``r * shard_numel``), or None when it has none: exactly an all-gather's output, so the
+        stage-1/2 step gathers straight into the parameter (fp32, ``_shard_in_replicated_storage``)
+        or the low-precision replica, with no gathered buffer and no copy out of it."""
+        full = self.replicated.detach()
+        if (self.stage not in (1, 2) or not full.is_contiguous() or full.storage_offset() != 0
+                or full.untyped_storage().nbytes() < self.padded_numel * full.element_size()):
+            return None
+        return full.as_strided((self.padded_numel,), (1,), 0)
+
     @property
     def grad_target(self) -> torch.Tensor:
         """The leaf whose ``.grad`` is this rank's averaged gradient shard: the grad carrier, else the shard."""
