@@ -49,10 +49,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-
 import torch.distributed as dist
 
-from zcompile.process_group import DataParallelGroup, all_gather_eager, reduce_scatter_eager
+from zcompile.process_group import (all_gather_coalesced_into, all_gather_eager, all_reduce_eager,
+                                    reduce_scatter_eager, reduce_scatter_runs_as_all_reduce)
 from zcompile.comm_volume import CollectiveRecord
 from zcompile.param_shards import ShardedParam
 
@@ -145,22 +145,13 @@ class BucketedGradReduce:
             offset += m.shard_numel
             if self.free_full_grads:
                 m.clear_full_grad()
-        if _gloo_on_cpu(group, rows):
-            work, out = dist.all_reduce(rows, group=group.process_group, async_op=True), None
+        if reduce_scatter_runs_as_all_reduce(group, rows):
+            work, out = all_reduce_eager(rows, group, dist.ReduceOp.SUM, async_op=True), None
         else:  # the backend keeps the input alive while it needs it
             out = torch.empty(width, dtype=dtype, device=rows.device)
             work, rows = reduce_scatter_eager(out, rows.view(-1), group, async_op=True), None
         self._pending[index] = (work, rows, out)
         self.records.append(_record("reduce_scatter", bucket, dtype))
-
-
-def _gloo_on_cpu(group: DataParallelGroup, tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s collectives run on gloo, whose reduce-scatter is an all-reduce of a clone
-    of the input followed by a copy of this rank's piece (torch 2.13's ProcessGroupGloo; the profiler
-    shows ``gloo:all_reduce``, ``zcompile.timeline``): the all-reduce of a buffer of one's own is
-    then the same collective, to the bit, with one bucket-sized buffer less."""
-    return (tensor.device.type == "cpu" and group.process_group is not None
-            and "gloo" in str(dist.get_backend(group.process_group)))
 
 
 def _grad_reduce_dtype(member: ShardedParam) -> torch.dtype:
@@ -239,7 +230,7 @@ class BucketedParamRefresh:
         self._land()  # the previous bucket moved while this one was being updated; its buffers go first
         outputs = [m.padded_replicated() for m in bucket]
         if all(out is not None for out in outputs):  # straight into the parameters (or replicas)
-            work = _all_gather_into(outputs, shards, group)
+            work = all_gather_coalesced_into(outputs, shards, group)
             self.records.append(_record("all_gather", bucket, shards[0].dtype))
             self._in_flight = (bucket, work, None)
             return
@@ -271,27 +262,6 @@ def _release(buffer: torch.Tensor) -> None:
     there, where the profiler does not see it: ``zcompile.timeline``'s series then keeps it to the
     end of the step (bench_memory's stage 1 peaks moved by a bucket between runs)."""
     buffer.untyped_storage().resize_(0)
-
-
-def _all_gather_into(outputs: list[torch.Tensor], shards: list[torch.Tensor], group: DataParallelGroup) -> dist.Work:
-    """Each ``outputs[i]`` (a member's flat padded storage, ``[N * s_i]``) = every rank's ``shards[i]``,
-    as one collective; async. ``shards[i]`` may be this rank's chunk of ``outputs[i]`` (fp32 stages 1
-    and 2: the shard is a view of the parameter's storage), which torch's all-gathers allow.
-
-    Through the process group's coalesced all-gather (``torch.distributed`` has no public form of it
-    that writes into given outputs: ``all_gather_coalesced`` is deprecated), for one member too: gloo
-    gathers into a flat buffer of its own and copies each member's piece into its storage (instead
-    of into a gathered bucket copied again), and when it enqueues the work it sizes a transient
-    ``[members, first shard]`` tensor (``AsyncAllgatherCoalescedWork::getOutputTensors``; the flat
-    all-gather's is the whole output). The smallest shard first keeps that within the bucket's shard
-    bytes (bench_memory's first bucket, the 3 MiB embedding first: 15 MiB at 2 ranks); the order is
-    the same on every rank, as the buckets are."""
-    order = sorted(range(len(outputs)), key=lambda i: shards[i].numel())
-    process_group = group.process_group
-    # torch 2.13 renamed it (as the flat collectives, zcompile.process_group); 2.11 has the old name
-    coalesced = (getattr(process_group, "all_gather_single_coalesced", None)
-                 or process_group.allgather_into_tensor_coalesced)
-    return coalesced([outputs[i] for i in order], [shards[i] for i in order])
 
 
 def _write_rows(rows: torch.Tensor, flat: torch.Tensor, numel: int) -> None:

@@ -58,9 +58,43 @@ def gather_to_first_eager(out: torch.Tensor | None, shard: torch.Tensor, group: 
     dist.gather(shard, pieces, group_dst=0, group=group.process_group)
 
 
-def all_reduce_eager(tensor: torch.Tensor, group: DataParallelGroup, op: dist.ReduceOp.RedOpType) -> None:
-    """``tensor`` (in place) = ``op`` over every rank's ``tensor`` (a scalar, for gradient clipping)."""
-    dist.all_reduce(tensor, op=op, group=group.process_group)
+def all_reduce_eager(tensor: torch.Tensor, group: DataParallelGroup, op: dist.ReduceOp.RedOpType,
+                     async_op: bool = False) -> dist.Work | None:
+    """``tensor`` (in place) = ``op`` over every rank's ``tensor`` (a scalar for gradient clipping, a
+    bucket where ``reduce_scatter_runs_as_all_reduce``); ``async_op`` as above."""
+    return dist.all_reduce(tensor, op=op, group=group.process_group, async_op=async_op)
+
+
+def reduce_scatter_runs_as_all_reduce(group: DataParallelGroup, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s collectives run on gloo, whose reduce-scatter is an all-reduce of a clone
+    of the input followed by a copy of this rank's piece (torch 2.13's ProcessGroupGloo; the profiler
+    shows ``gloo:all_reduce``, ``zcompile.timeline``): an all-reduce of a buffer of one's own is then
+    the same collective, to the bit, with one bucket-sized buffer less (``zcompile.optim_buckets``)."""
+    return (tensor.device.type == "cpu" and group.process_group is not None
+            and "gloo" in str(dist.get_backend(group.process_group)))
+
+
+def all_gather_coalesced_into(outputs: list[torch.Tensor], shards: list[torch.Tensor],
+                              group: DataParallelGroup) -> dist.Work:
+    """Each ``outputs[i]`` (a member's flat padded storage, ``[N * s_i]``) = every rank's ``shards[i]``,
+    as one collective; async. ``shards[i]`` may be this rank's chunk of ``outputs[i]`` (fp32 stages 1
+    and 2: the shard is a view of the parameter's storage), which torch's all-gathers allow.
+
+    Through the process group's coalesced all-gather (a method of the c10d process group, kept here:
+    ``torch.distributed`` has no public form of it that writes into given outputs, and
+    ``all_gather_coalesced`` is deprecated), for one member too: gloo gathers into a flat buffer of
+    its own and copies each member's piece into its storage (instead of into a gathered bucket copied
+    again), and when it enqueues the work it sizes a transient ``[members, first shard]`` tensor
+    (``AsyncAllgatherCoalescedWork::getOutputTensors``; the flat all-gather's is the whole output).
+    The smallest shard first keeps that within the bucket's shard bytes (bench_memory's first bucket,
+    the 3 MiB embedding first: 15 MiB at 2 ranks); the order is the same on every rank, as the
+    buckets are."""
+    order = sorted(range(len(outputs)), key=lambda i: shards[i].numel())
+    process_group = group.process_group
+    # torch 2.13 renamed it (as the flat collectives above); 2.11 has the old name
+    coalesced = (getattr(process_group, "all_gather_single_coalesced", None)
+                 or process_group.allgather_into_tensor_coalesced)
+    return coalesced([outputs[i] for i in order], [shards[i] for i in order])
 
 
 def find_group(ranks: list[int]) -> dist.ProcessGroup | None:
