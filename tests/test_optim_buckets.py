@@ -117,8 +117,9 @@ STEP_BUCKET_MB = 0.5
 # (measured 2.5-3.5), 4 in bf16, whose update batch (a bf16 bucket) spans two fp32 reduce buckets
 # (measured 2.5-3.5). Before (a gathered bucket beside gloo's, a concatenated reduce-scatter input
 # beside gloo's clone of it, each gradient shard held until the next reduce-scatter had started)
-# every run measured more: 5-8, 2.5-4.5, 6.1-9.1, 4-5.
-STEP_PEAK_BUCKETS = {(1, None): 4.0, (2, None): 2.25, (1, torch.bfloat16): 4.5, (2, torch.bfloat16): 2.25}
+# every run measured more: 5-8, 2.5-4.5, 6.1-9.1, 4-5. The stage 2 bounds keep a margin for gloo's
+# thread timing under load (when its worker drops a buffer) below the old code's least.
+STEP_PEAK_BUCKETS = {(1, None): 4.0, (2, None): 2.4, (1, torch.bfloat16): 4.5, (2, torch.bfloat16): 3.0}
 
 
 def _set_grads(params, stage, rank, step):
