@@ -54,7 +54,8 @@ def measure_compute_efficiency(compute: ComputeCosts, group: dist.ProcessGroup |
     ``repeats`` runs after two warm-up runs on the slowest rank, less ``graph_call_overhead_s`` per
     graph call (a profile's host time, priced apart; not its per-parameter time, most of which is the
     optimizer's, which this does not run); at most 1. The same on every rank: every rank of ``group``
-    must call it."""
+    must call it. Each call compiles the reference model again: a caller that measures more often
+    than Dynamo's recompile limit allows resets Dynamo between calls (``measure_cpu_profile``)."""
     resolved = DataParallelGroup.resolve(group)
     graphs: list = []
     model = reference_model()
