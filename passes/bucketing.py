@@ -8,10 +8,12 @@ those that run together into one collective over a flat buffer pays the latency 
 collectives in order and groups consecutive ones of the same kind, dtype and group until a bucket
 reaches ``bucket_bytes``. ``bucket_collectives_pass`` rewrites each bucket:
 
-- all-gather: ``cat`` the members' shards -> one all-gather -> view ``[N, S]`` -> split along the
-  member sizes -> each piece made contiguous: the rank-major ``[N * s_i]`` the member produced;
-- reduce-scatter: each member's ``[N * s_i]`` input viewed ``[N, s_i]``, concatenated along dim 1
-  -> one reduce-scatter -> split into the members' ``[s_i]`` results.
+- all-gather: the members' shards packed into one (``zcompile::pack_bucket``) -> one all-gather ->
+  ``zcompile::unpack_bucket``: each member's rank-major ``[N * s_i]``, the value the member produced
+  (``passes.bucket_ops``: one op per bucket and direction, not ops per member);
+- reduce-scatter: ``zcompile::pack_bucket``: the members' ``[N * s_i]`` inputs side by side per
+  rank -> one reduce-scatter -> split into the members' ``[s_i]`` results. When every member's
+  result is divided by the same N (the mean over ranks), the bucket is divided once instead.
 
 The nodes are then re-ordered (``graph_order``) so that each bucket sits before its first use and
 after its last input. Inserted nodes carry the members' zcompile tags (``bucket`` index, params).
@@ -27,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from zcompile.passes import metadata
+from zcompile.passes.bucket_ops import PACK_BUCKET, UNPACK_BUCKET
 from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT, CollectiveNode
 from zcompile.passes.graph_order import apply_order, topological_order
 from zcompile.passes.inline import graph_fake_mode
@@ -134,13 +137,20 @@ def bucket_collectives_pass(gm: torch.fx.GraphModule, plan: BucketPlan) -> torch
         # the nodes inserted are those between the anchor's old predecessor and the anchor: found
         # there, not by a scan of the whole graph per bucket (quadratic in the parameters)
         before_insertion = anchor.prev
+        averaged = _averages(waits) if bucket.kind == "reduce_scatter" else []
         with graph.inserting_before(anchor):
-            results = (_gather_bucket if bucket.kind == "all_gather" else _reduce_bucket)(graph, members, bucket)
+            if bucket.kind == "all_gather":
+                results = _gather_bucket(graph, members, bucket)
+            else:
+                results = _reduce_bucket(graph, members, bucket, averaged[0].args[1] if averaged else None)
         new_nodes = []
         node = before_insertion.next
         while node is not anchor:
             new_nodes.append(node)
             node = node.next
+        for average, result in zip(averaged, results):  # the bucket was averaged as a whole
+            average.replace_all_uses_with(result)
+            graph.erase_node(average)
         for wait, result in zip(waits, results):
             wait.replace_all_uses_with(result)
         for wait, member in zip(waits, members):
@@ -157,27 +167,31 @@ def bucket_collectives_pass(gm: torch.fx.GraphModule, plan: BucketPlan) -> torch
 
 
 def _gather_bucket(graph: torch.fx.Graph, members: list[torch.fx.Node], bucket: Bucket) -> list[torch.fx.Node]:
-    n, total = bucket.group_size, bucket.elements
-    flat = graph.call_function(aten.cat.default, ([m.args[0] for m in members],))
-    gathered = graph.call_function(ALL_GATHER, (flat, n, bucket.group_name))
+    flat = graph.call_function(PACK_BUCKET, ([m.args[0] for m in members], 1))
+    gathered = graph.call_function(ALL_GATHER, (flat, bucket.group_size, bucket.group_name))
     waited = graph.call_function(WAIT, (gathered,))
-    matrix = graph.call_function(aten.view.default, (waited, [n, total]))
-    pieces = graph.call_function(aten.split_with_sizes.default, (matrix, list(bucket.sizes), 1))
-    results = []
-    for i, size in enumerate(bucket.sizes):
-        piece = graph.call_function(operator.getitem, (pieces, i))
-        dense = graph.call_function(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
-        results.append(graph.call_function(aten.view.default, (dense, [n * size])))
-    return results
+    pieces = graph.call_function(UNPACK_BUCKET, (waited, bucket.group_size, list(bucket.sizes)))
+    return [graph.call_function(operator.getitem, (pieces, i)) for i in range(len(bucket.sizes))]
 
 
-def _reduce_bucket(graph: torch.fx.Graph, members: list[torch.fx.Node], bucket: Bucket) -> list[torch.fx.Node]:
-    n, total = bucket.group_size, bucket.elements
-    matrices = [graph.call_function(aten.view.default, (m.args[0], [n, size])) for m, size in zip(members, bucket.sizes)]
-    joined = graph.call_function(aten.cat.default, (matrices, 1))
-    flat = graph.call_function(aten.view.default, (joined, [n * total]))
-    reduced = graph.call_function(REDUCE_SCATTER, (flat, "sum", n, bucket.group_name))
+def _averages(waits: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The members' ``div(wait, N)`` (the mean over ranks), one per member, when every member is
+    divided by the same number and read only so: then one division of the bucket replaces them (the
+    same values, element by element; one op where there were as many as members)."""
+    averages = [next(iter(wait.users)) if len(wait.users) == 1 else None for wait in waits]
+    if any(a is None or a.target is not aten.div.Tensor or a.args[0] is not w or isinstance(a.args[1], torch.fx.Node)
+           for a, w in zip(averages, waits)):
+        return []
+    return averages if len({a.args[1] for a in averages}) == 1 else []
+
+
+def _reduce_bucket(graph: torch.fx.Graph, members: list[torch.fx.Node], bucket: Bucket,
+                   divisor: int | float | None) -> list[torch.fx.Node]:
+    flat = graph.call_function(PACK_BUCKET, ([m.args[0] for m in members], bucket.group_size))
+    reduced = graph.call_function(REDUCE_SCATTER, (flat, "sum", bucket.group_size, bucket.group_name))
     waited = graph.call_function(WAIT, (reduced,))
+    if divisor is not None:
+        waited = graph.call_function(aten.div.Tensor, (waited, divisor))
     pieces = graph.call_function(aten.split_with_sizes.default, (waited, list(bucket.sizes)))
     return [graph.call_function(operator.getitem, (pieces, i)) for i in range(len(bucket.sizes))]
 

@@ -28,7 +28,7 @@ import networkx as nx
 import torch
 
 from zcompile.passes.collectives import ALL_GATHER, WAIT
-from zcompile.passes.op_sets import COPIES, PREP_OPS, VIEW_OPS, is_call_to
+from zcompile.passes.op_sets import PREP_OPS, VIEW_OPS, is_call_to, makes_copy
 from zcompile.passes.regions import INVOKE_SUBGRAPH, called_subgraph, subgraph_output_origin
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def storages(dag: nx.DiGraph, position: dict, collective: torch.fx.Node) -> list
                 if user in seen:
                     continue
                 seen.add(user)
-                if is_call_to(user, COPIES):
+                if makes_copy(user):
                     todo.append(user)
                 elif is_call_to(user, PREP_OPS):
                     stack.append(user)

@@ -6,10 +6,10 @@ walk through is named here once, by what the op does to the data:
 - ``SHAPE_VIEWS``: the same elements re-labelled; ``SLICE_VIEWS``: a part of them;
   ``LAYOUT_VIEWS``: the same elements in another order (strides). ``VIEW_OPS`` is all three.
 - ``CASTS``: a new tensor of another dtype; ``COPIES``: any op that makes a new storage holding
-  the same values (a cast, or a ``clone`` that makes a bucket piece contiguous).
+  the same values (a cast, a ``clone``; ``makes_copy`` also knows a bucket's unpacked pieces).
 - ``PASS_THROUGH``: a tensor passes through without its data being read as data (the wait of a
   collective, views, casts); ``PREP_OPS``: what prepares a gathered buffer for its reader (also
-  the copies, and the ``cat`` / ``split`` / ``getitem`` of buckets).
+  the copies, and buckets' ``passes.bucket_ops``, ``split`` and ``getitem``).
 - ``SIZE_QUERIES``: ops that read only a tensor's size.
 """
 
@@ -19,6 +19,7 @@ import operator
 
 import torch
 
+from zcompile.passes.bucket_ops import PACK_BUCKET, UNPACK_BUCKET
 from zcompile.passes.collectives import WAIT
 
 aten = torch.ops.aten
@@ -34,7 +35,7 @@ CASTS = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.d
 COPIES = CASTS | {aten.clone.default}
 
 PASS_THROUGH = frozenset({WAIT}) | VIEW_OPS | CASTS
-BUCKET_OPS = frozenset({aten.cat.default, aten.split_with_sizes.default, operator.getitem})
+BUCKET_OPS = frozenset({PACK_BUCKET, UNPACK_BUCKET, aten.split_with_sizes.default, operator.getitem})
 PREP_OPS = PASS_THROUGH | COPIES | BUCKET_OPS
 
 SIZE_QUERIES = frozenset({aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
@@ -43,3 +44,13 @@ SIZE_QUERIES = frozenset({aten.sym_size.int, aten.sym_numel.default, aten.sym_st
 
 def is_call_to(node: torch.fx.Node, ops: frozenset) -> bool:
     return node.op == "call_function" and node.target in ops
+
+
+def makes_copy(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a new storage holding the same values as its input: a ``COPIES`` op, or a
+    member's piece of a bucket that ``unpack_bucket`` copied out."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return is_call_to(node.args[0], frozenset({UNPACK_BUCKET}))
+    return node.target in COPIES

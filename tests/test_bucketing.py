@@ -10,13 +10,15 @@ from support.launch import run_ranks
 from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
 from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
 from zcompile.passes import metadata
+from zcompile.passes.bucket_ops import PACK_BUCKET, UNPACK_BUCKET, pack_bucket, unpack_bucket
 from zcompile.passes.bucketing import bucket_collectives_pass, plan_buckets
 
 aten = torch.ops.aten
 
 
-def _gather_graph(shard_sizes, world=2, reduce=False):
-    """placeholders -> per-parameter all-gather (+ wait) -> a use each; optionally reduce-scatters."""
+def _gather_graph(shard_sizes, world=2, reduce=False, average=False):
+    """placeholders -> per-parameter all-gather (+ wait) -> a use each; optionally reduce-scatters,
+    their results divided by ``world`` (the mean, as ``graph_ops`` averages gradients)."""
     mode = FakeTensorMode()
     graph = torch.fx.Graph()
     outputs = []
@@ -33,7 +35,7 @@ def _gather_graph(shard_sizes, world=2, reduce=False):
             op = graph.call_function(ALL_GATHER, (shard, world, "0"))
         metadata.tag(op, param=f"p{i}")
         wait = graph.call_function(WAIT, (op,))
-        use = graph.call_function(aten.mul.Tensor, (wait, 2.0))
+        use = graph.call_function(aten.div.Tensor if average else aten.mul.Tensor, (wait, world if average else 2.0))
         with mode:
             out_size = size if reduce else size * world
             op.meta["val"] = wait.meta["val"] = use.meta["val"] = torch.empty(out_size)
@@ -72,6 +74,42 @@ def test_pass_rewrites_a_bucket_into_one_collective(reduce):
     uses = gm.graph.find_nodes(op="call_function", target=aten.mul.Tensor)
     assert [u.args[0].meta["val"].shape[0] for u in uses] == ([3, 5, 7] if reduce else [6, 10, 14])
     assert all(order[u] > order[wait] for u in uses)
+
+
+def test_bucket_ops_equal_torchs_cat_and_split():
+    torch.manual_seed(0)
+    world, sizes = 4, [3, 1, 6]
+    members = [torch.randn(world * size) for size in sizes]
+    flat = pack_bucket(members, world)
+    # rank r's row holds every member's r-th slice, in member order: what the reduce-scatter hands rank r
+    expected = torch.cat([m.view(world, -1) for m in members], dim=1).reshape(-1)
+    assert torch.equal(flat, expected)
+    pieces = unpack_bucket(flat, world, sizes)
+    assert all(torch.equal(piece, member) for piece, member in zip(pieces, members))
+    assert all(piece.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr() for piece in pieces)
+    shards = [torch.randn(size) for size in sizes]
+    assert torch.equal(pack_bucket(shards, 1), torch.cat(shards))  # an all-gather's input: one row
+    with FakeTensorMode():
+        fake = unpack_bucket(torch.empty(world * 10), world, sizes)
+        assert [p.shape[0] for p in fake] == [12, 4, 24]
+        assert pack_bucket([torch.empty(8), torch.empty(4)], world).shape == (12,)
+
+
+@pytest.mark.parametrize("reduce", [False, True], ids=["all_gather", "reduce_scatter"])
+def test_a_bucket_is_copied_in_and_out_once_not_per_member(reduce):
+    """One pack (and for a gather one unpack) per bucket, nothing per member; the members' means
+    over ranks become one division of the bucket."""
+    gm = _gather_graph([3, 5, 7], reduce=reduce, average=reduce)
+    gm = bucket_collectives_pass(gm, plan_buckets(gm, bucket_bytes=10**6))
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(PACK_BUCKET) == 1
+    assert targets.count(UNPACK_BUCKET) == (0 if reduce else 1)
+    assert aten.clone.default not in targets and aten.cat.default not in targets
+    if reduce:
+        (division,) = gm.graph.find_nodes(op="call_function", target=aten.div.Tensor)
+        assert division.args[0].target is WAIT and division.args[1] == 2
+        outputs = gm.graph.output_node().args[0]
+        assert [o.meta["val"].shape[0] for o in outputs] == [3, 5, 7]  # the members' averaged shards
 
 
 SPECS = [
