@@ -4,8 +4,9 @@ A bucket's collective reads one flat buffer and writes another. Into it go the m
 side by side per rank (``pack_bucket``: an all-gather's shards, one row; a reduce-scatter's padded
 gradients, ``[N, s_i]`` each, so that rank r's row holds every member's slice for rank r); out of
 an all-gather come every rank's shards of every member, rank-major, from which each member needs
-its own ``[N * s_i]`` copy (``unpack_bucket``). Written as aten ops that is a ``cat`` of as many
-inputs as members and a ``split`` + ``clone`` per member: inductor makes each member's copy a
+its own ``[N * s_i]`` copy, and out of a reduce-scatter each member's ``[s_i]``, averaged over
+ranks (``unpack_bucket``). Written as aten ops that is a ``cat`` of as many
+inputs as members and a ``split`` + ``clone`` (or ``div``) per member: inductor makes each member's copy a
 kernel of its own (407 kernels at stage 3 against DDP+compile's 175 on the 4-layer example GPT,
 and its C++ code generation costs about as much per kernel however small the kernel), and the
 eager compiler runs three dispatcher calls per member. As ``torch.library`` custom ops each is one
@@ -34,14 +35,20 @@ def _pack_bucket_fake(members: list[torch.Tensor], rows: int) -> torch.Tensor:
 
 
 @torch.library.custom_op("zcompile::unpack_bucket", mutates_args=())
-def unpack_bucket(flat: torch.Tensor, rows: int, sizes: list[int]) -> list[torch.Tensor]:
+def unpack_bucket(flat: torch.Tensor, rows: int, sizes: list[int], divisor: float) -> list[torch.Tensor]:
     """``flat`` viewed ``[rows, sum(sizes)]`` and cut along its columns: member i's ``[rows * sizes[i]]``
-    (the inverse of ``pack_bucket``)."""
-    return [piece.view(-1) for piece in torch.split_with_sizes_copy(flat.view(rows, -1), list(sizes), dim=1)]
+    (the inverse of ``pack_bucket``), each divided by ``divisor`` (a reduce-scatter's mean over ranks;
+    1 for none). Every member gets a storage of its own: a gradient that were a view of the bucket
+    would keep the whole bucket alive, its other members' bytes too once they are accumulated
+    elsewhere (a tied weight's second gradient, from another graph)."""
+    pieces = [piece.view(-1) for piece in torch.split_with_sizes_copy(flat.view(rows, -1), list(sizes), dim=1)]
+    if divisor != 1:
+        torch._foreach_div_(pieces, divisor)
+    return pieces
 
 
 @unpack_bucket.register_fake
-def _unpack_bucket_fake(flat: torch.Tensor, rows: int, sizes: list[int]) -> list[torch.Tensor]:
+def _unpack_bucket_fake(flat: torch.Tensor, rows: int, sizes: list[int], divisor: float) -> list[torch.Tensor]:
     torch._check(flat.numel() == rows * sum(sizes), lambda: "unpack_bucket: the sizes do not add up to the buffer")
     return [flat.new_empty(rows * size) for size in sizes]
 

@@ -12,8 +12,9 @@ reaches ``bucket_bytes``. ``bucket_collectives_pass`` rewrites each bucket:
   ``zcompile::unpack_bucket``: each member's rank-major ``[N * s_i]``, the value the member produced
   (``passes.bucket_ops``: one op per bucket and direction, not ops per member);
 - reduce-scatter: ``zcompile::pack_bucket``: the members' ``[N * s_i]`` inputs side by side per
-  rank -> one reduce-scatter -> split into the members' ``[s_i]`` results. When every member's
-  result is divided by the same N (the mean over ranks), the bucket is divided once instead.
+  rank -> one reduce-scatter -> ``zcompile::unpack_bucket``: the members' ``[s_i]`` results, each
+  in a storage of its own. When every member's result is divided by the same N (the mean over
+  ranks), the unpack divides too.
 
 The nodes are then re-ordered (``graph_order``) so that each bucket sits before its first use and
 after its last input. Inserted nodes carry the members' zcompile tags (``bucket`` index, params).
@@ -170,13 +171,13 @@ def _gather_bucket(graph: torch.fx.Graph, members: list[torch.fx.Node], bucket: 
     flat = graph.call_function(PACK_BUCKET, ([m.args[0] for m in members], 1))
     gathered = graph.call_function(ALL_GATHER, (flat, bucket.group_size, bucket.group_name))
     waited = graph.call_function(WAIT, (gathered,))
-    pieces = graph.call_function(UNPACK_BUCKET, (waited, bucket.group_size, list(bucket.sizes)))
+    pieces = graph.call_function(UNPACK_BUCKET, (waited, bucket.group_size, list(bucket.sizes), 1.0))
     return [graph.call_function(operator.getitem, (pieces, i)) for i in range(len(bucket.sizes))]
 
 
 def _averages(waits: list[torch.fx.Node]) -> list[torch.fx.Node]:
     """The members' ``div(wait, N)`` (the mean over ranks), one per member, when every member is
-    divided by the same number and read only so: then one division of the bucket replaces them (the
+    divided by the same number and read only so: then the bucket's ``unpack_bucket`` divides (the
     same values, element by element; one op where there were as many as members)."""
     averages = [next(iter(wait.users)) if len(wait.users) == 1 else None for wait in waits]
     if any(a is None or a.target is not aten.div.Tensor or a.args[0] is not w or isinstance(a.args[1], torch.fx.Node)
@@ -190,9 +191,7 @@ def _reduce_bucket(graph: torch.fx.Graph, members: list[torch.fx.Node], bucket: 
     flat = graph.call_function(PACK_BUCKET, ([m.args[0] for m in members], bucket.group_size))
     reduced = graph.call_function(REDUCE_SCATTER, (flat, "sum", bucket.group_size, bucket.group_name))
     waited = graph.call_function(WAIT, (reduced,))
-    if divisor is not None:
-        waited = graph.call_function(aten.div.Tensor, (waited, divisor))
-    pieces = graph.call_function(aten.split_with_sizes.default, (waited, list(bucket.sizes)))
+    pieces = graph.call_function(UNPACK_BUCKET, (waited, 1, list(bucket.sizes), float(divisor or 1)))
     return [graph.call_function(operator.getitem, (pieces, i)) for i in range(len(bucket.sizes))]
 
 

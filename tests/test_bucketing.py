@@ -84,13 +84,18 @@ def test_bucket_ops_equal_torchs_cat_and_split():
     # rank r's row holds every member's r-th slice, in member order: what the reduce-scatter hands rank r
     expected = torch.cat([m.view(world, -1) for m in members], dim=1).reshape(-1)
     assert torch.equal(flat, expected)
-    pieces = unpack_bucket(flat, world, sizes)
+    pieces = unpack_bucket(flat, world, sizes, 1.0)
     assert all(torch.equal(piece, member) for piece, member in zip(pieces, members))
-    assert all(piece.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr() for piece in pieces)
+    # each piece its own storage: a gradient must not keep its bucket (and the other members) alive
+    storages = {t.untyped_storage().data_ptr() for t in (flat, *pieces)}
+    assert len(storages) == 1 + len(pieces)
+    reduced = torch.randn(sum(sizes))
+    averaged = unpack_bucket(reduced, 1, sizes, 4.0)
+    assert all(torch.equal(a, r / 4) for a, r in zip(averaged, reduced.split(sizes)))  # div's own rounding
     shards = [torch.randn(size) for size in sizes]
     assert torch.equal(pack_bucket(shards, 1), torch.cat(shards))  # an all-gather's input: one row
     with FakeTensorMode():
-        fake = unpack_bucket(torch.empty(world * 10), world, sizes)
+        fake = unpack_bucket(torch.empty(world * 10), world, sizes, 1.0)
         assert [p.shape[0] for p in fake] == [12, 4, 24]
         assert pack_bucket([torch.empty(8), torch.empty(4)], world).shape == (12,)
 
@@ -102,14 +107,12 @@ def test_a_bucket_is_copied_in_and_out_once_not_per_member(reduce):
     gm = _gather_graph([3, 5, 7], reduce=reduce, average=reduce)
     gm = bucket_collectives_pass(gm, plan_buckets(gm, bucket_bytes=10**6))
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert targets.count(PACK_BUCKET) == 1
-    assert targets.count(UNPACK_BUCKET) == (0 if reduce else 1)
-    assert aten.clone.default not in targets and aten.cat.default not in targets
-    if reduce:
-        (division,) = gm.graph.find_nodes(op="call_function", target=aten.div.Tensor)
-        assert division.args[0].target is WAIT and division.args[1] == 2
-        outputs = gm.graph.output_node().args[0]
-        assert [o.meta["val"].shape[0] for o in outputs] == [3, 5, 7]  # the members' averaged shards
+    assert targets.count(PACK_BUCKET) == 1 and targets.count(UNPACK_BUCKET) == 1
+    assert not {aten.clone.default, aten.cat.default, aten.div.Tensor} & set(targets)
+    (unpack,) = gm.graph.find_nodes(op="call_function", target=UNPACK_BUCKET)
+    assert unpack.args[3] == (2.0 if reduce else 1.0)  # the members' mean over the 2 ranks, in the unpack
+    outputs = gm.graph.output_node().args[0]
+    assert [o.meta["val"].shape[0] for o in outputs] == ([3, 5, 7] if reduce else [6, 10, 14])
 
 
 SPECS = [
