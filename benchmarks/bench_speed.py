@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/bench_speed.py                    # 4, 16, 32 layers
     torchrun --nproc-per-node 2 benchmarks/bench_speed.py --layers 4 --compiler inductor
     torchrun --nproc-per-node 1 benchmarks/bench_speed.py --configs compile zero3   # framework overhead
+    ... bench_speed.py --interleave 60     # also every configuration's steps in turn: the step ratios
 
 For each depth of the example GPT (n_embd 128, seq 128, 4 sequences per rank, fp32, AdamW) and
 each configuration, one fresh model: the first training step (its compile) and the median of the
@@ -129,6 +130,30 @@ def run_config(config: str, layers: int, compiler: str, steps: int, rank: int, w
     return row
 
 
+def interleaved_steps(configs: list[str], layers: int, compiler: str, steps: int, rank: int, world: int) -> dict:
+    """Every configuration's model built and compiled side by side, then their training steps
+    alternated ``steps`` times: each one's median step, with this machine's drift (up to 30% between
+    runs minutes apart) falling on every configuration alike. The per-step ratios of the issue's goals
+    are read here; ``run_config``'s sequential runs measure the compiles."""
+    torch._dynamo.reset()
+    built = {config: build(config, layers, compiler, []) for config in configs}
+    cfg = GPTConfig(vocab_size=512, block_size=SEQ)
+    batches = []
+    for step in range(4):
+        tokens, targets = synthetic_batch(step, PER_RANK * world, cfg)
+        batches.append((tokens.chunk(world)[rank], targets.chunk(world)[rank]))
+    times: dict[str, list[float]] = {config: [] for config in configs}
+    # one compiled frame per configuration shares the model's code object: Dynamo's limit counts them all
+    with torch._dynamo.config.patch(recompile_limit=4 * len(configs), accumulated_recompile_limit=64 * len(configs)):
+        for module, optimizer in built.values():
+            for batch in batches[:2]:  # compile, then the warm-up step (stage 3's backward on its second call)
+                timed_training_step(module, optimizer, *batch)
+        for step in range(steps):
+            for config, (module, optimizer) in built.items():
+                times[config].append(timed_training_step(module, optimizer, *batches[step % len(batches)]))
+    return {config: {"median_step_s": statistics.median(t), "steps_s": t} for config, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 32])
@@ -137,6 +162,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the configurations this many times, interleaved; the table shows each one's best round")
+    parser.add_argument("--interleave", type=int, default=0, metavar="STEPS",
+                        help="also alternate the configurations' steps STEPS times, all models built side by side "
+                             "(interleaved_steps): the per-step ratios, free of the machine's drift")
     parser.add_argument("--out", default=None)
     parser.add_argument("--from-json", default=None, help="print the table of a results file again (no run)")
     args = parser.parse_args()
@@ -144,7 +172,8 @@ def main() -> None:
         with open(args.from_json) as handle:
             saved = json.load(handle)
         args.compiler, args.out = saved["compiler"], os.devnull
-        _report(saved["rows"], args, saved["world_size"], saved["cores"])
+        args.interleave = saved.get("interleave_steps", 0)
+        _report(saved["rows"], args, saved["world_size"], saved["cores"], saved.get("interleaved"))
         return
     rank, world, cores = start_gloo_benchmark()
     if args.compiler == "inductor":  # every compile measured cold, not from an earlier config's or run's cache
@@ -162,8 +191,12 @@ def main() -> None:
                 rows.append({"config": config, "layers": layers, "error": f"{type(error).__name__}: {error}"})
             if rank == 0:
                 print(f"done {config} {layers} layers ({time.perf_counter() - started:.0f} s)", flush=True)
+    interleaved = []
+    for layers in args.layers if args.interleave else ():
+        medians = interleaved_steps(args.configs, layers, args.compiler, args.interleave, rank, world)
+        interleaved += [{"config": config, "layers": layers, **m} for config, m in medians.items()]
     if rank == 0:
-        _report(rows, args, world, cores)
+        _report(rows, args, world, cores, interleaved)
     dist.destroy_process_group()
 
 
@@ -183,7 +216,7 @@ def _best_rounds(rows: list[dict]) -> list[dict]:
     return list(best.values())
 
 
-def _report(rows: list[dict], args, world: int, cores: int) -> None:
+def _report(rows: list[dict], args, world: int, cores: int, interleaved: list[dict] | None = None) -> None:
     shown = _best_rounds(rows)
     reference = {r["layers"]: r for r in shown if r["config"] == ("ddp" if world > 1 else "compile") and "error" not in r}
     table = []
@@ -200,13 +233,22 @@ def _report(rows: list[dict], args, world: int, cores: int) -> None:
     print_table(f"GPT n_embd {EMBD}, seq {SEQ}, {PER_RANK} sequences per rank, {world} ranks, {args.compiler}",
                 ["config", "layers", "first step s", "median step ms", f"x {'ddp' if world > 1 else 'compile'}",
                  "zcompile's own share of the first step"], table)
+    reference_name = "ddp" if world > 1 else "compile"
+    steps = {(r["config"], r["layers"]): r["median_step_s"] for r in interleaved or ()}
+    if interleaved:
+        print_table(f"the same, steps interleaved ({args.interleave} of each configuration in turn)",
+                    ["config", "layers", "median step ms", f"x {reference_name}"],
+                    [[r["config"], str(r["layers"]), f"{r['median_step_s'] * 1e3:.1f}",
+                      f"{r['median_step_s'] / steps[(reference_name, r['layers'])]:.3f}"
+                      if (reference_name, r["layers"]) in steps else "-"] for r in interleaved])
     suffix = "" if args.compiler == "eager" else f"_{args.compiler}"
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"speed_{world}{suffix}.json")
     load = os.getloadavg()
     with open(out, "w") as handle:
         json.dump({"world_size": world, "cores": cores, "compiler": args.compiler, "seq": SEQ, "per_rank": PER_RANK,
                    "n_embd": EMBD, "rounds": args.rounds, "load_average_at_end": load, "best_rounds": shown,
-                   "rows": rows}, handle, indent=1)
+                   "rows": rows, "interleaved": interleaved or [], "interleave_steps": args.interleave}, handle,
+                  indent=1)
     print(f"wrote {out}")
 
 
