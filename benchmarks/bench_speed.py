@@ -14,7 +14,8 @@ world-1 reference), ``ddp+compile`` (``torch.compile`` of the DDP module, DDPOpt
 (``fully_shard`` per block and the root), ``fsdp2+compile``, ``zero1`` / ``zero2`` / ``zero3``
 and ``zero3+regional`` (``zcompile.mark_repeated_blocks`` first). ``--compiler``: the inner
 compiler of every compiled configuration (``aot_eager`` for torch, ``eager`` for zero; or
-``inductor`` for both).
+``inductor`` for both); a configuration named with ``+inductor`` (``zero2+inductor``) uses
+inductor whatever ``--compiler`` says, so ``--interleave`` can set both compilers side by side.
 
 Where a zero compile's time goes, from torch's own counters
 (``torch._dynamo.utils.compilation_time_metrics``) and zcompile's pass records: Dynamo's bytecode
@@ -46,7 +47,9 @@ from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 import zcompile  # noqa: E402
 import zcompile.optim  # noqa: E402
 
-CONFIGS = ("ddp", "compile", "ddp+compile", "fsdp2", "fsdp2+compile", "zero1", "zero2", "zero3", "zero3+regional")
+INDUCTOR = "+inductor"  # a configuration's suffix: inductor whatever --compiler says (to interleave both compilers)
+CONFIGS = ("ddp", "compile", "ddp+compile", "fsdp2", "fsdp2+compile", "zero1", "zero2", "zero3", "zero3+regional",
+           "compile+inductor", "ddp+compile+inductor", "zero1+inductor", "zero2+inductor", "zero3+inductor")
 DEFAULT_CONFIGS = ("ddp", "ddp+compile", "fsdp2", "zero1", "zero2", "zero3", "zero3+regional")
 SEQ, PER_RANK, EMBD = 128, 4, 128
 
@@ -55,6 +58,8 @@ def build(config: str, layers: int, compiler: str, compiled_graphs: list):
     """(the module to call, its optimizer) for one configuration, from a fresh seeded model."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=512, block_size=SEQ, n_layer=layers, n_head=4, n_embd=EMBD))
+    if config.endswith(INDUCTOR):
+        config, compiler = config.removesuffix(INDUCTOR), "inductor"
     torch_backend = "aot_eager" if compiler == "eager" else compiler
     if config.startswith("zero"):
         if config.endswith("+regional"):
@@ -176,7 +181,8 @@ def main() -> None:
         _report(saved["rows"], args, saved["world_size"], saved["cores"], saved.get("interleaved"))
         return
     rank, world, cores = start_gloo_benchmark()
-    if args.compiler == "inductor":  # every compile measured cold, not from an earlier config's or run's cache
+    if args.compiler == "inductor" or any(c.endswith(INDUCTOR) for c in args.configs):
+        # every compile measured cold, not from an earlier config's or run's cache
         torch._inductor.config.fx_graph_cache = False
         torch._inductor.config.autotune_local_cache = False
     rows = []

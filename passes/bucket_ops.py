@@ -38,8 +38,8 @@ def _pack_bucket_fake(members: list[torch.Tensor], rows: int) -> torch.Tensor:
 def unpack_bucket(flat: torch.Tensor, rows: int, sizes: list[int], divisor: float) -> list[torch.Tensor]:
     """``flat`` viewed ``[rows, sum(sizes)]`` and cut along its columns: member i's ``[rows * sizes[i]]``
     (the inverse of ``pack_bucket``), each divided by ``divisor`` (a reduce-scatter's mean over ranks;
-    1 for none). Every member gets a storage of its own: a gradient that were a view of the bucket
-    would keep the whole bucket alive, its other members' bytes too once they are accumulated
+    1 for none). Every member gets a storage of its own: a gradient that is a view of the bucket
+    keeps the whole bucket alive, with the bytes of members whose gradients were accumulated
     elsewhere (a tied weight's second gradient, from another graph)."""
     pieces = [piece.view(-1) for piece in torch.split_with_sizes_copy(flat.view(rows, -1), list(sizes), dim=1)]
     if divisor != 1:
