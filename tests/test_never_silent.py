@@ -142,6 +142,44 @@ def test_step_skipped_on_one_rank_fails_fast_on_every_rank(stage):
         assert seconds < 10, seconds  # the ranks meet at the next step: no timeout to wait for
 
 
+class _RankBranch(torch.nn.Module):
+    """One layer used on every rank and one chosen by the rank: the same number of compiled calls
+    with gradients everywhere, gradients on different parameters."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.shared, self.left, self.right = (torch.nn.Linear(16, 16) for _ in range(3))
+        self.rank = rank
+
+    def forward(self, x):
+        return (self.shared(x) + (self.left if self.rank == 0 else self.right)(x)).pow(2).mean()
+
+
+def _gradients_on_different_parameters(rank, world):
+    torch.manual_seed(0)
+    model = _RankBranch(rank)
+    compiled = torch.compile(model, backend="zero", options={"stage": 1})
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=0.01, check_timeout_s=20)
+    compiled(torch.randn(4, 16)).backward()
+    start = time.perf_counter()
+    try:
+        optimizer.step()
+    except RankDivergenceError as error:
+        return str(error), time.perf_counter() - start
+    return None, None
+
+
+def test_gradients_on_different_parameters_per_rank_fail_fast_on_every_rank():
+    """The step's buckets are planned from the parameters with gradients: ranks that differ there
+    (same call counts) would average one parameter's gradient with another's. Before this check
+    the run trained on, its replicated weights different on each rank."""
+    for rank, (message, seconds) in enumerate(run_ranks(2, _gradients_on_different_parameters)):
+        assert message is not None, "gradients on different parameters went unnoticed"
+        assert "gradients on different parameters" in message and "p.grad = torch.zeros_like(p)" in message
+        assert ("left.weight" if rank == 0 else "right.weight") in message  # this rank's are named
+        assert seconds < 10, seconds
+
+
 def _gathered_on_rank0_only(rank, world):
     torch._dynamo.reset()
     model = build_model("gpt")

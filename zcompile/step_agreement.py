@@ -15,13 +15,16 @@ others' step there. The first call after an agreed step needs no turn of its own
 that agreement together and goes on to it; ``ShardSwap.first_call_since_agreed_step``): a rank that
 went elsewhere instead meets the others at their next agreement, or, waiting in a collective,
 gets the note of the rank that timed out there. A rank that does not come within the timeout, or comes from a different number of
-training calls, makes every rank that came raise ``RankDivergenceError`` saying which. Evaluation
+training calls, or with gradients on other parameters (the step's buckets are planned from those
+that have one), makes every rank that came raise ``RankDivergenceError`` saying which. Evaluation
 under ``torch.no_grad()`` is not counted, so evaluating on rank 0 only stays allowed. The cost is
 one store exchange per step (and per further stage-3 compiled call; see the README's fault table); the
 step's exchange also carries each rank's "are my gradients finite?" for ``skip_nonfinite``.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 from zcompile.param_shards import ShardedParam
 from zcompile.process_group import DataParallelGroup
@@ -62,22 +65,38 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
         member.training_calls = 0
     arrival = f"{what} after {calls} training calls"
     layout = replicated_layout(members)
-    arrivals = exchange_on_store([arrival, layout, grads_finite], members[0].group, timeout_s, "step",
+    with_grads = [m.name for m in members if m.shard_grad is not None or m.full_grad is not None]
+    grads = f"{len(with_grads)} parameters ({hashlib.sha1(chr(0).join(with_grads).encode()).hexdigest()[:12]})"
+    arrivals = exchange_on_store([arrival, layout, grads, grads_finite], members[0].group, timeout_s, "step",
                                  f"zcompile {what}", FIX)
-    if any(other != arrival for other, _, _ in arrivals):
-        per_rank = {rank: other for rank, (other, _, _) in enumerate(arrivals)}
+    if any(other != arrival for other, _, _, _ in arrivals):
+        per_rank = {rank: other for rank, (other, _, _, _) in enumerate(arrivals)}
         raise RankDivergenceError(
             f"zcompile {what}: the ranks come from different training steps (what each rank called, and its compiled "
             f"calls with gradients since the last step: {per_rank}). {FIX}")
-    if any(other != layout for _, other, _ in arrivals):
-        per_rank = {rank: other for rank, (_, other, _) in enumerate(arrivals)}
+    if any(other != grads for _, _, other, _ in arrivals):
+        # the step's buckets are planned from the parameters that have gradients (zcompile.optim_buckets) and
+        # pair their members by position: one parameter's gradient would be averaged with another's
+        per_rank = {rank: other for rank, (_, _, other, _) in enumerate(arrivals)}
+        raise RankDivergenceError(
+            f"zcompile {what}: the ranks have gradients on different parameters (per rank, how many and a digest of "
+            f"their names: {per_rank}; this rank's: {_some(with_grads)}), so the step's reductions would not match. "
+            "A parameter used on some ranks only (a branch on the rank or on its data) must get a gradient on every "
+            "rank: use it on every rank (`+ 0 * module(x)`), or give it zeros before the step "
+            "(`p.grad = torch.zeros_like(p)` where `p.grad is None`).")
+    if any(other != layout for _, other, _, _ in arrivals):
+        per_rank = {rank: other for rank, (_, other, _, _) in enumerate(arrivals)}
         raise RankDivergenceError(
             f"zcompile {what}: the ranks hold the replicated weights in different dtypes (per rank, stage-1/2 "
             f"parameters by dtype: {per_rank}), so the step's all-gathers would not match. Compile the model with the "
             "same param_dtype on every rank.")
     for member in members:
         member.calls_since_step = 0
-    return None if grads_finite is None else all(finite for _, _, finite in arrivals)
+    return None if grads_finite is None else all(finite for _, _, _, finite in arrivals)
+
+
+def _some(names: list[str], shown: int = 8) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "") or "none"
 
 
 def replicated_layout(members: list[ShardedParam]) -> dict[str, int]:
