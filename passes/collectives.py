@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zcompile.passes.metadata import LOWERED_FROM, tags
+
 _functional = torch.ops._c10d_functional
 
 ALL_GATHER = _functional.all_gather_into_tensor.default
@@ -35,8 +37,11 @@ KINDS = tuple(COLLECTIVE_KINDS.values())
 
 
 def collective_kind(node: torch.fx.Node) -> str | None:
-    """The kind of a collective node (``"all_gather"``, ...), or None for any other node."""
-    return COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
+    """The kind of a collective node (``"all_gather"``, ...), or None for any other node: what the
+    collective does, also where it runs in another form (``reduce_scatter_lowering``)."""
+    if node.op != "call_function" or node.target not in COLLECTIVE_KINDS:
+        return None
+    return tags(node).get(LOWERED_FROM) or COLLECTIVE_KINDS[node.target]
 
 
 @dataclass(frozen=True)
@@ -62,11 +67,12 @@ class CollectiveNode:
         args = node.args
         if kind == "all_gather":
             return cls(node, kind, args[0], int(args[1]), str(args[2]))
+        if node.target is ALL_TO_ALL:  # also a reduce-scatter run as one: input, splits, splits, group
+            return cls(node, kind, args[0], len(args[1]), str(args[3]), "sum" if kind == "reduce_scatter" else None)
         if kind == "reduce_scatter":
             return cls(node, kind, args[0], int(args[2]), str(args[3]), str(args[1]))
         if kind == "all_reduce":
             return cls(node, kind, args[0], 0, str(args[2]), str(args[1]))
-        return cls(node, kind, args[0], len(args[1]), str(args[3]))
 
     @property
     def waits(self) -> list[torch.fx.Node]:

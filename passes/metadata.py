@@ -16,6 +16,7 @@ ROLE_HPZ_SECONDARY = "hpz_secondary"  # hpZ: this rank's slice of a gathered wei
 ROLE_HPZ_REGATHER = "hpz_regather"  # hpZ: the weight re-gathered from the secondary slices
 ROLE_AUTOCAST = "autocast"  # the autocast region around a graph's compute (mixed precision)
 PARAMS = "params"  # parameter names a bucketed collective moves
+LOWERED_FROM = "lowered_from"  # the collective kind a node runs in another form (a reduce-scatter as all-to-all)
 RECOMPUTE = "recompute"  # torch-owned key read by the min-cut partitioner
 
 

@@ -16,7 +16,8 @@ def _profiled_collectives(prof) -> dict[str, list[int]]:
     """Elements per collective, counted from the profiler's c10d events (independent of zcompile).
 
     Graph collectives appear as ``_c10d_functional::*`` ops (input shape, group size); the
-    optimizer's eager ones as ``c10d::_allgather_base_`` / ``c10d::_reduce_scatter_base_``, or its
+    optimizer's eager ones as ``c10d::_allgather_base_`` / ``c10d::_reduce_scatter_base_`` (on gloo
+    ``c10d::alltoall_base_``, as the graphs' reduce-scatters are ``all_to_all_single`` there), or its
     all-gather into the parameters as ``c10d::allgather_into_tensor_coalesced_`` (a list of outputs).
     """
     found = {"all_gather": [], "reduce_scatter": [], "coalesced_all_gathers": []}
@@ -24,8 +25,11 @@ def _profiled_collectives(prof) -> dict[str, list[int]]:
         shapes = event.input_shapes
         if event.name == "_c10d_functional::all_gather_into_tensor":
             found["all_gather"].append(_numel(shapes[0]) * event.concrete_inputs[1])
-        elif event.name == "_c10d_functional::reduce_scatter_tensor":
+        elif event.name in ("_c10d_functional::reduce_scatter_tensor", "_c10d_functional::all_to_all_single"):
+            # on gloo zcompile runs a reduce-scatter as an all-to-all (passes/reduce_scatter_lowering.py)
             found["reduce_scatter"].append(_numel(shapes[0]))
+        elif event.name == "c10d::alltoall_base_" and not _inside_functional(event):  # the stage-1 optimizer's
+            found["reduce_scatter"].append(_numel(shapes[1]))
         elif event.name == "c10d::_allgather_base_":
             found["all_gather"].append(_numel(shapes[0]))
         elif event.name == "c10d::_reduce_scatter_base_":
@@ -128,6 +132,7 @@ def test_dump_layout(reported):
             [("insert_param_collectives", "dynamo")]
             + ([("regather_through_regions", "joint")] if stage == 3 else [])
             + [(name, "forward") for name in post_partition] + [(name, "backward") for name in post_partition]
+            + [("reduce_scatter_as_all_to_all", "backward")]  # gloo (the option reduce_scatter="auto")
         )
         for kind in ("forward", "backward"):
             buckets = json.load(open(os.path.join(graph_dir, f"buckets.{kind}.json")))

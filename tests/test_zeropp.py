@@ -104,7 +104,8 @@ def _cross_node_bytes(prof, world, node_size) -> dict[str, float]:
     arguments (the profiler does not record group names). Ranks are node-major, so a group of
     ``world`` ranks has ``world - node_size`` members on other nodes; an all-gather over a group of
     ``node_size`` is hpZ's, inside the node. qgZ issues its all-to-alls in pairs, inside the node
-    then across nodes (one member per node: ``nodes - 1`` of ``nodes`` remote).
+    then across nodes (one member per node: ``nodes - 1`` of ``nodes`` remote); an all-to-all over
+    the whole world is a reduce-scatter, which zcompile runs so on gloo.
     All-gather: the output (input x group size) arrives, the remote members' part from other
     nodes; reduce-scatter: each remote member contributes 1/group of the input; all-to-all: each
     member sends 1/group of the input.
@@ -122,6 +123,10 @@ def _cross_node_bytes(prof, world, node_size) -> dict[str, float]:
         if kind is None:
             continue
         nbytes = math.prod(event.shapes()[0]) * itemsize[event.dtypes()[0]]
+        if kind == "all_to_all" and len(event.concrete_inputs()[1] or ()) == world:
+            kind = "reduce_scatter"  # over the world: a reduce-scatter as gloo runs it (reduce_scatter_lowering)
+            counted[kind] += nbytes * (world - node_size) / world
+            continue
         if kind == "all_to_all":
             all_to_alls += 1
             across = all_to_alls % 2 == 0 if node_size > 1 else True

@@ -36,6 +36,7 @@ class CompileContext:
     zeropp: ZeroPPSettings
     runner: PassRunner
     device_type: str = "cpu"
+    reduce_scatter_by_all_to_all: bool = False  # process_group.reduce_scatter_by_all_to_all, resolved once
     plans: dict[str, Any] = field(default_factory=dict)  # plan file name (``buckets.forward``) -> plan
 
     @property

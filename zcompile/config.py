@@ -20,6 +20,7 @@ _DTYPE_NAMES = {
     "half": torch.float16,
 }
 _COMPILERS = ("eager", "inductor")
+REDUCE_SCATTER_FORMS = ("auto", "native", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,11 @@ class ZeroConfig:
             recomputed): a fraction 0..1 of what the default partition saves (``0``: recompute
             everything, ``1``: the default), or ``"<n>MiB"`` per compiled graph and rank (eager
             inner compiler; turned into a fraction by a trial partition). ``None``: the default.
+        reduce_scatter: how the graphs' gradient reduce-scatters run: ``"native"``, the process
+            group's own; ``"all_to_all"``, an all-to-all of the same bytes and a sum of the rows
+            received (``zcompile.passes.reduce_scatter_lowering``); ``"auto"`` (default): all-to-all
+            on gloo, whose reduce-scatter all-reduces a clone of the input (twice the bytes; 2x the
+            time measured), native elsewhere (NCCL).
         dump: directory for per-pass graph dumps, ``passes.json``, the plan and the collectives of
             every compiled graph (``DIR/rank{R}/{graph_id}/``); ``None`` reads ``$ZCOMPILE_DUMP``.
             ``python -m zcompile inspect DIR`` summarizes it.
@@ -102,6 +108,7 @@ class ZeroConfig:
     schedule_policy: Callable[[Any], Any] | None = None
     keep_gathered_mb: float = 0.0
     activation_memory_budget: float | str | None = None
+    reduce_scatter: str = "auto"
     quantize_weights: bool = False
     quantize_grads: bool = False
     quantize_block: int = 128
@@ -123,6 +130,9 @@ class ZeroConfig:
             raise ValueError(
                 f"zero backend: option 'compiler' must be one of {_COMPILERS}, got {self.compiler!r}"
             )
+        if self.reduce_scatter not in REDUCE_SCATTER_FORMS:
+            raise ValueError(f"zero backend: option 'reduce_scatter' must be one of {REDUCE_SCATTER_FORMS}, got "
+                             f"{self.reduce_scatter!r}")
         if self.group is not None and not isinstance(self.group, torch.distributed.ProcessGroup):
             raise TypeError(
                 "zero backend: option 'group' must be a torch.distributed.ProcessGroup or None, "

@@ -46,7 +46,7 @@ from zcompile.kernels.optim_reference import adamw_reference_foreach
 from zcompile.clip import clip_grad_norm_of_shards
 from zcompile.optim_state import load_sharded_state_dict, sharded_state_dict
 from zcompile.optim_buckets import (BucketedGradReduce, BucketedParamRefresh, plan_optimizer_buckets,
-                                    reduce_grads_onto_shards)
+                                    plan_reduce_buckets, reduce_grads_onto_shards)
 from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of
 from zcompile.step_agreement import DEFAULT_TIMEOUT_S, agree_before_step
 from zcompile.nonfinite import local_grads_finite, nonfinite_flag, skip_nonfinite_by_default
@@ -167,7 +167,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return loss
         early += flag_records
         reduced = [s for s, _, _ in todo if s.stage == 1 and s.group.world_size > 1 and s.shard_grad is None]
-        reducer = BucketedGradReduce(plan_optimizer_buckets(reduced, lambda s: s.grad_reduce_dtype, bucket_bytes))
+        reducer = BucketedGradReduce(plan_reduce_buckets(reduced, bucket_bytes))
         refreshed = [s for s, _, _ in todo if s.stage in (1, 2)]
         refresher = BucketedParamRefresh(plan_optimizer_buckets(refreshed, lambda s: s.replicated_dtype, bucket_bytes))
         # updated a batch at a time (one refresh bucket of one param group): the batch's all-gather

@@ -38,6 +38,7 @@ from zcompile.passes.param_collectives import insert_param_collectives_pass
 from zcompile.passes.quantize_grads import quantize_grads_pass
 from zcompile.passes.quantize_weights import quantize_weights_pass
 from zcompile.passes.regions import regather_through_regions_pass
+from zcompile.passes.reduce_scatter_lowering import reduce_scatter_as_all_to_all_pass
 from zcompile.passes.schedule import plan_schedule, schedule_pass
 
 DYNAMO = ("dynamo",)
@@ -121,6 +122,10 @@ PIPELINE: tuple[PassRow, ...] = (
                                   "memory_budget": (None if c.config.memory_budget_mb is None
                                                     else int(c.config.memory_budget_mb * MIB))},
             after=("bucket_collectives", "quantize_weights", "quantize_grads")),
+    # how this backend runs what the passes above planned: last, in place, the kind kept
+    PassRow("reduce_scatter_as_all_to_all", BACKWARD, reduce_scatter_as_all_to_all_pass,
+            enabled=lambda c: c.reduce_scatter_by_all_to_all and c.group.world_size > 1,
+            after=("bucket_collectives", "quantize_grads", "schedule")),
 )
 
 

@@ -61,18 +61,26 @@ def gather_to_first_eager(out: torch.Tensor | None, shard: torch.Tensor, group: 
 
 def all_reduce_eager(tensor: torch.Tensor, group: DataParallelGroup, op: dist.ReduceOp.RedOpType,
                      async_op: bool = False) -> dist.Work | None:
-    """``tensor`` (in place) = ``op`` over every rank's ``tensor`` (a scalar for gradient clipping, a
-    bucket where ``reduce_scatter_runs_as_all_reduce``); ``async_op`` as above."""
+    """``tensor`` (in place) = ``op`` over every rank's ``tensor`` (a scalar for gradient clipping);
+    ``async_op`` as above."""
     return dist.all_reduce(tensor, op=op, group=group.process_group, async_op=async_op)
 
 
-def reduce_scatter_runs_as_all_reduce(group: DataParallelGroup, tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s collectives run on gloo, whose reduce-scatter is an all-reduce of a clone
-    of the input followed by a copy of this rank's piece (torch 2.13's ProcessGroupGloo; the profiler
-    shows ``gloo:all_reduce``, ``zcompile.timeline``): an all-reduce of a buffer of one's own is then
-    the same collective, to the bit, with one bucket-sized buffer less (``zcompile.optim_buckets``)."""
-    return (tensor.device.type == "cpu" and group.process_group is not None
-            and "gloo" in str(dist.get_backend(group.process_group)))
+def all_to_all_eager(out: torch.Tensor, rows: torch.Tensor, group: DataParallelGroup,
+                     async_op: bool = False) -> dist.Work | None:
+    """``out[r]`` = rank ``r``'s ``rows[this rank]`` (``[N, ...]`` each); ``async_op`` as above."""
+    return dist.all_to_all_single(out, rows, group=group.process_group, async_op=async_op)
+
+
+def reduce_scatter_by_all_to_all(form: str, group: DataParallelGroup) -> bool:
+    """Whether ``group``'s in-graph reduce-scatters run as an all-to-all and a sum (the option
+    ``reduce_scatter``: ``"native"``, ``"all_to_all"`` or ``"auto"``, all-to-all on gloo). Gloo's
+    reduce-scatter all-reduces a clone of its input: twice a reduce-scatter's bytes, and 2.1-2.5x
+    the time of an all-to-all + sum of the same input on this repository's 2-core machine (2 and 4
+    ranks, 2-16 MiB; ``passes/reduce_scatter_lowering.py``)."""
+    if form != "auto":
+        return form == "all_to_all"
+    return group.process_group is not None and "gloo" in str(dist.get_backend(group.process_group))
 
 
 def all_gather_coalesced_into(outputs: list[torch.Tensor], shards: list[torch.Tensor],

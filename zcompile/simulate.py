@@ -52,7 +52,7 @@ from zcompile.cost_model import ComputeCosts, elementwise_seconds, predict_step,
 from zcompile.estimate import estimate_memory, fake_call
 from zcompile.hardware import HardwareProfile, LinkCosts, load_profile
 from zcompile.kernels.fused_optim import fused_adamw_reference
-from zcompile.optim_buckets import plan_optimizer_buckets
+from zcompile.optim_buckets import plan_optimizer_buckets, plan_reduce_buckets
 from zcompile.param_shards import shard_of
 from zcompile.passes.collectives import collective_nodes
 from zcompile.process_group import group_ranks_by_name
@@ -132,6 +132,8 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
     check_world(world_size, node_size)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     config = ZeroConfig.from_options(options).replace(check_ranks=False)
+    if config.reduce_scatter == "auto":  # the fake group has no backend: the profile's device says which
+        config = config.replace(reduce_scatter="all_to_all" if profile.device_type == "cpu" else "native")
     node_size = _node_size(node_size, config, profile)
     config = config.replace(node_size=node_size)
     start = time.perf_counter()
@@ -163,7 +165,8 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
     })
     peak = step_peak(graphs, states.params_bytes, states.grads_bytes, states.optimizer_bytes)
     result.step_peak_bytes, result.step_peak_phase = peak.peak_bytes, peak.where
-    result.collectives = _graph_collectives(graphs, pricing) + _optimizer_collectives(model, pricing)
+    result.collectives = _graph_collectives(graphs, pricing) + _optimizer_collectives(
+        model, pricing, by_all_to_all=profile.device_type == "cpu")
     compute = profile.compute_costs(config.param_dtype or torch.float32)
     result.optimizer_update_s = _optimizer_update_seconds(model, profile, compute)
     _predict(result, graphs, pricing, compute, sum(p.requires_grad for p in dict.fromkeys(model.parameters())))
@@ -236,19 +239,23 @@ def _graph_collectives(graphs: list, pricing: LinkCosts) -> list[SimulatedCollec
     return out
 
 
-def _optimizer_collectives(model: torch.nn.Module, pricing: LinkCosts,
+def _optimizer_collectives(model: torch.nn.Module, pricing: LinkCosts, by_all_to_all: bool,
                            bucket_mb: float = OPTIMIZER_BUCKET_MB) -> list[SimulatedCollective]:
     """Stages 1 and 2: what ``zcompile.optim``'s step moves, read from the shards the backend made and
-    bucketed as the step buckets them (``optim_buckets.plan_optimizer_buckets``, its default 4 MiB of
-    full parameter): at stage 1 the full gradients reduce-scattered in their reduce dtype, then the
-    updated parameters all-gathered in the replicated dtype; one collective per bucket, padded."""
+    bucketed as the step buckets them (``optim_buckets``, its default 4 MiB of full parameter): at
+    stage 1 the full gradients reduce-scattered in their reduce dtype (``plan_reduce_buckets``: half
+    buckets where, as on the profile's CPU (gloo), they are exchanged by all-to-all), then the updated
+    parameters all-gathered in the replicated dtype; one collective per bucket, padded."""
     members = [s for s in filter(None, map(shard_of, dict.fromkeys(model.parameters())))
                if s.stage in (1, 2) and s.group.world_size > 1 and s.param.requires_grad]
-    moves = [("reduce_scatter", lambda s: s.grad_reduce_dtype, [s for s in members if s.stage == 1]),
-             ("all_gather", lambda s: s.replicated_dtype, members)]
+    bucket_bytes = int(bucket_mb * 2**20)
+    moves = [("reduce_scatter", lambda s: s.grad_reduce_dtype,
+              plan_reduce_buckets([s for s in members if s.stage == 1], bucket_bytes, by_all_to_all)),
+             ("all_gather", lambda s: s.replicated_dtype,
+              plan_optimizer_buckets(members, lambda s: s.replicated_dtype, bucket_bytes))]
     out = []
-    for kind, dtype_of, moved in moves:
-        for bucket in plan_optimizer_buckets(moved, dtype_of, int(bucket_mb * 2**20)):
+    for kind, dtype_of, buckets in moves:
+        for bucket in buckets:
             group = bucket[0].group
             across = pricing.across_nodes(group.name, group.world_size)
             nbytes = sum(s.padded_numel * dtype_of(s).itemsize for s in bucket)

@@ -15,10 +15,11 @@ example GPT on 2 ranks), one level inside the other:
 - inside it, ``c10d::allgather_into_tensor_coalesced_`` / ``c10d::reduce_scatter_tensor_coalesced_``:
   the process-group op. Eager calls (the stage 1 and 2 optimizer step) appear only at this
   level: its all-gather into the parameters as ``c10d::allgather_into_tensor_coalesced_``, stage
-  1's gradient reduction as ``c10d::allreduce_`` on gloo (an all-reduce of the bucket in place,
-  ``process_group.reduce_scatter_runs_as_all_reduce``) and ``c10d::_reduce_scatter_base_`` elsewhere.
-- ``gloo:all_gather`` / ``gloo:all_reduce``: the transfer itself, on gloo's worker threads.
-  Gloo runs a reduce-scatter as an all-reduce, so a reduce-scatter shows up as ``gloo:all_reduce``.
+  1's gradient reduction as ``c10d::alltoall_base_`` on gloo and ``c10d::_reduce_scatter_base_``
+  elsewhere.
+- ``gloo:all_gather`` / ``gloo:all_to_all``: the transfer itself, on gloo's worker threads. On gloo
+  the graphs' reduce-scatters run as all-to-alls (``passes/reduce_scatter_lowering.py``), so they
+  show up here as all-to-alls.
 - ``_c10d_functional::wait_tensor``: the issuing thread blocked until the result is there. The
   blocking ``Work.wait()`` of eager synchronous collectives records no event on gloo.
 - no ``record_param_comms`` events on gloo (NCCL builds record them; they are read here too).

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
+from zcompile.passes.collectives import ALL_GATHER, WAIT, collective_nodes
 from zcompile.passes.graph_ops import gather_param
 from zcompile.passes.metadata import params_of
 from zcompile.passes.op_sets import PREP_OPS
@@ -35,11 +35,12 @@ def graph_facts(compiled_graphs) -> dict:
                  bw_reduce_scatters=0, saved_gathered=0, gathered_twice=0, collective_ops=0,
                  overlapped_collectives=0, kept_params=0, keep_plans=[])
 
-    def params_moved(gm, op):
-        nodes = gm.graph.find_nodes(op="call_function", target=op)
+    def params_moved(gm, kind):
+        # by kind: a reduce-scatter counts also where gloo runs it as an all-to-all (reduce_scatter_lowering)
+        nodes = [c.node for c in collective_nodes(gm) if c.kind == kind]
         facts["collective_ops"] += len(nodes)
         names = [name for node in nodes for name in (params_of(node) or ["?"])]
-        facts["gathered_twice"] += len(names) - len(set(names)) if op is ALL_GATHER else 0
+        facts["gathered_twice"] += len(names) - len(set(names)) if kind == "all_gather" else 0
         return len(names)
 
     for graphs in compiled_graphs:
@@ -50,10 +51,10 @@ def graph_facts(compiled_graphs) -> dict:
             facts["kept_params"] += len(graphs.keep_gathered.kept)
             facts["keep_plans"].append(json.loads(graphs.keep_gathered.to_json()))
         if graphs.forward is not None:
-            facts["fw_all_gathers"] += params_moved(graphs.forward, ALL_GATHER)
+            facts["fw_all_gathers"] += params_moved(graphs.forward, "all_gather")
             outputs = graphs.forward.graph.find_nodes(op="output")[0].args[0]
             facts["saved_gathered"] += sum(_reads_gathered_param(out) for out in outputs)
         if graphs.backward is not None:
-            facts["bw_all_gathers"] += params_moved(graphs.backward, ALL_GATHER)
-            facts["bw_reduce_scatters"] += params_moved(graphs.backward, REDUCE_SCATTER)
+            facts["bw_all_gathers"] += params_moved(graphs.backward, "all_gather")
+            facts["bw_reduce_scatters"] += params_moved(graphs.backward, "reduce_scatter")
     return facts

@@ -1,0 +1,87 @@
+"""A reduce-scatter run as an all-to-all and a local sum, where the backend's own is slow (gloo).
+
+Gloo has no reduce-scatter of its own: ``reduce_scatter_tensor`` all-reduces a clone of the input
+and keeps the rank's slice, moving ``2(N-1)/N`` of the input per rank where a reduce-scatter moves
+``(N-1)/N``. An all-to-all moves exactly the reduce-scatter's bytes (rank ``r`` receives every rank's
+row ``r``) and the rank adds the ``N`` rows it received. Measured on this repository's 2-core machine
+(gloo, fp32, ``benchmarks/bench_speed.py`` notes): 16 MiB at 2 ranks 17-18 ms as gloo's
+reduce-scatter, 11-12 as an all-reduce, 8-9 as all-to-all + sum; at 4 ranks 35-42, 25-27 and 17.
+
+The rewrite, for every sum reduce-scatter of the graph (``avg`` is a sum then a division by N)::
+
+    rs = reduce_scatter_tensor(x, "sum", N, g)          a2a = all_to_all_single(x, [d/N]*N, [d/N]*N, g)
+    y = wait_tensor(rs)                          ->     w = wait_tensor(a2a)
+                                                        y = sum(w.view(N, d/N, ...), 0)
+
+in place: the all-to-all where the reduce-scatter was issued, the sum just after its wait, so the
+schedule's placement is kept. It runs after every pass that plans or rewrites reduce-scatters
+(bucketing, qgZ, the schedule). The all-to-all is tagged ``metadata.LOWERED_FROM = "reduce_scatter"``,
+so ``collectives.CollectiveNode`` still reads it as a reduce-scatter (its kind, group size, reduce op
+and bytes): reports, the rank checks and the cost model speak of what the graph does, not of how
+this backend runs it. Its output is the full ``[N, d/N]`` received rows (gloo's clone of the input
+was as large, allocated where no estimate saw it) until the sum has read them.
+
+Which groups get it is ``collectives.reduce_scatter_by_all_to_all``: collectives on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from zcompile.passes.collectives import ALL_TO_ALL, REDUCE_SCATTER, WAIT, CollectiveNode
+from zcompile.passes.metadata import LOWERED_FROM, tag
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+
+def _lowerable(collective: CollectiveNode) -> bool:
+    return (collective.node.target is REDUCE_SCATTER and collective.reduce_op in ("sum", "avg")
+            and collective.wait is not None and collective.input_val is not None and collective.group_size > 1)
+
+
+def _lower(gm: torch.fx.GraphModule, collective: CollectiveNode) -> None:
+    graph, node, wait, world = gm.graph, collective.node, collective.wait, collective.group_size
+    full = collective.input_val
+    rows = full.shape[0] // world
+    splits = [rows] * world
+    with graph.inserting_before(node):
+        exchange = graph.call_function(ALL_TO_ALL, (collective.input, splits, splits, collective.group_name))
+    exchange.meta.update(node.meta)
+    exchange.meta["val"] = full.new_empty(full.shape)
+    tag(exchange, **{LOWERED_FROM: "reduce_scatter"})
+    with graph.inserting_before(wait):
+        received = graph.call_function(WAIT, (exchange,))
+    received.meta.update(wait.meta)
+    received.meta["val"] = exchange.meta["val"]
+    with graph.inserting_after(received):
+        by_rank = graph.call_function(aten.view.default, (received, [world, rows, *full.shape[1:]]))
+    with graph.inserting_after(by_rank):
+        reduced = graph.call_function(aten.sum.dim_IntList, (by_rank, [0]))
+    last = reduced
+    if collective.reduce_op == "avg":
+        with graph.inserting_after(reduced):
+            last = graph.call_function(aten.div.Tensor, (reduced, world))
+    by_rank.meta["val"] = full.new_empty((world, rows, *full.shape[1:]))
+    for added in (reduced, last):
+        added.meta["val"] = wait.meta["val"].new_empty(wait.meta["val"].shape)
+    wait.replace_all_uses_with(last)
+    graph.erase_node(wait)
+    graph.erase_node(node)
+
+
+def reduce_scatter_as_all_to_all_pass(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Rewrites each sum (or mean) ``reduce_scatter_tensor`` whose only user is its wait into an
+    ``all_to_all_single`` of the same input, its wait, and a sum over the received rows (module
+    docstring: what gloo's reduce-scatter costs, and why the kind stays ``reduce_scatter``). Reads
+    ``meta["val"]``; writes ``meta["val"]`` on the new nodes and ``LOWERED_FROM`` on the all-to-all."""
+    lowered = [c for c in map(CollectiveNode.of, list(gm.graph.nodes)) if c is not None and _lowerable(c)]
+    for collective in lowered:
+        _lower(gm, collective)
+    if lowered:
+        log.info("reduce_scatter_as_all_to_all: %d reduce-scatters run as all-to-all + sum", len(lowered))
+    gm.graph.lint()
+    gm.recompile()
+    return gm
