@@ -7,7 +7,8 @@
 
 For each depth of the example GPT (n_embd 128, seq 128, 4 sequences per rank, fp32, AdamW) and
 each configuration, one fresh model: the first training step (its compile) and the median of the
-next ``--steps`` steps, each timed from a barrier to the slowest rank (``common.timed_training_step``).
+next ``--steps`` steps, each timed from a barrier to the slowest rank (``common.timed_training_step``);
+interleaved, also the median forward, backward and optimizer (``common.timed_training_phases``).
 
 Configurations: ``ddp`` (eager), ``compile`` (``torch.compile`` without data parallelism: the
 world-1 reference), ``ddp+compile`` (``torch.compile`` of the DDP module, DDPOptimizer), ``fsdp2``
@@ -41,7 +42,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import print_table, start_gloo_benchmark, timed_training_step  # noqa: E402
+from common import print_table, start_gloo_benchmark, timed_training_phases, timed_training_step  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 import zcompile  # noqa: E402
@@ -147,7 +148,7 @@ def interleaved_steps(configs: list[str], layers: int, compiler: str, steps: int
     for step in range(4):
         tokens, targets = synthetic_batch(step, PER_RANK * world, cfg)
         batches.append((tokens.chunk(world)[rank], targets.chunk(world)[rank]))
-    times: dict[str, list[float]] = {config: [] for config in configs}
+    phases: dict[str, list[dict]] = {config: [] for config in configs}
     # one compiled frame per configuration shares the model's code object: Dynamo's limit counts them all
     with torch._dynamo.config.patch(recompile_limit=4 * len(configs), accumulated_recompile_limit=64 * len(configs)):
         for module, optimizer in built.values():
@@ -155,8 +156,15 @@ def interleaved_steps(configs: list[str], layers: int, compiler: str, steps: int
                 timed_training_step(module, optimizer, *batch)
         for step in range(steps):
             for config, (module, optimizer) in built.items():
-                times[config].append(timed_training_step(module, optimizer, *batches[step % len(batches)]))
-    return {config: {"median_step_s": statistics.median(t), "steps_s": t} for config, t in times.items()}
+                phases[config].append(timed_training_phases(module, optimizer, *batches[step % len(batches)]))
+    out = {}
+    for config, measured in phases.items():
+        times = [m["step"] for m in measured]
+        # each phase's median apart (they need not add up to the step's): where a difference is
+        out[config] = {"median_step_s": statistics.median(times), "steps_s": times,
+                       **{f"median_{phase}_s": statistics.median(m[phase] for m in measured)
+                          for phase in ("forward", "backward", "optimizer")}}
+    return out
 
 
 def main() -> None:
@@ -243,10 +251,13 @@ def _report(rows: list[dict], args, world: int, cores: int, interleaved: list[di
     steps = {(r["config"], r["layers"]): r["median_step_s"] for r in interleaved or ()}
     if interleaved:
         print_table(f"the same, steps interleaved ({args.interleave} of each configuration in turn)",
-                    ["config", "layers", "median step ms", f"x {reference_name}"],
+                    ["config", "layers", "median step ms", f"x {reference_name}", "forward ms", "backward ms",
+                     "optimizer ms"],
                     [[r["config"], str(r["layers"]), f"{r['median_step_s'] * 1e3:.1f}",
                       f"{r['median_step_s'] / steps[(reference_name, r['layers'])]:.3f}"
-                      if (reference_name, r["layers"]) in steps else "-"] for r in interleaved])
+                      if (reference_name, r["layers"]) in steps else "-",
+                      *(f"{r[f'median_{phase}_s'] * 1e3:.1f}" if f"median_{phase}_s" in r else "-"
+                        for phase in ("forward", "backward", "optimizer"))] for r in interleaved])
     suffix = "" if args.compiler == "eager" else f"_{args.compiler}"
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"speed_{world}{suffix}.json")
     load = os.getloadavg()

@@ -20,17 +20,28 @@ def start_gloo_benchmark() -> tuple[int, int, int]:
 def timed_training_step(compiled, optimizer, tokens, targets) -> float:
     """Seconds of one training step (forward, backward, step, zero_grad) on the slowest rank,
     timed from a barrier so that one rank's lead does not count as time spent inside the step."""
+    return timed_training_phases(compiled, optimizer, tokens, targets)["step"]
+
+
+def timed_training_phases(compiled, optimizer, tokens, targets) -> dict[str, float]:
+    """``timed_training_step`` with its phases: seconds of the forward, the backward and the
+    optimizer (``step()`` and ``zero_grad()``), each the slowest rank's, and of the whole step."""
     import torch
     import torch.distributed as dist
 
     dist.barrier()
     start = time.perf_counter()
-    compiled(tokens, targets).backward()
+    loss = compiled(tokens, targets)
+    forward = time.perf_counter()
+    loss.backward()
+    backward = time.perf_counter()
     optimizer.step()
     optimizer.zero_grad()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
+    end = time.perf_counter()
+    elapsed = torch.tensor([forward - start, backward - forward, end - backward, end - start], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return dict(zip(("forward", "backward", "optimizer", "step"), elapsed.tolist()))
 
 
 def time_ms(fn, cuda: bool, repeats: int) -> float:
