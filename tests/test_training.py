@@ -30,6 +30,8 @@ WORLD2_SPECS = (
     + [RunSpec(model="gpt_untied_odd", stage=s) for s in (2, 3)]
     # regional compilation (zcompile.mark_repeated_blocks): one subgraph per block class
     + [RunSpec(model="gpt", stage=3, regional=True), RunSpec(model="hf_llama", stage=2, lr=3e-3, regional=True)]
+    # gloo's own reduce-scatter (the default there runs it as an all-to-all: passes/reduce_scatter_lowering.py)
+    + [RunSpec(model="gpt", stage=3, options={"reduce_scatter": "native"})]
 )
 WORLD4_SPECS = (
     [RunSpec(model="gpt", stage=s) for s in STAGES]
@@ -51,7 +53,8 @@ def world4():
 
 
 def _label(spec):
-    return f"{spec.model}-stage{spec.stage}-{spec.optimizer}" + ("-regional" if spec.regional else "")
+    return (f"{spec.model}-stage{spec.stage}-{spec.optimizer}" + ("-regional" if spec.regional else "")
+            + "".join(f"-{k}={v}" for k, v in spec.options.items()))
 
 
 @pytest.mark.parametrize("index", range(len(WORLD2_SPECS)), ids=[_label(s) for s in WORLD2_SPECS])
@@ -60,6 +63,16 @@ def test_world2_matches_single_process(world2, index):
     assert_same_training(rank0, reference_for(spec, 2), spec)
     for name in rank0.params:  # both ranks hold the same (gathered) model
         assert torch.equal(rank0.params[name], rank1.params[name]), name
+
+
+def test_gloo_reduce_scatters_run_as_all_to_alls_unless_native(world2):
+    for spec, rank0, _ in world2:
+        if spec.stage == 1:
+            continue
+        facts = rank0.facts
+        native = spec.options.get("reduce_scatter") == "native"
+        assert facts["bw_reduce_scatters"] > 0, facts
+        assert (facts["bw_reduce_scatter_ops"] > 0) == native and (facts["bw_all_to_all_ops"] > 0) != native, facts
 
 
 @pytest.mark.parametrize("index", range(len(WORLD4_SPECS)), ids=[_label(s) for s in WORLD4_SPECS])

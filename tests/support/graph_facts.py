@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from zcompile.passes.collectives import ALL_GATHER, WAIT, collective_nodes
+from zcompile.passes.collectives import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER, WAIT, collective_nodes
 from zcompile.passes.graph_ops import gather_param
 from zcompile.passes.metadata import params_of
 from zcompile.passes.op_sets import PREP_OPS
@@ -33,7 +33,8 @@ def graph_facts(compiled_graphs) -> dict:
     backward, parameters gathered twice in one graph, and the collective ops themselves."""
     facts = dict(graphs=len(compiled_graphs), gather_nodes=0, fw_all_gathers=0, bw_all_gathers=0,
                  bw_reduce_scatters=0, saved_gathered=0, gathered_twice=0, collective_ops=0,
-                 overlapped_collectives=0, kept_params=0, keep_plans=[])
+                 overlapped_collectives=0, kept_params=0, keep_plans=[], bw_all_to_all_ops=0,
+                 bw_reduce_scatter_ops=0)
 
     def params_moved(gm, kind):
         # by kind: a reduce-scatter counts also where gloo runs it as an all-to-all (reduce_scatter_lowering)
@@ -57,4 +58,7 @@ def graph_facts(compiled_graphs) -> dict:
         if graphs.backward is not None:
             facts["bw_all_gathers"] += params_moved(graphs.backward, "all_gather")
             facts["bw_reduce_scatters"] += params_moved(graphs.backward, "reduce_scatter")
+            # how they run: as all-to-alls on gloo unless the option reduce_scatter says "native"
+            for key, op in (("bw_all_to_all_ops", ALL_TO_ALL), ("bw_reduce_scatter_ops", REDUCE_SCATTER)):
+                facts[key] += len(graphs.backward.graph.find_nodes(op="call_function", target=op))
     return facts
