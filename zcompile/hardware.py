@@ -81,7 +81,8 @@ class Link:
     issue_latency_s: float = 0.0
     issue_bytes_per_s: float = math.inf
     # bytes over the bus per byte moved, per (N - 1) / N, where the backend's algorithm differs from
-    # nccl-tests' rule (gloo runs a reduce-scatter as an all-reduce: 2)
+    # nccl-tests' rule (on gloo zcompile's reduce-scatter is an all-to-all, which outruns gloo's
+    # all-gather: below 1; gloo's own reduce-scatter, an all-reduce, was about 2)
     bus_factor: Mapping[str, float] = field(default_factory=dict)
     # a kind's latency over ``latency_s`` where its algorithm takes more steps than nccl-tests' rule says
     latency_factor: Mapping[str, float] = field(default_factory=dict)
