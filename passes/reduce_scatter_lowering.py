@@ -4,8 +4,9 @@ Gloo has no reduce-scatter of its own: ``reduce_scatter_tensor`` all-reduces a c
 and keeps the rank's slice, moving ``2(N-1)/N`` of the input per rank where a reduce-scatter moves
 ``(N-1)/N``. An all-to-all moves exactly the reduce-scatter's bytes (rank ``r`` receives every rank's
 row ``r``) and the rank adds the ``N`` rows it received. Measured on this repository's 2-core machine
-(gloo, fp32, ``benchmarks/bench_speed.py`` notes): 16 MiB at 2 ranks 17-18 ms as gloo's
-reduce-scatter, 11-12 as an all-reduce, 8-9 as all-to-all + sum; at 4 ranks 35-42, 25-27 and 17.
+(gloo, fp32, 0.25-16 MiB, ``benchmarks/bench_gloo_collectives.py``): gloo's reduce-scatter takes
+1.7-2.1x the all-to-all + sum's time at 2 ranks and 2.3-5.0x at 4 (16 MiB at 2 ranks: 16.6 ms
+against 8.2; an all-reduce 12.2).
 
 The rewrite, for every sum reduce-scatter of the graph (``avg`` is a sum then a division by N)::
 

@@ -73,8 +73,8 @@ class ZeroConfig:
         reduce_scatter: how the graphs' gradient reduce-scatters run: ``"native"``, the process
             group's own; ``"all_to_all"``, an all-to-all of the same bytes and a sum of the rows
             received (``zcompile.passes.reduce_scatter_lowering``); ``"auto"`` (default): all-to-all
-            on gloo, whose reduce-scatter all-reduces a clone of the input (twice the bytes; 2x the
-            time measured), native elsewhere (NCCL).
+            on gloo, whose reduce-scatter all-reduces a clone of the input (twice the bytes; 1.7-5x the
+            time, ``benchmarks/bench_gloo_collectives.py``), native elsewhere (NCCL).
         dump: directory for per-pass graph dumps, ``passes.json``, the plan and the collectives of
             every compiled graph (``DIR/rank{R}/{graph_id}/``); ``None`` reads ``$ZCOMPILE_DUMP``.
             ``python -m zcompile inspect DIR`` summarizes it.

@@ -75,9 +75,9 @@ def all_to_all_eager(out: torch.Tensor, rows: torch.Tensor, group: DataParallelG
 def reduce_scatter_by_all_to_all(form: str, group: DataParallelGroup) -> bool:
     """Whether ``group``'s in-graph reduce-scatters run as an all-to-all and a sum (the option
     ``reduce_scatter``: ``"native"``, ``"all_to_all"`` or ``"auto"``, all-to-all on gloo). Gloo's
-    reduce-scatter all-reduces a clone of its input: twice a reduce-scatter's bytes, and 2.1-2.5x
-    the time of an all-to-all + sum of the same input on this repository's 2-core machine (2 and 4
-    ranks, 2-16 MiB; ``passes/reduce_scatter_lowering.py``)."""
+    reduce-scatter all-reduces a clone of its input: twice a reduce-scatter's bytes, and 1.7-2.1x
+    the time of an all-to-all + sum of the same input on this repository's 2-core machine at 2 ranks,
+    2.3-5.0x at 4 (0.25-16 MiB; ``benchmarks/bench_gloo_collectives.py``)."""
     if form != "auto":
         return form == "all_to_all"
     return group.process_group is not None and "gloo" in str(dist.get_backend(group.process_group))
