@@ -30,9 +30,9 @@ versions interleaved 0.82-1.04x the time):
   gloo's flat buffer and no copy out of it. The bf16 inputs are written by the update into this
   rank's chunk of that storage (``ShardedOptimizer._prepare_update``), as the fp32 shard already is;
 - the reduce-scatter's input is one ``[N, S]`` buffer each member's gradient is cast and padded
-  into (no per-member padded copy, no concatenation); on CPU gloo it is all-reduced in place, the
-  way gloo runs a reduce-scatter but without gloo's clone of it, and freed once this rank's row is
-  copied out (``_release``);
+  into (no per-member padded copy, no concatenation); on gloo it is exchanged by an all-to-all into
+  a second buffer and the rows received summed (``BucketedGradReduce``; the two in half-size buckets,
+  ``plan_reduce_buckets``), both freed once summed (``_release``);
 - a batch's reduced gradient shards go once the batch is updated, before the next bucket's
   reduce-scatter input is built.
 
