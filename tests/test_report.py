@@ -10,6 +10,7 @@ import zcompile
 from support.launch import run_ranks
 from support.models import build_model, global_batch
 from zcompile.pass_runner import PassError, PassRunner
+from zcompile.report import StepReport
 
 
 def _profiled_collectives(prof) -> dict[str, list[int]]:
@@ -95,6 +96,15 @@ def test_report_equals_profiler_count(reported):
             ours = sorted(c["elements"] for c in report["collectives"] if c["kind"] == kind and c not in coalesced)
             assert ours == sorted(profiled[kind]), kind
         assert report["totals"]["total"] == sum(map(sum, profiled.values())) + sum(c["elements"] for c in coalesced)
+
+
+def test_report_says_how_gloo_ran_the_reduce_scatters(reported):
+    stage, _, results = reported
+    report = StepReport(**{**results[0][0], "schedule": []})
+    assert report.reduce_scatter_as_all_to_all  # gloo, reduce_scatter="auto"
+    assert "reduce-scatters run as an all-to-all and a sum" in report.render()
+    assert "all-to-all" not in StepReport(**{**results[0][0], "schedule": [],
+                                             "reduce_scatter_as_all_to_all": False}).render()
 
 
 def test_report_against_zero_formulas(reported):

@@ -52,6 +52,9 @@ class StepReport:
     schedule: list[OverlapRecord] = field(default_factory=list)
     grad_norm: float | None = None  # the optimizer's pre-clip gradient norm of the step (None: not clipped)
     skipped_steps: int = 0  # steps the optimizer skipped so far because a gradient was not finite (skip_nonfinite)
+    # the graphs' reduce-scatters run as all-to-all + sum (gloo; the option reduce_scatter): counted as
+    # reduce-scatters here, shown as all-to-alls by the profiler and zcompile.timeline
+    reduce_scatter_as_all_to_all: bool = False
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -94,7 +97,9 @@ class StepReport:
             + f"; saved activations {mem.get('saved_activation_bytes', 0) / 2**20:.2f} MiB",
             f"schedule: {len(self.schedule)} collectives in graphs, {exposed} with no compute between issue "
             "and wait (exposed)",
-        ] + ([f"gradient norm {self.grad_norm:.6g} (before clipping)"] if self.grad_norm is not None else []) + (
+        ] + (["reduce-scatters run as an all-to-all and a sum on this backend (option reduce_scatter); the "
+              "profiler and the timeline show them as all_to_all"] if self.reduce_scatter_as_all_to_all else []) + (
+            [f"gradient norm {self.grad_norm:.6g} (before clipping)"] if self.grad_norm is not None else []) + (
             [f"{self.skipped_steps} step(s) skipped: gradients not finite (skip_nonfinite)"] if self.skipped_steps else [])
 
     def render(self) -> str:
@@ -169,6 +174,8 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
         schedule=schedule,
         grad_norm=getattr(optimizer, "last_grad_norm", None),
         skipped_steps=getattr(optimizer, "skipped_steps", 0),
+        reduce_scatter_as_all_to_all=any(g.context is not None and g.context.reduce_scatter_by_all_to_all
+                                         and plan.world_size > 1 for g in graphs),
     )
 
 
