@@ -22,7 +22,8 @@ and bytes): reports, the rank checks and the cost model speak of what the graph 
 this backend runs it. Its output is the full ``[N, d/N]`` received rows (gloo's clone of the input
 was as large, allocated where no estimate saw it) until the sum has read them.
 
-Which groups get it is ``collectives.reduce_scatter_by_all_to_all``: collectives on CPU tensors.
+Which compiles get it is the front end's choice (``zcompile.process_group.reduce_scatter_by_all_to_all``:
+the option ``reduce_scatter``, by default gloo groups of more than one rank).
 """
 
 from __future__ import annotations
@@ -61,14 +62,13 @@ def _lower(gm: torch.fx.GraphModule, collective: CollectiveNode) -> None:
         by_rank = graph.call_function(aten.view.default, (received, [world, rows, *full.shape[1:]]))
     with graph.inserting_after(by_rank):
         reduced = graph.call_function(aten.sum.dim_IntList, (by_rank, [0]))
-    last = reduced
+    by_rank.meta["val"] = full.new_empty((world, rows, *full.shape[1:]))
+    reduced.meta["val"] = wait.meta["val"].new_empty(wait.meta["val"].shape)
     if collective.reduce_op == "avg":
         with graph.inserting_after(reduced):
-            last = graph.call_function(aten.div.Tensor, (reduced, world))
-    by_rank.meta["val"] = full.new_empty((world, rows, *full.shape[1:]))
-    for added in (reduced, last):
-        added.meta["val"] = wait.meta["val"].new_empty(wait.meta["val"].shape)
-    wait.replace_all_uses_with(last)
+            reduced = graph.call_function(aten.div.Tensor, (reduced, world))
+        reduced.meta["val"] = wait.meta["val"].new_empty(wait.meta["val"].shape)
+    wait.replace_all_uses_with(reduced)
     graph.erase_node(wait)
     graph.erase_node(node)
 

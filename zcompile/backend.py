@@ -73,7 +73,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
         check_same_collectives(plan, gm, group, config.check_timeout_s, zeropp.signature() if zeropp.active else None)
     zeropp = attach_groups(zeropp, group)  # makes process groups: only once the ranks agree
     context = CompileContext(config, group, plan, zeropp, runner, _device_type(example_inputs),
-                             reduce_scatter_by_all_to_all(config.reduce_scatter, group))
+                             group.world_size > 1 and reduce_scatter_by_all_to_all(config.reduce_scatter, group))
     gm = run_passes(context, "dynamo", gm)
     graphs = CompiledGraphs(dynamo=gm, context=context)
     record_compiled_graphs(_recorded_on(plan, example_inputs), graphs)  # for step_report

@@ -36,7 +36,9 @@ class CompileContext:
     zeropp: ZeroPPSettings
     runner: PassRunner
     device_type: str = "cpu"
-    reduce_scatter_by_all_to_all: bool = False  # process_group.reduce_scatter_by_all_to_all, resolved once
+    # the graphs' reduce-scatters run as all-to-all + sum (process_group.reduce_scatter_by_all_to_all,
+    # more than one rank), resolved once: the pipeline's lowering row and step_report read it
+    reduce_scatter_by_all_to_all: bool = False
     plans: dict[str, Any] = field(default_factory=dict)  # plan file name (``buckets.forward``) -> plan
 
     @property

@@ -225,14 +225,13 @@ def _agree(values: list[float], group: DataParallelGroup, device: torch.device) 
     return [statistics.median(column) for column in zip(*rows)]
 
 
-def _issue_call(kind: str, nbytes: int, group: DataParallelGroup, device: torch.device,
-                reduce_scatter_form: str = "auto") -> Callable[[], torch.Tensor]:
+def _issue_call(kind: str, nbytes: int, group: DataParallelGroup, device: torch.device) -> Callable[[], torch.Tensor]:
     """Issues a collective of ``kind`` moving ``nbytes`` as ``CollectiveNode.bytes`` counts them (fp32).
 
     Through the functional ops the compiled graphs call, run eagerly: what is timed is what the
-    graphs run, issue and wait apart; a reduce-scatter in the form the graphs run it
-    (``process_group.reduce_scatter_by_all_to_all``: the sum of the received rows is compute,
-    priced with the graph's other ops).
+    graphs run, issue and wait apart; a reduce-scatter in the form the graphs run it by default
+    (``process_group.reduce_scatter_by_all_to_all``, option ``"auto"``: the sum of the received rows
+    is compute, priced with the graph's other ops).
     """
     world, name = group.world_size, group.name
     numel = -(-nbytes // (4 * world)) * world  # fp32 elements, divisible by the group size
@@ -240,7 +239,7 @@ def _issue_call(kind: str, nbytes: int, group: DataParallelGroup, device: torch.
     part = torch.ones(numel // world, device=device)
     if kind == "all_gather":  # moves its output: ``numel``
         return lambda: ALL_GATHER(part, world, name)
-    if kind == "reduce_scatter" and reduce_scatter_by_all_to_all(reduce_scatter_form, group):
+    if kind == "reduce_scatter" and reduce_scatter_by_all_to_all("auto", group):
         splits = [numel // world] * world
         return lambda: ALL_TO_ALL(full, splits, splits, name)
     if kind == "reduce_scatter":  # moves its input: ``numel``
@@ -265,7 +264,7 @@ def _time_collective(issue: Callable[[], torch.Tensor], sync: Callable[[], None]
 
 def measure_collective_costs(group: dist.ProcessGroup | None = None, sizes: tuple[int, ...] = DEFAULT_SIZES,
                              repeats: int = 5, warmup: int = 1, kinds: tuple[str, ...] = KINDS,
-                             measure_overlap: bool = True, reduce_scatter_form: str = "auto") -> CollectiveCosts:
+                             measure_overlap: bool = True) -> CollectiveCosts:
     """Fits ``CollectiveCost`` per kind from eager collectives of ``sizes`` bytes; agreed across ranks.
 
     Per kind: ``warmup`` calls of each size, then ``repeats`` rounds over the sizes, each call
@@ -274,8 +273,7 @@ def measure_collective_costs(group: dist.ProcessGroup | None = None, sizes: tupl
     sizes so that a burst of load on a shared machine spreads over all sizes instead of bending
     the line at one. The constants of all ranks are all-gathered and every rank keeps their
     element-wise median. ``measure_overlap``: also the contention factor ``overlap_slowdown``
-    (``_overlap_slowdown``). ``reduce_scatter_form``: the backend option ``reduce_scatter`` of the
-    graphs to be priced (``_issue_call``). Without a process group, or in a group of one, every collective
+    (``_overlap_slowdown``). Without a process group, or in a group of one, every collective
     costs 0. Collective: every rank of ``group`` must call it with the same arguments.
     """
     resolved = DataParallelGroup.resolve(group)
@@ -285,7 +283,7 @@ def measure_collective_costs(group: dist.ProcessGroup | None = None, sizes: tupl
     sync = _sync_for(device)
     local = []
     for kind in kinds:
-        calls = [_issue_call(kind, nbytes, resolved, device, reduce_scatter_form) for nbytes in sizes]
+        calls = [_issue_call(kind, nbytes, resolved, device) for nbytes in sizes]
         for call in calls:
             for _ in range(warmup):
                 WAIT(call())

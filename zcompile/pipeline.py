@@ -124,7 +124,7 @@ PIPELINE: tuple[PassRow, ...] = (
             after=("bucket_collectives", "quantize_weights", "quantize_grads")),
     # how this backend runs what the passes above planned: last, in place, the kind kept
     PassRow("reduce_scatter_as_all_to_all", BACKWARD, reduce_scatter_as_all_to_all_pass,
-            enabled=lambda c: c.reduce_scatter_by_all_to_all and c.group.world_size > 1,
+            enabled=lambda c: c.reduce_scatter_by_all_to_all,
             after=("bucket_collectives", "quantize_grads", "schedule")),
 )
 

@@ -175,7 +175,7 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
         grad_norm=getattr(optimizer, "last_grad_norm", None),
         skipped_steps=getattr(optimizer, "skipped_steps", 0),
         reduce_scatter_as_all_to_all=any(g.context is not None and g.context.reduce_scatter_by_all_to_all
-                                         and plan.world_size > 1 for g in graphs),
+                                         for g in graphs),
     )
 
 

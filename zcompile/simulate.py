@@ -132,8 +132,9 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
     check_world(world_size, node_size)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     config = ZeroConfig.from_options(options).replace(check_ranks=False)
-    if config.reduce_scatter == "auto":  # the fake group has no backend: the profile's device says which
-        config = config.replace(reduce_scatter="all_to_all" if profile.device_type == "cpu" else "native")
+    on_gloo = profile.device_type == "cpu"  # the fake group has no backend: the profile's device says which
+    if config.reduce_scatter == "auto":
+        config = config.replace(reduce_scatter="all_to_all" if on_gloo else "native")
     node_size = _node_size(node_size, config, profile)
     config = config.replace(node_size=node_size)
     start = time.perf_counter()
@@ -166,7 +167,7 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
     peak = step_peak(graphs, states.params_bytes, states.grads_bytes, states.optimizer_bytes)
     result.step_peak_bytes, result.step_peak_phase = peak.peak_bytes, peak.where
     result.collectives = _graph_collectives(graphs, pricing) + _optimizer_collectives(
-        model, pricing, by_all_to_all=profile.device_type == "cpu")
+        model, pricing, by_all_to_all=on_gloo)
     compute = profile.compute_costs(config.param_dtype or torch.float32)
     result.optimizer_update_s = _optimizer_update_seconds(model, profile, compute)
     _predict(result, graphs, pricing, compute, sum(p.requires_grad for p in dict.fromkeys(model.parameters())))
