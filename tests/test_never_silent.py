@@ -180,6 +180,29 @@ def test_gradients_on_different_parameters_per_rank_fail_fast_on_every_rank():
         assert seconds < 10, seconds
 
 
+def _reduce_scatter_form_per_rank(rank, world):
+    """Rank 0 runs gloo's own reduce-scatter, rank 1 the all-to-all (the option differs per rank)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
+    options = {"stage": 2, "check_timeout_s": 20, "reduce_scatter": "native" if rank == 0 else "all_to_all"}
+    compiled = torch.compile(model, backend="zero", options=options)
+    start = time.perf_counter()
+    try:
+        compiled(torch.randn(4, 16)).sum().backward()
+    except RankDivergenceError as error:
+        return str(error), time.perf_counter() - start
+    return None, None
+
+
+def test_reduce_scatter_option_differing_per_rank_fails_fast_on_every_rank():
+    """A reduce-scatter on one rank and an all-to-all on the other would pair two different
+    collectives: the compile-time check of the backward's collectives stops both ranks instead."""
+    for message, seconds in run_ranks(2, _reduce_scatter_form_per_rank):
+        assert message is not None, "a reduce_scatter option differing per rank went unnoticed"
+        assert "backward" in message and "run as all_to_all (option reduce_scatter)" in message, message
+        assert seconds < 30, seconds
+
+
 def _gathered_on_rank0_only(rank, world):
     torch._dynamo.reset()
     model = build_model("gpt")

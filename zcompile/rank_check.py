@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from zcompile.passes.collectives import collective_nodes
+from zcompile.passes.collectives import COLLECTIVE_KINDS, collective_nodes
 from zcompile.passes.metadata import params_of
 from zcompile.passes.regions import subgraph_calls
 from zcompile.process_group import DataParallelGroup, default_store
@@ -75,7 +75,10 @@ def sequence_signature(gm: torch.fx.GraphModule) -> list:
     for collective in collective_nodes(gm):
         val = collective.input_val
         shape = list(val.shape) if val is not None else None
-        signature.append([collective.kind, shape, str(getattr(val, "dtype", None)),
+        # the form it runs in too: a reduce-scatter on one rank and an all-to-all on another would not pair
+        ran_as = COLLECTIVE_KINDS[collective.node.target]
+        kind = collective.kind if ran_as == collective.kind else f"{collective.kind} run as {ran_as} (option reduce_scatter)"
+        signature.append([kind, shape, str(getattr(val, "dtype", None)),
                           [str(a) for a in collective.node.args[1:-1]], params_of(collective.node)])
     return signature
 
