@@ -135,11 +135,14 @@ class ShardSwap:
                 sharded.calls_since_step += 1
             if self.plan.stage == 1:
                 if sharded.replica is not None:
+                    _follow_requires_grad(sharded.replica, p.requires_grad)
                     args[p.index] = sharded.replica  # its gradient is stage 1's full gradient
                 continue
             if self.plan.stage == 3:
+                _follow_requires_grad(sharded.shard, p.requires_grad)
                 args[p.index] = sharded.shard
             else:
+                _follow_requires_grad(sharded.grad_target, p.requires_grad)
                 args[p.index] = sharded.replicated_alias
                 appended.append(sharded.grad_target)
         return args + appended if appended else args
@@ -191,6 +194,19 @@ class ShardSwap:
             return run_with_shards(*args)
 
         return run_agreed
+
+
+def _follow_requires_grad(leaf: torch.Tensor, requires_grad: bool) -> None:
+    """The tensor that takes a parameter's gradient in its place (the shard, stage 2's grad target, a
+    low-precision replica) requires grad exactly when the parameter did as this graph was traced.
+
+    Freezing or unfreezing a parameter between steps (``p.requires_grad_(False)``) makes Dynamo
+    recompile, since its guards check ``requires_grad``; but the graphs take the stand-in, and one
+    left as it was when first sharded kept a frozen parameter training (or an unfrozen one frozen),
+    with no error. Set here at every call, not only when tracing: a graph compiled earlier, for the
+    other setting, runs again when the parameter is switched back. A plain tensor's flag: no cost."""
+    if leaf.requires_grad != requires_grad:
+        leaf.requires_grad_(requires_grad)
 
 
 def _recorded_on(plan: ShardingPlan, example_inputs: list) -> list[torch.nn.Parameter]:
