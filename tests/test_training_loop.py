@@ -39,6 +39,8 @@ STEPS, EVAL_EVERY, WARMUP = 6, 2, 3
 SPEC = RunSpec(model="gpt", steps=STEPS)  # lr 1e-2, 8 sequences a step: the premises of the tolerances
 HELD_OUT_STEP = 10_000  # a global batch no training step uses
 NO_DECAY_LR_SCALE = 0.5  # a group-specific lr: a group mixed up with the other changes the trained weights
+GRAD_PROBE_STEP = 1  # gradients read and edited inside gathered(model, grads=True) before this step's update
+DROPPED_GRAD = "ln_f.bias"
 
 
 def _groups(model: torch.nn.Module) -> list[dict]:
@@ -85,6 +87,19 @@ def _evaluate(run, model, parts, world: int, zero: bool) -> float:
     return _mean_over(loss, world, zero)
 
 
+def _probe_and_edit_grads(model, out: dict) -> None:
+    """Reads every gradient as DDP would leave it, then edits them as gradient surgery does: all
+    halved, one dropped (the step must skip that parameter, as torch's AdamW does for a None grad).
+    A no-op context for the reference's plain model, whose ``.grad`` already is the average."""
+    with zcompile.gathered(model, grads=True):
+        out["grads"] = {name: p.grad.clone() for name, p in model.named_parameters()}
+        for name, p in model.named_parameters():
+            if name == DROPPED_GRAD:
+                p.grad = None
+            else:
+                p.grad.mul_(0.5)
+
+
 def _train(rank: int, world: int, stage: int | None) -> dict:
     """The loop at ``stage`` on this rank; ``stage=None``: the single-process reference, which runs
     every rank's slice itself (so its gradient is the ranks' average)."""
@@ -105,6 +120,8 @@ def _train(rank: int, world: int, stage: int | None) -> dict:
             part_loss = model_loss(SPEC.model, run, tokens, targets) / len(parts)
             part_loss.backward()
             loss += part_loss.detach()
+        if step == GRAD_PROBE_STEP:
+            _probe_and_edit_grads(model, out)
         out["lrs"].append([group["lr"] for group in optimizer.param_groups])  # what this step uses
         optimizer.step()
         run.zero_grad()  # through the model, as Trainer and accelerate do: it must clear the shards' gradients too
@@ -171,3 +188,20 @@ def test_scheduler_and_param_groups(runs, stage):
     decay = [lr for lr, _ in lrs]  # warmup rises, then the cosine falls from the peak
     assert decay[:WARMUP] == sorted(set(decay[:WARMUP])) and decay[WARMUP:] == sorted(set(decay[WARMUP:]))[::-1]
     assert ranks[0][stage]["weight_decay"] == [0.01, 0.0]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_gathered_grads_are_the_averaged_gradients(runs, stage):
+    """Inside ``gathered(model, grads=True)`` each ``.grad`` is the full gradient averaged over the
+    ranks, as the reference (DDP's average) holds it; every rank holds the same. The edits made
+    there (halved, one dropped) are what the step applied: ``test_training_matches_single_process_reference``
+    compares the weights trained after them with the reference's, which made the same edits.
+    Tolerance: the averages differ only in summation order (1e-6 relative of the largest element)."""
+    ranks, reference = runs
+    grads = ranks[0][stage]["grads"]
+    assert grads.keys() == reference["grads"].keys()
+    for name, want in reference["grads"].items():
+        got = grads[name]
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert torch.allclose(got, want, rtol=0, atol=1e-6 * want.abs().max().item()), (name, (got - want).abs().max())
+        assert torch.equal(ranks[1][stage]["grads"][name], got), name

@@ -7,10 +7,16 @@ from typing import Iterator
 
 import torch
 
+from zcompile import full_grads
 from zcompile.param_shards import ShardedParam, shard_of
 from zcompile.rank_check import RankDivergenceError, exchange_on_store
 
 DEFAULT_TIMEOUT_S = 60.0
+
+
+def _sharded_params(model: torch.nn.Module) -> list[ShardedParam]:
+    """Every sharded parameter of ``model``, each once (tied weights)."""
+    return [s for s in dict.fromkeys(map(shard_of, model.parameters())) if s is not None]
 
 
 def _freed_shards(model: torch.nn.Module) -> list[ShardedParam]:
@@ -27,7 +33,7 @@ def _freed_shards(model: torch.nn.Module) -> list[ShardedParam]:
 
 @contextlib.contextmanager
 def gathered(model: torch.nn.Module, writeback: bool | None = None, rank0_only: bool = False,
-             timeout_s: float = DEFAULT_TIMEOUT_S) -> Iterator[torch.nn.Module]:
+             timeout_s: float = DEFAULT_TIMEOUT_S, grads: bool = False) -> Iterator[torch.nn.Module]:
     """Materializes the full parameters of ``model`` inside the block and frees them after.
 
     Use it for evaluation, ``generate()``, export or inspection in eager mode (call the original
@@ -46,31 +52,46 @@ def gathered(model: torch.nn.Module, writeback: bool | None = None, rank0_only: 
     replicas: the fp32 values are then gathered from the master shards like stage 3's, and a write-back
     refreshes the replicas too. For full ones this is a no-op (no agreement needed).
     A parameter already gathered by an enclosing ``gathered`` is left to it.
+
+    ``grads=True``: inside, each sharded parameter with a gradient also holds in ``.grad`` the full
+    gradient averaged over ranks, what DDP leaves there (between backward and ``optimizer.step()``
+    zcompile keeps it on the shards at stages 2 and 3, and stage 1's ``.grad`` is the local,
+    unreduced one); with ``writeback`` what ``.grad`` holds on exit, edits included, is what the
+    step applies (``zcompile.full_grads``). Not with ``rank0_only``.
     """
     if rank0_only and writeback:
         raise ValueError("zcompile.gathered: writeback=True with rank0_only=True is not supported (rank 0's changes "
                          "would have to be scattered to every rank); use writeback=False, or rank0_only=False")
+    if rank0_only and grads:
+        raise ValueError("zcompile.gathered: grads=True with rank0_only=True is not supported (the averaged gradients "
+                         "are gathered on every rank); use rank0_only=False and read them on rank 0")
     writeback = not rank0_only if writeback is None else writeback
     shards = [s for s in _freed_shards(model) if s.is_freed]
-    if shards:
-        _agree_on_entry(shards, rank0_only, writeback, timeout_s)
+    with_grads = _sharded_params(model) if grads else []
+    if shards or (with_grads and with_grads[0].group.world_size > 1):
+        _agree_on_entry(shards or with_grads, rank0_only, writeback, timeout_s, full_grads.grad_layout(with_grads))
     with torch.no_grad():
         for sharded in shards:
             sharded.materialize_full(rank0_only)
+        saved_grads = full_grads.enter(with_grads)
     try:
         yield model
     finally:
         with torch.no_grad():
+            full_grads.leave(saved_grads, writeback)
             for sharded in shards:
                 if writeback:
                     sharded.write_shard_from_full()
                 sharded.free_full()
 
 
-def _agree_on_entry(shards: list[ShardedParam], rank0_only: bool, writeback: bool, timeout_s: float) -> None:
-    """Every rank enters with the same parameters and arguments, or every rank that came raises."""
+def _agree_on_entry(shards: list[ShardedParam], rank0_only: bool, writeback: bool, timeout_s: float,
+                    grad_layout: list[bool]) -> None:
+    """Every rank enters with the same parameters and arguments (and, with ``grads``, gradients on
+    the same parameters: they are reduced together), or every rank that came raises."""
     group = shards[0].group
-    call = [len(shards), sum(s.numel for s in shards), rank0_only, writeback]
+    layout = "".join("1" if has else "0" for has in grad_layout)
+    call = [len(shards), sum(s.numel for s in shards), rank0_only, writeback, layout]
     calls = exchange_on_store(
         call, group, timeout_s, "gathered", "zcompile.gathered(model)",
         "Every rank must enter `with zcompile.gathered(model):` (it gathers the parameters with collectives); "
@@ -78,5 +99,6 @@ def _agree_on_entry(shards: list[ShardedParam], rank0_only: bool, writeback: boo
     if any(other != call for other in calls):
         raise RankDivergenceError(
             "zcompile.gathered(model): the ranks entered it with different models or arguments "
-            f"([parameters, elements, rank0_only, writeback] per rank: {dict(enumerate(calls))}); "
-            "enter it on every rank with the same model and arguments.")
+            f"([parameters, elements, rank0_only, writeback, which parameters have gradients] per rank: "
+            f"{dict(enumerate(calls))}); enter it on every rank with the same model and arguments (with grads=True, "
+            "after a backward on every rank that reached the same parameters).")
