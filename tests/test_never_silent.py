@@ -162,18 +162,27 @@ def _gradients_on_different_parameters(rank, world):
     optimizer = zcompile.optim.AdamW(model.parameters(), lr=0.01, check_timeout_s=20)
     compiled(torch.randn(4, 16)).backward()
     start = time.perf_counter()
+    try:  # reading the averaged gradients would reduce one parameter's with another's
+        with zcompile.gathered(model, grads=True, timeout_s=20):
+            gathered_error = None
+    except RankDivergenceError as error:
+        gathered_error = str(error), time.perf_counter() - start
+    start = time.perf_counter()
     try:
         optimizer.step()
     except RankDivergenceError as error:
-        return str(error), time.perf_counter() - start
-    return None, None
+        return str(error), time.perf_counter() - start, gathered_error
+    return None, None, gathered_error
 
 
 def test_gradients_on_different_parameters_per_rank_fail_fast_on_every_rank():
     """The step's buckets are planned from the parameters with gradients: ranks that differ there
     (same call counts) would average one parameter's gradient with another's. Before this check
-    the run trained on, its replicated weights different on each rank."""
-    for rank, (message, seconds) in enumerate(run_ranks(2, _gradients_on_different_parameters)):
+    the run trained on, its replicated weights different on each rank. ``gathered(grads=True)``
+    reduces the same gradients and checks the same way."""
+    for rank, (message, seconds, gathered_error) in enumerate(run_ranks(2, _gradients_on_different_parameters)):
+        assert gathered_error is not None, "gathered(grads=True) with gradients on different parameters went unnoticed"
+        assert "which parameters have gradients" in gathered_error[0] and gathered_error[1] < 10, gathered_error
         assert message is not None, "gradients on different parameters went unnoticed"
         assert "gradients on different parameters" in message and "p.grad = torch.zeros_like(p)" in message
         assert ("left.weight" if rank == 0 else "right.weight") in message  # this rank's are named

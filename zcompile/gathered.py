@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Iterator
 
 import torch
@@ -91,7 +92,10 @@ def _agree_on_entry(shards: list[ShardedParam], rank0_only: bool, writeback: boo
     the same parameters: they are reduced together), or every rank that came raises."""
     group = shards[0].group
     layout = "".join("1" if has else "0" for has in grad_layout)
-    call = [len(shards), sum(s.numel for s in shards), rank0_only, writeback, layout]
+    # which parameters, not only how many: ranks whose graphs reached different ones (a branch on
+    # the rank) would pair one parameter's collective with another's of the same size
+    names = hashlib.sha1("\n".join(s.name for s in shards).encode()).hexdigest()[:16]
+    call = [len(shards), sum(s.numel for s in shards), names, rank0_only, writeback, layout]
     calls = exchange_on_store(
         call, group, timeout_s, "gathered", "zcompile.gathered(model)",
         "Every rank must enter `with zcompile.gathered(model):` (it gathers the parameters with collectives); "
@@ -99,6 +103,7 @@ def _agree_on_entry(shards: list[ShardedParam], rank0_only: bool, writeback: boo
     if any(other != call for other in calls):
         raise RankDivergenceError(
             "zcompile.gathered(model): the ranks entered it with different models or arguments "
-            f"([parameters, elements, rank0_only, writeback, which parameters have gradients] per rank: "
+            f"([parameters, elements, their names' digest, rank0_only, writeback, which parameters have gradients] "
+            "per rank: "
             f"{dict(enumerate(calls))}); enter it on every rank with the same model and arguments (with grads=True, "
             "after a backward on every rank that reached the same parameters).")
