@@ -34,7 +34,16 @@ def test_unknown_option_lists_valid_ones():
         ({"group": "world"}, "ProcessGroup"),
         ({"check_timeout_s": 0}, "check_timeout_s"),
         ({"on_compile": 3}, "callable"),
-        ({"keep_gathered_mb": -1}, "'keep_gathered_mb' must be a number >= 0"),
+        ({"keep_gathered_mb": -1}, "'keep_gathered_mb' must be a finite number >= 0"),
+        # NaN passed every range check (nan < 0 is False) and infinity failed in an int conversion
+        ({"bucket_mb": float("nan")}, "'bucket_mb' must be a finite number"),
+        ({"bucket_mb": float("inf")}, "'bucket_mb' must be a finite number"),
+        ({"keep_gathered_mb": float("nan")}, "'keep_gathered_mb' must be a finite number"),
+        ({"memory_budget_mb": float("nan")}, "'memory_budget_mb' must be a positive finite number"),
+        ({"check_timeout_s": float("nan")}, "'check_timeout_s' must be a positive finite number"),
+        ({"check_timeout_s": True}, "'check_timeout_s' must be a positive finite number"),
+        ({"activation_memory_budget": "infMiB"}, "'activation_memory_budget' as a string is MiB"),
+        ({"activation_memory_budget": float("nan")}, "'activation_memory_budget' must be a fraction"),
         ({"stage": 2, "keep_gathered_mb": 4}, "keep_gathered_mb keeps stage-3 gathered weights"),
     ],
 )

@@ -25,7 +25,7 @@ def _tune(space, **kwargs):
                                     r"space\['bucket_mb'\] = \[4.0\]"),
     ({"prefetch": "12"}, TypeError, r"space\['prefetch'\] must be a list of candidates"),
     ({"bucket_mb": [1, "4"]}, ValueError, r"space\['bucket_mb'\] candidate '4': zero backend: option 'bucket_mb' must "
-                                          r"be a number >= 0"),
+                                          r"be a finite number >= 0"),
     ({"prefetch": [1, 1.5]}, ValueError, r"space\['prefetch'\] candidate 1.5: .*'prefetch' must be an int >= 0"),
     ({"stage": [3, 4]}, ValueError, r"space\['stage'\] candidate 4: .*'stage' must be 1, 2 or 3"),
     ({"overlap": [True, "yes"]}, TypeError, r"space\['overlap'\] candidate 'yes': .*'overlap' must be a bool"),

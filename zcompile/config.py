@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable
@@ -138,24 +139,21 @@ class ZeroConfig:
                 "zero backend: option 'group' must be a torch.distributed.ProcessGroup or None, "
                 f"got {type(self.group).__name__}"
             )
-        if isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb < 0:
-            raise ValueError(f"zero backend: option 'bucket_mb' must be a number >= 0 (MiB), got {self.bucket_mb!r}")
+        if not finite_number(self.bucket_mb) or self.bucket_mb < 0:
+            raise ValueError(f"zero backend: option 'bucket_mb' must be a finite number >= 0 (MiB), got {self.bucket_mb!r}")
         if not isinstance(self.overlap, bool):
             raise TypeError(f"zero backend: option 'overlap' must be a bool, got {self.overlap!r}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"zero backend: option 'prefetch' must be an int >= 0, got {self.prefetch!r}")
-        if self.memory_budget_mb is not None and (
-                isinstance(self.memory_budget_mb, bool) or not isinstance(self.memory_budget_mb, (int, float))
-                or self.memory_budget_mb <= 0):
+        if self.memory_budget_mb is not None and (not finite_number(self.memory_budget_mb) or self.memory_budget_mb <= 0):
             raise ValueError(
-                f"zero backend: option 'memory_budget_mb' must be a positive number (MiB) or None, got {self.memory_budget_mb!r}")
+                f"zero backend: option 'memory_budget_mb' must be a positive finite number (MiB) or None, got {self.memory_budget_mb!r}")
         if self.schedule_policy is not None and not callable(self.schedule_policy):
             raise TypeError(f"zero backend: option 'schedule_policy' must be a callable policy(problem) -> depths "
                             f"(passes/README.md) or None for greedy prefetch, got {self.schedule_policy!r}")
-        if isinstance(self.keep_gathered_mb, bool) or not isinstance(self.keep_gathered_mb, (int, float)) or \
-                self.keep_gathered_mb < 0:
+        if not finite_number(self.keep_gathered_mb) or self.keep_gathered_mb < 0:
             raise ValueError(
-                f"zero backend: option 'keep_gathered_mb' must be a number >= 0 (MiB), got {self.keep_gathered_mb!r}")
+                f"zero backend: option 'keep_gathered_mb' must be a finite number >= 0 (MiB), got {self.keep_gathered_mb!r}")
         if self.stage != 3 and self.keep_gathered_mb:
             raise ValueError(f"zero backend: keep_gathered_mb keeps stage-3 gathered weights for backward; stage "
                              f"{self.stage} keeps every weight already. Use stage 3, or drop keep_gathered_mb")
@@ -181,9 +179,9 @@ class ZeroConfig:
                              "and 3; stage 1 reduces in the optimizer. Use stage 2 or 3")
         if not isinstance(self.check_ranks, bool):
             raise TypeError(f"zero backend: option 'check_ranks' must be a bool, got {self.check_ranks!r}")
-        if not isinstance(self.check_timeout_s, (int, float)) or self.check_timeout_s <= 0:
+        if not finite_number(self.check_timeout_s) or self.check_timeout_s <= 0:
             raise ValueError(
-                f"zero backend: option 'check_timeout_s' must be a positive number, got {self.check_timeout_s!r}"
+                f"zero backend: option 'check_timeout_s' must be a positive finite number, got {self.check_timeout_s!r}"
             )
 
     @property
@@ -236,7 +234,13 @@ def activation_budget_bytes(budget: str) -> int | None:
         value = float(number)
     except ValueError:
         return None
-    return int(value * 2**20) if budget.strip().endswith("MiB") and value >= 0 else None
+    return int(value * 2**20) if budget.strip().endswith("MiB") and math.isfinite(value) and value >= 0 else None
+
+
+def finite_number(value: Any) -> bool:
+    """An int or float that is not a bool, NaN or infinite: NaN passed every range check (``nan < 0`` is
+    False) and was taken silently, infinity failed later in an int conversion that named no option."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _parse_dtype(option: str, value: Any) -> torch.dtype | None:

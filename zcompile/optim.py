@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from zcompile.config import finite_number
 from zcompile.process_group import DataParallelGroup
 from zcompile.comm_volume import CollectiveRecord
 from zcompile.memory import ModelStateBytes, model_state_bytes
@@ -74,8 +75,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, defaults: dict, bucket_mb: float = 4.0, max_grad_norm: float | None = None,
                  check_timeout_s: float | None = DEFAULT_TIMEOUT_S, skip_nonfinite: bool | None = None):
-        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb < 0:
-            raise ValueError(f"{type(self).__name__}: bucket_mb must be a number >= 0 (MiB), got {bucket_mb!r}")
+        if not finite_number(bucket_mb) or bucket_mb < 0:
+            raise ValueError(f"{type(self).__name__}: bucket_mb must be a finite number >= 0 (MiB), got {bucket_mb!r}")
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
                                           or not max_grad_norm > 0):
             raise ValueError(f"{type(self).__name__}: max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
