@@ -123,3 +123,26 @@ def test_bad_budgets_name_the_option(bad, match):
         zcompile.ZeroConfig(activation_memory_budget=bad)
     with pytest.raises(ValueError, match="needs compiler='eager'"):
         zcompile.ZeroConfig(activation_memory_budget="8MiB", compiler="inductor")
+
+
+def test_mib_budget_on_a_model_with_tensor_constants():
+    """A transformers Llama's joint graph holds a tensor constant: the MiB budget's trial partition
+    deep-copied the module with it under the fake mode and failed at the first compile ("set the
+    storage of a tensor on device meta"). The trial now copies the graph only. Reference: the plain
+    model's loss and gradients on the same batch (one process, fp32)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model, reference = transformers.LlamaForCausalLM(config), transformers.LlamaForCausalLM(config)
+    reference.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    run = torch.compile(model, backend="zero", options={"stage": 3, "activation_memory_budget": "0.01MiB"})
+    loss = run(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    want = reference(input_ids=tokens, labels=tokens).loss
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    with zcompile.gathered(model, grads=True):
+        for (name, got), expected in zip(model.named_parameters(), reference.parameters()):
+            assert torch.allclose(got.grad, expected.grad, rtol=0, atol=1e-6 * expected.grad.abs().max().item()), name

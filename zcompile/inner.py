@@ -175,7 +175,10 @@ def activation_budget_fraction(budget: float | str | None, joint: torch.fx.Graph
         return budget
     with warnings.catch_warnings():  # deepcopy of the graph's pytree specs warns of a torch-internal deprecation
         warnings.simplefilter("ignore", FutureWarning)
-        trial = copy.deepcopy(joint)
+        # the graph copied, the module's attributes shared: a deepcopy of the module also copied its
+        # tensor constants (a transformers model's: "set the storage of a tensor on device meta")
+        # and the nodes' fake values, whose new shape symbols had no source for Dynamo's guards
+        trial = torch.fx.GraphModule(joint, copy.deepcopy(joint.graph))
     forward, backward = min_cut_rematerialization_partition(trial, joint_inputs, **kwargs)
     saved = saved_activation_bytes(forward, backward)
     fraction = 1.0 if saved == 0 else min(1.0, activation_budget_bytes(budget) / saved)
