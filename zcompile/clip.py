@@ -85,7 +85,7 @@ def clip_grad_norm_of_shards(members: list[ShardedParam], max_norm: float, norm_
     clip_coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # torch's rule, in fp32
     for member in with_grad:
         member.shard_grad.detach().mul_(clip_coef.to(member.shard_grad.device))
-    _keep_records(with_grad, records)
+    keep_records_for_step(with_grad, records)
     return total
 
 
@@ -95,7 +95,7 @@ def clip_grad_value_of_shards(members: list[ShardedParam], clip_value: float,
     with_grad, records = averaged_grad_shards(members, bucket_bytes)
     for member in with_grad:
         member.shard_grad.detach().clamp_(min=-float(clip_value), max=float(clip_value))
-    _keep_records(with_grad, records)
+    keep_records_for_step(with_grad, records)
 
 
 def averaged_grad_shards(members: list[ShardedParam], bucket_bytes: int) -> tuple[list[ShardedParam], list]:
@@ -161,9 +161,10 @@ def _device_of(members: list[ShardedParam]) -> torch.device:
     return members[0].shard.device if members else torch.device("cpu")
 
 
-def _keep_records(members: list[ShardedParam], records: list) -> None:
-    """The optimizer's next step reports these collectives (it collects them from the members with
-    a gradient; with none, nothing was clipped and the norm's all-reduce goes unreported)."""
+def keep_records_for_step(members: list[ShardedParam], records: list) -> None:
+    """The optimizer's next step reports these collectives, issued ahead of it (by clipping, or by
+    ``gathered(grads=True)``); it collects them from the members with a gradient (with none, nothing
+    was reduced and a clip's norm all-reduce goes unreported)."""
     if members and records:
         members[0].pre_step_records += records
 

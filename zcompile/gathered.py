@@ -23,13 +23,7 @@ def _sharded_params(model: torch.nn.Module) -> list[ShardedParam]:
 def _freed_shards(model: torch.nn.Module) -> list[ShardedParam]:
     """The parameters whose full value exists on no rank at rest: stage 3's, and stage 1's and 2's
     kept as a low-precision replica (``param_dtype``)."""
-    seen, shards = set(), []
-    for param in model.parameters():
-        sharded = shard_of(param)
-        if sharded is not None and (sharded.stage == 3 or sharded.replica is not None) and id(param) not in seen:
-            seen.add(id(param))
-            shards.append(sharded)
-    return shards
+    return [s for s in _sharded_params(model) if s.stage == 3 or s.replica is not None]
 
 
 @contextlib.contextmanager
@@ -68,18 +62,18 @@ def gathered(model: torch.nn.Module, writeback: bool | None = None, rank0_only: 
                          "are gathered on every rank); use rank0_only=False and read them on rank 0")
     writeback = not rank0_only if writeback is None else writeback
     shards = [s for s in _freed_shards(model) if s.is_freed]
-    with_grads = _sharded_params(model) if grads else []
-    if shards or (with_grads and with_grads[0].group.world_size > 1):
-        _agree_on_entry(shards or with_grads, rank0_only, writeback, timeout_s, full_grads.grad_layout(with_grads))
+    grad_members = _sharded_params(model) if grads else []  # every sharded parameter, freed or not
+    if shards or (grad_members and grad_members[0].group.world_size > 1):
+        _agree_on_entry(grad_members or shards, rank0_only, writeback, timeout_s, full_grads.grad_layout(grad_members))
     with torch.no_grad():
         for sharded in shards:
             sharded.materialize_full(rank0_only)
-        saved_grads = full_grads.enter(with_grads)
+        with_grad = full_grads.enter(grad_members)
     try:
         yield model
     finally:
         with torch.no_grad():
-            full_grads.leave(saved_grads, writeback)
+            full_grads.leave(with_grad, writeback)
             for sharded in shards:
                 if writeback:
                     sharded.write_shard_from_full()
@@ -88,8 +82,9 @@ def gathered(model: torch.nn.Module, writeback: bool | None = None, rank0_only: 
 
 def _agree_on_entry(shards: list[ShardedParam], rank0_only: bool, writeback: bool, timeout_s: float,
                     grad_layout: list[bool]) -> None:
-    """Every rank enters with the same parameters and arguments (and, with ``grads``, gradients on
-    the same parameters: they are reduced together), or every rank that came raises."""
+    """Every rank enters with the same parameters (``shards``: those it gathers or reduces) and
+    arguments (and, with ``grads``, gradients on the same parameters: they are reduced together), or
+    every rank that came raises."""
     group = shards[0].group
     layout = "".join("1" if has else "0" for has in grad_layout)
     # which parameters, not only how many: ranks whose graphs reached different ones (a branch on

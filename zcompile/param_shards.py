@@ -220,15 +220,22 @@ class ShardedParam:
             nbytes = self.numel * self.param.element_size()
             self.param.untyped_storage().resize_(nbytes)
         flat_full = self.param.data.view(-1)
-        if self.group.world_size == 1:
-            flat_full.copy_(shard[: self.numel])
-            return
-        gathered = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
-        if rank0_only:
+        if rank0_only and self.group.world_size > 1:
+            gathered = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
             gather_to_first_eager(gathered, shard, self.group)
         else:
-            all_gather_eager(gathered, shard, self.group)
+            gathered = self.all_gathered(shard)
         flat_full.copy_(gathered[: self.numel])
+
+    def all_gathered(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``shard`` (this parameter's shard layout: the shard, its gradient, a cast of
+        either) concatenated: the flat padded ``[padded_numel]``, the full value in its first
+        ``numel`` elements; ``shard`` itself in a world of one (collective otherwise)."""
+        if self.group.world_size == 1:
+            return shard
+        gathered = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
+        all_gather_eager(gathered, shard.contiguous(), self.group)
+        return gathered
 
     def padded_flat(self, full: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``full`` (the parameter's shape, e.g. its gradient) flat in ``dtype``, zero-padded to N shards."""
@@ -250,11 +257,7 @@ class ShardedParam:
         if self.replica is None:
             self.materialize_full()
             return
-        shard = self.shard.detach().to(self.replica.dtype)
-        gathered = shard
-        if self.group.world_size > 1:
-            gathered = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
-            all_gather_eager(gathered, shard, self.group)
+        gathered = self.all_gathered(self.shard.detach().to(self.replica.dtype))
         with torch.no_grad():
             self.replica.view(-1).copy_(gathered[: self.numel])
 
