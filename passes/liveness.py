@@ -36,9 +36,21 @@ SUBGRAPH_CALL = frozenset({INVOKE_SUBGRAPH})
 
 
 def tensor_bytes(value) -> int:
-    """Bytes of the tensors in ``value`` (a tensor, or lists/tuples/dicts of them)."""
+    """Bytes of the tensors in ``value`` (a tensor, or lists/tuples/dicts of them), as a plain int.
+
+    A size Dynamo made symbolic (the RNG state ``torch.utils.checkpoint`` saves has a size the trace
+    cannot know) counts at its traced value, without a guard: arithmetic on the symbol would put a
+    guard on a shape no input of the frame has, and Dynamo fails building its guards."""
     leaves = torch.utils._pytree.tree_leaves(value)
-    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+    return sum(_traced_int(t.numel()) * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _traced_int(size) -> int:
+    """``size`` as an int: a symbolic one at its traced value (its hint), guarding nothing."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    hint = size.node.hint  # the value the trace saw; None only for data-dependent sizes
+    return int(hint) if hint is not None else 0
 
 
 def node_bytes(node: torch.fx.Node) -> int:

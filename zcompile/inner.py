@@ -175,9 +175,9 @@ def activation_budget_fraction(budget: float | str | None, joint: torch.fx.Graph
         return budget
     with warnings.catch_warnings():  # deepcopy of the graph's pytree specs warns of a torch-internal deprecation
         warnings.simplefilter("ignore", FutureWarning)
-        # the graph copied, the module's attributes shared: a deepcopy of the module also copied its
-        # tensor constants (a transformers model's: "set the storage of a tensor on device meta")
-        # and the nodes' fake values, whose new shape symbols had no source for Dynamo's guards
+        # the graph copied (its nodes' meta shallow: the fake values are shared), the module's
+        # attributes shared: a deepcopy of the module also copied its tensor constants (a
+        # transformers model's: "set the storage of a tensor on device meta")
         trial = torch.fx.GraphModule(joint, copy.deepcopy(joint.graph))
     forward, backward = min_cut_rematerialization_partition(trial, joint_inputs, **kwargs)
     saved = saved_activation_bytes(forward, backward)
