@@ -13,7 +13,10 @@ interleaved, also the median forward, backward and optimizer (``common.timed_tra
 Configurations: ``ddp`` (eager), ``compile`` (``torch.compile`` without data parallelism: the
 world-1 reference), ``ddp+compile`` (``torch.compile`` of the DDP module, DDPOptimizer), ``fsdp2``
 (``fully_shard`` per block and the root), ``fsdp2+compile``, ``zero1`` / ``zero2`` / ``zero3``
-and ``zero3+regional`` (``zcompile.mark_repeated_blocks`` first). ``--compiler``: the inner
+and ``zero3+regional`` (``zcompile.mark_repeated_blocks`` first); the DDP ones step with
+``torch.optim.AdamW``'s default, single-tensor on a CPU, or with ``+fused`` (``ddp+fused``,
+``ddp+compile+fused``) with ``fused=True``, the kernel ``zcompile.optim.AdamW`` runs on a CPU
+(``kernels/cpu_adamw.py``). ``--compiler``: the inner
 compiler of every compiled configuration (``aot_eager`` for torch, ``eager`` for zero; or
 ``inductor`` for both); a configuration named with ``+inductor`` (``zero2+inductor``) uses
 inductor whatever ``--compiler`` says, so ``--interleave`` can set both compilers side by side.
@@ -49,7 +52,8 @@ import zcompile  # noqa: E402
 import zcompile.optim  # noqa: E402
 
 INDUCTOR = "+inductor"  # a configuration's suffix: inductor whatever --compiler says (to interleave both compilers)
-CONFIGS = ("ddp", "compile", "ddp+compile", "fsdp2", "fsdp2+compile", "zero1", "zero2", "zero3", "zero3+regional",
+FUSED = "+fused"  # a torch configuration's suffix: torch.optim.AdamW(fused=True), not its CPU default (single-tensor)
+CONFIGS = ("ddp", "ddp+fused", "compile", "ddp+compile", "ddp+compile+fused", "fsdp2", "fsdp2+compile", "zero1", "zero2", "zero3", "zero3+regional",
            "compile+inductor", "ddp+compile+inductor", "zero1+inductor", "zero2+inductor", "zero3+inductor")
 DEFAULT_CONFIGS = ("ddp", "ddp+compile", "fsdp2", "zero1", "zero2", "zero3", "zero3+regional")
 SEQ, PER_RANK, EMBD = 128, 4, 128
@@ -61,6 +65,8 @@ def build(config: str, layers: int, compiler: str, compiled_graphs: list):
     model = GPT(GPTConfig(vocab_size=512, block_size=SEQ, n_layer=layers, n_head=4, n_embd=EMBD))
     if config.endswith(INDUCTOR):
         config, compiler = config.removesuffix(INDUCTOR), "inductor"
+    fused = config.endswith(FUSED)
+    config = config.removesuffix(FUSED)
     torch_backend = "aot_eager" if compiler == "eager" else compiler
     if config.startswith("zero"):
         if config.endswith("+regional"):
@@ -74,7 +80,7 @@ def build(config: str, layers: int, compiler: str, compiled_graphs: list):
 
         wrapped = DistributedDataParallel(model)
         module = torch.compile(wrapped, backend=torch_backend) if config.endswith("+compile") else wrapped
-        return module, torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return module, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused or None)
     from torch.distributed.fsdp import fully_shard
 
     for block in model.blocks:

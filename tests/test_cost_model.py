@@ -297,16 +297,3 @@ def test_op_classes_have_their_own_rates():
     assert node_seconds(gelu, plain) == 2 * 96 / 96.0 and node_seconds(sdpa, plain) == node_flops(sdpa) / 8.0
     # scaled keeps the classes apart
     assert node_seconds(gelu, costs.scaled(2.0)) == 2 * node_seconds(gelu, costs)
-
-
-def test_elementwise_program_scales_with_the_elements():
-    """An update traced on 8 elements, priced for 8000: each op's overhead once, its bytes x 1000."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from zcompile.cost_model import elementwise_seconds
-
-    graph = make_fx(lambda p, g: p.mul_(0.5).add_(g.exp()))(torch.ones(8), torch.ones(8))
-    costs = ComputeCosts(flops_per_s=1.0, bytes_per_s=64.0, op_overhead_s=1.0, transcendental_bytes_per_s=32.0)
-    # exp reads 8000 and writes 8000 fp32 (transcendental); mul_ and add_ each move 2 and 3 x 8000 fp32
-    expected = 3 * 1.0 + 2 * 32000 / 32.0 + (2 * 32000 + 3 * 32000) / 64.0
-    assert elementwise_seconds(graph, 8, 8000, costs) == pytest.approx(expected)

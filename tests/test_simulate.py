@@ -63,36 +63,24 @@ def test_optimizer_update_is_priced_on_rank_zeros_shards(stage3):
     assert stage3.optimizer_update_s <= stage3.compute_s
 
 
-def test_cpu_profile_prices_the_reference_update_op_by_op():
-    """On a "cpu" profile zcompile.optim runs the reference update's torch ops: every op counted
-    (torch's dispatcher sees each ``aten`` call of one real update) at its overhead, so the update
-    costs at least that many overheads per shard. The profile's host overheads add per graph call
-    (one graph: its forward and its backward) and per trained parameter to the step."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from zcompile.kernels.fused_optim import fused_adamw_reference
-
-    class Count(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.calls += 1
-            return func(*args, **(kwargs or {}))
-
-    tensors = [torch.ones(16) for _ in range(4)]
-    with Count():
-        fused_adamw_reference(*tensors, 2, 1e-3, 0.9, 0.999, 1e-8, 0.01)
+def test_cpu_profile_prices_torchs_fused_update_and_its_extra_passes():
+    """On a "cpu" profile zcompile.optim runs torch's fused AdamW kernel (``kernels.cpu_adamw``): per
+    shard one op's overhead and 28 bytes an element, as the GPU's; at stage 1 the gradient scale
+    into a copy adds 8 bytes an element, and a bf16 replica the copy into it 4 + 2. The profile's host
+    overheads add per graph call (one graph: its forward and its backward) and per trained parameter."""
     data = json.loads(open(load_profile("cpu-local").source).read())
-    data.update(op_overhead_s=1.0, memory_bytes_per_s=1e30, transcendental_bytes_per_s=1e30, device_type="cpu",
-                compute_efficiency=1.0, graph_call_overhead_s=1000.0, parameter_overhead_s=1e6)
+    data.update(op_overhead_s=1.0, memory_bytes_per_s=1.0, device_type="cpu", compute_efficiency=1.0,
+                graph_call_overhead_s=1000.0, parameter_overhead_s=1e6)
     tokens, targets = global_batch(0, 2)
-    result = simulate(lambda: build_model("gpt"), (tokens, targets), world_size=4, options={"stage": 3},
-                      hardware=profile_from_dict(data))
-    params = len(list(dict.fromkeys(build_model("gpt").parameters())))
-    assert result.optimizer_update_s == pytest.approx(Count.calls * params, rel=1e-6)
-    assert result.graph_calls == 2
-    assert result.host_overhead_s == pytest.approx(2 * 1000.0 + params * 1e6, rel=1e-12)
-    assert result.step_s >= result.host_overhead_s + result.optimizer_update_s
+    chunks = [-(-p.numel() // 4) for p in dict.fromkeys(build_model("gpt").parameters())]
+    for options, per_element in [({"stage": 3}, 28), ({"stage": 1}, 28 + 8),
+                                 ({"stage": 2, "param_dtype": "bf16"}, 28 + 4 + 2)]:
+        result = simulate(lambda: build_model("gpt"), (tokens, targets), world_size=4, options=options,
+                          hardware=profile_from_dict(data))
+        assert result.optimizer_update_s == pytest.approx(sum(1.0 + per_element * n for n in chunks), rel=1e-9), options
+        assert result.graph_calls == 2
+        assert result.host_overhead_s == pytest.approx(2 * 1000.0 + len(chunks) * 1e6, rel=1e-12)
+        assert result.step_s >= result.host_overhead_s + result.optimizer_update_s
 
 
 def test_stage2_optimizer_gathers_the_parameters_in_bf16():

@@ -488,14 +488,6 @@ def op_class(node: torch.fx.Node) -> str:
     return "attention" if name in ATTENTION_OPS else "transcendental" if name in TRANSCENDENTAL_OPS else ""
 
 
-def elementwise_seconds(graph: torch.fx.GraphModule, traced_numel: int, numel: int, compute: ComputeCosts) -> float:
-    """Time of an element-wise program (an optimizer's update) traced on tensors of ``traced_numel``
-    elements, run on ``numel``: each op's dispatch overhead, its bytes scaled to ``numel``."""
-    scale = numel / traced_numel
-    return sum(compute.op_seconds(0.0, node_bytes(node) * scale, op_class(node)) for node in graph.graph.nodes
-               if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload))
-
-
 # ----------------------------------------------------------------------------- prediction
 @dataclass(frozen=True)
 class PredictedCollective:

@@ -26,11 +26,10 @@ From the compiled graphs it returns:
 - the predicted step time and exposed communication (``cost_model.predict_step`` with the hardware
   profile's costs, each collective priced on its own group's link: ``HardwareProfile.link_costs``),
   the optimizer's communication added as exposed and its update as compute (``zcompile.optim.AdamW``
-  over rank 0's shards: on a "cuda" profile its fused kernel, one pass reading parameter, gradient
-  and both moments and writing three of them; on a "cpu" one the reference's torch ops, traced
-  once and priced op by op for each shard: the step runs them as foreach calls over a bucket, so
-  their Python dispatch is charged once per shard where it happens once per bucket, a few
-  microseconds per op), and
+  over rank 0's shards: its fused kernel, one pass reading parameter, gradient and both moments
+  and writing three of them, on a GPU the Triton kernel, on a CPU torch's own, at the profile's
+  memory bandwidth: on this machine's CPU torch's kernel reaches about half of it, 23 GB/s, so the
+  CPU update is predicted at about half its time, 2 ms of a 16-layer GPT's 4), and
   MFU: 6 x parameters x tokens per step over the step time and the profile's peak FLOP/s. A CPU
   profile adds the host's time per graph call and per trained parameter (``host_overhead_s``,
   ``HardwareProfile.host_overhead_seconds``), which a GPU's host spends ahead of the device.
@@ -48,10 +47,9 @@ import torch
 import torch.distributed as dist
 
 from zcompile.config import ZeroConfig
-from zcompile.cost_model import ComputeCosts, elementwise_seconds, predict_step, step_graphs
+from zcompile.cost_model import ComputeCosts, predict_step, step_graphs
 from zcompile.estimate import estimate_memory, fake_call
 from zcompile.hardware import HardwareProfile, LinkCosts, load_profile
-from zcompile.kernels.fused_optim import fused_adamw_reference
 from zcompile.optim_buckets import plan_optimizer_buckets, plan_reduce_buckets
 from zcompile.param_shards import shard_of
 from zcompile.passes.collectives import collective_nodes
@@ -265,36 +263,23 @@ def _optimizer_collectives(model: torch.nn.Module, pricing: LinkCosts, by_all_to
     return out
 
 
-TRACED_NUMEL = 4096  # elements of the tensors the CPU update is traced on (its ops' bytes scale linearly)
-
-
 def _optimizer_update_seconds(model: torch.nn.Module, profile: HardwareProfile, compute: ComputeCosts) -> float:
-    """``zcompile.optim.AdamW``'s update of rank 0's shards (the module docstring says how it is priced)."""
+    """``zcompile.optim.AdamW``'s update of rank 0's shards: the fused AdamW kernel's one pass over
+    each shard (the module docstring), one op's overhead per shard, plus on a CPU the passes torch's
+    kernel needs beside it (``kernels.cpu_adamw``): stage 1's gradient scale into a copy (reads and
+    writes 4 bytes an element) and the copy of the update into the low-precision replica (reads 4,
+    writes its dtype's bytes), which the GPU kernel does in its one pass."""
     members = [s for s in filter(None, map(shard_of, dict.fromkeys(model.parameters()))) if s.param.requires_grad]
     total = 0.0
-    for lowp_dtype in {s.replicated_dtype if s.replicated_dtype != s.shard.dtype else None for s in members}:
-        numels = [s.shard.numel() for s in members
-                  if (s.replicated_dtype if s.replicated_dtype != s.shard.dtype else None) == lowp_dtype]
+    for s in members:
+        lowp = s.replicated_dtype.itemsize if s.replicated_dtype != s.shard.dtype else 0
+        per_element = 7 * 4  # reads parameter, gradient and both moments; writes parameter and moments
         if profile.device_type == "cuda":
-            per_element = 7 * 4 + (lowp_dtype.itemsize if lowp_dtype else 0)  # reads p, g, m, v; writes p, m, v
-            total += sum(compute.op_seconds(0.0, per_element * n) for n in numels)
+            per_element += lowp
         else:
-            graph = _traced_cpu_update(lowp_dtype)
-            total += sum(elementwise_seconds(graph, TRACED_NUMEL, n, compute) for n in numels)
+            per_element += (8 if s.stage == 1 and s.group.world_size > 1 else 0) + (4 + lowp if lowp else 0)
+        total += compute.op_seconds(0.0, per_element * s.shard.numel())
     return total
-
-
-def _traced_cpu_update(lowp_dtype: torch.dtype | None) -> torch.fx.GraphModule:
-    """The torch ops ``zcompile.optim.AdamW`` runs per shard on a CPU, traced on ``TRACED_NUMEL`` elements."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    def update(param, grad, exp_avg, exp_avg_sq, *lowp_out):
-        fused_adamw_reference(param, grad, exp_avg, exp_avg_sq, 2, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, *lowp_out)
-
-    tensors = [torch.ones(TRACED_NUMEL) for _ in range(4)]
-    if lowp_dtype is not None:
-        tensors.append(torch.empty(TRACED_NUMEL, dtype=lowp_dtype))
-    return make_fx(update)(*tensors)
 
 
 def _predict(result: SimulationResult, graphs: list, pricing: LinkCosts, compute: ComputeCosts,
