@@ -401,8 +401,8 @@ class AdamW(ShardedOptimizer):
         where torch lacks it; on a GPU each its fused kernel.
 
         A run holds at most a quarter of ``bucket_mb`` of shard (at least one shard): its temporaries
-        (two fp32 copies of it: the cast or scaled gradients, then the denominators) exist for the
-        whole run at once, beside a bucket's collectives in flight at stages 1 and 2, and a stage-3
+        (an fp32 copy of it: the cast or scaled gradients; the foreach reference also made the
+        denominators) exist for the whole run at once, beside a bucket's collectives in flight at stages 1 and 2, and a stage-3
         batch is the whole param group. A quarter keeps them within half a bucket: on bench_memory's
         GPT-2 at 2 ranks and 4 MiB (a whole bucket per run before) the step's peak above the model
         states fell 1.1-3.4 MiB at stages 1 and 2 (one measurement each), stage 3's optimizer phase
