@@ -43,8 +43,11 @@ def adamw_cpu_fused(
     """One AdamW step, in place, on lists of fp32 CPU shards all at ``step`` (counted from 1);
     each gradient (any float dtype, read only) is multiplied by ``grad_scale`` first, as
     ``optim_reference.adamw_reference`` takes it."""
+    cast = all(g.dtype != p.dtype for g, p in zip(grads, params))
     grads = [g.to(p.dtype) if g.dtype != p.dtype else g for g, p in zip(grads, params)]
-    if grad_scale != 1.0:
+    if grad_scale != 1.0 and cast:
+        torch._foreach_mul_(grads, grad_scale)  # the cast copies are ours: scaled in place, no second copy
+    elif grad_scale != 1.0:
         grads = torch._foreach_mul(grads, grad_scale)  # tensors of our own: the kernel reads them only
     steps = [torch.tensor(float(step))] * len(params)  # read, not advanced: the optimizer counts steps
     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
