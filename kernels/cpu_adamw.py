@@ -13,17 +13,13 @@ updates, bit for bit (``tests/test_cpu_adamw.py``).
 
 The kernel also writes the gradient back divided by its ``grad_scale`` (mixed-precision
 unscaling); the gradients here are scaled first into tensors of their own and the kernel gets no
-scale, so the caller's gradients are never written. The one module that calls the aten op.
+scale, so the caller's gradients are never written. The one module that calls the aten op (CPU
+kernel since torch 2.4; zcompile needs 2.11).
 """
 
 from __future__ import annotations
 
 import torch
-
-
-def cpu_fused_adamw_available() -> bool:
-    """Whether this torch has the fused AdamW kernel for CPU tensors (torch 2.4 and later)."""
-    return hasattr(torch, "_fused_adamw_")
 
 
 @torch.no_grad()

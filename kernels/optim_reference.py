@@ -2,8 +2,9 @@
 
 The arithmetic follows ``torch.optim.AdamW`` / ``torch.optim.SGD`` (single-tensor path) op for op,
 so that on the same gradients a shard is updated to the same bits as the corresponding slice of
-an unsharded parameter. These run in production on CPU and are what the Triton kernels are tested
-against.
+an unsharded parameter. They are what the Triton kernels are tested against; SGD's runs in
+production on a CPU, AdamW's there is torch's fused kernel (``cpu_adamw``), and the foreach
+reference it replaced is kept as ``benchmarks/bench_cpu_adamw.py``'s baseline.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ def test_grad_scale_is_applied_before_the_update():
 
 
 def test_foreach_adamw_reference_is_bitwise_the_per_shard_one():
-    """The CPU optimizer updates a bucket's shards with one foreach call per op: it must give the
-    bits of ``adamw_reference`` run shard by shard (which equals torch.optim.AdamW's single-tensor
+    """The foreach reference (the CPU update before ``cpu_adamw``, bench_cpu_adamw's baseline) must
+    give the bits of ``adamw_reference`` run shard by shard (which equals torch.optim.AdamW's single-tensor
     path), over steps, with a gradient scale and with bf16 gradients."""
     torch.manual_seed(0)
     sizes = [1, 7, 1000, 65537]

@@ -43,8 +43,7 @@ from zcompile.process_group import DataParallelGroup
 from zcompile.comm_volume import CollectiveRecord
 from zcompile.memory import ModelStateBytes, model_state_bytes
 from zcompile.kernels.fused_optim import fused_adamw, fused_adamw_reference, fused_sgd, fused_sgd_reference
-from zcompile.kernels.cpu_adamw import adamw_cpu_fused, cpu_fused_adamw_available
-from zcompile.kernels.optim_reference import adamw_reference_foreach
+from zcompile.kernels.cpu_adamw import adamw_cpu_fused
 from zcompile.clip import clip_grad_norm_of_shards
 from zcompile.optim_state import load_sharded_state_dict, sharded_state_dict
 from zcompile.optim_buckets import (BucketedGradReduce, BucketedParamRefresh, plan_optimizer_buckets,
@@ -397,8 +396,8 @@ class AdamW(ShardedOptimizer):
     def _update_many(self, batch: list[_Update]) -> None:
         """On a CPU, shards at the same step and gradient scale update together through torch's fused
         CPU AdamW kernel (``kernels.cpu_adamw``: one pass over each tensor, 3-6x the foreach
-        reference's speed; the bits of ``torch.optim.AdamW(fused=True)``), or the foreach reference
-        where torch lacks it; on a GPU each its fused kernel.
+        reference's speed; the bits of ``torch.optim.AdamW(fused=True)``); on a GPU each its fused
+        Triton kernel.
 
         A run holds at most a quarter of ``bucket_mb`` of shard (at least one shard): its temporaries
         (an fp32 copy of it: the cast or scaled gradients; the foreach reference also made the
@@ -428,10 +427,9 @@ class AdamW(ShardedOptimizer):
         """One update of shards at the same step, gradient scale and param group (``_update_many``)."""
         group, (step, grad_scale) = run[0].group, (run[0].state["step"], run[0].grad_scale)
         beta1, beta2 = group["betas"]
-        update = adamw_cpu_fused if cpu_fused_adamw_available() else adamw_reference_foreach
-        update([u.shard for u in run], [u.grad for u in run], [u.state["exp_avg"] for u in run],
-               [u.state["exp_avg_sq"] for u in run], step, group["lr"], beta1, beta2, group["eps"],
-               group["weight_decay"], grad_scale)
+        adamw_cpu_fused([u.shard for u in run], [u.grad for u in run], [u.state["exp_avg"] for u in run],
+                        [u.state["exp_avg_sq"] for u in run], step, group["lr"], beta1, beta2, group["eps"],
+                        group["weight_decay"], grad_scale)
         for u in run:
             if u.lowp is not None:
                 u.lowp.copy_(u.shard)
