@@ -39,6 +39,7 @@ def adamw_cpu_fused(
     """One AdamW step, in place, on lists of fp32 CPU shards all at ``step`` (counted from 1);
     each gradient (any float dtype, read only) is multiplied by ``grad_scale`` first, as
     ``optim_reference.adamw_reference`` takes it."""
+    _check_layout(params, grads, exp_avgs, exp_avg_sqs)
     cast = all(g.dtype != p.dtype for g, p in zip(grads, params))
     grads = [g.to(p.dtype) if g.dtype != p.dtype else g for g, p in zip(grads, params)]
     if grad_scale != 1.0 and cast:
@@ -49,3 +50,16 @@ def adamw_cpu_fused(
     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
                         weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=None,
                         found_inf=None)
+
+
+def _check_layout(*lists: list[torch.Tensor]) -> None:
+    """The aten kernel checks neither sizes nor strides: it walks each tensor's memory as dense and
+    as long as its parameter, so a shorter gradient reads (and a shorter moment writes) past its end
+    and a strided one is read in the wrong order. Refused here instead, naming the tensor."""
+    for index, (param, *others) in enumerate(zip(*lists)):
+        for name, tensor in zip(("param", "grad", "exp_avg", "exp_avg_sq"), (param, *others)):
+            if tensor.numel() != param.numel() or not tensor.is_contiguous() or tensor.device != param.device:
+                raise ValueError(
+                    f"adamw_cpu_fused: shard {index}: {name} has {tensor.numel()} elements on {tensor.device} "
+                    f"(contiguous: {tensor.is_contiguous()}) where the parameter has {param.numel()} on "
+                    f"{param.device}; the fused kernel needs dense tensors of the parameter's size")

@@ -58,6 +58,17 @@ def test_grad_scale_and_dtype_leave_the_callers_gradients_alone(grad_dtype):
         torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("bad", ["short", "strided"])
+def test_a_gradient_the_kernel_would_misread_is_refused(bad):
+    """torch's kernel checks neither: a shorter gradient is read past its end, a strided one in the
+    wrong order (both silently, or a crash). Refused, naming the shard and the tensor."""
+    params, moments = [torch.ones(10)], ([torch.zeros(10)], [torch.zeros(10)])
+    grad = torch.ones(5) if bad == "short" else torch.ones(20)[::2]
+    with pytest.raises(ValueError, match="shard 0: grad has"):
+        adamw_cpu_fused(params, [grad], *moments, 1, 1e-2, 0.9, 0.999, 1e-8, 0.0)
+    assert torch.equal(params[0], torch.ones(10))
+
+
 def test_sharded_optimizer_steps_like_torch_fused_adamw():
     """zcompile.optim.AdamW at world 1, stage 1 (the shard is the whole parameter, padded): fed the
     gradients the compiled model made, its parameters equal torch.optim.AdamW(fused=True)'s on a copy
