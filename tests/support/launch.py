@@ -56,8 +56,12 @@ def _rank_entry(rank: int, world: int, port: int, fn, args, out_dir: str, env: d
 
 
 # What the fork server imports once: a rank then starts in a fraction of a second instead of the
-# 3-4 s of CPU a fresh interpreter spends importing torch, and the suite starts ~100 ranks.
-_PRELOAD = ["torch", "torch.distributed", "zcompile", "support.training"]
+# 3-4 s of CPU a fresh interpreter spends importing torch (and ~2 s more for the compiler's modules at
+# the first compile, 4 s for the transformers models), and the suite starts ~100 ranks. A module that
+# is not installed is skipped (multiprocessing's fork server ignores its ImportError).
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot_autograd",
+            "torch._functorch.partitioners", "zcompile", "support.training",
+            "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
 
 
 def _rank_context() -> mp.context.BaseContext:
