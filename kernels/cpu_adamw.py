@@ -55,8 +55,8 @@ def adamw_cpu_fused(
 def _check_layout(*lists: list[torch.Tensor]) -> None:
     """The aten kernel checks neither sizes nor strides: it walks each tensor's memory as dense and
     as long as its parameter, so a shorter gradient reads (and a shorter moment writes) past its end
-    and a strided one is read in the wrong order. Refused here instead, naming the tensor (on the
-    step's path: two attribute reads a tensor, 0.5 ms a step for 200 shards, half what a per-tensor loop with a device check took)."""
+    and a strided one is read in the wrong order. Refused here instead, naming the tensor. On the
+    step's path: two attribute reads a tensor, 0.5 ms a step for 200 shards."""
     for index, tensors in enumerate(zip(*lists)):
         numel = tensors[0].numel()
         if all(t.numel() == numel and t.is_contiguous() for t in tensors):

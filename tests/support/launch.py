@@ -39,8 +39,11 @@ def _init_process_group(rank: int, world: int, port: int, store_in_parent: bool)
 
 def _rank_entry(rank: int, world: int, port: int, fn, args, out_dir: str, env: dict[str, str],
                 store_in_parent: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), **env)
+    # the launching process's environment now (the fork server's is the one it had when the server
+    # started: a variable a test set since, or unset, would be missed), then the launch's own
+    os.environ.clear()
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     dist.set_debug_level_from_env()  # torch read TORCH_DISTRIBUTED_DEBUG when it was imported, before env
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
@@ -67,9 +70,9 @@ _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot
 def _rank_context() -> mp.context.BaseContext:
     """Fresh processes forked from one server that has imported torch (``forkserver``), where the
     platform has it; else spawned. Neither inherits this process's state (threads, pytest, Dynamo's
-    caches): the server is started clean, imports ``_PRELOAD`` and forks each rank from that.
-    A rank sees the environment the server started with (this module sets it up before the first
-    launch); ``env`` is how a test gives its ranks other variables."""
+    caches): the server is started clean, imports ``_PRELOAD`` and forks each rank from that. A
+    variable read at import (``TRITON_INTERPRET``, by the kernels' decorators) has the value it had
+    when the server started: ``conftest.py`` sets it before the first launch."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
@@ -94,7 +97,8 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 300, env:
     port = store.port if store is not None else _free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [context.Process(target=_rank_entry,
-                                 args=(r, world, port, fn, args, out_dir, env or {}, store_in_parent))
+                                 args=(r, world, port, fn, args, out_dir, {**os.environ, **(env or {})},
+                                       store_in_parent))
                  for r in range(world)]
         for proc in procs:
             proc.start()
