@@ -87,3 +87,20 @@ def test_public_names_load_on_first_use():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "True", "True"]
+
+
+def test_public_names_survive_importing_every_submodule_first():
+    """Importing a submodule binds it on the package under its own name, so a public function whose
+    module had its name (``zcompile.gathered`` in ``zcompile/gathered.py``) became that module for
+    anyone who imported the module first (``zcompile.gathered(model)``: "'module' object is not
+    callable"). Each public name is checked to be its module's object after every submodule loaded."""
+    code = ("import importlib, pkgutil, zcompile\n"
+            "for info in pkgutil.iter_modules(zcompile.__path__):\n"
+            "    importlib.import_module('zcompile.' + info.name)\n"
+            "wrong = [name for name, module in zcompile._LAZY.items()\n"
+            "         if getattr(zcompile, name) is not (importlib.import_module(module or 'zcompile.' + name)\n"
+            "                                           if not module else getattr(importlib.import_module(module), name))]\n"
+            "print(wrong)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

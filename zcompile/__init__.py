@@ -16,7 +16,7 @@ _LAZY = {
     "optim": "",
     "checkpoint": "",
     "ZeroConfig": "zcompile.config",
-    "gathered": "zcompile.gathered",
+    "gathered": "zcompile.full_params",
     "ModelStateBytes": "zcompile.memory",
     "model_state_bytes": "zcompile.memory",
     "zero_formula_bytes": "zcompile.memory",
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from zcompile import checkpoint, optim
     from zcompile.config import ZeroConfig
     from zcompile.estimate import MemoryEstimate, estimate_memory
-    from zcompile.gathered import gathered
+    from zcompile.full_params import gathered
     from zcompile.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
     from zcompile.pass_runner import PassError
     from zcompile.regional import mark_repeated_blocks
