@@ -266,3 +266,28 @@ def test_generate_needs_gathered_and_matches_plain_torch():
         plain.load_state_dict(model.state_dict())
     torch.testing.assert_close(ours, plain.generate(prompt, **settings), rtol=0, atol=0)
     assert ours.shape == (1, 9)
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_a_weight_trained_outside_the_graphs_is_named_in_the_warning(named, caplog):
+    """Blocks compiled one by one (the FSDP2 habit) leave the embeddings and the final norm eager:
+    they train with stage-1 semantics and the warning names each (its name with
+    ``named_parameters()``, else its place in the param groups), once, not a bare index."""
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, backend="zero", options={"stage": 2})
+    params = model.named_parameters() if named else model.parameters()
+    optimizer = zcompile.optim.SGD(params, lr=0.1)
+    with caplog.at_level("WARNING", logger="zcompile.param_shards"):
+        for step in range(2):
+            model(*global_batch(step, 2)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    warned = [r.getMessage() for r in caplog.records if "outside the compiled graphs" in r.getMessage()]
+    eager = [n for n, p in model.named_parameters() if not n.startswith("blocks.")]
+    assert len(warned) == len(eager), warned  # each once (its shard is kept), not at every step
+    if named:
+        assert all(any(f"parameter '{n}' " in w for w in warned) for n in eager), (eager, warned)
+    else:
+        assert all("param_groups[0]['params'][" in w for w in warned), warned

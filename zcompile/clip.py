@@ -197,7 +197,7 @@ def _torch_route_members(params: list[torch.Tensor]) -> list[ShardedParam]:
     params = list(dict.fromkeys(params))
     shards = [shard_of(p) for p in params]
     group = next(s.group for s in shards if s is not None)
-    return [s if s is not None else shard_eager_parameter(p, index, group)
+    return [s if s is not None else shard_eager_parameter(p, f"#{index} of the clipped parameters", group)
             for index, (p, s) in enumerate(zip(params, shards)) if s is not None or p.grad is not None]
 
 
