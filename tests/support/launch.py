@@ -11,6 +11,7 @@ in the parent.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import tempfile
 import traceback
@@ -23,7 +24,27 @@ import torch.multiprocessing as mp
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
+    """A port rank 0's store can bind a moment later. Taken below the kernel's ephemeral range, in a
+    block of its own per pytest-xdist worker: a port the kernel handed out (``bind(0)``) could be
+    handed out again in that moment, to gloo's sockets or to the other worker's launch, and rank 0
+    would fail with "address already in use"."""
+    ephemeral_low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+            ephemeral_low = int(ranges.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    block = 2000
+    low = max(1024, ephemeral_low - block * ((int(worker) if worker.isdigit() else 0) % 8 + 1))
+    for port in random.sample(range(low, low + block), 50):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # every one taken: let the kernel choose
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
