@@ -6,8 +6,11 @@ with one thread per rank; two gloo ranks evaluating on rank 0 only (stage 2: all
 stage 3: an error on both ranks in seconds), and training under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
 """
 
+import subprocess
+import sys
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -310,3 +313,27 @@ def test_trains_under_torch_distributed_debug_detail():
     assert [backend for _, backend in checked] == ["_ProcessGroupWrapper"] * 2  # the net was there
     assert [backend for _, backend in plain] == ["ProcessGroupGloo"] * 2
     assert [losses for losses, _ in checked] == [losses for losses, _ in plain] and len(plain[0][0]) == 2
+
+
+def test_the_store_going_away_while_a_rank_waits_is_a_divergence_error_not_a_network_error():
+    """Without torchrun's agent, rank 0's process hosts the store and leaves as soon as it has raised
+    what it found; a rank still polling then got c10d's "Failed to recv ... Did the remote server
+    shutdown or crash?" (seen in CI, two ranks on a busy machine). It now says the store's host ended."""
+    host = subprocess.Popen([sys.executable, "-c",
+                             "import sys, time, torch.distributed as d\n"
+                             "s = d.TCPStore('127.0.0.1', 0, 2, is_master=True, wait_for_workers=False)\n"
+                             "print(s.port, flush=True); sys.stdin.readline(); time.sleep(1.5)\n"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=10))
+        host.stdin.write("go\n")
+        host.stdin.flush()  # the host ends 1.5 s from now, past the exchange's first wait (FIRST_WAIT_S)
+        start = time.perf_counter()
+        with pytest.raises(RankDivergenceError, match=r"rank 1 \(its call #1\) lost the store the ranks meet "
+                                                      r"through.*rank 0's.*the fix"):
+            exchange_through(client, "x", _group(1), 30, "check", "doing", "the fix")
+        assert time.perf_counter() - start < 10  # not the 30s timeout
+    finally:
+        host.kill()
+        host.wait()

@@ -252,13 +252,21 @@ def exchange_through(store: dist.Store, value: Any, group: DataParallelGroup, ti
     store.add(same, 1)  # before arriving: once everyone has arrived, every digest is counted
     if store.add(arrived, 1) == group.world_size:
         store.set(everyone, "1")
-    _wait_for_ranks(store, everyone, keys, group, timeout_s, f"{doing}: rank {group.rank} (its call #{sequence})",
-                    fix)
-    if store.add(same, 0) == group.world_size:
-        mine = json.loads(text)
-        values = [mine] * group.world_size
-    else:
-        values = [json.loads(raw) for raw in store.multi_get(keys)]
+    where = f"{doing}: rank {group.rank} (its call #{sequence})"
+    try:
+        _wait_for_ranks(store, everyone, keys, group, timeout_s, where, fix)
+        if store.add(same, 0) == group.world_size:
+            mine = json.loads(text)
+            values = [mine] * group.world_size
+        else:
+            values = [json.loads(raw) for raw in store.multi_get(keys)]
+    except dist.DistNetworkError as error:
+        # the store's host ended while this rank waited or read: without torchrun's agent (which hosts
+        # it) that is rank 0's process, which leaves as soon as it has raised the divergence it found
+        raise RankDivergenceError(
+            f"{where} lost the store the ranks meet through: the process that hosts it (rank 0's, unless "
+            f"torchrun's agent hosts it) has ended, most likely with an error of its own: read that rank's "
+            f"error. {fix}") from error
     if sequence > 2:  # this rank is at n: every rank has passed call n-1's wait, so is done with n-2's keys
         _delete_call(store, purpose, group, sequence - 2)
     return values
