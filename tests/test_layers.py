@@ -65,6 +65,13 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     assert modules == ["zcompile.process_group.DataParallelGroup", "zcompile.report", "zcompile.optim"]
 
 
+def _run_fresh(code: str) -> str:
+    """``code`` run in a fresh interpreter (nothing of this process imported); its stdout."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_importing_passes_loads_no_front_end_and_no_triton():
     passes = [p.stem for p in (REPO / "passes").glob("*.py")
               if p.stem != "__init__" and not p.stem.startswith("quantize_")]  # qwZ/qgZ need the kernels
@@ -73,9 +80,7 @@ def test_importing_passes_loads_no_front_end_and_no_triton():
             + "loaded = sorted(m for m in sys.modules if m.startswith('zcompile'))\n"
             + "front = [m for m in loaded if m != 'zcompile' and not m.startswith('zcompile.passes')]\n"
             + "print(front, 'triton' in sys.modules, 'matplotlib' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[] False False"
+    assert _run_fresh(code).strip() == "[] False False"
 
 
 def test_public_names_load_on_first_use():
@@ -84,9 +89,7 @@ def test_public_names_load_on_first_use():
             "names = [zcompile.optim.AdamW, zcompile.ZeroConfig, zcompile.gathered, zcompile.step_report,\n"
             "         zcompile.PassError, zcompile.model_state_bytes, zcompile.zero_formula_bytes]\n"
             "print(before, 'zcompile.optim' in sys.modules, set(zcompile.__all__) <= set(dir(zcompile)))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "True", "True"]
+    assert _run_fresh(code).split() == ["False", "True", "True"]
 
 
 def test_public_names_survive_importing_every_submodule_first():
@@ -97,10 +100,10 @@ def test_public_names_survive_importing_every_submodule_first():
     code = ("import importlib, pkgutil, zcompile\n"
             "for info in pkgutil.iter_modules(zcompile.__path__):\n"
             "    importlib.import_module('zcompile.' + info.name)\n"
-            "wrong = [name for name, module in zcompile._LAZY.items()\n"
-            "         if getattr(zcompile, name) is not (importlib.import_module(module or 'zcompile.' + name)\n"
-            "                                           if not module else getattr(importlib.import_module(module), name))]\n"
-            "print(wrong)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+            "def defined(name, module):  # the submodule itself (\"\"), or the name in its module\n"
+            "    if not module:\n"
+            "        return importlib.import_module('zcompile.' + name)\n"
+            "    return getattr(importlib.import_module(module), name)\n"
+            "lazy = zcompile._LAZY.items()\n"
+            "print([name for name, module in lazy if getattr(zcompile, name) is not defined(name, module)])\n")
+    assert _run_fresh(code).strip() == "[]"

@@ -70,13 +70,6 @@ class _Update:
     lowp: torch.Tensor | None
 
 
-def _param_label(group: dict, group_index: int, index: int) -> str:
-    """How messages name a parameter of the optimizer: its name when the optimizer was given
-    ``model.named_parameters()`` (torch keeps them as the group's ``param_names``), else its place."""
-    names = group.get("param_names")
-    return repr(names[index]) if names else f"param_groups[{group_index}]['params'][{index}]"
-
-
 class ShardedOptimizer(torch.optim.Optimizer):
     """Base class: gradient collection and parameter refresh around a per-shard update rule."""
 
@@ -154,7 +147,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         todo = []  # (sharded, param, param group) with a gradient, in parameter order
         for group_index, group in enumerate(self.param_groups):
             for index, param in enumerate(group["params"]):
-                sharded = self._sharded(param, _param_label(group, group_index, index))
+                sharded = self._sharded(param, group_index, index)
                 if sharded is not None and (sharded.shard_grad is not None or sharded.full_grad is not None):
                     todo.append((sharded, param, group))
         bucket_bytes = int(self.bucket_mb * 2**20)
@@ -233,8 +226,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``clip_grad_norm_`` once the ranks agreed (``step()`` clips for ``max_grad_norm`` after its own agreement)."""
-        members = [s for group_index, group in enumerate(self.param_groups) for index, param in enumerate(group["params"])
-                   if (s := self._sharded(param, _param_label(group, group_index, index))) is not None]
+        members = [s for group_index, group in enumerate(self.param_groups)
+                   for index, param in enumerate(group["params"])
+                   if (s := self._sharded(param, group_index, index)) is not None]
         norm = clip_grad_norm_of_shards(members, max_norm, norm_type, int(self.bucket_mb * 2**20))
         self.last_grad_norm = float(norm)
         self._clipped_since_step = True
@@ -305,14 +299,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "to get it back.", len(eager), eager[0].stage, eager[0].name)
         return [m for m in members if m.full_grad is not None and (m.stage != 1 or m.shard_grad is not None)]
 
-    def _sharded(self, param: torch.Tensor, label: str) -> ShardedParam | None:
-        """The shard of ``param``; a parameter trained outside any compiled graph is sharded here
-        (stage-1 semantics, see ``param_shards.shard_eager_parameter``), named ``label``."""
+    def _sharded(self, param: torch.Tensor, group_index: int, index: int) -> ShardedParam | None:
+        """The shard of ``param``, ``param_groups[group_index]['params'][index]``; a parameter trained
+        outside any compiled graph is sharded here (stage-1 semantics, see
+        ``param_shards.shard_eager_parameter``). Its shard is named by that place, the same on every
+        rank (the step's agreement compares the names); the log shows its name when the optimizer was
+        given ``model.named_parameters()`` (torch keeps them as the group's ``param_names``)."""
         sharded = shard_of(param)
         if sharded is not None or param.grad is None:
             return sharded
         group = next((s.group for s in map(shard_of, self._all_params()) if s is not None), None)
-        return shard_eager_parameter(param, label, group if group is not None else DataParallelGroup.resolve(None))
+        place = f"param_groups[{group_index}]['params'][{index}]"
+        names = self.param_groups[group_index].get("param_names")
+        return shard_eager_parameter(param, place, group if group is not None else DataParallelGroup.resolve(None),
+                                     shown=repr(names[index]) if names else place)
 
     def _members(self) -> list[ShardedParam]:
         return [s for s in dict.fromkeys(map(shard_of, self._all_params())) if s is not None]

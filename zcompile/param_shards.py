@@ -354,21 +354,22 @@ def _shard_in_replicated_storage(param: torch.nn.Parameter, piece: FlatPiece) ->
     return padded[piece.offset : piece.offset + piece.chunk]
 
 
-def shard_eager_parameter(param: torch.nn.Parameter, label: str, group: DataParallelGroup) -> ShardedParam:
+def shard_eager_parameter(param: torch.nn.Parameter, name: str, group: DataParallelGroup,
+                          shown: str | None = None) -> ShardedParam:
     """The shard of a parameter that got a full gradient outside every compiled graph.
 
     Dynamo runs some code eagerly (a graph break inside a loop skips the whole frame), so a
     parameter can get a full ``.grad`` without ever reaching the backend. It is then trained with
     stage-1 semantics (gradient reduce-scattered at the step or when clipping, all-gathered after),
-    which keeps data parallelism exact; its memory is not reduced, which is logged once. ``label``
-    names it in the log (its name where the optimizer has it, else its place in the param groups).
+    which keeps data parallelism exact; its memory is not reduced, which is logged once. ``name``
+    names the shard (the same on every rank), ``shown`` the parameter in the log (default ``name``).
     """
     log.warning(
         "zcompile: parameter %s %s got a gradient outside the compiled graphs (eager code, a module left "
         "uncompiled, or a skipped frame); it is kept replicated and its gradient reduce-scattered like stage 1's",
-        label, tuple(param.shape),
+        shown or name, tuple(param.shape),
     )
-    return shard_parameter(param, label, stage=1, group=group)
+    return shard_parameter(param, name, stage=1, group=group)
 
 
 def _replica_dtype(param: torch.nn.Parameter, stage: int, param_dtype: torch.dtype | None) -> torch.dtype | None:

@@ -84,7 +84,7 @@ def _rank_entry(rank: int, world: int, port: int, fn, args, out_dir: str, env: d
 # (Dynamo's backend registry, AOTAutograd's partitioner and the inductor decompositions and
 # lowerings it reads, the zero backend, the optimizer) and 4 s in the transformers models; the suite
 # starts about 100 ranks. The first of two identical 2-rank GPT runs in one launch took 4.45 s with
-# only torch, Dynamo, AOTAutograd and zcompile loaded, 2.36 s with this list (the second: 1.65-1.86).
+# only torch, Dynamo, AOTAutograd and zcompile loaded, 2.77 s with this list (the second: 1.63-1.86).
 # Top-level names only: the server imports them before it has the launcher's ``sys.path`` (each rank
 # gets it), so ``support.*`` is not importable there; a module that is not importable is skipped
 # (multiprocessing ignores its ImportError: transformers may be absent).
