@@ -17,6 +17,7 @@ from support.launch import run_ranks
 from support.models import build_model, global_batch
 from support.training import RunSpec, assert_same_training, micro_batches, train_reference, train_zero
 from zcompile.rank_check import RankDivergenceError
+from zcompile.param_shards import shard_of
 from zcompile.sharded_parameter import ShardedParameterError
 
 # a new sequence length every step with static shapes: from the third step on, Dynamo is past its
@@ -291,3 +292,21 @@ def test_a_weight_trained_outside_the_graphs_is_named_in_the_warning(named, capl
         assert all(any(f"parameter '{n}' " in w for w in warned) for n in eager), (eager, warned)
     else:
         assert all("param_groups[0]['params'][" in w for w in warned), warned
+
+
+def test_an_eager_weights_shard_has_the_same_name_whether_the_optimizer_has_names_or_not():
+    """The step's agreement compares a digest of the names of the parameters with gradients, so a
+    shard named from ``named_parameters()`` on one rank and by its place on another read as "the
+    ranks have gradients on different parameters" (seen with 2 ranks, one of each). The shard is
+    named by its place on every rank; the name only goes to the log."""
+    names = []
+    for named in (True, False):
+        torch._dynamo.reset()
+        model = build_model("gpt")
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, backend="zero", options={"stage": 2})
+        optimizer = zcompile.optim.SGD(model.named_parameters() if named else model.parameters(), lr=0.1)
+        model(*global_batch(0, 2)).backward()
+        optimizer.step()
+        names.append([shard_of(p).name for n, p in model.named_parameters() if not n.startswith("blocks.")])
+    assert names[0] == names[1] and all(n.startswith("param_groups[0]['params'][") for n in names[0]), names
