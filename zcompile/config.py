@@ -76,6 +76,11 @@ class ZeroConfig:
             received (``zcompile.passes.reduce_scatter_lowering``); ``"auto"`` (default): all-to-all
             on gloo, whose reduce-scatter all-reduces a clone of the input (twice the bytes; 1.7-5x the
             time, ``benchmarks/bench_gloo_collectives.py``), native elsewhere (NCCL).
+        fuse_loss_backward: compute cross-entropy's backward (``nll_loss_backward`` then the
+            log-softmax backward) into one logits-sized buffer instead of two
+            (``zcompile.passes.loss_backward``): for a language model, the size of its logits less
+            at the backward's start, often the step's peak. The values equal the two ops' to an ulp
+            (ATen's softmax uses a faster ``exp`` than ``torch.exp``); ``False`` keeps ATen's ops.
         dump: directory for per-pass graph dumps, ``passes.json``, the plan and the collectives of
             every compiled graph (``DIR/rank{R}/{graph_id}/``); ``None`` reads ``$ZCOMPILE_DUMP``.
             ``python -m zcompile inspect DIR`` summarizes it.
@@ -110,6 +115,7 @@ class ZeroConfig:
     keep_gathered_mb: float = 0.0
     activation_memory_budget: float | str | None = None
     reduce_scatter: str = "auto"
+    fuse_loss_backward: bool = True
     quantize_weights: bool = False
     quantize_grads: bool = False
     quantize_block: int = 128
@@ -158,7 +164,7 @@ class ZeroConfig:
             raise ValueError(f"zero backend: keep_gathered_mb keeps stage-3 gathered weights for backward; stage "
                              f"{self.stage} keeps every weight already. Use stage 3, or drop keep_gathered_mb")
         self._check_activation_memory_budget()
-        for name in ("quantize_weights", "quantize_grads"):
+        for name in ("quantize_weights", "quantize_grads", "fuse_loss_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"zero backend: option {name!r} must be a bool, got {getattr(self, name)!r}")
         block = self.quantize_block

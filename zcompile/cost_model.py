@@ -441,6 +441,7 @@ TRANSCENDENTAL_OPS = frozenset(
      for suffix in ("", "_backward")]
     + ["exp", "exp2", "expm1", "log", "log1p", "log2", "erf", "erfinv", "sin", "cos",
        "_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data",
+       "cross_entropy_backward",  # zcompile::cross_entropy_backward (passes/loss_backward.py)
        "native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward",
        "native_group_norm", "native_group_norm_backward", "native_batch_norm", "native_batch_norm_backward",
        "_native_batch_norm_legit", "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training"])

@@ -33,6 +33,7 @@ from zcompile.passes.bucketing import bucket_collectives_pass, plan_buckets
 from zcompile.passes.cleanup import remove_unused_gathers_pass
 from zcompile.passes.hpz import hpz_forward_shortcut_pass, hpz_pass
 from zcompile.passes.keep_gathered import keep_gathered_pass, plan_keep_gathered
+from zcompile.passes.loss_backward import fuse_cross_entropy_backward_pass
 from zcompile.passes.mixed_precision import autocast_pass
 from zcompile.passes.param_collectives import insert_param_collectives_pass
 from zcompile.passes.quantize_grads import quantize_grads_pass
@@ -95,6 +96,10 @@ PIPELINE: tuple[PassRow, ...] = (
             options=lambda c, g: {"budget_bytes": int(c.config.keep_gathered_mb * MIB)},
             after=("insert_param_collectives", "hpz", "regather_through_regions")),
     PassRow("remove_unused_gathers", PARTITIONED, remove_unused_gathers_pass),
+    # compute, not communication: independent of every other row; first, so the schedule's memory
+    # budget and the walks see the one buffer
+    PassRow("fuse_cross_entropy_backward", BACKWARD, fuse_cross_entropy_backward_pass,
+            enabled=lambda c: c.config.fuse_loss_backward),
     PassRow("hpz_forward_shortcut", FORWARD, hpz_forward_shortcut_pass,
             enabled=lambda c: c.zeropp.hpz_size > 1,
             options=lambda c, g: {"hpz_group_name": c.zeropp.hpz_group_name},
