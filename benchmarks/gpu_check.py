@@ -6,11 +6,13 @@
 One GPU is enough. In order, each step recorded in the JSON file and summarized in a table:
 1. the environment (torch, triton, device, its memory);
 2. the kernel tests compiled for the GPU (``TRITON_INTERPRET=0``: Triton compiles them for the
-   device instead of interpreting them): ``tests/test_quantize.py`` and ``tests/test_fused_optim.py``,
+   device instead of interpreting them): ``tests/test_quantize.py``, ``tests/test_fused_optim.py`` and
+   ``tests/test_cross_entropy_kernel.py``,
    pass/fail counts and the failures' names;
 3. the device's memory bandwidth, measured (``dst.copy_(src)`` of 256M fp32 elements);
 4. the kernel benchmarks (``bench_quantize.py``, ``bench_fused_adamw.py``) with each kernel's GB/s as
-   a fraction of that bandwidth, and the fused AdamW against ``torch.optim.AdamW(fused=True)``;
+   a fraction of that bandwidth, the fused AdamW against ``torch.optim.AdamW(fused=True)``, and the
+   fused cross-entropy backward against the two ATen ops it replaces;
 5. a world-1 training step of the example GPT (12 layers, n_embd 768, seq 512, batch 8; AdamW):
    ``torch.compile(backend="zero")`` with the eager and the inductor inner compilers, against plain
    ``torch.compile`` with ``aot_eager`` and inductor and ``torch.optim.AdamW(fused=True)``: first
@@ -39,7 +41,7 @@ sys.path[:0] = [HERE, os.path.join(REPO, "examples")]
 from common import print_table, time_ms  # noqa: E402
 
 M = 2**20
-KERNEL_TESTS = ("tests/test_quantize.py", "tests/test_fused_optim.py")
+KERNEL_TESTS = ("tests/test_quantize.py", "tests/test_fused_optim.py", "tests/test_cross_entropy_kernel.py")
 
 
 def environment(device: str) -> dict:
@@ -91,7 +93,31 @@ def kernel_benchmarks(device: str, quick: bool, copy_gbs: float) -> dict:
              for row in bench_fused_adamw.run(sizes, cuda, repeats=3)]
     for row in adamw:
         row["of_bandwidth"] = round(float(row["ours_gbs"]) / copy_gbs, 3)
-    return {"quantize": quantize, "fused_adamw": adamw}
+    return {"quantize": quantize, "fused_adamw": adamw,
+            "cross_entropy_backward": cross_entropy_backward_rows(device, quick, copy_gbs)}
+
+
+def cross_entropy_backward_rows(device: str, quick: bool, copy_gbs: float) -> list[dict]:
+    """``zcompile::cross_entropy_backward`` (the Triton kernel on CUDA, the torch path on a CPU) against
+    ATen's ``nll_loss_backward`` + ``_log_softmax_backward_data`` it replaces, on fp32 log-probabilities
+    of ``rows x 32768`` classes; GB/s counts the one read and one write the kernel makes."""
+    from zcompile.kernels.cross_entropy import cross_entropy_backward, cross_entropy_backward_reference
+
+    aten, cuda, classes = torch.ops.aten, device == "cuda", 32768
+    rows_list = [64] if quick else [1024, 8192]
+    out = []
+    for rows in rows_list:
+        log_probs = torch.log_softmax(torch.randn(rows, classes, device=device), -1)
+        target = torch.randint(0, classes, (rows,), device=device)
+        _, total_weight = aten.nll_loss_forward(log_probs, target, None, 1, -100)
+        args = (torch.ones((), device=device), log_probs, target, None, 1, -100, total_weight)
+        ours = time_ms(lambda: cross_entropy_backward(*args, torch.float32), cuda, repeats=3)
+        aten_ms = time_ms(lambda: cross_entropy_backward_reference(*args, torch.float32), cuda, repeats=3)
+        gbs = 2 * log_probs.numel() * 4 / ours / 1e6
+        out.append({"rows": rows, "classes": classes, "ours_ms": round(ours, 3), "aten_two_ops_ms": round(aten_ms, 3),
+                    "speedup": round(aten_ms / ours, 2), "ours_gbs": round(gbs, 1),
+                    "of_bandwidth": round(gbs / copy_gbs, 3)})
+    return out
 
 
 def training_steps(device: str, quick: bool, steps: int) -> list[dict]:
@@ -196,6 +222,9 @@ def _print_summary(results: dict) -> None:
     kernels = results.get("kernels", {})
     for row in kernels.get("quantize", []):
         rows.append((f"{row['op']} {row['elements']}", f"{row['gbs']} GB/s = {row['of_bandwidth']:.2f} of bandwidth"))
+    for row in kernels.get("cross_entropy_backward", []):
+        rows.append((f"cross-entropy backward {row['rows']}x{row['classes']}",
+                     f"{row['ours_gbs']} GB/s = {row['of_bandwidth']:.2f} of bandwidth; {row['speedup']}x ATen's two ops"))
     for row in kernels.get("fused_adamw", []):
         rows.append((f"fused AdamW {row['elements']}", f"{row['ours_gbs']} GB/s = {row['of_bandwidth']:.2f} of "
                      f"bandwidth; {row['speedup']} torch fused, {row['speedup_vs_plus_cast']} torch fused + cast"))

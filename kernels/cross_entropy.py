@@ -20,8 +20,12 @@ When the output's dtype differs from the log-probabilities' (CUDA's half-to-floa
 are in half precision (worked on in fp32, as ATen does), the rows are worked on in chunks of
 about ``CHUNK_ELEMENTS`` elements, then cast into the output.
 
-Pure torch on any device: three passes over the buffer (a fused Triton kernel would make one: not
-written yet; the memory saved is the point here).
+Two implementations. On CUDA (with triton), one Triton program per row reads the log-probabilities
+once and writes the result once, in fp32 registers, rounded once into the output. Elsewhere, pure
+torch: ``exp`` into the output, ``mul_``, ``scatter_add_`` (three passes over the buffer; on the
+CPU that is what runs, the interpreter being for the tests: ``cross_entropy_backward_triton`` is
+tested under ``TRITON_INTERPRET=1`` against the torch path, and compiled for a GPU by
+``benchmarks/gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from zcompile.kernels.dispatch import triton_available
 
 CHUNK_ELEMENTS = 1 << 20
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # ATen's reduction enum, as nll_loss_backward takes it
@@ -57,6 +63,16 @@ def cross_entropy_backward(grad_loss: torch.Tensor, log_probs: torch.Tensor, tar
     (module doc). ``log_probs``: ``[rows, classes]`` or ``[classes]``; the class dimension is the last.
     ``out_dtype``: the dtype the replaced op returns, which depends on the device where it differs
     from ``log_probs``'s (``input_dtype`` is half: CUDA returns it, CPU returns fp32)."""
+    if log_probs.device.type == "cuda" and log_probs.dtype in TRITON_DTYPES and triton_available():
+        return cross_entropy_backward_triton(grad_loss, log_probs, target, weight, reduction, ignore_index,
+                                             total_weight, out_dtype)
+    return cross_entropy_backward_torch(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight,
+                                        out_dtype)
+
+
+def cross_entropy_backward_torch(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight,
+                                 out_dtype) -> torch.Tensor:
+    """The torch path (module doc): the CPU's, and any device's without triton."""
     rows = log_probs if log_probs.dim() == 2 else log_probs.unsqueeze(0)
     scale, safe_target = row_scales(grad_loss, target.reshape(-1), weight, reduction, ignore_index, total_weight)
     # nll_loss_backward rounds -s to the log-probabilities' dtype; the softmax backward then works in
@@ -73,6 +89,31 @@ def cross_entropy_backward(grad_loss: torch.Tensor, log_probs: torch.Tensor, tar
             work = torch.empty(rows[part].shape, dtype=work_dtype, device=rows.device)
             _fill(work, rows[part].to(work_dtype), scale[part], safe_target[part])
             out[part].copy_(work)
+    return out.view(log_probs.shape)
+
+
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp64 runs the torch path
+TRITON_BLOCK = 1024  # classes per iteration of a row's program
+
+
+def cross_entropy_backward_triton(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight,
+                                  out_dtype) -> torch.Tensor:
+    """The Triton kernel (module doc): one program per row, one read and one write of the logits."""
+    if log_probs.dtype not in TRITON_DTYPES or out_dtype not in TRITON_DTYPES:
+        raise ValueError(f"cross_entropy_backward_triton: log-probabilities and output must be one of "
+                         f"{TRITON_DTYPES}, got {log_probs.dtype} -> {out_dtype}")
+    rows = log_probs if log_probs.dim() == 2 else log_probs.unsqueeze(0)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    scale, safe_target = row_scales(grad_loss, target.reshape(-1), weight, reduction, ignore_index, total_weight)
+    scale = scale.to(rows.dtype).to(torch.float32).contiguous()  # -s as nll_loss_backward rounds it
+    out = torch.empty(rows.shape, dtype=out_dtype, device=rows.device)
+    if rows.numel():
+        from zcompile.kernels.cross_entropy_triton import cross_entropy_backward_kernel
+
+        cross_entropy_backward_kernel[(rows.shape[0],)](
+            rows, scale, safe_target.contiguous(), out, rows.shape[1], rows.stride(0),
+            BLOCK=TRITON_BLOCK, enable_fp_fusion=False)  # exp * s + -s rounded twice, as the torch path
     return out.view(log_probs.shape)
 
 
