@@ -73,7 +73,7 @@ def _train_divergent(rank, world, kind):
 def test_divergent_ranks_fail_fast(kind):
     # the store outlives rank 0, as torchrun's agent hosts it: rank 0 leaves as soon as it has raised,
     # and rank 1, still polling the store when the machine is busy, must still read what differs
-    outcomes = run_ranks(2, _train_divergent, kind, timeout_s=120, store_in_parent=True)
+    outcomes = run_ranks(2, _train_divergent, kind, timeout_s=120)
     failing = outcomes[:1] if kind == "missing" else outcomes
     for outcome in failing:
         assert "RankDivergenceError" in outcome, outcome

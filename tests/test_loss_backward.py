@@ -53,6 +53,19 @@ def test_op_equals_atens_two_ops(dtype, reduction, weighted, rows, monkeypatch):
     assert torch.equal(cross_entropy_backward(*args, expected.dtype), got)
 
 
+def test_a_batch_of_ignored_rows_has_a_zero_gradient_as_in_aten():
+    """Every target ``ignore_index``: the mean's total weight is 0 (the loss is NaN) and ATen's
+    gradient is all zeros, not NaN: the op's too (``s`` is 0 on ignored rows, never ``g / 0``)."""
+    log_probs = torch.log_softmax(torch.randn(4, CLASSES), -1)
+    target = torch.full((4,), -100)
+    loss, total_weight = aten.nll_loss_forward(log_probs, target, None, 1, -100)
+    assert loss.isnan() and total_weight == 0
+    args = (torch.ones(()), log_probs, target, None, 1, -100, total_weight)
+    got = cross_entropy_backward(*args, torch.float32)
+    assert torch.equal(got, cross_entropy_backward_reference(*args, torch.float32))
+    assert torch.equal(got, torch.zeros_like(got))
+
+
 def test_op_casts_into_another_output_dtype_in_chunks(monkeypatch):
     """CUDA's half-to-float softmax backward returns the input's half dtype from fp32 log-probabilities:
     the values are the fp32 result rounded once."""

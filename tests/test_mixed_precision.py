@@ -191,6 +191,6 @@ def test_param_dtype_on_one_rank_only_is_an_error_on_every_rank():
     with param_dtype and another without; the step's all-gathers would then move bf16 buckets on one
     rank and fp32 on the other, which gloo answers by aborting the process ("Received data size
     doesn't match"). The step's agreement compares the replicated dtypes first: both ranks raise."""
-    for message, seconds in run_ranks(2, _param_dtype_on_rank0_only, timeout_s=120, store_in_parent=True):
+    for message, seconds in run_ranks(2, _param_dtype_on_rank0_only, timeout_s=120):
         assert "replicated weights in different dtypes" in message and "same param_dtype" in message, message
         assert seconds < 20, seconds

@@ -282,7 +282,7 @@ def _eval_on_rank0_only(rank, world):
 
 def test_eval_on_rank0_only_works_at_stages_1_2_and_fails_fast_on_both_ranks_at_stage3():
     # the store outlives rank 0, as torchrun's does: rank 1 reads rank 0's note after it left
-    rank0, rank1 = run_ranks(2, _eval_on_rank0_only, timeout_s=240, store_in_parent=True)
+    rank0, rank1 = run_ranks(2, _eval_on_rank0_only, timeout_s=240)
     # stages 1, 2: no check, no wait (the default timeout is 60s): a compile of its own, quicker than the first step's
     for stage in (1, 2):
         times = rank0[f"stage{stage}"]

@@ -113,12 +113,15 @@ def _rank_context() -> mp.context.BaseContext:
 
 
 def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 300, env: dict[str, str] | None = None,
-              store_in_parent: bool = False) -> list:
+              store_in_parent: bool = True) -> list:
     """Runs ``fn(rank, world, *args)`` on ``world`` fresh gloo processes; returns each rank's result.
 
     ``env``: variables set in each rank's environment before ``init_process_group`` (e.g.
-    ``TORCH_DISTRIBUTED_DEBUG``, which torch reads there). ``store_in_parent``: the key-value store is
-    hosted by this process, as torchrun's agent hosts it, so it outlives any rank (else rank 0 hosts it).
+    ``TORCH_DISTRIBUTED_DEBUG``, which torch reads there). ``store_in_parent`` (default): the key-value
+    store is hosted by this process, as torchrun's agent hosts it, so it outlives any rank; else rank 0
+    hosts it (``mp.spawn`` with ``env://``), and a rank still waiting on the store when rank 0 has
+    raised and exited reads "lost the store" instead of its own error (a test that expects every
+    rank's error would fail by the ranks' timing: CI met it twice).
 
     A rank that raises makes this raise with its traceback; ranks still alive after ``timeout_s``
     are killed and reported, so a deadlock fails the test instead of hanging the suite.
