@@ -8,24 +8,22 @@ for a language model the logits are the largest activation there is (``rows x vo
 4096 fp32 rows make 1 MiB; a 128k vocabulary at 8k tokens makes 4 GiB), so the loss's backward is
 often the step's peak.
 
-With one nonzero per row in ``grad`` (its sum is that value), the result is
-``exp(log_probs) * s`` with ``-s`` added at the target, ``s = w[t] * g`` per row (``g`` divided
-by the total weight under ``mean``; 0 for an ignored row). ``zcompile::cross_entropy_backward``
-computes exactly that into the one output buffer: ``exp`` into it, scaled in place, the target's
-term added in place. Every rounding step is the one ATen makes (``-s - exp * -s`` is
-``exp * s + -s`` bit for bit) but the ``exp``: ATen's CPU softmax kernels use a faster one than
-``torch.exp`` (1 ulp apart on about 1 in 10 elements), so the result equals the two ops' to an ulp
-(``tests/test_loss_backward.py``).
-When the output's dtype differs from the log-probabilities' (CUDA's half-to-float softmax), or they
-are in half precision (worked on in fp32, as ATen does), the rows are worked on in chunks of
-about ``CHUNK_ELEMENTS`` elements, then cast into the output.
+``zcompile::cross_entropy_backward`` computes the same values holding one such buffer, the output:
 
-Two implementations. On CUDA (with triton), one Triton program per row reads the log-probabilities
-once and writes the result once, in fp32 registers, rounded once into the output. Elsewhere, pure
-torch: ``exp`` into the output, ``mul_``, ``scatter_add_`` (three passes over the buffer; on the
-CPU that is what runs, the interpreter being for the tests: ``cross_entropy_backward_triton`` is
-tested under ``TRITON_INTERPRET=1`` against the torch path, and compiled for a GPU by
-``benchmarks/gpu_check.py``).
+- the torch path (the CPU's, and any device's without triton) runs ATen's own two ops a block of
+  rows at a time, ``nll_loss_backward`` into a buffer of ``chunk_rows`` rows (at most a sixteenth
+  of the logits, and ``CHUNK_ELEMENTS``), then ``_log_softmax_backward_data`` from it into the
+  output's rows. Rows are independent in both ops, so the result is theirs bit for bit
+  (``tests/test_loss_backward.py``; an earlier ``exp``-``mul``-``scatter`` version differed by an
+  ulp on a tenth of the elements: ATen's softmax kernels use a faster ``exp`` than ``torch.exp``,
+  and training runs compared with eager PyTorch saw it);
+- on CUDA (with triton), one Triton program per row reads the log-probabilities once and writes the
+  result once: with one nonzero per row in the nll gradient (its row sum is that value), the result
+  is ``exp(log_probs) * s`` with ``-s`` added at the target, ``s = w[t] * g`` (``g`` divided by the
+  total weight under ``mean``; 0 for an ignored row), worked in fp32 and rounded once into the
+  output; equal to the torch path to an ulp of ``s`` (the device's ``exp``). The kernel is tested
+  under ``TRITON_INTERPRET=1`` (``tests/test_cross_entropy_kernel.py``) and compiled for a GPU by
+  ``benchmarks/gpu_check.py``; on the CPU the interpreter is for the tests only.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ import torch
 from zcompile.kernels.dispatch import triton_available
 
 CHUNK_ELEMENTS = 1 << 20
-REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # ATen's reduction enum, as nll_loss_backward takes it
 
 
 def row_scales(grad_loss: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], reduction: int,
@@ -56,40 +53,44 @@ def row_scales(grad_loss: torch.Tensor, target: torch.Tensor, weight: Optional[t
 
 @torch.library.custom_op("zcompile::cross_entropy_backward", mutates_args=())
 def cross_entropy_backward(grad_loss: torch.Tensor, log_probs: torch.Tensor, target: torch.Tensor,
-                           weight: Optional[torch.Tensor], reduction: int, ignore_index: int,
-                           total_weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                           weight: Optional[torch.Tensor], reduction: int, ignore_index: int, total_weight: torch.Tensor,
+                           input_dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
     """``_log_softmax_backward_data(nll_loss_backward(grad_loss, log_probs, target, weight, reduction,
     ignore_index, total_weight), log_probs, dim=-1, input_dtype)``, holding one logits-sized buffer
     (module doc). ``log_probs``: ``[rows, classes]`` or ``[classes]``; the class dimension is the last.
+    ``input_dtype``: the softmax backward's (the dtype of the logits the log-softmax read);
     ``out_dtype``: the dtype the replaced op returns, which depends on the device where it differs
-    from ``log_probs``'s (``input_dtype`` is half: CUDA returns it, CPU returns fp32)."""
+    from ``log_probs``'s (``input_dtype`` half: CUDA returns it, CPU returns fp32)."""
     if log_probs.device.type == "cuda" and log_probs.dtype in TRITON_DTYPES and triton_available():
         return cross_entropy_backward_triton(grad_loss, log_probs, target, weight, reduction, ignore_index,
-                                             total_weight, out_dtype)
+                                             total_weight, input_dtype, out_dtype)
     return cross_entropy_backward_torch(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight,
-                                        out_dtype)
+                                        input_dtype, out_dtype)
 
 
 def cross_entropy_backward_torch(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight,
-                                 out_dtype) -> torch.Tensor:
-    """The torch path (module doc): the CPU's, and any device's without triton."""
+                                 input_dtype, out_dtype) -> torch.Tensor:
+    """The torch path (module doc): ATen's two ops over blocks of rows, into one output."""
+    aten = torch.ops.aten
     rows = log_probs if log_probs.dim() == 2 else log_probs.unsqueeze(0)
-    scale, safe_target = row_scales(grad_loss, target.reshape(-1), weight, reduction, ignore_index, total_weight)
-    # nll_loss_backward rounds -s to the log-probabilities' dtype; the softmax backward then works in
-    # at least fp32 (ATen's accumulate type), rounding once into the output
-    work_dtype = torch.promote_types(rows.dtype, torch.float32)
-    scale, safe_target = scale.to(rows.dtype).to(work_dtype).unsqueeze(1), safe_target.unsqueeze(1)
+    targets = target.reshape(-1)
+    per_row = reduction == 0  # "none": one gradient per row
     out = torch.empty(rows.shape, dtype=out_dtype, device=rows.device)
-    if out_dtype == rows.dtype == work_dtype:
-        _fill(out, rows, scale, safe_target)
-    else:
-        step = max(1, CHUNK_ELEMENTS // max(1, rows.shape[1]))
-        for start in range(0, rows.shape[0], step):
-            part = slice(start, start + step)
-            work = torch.empty(rows[part].shape, dtype=work_dtype, device=rows.device)
-            _fill(work, rows[part].to(work_dtype), scale[part], safe_target[part])
-            out[part].copy_(work)
+    step = chunk_rows(*rows.shape)
+    buffer = torch.empty((min(step, rows.shape[0]), rows.shape[1]), dtype=rows.dtype, device=rows.device)
+    for start in range(0, rows.shape[0], step):
+        part = slice(start, start + step)
+        count = rows[part].shape[0]
+        grad = grad_loss.reshape(-1)[part] if per_row else grad_loss
+        nll = aten.nll_loss_backward.grad_input(grad, rows[part], targets[part], weight, reduction, ignore_index,
+                                                total_weight, grad_input=buffer[:count])
+        aten._log_softmax_backward_data.out(nll, rows[part], 1, input_dtype, out=out[part])
     return out.view(log_probs.shape)
+
+
+def chunk_rows(rows: int, classes: int) -> int:
+    """Rows per block of the torch path: at most a sixteenth of them and ``CHUNK_ELEMENTS`` elements."""
+    return max(1, min(-(-rows // 16), CHUNK_ELEMENTS // max(1, classes)))
 
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp64 runs the torch path
@@ -97,7 +98,7 @@ TRITON_BLOCK = 1024  # classes per iteration of a row's program
 
 
 def cross_entropy_backward_triton(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight,
-                                  out_dtype) -> torch.Tensor:
+                                  input_dtype, out_dtype) -> torch.Tensor:
     """The Triton kernel (module doc): one program per row, one read and one write of the logits."""
     if log_probs.dtype not in TRITON_DTYPES or out_dtype not in TRITON_DTYPES:
         raise ValueError(f"cross_entropy_backward_triton: log-probabilities and output must be one of "
@@ -117,15 +118,9 @@ def cross_entropy_backward_triton(grad_loss, log_probs, target, weight, reductio
     return out.view(log_probs.shape)
 
 
-def _fill(out: torch.Tensor, log_probs: torch.Tensor, scale: torch.Tensor, target: torch.Tensor) -> None:
-    torch.exp(log_probs, out=out)
-    out.mul_(scale)
-    out.scatter_add_(1, target, -scale)
-
-
 @cross_entropy_backward.register_fake
 def _cross_entropy_backward_fake(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight,
-                                 out_dtype):
+                                 input_dtype, out_dtype):
     return log_probs.new_empty(log_probs.shape, dtype=out_dtype)
 
 

@@ -9,7 +9,8 @@ activation of the step (rows x vocabulary), so this pair is often the step's pea
 vocabulary at 8k tokens).
 
 The pass replaces each such pair with one ``zcompile::cross_entropy_backward`` call
-(``zcompile.kernels.cross_entropy``), which computes the same values into one buffer. It applies
+(``zcompile.kernels.cross_entropy``), which computes the same values (on the CPU, bit for bit: ATen's
+two ops a block of rows at a time) into one buffer. It applies
 where the pair is exactly the loss's backward: ``g`` read by the softmax backward only, both ops
 reading the same log-probabilities (through views such as ``detach``), and the class dimension
 last (``[rows, classes]`` or ``[classes]``). Anything else (``nll_loss2d``, a class dimension in
@@ -76,7 +77,7 @@ def fuse_cross_entropy_backward_pass(gm: torch.fx.GraphModule) -> torch.fx.Graph
         grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight = nll.args
         with gm.graph.inserting_before(node):
             call = gm.graph.call_function(CROSS_ENTROPY_BACKWARD, (
-                grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight,
+                grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight, node.args[3],
                 node.meta["val"].dtype))
         call.meta.update(node.meta)
         node.replace_all_uses_with(call)

@@ -78,9 +78,9 @@ class ZeroConfig:
             time, ``benchmarks/bench_gloo_collectives.py``), native elsewhere (NCCL).
         fuse_loss_backward: compute cross-entropy's backward (``nll_loss_backward`` then the
             log-softmax backward) into one logits-sized buffer instead of two
-            (``zcompile.passes.loss_backward``): for a language model, the size of its logits less
-            at the backward's start, often the step's peak. The values equal the two ops' to an ulp
-            (ATen's softmax uses a faster ``exp`` than ``torch.exp``); ``False`` keeps ATen's ops.
+            (``zcompile.passes.loss_backward``): for a language model, nearly the size of its logits
+            less at the backward's start, often the step's peak. The values are the two ops' (on a
+            CPU bit for bit, on CUDA to an ulp); ``False`` keeps ATen's ops.
         dump: directory for per-pass graph dumps, ``passes.json``, the plan and the collectives of
             every compiled graph (``DIR/rank{R}/{graph_id}/``); ``None`` reads ``$ZCOMPILE_DUMP``.
             ``python -m zcompile inspect DIR`` summarizes it.
