@@ -110,9 +110,9 @@ def cross_entropy_backward_rows(device: str, quick: bool, copy_gbs: float) -> li
         log_probs = torch.log_softmax(torch.randn(rows, classes, device=device), -1)
         target = torch.randint(0, classes, (rows,), device=device)
         _, total_weight = aten.nll_loss_forward(log_probs, target, None, 1, -100)
-        args = (torch.ones((), device=device), log_probs, target, None, 1, -100, total_weight)
-        ours = time_ms(lambda: cross_entropy_backward(*args, torch.float32), cuda, repeats=3)
-        aten_ms = time_ms(lambda: cross_entropy_backward_reference(*args, torch.float32), cuda, repeats=3)
+        args = (torch.ones((), device=device), log_probs, target, None, 1, -100, total_weight, torch.float32)
+        ours = time_ms(lambda: cross_entropy_backward(*args, torch.float32), cuda, repeats=3)  # out dtype
+        aten_ms = time_ms(lambda: cross_entropy_backward_reference(*args), cuda, repeats=3)
         gbs = 2 * log_probs.numel() * 4 / ours / 1e6
         out.append({"rows": rows, "classes": classes, "ours_ms": round(ours, 3), "aten_two_ops_ms": round(aten_ms, 3),
                     "speedup": round(aten_ms / ours, 2), "ours_gbs": round(gbs, 1),

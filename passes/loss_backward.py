@@ -32,6 +32,7 @@ aten = torch.ops.aten
 
 NLL_LOSS_BACKWARD = aten.nll_loss_backward.default
 LOG_SOFTMAX_BACKWARD = aten._log_softmax_backward_data.default
+_NLL_LOSS_BACKWARD, _LOG_SOFTMAX_BACKWARD = frozenset({NLL_LOSS_BACKWARD}), frozenset({LOG_SOFTMAX_BACKWARD})
 
 
 def _through_views(node):
@@ -43,7 +44,7 @@ def _through_views(node):
 def _fusable(softmax_backward: torch.fx.Node) -> torch.fx.Node | None:
     """The ``nll_loss_backward`` node the softmax backward can absorb, or ``None``."""
     grad, log_probs, dim = softmax_backward.args[:3]
-    if not (isinstance(grad, torch.fx.Node) and is_call_to(grad, frozenset({NLL_LOSS_BACKWARD}))):
+    if not (isinstance(grad, torch.fx.Node) and is_call_to(grad, _NLL_LOSS_BACKWARD)):
         return None
     if len(grad.args) != 7 or grad.kwargs or softmax_backward.kwargs:
         return None
@@ -69,7 +70,7 @@ def fuse_cross_entropy_backward_pass(gm: torch.fx.GraphModule) -> torch.fx.Graph
     replaced node's metadata (its value has the same shape and dtype)."""
     fused = 0
     for node in list(gm.graph.nodes):
-        if not is_call_to(node, frozenset({LOG_SOFTMAX_BACKWARD})):
+        if not is_call_to(node, _LOG_SOFTMAX_BACKWARD):
             continue
         nll = _fusable(node)
         if nll is None:
