@@ -24,6 +24,7 @@ is 1 when any step failed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -63,11 +64,14 @@ def kernel_tests(device: str) -> dict:
     """The kernel tests in a subprocess, compiled for the GPU (interpreted on a CPU)."""
     env = dict(os.environ, TRITON_INTERPRET="0" if device == "cuda" else "1")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *KERNEL_TESTS]
+    if device == "cuda" and importlib.util.find_spec("xdist") is not None:
+        command += ["-n", "4"]  # Triton compiles each kernel specialization once per process: spread them
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     lines = done.stdout.strip().splitlines()
     return {"command": " ".join(command), "interpreted": device != "cuda", "returncode": done.returncode,
             "summary": lines[-1] if lines else done.stderr[-500:],
-            "failed": [line.split()[1] for line in lines if line.startswith("FAILED")]}
+            "failed": [line.split()[1] for line in lines if line.startswith("FAILED")],
+            "output_tail": (done.stdout + done.stderr)[-6000:] if done.returncode else ""}
 
 
 def bandwidth_gbs(device: str, elements: int) -> float:
@@ -195,15 +199,21 @@ def main() -> int:
               "or pass --allow-cpu --quick to check the script itself", file=sys.stderr)
         return 2
     results: dict = {}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def save():  # after every step: a run stopped at a time limit still leaves what it measured
+        with open(args.out, "w") as handle:
+            json.dump(results, handle, indent=1, default=str)
+
     _step(results, "environment", environment, device)
     _step(results, "kernel_tests", kernel_tests, device)
+    save()
     copy_gbs = _step(results, "bandwidth_gbs", bandwidth_gbs, device, 16 * M if args.quick else 256 * M)
     if isinstance(copy_gbs, float):
         _step(results, "kernels", kernel_benchmarks, device, args.quick, copy_gbs)
+    save()
     _step(results, "training_step", training_steps, device, args.quick, args.steps)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as handle:
-        json.dump(results, handle, indent=1, default=str)
+    save()
     _print_summary(results)
     print(f"[gpu_check] results in {args.out}")
     return 1 if any(isinstance(v, dict) and "error" in v for v in results.values()) or \

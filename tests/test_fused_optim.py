@@ -18,9 +18,17 @@ import torch
 triton = pytest.importorskip("triton")
 
 from zcompile.kernels import fused_optim  # noqa: E402
+from zcompile.kernels.dispatch import use_triton  # noqa: E402
 from zcompile.kernels.fused_optim import (  # noqa: E402
     fused_adamw, fused_adamw_reference, fused_adamw_triton, fused_sgd, fused_sgd_reference, fused_sgd_triton,
 )
+
+# On a GPU (benchmarks/gpu_check.py runs this file with TRITON_INTERPRET=0) the kernels are compiled
+# for CUDA tensors; without one they are interpreted on CPU tensors. Inputs are drawn on the CPU with
+# seeded generators and then moved, so both compare the same numbers.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if not use_triton(torch.empty(0, device=DEVICE)):
+    pytest.skip(f"no Triton path for {DEVICE} tensors (TRITON_INTERPRET=0 without a GPU)", allow_module_level=True)
 
 SIZES = [1, 1023, 1024, 1025, 4099]
 ADAM = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -29,7 +37,11 @@ ADAM = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 def _state(numel, seed):
     gen = torch.Generator().manual_seed(seed)
     param = torch.randn(numel, generator=gen)
-    return param, torch.randn(numel, generator=gen).abs() * 0.1, torch.rand(numel, generator=gen) * 0.01
+    return _on(param, torch.randn(numel, generator=gen).abs() * 0.1, torch.rand(numel, generator=gen) * 0.01)
+
+
+def _on(*tensors):
+    return tuple(t.to(DEVICE) for t in tensors)
 
 
 @pytest.mark.parametrize("numel", SIZES)
@@ -37,10 +49,10 @@ def _state(numel, seed):
 @pytest.mark.parametrize("lowp_dtype", [None, torch.bfloat16, torch.float16])
 def test_adamw_kernel_matches_reference(numel, grad_dtype, lowp_dtype):
     param, exp_avg, exp_avg_sq = _state(numel, numel)
-    grad = torch.randn(numel, generator=torch.Generator().manual_seed(1)).to(grad_dtype)
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(1)).to(grad_dtype).to(DEVICE)
     ours = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
     theirs = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
-    lowp = None if lowp_dtype is None else torch.full((numel,), float("nan"), dtype=lowp_dtype)
+    lowp = None if lowp_dtype is None else torch.full((numel,), float("nan"), dtype=lowp_dtype, device=DEVICE)
     lowp_ref = None if lowp_dtype is None else lowp.clone()
     fused_adamw_triton(ours[0], grad, ours[1], ours[2], 3, grad_scale=0.5, lowp_out=lowp, **ADAM)
     fused_adamw_reference(theirs[0], grad, theirs[1], theirs[2], 3, grad_scale=0.5, lowp_out=lowp_ref, **ADAM)
@@ -56,11 +68,11 @@ def test_adamw_kernel_matches_reference(numel, grad_dtype, lowp_dtype):
     (0.0, 0.0, False, 0.0), (0.9, 0.0, False, 0.01), (0.9, 0.1, False, 0.0), (0.9, 0.0, True, 0.01),
 ])
 def test_sgd_kernel_matches_reference(numel, momentum, dampening, nesterov, weight_decay):
-    param = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
-    buffers = [torch.empty(numel), torch.empty(numel)]
+    param = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(DEVICE)
+    buffers = [torch.empty(numel, device=DEVICE), torch.empty(numel, device=DEVICE)]
     ours, theirs = param.clone(), param.clone()
     for step in range(3):
-        grad = torch.randn(numel, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        grad = torch.randn(numel, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16).to(DEVICE)
         args = (momentum, dampening, weight_decay, nesterov, 0.5)
         fused_sgd_triton(ours, grad, buffers[0], step == 0, 0.1, *args)
         fused_sgd_reference(theirs, grad, buffers[1], step == 0, 0.1, *args)
@@ -72,14 +84,14 @@ def test_sgd_kernel_matches_reference(numel, momentum, dampening, nesterov, weig
 
 def test_ten_steps_equal_torch_optim():
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(n)) for n in (1, 1000, 1537)]
+    params = [torch.nn.Parameter(torch.randn(n).to(DEVICE)) for n in (1, 1000, 1537)]
     torch_opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    states = [(p.detach().clone(), torch.zeros(p.numel()), torch.zeros(p.numel())) for p in params]
+    states = [(p.detach().clone(), torch.zeros_like(p.detach()), torch.zeros_like(p.detach())) for p in params]
     sgd_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     sgd_opt = torch.optim.SGD(sgd_params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
-    sgd_states = [(p.detach().clone(), torch.empty(p.numel())) for p in params]
+    sgd_states = [(p.detach().clone(), torch.empty_like(p.detach())) for p in params]
     for step in range(1, 11):
-        grads = [torch.randn(p.numel()) for p in params]
+        grads = [torch.randn(p.numel()).to(DEVICE) for p in params]
         for p, q, g in zip(params, sgd_params, grads):
             p.grad, q.grad = g.clone(), g.clone()
         torch_opt.step()
@@ -95,13 +107,13 @@ def test_ten_steps_equal_torch_optim():
 
 
 def test_custom_op_dispatches_to_triton(monkeypatch):
-    """Under TRITON_INTERPRET=1 the op runs the Triton wrapper, not the reference."""
+    """The op runs the Triton wrapper, not the reference: on CUDA tensors, and on CPU ones under TRITON_INTERPRET=1."""
     calls = []
     real = fused_optim.fused_adamw_triton
     monkeypatch.setattr(fused_optim, "fused_adamw_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
     param, exp_avg, exp_avg_sq = _state(100, 0)
     expected = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
-    grad = torch.randn(100)
+    grad = torch.randn(100).to(DEVICE)
     fused_adamw(param, grad, exp_avg, exp_avg_sq, 1, **ADAM)
     fused_adamw_reference(expected[0], grad, expected[1], expected[2], 1, **ADAM)
     assert calls == [1]
@@ -114,7 +126,7 @@ def test_ops_trace_in_compiled_graphs():
         fused_sgd(param, grad, momentum_buffer, False, 0.1, 0.9, 0.0, 0.0, False)
         return param * 1
 
-    tensors = [torch.randn(50) for _ in range(5)]
+    tensors = [torch.randn(50).to(DEVICE) for _ in range(5)]
     tensors[3] = tensors[3].abs()  # exp_avg_sq is non-negative
     eager = [t.clone() for t in tensors]
     step(*eager)
@@ -123,11 +135,11 @@ def test_ops_trace_in_compiled_graphs():
 
 
 def test_bad_inputs():
-    param = torch.zeros(10)
+    param = torch.zeros(10, device=DEVICE)
     with pytest.raises(TypeError, match="flat contiguous fp32 shard"):
         fused_adamw_triton(param.double(), param, param.clone(), param.clone(), 1, **ADAM)
     with pytest.raises(ValueError, match="grad must be a contiguous tensor of 10 elements"):
-        fused_adamw_triton(param, torch.zeros(9), param.clone(), param.clone(), 1, **ADAM)
+        fused_adamw_triton(param, torch.zeros(9, device=DEVICE), param.clone(), param.clone(), 1, **ADAM)
     with pytest.raises(ValueError, match="step counts from 1"):
         fused_adamw_triton(param, param.clone(), param.clone(), param.clone(), 0, **ADAM)
     with pytest.raises(ValueError, match="needs a momentum_buffer"):
