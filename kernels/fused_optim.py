@@ -177,11 +177,38 @@ def fused_adamw_reference(
         lowp_out.copy_(param)
 
 
-@torch.library.custom_op("zcompile::fused_adamw", mutates_args=("param", "exp_avg", "exp_avg_sq", "lowp_out"))
+# Each op is called through a plain function that passes every argument by position. torch 2.11's
+# ADInplaceOrView kernel for custom ops bumps the version of each mutated argument by its position in
+# the call (``args[idx]``), so a mutated argument left to its default or passed by keyword (``lowp_out``)
+# raised IndexError on every step (found by gpu_check on torch 2.11; 2.13 fills in defaults first).
+# The ops' schemas have no defaults, so a direct caller must pass everything too.
+
+
 def fused_adamw(
     param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
     lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: float = 1.0,
     lowp_out: torch.Tensor | None = None,
+) -> None:
+    """One AdamW step over a flat fp32 shard, in place (``zcompile::fused_adamw``)."""
+    _fused_adamw_op(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
+                    lowp_out)
+
+
+def fused_sgd(
+    param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, first_step: bool, lr: float,
+    momentum: float, dampening: float, weight_decay: float, nesterov: bool, grad_scale: float = 1.0,
+    lowp_out: torch.Tensor | None = None,
+) -> None:
+    """One SGD step over a flat fp32 shard, in place (``zcompile::fused_sgd``)."""
+    _fused_sgd_op(param, grad, momentum_buffer, first_step, lr, momentum, dampening, weight_decay, nesterov,
+                  grad_scale, lowp_out)
+
+
+@torch.library.custom_op("zcompile::fused_adamw", mutates_args=("param", "exp_avg", "exp_avg_sq", "lowp_out"))
+def _fused_adamw_op(
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: float,
+    lowp_out: torch.Tensor | None,
 ) -> None:
     """One AdamW step over a flat fp32 shard, in place: Triton where it runs, else the reference."""
     if use_triton(param):
@@ -192,16 +219,16 @@ def fused_adamw(
                               grad_scale, lowp_out)
 
 
-@fused_adamw.register_fake
-def _(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0, lowp_out=None):
+@_fused_adamw_op.register_fake
+def _(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale, lowp_out):
     return None
 
 
 @torch.library.custom_op("zcompile::fused_sgd", mutates_args=("param", "momentum_buffer", "lowp_out"))
-def fused_sgd(
+def _fused_sgd_op(
     param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, first_step: bool, lr: float,
-    momentum: float, dampening: float, weight_decay: float, nesterov: bool, grad_scale: float = 1.0,
-    lowp_out: torch.Tensor | None = None,
+    momentum: float, dampening: float, weight_decay: float, nesterov: bool, grad_scale: float,
+    lowp_out: torch.Tensor | None,
 ) -> None:
     """One SGD step over a flat fp32 shard, in place: Triton where it runs, else the reference."""
     if use_triton(param):
@@ -212,7 +239,7 @@ def fused_sgd(
                             nesterov, grad_scale, lowp_out)
 
 
-@fused_sgd.register_fake
-def _(param, grad, momentum_buffer, first_step, lr, momentum, dampening, weight_decay, nesterov, grad_scale=1.0,
-      lowp_out=None):
+@_fused_sgd_op.register_fake
+def _(param, grad, momentum_buffer, first_step, lr, momentum, dampening, weight_decay, nesterov, grad_scale,
+      lowp_out):
     return None

@@ -144,3 +144,14 @@ def test_bad_inputs():
         fused_adamw_triton(param, param.clone(), param.clone(), param.clone(), 0, **ADAM)
     with pytest.raises(ValueError, match="needs a momentum_buffer"):
         fused_sgd_triton(param, param.clone(), None, True, 0.1, 0.9, 0.0, 0.0, False)
+
+
+@pytest.mark.parametrize("op", ["fused_adamw", "fused_sgd"])
+def test_mutated_arguments_have_no_default(op):
+    """torch 2.11's ADInplaceOrView kernel for custom ops reads each mutated argument by its position in
+    the call, so one left to its schema's default raised IndexError on every optimizer step on CUDA
+    (gpu_check found it). The schema keeps mutated arguments required; the wrappers pass them."""
+    schema = getattr(torch.ops.zcompile, op).default._schema
+    mutated = [arg for arg in schema.arguments if arg.alias_info is not None and arg.alias_info.is_write]
+    assert {arg.name for arg in mutated} >= {"param", "lowp_out"}
+    assert [arg.name for arg in mutated if arg.has_default_value()] == []
