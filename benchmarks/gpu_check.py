@@ -14,9 +14,10 @@ One GPU is enough. In order, each step recorded in the JSON file and summarized 
    a fraction of that bandwidth, the fused AdamW against ``torch.optim.AdamW(fused=True)``, and the
    fused cross-entropy backward against the two ATen ops it replaces;
 5. a world-1 training step of the example GPT (12 layers, n_embd 768, seq 512, batch 8; AdamW):
-   ``torch.compile(backend="zero")`` with the eager and the inductor inner compilers, against plain
-   ``torch.compile`` with ``aot_eager`` and inductor and ``torch.optim.AdamW(fused=True)``: first
-   step (compile) and median step.
+   ``torch.compile(backend="zero")`` with the eager and the inductor inner compilers (stage 3), stage 1,
+   and stages 2 and 3 with bf16 parameters, against plain ``torch.compile`` with ``aot_eager`` and
+   inductor and ``torch.optim.AdamW(fused=True)``: first step (compile), median step, and each step's
+   loss next to the plain ``aot_eager`` run's.
 A step that fails is recorded with its error and the check goes on to the next one; the exit status
 is 1 when any step failed.
 """
@@ -133,10 +134,14 @@ def training_steps(device: str, quick: bool, steps: int) -> list[dict]:
               else GPTConfig(vocab_size=50304, n_layer=12, n_head=12, n_embd=768, block_size=512))
     batch = 2 if quick else 8
     ways = {
+        "torch.compile aot_eager": ("aot_eager", None),
         "zero stage 3, eager": ("zero", {"stage": 3, "compiler": "eager"}),
         "zero stage 3, inductor": ("zero", {"stage": 3, "compiler": "inductor"}),
-        "torch.compile aot_eager": ("aot_eager", None),
         "torch.compile inductor": ("inductor", None),
+        # the other stages and mixed precision: the fused AdamW writes the bf16 replica (lowp_out) on CUDA
+        "zero stage 1, eager": ("zero", {"stage": 1, "compiler": "eager"}),
+        "zero stage 2, eager, bf16": ("zero", {"stage": 2, "compiler": "eager", "param_dtype": "bf16"}),
+        "zero stage 3, eager, bf16": ("zero", {"stage": 3, "compiler": "eager", "param_dtype": "bf16"}),
     }
     rows = []
     for name, (backend, options) in ways.items():
@@ -149,24 +154,30 @@ def training_steps(device: str, quick: bool, steps: int) -> list[dict]:
         else:
             fused = {"fused": True} if device == "cuda" else {}
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
-        times = []
+        times, losses = [], []
         for step in range(steps + 1):
             tokens, targets = (t.to(device) for t in synthetic_batch(step, batch, config))
             _sync(device)
             start = time.perf_counter()
-            compiled(tokens, targets).backward()
+            loss = compiled(tokens, targets)
+            loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             _sync(device)
             times.append(time.perf_counter() - start)
+            losses.append(loss.item())
         rows.append({"way": name, "first_step_s": times[0], "median_step_ms": statistics.median(times[1:]) * 1e3,
+                     "losses": losses,
                      "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None})
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         del model, compiled, optimizer
-    base = next(r["median_step_ms"] for r in rows if r["way"] == "torch.compile aot_eager")
+    base = next(r for r in rows if r["way"] == "torch.compile aot_eager")
     for row in rows:
-        row["x_aot_eager"] = row["median_step_ms"] / base
+        row["x_aot_eager"] = row["median_step_ms"] / base["median_step_ms"]
+        # the same model, data and update rule: the losses must follow the plain run's (fp32 to float
+        # rounding of different kernels; bf16 to its own precision)
+        row["max_loss_diff_vs_aot_eager"] = max(abs(a - b) for a, b in zip(row["losses"], base["losses"]))
     return rows
 
 
@@ -241,7 +252,8 @@ def _print_summary(results: dict) -> None:
     steps = results.get("training_step")
     for row in steps if isinstance(steps, list) else []:
         rows.append((row["way"], f"first step {row['first_step_s']:.1f}s, median {row['median_step_ms']:.1f} ms "
-                     f"({row['x_aot_eager']:.2f}x aot_eager)"))
+                     f"({row['x_aot_eager']:.2f}x aot_eager); losses {row['losses'][0]:.4f} -> "
+                     f"{row['losses'][-1]:.4f}, at most {row['max_loss_diff_vs_aot_eager']:.1e} off aot_eager's"))
     for name, value in results.items():
         if isinstance(value, dict) and "error" in value:
             rows.append((f"{name} FAILED", value["error"][:200]))
