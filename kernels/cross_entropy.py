@@ -94,7 +94,7 @@ def chunk_rows(rows: int, classes: int) -> int:
 
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp64 runs the torch path
-TRITON_BLOCK = 1024  # classes per iteration of a row's program
+TRITON_BLOCK = 2048  # classes per program (a row has cdiv(classes, TRITON_BLOCK) programs)
 
 
 def cross_entropy_backward_triton(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight,
@@ -110,9 +110,11 @@ def cross_entropy_backward_triton(grad_loss, log_probs, target, weight, reductio
     scale = scale.to(rows.dtype).to(torch.float32).contiguous()  # -s as nll_loss_backward rounds it
     out = torch.empty(rows.shape, dtype=out_dtype, device=rows.device)
     if rows.numel():
+        import triton
+
         from zcompile.kernels.cross_entropy_triton import cross_entropy_backward_kernel
 
-        cross_entropy_backward_kernel[(rows.shape[0],)](
+        cross_entropy_backward_kernel[(rows.shape[0], triton.cdiv(rows.shape[1], TRITON_BLOCK))](
             rows, scale, safe_target.contiguous(), out, rows.shape[1], rows.stride(0),
             BLOCK=TRITON_BLOCK, enable_fp_fusion=False)  # exp * s + -s rounded twice, as the torch path
     return out.view(log_probs.shape)

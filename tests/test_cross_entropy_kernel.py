@@ -24,7 +24,7 @@ if not use_triton(torch.empty(0, device=DEVICE)):
     pytest.skip(f"no Triton path for {DEVICE} tensors (TRITON_INTERPRET=0 without a GPU)", allow_module_level=True)
 
 aten = torch.ops.aten
-CLASSES = TRITON_BLOCK + 37  # two iterations per row, the second one masked
+CLASSES = TRITON_BLOCK + 37  # two programs per row, the second one masked
 
 
 def _case(dtype, reduction, weighted, rows):
