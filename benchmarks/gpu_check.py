@@ -7,7 +7,8 @@ One GPU is enough. In order, each step recorded in the JSON file and summarized 
 1. the environment (torch, triton, device, its memory);
 2. the kernel tests compiled for the GPU (``TRITON_INTERPRET=0``: Triton compiles them for the
    device instead of interpreting them): ``tests/test_quantize.py``, ``tests/test_fused_optim.py`` and
-   ``tests/test_cross_entropy_kernel.py``,
+   ``tests/test_cross_entropy_kernel.py``, and ``tests/test_device_loop.py`` (a one-rank training
+   loop on CUDA tensors at stages 1-3: clipping, evaluation, a checkpoint resumed, against eager);
    pass/fail counts and the failures' names;
 3. the device's memory bandwidth, measured (``dst.copy_(src)`` of 256M fp32 elements);
 4. the kernel benchmarks (``bench_quantize.py``, ``bench_fused_adamw.py``) with each kernel's GB/s as
@@ -43,7 +44,9 @@ sys.path[:0] = [HERE, os.path.join(REPO, "examples")]
 from common import print_table, time_ms  # noqa: E402
 
 M = 2**20
-KERNEL_TESTS = ("tests/test_quantize.py", "tests/test_fused_optim.py", "tests/test_cross_entropy_kernel.py")
+# the kernel tests, and a one-rank training loop (clip, checkpoint and resume, eval, gathered) on CUDA tensors
+KERNEL_TESTS = ("tests/test_quantize.py", "tests/test_fused_optim.py", "tests/test_cross_entropy_kernel.py",
+                "tests/test_device_loop.py")
 
 
 def environment(device: str) -> dict:
