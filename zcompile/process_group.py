@@ -106,7 +106,29 @@ def all_gather_coalesced_into(outputs: list[torch.Tensor], shards: list[torch.Te
     # torch 2.13 renamed it (as the flat collectives above); 2.11 has the old name
     coalesced = (getattr(process_group, "all_gather_single_coalesced", None)
                  or process_group.allgather_into_tensor_coalesced)
-    return coalesced([outputs[i] for i in order], [shards[i] for i in order])
+    try:
+        return coalesced([outputs[i] for i in order], [shards[i] for i in order])
+    except RuntimeError as error:
+        # torch 2.11's gloo has no coalesced all-gather ("Backend gloo does not support
+        # allgather_into_tensor_coalesced"); it refuses before enqueuing anything, on every rank alike
+        if "does not support" not in str(error):
+            raise
+    return _AllWorks([all_gather_eager(outputs[i], shards[i], group, async_op=True) for i in order])
+
+
+class _AllWorks:
+    """Several collectives' works waited on as one (gloo may finish them out of order)."""
+
+    def __init__(self, works: list[dist.Work]):
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
 
 def find_group(ranks: list[int]) -> dist.ProcessGroup | None:

@@ -31,6 +31,10 @@ _METADATA = {
     torch.Tensor.element_size, torch.Tensor.requires_grad_, torch.Tensor.register_hook,
     torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.__hash__, torch.Tensor.__format__,
     torch.Tensor.__len__, torch.Tensor.get_device, torch.Tensor.data_ptr,
+    # what Dynamo asks of a graph input while it wraps it (torch 2.11 asks _is_view through
+    # __torch_function__; 2.13 does not): none reads an element
+    torch.Tensor._is_view, torch.Tensor.is_inference, torch.Tensor.is_neg, torch.Tensor.is_conj,
+    torch.Tensor._is_zerotensor,
     # dtype questions (transformers' PreTrainedModel.dtype asks is_floating_point of each parameter)
     torch.Tensor.is_floating_point, torch.is_floating_point, torch.Tensor.is_complex, torch.is_complex,
     torch.Tensor.is_signed, torch.numel,
@@ -41,6 +45,17 @@ _METADATA = {
 }
 # these alias the parameter: the alias must keep refusing (state_dict() detaches before its hooks run)
 _ALIASES = {torch.Tensor.detach, torch.Tensor.data.__get__}
+# the tensor properties that are views of the elements; every other property is metadata (is_mkldnn,
+# is_xpu, ...: Dynamo 2.11 reads many of them while wrapping a graph input)
+_VIEW_PROPERTIES = {"data", "T", "mT", "H", "mH", "real", "imag"}
+
+
+def _is_metadata(func) -> bool:
+    if func in _METADATA:
+        return True
+    owner = getattr(func, "__self__", None)  # a property's __get__ is bound to the tensor type's descriptor
+    return (getattr(func, "__name__", None) == "__get__" and getattr(owner, "__objclass__", None) is torch._C.TensorBase
+            and owner.__name__ not in _VIEW_PROPERTIES)
 
 
 class ShardedParameterError(RuntimeError):
@@ -61,7 +76,7 @@ def is_freed(tensor: torch.Tensor) -> bool:
 def _guarded_call(func, args, kwargs):
     kwargs = kwargs or {}
     with DisableTorchFunctionSubclass():
-        if not torch.compiler.is_compiling() and func not in _METADATA:
+        if not torch.compiler.is_compiling() and not _is_metadata(func):
             freed = _first_freed(args, kwargs)
             if freed is not None:
                 if func in _ALIASES:
@@ -112,6 +127,8 @@ def _name_of(tensor: torch.Tensor) -> str:
 
 def _message(tensor: torch.Tensor, func) -> str:
     name = getattr(func, "__name__", str(func))
+    if name in ("__get__", "__set__", "__delete__"):  # a property's accessor: name the property
+        name = f"{getattr(getattr(func, '__self__', None), '__name__', '?')} ({name})"
     return (
         f"zcompile: parameter {_name_of(tensor)!r} {tuple(tensor.shape)} is sharded ({_freed_reason(tensor)}): "
         "each rank holds 1/N of its fp32 value and the full value exists only inside the compiled graphs, so eager "
