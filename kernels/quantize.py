@@ -105,13 +105,15 @@ if triton_available():
 
     @triton.jit
     def _dequantize_reduce_kernel(q_ptr, scales_ptr, out_ptr, q_out_ptr, scales_out_ptr, numel,
-                                  num_partitions, q_stride, scales_stride, scale_by,
+                                  q_stride, scales_stride, scale_by,
                                   BLOCK: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
-                                  REQUANTIZE: tl.constexpr):
+                                  REQUANTIZE: tl.constexpr, NUM_PARTITIONS: tl.constexpr):
+        # NUM_PARTITIONS (the ranks summed: a few values per job) is a constexpr: Triton 3.6's
+        # interpreter cannot loop over a runtime scalar under NumPy 2.5 (int() of a 1-element array)
         pid = tl.program_id(0).to(tl.int64)
         acc_a = tl.zeros([BLOCK // 2], dtype=tl.float32)
         acc_b = tl.zeros([BLOCK // 2], dtype=tl.float32)
-        for _ in range(0, num_partitions):  # same order as the reference: partition 0 first
+        for _ in range(0, NUM_PARTITIONS):  # same order as the reference: partition 0 first
             a, b = _load_dequantized(q_ptr, scales_ptr, pid, BLOCK, BITS)
             acc_a = acc_a + a
             acc_b = acc_b + b
@@ -280,8 +282,9 @@ def dequantize_reduce_triton(q, scales, numel, bits, block, scale_by=1.0, requan
         out = torch.empty(numel, dtype=torch.float32, device=q.device)
         q_out, scales_out = q, scales  # unused by the kernel
     _dequantize_reduce_kernel[(blocks,)](
-        q, scales, out, q_out, scales_out, numel, parts, q.shape[1], blocks, float(scale_by),
-        BLOCK=block, BITS=bits, QMAX=float(QMAX[bits]), REQUANTIZE=requantize, enable_fp_fusion=False,
+        q, scales, out, q_out, scales_out, numel, q.shape[1], blocks, float(scale_by),
+        BLOCK=block, BITS=bits, QMAX=float(QMAX[bits]), REQUANTIZE=requantize, NUM_PARTITIONS=parts,
+        enable_fp_fusion=False,
     )
     return (q_out, scales_out) if requantize else out
 
