@@ -12,7 +12,8 @@ Reference: the same loop on the plain model with ``torch.optim.AdamW`` (fp32, on
 same batches and freezing schedule). A parameter frozen at a step takes no update in either
 (``grad`` None, so AdamW skips it, weight decay included); the schedule freezes one weight at
 step 0, unfreezes it at 2 and freezes it again at 4, so the last switch runs a graph compiled
-earlier for the frozen setting. Tolerance: 1e-6 relative on losses and 1e-5 absolute on weights,
+earlier for the frozen setting (where Dynamo does not recompile on the flag, torch 2.11, the
+loop calls ``torch.compiler.reset()`` after each switch, as zcompile's ``StaleGraphError`` says). Tolerance: 1e-6 relative on losses and 1e-5 absolute on weights,
 as ``support.training`` derives for AdamW at lr 1e-2 over a few steps in fp32.
 """
 
@@ -30,6 +31,25 @@ SCHEDULE = {0: False, 2: True, 4: False}  # step -> requires_grad of the switche
 SWITCHED = "blocks.0.mlp.0.weight"
 
 
+def _dynamo_guards_requires_grad() -> bool:
+    """Whether Dynamo recompiles a frame when a parameter's ``requires_grad`` changes (torch 2.13
+    does; 2.11 runs the old graph, and a plain ``torch.compile`` leaves an unfrozen weight without
+    a gradient)."""
+    torch._dynamo.reset()
+    linear = torch.nn.Linear(2, 2)
+    compiled = torch.compile(linear, backend="aot_eager")  # autograd traced: a stale graph gives no gradient
+    linear.weight.requires_grad_(False)
+    compiled(torch.ones(1, 2)).sum().backward()
+    linear.weight.requires_grad_(True)
+    compiled(torch.ones(1, 2)).sum().backward()
+    torch._dynamo.reset()
+    return linear.weight.grad is not None
+
+
+# where Dynamo does not, the loop does what zcompile's StaleGraphError tells users to do
+RESET_AFTER_SWITCH = not _dynamo_guards_requires_grad()
+
+
 def _train(stage: int | None, param_dtype: str | None = None) -> tuple[list[float], list[torch.Tensor]]:
     """Losses, and the switched weight after every step (full, fp32), of the schedule's run."""
     torch._dynamo.reset()
@@ -45,6 +65,8 @@ def _train(stage: int | None, param_dtype: str | None = None) -> tuple[list[floa
     for step in range(STEPS):
         if step in SCHEDULE:
             weight.requires_grad_(SCHEDULE[step])
+            if RESET_AFTER_SWITCH and stage is not None:
+                torch.compiler.reset()
         tokens, targets = synthetic_batch(step, 2, CONFIG)
         loss = run(tokens, targets)
         loss.backward()
@@ -80,3 +102,18 @@ def test_frozen_weight_does_not_move_with_param_dtype(stage):
         trainable = SCHEDULE[max(s for s in SCHEDULE if s <= step)]
         moved = bool((weights[step] != before[step]).any())
         assert moved == trainable, f"step {step}: trainable {trainable}, moved {moved}"
+
+
+def test_a_graph_traced_for_the_other_requires_grad_is_an_error():
+    """A graph that Dynamo reuses although a parameter's ``requires_grad`` changed (torch 2.11 does
+    not guard the flag) would train the parameter as it was traced: an error names the fix."""
+    from zcompile.backend import ShardSwap, StaleGraphError
+    from zcompile.passes.param_collectives import ParamInput, ShardingPlan
+    from zcompile.process_group import DataParallelGroup
+
+    plan = ShardingPlan(stage=3, world_size=1, group_name=None, param_dtype=None, reduce_dtype=None,
+                        params=[ParamInput(0, "head.weight", (2, 2), requires_grad=False)])
+    weight = torch.nn.Parameter(torch.ones(2, 2))  # requires grad: unfrozen since the graph was traced
+    with pytest.raises(StaleGraphError, match=r"'head\.weight' has requires_grad=True.*traced with "
+                                              r"requires_grad=False.*torch\.compiler\.reset\(\)"):
+        ShardSwap(plan, DataParallelGroup.resolve()).swap([weight, torch.ones(1)])

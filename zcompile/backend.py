@@ -129,6 +129,8 @@ class ShardSwap:
         training = int(counted and torch.is_grad_enabled())
         appended = []
         for p in self.plan.params:
+            if args[p.index].requires_grad != p.requires_grad:
+                raise StaleGraphError(_stale_message(p, args[p.index].requires_grad))
             sharded = self.sharded(args[p.index], p.name)
             sharded.training_calls += training
             if counted and sharded.calls_since_step is not None:
@@ -194,6 +196,19 @@ class ShardSwap:
             return run_with_shards(*args)
 
         return run_agreed
+
+
+class StaleGraphError(RuntimeError):
+    """A compiled graph was called with a parameter whose ``requires_grad`` changed since it was traced."""
+
+
+def _stale_message(param, requires_grad: bool) -> str:
+    return (f"zcompile: parameter {param.name!r} has requires_grad={requires_grad}, but the graph Dynamo chose "
+            f"for this call was traced with requires_grad={param.requires_grad} and was not recompiled "
+            f"(torch {torch.__version__.split('+')[0]}'s Dynamo does not guard a parameter's requires_grad; "
+            "torch 2.13's does). Running it would leave the parameter's training as it was, silently. After "
+            "freezing or unfreezing parameters, call torch.compiler.reset() (the next call recompiles, "
+            "keeping the shards and the optimizer's state), or use torch 2.13 or newer.")
 
 
 def _follow_requires_grad(leaf: torch.Tensor, requires_grad: bool) -> None:
