@@ -208,7 +208,9 @@ def _stale_message(param, requires_grad: bool) -> str:
             f"(torch {torch.__version__.split('+')[0]}'s Dynamo does not guard a parameter's requires_grad; "
             "torch 2.13's does). Running it would leave the parameter's training as it was, silently. After "
             "freezing or unfreezing parameters, call torch.compiler.reset() (the next call recompiles, "
-            "keeping the shards and the optimizer's state), or use torch 2.13 or newer.")
+            "keeping the shards and the optimizer's state), or use torch 2.13 or newer. Where blocks compiled one "
+            "by one share a graph but not their frozen weights (the first layers frozen), compile the whole "
+            "model instead.")
 
 
 def _follow_requires_grad(leaf: torch.Tensor, requires_grad: bool) -> None:
