@@ -17,9 +17,9 @@ often the step's peak.
   (``tests/test_loss_backward.py``; an earlier ``exp``-``mul``-``scatter`` version differed by an
   ulp on a tenth of the elements: ATen's softmax kernels use a faster ``exp`` than ``torch.exp``,
   and training runs compared with eager PyTorch saw it);
-- on CUDA (with triton), one Triton program per row reads the log-probabilities once and writes the
-  result once: with one nonzero per row in the nll gradient (its row sum is that value), the result
-  is ``exp(log_probs) * s`` with ``-s`` added at the target, ``s = w[t] * g`` (``g`` divided by the
+- on CUDA (with triton), one Triton pass reads the log-probabilities once and writes the result
+  once (a program per row and block of ``TRITON_BLOCK`` classes): with one nonzero per row in the
+  nll gradient (its row sum is that value), the result is ``exp(log_probs) * s`` with ``-s`` added at the target, ``s = w[t] * g`` (``g`` divided by the
   total weight under ``mean``; 0 for an ignored row), worked in fp32 and rounded once into the
   output; equal to the torch path to an ulp of ``s`` (the device's ``exp``). The kernel is tested
   under ``TRITON_INTERPRET=1`` (``tests/test_cross_entropy_kernel.py``) and compiled for a GPU by
@@ -99,7 +99,7 @@ TRITON_BLOCK = 2048  # classes per program (a row has cdiv(classes, TRITON_BLOCK
 
 def cross_entropy_backward_triton(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight,
                                   input_dtype, out_dtype) -> torch.Tensor:
-    """The Triton kernel (module doc): one program per row, one read and one write of the logits."""
+    """The Triton kernel (module doc): one read and one write of the logits."""
     if log_probs.dtype not in TRITON_DTYPES or out_dtype not in TRITON_DTYPES:
         raise ValueError(f"cross_entropy_backward_triton: log-probabilities and output must be one of "
                          f"{TRITON_DTYPES}, got {log_probs.dtype} -> {out_dtype}")

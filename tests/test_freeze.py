@@ -13,8 +13,9 @@ same batches and freezing schedule). A parameter frozen at a step takes no updat
 (``grad`` None, so AdamW skips it, weight decay included); the schedule freezes one weight at
 step 0, unfreezes it at 2 and freezes it again at 4, so the last switch runs a graph compiled
 earlier for the frozen setting (where Dynamo does not recompile on the flag, torch 2.11, the
-loop calls ``torch.compiler.reset()`` after each switch, as zcompile's ``StaleGraphError`` says). Tolerance: 1e-6 relative on losses and 1e-5 absolute on weights,
-as ``support.training`` derives for AdamW at lr 1e-2 over a few steps in fp32.
+loop calls ``torch.compiler.reset()`` after each switch, as zcompile's ``StaleGraphError`` says).
+Tolerance: 1e-6 relative on losses and 1e-5 absolute on weights, as ``support.training`` derives
+for AdamW at lr 1e-2 over a few steps in fp32.
 """
 
 from __future__ import annotations

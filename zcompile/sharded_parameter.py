@@ -38,9 +38,7 @@ _METADATA = {
     # dtype questions (transformers' PreTrainedModel.dtype asks is_floating_point of each parameter)
     torch.Tensor.is_floating_point, torch.is_floating_point, torch.Tensor.is_complex, torch.is_complex,
     torch.Tensor.is_signed, torch.numel,
-    *(getattr(torch.Tensor, name).__get__ for name in (
-        "shape", "dtype", "device", "ndim", "layout", "requires_grad", "grad", "is_leaf", "grad_fn", "is_cuda",
-        "is_cpu", "is_meta", "is_sparse", "is_quantized", "_base", "is_nested", "itemsize", "nbytes")),
+    # writes that touch no element (reading a property is metadata too: ``_is_metadata``)
     torch.Tensor.requires_grad.__set__, torch.Tensor.grad.__set__, torch.Tensor.grad.__delete__,
 }
 # these alias the parameter: the alias must keep refusing (state_dict() detaches before its hooks run)
@@ -51,6 +49,8 @@ _VIEW_PROPERTIES = {"data", "T", "mT", "H", "mH", "real", "imag"}
 
 
 def _is_metadata(func) -> bool:
+    """Whether ``func`` leaves the elements alone: a listed method, or reading any tensor property but
+    the views (``shape``, ``grad``, ``is_mkldnn``, ...)."""
     if func in _METADATA:
         return True
     owner = getattr(func, "__self__", None)  # a property's __get__ is bound to the tensor type's descriptor
