@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import zcompile
+from support.launch import run_ranks
 from support.models import GPT, GPTConfig, synthetic_batch
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
@@ -118,3 +119,38 @@ def test_a_graph_traced_for_the_other_requires_grad_is_an_error():
     with pytest.raises(StaleGraphError, match=r"'head\.weight' has requires_grad=True.*traced with "
                                               r"requires_grad=False.*torch\.compiler\.reset\(\)"):
         ShardSwap(plan, DataParallelGroup.resolve()).swap([weight, torch.ones(1)])
+
+
+def _one_rank_switches(rank: int, world: int) -> dict:
+    """Rank 0 alone calls a graph with a parameter it unfroze (a user's per-rank branch); rank 1, which
+    would be waiting in that graph's collectives, reads why once rank 0 has stopped."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from zcompile.backend import ShardSwap, StaleGraphError
+    from zcompile.passes.param_collectives import ParamInput, ShardingPlan
+    from zcompile.process_group import DataParallelGroup
+    from zcompile.rank_check import RankDivergenceError, raise_if_aborted
+
+    group = DataParallelGroup.resolve()
+    plan = ShardingPlan(stage=1, world_size=world, group_name=group.name, param_dtype=None, reduce_dtype=None,
+                        params=[ParamInput(0, "head.weight", (2, 2), requires_grad=False)])
+    weight = torch.nn.Parameter(torch.ones(2, 2), requires_grad=rank == 0)
+    store, out = _get_default_store(), {}
+    if rank == 0:
+        with pytest.raises(StaleGraphError) as raised:
+            ShardSwap(plan, group).swap([weight, torch.ones(1)])
+        out["own"] = str(raised.value)
+        raise_if_aborted(group, raised.value)  # its own note: nothing more to say
+        store.set("test/stopped", "1")
+    else:
+        store.wait(["test/stopped"])
+        with pytest.raises(RankDivergenceError) as raised:
+            raise_if_aborted(group, RuntimeError("Connection closed by peer"))
+        out["other"] = str(raised.value)
+    return out
+
+
+def test_a_stale_graph_on_one_rank_is_quoted_by_the_others():
+    rank0, rank1 = run_ranks(2, _one_rank_switches)
+    assert "'head.weight' has requires_grad=True" in rank0["own"]
+    assert rank1["other"].startswith("zcompile: rank 1 stopped because rank 0 reported: zcompile: parameter 'head.weight'")

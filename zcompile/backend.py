@@ -39,6 +39,7 @@ from zcompile.process_group import DataParallelGroup, reduce_scatter_by_all_to_a
 from zcompile.rank_check import (
     check_same_collectives,
     issues_collectives,
+    leave_abort_note,
     raise_if_aborted,
 )
 from zcompile.state_dict_hooks import attach_state_dict_hooks
@@ -129,7 +130,7 @@ class ShardSwap:
         # calls, and calls with gradients, are counted on their parameters' shards (zcompile.step_agreement)
         training = int(counted and torch.is_grad_enabled())
         appended = []
-        _check_requires_grad(self.plan, args)
+        _check_requires_grad(self.plan, self.group, args)
         for p in self.plan.params:
             sharded = self.sharded(args[p.index], p.name)
             sharded.training_calls += training
@@ -202,14 +203,18 @@ class StaleGraphError(RuntimeError):
     """A compiled graph was called with a parameter whose ``requires_grad`` changed since it was traced."""
 
 
-def _check_requires_grad(plan: ShardingPlan, args: list) -> None:
+def _check_requires_grad(plan: ShardingPlan, group: DataParallelGroup, args: list) -> None:
     """Raises ``StaleGraphError`` if a parameter's ``requires_grad`` is not the one the graph was traced
-    with. Read with torch-function subclasses disabled: through a stage-3 parameter's
-    ``__torch_function__`` each read costs 4 us, 0.56 ms a call at 150 parameters; 25 us this way."""
+    with, leaving the message for the other ranks (one rank alone may have switched the flag: they
+    would read "connection closed" in their collectives). Read with torch-function subclasses
+    disabled: through a stage-3 parameter's ``__torch_function__`` each read costs 4 us, 0.56 ms a
+    call at 150 parameters; 25 us this way."""
     with DisableTorchFunctionSubclass():
         stale = next((p for p in plan.params if args[p.index].requires_grad != p.requires_grad), None)
     if stale is not None:
-        raise StaleGraphError(_stale_message(stale, not stale.requires_grad))
+        message = _stale_message(stale, not stale.requires_grad)
+        leave_abort_note(group, message)
+        raise StaleGraphError(message)
 
 
 def _stale_message(param, requires_grad: bool) -> str:

@@ -297,7 +297,7 @@ def raise_if_aborted(group: DataParallelGroup, error: BaseException | None = Non
     if group.world_size == 1 or not dist.is_initialized():
         return
     note = abort_note(default_store(), group)
-    if note is not None:
+    if note is not None and note[0] != group.rank:  # this rank's own note: its own error says it
         rank, message = note
         raise RankDivergenceError(f"zcompile: rank {group.rank} stopped because rank {rank} reported: {message}") \
             from error
@@ -353,8 +353,18 @@ def _missing(store: dist.Store, keys: list[str]) -> list[int]:
 
 def _tell_others_and_raise(store: dist.Store | None, group: DataParallelGroup, message: str) -> NoReturn:
     """Leaves the abort note (the first one stays: it names the cause), then raises ``message``."""
+    leave_abort_note(group, message, store)
+    raise RankDivergenceError(message)
+
+
+def leave_abort_note(group: DataParallelGroup, message: str, store: dist.Store | None = None) -> None:
+    """Tells the other ranks of ``group`` why this one stops (the first note stays: it names the cause):
+    a rank waiting on the store, or whose collective failed as this rank left, raises quoting it
+    (``raise_if_aborted``) instead of "connection closed". For an error this rank raises that the others
+    do not, before a collective they are already in."""
+    if group.world_size == 1 or (store is None and not dist.is_initialized()):
+        return
     try:
         (store or default_store()).compare_set(_abort_key(group), "", json.dumps([group.rank, message]))
-    except Exception:  # the store may be gone with the rank that held it; the error below still tells
+    except Exception:  # the store may be gone with the rank that held it; this rank's own error still tells
         log.debug("could not leave the abort note for group %s", group.name, exc_info=True)
-    raise RankDivergenceError(message)
