@@ -172,6 +172,7 @@ def simulated(name: str, stage: int, world: int, profile: str, compute_efficienc
     options = {"stage": stage, **OPTIONS, "on_compile": graphs.append}
     result = simulate(lambda: build(name), rank_batch(name, 0, 0), world_size=world, node_size=world,
                       options=options, hardware=hardware)
+    hardware = hardware.shared_by(world)  # more ranks than cores: as simulate prices them
     costs, compute = hardware.collective_costs(world, world), hardware.compute_costs(torch.float32)
     split = {where: sum(predict(getattr(g, where), costs, compute).step_s for g in graphs)
              for where in ("forward", "backward")}

@@ -252,6 +252,8 @@ def main() -> None:
                                      "on graph calls and parameters ('measured.host_overhead')",
             "parameter_overhead_s": "the same fit",
             "load": f"load average {os.getloadavg()[0]:.2f} when the fit ended",
+            "host_cores": "os.cpu_count() of the host; left 0 when the fit ran more ranks "
+                          "than cores (its figures then already hold the ranks' time-sharing)",
         },
         "device_type": "cpu",
         "peak_flops_per_s": {"fp32": fit["fp32"], "bf16": fit["bf16"]},
@@ -262,6 +264,9 @@ def main() -> None:
         "transcendental_bytes_per_s": fit["transcendental_bytes_per_s"],
         "overlap_slowdown": fit["overlap_slowdown"],
         "node_size": world,
+        # the figures are each rank's with a core of its own or more: simulate scales a world with more
+        # ranks on the host than cores by their ratio (HardwareProfile.time_sharing)
+        "host_cores": cores if world <= cores else 0,
         "links": {"intra_node": link, "inter_node": link},
         "measured": {"reduce_scatter": scatter, "fits": fits},
     }

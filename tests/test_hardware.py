@@ -150,6 +150,8 @@ def test_compute_efficiency_slows_every_op():
     ("overlap_slowdown", 0.5, "overlap_slowdown is a transfer's time"),
     ("transcendental_bytes_per_s", -1.0, "transcendental_bytes_per_s must be a number > 0"),
     ("device_type", "tpu", "device_type must be 'cuda' or 'cpu'"),
+    ("host_cores", -1, "host_cores must be an int >= 0"),
+    ("host_cores", 1.5, "host_cores must be an int >= 0"),
 ])
 def test_impossible_optional_figure_is_named(key, value, message):
     data = _h100()
@@ -167,3 +169,13 @@ def test_bad_per_kind_factor_is_named(key):
     data["links"]["inter_node"][key] = {"reduce_scatter": 0}
     with pytest.raises(HardwareProfileError, match=f"links.inter_node.{key}.reduce_scatter must be a number > 0"):
         profile_from_dict(data)
+
+
+def test_ranks_beyond_the_hosts_cores_share_them():
+    """``host_cores``: a rank's figures hold while each has a core; 4 ranks on 2 cores take turns (2x),
+    and a profile without it (a GPU's) never slows."""
+    data = _h100()
+    assert profile_from_dict(data).time_sharing(64) == 1.0
+    data["host_cores"] = 2
+    profile = profile_from_dict(data)
+    assert [profile.time_sharing(n) for n in (1, 2, 3, 4, 8)] == [1.0, 1.0, 1.5, 2.0, 4.0]

@@ -83,6 +83,28 @@ def test_cpu_profile_prices_torchs_fused_update_and_its_extra_passes():
         assert result.step_s >= result.host_overhead_s + result.optimizer_update_s
 
 
+def test_more_ranks_than_host_cores_take_turns_on_them():
+    """4 ranks on one host of 2 cores (``host_cores``): every figure of time is twice a rank's own
+    (``HardwareProfile.shared_by``), so, the prediction being linear in them, every predicted time
+    doubles (compute, update, host overhead, each collective, the step) and the memory does not."""
+    data = json.loads(open(load_profile("cpu-local").source).read())
+    results = {}
+    for cores in (0, 2):
+        data["host_cores"] = cores
+        results[cores] = simulate(lambda: build_model("gpt"), global_batch(0, 2), world_size=4, node_size=4,
+                                  options={"stage": 3}, hardware=profile_from_dict(data))
+    own, shared = results[0], results[2]
+    assert (own.time_sharing, shared.time_sharing) == (1.0, 2.0)
+    assert shared.hardware == "cpu-local (4 ranks on 2 cores)"
+    for part in ("step_s", "compute_s", "exposed_comm_s", "optimizer_update_s", "host_overhead_s"):
+        assert getattr(shared, part) == pytest.approx(2 * getattr(own, part), rel=1e-9), part
+    assert len(shared.collectives) == len(own.collectives) > 0
+    for ours, theirs in zip(shared.collectives, own.collectives):
+        assert ours.seconds == pytest.approx(2 * theirs.seconds, rel=1e-9)
+    assert shared.memory == own.memory
+    assert shared.mfu == pytest.approx(own.mfu / 2, rel=1e-9)  # against a rank's own peak
+
+
 def test_stage2_optimizer_gathers_the_parameters_in_bf16():
     tokens, targets = global_batch(0, 2)
     result = simulate(lambda: build_model("gpt"), (tokens, targets), world_size=WORLD,

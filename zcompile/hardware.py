@@ -44,7 +44,12 @@ profiles leave them out, and each defaults to "no effect"):
   autograd engine; zcompile's per-parameter arguments and the optimizer's Python per shard), on
   the step's critical path where the host runs the ops itself (a CPU); fitted by
   ``benchmarks/measure_cpu_profile.py`` on tiny models. Left out (0) in the GPU profiles, where the
-  host runs ahead of the device.
+  host runs ahead of the device;
+- ``host_cores``: the CPU cores one node's ranks share, on a profile whose ranks compute on the
+  host (``cpu-local``); its figures are each rank's with at most one rank per core, as fitted.
+  More ranks than cores time-share them: ``time_sharing`` is how many times longer each rank's
+  compute and host work take (4 ranks on 2 cores: 2x). Left out (0) in the GPU profiles: a device
+  per rank.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -116,6 +121,36 @@ class HardwareProfile:
     compute_efficiency: float = 1.0  # a training step's share of the micro-benchmarked rates (zcompile.compute_efficiency)
     graph_call_overhead_s: float = 0.0  # host time per compiled graph call (forward or backward)
     parameter_overhead_s: float = 0.0  # host time per trained parameter and step
+    host_cores: int = 0  # CPU cores a node's ranks share (module docstring); 0: a device per rank
+
+    def time_sharing(self, ranks_on_node: int) -> float:
+        """How many times longer each rank's compute and host work take with ``ranks_on_node`` ranks on
+        one node: ranks over cores where the ranks outnumber ``host_cores``, else 1 (and always 1 on a
+        profile without ``host_cores``)."""
+        return max(1.0, ranks_on_node / self.host_cores) if self.host_cores else 1.0
+
+    def shared_by(self, ranks_on_node: int) -> HardwareProfile:
+        """This profile as each of ``ranks_on_node`` ranks on one node sees it: where they outnumber
+        ``host_cores`` every figure of time ``time_sharing`` times slower (compute rates, per-op and host
+        overheads, and the links: gloo's threads take turns on the cores with the ranks'). Measured on
+        this machine, 4 ranks on 2 cores: a rank's forward took 2.6x its time at 2 ranks, an all-gather
+        of the stage-3 forward about 5x (2x from its log2 steps, the rest from the turns)."""
+        share = self.time_sharing(ranks_on_node)
+        if share == 1.0:
+            return self
+
+        def link(l: Link) -> Link:
+            return replace(l, bus_bytes_per_s=l.bus_bytes_per_s / share, latency_s=l.latency_s * share,
+                           issue_latency_s=l.issue_latency_s * share, issue_bytes_per_s=l.issue_bytes_per_s / share)
+
+        return replace(
+            self, name=f"{self.name} ({ranks_on_node} ranks on {self.host_cores} cores)", host_cores=0,
+            peak_flops_per_s={k: v / share for k, v in self.peak_flops_per_s.items()},
+            memory_bytes_per_s=self.memory_bytes_per_s / share,
+            transcendental_bytes_per_s=self.transcendental_bytes_per_s / share,
+            op_overhead_s=self.op_overhead_s * share, graph_call_overhead_s=self.graph_call_overhead_s * share,
+            parameter_overhead_s=self.parameter_overhead_s * share,
+            intra_node=link(self.intra_node), inter_node=link(self.inter_node))
 
     def host_overhead_seconds(self, graph_calls: int, parameters: int) -> float:
         """The step's host time no op's price holds: ``graph_calls`` graph calls, ``parameters`` trained
@@ -248,6 +283,12 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
     if optional.get("overlap_slowdown", 1.0) < 1.0:
         raise HardwareProfileError(f"hardware profile {source!r}: overlap_slowdown is a transfer's time while "
                                    f"computing over its time alone, at least 1, got {optional['overlap_slowdown']!r}")
+    if "host_cores" in data:
+        cores = data["host_cores"]
+        if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
+            raise HardwareProfileError(f"hardware profile {source!r}: host_cores must be an int >= 0 (0: a device "
+                                       f"per rank), got {cores!r}")
+        optional["host_cores"] = cores
     device_type = data.get("device_type", "cuda")
     if device_type not in ("cuda", "cpu"):
         raise HardwareProfileError(f"hardware profile {source!r}: device_type must be 'cuda' or 'cpu', got "

@@ -32,7 +32,9 @@ From the compiled graphs it returns:
   CPU update is predicted at about half its time, 2 ms of a 16-layer GPT's 4), and
   MFU: 6 x parameters x tokens per step over the step time and the profile's peak FLOP/s. A CPU
   profile adds the host's time per graph call and per trained parameter (``host_overhead_s``,
-  ``HardwareProfile.host_overhead_seconds``), which a GPU's host spends ahead of the device.
+  ``HardwareProfile.host_overhead_seconds``), which a GPU's host spends ahead of the device. With
+  more ranks on a node than the profile's ``host_cores`` (4 ranks on this machine's 2 cores) every
+  figure of time is that ratio slower (``HardwareProfile.shared_by``): the ranks take turns.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class SimulationResult:
     simulate_s: float = 0.0  # wall time of the simulation itself
     step_peak_bytes: int = 0  # the most bytes per rank during a step (zcompile.step_peak), model states included
     step_peak_phase: str = ""  # the phase that holds it: forward<i>, backward<i> or optimizer
+    time_sharing: float = 1.0  # HardwareProfile.time_sharing: ranks over the host's cores, where more
 
     @property
     def per_rank_bytes(self) -> int:
@@ -135,6 +138,9 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
         config = config.replace(reduce_scatter="all_to_all" if on_gloo else "native")
     node_size = _node_size(node_size, config, profile)
     config = config.replace(node_size=node_size)
+    # more ranks on a node than its host has cores (a CPU profile): each rank's figures, time-shared
+    time_sharing = profile.time_sharing(min(world_size, node_size))
+    profile = profile.shared_by(min(world_size, node_size))
     start = time.perf_counter()
     graphs: list = []
     user_hook = config.on_compile
@@ -168,6 +174,7 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
         model, pricing, by_all_to_all=on_gloo)
     compute = profile.compute_costs(config.param_dtype or torch.float32)
     result.optimizer_update_s = _optimizer_update_seconds(model, profile, compute)
+    result.time_sharing = time_sharing
     _predict(result, graphs, pricing, compute, sum(p.requires_grad for p in dict.fromkeys(model.parameters())))
     result.simulate_s = time.perf_counter() - start
     log.info("simulate: %d parameters on %d ranks (%s): %.1f MiB per rank, step %.3f s, MFU %.1f%%", num_params,
@@ -297,4 +304,6 @@ def _predict(result: SimulationResult, graphs: list, pricing: LinkCosts, compute
     result.exposed_comm_s = prediction.exposed_comm_s + optimizer_comm
     result.step_s = prediction.step_s + optimizer_comm + result.optimizer_update_s + result.host_overhead_s
     if result.step_s > 0:
-        result.mfu = 6 * result.num_params * result.tokens_per_rank / result.step_s / compute.flops_per_s
+        # against a rank's own peak, not its time-shared one
+        peak = compute.flops_per_s * result.time_sharing
+        result.mfu = 6 * result.num_params * result.tokens_per_rank / result.step_s / peak

@@ -79,8 +79,13 @@ def build_model(name: str) -> torch.nn.Module:
     if name == "hf_gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
-                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        # Transformers derives the loss from the class name, finds none in "GPT2LMHeadModel" and calls
+        # logger.warning_once in every forward: a graph break there (Dynamo traces the model twice
+        # over, 6 s of a 10 s two-rank run). Graph breaks have tests of their own (test_features.py).
+        model.loss_type = "ForCausalLM"
+        return model
     if name == "hf_llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
