@@ -1,6 +1,7 @@
 """Llama-3-shaped models simulated at 8, 64 and 512 H100s (``zcompile.simulate``, one CPU process).
 
     python benchmarks/bench_simulate.py            # writes results/simulate.json
+    python benchmarks/bench_simulate.py --at-1024  # adds both shapes at 1,024 GPUs to it (time, host memory)
 
 Each row compiles the model on fake tensors under torch's fake process group through the real zero
 backend (stage 3, bf16 mixed precision, 64 MiB buckets) and predicts memory per GPU, step time,
@@ -36,6 +37,7 @@ SHAPES = {
 RUNS = [("llama3-8b", world, 1, {}) for world in (8, 64, 512)] + [
     ("llama3-70b", world, 1, {}) for world in (8, 64, 512)] + [
     ("llama3-8b", 8, 2, {"activation_memory_budget": 0.5})]  # torchtitan's setting
+RUNS_AT_1024 = [(shape, 1024, 1, {}) for shape in SHAPES]  # the issue's scale: how long, how much host memory
 SEQ = 8192
 
 
@@ -56,9 +58,13 @@ def run(shape: str, world: int, batch: int, extra: dict) -> dict:
 
 
 def main() -> None:
-    results, rows = [], []
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "simulate.json")
-    for shape, world, batch, extra in RUNS:
+    at_1024 = "--at-1024" in sys.argv[1:]
+    results, rows = [], []
+    if at_1024:  # the rows before are kept; rows at 1,024 GPUs replaced
+        with open(out) as f:
+            results = [r for r in json.load(f) if r["world_size"] != 1024]
+    for shape, world, batch, extra in RUNS_AT_1024 if at_1024 else RUNS:
         r = run(shape, world, batch, extra)
         results.append(r)
         with open(out, "w") as f:

@@ -104,7 +104,8 @@ def collective_table(rows) -> dict[str, dict[str, int]]:
 # ----------------------------------------------------------------------------- measured (under torchrun)
 def measure(name: str, stage: int, steps: int, rank: int, world: int, profile: str) -> dict:
     torch._dynamo.reset()
-    hardware = load_profile(profile)
+    # the rates each rank has, time-shared where the ranks outnumber the cores (as simulate prices them)
+    hardware = load_profile(profile).shared_by(world)
     raw_compute = replace(hardware, compute_efficiency=1.0).compute_costs(torch.float32)
     efficiencies = []
     model = build(name)
