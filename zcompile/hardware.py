@@ -48,8 +48,8 @@ profiles leave them out, and each defaults to "no effect"):
 - ``host_cores``: the CPU cores one node's ranks share, on a profile whose ranks compute on the
   host (``cpu-local``); its figures are each rank's with at most one rank per core, as fitted.
   More ranks than cores time-share them: ``time_sharing`` is how many times longer each rank's
-  compute and host work take (4 ranks on 2 cores: 2x). Left out (0) in the GPU profiles: a device
-  per rank.
+  compute, host work and transfers take (4 ranks on 2 cores: 2x; ``shared_by`` applies it to every
+  figure of time). Left out (0) in the GPU profiles: a device per rank.
 """
 
 from __future__ import annotations
@@ -124,9 +124,9 @@ class HardwareProfile:
     host_cores: int = 0  # CPU cores a node's ranks share (module docstring); 0: a device per rank
 
     def time_sharing(self, ranks_on_node: int) -> float:
-        """How many times longer each rank's compute and host work take with ``ranks_on_node`` ranks on
-        one node: ranks over cores where the ranks outnumber ``host_cores``, else 1 (and always 1 on a
-        profile without ``host_cores``)."""
+        """How many times longer each rank's compute, host work and transfers take with
+        ``ranks_on_node`` ranks on one node: ranks over cores where the ranks outnumber ``host_cores``,
+        else 1 (and always 1 on a profile without ``host_cores``)."""
         return max(1.0, ranks_on_node / self.host_cores) if self.host_cores else 1.0
 
     def shared_by(self, ranks_on_node: int) -> HardwareProfile:
