@@ -14,6 +14,7 @@ per GPU (``benchmarks/llama3_h100_202412_torchtitan.md`` in torchtitan).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -59,7 +60,9 @@ def run(shape: str, world: int, batch: int, extra: dict) -> dict:
 
 def main() -> None:
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "simulate.json")
-    at_1024 = "--at-1024" in sys.argv[1:]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--at-1024", action="store_true", help="add both shapes at 1,024 GPUs to the results")
+    at_1024 = parser.parse_args().at_1024
     results, rows = [], []
     if at_1024:  # the rows before are kept; rows at 1,024 GPUs replaced
         with open(out) as f:

@@ -105,7 +105,7 @@ def collective_table(rows) -> dict[str, dict[str, int]]:
 def measure(name: str, stage: int, steps: int, rank: int, world: int, profile: str) -> dict:
     torch._dynamo.reset()
     # the rates each rank has, time-shared where the ranks outnumber the cores (as simulate prices them)
-    hardware = load_profile(profile).shared_by(world)
+    hardware = load_profile(profile).shared_by(world, world)
     raw_compute = replace(hardware, compute_efficiency=1.0).compute_costs(torch.float32)
     efficiencies = []
     model = build(name)
@@ -173,7 +173,7 @@ def simulated(name: str, stage: int, world: int, profile: str, compute_efficienc
     options = {"stage": stage, **OPTIONS, "on_compile": graphs.append}
     result = simulate(lambda: build(name), rank_batch(name, 0, 0), world_size=world, node_size=world,
                       options=options, hardware=hardware)
-    hardware = hardware.shared_by(world)  # more ranks than cores: as simulate prices them
+    hardware = hardware.shared_by(world, world)  # more ranks than cores: as simulate prices them
     costs, compute = hardware.collective_costs(world, world), hardware.compute_costs(torch.float32)
     split = {where: sum(predict(getattr(g, where), costs, compute).step_s for g in graphs)
              for where in ("forward", "backward")}

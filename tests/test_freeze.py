@@ -124,18 +124,16 @@ def test_a_graph_traced_for_the_other_requires_grad_is_an_error():
 def _one_rank_switches(rank: int, world: int) -> dict:
     """Rank 0 alone calls a graph with a parameter it unfroze (a user's per-rank branch); rank 1, which
     would be waiting in that graph's collectives, reads why once rank 0 has stopped."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
     from zcompile.backend import ShardSwap, StaleGraphError
     from zcompile.passes.param_collectives import ParamInput, ShardingPlan
-    from zcompile.process_group import DataParallelGroup
+    from zcompile.process_group import DataParallelGroup, default_store
     from zcompile.rank_check import RankDivergenceError, raise_if_aborted
 
     group = DataParallelGroup.resolve()
     plan = ShardingPlan(stage=1, world_size=world, group_name=group.name, param_dtype=None, reduce_dtype=None,
                         params=[ParamInput(0, "head.weight", (2, 2), requires_grad=False)])
     weight = torch.nn.Parameter(torch.ones(2, 2), requires_grad=rank == 0)
-    store, out = _get_default_store(), {}
+    store, out = default_store(), {}
     if rank == 0:
         with pytest.raises(StaleGraphError) as raised:
             ShardSwap(plan, group).swap([weight, torch.ones(1)])

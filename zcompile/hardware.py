@@ -123,21 +123,25 @@ class HardwareProfile:
     parameter_overhead_s: float = 0.0  # host time per trained parameter and step
     host_cores: int = 0  # CPU cores a node's ranks share (module docstring); 0: a device per rank
 
-    def time_sharing(self, ranks_on_node: int) -> float:
-        """How many times longer each rank's compute, host work and transfers take with
-        ``ranks_on_node`` ranks on one node: ranks over cores where the ranks outnumber ``host_cores``,
-        else 1 (and always 1 on a profile without ``host_cores``)."""
+    def time_sharing(self, world_size: int, node_size: int | None = None) -> float:
+        """How many times longer each rank's compute, host work and transfers take in a world of
+        ``world_size`` ranks, ``node_size`` per node (default the profile's): the ranks on one node over
+        its ``host_cores`` where they outnumber them, else 1 (and always 1 on a profile without
+        ``host_cores``)."""
+        ranks_on_node = min(world_size, node_size or self.node_size)
         return max(1.0, ranks_on_node / self.host_cores) if self.host_cores else 1.0
 
-    def shared_by(self, ranks_on_node: int) -> HardwareProfile:
-        """This profile as each of ``ranks_on_node`` ranks on one node sees it: where they outnumber
-        ``host_cores`` every figure of time ``time_sharing`` times slower (compute rates, per-op and host
-        overheads, and the links: gloo's threads take turns on the cores with the ranks'). Measured on
-        this machine, 4 ranks on 2 cores: a rank's forward took 2.6x its time at 2 ranks, an all-gather
-        of the stage-3 forward about 5x (2x from its log2 steps, the rest from the turns)."""
-        share = self.time_sharing(ranks_on_node)
+    def shared_by(self, world_size: int, node_size: int | None = None) -> HardwareProfile:
+        """This profile as each rank of that world sees it (``time_sharing``'s arguments): where the
+        ranks on a node outnumber ``host_cores`` every figure of time ``time_sharing`` times slower
+        (compute rates, per-op and host overheads, and the links: gloo's threads take turns on the
+        cores with the ranks'). Measured on this machine, 4 ranks on 2 cores: a rank's forward took
+        2.6x its time at 2 ranks, an all-gather of the stage-3 forward about 5x (2x from its log2
+        steps, the rest from the turns)."""
+        share = self.time_sharing(world_size, node_size)
         if share == 1.0:
             return self
+        ranks_on_node = min(world_size, node_size or self.node_size)
 
         def link(l: Link) -> Link:
             return replace(l, bus_bytes_per_s=l.bus_bytes_per_s / share, latency_s=l.latency_s * share,

@@ -139,8 +139,8 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
     node_size = _node_size(node_size, config, profile)
     config = config.replace(node_size=node_size)
     # more ranks on a node than its host has cores (a CPU profile): each rank's figures, time-shared
-    time_sharing = profile.time_sharing(min(world_size, node_size))
-    profile = profile.shared_by(min(world_size, node_size))
+    time_sharing = profile.time_sharing(world_size, node_size)
+    profile = profile.shared_by(world_size, node_size)
     start = time.perf_counter()
     graphs: list = []
     user_hook = config.on_compile

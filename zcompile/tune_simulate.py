@@ -227,10 +227,12 @@ def _simulate_point(point: Point, make_model, example_batch, loss_fn, base_optio
 
 def _resolved_options(options: dict[str, Any], world_size: int, node_size: int,
                       profile: HardwareProfile) -> dict[str, Any]:
-    """``options`` with a built-in policy name turned into the policy, on the profile's costs."""
+    """``options`` with a built-in policy name turned into the policy, on the profile's costs as the
+    world's ranks see them (``HardwareProfile.shared_by``, as ``simulate`` prices the step)."""
     name = options.get(POLICY_OPTION)
     if not isinstance(name, str):
         return options
+    profile = profile.shared_by(world_size, node_size)
     dtype = ZeroConfig.from_options({**options, POLICY_OPTION: None}).param_dtype or torch.float32
     policy = policy_from_name(name, profile.collective_costs(world_size, node_size), profile.compute_costs(dtype))
     return {**options, POLICY_OPTION: policy}
