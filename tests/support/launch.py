@@ -10,8 +10,10 @@ in the parent.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import random
+import signal
 import socket
 import tempfile
 import traceback
@@ -68,6 +70,10 @@ def _rank_entry(rank: int, world: int, port: int, fn, args, out_dir: str, env: d
     dist.set_debug_level_from_env()  # torch read TORCH_DISTRIBUTED_DEBUG when it was imported, before env
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
+    # a crash (a signal, not an exception) leaves no result: every thread's Python stack goes to a file
+    # the parent reads into its error, so CI's log says where (a gloo thread or ours, which op)
+    fault_log = open(os.path.join(out_dir, f"rank{rank}.fault"), "w")
+    faulthandler.enable(fault_log, all_threads=True)
     try:
         _init_process_group(rank, world, port, store_in_parent)
         result = fn(rank, world, *args)
@@ -77,6 +83,20 @@ def _rank_entry(rank: int, world: int, port: int, fn, args, out_dir: str, env: d
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _no_result(exitcode: int | None, fault_path: str) -> str:
+    """What a rank that wrote no result died of: its exit code or signal, and the stacks faulthandler
+    wrote when it was a crash."""
+    if exitcode is not None and exitcode < 0:
+        how = f"killed by {signal.Signals(-exitcode).name}"
+    else:
+        how = f"exit code {exitcode}"
+    stacks = ""
+    if os.path.exists(fault_path):
+        with open(fault_path) as fault:
+            stacks = fault.read().strip()
+    return f"no result ({how})" + (f"; faulthandler:\n{stacks}" if stacks else "")
 
 
 # What the fork server imports once, so each rank starts with it loaded. A rank from a bare
@@ -147,7 +167,8 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 300, env:
         results, errors = [], []
         for rank in range(world):
             path = os.path.join(out_dir, f"rank{rank}.pt")
-            payload = torch.load(path, weights_only=False) if os.path.exists(path) else {"error": "no result"}
+            payload = (torch.load(path, weights_only=False) if os.path.exists(path)
+                       else {"error": _no_result(procs[rank].exitcode, os.path.join(out_dir, f"rank{rank}.fault"))})
             if "error" in payload:
                 errors.append(f"rank {rank}: {payload['error']}")
             results.append(payload.get("ok"))
