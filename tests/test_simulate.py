@@ -138,6 +138,7 @@ def test_command_line_simulates_a_transformers_spec(tmp_path, capsys):
                  "--option", "param_dtype=bf16", "--json", str(out_json)]) == 0
     printed = capsys.readouterr().out
     assert "16 ranks (8 per node)" in printed and "MFU" in printed
+    assert "note:" not in printed  # a GPU profile's nodes are what its node_size says
     saved = json.loads(out_json.read_text())
     assert saved["world_size"] == 16 and saved["per_rank_bytes"] > 0
     spec.write_text(json.dumps({"hidden_size": 64}))
@@ -147,6 +148,13 @@ def test_command_line_simulates_a_transformers_spec(tmp_path, capsys):
                                 "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}))
     assert main(["simulate", str(spec), "--world", "16", "--option", "stage=5"]) == 2
     assert "stage" in capsys.readouterr().err
+    # a CPU profile at more ranks than its node_size: said, with the flag that puts them on one host
+    tiny = ["simulate", str(spec), "--world", "4", "--seq", "8", "--plain", "--hardware", "cpu-local"]
+    assert main(tiny) == 0
+    assert "priced as 2 hosts of 2 ranks" in capsys.readouterr().out
+    assert main(tiny + ["--node-size", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "note:" not in printed and "4 ranks (4 per node), cpu-local (4 ranks on 2 cores)" in printed
 
 
 # ----------------------------------------------------------------------------- ZeRO++ groups priced per link

@@ -99,6 +99,7 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
                           options=options, hardware=args.hardware)
     except ValueError as error:  # a bad option, world size or hardware profile: said, not a traceback
         raise DumpError(str(error)) from None
+    _say_nodes(args, out)
     rows = [[part, f"{nbytes / GIB:.2f}"] for part, nbytes in result.memory.items()]
     rows.append(["per rank", f"{result.per_rank_bytes / GIB:.2f}"])
     rows.append([f"step peak ({result.step_peak_phase})", f"{result.step_peak_bytes / GIB:.2f}"])
@@ -115,6 +116,22 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
         with open(args.json, "w") as f:
             json.dump(result.to_dict(), f, indent=1)
     return 0
+
+
+def _say_nodes(args: argparse.Namespace, out) -> None:
+    """Says so when the world was split into nodes by a host profile's own node size: on ``cpu-local``
+    (2 ranks per node) ``--world 4`` prices two hosts of 2 ranks, each rank with a core of its own,
+    where a user on this one machine has 4 ranks taking turns on its 2 cores (about twice the step)."""
+    if args.node_size is not None:
+        return
+    from zcompile.hardware import load_profile
+
+    profile = load_profile(args.hardware)
+    if profile.host_cores and args.world > profile.node_size:
+        nodes = -(-args.world // profile.node_size)
+        out.line(f"note: {args.world} ranks priced as {nodes} hosts of {profile.node_size} ranks (the profile's "
+                 f"node_size); for all of them on one host of {profile.host_cores} cores, pass "
+                 f"--node-size {args.world}")
 
 
 def _tune(args: argparse.Namespace, out, make_model, batch: dict, space: dict, options: dict) -> int:
