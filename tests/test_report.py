@@ -141,10 +141,9 @@ def test_dump_layout(reported):
         assert [(p["pass"], p["graph"]) for p in passes] == (  # (autocast is off: no param_dtype)
             [("insert_param_collectives", "dynamo")]
             + ([("regather_through_regions", "joint")] if stage == 3 else [])
-            + [(name, "forward") for name in post_partition + ["detach_collective_inputs"]]
+            + [(name, "forward") for name in post_partition]
             + [(name, "backward") for name in post_partition[:1] + ["fuse_cross_entropy_backward"] + post_partition[1:]]
             + [("reduce_scatter_as_all_to_all", "backward")]  # gloo (the option reduce_scatter="auto")
-            + [("detach_collective_inputs", "backward")]
         )
         for kind in ("forward", "backward"):
             buckets = json.load(open(os.path.join(graph_dir, f"buckets.{kind}.json")))

@@ -15,7 +15,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from zcompile.comm_volume import graph_collectives
 from zcompile.config import activation_budget_bytes
-from zcompile.passes.collective_inputs import detached_input_positions
 from zcompile.passes.liveness import saved_activation_bytes
 from zcompile.compiled import CompiledGraphs
 from zcompile.dumps import collectives_file
@@ -111,22 +110,6 @@ def _quoting_abort_notes(run: Callable[[list], object], graphs: CompiledGraphs) 
     return backward
 
 
-def _detaching_inputs(compiled: Callable[[list], object], positions: list[int]) -> Callable[[list], object]:
-    """``compiled`` (boxed) called with the inputs at ``positions`` detached: what
-    ``passes/collective_inputs.py`` does in the graph, for inductor, which erases the graph's
-    ``detach`` and would hand gloo's worker threads a leaf that requires grad."""
-    if not positions:
-        return compiled
-
-    def run(args: list):
-        for position in positions:
-            args[position] = args[position].detach()
-        return compiled(args)
-
-    run._boxed_call = True
-    return run
-
-
 def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: CompiledGraphs) -> Callable:
     """Runs AOTAutograd on the rewritten Dynamo graph and compiles forward and backward.
 
@@ -168,9 +151,7 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
 
     def inner_compile(graph_module, inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
-        graph_module = _post_partition(graph_module, kind, graphs)
-        compiled = compile_fx_inner(graph_module, inputs, **kwargs)
-        return _detaching_inputs(compiled, detached_input_positions(graph_module))
+        return compile_fx_inner(_post_partition(graph_module, kind, graphs), inputs, **kwargs)
 
     patches = {"joint_custom_pre_pass": _JointPasses(graphs)} if _joint_rows(graphs) else None
     with activation_budget(graphs.context.config.activation_memory_budget):  # a fraction (config checked it)

@@ -31,7 +31,6 @@ from zcompile.compiled import CompileContext
 from zcompile.dumps import plan_file
 from zcompile.passes.bucketing import bucket_collectives_pass, plan_buckets
 from zcompile.passes.cleanup import remove_unused_gathers_pass
-from zcompile.passes.collective_inputs import detach_collective_inputs_pass
 from zcompile.passes.hpz import hpz_forward_shortcut_pass, hpz_pass
 from zcompile.passes.keep_gathered import keep_gathered_pass, plan_keep_gathered
 from zcompile.passes.loss_backward import fuse_cross_entropy_backward_pass
@@ -132,9 +131,6 @@ PIPELINE: tuple[PassRow, ...] = (
     PassRow("reduce_scatter_as_all_to_all", BACKWARD, reduce_scatter_as_all_to_all_pass,
             enabled=lambda c: c.reduce_scatter_by_all_to_all,
             after=("bucket_collectives", "quantize_grads", "schedule")),
-    # the inputs gloo's worker threads read: no autograd state (passes/collective_inputs.py)
-    PassRow("detach_collective_inputs", PARTITIONED, detach_collective_inputs_pass,
-            after=("schedule", "reduce_scatter_as_all_to_all")),
 )
 
 
