@@ -15,6 +15,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from zcompile.comm_volume import graph_collectives
 from zcompile.config import activation_budget_bytes
+from zcompile.passes.all_gather_lowering import all_gathers_into_buffers
 from zcompile.passes.liveness import saved_activation_bytes
 from zcompile.compiled import CompiledGraphs
 from zcompile.dumps import collectives_file
@@ -65,7 +66,9 @@ class _JointPasses(CustomGraphPass):
         return get_hash_for_files((run_passes.__code__.co_filename,), repr(options))
 
 
-def boxed_graph_function(graph_module: torch.fx.GraphModule) -> Callable[[list], object]:
+def boxed_graph_function(graph_module: torch.fx.GraphModule,
+                         rewrite: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None,
+                         ) -> Callable[[list], object]:
     """``graph_module`` run in AOTAutograd's boxed calling convention, freeing each input after its last
     reader: the generated code takes the argument list, unpacks it into locals and clears it, and FX's
     code sets each local to None after its last reader. ``make_boxed_func(graph_module.forward)``
@@ -73,7 +76,8 @@ def boxed_graph_function(graph_module: torch.fx.GraphModule) -> Callable[[list],
     backward returned (AOTAutograd hands its list over and clears its own references to them).
 
     The graph runs from a copy with boxed code: ``graph_module`` itself, which reports, dumps and
-    ``on_compile`` read, keeps its ordinary ``forward(self, *inputs)``."""
+    ``on_compile`` read, keeps its ordinary ``forward(self, *inputs)``; ``rewrite`` (how this backend
+    runs the graph: ``executed_form``) applies to the copy only."""
     # torch.fx.graph._BoxedCodeGen is private: the codegen torch's own aot_eager (boxed_nop) and
     # regional_inductor use for exactly this (read in torch 2.13); inductor's generated code clears its
     # argument list the same way. Only here does zcompile read it.
@@ -82,6 +86,8 @@ def boxed_graph_function(graph_module: torch.fx.GraphModule) -> Callable[[list],
     graph = copy.deepcopy(graph_module.graph)  # nodes copied, their meta shallow: cheap
     graph.set_codegen(_BoxedCodeGen())
     runnable = torch.fx.GraphModule(graph_module, graph)  # shares graph_module's attributes (block subgraphs)
+    if rewrite is not None:
+        runnable = rewrite(runnable)
     forward = runnable.forward
 
     def run(args: list):
@@ -89,6 +95,13 @@ def boxed_graph_function(graph_module: torch.fx.GraphModule) -> Callable[[list],
 
     run._boxed_call = True  # AOTAutograd passes its own list (steal_args), which the graph clears
     return run
+
+
+def executed_form(graphs: CompiledGraphs) -> Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None:
+    """What changes between a graph the pipeline made (which reports, dumps and the memory walks read)
+    and the graph that runs: gloo's all-gathers into graph-allocated buffers
+    (``passes/all_gather_lowering.py``), or nothing."""
+    return all_gathers_into_buffers if graphs.context.all_gathers_into_buffers else None
 
 
 def _quoting_abort_notes(run: Callable[[list], object], graphs: CompiledGraphs) -> Callable[[list], object]:
@@ -131,7 +144,7 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
                 # boxed for every graph, as torch's aot_eager does: AOTAutograd calls the forward with
                 # a list of its own (a copy of the inputs, or the runtime wrapper's list it no longer
                 # reads: it keeps what the epilogue needs aside, since inductor clears it too)
-                run = boxed_graph_function(_post_partition(graph_module, kind, graphs))
+                run = boxed_graph_function(_post_partition(graph_module, kind, graphs), executed_form(graphs))
                 return _quoting_abort_notes(run, graphs) if kind == "backward" else run
 
             return compile_eager
@@ -151,7 +164,11 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
 
     def inner_compile(graph_module, inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
-        return compile_fx_inner(_post_partition(graph_module, kind, graphs), inputs, **kwargs)
+        graph_module = _post_partition(graph_module, kind, graphs)
+        rewrite = executed_form(graphs)
+        if rewrite is not None:  # on a copy: graph_module stays what reports and walks read
+            graph_module = rewrite(torch.fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph)))
+        return compile_fx_inner(graph_module, inputs, **kwargs)
 
     patches = {"joint_custom_pre_pass": _JointPasses(graphs)} if _joint_rows(graphs) else None
     with activation_budget(graphs.context.config.activation_memory_budget):  # a fraction (config checked it)

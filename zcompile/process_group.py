@@ -83,6 +83,14 @@ def reduce_scatter_by_all_to_all(form: str, group: DataParallelGroup) -> bool:
     return group.process_group is not None and "gloo" in str(dist.get_backend(group.process_group))
 
 
+def all_gathers_into_buffers(group: DataParallelGroup) -> bool:
+    """Whether ``group``'s in-graph all-gathers run into buffers the graph allocates
+    (``passes/all_gather_lowering.py``): on gloo, whose own form of the functional all-gather
+    corrupts the heap when two are in flight (torch 2.13)."""
+    return (group.world_size > 1 and group.process_group is not None
+            and "gloo" in str(dist.get_backend(group.process_group)))
+
+
 def all_gather_coalesced_into(outputs: list[torch.Tensor], shards: list[torch.Tensor],
                               group: DataParallelGroup) -> dist.Work:
     """Each ``outputs[i]`` (a member's flat padded storage, ``[N * s_i]``) = every rank's ``shards[i]``,
