@@ -41,3 +41,17 @@ def test_the_rewritten_graph_computes_what_the_graph_did():
         assert lowered.graph.find_nodes(op="call_function", target=ALL_GATHER_OUT)
         torch.testing.assert_close(lowered(shard), expected, rtol=0, atol=0)
         torch.testing.assert_close(expected, shard.repeat(2) * 2 + 1, rtol=0, atol=0)
+
+
+def test_the_front_end_rewrites_the_graph_it_runs_and_keeps_the_one_reports_read():
+    """``boxed_graph_function(gm, rewrite)`` runs a rewritten copy: ``gm`` (dumps, step_report, the
+    memory walks) keeps its all-gathers; the copy that runs gathers into buffers."""
+    from zcompile.inner import boxed_graph_function
+
+    with fake_process_group(world_size=2) as group:
+        gm = trace(lambda shard: WAIT(ALL_GATHER(shard, 2, group)) * 2, torch.zeros(4))
+        run = boxed_graph_function(gm, all_gathers_into_buffers)
+        shard = torch.randn(4)
+        torch.testing.assert_close(run([shard]), shard.repeat(2) * 2, rtol=0, atol=0)
+    assert len(gm.graph.find_nodes(op="call_function", target=ALL_GATHER)) == 1
+    assert not gm.graph.find_nodes(op="call_function", target=ALL_GATHER_OUT)
