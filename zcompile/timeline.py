@@ -11,7 +11,8 @@ example GPT on 2 ranks), one level inside the other:
 
 - ``_c10d_functional::all_gather_into_tensor`` / ``_c10d_functional::reduce_scatter_tensor`` /
   ``_c10d_functional::all_reduce``: the graph's functional collective, on the issuing thread;
-  it returns at once.
+  it returns at once. On gloo the graphs' all-gathers run as ``all_gather_into_tensor_out``
+  (``passes/all_gather_lowering.py``), read as all-gathers all the same.
 - inside it, ``c10d::allgather_into_tensor_coalesced_`` / ``c10d::reduce_scatter_tensor_coalesced_``:
   the process-group op. Eager calls (the stage 1 and 2 optimizer step) appear only at this
   level: its all-gather into the parameters as ``c10d::allgather_into_tensor_coalesced_``, stage
