@@ -86,7 +86,7 @@ def reduce_scatter_by_all_to_all(form: str, group: DataParallelGroup) -> bool:
 def all_gathers_into_buffers(group: DataParallelGroup) -> bool:
     """Whether ``group``'s in-graph all-gathers run into buffers the graph allocates
     (``passes/all_gather_lowering.py``): on gloo, whose own form of the functional all-gather
-    corrupts the heap when two are in flight (torch 2.13)."""
+    corrupts the heap when two are in flight (torch 2.11 and 2.13)."""
     return (group.world_size > 1 and group.process_group is not None
             and "gloo" in str(dist.get_backend(group.process_group)))
 
