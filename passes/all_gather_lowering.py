@@ -24,7 +24,7 @@ the buffer allocated where the gather is issued, as the functional op allocates 
 same bytes, alive over the same span. It applies to the graph a compiled function runs, not to the
 pipeline's graphs that reports, dumps, the rank checks and the memory walks read (those speak of
 all-gathers, and an out= collective's result aliases an argument that is not its first); the front
-end applies it (``zcompile.inner``) when ``zcompile.process_group.all_gathers_into_buffers`` says so.
+end applies it (``zcompile.inner``) when ``zcompile.process_group.gathers_into_buffers`` says so.
 """
 
 from __future__ import annotations

@@ -219,3 +219,25 @@ def test_hpz_exposes_less_communication_when_nodes_are_far_apart():
 def test_node_size_argument_and_option_must_agree():
     with pytest.raises(ValueError, match="node_size=8 and the option node_size=4 disagree"):
         simulate(lambda: build_model("gpt"), global_batch(0, 2), world_size=16, node_size=8, options={"node_size": 4})
+
+
+def test_the_node_note_is_said_for_simulate_and_for_simulate_tune_alike():
+    """``_say_nodes`` (both commands call it): a CPU profile split into hosts by its own node_size
+    says so; an explicit --node-size or a GPU profile says nothing."""
+    from argparse import Namespace
+
+    from zcompile.simulate_cli import _say_nodes
+
+    class Lines(list):
+        def line(self, text):
+            self.append(text)
+
+    said = Lines()
+    _say_nodes(Namespace(node_size=None, hardware="cpu-local", world=6), said)
+    assert said == ["note: 6 ranks priced as 3 hosts of 2 ranks (the profile's node_size); for all of them on one "
+                    "host of 2 cores, pass --node-size 6"]
+    for args in (Namespace(node_size=6, hardware="cpu-local", world=6),
+                 Namespace(node_size=None, hardware="cpu-local", world=2),
+                 Namespace(node_size=None, hardware="h100-sxm", world=64)):
+        _say_nodes(args, said)
+    assert len(said) == 1

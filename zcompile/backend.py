@@ -35,7 +35,7 @@ from zcompile.pass_runner import PassRunner
 from zcompile.passes.param_collectives import ShardingPlan, plan_sharding
 from zcompile.passes.regions import subgraph_calls
 from zcompile.pipeline import run_passes
-from zcompile.process_group import DataParallelGroup, all_gathers_into_buffers, reduce_scatter_by_all_to_all
+from zcompile.process_group import DataParallelGroup, reduce_scatter_by_all_to_all
 from zcompile.rank_check import (
     check_same_collectives,
     issues_collectives,
@@ -75,8 +75,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
         check_same_collectives(plan, gm, group, config.check_timeout_s, zeropp.signature() if zeropp.active else None)
     zeropp = attach_groups(zeropp, group)  # makes process groups: only once the ranks agree
     context = CompileContext(config, group, plan, zeropp, runner, _device_type(example_inputs),
-                             group.world_size > 1 and reduce_scatter_by_all_to_all(config.reduce_scatter, group),
-                             all_gathers_into_buffers=all_gathers_into_buffers(group))
+                             group.world_size > 1 and reduce_scatter_by_all_to_all(config.reduce_scatter, group))
     gm = run_passes(context, "dynamo", gm)
     graphs = CompiledGraphs(dynamo=gm, context=context)
     record_compiled_graphs(_recorded_on(plan, example_inputs), graphs)  # for step_report

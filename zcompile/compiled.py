@@ -39,9 +39,6 @@ class CompileContext:
     # the graphs' reduce-scatters run as all-to-all + sum (process_group.reduce_scatter_by_all_to_all,
     # more than one rank), resolved once: the pipeline's lowering row and step_report read it
     reduce_scatter_by_all_to_all: bool = False
-    # the graphs that run gather into buffers they allocate (process_group.all_gathers_into_buffers):
-    # the compiled functions' form only (zcompile.inner.executed_form)
-    all_gathers_into_buffers: bool = False
     plans: dict[str, Any] = field(default_factory=dict)  # plan file name (``buckets.forward``) -> plan
 
     @property

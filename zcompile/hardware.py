@@ -128,8 +128,12 @@ class HardwareProfile:
         ``world_size`` ranks, ``node_size`` per node (default the profile's): the ranks on one node over
         its ``host_cores`` where they outnumber them, else 1 (and always 1 on a profile without
         ``host_cores``)."""
-        ranks_on_node = min(world_size, node_size or self.node_size)
+        ranks_on_node = self.ranks_on_node(world_size, node_size)
         return max(1.0, ranks_on_node / self.host_cores) if self.host_cores else 1.0
+
+    def ranks_on_node(self, world_size: int, node_size: int | None = None) -> int:
+        """The ranks one node holds in a world of ``world_size``, ``node_size`` per node (default the profile's)."""
+        return min(world_size, node_size or self.node_size)
 
     def shared_by(self, world_size: int, node_size: int | None = None) -> HardwareProfile:
         """This profile as each rank of that world sees it (``time_sharing``'s arguments): where the
@@ -141,7 +145,7 @@ class HardwareProfile:
         share = self.time_sharing(world_size, node_size)
         if share == 1.0:
             return self
-        ranks_on_node = min(world_size, node_size or self.node_size)
+        ranks_on_node = self.ranks_on_node(world_size, node_size)
 
         def link(l: Link) -> Link:
             return replace(l, bus_bytes_per_s=l.bus_bytes_per_s / share, latency_s=l.latency_s * share,

@@ -21,6 +21,7 @@ from zcompile.compiled import CompiledGraphs
 from zcompile.dumps import collectives_file
 from zcompile.passes.regions import subgraph_calls
 from zcompile.pipeline import JOINT, PIPELINE, run_passes
+from zcompile.process_group import gathers_into_buffers
 from zcompile.rank_check import (
     check_same_on_all_ranks,
     raise_if_aborted,
@@ -101,7 +102,7 @@ def executed_form(graphs: CompiledGraphs) -> Callable[[torch.fx.GraphModule], to
     """What changes between a graph the pipeline made (which reports, dumps and the memory walks read)
     and the graph that runs: gloo's all-gathers into graph-allocated buffers
     (``passes/all_gather_lowering.py``), or nothing."""
-    return all_gathers_into_buffers if graphs.context.all_gathers_into_buffers else None
+    return all_gathers_into_buffers if gathers_into_buffers(graphs.context.group) else None
 
 
 def _quoting_abort_notes(run: Callable[[list], object], graphs: CompiledGraphs) -> Callable[[list], object]:

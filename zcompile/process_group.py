@@ -80,15 +80,19 @@ def reduce_scatter_by_all_to_all(form: str, group: DataParallelGroup) -> bool:
     2.3-5.0x at 4 (0.25-16 MiB; ``benchmarks/bench_gloo_collectives.py``)."""
     if form != "auto":
         return form == "all_to_all"
+    return on_gloo(group)
+
+
+def on_gloo(group: DataParallelGroup) -> bool:
+    """Whether ``group`` communicates through gloo."""
     return group.process_group is not None and "gloo" in str(dist.get_backend(group.process_group))
 
 
-def all_gathers_into_buffers(group: DataParallelGroup) -> bool:
+def gathers_into_buffers(group: DataParallelGroup) -> bool:
     """Whether ``group``'s in-graph all-gathers run into buffers the graph allocates
     (``passes/all_gather_lowering.py``): on gloo, whose own form of the functional all-gather
     corrupts the heap when two are in flight (torch 2.11 and 2.13)."""
-    return (group.world_size > 1 and group.process_group is not None
-            and "gloo" in str(dist.get_backend(group.process_group)))
+    return group.world_size > 1 and on_gloo(group)
 
 
 def all_gather_coalesced_into(outputs: list[torch.Tensor], shards: list[torch.Tensor],

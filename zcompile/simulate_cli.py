@@ -144,6 +144,7 @@ def _tune(args: argparse.Namespace, out, make_model, batch: dict, space: dict, o
                                base_options=options, hardware=args.hardware, memory_limit_gb=args.memory_limit_gb)
     except (TypeError, ValueError) as error:  # a bad space, option, world size or profile: said, not a traceback
         raise DumpError(str(error)) from None
+    _say_nodes(args, out)
     out.table(f"{len(result.points)} points simulated at {result.world_size} ranks ({result.hardware})",
               list(COLUMNS), point_rows(result), numeric=set(range(len(COLUMNS))) - LEFT)
     for line in summary_lines(result):
