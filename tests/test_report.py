@@ -183,3 +183,13 @@ def test_pass_error_names_pass_graph_node_and_dump(tmp_path):
     assert "at node" in message and "relu" in message.lower()
     assert str(tmp_path / "rank0" / "3_1") in message
     assert (tmp_path / "rank0" / "3_1" / "00_broken.dynamo.before.txt").exists()
+
+
+def test_a_report_made_without_the_optimizer_says_its_states_are_not_counted(reported):
+    """``step_report(model)`` measures parameters and gradients only: the line says so, and how to count
+    the optimizer's states, instead of a measured figure far under the formula with no word why."""
+    _, _, results = reported
+    with_optimizer = StepReport(**{**results[0][0], "schedule": []})
+    assert with_optimizer.optimizer_counted and "parameters and gradients only" not in with_optimizer.render()
+    without = StepReport(**{**results[0][0], "schedule": [], "optimizer_counted": False}).render()
+    assert "parameters and gradients only: step_report(model, optimizer)" in without

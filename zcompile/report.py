@@ -51,6 +51,7 @@ class StepReport:
     memory: dict[str, int]
     schedule: list[OverlapRecord] = field(default_factory=list)
     grad_norm: float | None = None  # the optimizer's pre-clip gradient norm of the step (None: not clipped)
+    optimizer_counted: bool = True  # False: step_report got no optimizer, so the measured states lack its own
     skipped_steps: int = 0  # steps the optimizer skipped so far because a gradient was not finite (skip_nonfinite)
     # the graphs' reduce-scatters run as all-to-all + sum (gloo; the option reduce_scatter): counted as
     # reduce-scatters here, shown as all-to-alls by the profiler and zcompile.timeline
@@ -89,7 +90,10 @@ class StepReport:
         return [
             f"total {total:,} elements = {total / psi:.2f} Ψ per rank per step "
             f"(ZeRO formula {self.formula_elements / psi:.0f} Ψ)",
-            f"model states {mem['model_states_bytes'] / 2**20:.2f} MiB/rank measured, "
+            f"model states {mem['model_states_bytes'] / 2**20:.2f} MiB/rank measured"
+            + ("" if self.optimizer_counted else " (parameters and gradients only: step_report(model, optimizer) "
+               "counts the optimizer's states too)")
+            + ", "
             f"{mem['formula_bytes'] / 2**20:.2f} MiB by the formula; peak gathered parameters "
             f"{mem['peak_gathered_bytes'] / 2**20:.2f} MiB"
             + (f" (of which {mem['kept_gathered_bytes'] / 2**20:.2f} MiB kept for backward)"
@@ -173,6 +177,7 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
         },
         schedule=schedule,
         grad_norm=getattr(optimizer, "last_grad_norm", None),
+        optimizer_counted=optimizer is not None,
         skipped_steps=getattr(optimizer, "skipped_steps", 0),
         reduce_scatter_as_all_to_all=any(g.context is not None and g.context.reduce_scatter_by_all_to_all
                                          for g in graphs),
