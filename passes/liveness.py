@@ -234,7 +234,7 @@ def _subgraph_output(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[tor
 
 
 def live_peak_bytes(gm: torch.fx.GraphModule, preloaded: dict[torch.fx.Node, tuple[Hashable, int]] | None = None,
-                    hold_inputs: bool = False) -> int:
+                    hold_inputs: bool = False, gather_staging: bool = False) -> int:
     """Most bytes ``gm`` holds at once when its generated code runs it: every value it allocates from
     its node to the last reader of it or of an alias of it (``storage_of``; FX's code frees a value
     after its last reader), the values it returns to the end. Graph inputs are not counted except
@@ -243,7 +243,12 @@ def live_peak_bytes(gm: torch.fx.GraphModule, preloaded: dict[torch.fx.Node, tup
     keeps its arguments until the graph returns, as ``make_boxed_func`` does; zcompile's compilers do
     not: ``zcompile.inner.boxed_graph_function``, inductor's code). A block subgraph call
     adds, while it runs, what its subgraph holds at once (this walk of it) beyond the outputs it
-    returns. Another higher-order op's inside is not counted: logged as a warning naming it."""
+    returns. Another higher-order op's inside is not counted: logged as a warning naming it.
+
+    ``gather_staging``: each all-gather also holds a second buffer of its output's bytes from its issue
+    to its wait. Gloo gathers into a flat buffer of its own and then copies each rank's piece out
+    (``ProcessGroupGloo``'s all-gather work: ``newLikeFlat`` of the outputs, freed when the work is
+    done); NCCL writes the output in place. Counted to the wait, the latest the work can end."""
     preloaded = preloaded or {}
     nodes = list(gm.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
@@ -257,7 +262,8 @@ def live_peak_bytes(gm: torch.fx.GraphModule, preloaded: dict[torch.fx.Node, tup
         if key is not None:
             buffer_of[node] = key
         if is_call_to(node, SUBGRAPH_CALL):
-            transients.append((position[node], _subgraph_transient(gm, node, walked)))
+            transients.append((position[node], _subgraph_transient(gm, node, walked, gather_staging)))
+    staging = _gather_staging(nodes, position) if gather_staging else []
     unwalked = sorted({str(n.target) for n in nodes if n.op == "call_function" and not is_call_to(n, SUBGRAPH_CALL)
                        and isinstance(n.target, torch._ops.HigherOrderOperator)})
     if unwalked:
@@ -270,6 +276,7 @@ def live_peak_bytes(gm: torch.fx.GraphModule, preloaded: dict[torch.fx.Node, tup
     events = [(start, nbytes) for start, _, nbytes in buffers.values()]
     events += [(max(start, last) + 0.5, -nbytes) for start, last, nbytes in buffers.values()]
     events += [e for at, extra in transients for e in ((at, extra), (at + 0.25, -extra))]
+    events += [e for start, wait, nbytes in staging for e in ((start, nbytes), (wait + 0.5, -nbytes))]
     live = peak = 0
     for _, delta in sorted(events):
         live += delta
@@ -303,7 +310,18 @@ def _buffer(gm, node, preloaded, buffers, position, hold: bool) -> Hashable | No
     return key
 
 
-def _subgraph_transient(gm: torch.fx.GraphModule, call: torch.fx.Node, walked: dict[int, int]) -> int:
+def _gather_staging(nodes: list[torch.fx.Node], position: dict) -> list[tuple[int, int, int]]:
+    """(issue, wait, bytes) of each all-gather's second buffer (``live_peak_bytes``' ``gather_staging``)."""
+    out = []
+    for node in nodes:
+        if node.op == "call_function" and node.target is ALL_GATHER:
+            waits = [position[user] for user in node.users if user.target is WAIT]
+            out.append((position[node], max(waits, default=len(nodes)), node_bytes(node)))
+    return out
+
+
+def _subgraph_transient(gm: torch.fx.GraphModule, call: torch.fx.Node, walked: dict[int, int],
+                        gather_staging: bool = False) -> int:
     """Bytes a block subgraph call holds while it runs beyond the outputs it returns (``walked``:
     id of a subgraph -> this, for the calls of one walk)."""
     subgraph = called_subgraph(gm, call)
@@ -315,5 +333,5 @@ def _subgraph_transient(gm: torch.fx.GraphModule, call: torch.fx.Node, walked: d
         returned = [r for r in subgraph.graph.output_node().args[0] if isinstance(r, torch.fx.Node)]
         outputs = dict(storage_of(subgraph, r) for r in returned)
         outputs.pop(None, None)
-        walked[id(subgraph)] = max(0, live_peak_bytes(subgraph) - sum(outputs.values()))
+        walked[id(subgraph)] = max(0, live_peak_bytes(subgraph, gather_staging=gather_staging) - sum(outputs.values()))
     return walked[id(subgraph)]

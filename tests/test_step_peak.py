@@ -78,7 +78,7 @@ def test_simulate_step_peak_agrees_with_torch_memtracker_at_64_ranks():
     make = lambda: build_model("hf_llama")  # noqa: E731
     tracked = tracked_step(make, _llama_batch(), 64, {"stage": 3}, lambda output: output.loss)
     assert tracked.functional_collectives > 0  # the compiled graphs ran under the tracker, not eager code
-    result = simulate(make, _llama_batch(), world_size=64, options={"stage": 3}, hardware="cpu-local")
+    result = simulate(make, _llama_batch(), world_size=64, options={"stage": 3}, hardware="h100-sxm")  # no gloo: the fake group stages nothing
     assert result.step_peak_bytes == pytest.approx(tracked.peak_bytes, rel=RTOL)
     assert result.step_peak_phase == "backward0"
     walk = _walk(tracked, make, 64, 3)
@@ -130,3 +130,27 @@ def test_walk_frees_each_value_after_its_last_reader_and_views_allocate_nothing(
     x = nodes["x_1"]
     assert live_peak_bytes(gm, {x: (x, 64)}) == 128  # x is freed once a is made from it
     assert live_peak_bytes(gm, {x: (x, 64)}, hold_inputs=True) == 192
+
+
+def test_gloo_holds_each_gathered_output_twice_until_its_wait():
+    """Two all-gathers in flight (64 B shards, 4 ranks: 256 B outputs), then their sum. Without staging
+    the peak is both outputs and the sum (768 B); gloo's flat buffer of each gather, alive from its
+    issue to its wait, makes it both outputs twice (1024 B) while the two are in flight."""
+    from support.graph_builders import trace
+    from zcompile.passes.collectives import ALL_GATHER, WAIT
+
+    def f(a, b):
+        gathered_a, gathered_b = ALL_GATHER(a, 4, "world"), ALL_GATHER(b, 4, "world")
+        return (WAIT(gathered_a) + WAIT(gathered_b)).sum()
+
+    gm = trace(f, torch.ones(16), torch.ones(16))
+    assert live_peak_bytes(gm) == 768
+    assert live_peak_bytes(gm, gather_staging=True) == 1024
+
+    def one_at_a_time(a, b):  # the first gather waited and read before the second is issued
+        first = WAIT(ALL_GATHER(a, 4, "world")).sum()
+        return first + WAIT(ALL_GATHER(b, 4, "world")).sum()
+
+    gm = trace(one_at_a_time, torch.ones(16), torch.ones(16))
+    assert live_peak_bytes(gm) == 256 + 4 + 4  # the second output and both sums
+    assert live_peak_bytes(gm, gather_staging=True) == 512 + 4  # the second gather in flight, the first sum

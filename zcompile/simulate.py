@@ -168,7 +168,8 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
         "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in graphs if g.keep_gathered),
         "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) for g in graphs),
     })
-    peak = step_peak(graphs, states.params_bytes, states.grads_bytes, states.optimizer_bytes)
+    peak = step_peak(graphs, states.params_bytes, states.grads_bytes, states.optimizer_bytes,
+                     gather_staging=on_gloo and world_size > 1)
     result.step_peak_bytes, result.step_peak_phase = peak.peak_bytes, peak.where
     result.collectives = _graph_collectives(graphs, pricing) + _optimizer_collectives(
         model, pricing, by_all_to_all=on_gloo)

@@ -20,8 +20,9 @@ its last reader, as the generated code frees it) and gives each phase's peak, mo
   holds, so there the walk is an upper bound;
 - ``optimizer``: the model states with the gradients.
 
-Not counted: the optimizer's own temporaries (its bucket buffers and the update's intermediates, a
-few ``bucket_mb`` buckets); with several graphs (graph breaks), the tensors eager code carries
+On gloo (``gather_staging``) each all-gather's second buffer is counted too: gloo gathers into a flat
+buffer of its own and copies out of it. Not counted: the optimizer's own temporaries (its bucket
+buffers and the update's intermediates, a few ``bucket_mb`` buckets); with several graphs (graph breaks), the tensors eager code carries
 between them (a hidden state and its gradient); the batch; forward outputs kept through backward
 (taken as dropped: ``loss = model(x).loss; loss.backward()``). Checked against torch's
 ``MemTracker`` over the same compiled step (``tests/test_step_peak.py``).
@@ -57,21 +58,25 @@ class StepPeak:
 
 
 def step_peak(graphs: list, params_bytes: int, grads_bytes: int, optimizer_bytes: int,
-              hold_backward_inputs: bool = False) -> StepPeak:
+              hold_backward_inputs: bool = False, gather_staging: bool = False) -> StepPeak:
     """The step's peak from the ``CompiledGraphs`` of one step (``on_compile``'s, in compile order)
     and this rank's model states (``estimate_memory``'s or ``model_state_bytes``' parts).
     ``hold_backward_inputs``: the peak if each backward kept its saved values and tangents until it
-    returned, as the eager compiler did before its boxed call (what that call saves)."""
+    returned, as the eager compiler did before its boxed call (what that call saves).
+    ``gather_staging``: the graphs' all-gathers run on gloo, which holds each gathered output twice
+    until its wait (``liveness.live_peak_bytes``)."""
     states = params_bytes + optimizer_bytes
     saved = [_saved(g) for g in graphs]
     grads_after = _grads_made_after(graphs, grads_bytes)
     phases: dict[str, int] = {}
     for i, g in enumerate(graphs):
         if g.forward is not None:
-            phases[f"forward{i}"] = states + sum(map(_total, saved[:i])) + live_peak_bytes(g.forward)
+            phases[f"forward{i}"] = states + sum(map(_total, saved[:i])) + live_peak_bytes(
+                g.forward, gather_staging=gather_staging)
     for i, g in reversed(list(enumerate(graphs))):
         if g.forward is not None and g.backward is not None:
-            walk = live_peak_bytes(g.backward, _backward_preloaded(g), hold_inputs=hold_backward_inputs)
+            walk = live_peak_bytes(g.backward, _backward_preloaded(g), hold_inputs=hold_backward_inputs,
+                                   gather_staging=gather_staging)
             phases[f"backward{i}"] = states + sum(map(_total, saved[:i])) + grads_after[i] + walk
     phases["optimizer"] = states + grads_bytes
     result = StepPeak(states, phases)
