@@ -191,7 +191,7 @@ def _listed(parameters) -> list[torch.Tensor]:
     return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
 
-def _torch_route_members(params: list[torch.Tensor]) -> list[ShardedParam]:
+def route_members(params: list[torch.Tensor]) -> list[ShardedParam]:
     """The shards of ``params`` (deduplicated); a parameter with a gradient but no shard trained
     outside the compiled graphs and gets a stage-1 shard, as the optimizer gives it."""
     params = list(dict.fromkeys(params))
@@ -201,7 +201,7 @@ def _torch_route_members(params: list[torch.Tensor]) -> list[ShardedParam]:
             for index, (p, s) in enumerate(zip(params, shards)) if s is not None or p.grad is not None]
 
 
-def _agree(params: list[torch.Tensor], what: str) -> None:
+def agree_before_route(params: list[torch.Tensor], what: str) -> None:
     """Before the clip's collectives: every rank is clipping the same step (``zcompile.step_agreement``)."""
     members = [s for s in dict.fromkeys(map(shard_of, params)) if s is not None]
     agree_before_step(members, what, STEP_AGREEMENT_TIMEOUT_S)
@@ -213,9 +213,9 @@ def _routed_clip_grad_norm(original):
         params = _listed(parameters)
         if not any(shard_of(p) is not None for p in params):
             return original(params if params else parameters, max_norm, norm_type, error_if_nonfinite, foreach)
-        _agree(params, "torch.nn.utils.clip_grad_norm_()")
+        agree_before_route(params, "torch.nn.utils.clip_grad_norm_()")
         with torch.no_grad():
-            return clip_grad_norm_of_shards(_torch_route_members(params), max_norm, norm_type,
+            return clip_grad_norm_of_shards(route_members(params), max_norm, norm_type,
                                             error_if_nonfinite=error_if_nonfinite)
 
     setattr(clip_grad_norm_, ORIGINAL_ATTR, original)
@@ -228,9 +228,9 @@ def _routed_clip_grad_value(original):
         params = _listed(parameters)
         if not any(shard_of(p) is not None for p in params):
             return original(params, clip_value, foreach)
-        _agree(params, "torch.nn.utils.clip_grad_value_()")
+        agree_before_route(params, "torch.nn.utils.clip_grad_value_()")
         with torch.no_grad():
-            clip_grad_value_of_shards(_torch_route_members(params), clip_value)
+            clip_grad_value_of_shards(route_members(params), clip_value)
 
     setattr(clip_grad_value_, ORIGINAL_ATTR, original)
     return clip_grad_value_

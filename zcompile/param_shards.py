@@ -307,11 +307,13 @@ def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataPara
                reduce_dtype: torch.dtype | None, replica_dtype: torch.dtype | None) -> ShardedParam:
     _check_shardable(param, name)
     # every shard is made here (by the backend, or by the optimizer for an eager parameter): from
-    # now on torch.nn.utils.clip_grad_norm_ may see a zcompile parameter and must route it
-    from zcompile.clip import install_torch_clip_patch  # local: these modules import this one
+    # now on torch.nn.utils.clip_grad_norm_ (and a GradScaler) may see a zcompile parameter and must route it
+    from zcompile.amp import install_grad_scaler_route  # local: these modules import this one
+    from zcompile.clip import install_torch_clip_patch
     from zcompile.zero_grad_route import install_zero_grad_route
 
     install_torch_clip_patch()
+    install_grad_scaler_route()  # and a GradScaler must unscale and check the shards, every rank together
     install_zero_grad_route()  # and module.zero_grad() must clear the gradient shards
     piece = FlatPiece(param.numel(), group.world_size, group.rank)
     shard_numel = piece.chunk

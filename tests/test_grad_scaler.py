@@ -1,0 +1,128 @@
+"""``torch.amp.GradScaler`` over zcompile parameters (``zcompile.amp``): a user's unchanged
+loss-scaling loop (scale, backward, ``unscale_``, clip, ``step``, ``update``) trains like one
+process running the same loop on the global batch, at every stage, including a step where one
+rank's gradient alone overflows: every rank skips it and halves its scale, as the reference does
+with the averaged (overflowed) gradient.
+
+SGD with momentum, so an unscale that is off by any factor moves the parameters (Adam would hide
+it); tolerances as ``support.training``'s SGD runs (1e-6 of the parameters' scale; norms 1e-6
+relative). Before the route, stages 2 and 3 stopped at ``scaler.step`` with torch's "No inf checks
+were recorded for this optimizer" (``param.grad`` is None there), and at stage 1 the rank that
+overflowed skipped alone: ``RankDivergenceError`` on both ranks.
+"""
+
+import math
+
+import pytest
+import torch
+
+import zcompile
+from support.launch import run_ranks
+from support.models import build_model, global_batch
+from support.training import PARAM_TOL
+
+STEPS, BATCH, OVERFLOW_STEP, INIT_SCALE = 4, 8, 1, 2.0**10
+NORM_RTOL = 1e-6
+CASES = {1: "unscale_ then clip", 2: "step unscales", 3: "unscale_ then clip"}  # stage -> the loop's form
+
+
+def _loss(model, step: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's mean loss over its slice of the global batch; the last rank's is infinite at OVERFLOW_STEP."""
+    tokens, targets = global_batch(step, BATCH)
+    per_rank = BATCH // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    loss = model(tokens[mine], targets[mine])
+    return loss * math.inf if (step == OVERFLOW_STEP and rank == world - 1) else loss
+
+
+def _scaled_loop(model, loss_fn, optimizer, clip: bool) -> dict:
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    scales, norms = [], []
+    for step in range(STEPS):
+        scaler.scale(loss_fn(step)).backward()
+        if clip:
+            scaler.unscale_(optimizer)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        scales.append(scaler.get_scale())
+    return {"scales": scales, "norms": norms}
+
+
+def scaled_runs_on_rank(rank: int, world: int) -> dict:
+    out = {}
+    for stage, form in CASES.items():
+        torch._dynamo.reset()
+        model = build_model("gpt")
+        compiled = torch.compile(model, backend="zero", options={"stage": stage})
+        optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        run = _scaled_loop(model, lambda step: _loss(compiled, step, rank, world), optimizer,
+                           clip=form == "unscale_ then clip")
+        with zcompile.gathered(model):
+            run["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
+        out[stage] = run
+    return out
+
+
+def reference(world: int, clip: bool) -> dict:
+    """One process, torch's SGD and GradScaler, the global batch's loss (the ranks' mean losses averaged)."""
+    model = build_model("gpt")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    run = _scaled_loop(model, lambda step: sum(_loss(model, step, r, world) for r in range(world)) / world,
+                       optimizer, clip)
+    run["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return run
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_ranks(2, scaled_runs_on_rank)
+
+
+@pytest.mark.parametrize("stage", CASES)
+def test_grad_scaler_trains_like_one_process_and_skips_a_one_rank_overflow_on_every_rank(world2, stage):
+    clip = CASES[stage] == "unscale_ then clip"
+    expected = reference(2, clip)
+    assert expected["scales"] == [INIT_SCALE, INIT_SCALE / 2, INIT_SCALE / 2, INIT_SCALE / 2]  # the overflow skipped
+    for rank_runs in world2:
+        run = rank_runs[stage]
+        assert run["scales"] == expected["scales"]
+        for ours, theirs in zip(run["norms"], expected["norms"], strict=True):
+            assert math.isfinite(ours) == math.isfinite(theirs)
+            if math.isfinite(theirs):
+                assert ours == pytest.approx(theirs, rel=NORM_RTOL)
+        for name, value in expected["params"].items():
+            torch.testing.assert_close(run["params"][name], value, rtol=0,
+                                       atol=PARAM_TOL * max(1.0, value.abs().max().item()), msg=name)
+    initial = build_model("gpt").state_dict()
+    assert any(not torch.equal(initial[name], value) for name, value in expected["params"].items())
+
+
+def test_world_of_one_unscales_the_shards_and_skips_an_overflow():
+    """No process group: stage 3 at one rank against the same loop on a plain model."""
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 3})
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ours = _scaled_loop(model, lambda step: _loss(compiled, step, 0, 1), optimizer, clip=True)
+    expected = reference(1, clip=True)
+    assert ours["scales"] == expected["scales"] == [INIT_SCALE, INIT_SCALE / 2, INIT_SCALE / 2, INIT_SCALE / 2]
+    with zcompile.gathered(model):
+        for name, param in model.named_parameters():
+            value = expected["params"][name]
+            torch.testing.assert_close(param.detach(), value, rtol=0,
+                                       atol=PARAM_TOL * max(1.0, value.abs().max().item()), msg=name)
+
+
+def test_fp16_gradient_shards_are_refused_with_the_alternatives():
+    """Stage 2 with param_dtype fp16 keeps fp16 gradient shards: unscaling them would underflow (torch
+    refuses fp16 gradients the same way); the error names what works."""
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 2, "param_dtype": "fp16"})
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(_loss(compiled, 0, 0, 1)).backward()
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients.*stage 1 or 3.*bf16"):
+        scaler.unscale_(optimizer)
