@@ -21,8 +21,9 @@ What it changes in ``Trainer``, and why:
   checkpoint (``zcompile/``: master weights, optimizer state, scheduler), from which
   ``trainer.train(resume_from_checkpoint=...)`` resumes, at the same or another number of ranks.
 
-Refused with the reason: DeepSpeed or FSDP arguments (another sharding), ``fp16=True`` (its
-GradScaler unscales ``param.grad``, which zcompile's sharded gradients are not: use ``bf16=True``),
+Refused with the reason: DeepSpeed or FSDP arguments (another sharding), ``fp16=True``
+(accelerate's loss scaling runs on a GPU only, not yet run with zcompile: use ``bf16=True``; a loop
+of one's own may use ``torch.amp.GradScaler``, ``zcompile.amp``),
 another ``torch_compile_backend``, and an ``optim`` zcompile has no optimizer for.
 """
 
@@ -187,9 +188,9 @@ def _take_over_torch_compile(args: transformers.TrainingArguments) -> None:
 
 def _refuse_unsupported(args: transformers.TrainingArguments) -> None:
     if args.fp16:
-        raise ValueError("ZeroTrainer: fp16=True is not supported: its GradScaler unscales param.grad, and "
-                         "zcompile's gradients live on shards. Use bf16=True (or zero_options={'param_dtype': "
-                         "'bf16'})")
+        raise ValueError("ZeroTrainer: fp16=True is not supported: accelerate's fp16 loss scaling runs on a GPU "
+                         "only and has not been run with zcompile. Use bf16=True (or zero_options={'param_dtype': "
+                         "'bf16'}); in a training loop of your own, torch.amp.GradScaler works over zcompile.optim")
     if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
         raise ValueError("ZeroTrainer: TrainingArguments(deepspeed=...) / fsdp=... ask for another sharding; "
                          "zcompile shards the model itself: drop them")
