@@ -310,11 +310,13 @@ def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataPara
     # now on torch.nn.utils.clip_grad_norm_ (and a GradScaler) may see a zcompile parameter and must route it
     from zcompile.amp import install_grad_scaler_route  # local: these modules import this one
     from zcompile.clip import install_torch_clip_patch
+    from zcompile.optimizer_guard import install_foreign_optimizer_guard
     from zcompile.zero_grad_route import install_zero_grad_route
 
     install_torch_clip_patch()
     install_grad_scaler_route()  # and a GradScaler must unscale and check the shards, every rank together
     install_zero_grad_route()  # and module.zero_grad() must clear the gradient shards
+    install_foreign_optimizer_guard()  # and a torch optimizer must not step what it cannot update
     piece = FlatPiece(param.numel(), group.world_size, group.rank)
     shard_numel = piece.chunk
     if stage in (1, 2) and param.dtype == torch.float32 and replica_dtype is None:
