@@ -27,7 +27,7 @@ from typing import Hashable
 import networkx as nx
 import torch
 
-from zcompile.passes.collectives import ALL_GATHER, WAIT
+from zcompile.passes.collectives import ALL_GATHER, WAIT, CollectiveNode
 from zcompile.passes.op_sets import PREP_OPS, VIEW_OPS, is_call_to, makes_copy
 from zcompile.passes.regions import INVOKE_SUBGRAPH, called_subgraph, subgraph_output_origin
 
@@ -263,7 +263,7 @@ def live_peak_bytes(gm: torch.fx.GraphModule, preloaded: dict[torch.fx.Node, tup
             buffer_of[node] = key
         if is_call_to(node, SUBGRAPH_CALL):
             transients.append((position[node], _subgraph_transient(gm, node, walked, gather_staging)))
-    staging = _gather_staging(nodes, position) if gather_staging else []
+    staging = _gather_staging(gm, position) if gather_staging else []
     unwalked = sorted({str(n.target) for n in nodes if n.op == "call_function" and not is_call_to(n, SUBGRAPH_CALL)
                        and isinstance(n.target, torch._ops.HigherOrderOperator)})
     if unwalked:
@@ -310,14 +310,10 @@ def _buffer(gm, node, preloaded, buffers, position, hold: bool) -> Hashable | No
     return key
 
 
-def _gather_staging(nodes: list[torch.fx.Node], position: dict) -> list[tuple[int, int, int]]:
+def _gather_staging(gm: torch.fx.GraphModule, position: dict) -> list[tuple[int, int, int]]:
     """(issue, wait, bytes) of each all-gather's second buffer (``live_peak_bytes``' ``gather_staging``)."""
-    out = []
-    for node in nodes:
-        if node.op == "call_function" and node.target is ALL_GATHER:
-            waits = [position[user] for user in node.users if user.target is WAIT]
-            out.append((position[node], max(waits, default=len(nodes)), node_bytes(node)))
-    return out
+    return [(position[node], max((position[w] for w in CollectiveNode.of(node).waits), default=len(position)),
+             node_bytes(node)) for node in gm.graph.find_nodes(op="call_function", target=ALL_GATHER)]
 
 
 def _subgraph_transient(gm: torch.fx.GraphModule, call: torch.fx.Node, walked: dict[int, int],

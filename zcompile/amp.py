@@ -28,13 +28,11 @@ import functools
 import logging
 
 import torch
-import torch.distributed as dist
 
 from zcompile.clip import ORIGINAL_ATTR, TORCH_ROUTE_BUCKET_BYTES, agree_before_route, averaged_grad_shards, \
     keep_records_for_step, route_members
-from zcompile.comm_volume import CollectiveRecord
+from zcompile.nonfinite import any_rank_flag
 from zcompile.param_shards import ShardedParam, shard_of
-from zcompile.process_group import all_reduce_eager
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +60,8 @@ def unscale_grad_shards(members: list[ShardedParam], inv_scale: torch.Tensor, fo
         local = torch.zeros((), dtype=torch.float32, device=grad_device)
         torch._amp_foreach_non_finite_check_and_unscale_(same, local, inv_scale.to(grad_device))
         flag = torch.maximum(flag, local.to(device))
-    group = next((m.group for m in members if m.group is not None), None)
-    if group is not None and group.world_size > 1:
-        all_reduce_eager(flag, group, dist.ReduceOp.MAX)
-        records.append(CollectiveRecord("all_reduce", 1, torch.float32, "optimizer", (), group.name or "",
-                                        group.world_size))
-    keep_records_for_step(with_grad, records)
+    record = any_rank_flag(flag, members[0].group if members else None)
+    keep_records_for_step(with_grad, records + ([record] if record is not None else []))
     found_inf.copy_(flag.to(found_inf.dtype))
     return {device: found_inf}
 

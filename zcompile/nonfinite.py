@@ -20,7 +20,7 @@ import torch.distributed as dist
 from zcompile.comm_volume import CollectiveRecord
 from zcompile.compiled import compiled_graphs_of_params
 from zcompile.param_shards import ShardedParam
-from zcompile.process_group import all_reduce_eager
+from zcompile.process_group import DataParallelGroup, all_reduce_eager
 
 
 def local_grads_finite(members: list[ShardedParam]) -> bool:
@@ -45,9 +45,17 @@ def nonfinite_flag(members: list[ShardedParam]) -> tuple[bool, CollectiveRecord 
     if group is None or group.world_size == 1:
         return nonfinite, None
     flag = torch.tensor(float(nonfinite), device=members[0].shard.device)
-    all_reduce_eager(flag, group, dist.ReduceOp.MAX)
-    record = CollectiveRecord("all_reduce", 1, torch.float32, "optimizer", (), group.name or "", group.world_size)
+    record = any_rank_flag(flag, group)
     return bool(flag.item() > 0), record
+
+
+def any_rank_flag(flag: torch.Tensor, group: DataParallelGroup | None) -> CollectiveRecord | None:
+    """``flag`` (a 0-dim fp32 tensor, 1.0 for "not finite here") becomes every rank's: one MAX
+    all-reduce over ``group``, in place. Returns its record (None in a world of one: nothing to do)."""
+    if group is None or group.world_size == 1:
+        return None
+    all_reduce_eager(flag, group, dist.ReduceOp.MAX)
+    return CollectiveRecord("all_reduce", 1, torch.float32, "optimizer", (), group.name or "", group.world_size)
 
 
 def skip_nonfinite_by_default(params: list[torch.nn.Parameter]) -> bool:
