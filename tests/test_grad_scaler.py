@@ -20,6 +20,7 @@ import zcompile
 from support.launch import run_ranks
 from support.models import build_model, global_batch
 from support.training import PARAM_TOL
+from zcompile.rank_check import RankDivergenceError
 
 STEPS, BATCH, OVERFLOW_STEP, INIT_SCALE = 4, 8, 1, 2.0**10
 NORM_RTOL = 1e-6
@@ -62,6 +63,19 @@ def scaled_runs_on_rank(rank: int, world: int) -> dict:
         with zcompile.gathered(model):
             run["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
         out[stage] = run
+    # a scaler made (or its state loaded) differently on one rank: an error on every rank, not a
+    # gradient unscaled by a different factor on each
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 2})
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE * (2 if rank == world - 1 else 1))
+    scaler.scale(_loss(compiled, 0, rank, world)).backward()
+    try:
+        scaler.unscale_(optimizer)
+        out["scales_differ"] = None
+    except RankDivergenceError as error:
+        out["scales_differ"] = str(error)
     return out
 
 
@@ -126,3 +140,11 @@ def test_fp16_gradient_shards_are_refused_with_the_alternatives():
     scaler.scale(_loss(compiled, 0, 0, 1)).backward()
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients.*stage 1 or 3.*bf16"):
         scaler.unscale_(optimizer)
+
+
+def test_ranks_with_different_loss_scales_fail_together(world2):
+    """One rank's scaler at twice the others' scale (as after loading its state on rank 0 only): a
+    RankDivergenceError on every rank, naming both scales and the fix."""
+    for rank_runs in world2:
+        assert "loss scales differ (from 1024 to 2048)" in rank_runs["scales_differ"]
+        assert "load_state_dict" in rank_runs["scales_differ"]

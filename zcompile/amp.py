@@ -15,9 +15,10 @@ parameters that reads the wrong gradients:
 replaces ``torch.amp.GradScaler._unscale_grads_`` by a wrapper that, for an optimizer holding
 zcompile parameters, works on the averaged gradient shards, as clipping does (``zcompile.clip``;
 stage 1 reduce-scatters its gradients onto the shards now, and the step does not reduce them
-again): unscales them in place and sets the found-inf flag from every rank's (one all-reduce of a
-scalar, MAX), so every rank skips or steps together and ``scaler.update()`` moves every rank's scale
-the same way. Other optimizers get torch's own method. ``torch.cuda.amp.GradScaler`` is a subclass
+again): unscales them in place and sets the found-inf flag from every rank's (one MAX all-reduce
+of the flag with the scale beside it: ranks whose scales differ, a scaler state loaded on rank 0
+only, get a ``RankDivergenceError`` instead of each unscaling by its own factor), so every rank
+skips or steps together and ``scaler.update()`` moves every rank's scale the same way. Other optimizers get torch's own method. ``torch.cuda.amp.GradScaler`` is a subclass
 and is routed too. Torch internals: ``_unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)``
 and its return value (found-inf per device) are read as in torch 2.11 and 2.13.
 """
@@ -33,6 +34,7 @@ from zcompile.clip import ORIGINAL_ATTR, TORCH_ROUTE_BUCKET_BYTES, agree_before_
     keep_records_for_step, route_members
 from zcompile.nonfinite import any_rank_flag
 from zcompile.param_shards import ShardedParam, shard_of
+from zcompile.rank_check import RankDivergenceError
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +62,19 @@ def unscale_grad_shards(members: list[ShardedParam], inv_scale: torch.Tensor, fo
         local = torch.zeros((), dtype=torch.float32, device=grad_device)
         torch._amp_foreach_non_finite_check_and_unscale_(same, local, inv_scale.to(grad_device))
         flag = torch.maximum(flag, local.to(device))
-    record = any_rank_flag(flag, members[0].group if members else None)
+    # the flag, and the scale as its max and min: a scale that differs between ranks (a scaler state
+    # loaded on some ranks only) would unscale one reduced gradient by different factors, silently
+    inverse = inv_scale.to(device=device, dtype=torch.float32).reshape(())
+    packed = torch.stack([flag, inverse, -inverse])
+    record = any_rank_flag(packed, members[0].group if members else None)
     keep_records_for_step(with_grad, records + ([record] if record is not None else []))
-    found_inf.copy_(flag.to(found_inf.dtype))
+    if packed[1] != -packed[2]:
+        raise RankDivergenceError(
+            f"GradScaler.unscale_(): the ranks' loss scales differ (from {1 / float(packed[1]):g} to "
+            f"{1 / float(-packed[2]):g}), so the averaged gradient would be unscaled by a different factor on "
+            "each rank. Every rank must create the scaler alike and load its state_dict (scaler.load_state_dict) "
+            "on every rank, not on rank 0 only.")
+    found_inf.copy_(packed[0].to(found_inf.dtype))
     return {device: found_inf}
 
 

@@ -50,12 +50,14 @@ def nonfinite_flag(members: list[ShardedParam]) -> tuple[bool, CollectiveRecord 
 
 
 def any_rank_flag(flag: torch.Tensor, group: DataParallelGroup | None) -> CollectiveRecord | None:
-    """``flag`` (a 0-dim fp32 tensor, 1.0 for "not finite here") becomes every rank's: one MAX
-    all-reduce over ``group``, in place. Returns its record (None in a world of one: nothing to do)."""
+    """``flag`` (fp32; 1.0 for "not finite here", and any other values to take the max of) becomes
+    every rank's: one MAX all-reduce over ``group``, in place. Returns its record (None in a world of
+    one: nothing to do)."""
     if group is None or group.world_size == 1:
         return None
     all_reduce_eager(flag, group, dist.ReduceOp.MAX)
-    return CollectiveRecord("all_reduce", 1, torch.float32, "optimizer", (), group.name or "", group.world_size)
+    return CollectiveRecord("all_reduce", flag.numel(), torch.float32, "optimizer", (), group.name or "",
+                            group.world_size)
 
 
 def skip_nonfinite_by_default(params: list[torch.nn.Parameter]) -> bool:
