@@ -58,3 +58,30 @@ def test_zcompile_optimizers_wrappers_and_other_models_step():
     weight = plain.wte.weight.detach().clone()
     torch_optimizer.step()
     assert not torch.equal(weight, plain.wte.weight)
+
+
+def _one_rank_has_a_torch_optimizer(rank: int, world: int) -> str:
+    import time
+
+    from zcompile.rank_check import RankDivergenceError
+
+    model, compiled = _compiled(2)
+    optimizer = (torch.optim.AdamW if rank == 0 else zcompile.optim.AdamW)(model.parameters(), lr=1e-2)
+    compiled(*global_batch(0, 4)).backward()
+    start = time.perf_counter()
+    try:
+        optimizer.step()
+    except (ForeignOptimizerError, RankDivergenceError) as error:
+        return f"{type(error).__name__} after {time.perf_counter() - start:.1f}s: {error}"
+    return "stepped"
+
+
+def test_a_torch_optimizer_on_one_rank_only_stops_both_ranks_quoting_it():
+    """Rank 0 built torch's AdamW, rank 1 zcompile's: rank 0 raises at once, and rank 1, waiting in its
+    step's agreement, quotes it in seconds (the abort note), not after check_timeout_s."""
+    from support.launch import run_ranks
+
+    rank0, rank1 = run_ranks(2, _one_rank_has_a_torch_optimizer)
+    assert rank0.startswith("ForeignOptimizerError")
+    assert rank1.startswith("RankDivergenceError") and "rank 0 reported" in rank1 and "zcompile.optim.AdamW" in rank1
+    assert float(rank1.split(" after ")[1].split("s:")[0]) < 30, rank1

@@ -15,8 +15,8 @@ clip and zero_grad routes) registers a global step pre-hook with torch
 (``torch.optim.optimizer.register_optimizer_step_pre_hook``): before any optimizer's ``step()``, one
 that is not zcompile's (or a wrapper of one, like accelerate's ``AcceleratedOptimizer``, found
 through its ``optimizer`` attribute) and holds a zcompile parameter raises, naming the parameter and
-the fix. Every rank raises at the same step (every rank runs the same loop), so none waits in a
-collective. Optimizers without zcompile parameters pay one attribute lookup per parameter.
+the fix. Every rank that runs such a loop raises at the same step; one that alone holds a torch
+optimizer leaves an abort note first, which the others, waiting in their step's agreement, quote. Optimizers without zcompile parameters pay one attribute lookup per parameter.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zcompile.param_shards import shard_of
+from zcompile.rank_check import leave_abort_note
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +59,14 @@ def refuse_foreign_optimizer(optimizer, args, kwargs) -> None:
         for param in group["params"]:
             sharded = shard_of(param)
             if sharded is not None:
-                raise ForeignOptimizerError(
+                message = (
                     f"{type(optimizer).__module__}.{type(optimizer).__name__}.step() was given zcompile "
                     f"parameters ({sharded.name!r}, ...): their gradients and master weights live on zcompile's "
                     "shards, so it would update nothing at stages 2 and 3 (param.grad is None there) and, at "
                     "stage 1, apply each rank's own unreduced gradient. Use zcompile.optim.AdamW or "
                     "zcompile.optim.SGD (torch's signatures) over the model's parameters.")
+                leave_abort_note(sharded.group, message)  # a rank whose optimizer is zcompile's, waiting, quotes it
+                raise ForeignOptimizerError(message)
 
 
 def install_foreign_optimizer_guard() -> None:
