@@ -53,7 +53,7 @@ import zcompile.optim  # noqa: E402
 
 INDUCTOR = "+inductor"  # a configuration's suffix: inductor whatever --compiler says (to interleave both compilers)
 FUSED = "+fused"  # a torch configuration's suffix: torch.optim.AdamW(fused=True), not its CPU default (single-tensor)
-CONFIGS = ("ddp", "ddp+fused", "compile", "ddp+compile", "ddp+compile+fused", "fsdp2", "fsdp2+compile", "zero1", "zero2", "zero3", "zero3+regional",
+CONFIGS = ("ddp", "ddp+fused", "compile", "ddp+compile", "ddp+compile+fused", "fsdp2", "fsdp2+compile", "zero1", "zero2", "zero3", "zero3+regional", "zero3+keep",
            "compile+inductor", "ddp+compile+inductor", "zero1+inductor", "zero2+inductor", "zero3+inductor")
 DEFAULT_CONFIGS = ("ddp", "ddp+compile", "fsdp2", "zero1", "zero2", "zero3", "zero3+regional")
 SEQ, PER_RANK, EMBD = 128, 4, 128
@@ -72,6 +72,8 @@ def build(config: str, layers: int, compiler: str, compiled_graphs: list):
         if config.endswith("+regional"):
             zcompile.mark_repeated_blocks(model)
         options = {"stage": int(config[4]), "compiler": compiler, "on_compile": compiled_graphs.append}
+        if config.endswith("+keep"):
+            options["keep_gathered_mb"] = 1e6
         return torch.compile(model, backend="zero", options=options), zcompile.optim.AdamW(model.parameters(), lr=1e-3)
     if config == "compile":
         return torch.compile(model, backend=torch_backend), torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -272,8 +272,9 @@ def test_generate_needs_gathered_and_matches_plain_torch():
 @pytest.mark.parametrize("named", [True, False])
 def test_a_weight_trained_outside_the_graphs_is_named_in_the_warning(named, caplog):
     """Blocks compiled one by one (the FSDP2 habit) leave the embeddings and the final norm eager:
-    they train with stage-1 semantics and the warning names each (its name with
-    ``named_parameters()``, else its place in the param groups), once, not a bare index."""
+    they train with stage-1 semantics and one warning says so at the first step, counting them and
+    naming the first ones (by name with ``named_parameters()``, else by place in the param groups),
+    not a line per parameter (56 lines for an uncompiled T5 decoder on 2 ranks) nor one at every step."""
     torch._dynamo.reset()
     model = build_model("gpt")
     for i, block in enumerate(model.blocks):
@@ -286,12 +287,12 @@ def test_a_weight_trained_outside_the_graphs_is_named_in_the_warning(named, capl
             optimizer.step()
             optimizer.zero_grad()
     warned = [r.getMessage() for r in caplog.records if "outside the compiled graphs" in r.getMessage()]
-    eager = [n for n, p in model.named_parameters() if not n.startswith("blocks.")]
-    assert len(warned) == len(eager), warned  # each once (its shard is kept), not at every step
-    if named:
-        assert all(any(f"parameter '{n}' " in w for w in warned) for n in eager), (eager, warned)
-    else:
-        assert all("param_groups[0]['params'][" in w for w in warned), warned
+    eager = [(n, p) for n, p in model.named_parameters() if not n.startswith("blocks.")]
+    assert len(eager) > 3 and len(warned) == 1, warned  # once (the shards are kept), for all of them
+    assert f"{len(eager)} parameters got a gradient" in warned[0] and f"and {len(eager) - 3} more" in warned[0]
+    first = [f"'{n}' {tuple(p.shape)}" for n, p in eager[:3]] if named else \
+        [f"param_groups[0]['params'][{i}] " for i, (n, p) in enumerate(model.named_parameters()) if not n.startswith("blocks.")][:3]
+    assert all(f in warned[0] for f in first), (first, warned)
 
 
 def test_an_eager_weights_shard_has_the_same_name_whether_the_optimizer_has_names_or_not():

@@ -52,7 +52,7 @@ import torch.nn.utils.clip_grad as torch_clip_grad
 
 from zcompile.comm_volume import CollectiveRecord
 from zcompile.optim_buckets import reduce_grads_onto_shards
-from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of
+from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of, warn_eager_sharded
 from zcompile.process_group import DataParallelGroup, all_reduce_eager
 from zcompile.step_agreement import DEFAULT_TIMEOUT_S as STEP_AGREEMENT_TIMEOUT_S, agree_before_step
 
@@ -197,8 +197,11 @@ def route_members(params: list[torch.Tensor]) -> list[ShardedParam]:
     params = list(dict.fromkeys(params))
     shards = [shard_of(p) for p in params]
     group = next(s.group for s in shards if s is not None)
-    return [s if s is not None else shard_eager_parameter(p, f"#{index} of the clipped parameters", group)
-            for index, (p, s) in enumerate(zip(params, shards)) if s is not None or p.grad is not None]
+    shown: list[str] = []
+    members = [s if s is not None else shard_eager_parameter(p, f"#{index} of the clipped parameters", group, shown)
+               for index, (p, s) in enumerate(zip(params, shards)) if s is not None or p.grad is not None]
+    warn_eager_sharded(shown, "gradient clipping")
+    return members
 
 
 def agree_before_route(params: list[torch.Tensor], what: str) -> None:

@@ -48,7 +48,7 @@ from zcompile.clip import clip_grad_norm_of_shards
 from zcompile.optim_state import load_sharded_state_dict, sharded_state_dict
 from zcompile.optim_buckets import (BucketedGradReduce, BucketedParamRefresh, plan_optimizer_buckets,
                                     plan_reduce_buckets, reduce_grads_onto_shards)
-from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of
+from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of, warn_eager_sharded
 from zcompile.step_agreement import DEFAULT_TIMEOUT_S, agree_before_step
 from zcompile.nonfinite import local_grads_finite, nonfinite_flag, skip_nonfinite_by_default
 from zcompile.zero_grad_route import (clear_shard_grad, remember_stepped_grads, stale_grad_members,
@@ -145,11 +145,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.last_grad_norm = None
         self._clipped_since_step = False
         todo = []  # (sharded, param, param group) with a gradient, in parameter order
+        eager: list[str] = []
         for group_index, group in enumerate(self.param_groups):
             for index, param in enumerate(group["params"]):
-                sharded = self._sharded(param, group_index, index)
+                sharded = self._sharded(param, group_index, index, eager)
                 if sharded is not None and (sharded.shard_grad is not None or sharded.full_grad is not None):
                     todo.append((sharded, param, group))
+        warn_eager_sharded(eager, "optimizer.step()")
         bucket_bytes = int(self.bucket_mb * 2**20)
         # collectives already issued by clipping; a full local gradient next to the shard's (stage 1
         # reduced early and grown by a later backward, or zeros kept by zero_grad(set_to_none=False);
@@ -226,9 +228,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``clip_grad_norm_`` once the ranks agreed (``step()`` clips for ``max_grad_norm`` after its own agreement)."""
+        eager: list[str] = []
         members = [s for group_index, group in enumerate(self.param_groups)
                    for index, param in enumerate(group["params"])
-                   if (s := self._sharded(param, group_index, index)) is not None]
+                   if (s := self._sharded(param, group_index, index, eager)) is not None]
+        warn_eager_sharded(eager, "optimizer.clip_grad_norm_()")
         norm = clip_grad_norm_of_shards(members, max_norm, norm_type, int(self.bucket_mb * 2**20))
         self.last_grad_norm = float(norm)
         self._clipped_since_step = True
@@ -299,20 +303,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "to get it back.", len(eager), eager[0].stage, eager[0].name)
         return [m for m in members if m.full_grad is not None and (m.stage != 1 or m.shard_grad is not None)]
 
-    def _sharded(self, param: torch.Tensor, group_index: int, index: int) -> ShardedParam | None:
+    def _sharded(self, param: torch.Tensor, group_index: int, index: int, eager: list[str]) -> ShardedParam | None:
         """The shard of ``param``, ``param_groups[group_index]['params'][index]``; a parameter trained
         outside any compiled graph is sharded here (stage-1 semantics, see
         ``param_shards.shard_eager_parameter``). Its shard is named by that place, the same on every
-        rank (the step's agreement compares the names); the log shows its name when the optimizer was
-        given ``model.named_parameters()`` (torch keeps them as the group's ``param_names``)."""
+        rank (the step's agreement compares the names); ``eager`` gets how it reads in the caller's one
+        warning: its name when the optimizer was given ``model.named_parameters()`` (torch keeps them as
+        the group's ``param_names``), else that place."""
         sharded = shard_of(param)
         if sharded is not None or param.grad is None:
             return sharded
         group = next((s.group for s in map(shard_of, self._all_params()) if s is not None), None)
         place = f"param_groups[{group_index}]['params'][{index}]"
         names = self.param_groups[group_index].get("param_names")
-        return shard_eager_parameter(param, place, group if group is not None else DataParallelGroup.resolve(None),
-                                     shown=repr(names[index]) if names else place)
+        eager_shown: list[str] = []
+        sharded = shard_eager_parameter(param, place, group if group is not None else DataParallelGroup.resolve(None),
+                                        eager_shown)
+        if names:  # torch kept the names: the warning shows the parameter's, not its place
+            eager_shown = [f"{names[index]!r} {tuple(param.shape)}"]
+        eager.extend(eager_shown)
+        return sharded
 
     def _members(self) -> list[ShardedParam]:
         return [s for s in dict.fromkeys(map(shard_of, self._all_params())) if s is not None]
