@@ -29,7 +29,7 @@ from zcompile.compiled import CompileContext, CompiledGraphs, record_compiled_gr
 from zcompile.config import ZeroConfig
 from zcompile.dumps import SHARDING_PLAN_FILE, resolve_dump_root
 from zcompile.dynamo_frame import forward_modules_on_stack, modules_of_compiled_frame, outer_data_parallel_wrapper
-from zcompile.inner import compile_with_aot
+from zcompile.inner import codegen_on_demand, compile_with_aot
 from zcompile.param_shards import ShardedParam, shard_of, shard_parameter
 from zcompile.pass_runner import PassRunner
 from zcompile.passes.param_collectives import ShardingPlan, plan_sharding
@@ -92,7 +92,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
 def copy_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of Dynamo's graph we may rewrite, keeping the metadata AOTAutograd reads from it."""
     graph = copy.deepcopy(gm.graph)
-    new_gm = torch.fx.GraphModule(gm, graph)
+    new_gm = codegen_on_demand(gm, graph)  # the Dynamo-graph passes change it before anything runs it
     new_gm.meta.update(gm.meta)
     if hasattr(gm, "_param_name_to_source"):
         new_gm._param_name_to_source = gm._param_name_to_source

@@ -33,10 +33,42 @@ from zcompile.regional import schema_once_per_subgraph
 log = logging.getLogger(__name__)
 
 
+def codegen_on_demand(graph_module: torch.fx.GraphModule, graph: torch.fx.Graph | None = None) -> torch.fx.GraphModule:
+    """``graph_module`` (the same graph and attributes) as a module that writes its Python code when
+    it is first called or its code is read, not at every ``recompile()``.
+
+    Each pass ends with ``gm.recompile()`` so that a pass is a ``gm -> gm`` function whose result
+    runs; FX then generates and ``exec``s the whole graph's code, about 50 ms for the 16-layer example
+    GPT's stage-3 backward (1,849 nodes), five times per backward graph. The pipeline's graphs are
+    never run (they are read: reports, dumps, the walks; ``boxed_graph_function`` runs a copy), so
+    all of that was thrown away. torch's ``_LazyGraphModule`` (private; what inductor's passes and
+    AOTAutograd's forward graphs use) defers it; only this module reads it. Reading ``.code`` or
+    calling the module still generates the current code, so nothing sees a stale graph.
+
+    With ``graph``: a new module of ``graph_module``'s attributes running ``graph``, as
+    ``torch.fx.GraphModule(graph_module, graph)`` makes, with its code deferred the same way."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    if graph is not None:
+        return _LazyGraphModule(graph_module, graph)
+    lazy = _LazyGraphModule.from_graphmodule(graph_module)
+    if lazy is not graph_module:
+        lazy.meta.update(graph_module.meta)  # FX does not carry meta over (dynamo_compile_id, ...)
+    return lazy
+
+
+def _code_written(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``graph_module`` with its code generated now if ``codegen_on_demand`` deferred it."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    _LazyGraphModule.force_recompile(graph_module)
+    return graph_module
+
+
 def _post_partition(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs) -> torch.fx.GraphModule:
     """The pipeline's passes for a partitioned graph, the rank check of its issue order, its collectives dumped."""
     context = graphs.context
-    graph_module = run_passes(context, kind, graph_module)
+    graph_module = run_passes(context, kind, codegen_on_demand(graph_module))
     setattr(graphs, kind, graph_module)
     signature = sequence_signature(graph_module) if context.config.check_ranks else []
     if signature:  # no collective, nothing to deadlock on: a graph one rank compiles alone (eval) is fine
@@ -86,10 +118,11 @@ def boxed_graph_function(graph_module: torch.fx.GraphModule,
 
     graph = copy.deepcopy(graph_module.graph)  # nodes copied, their meta shallow: cheap
     graph.set_codegen(_BoxedCodeGen())
-    runnable = torch.fx.GraphModule(graph_module, graph)  # shares graph_module's attributes (block subgraphs)
+    # shares graph_module's attributes (block subgraphs); its code written once, after the rewrite
+    runnable = codegen_on_demand(graph_module, graph)
     if rewrite is not None:
         runnable = rewrite(runnable)
-    forward = runnable.forward
+    forward = _code_written(runnable).forward  # the generated forward itself: no lazy hop per call
 
     def run(args: list):
         return forward(args)
@@ -134,6 +167,7 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
     if graphs.context.config.compiler == "eager":
 
         def partition(joint, joint_inputs, **kwargs):
+            joint = codegen_on_demand(joint)  # the partitioner reads its graph; nothing runs its code
             run_passes(graphs.context, "joint", joint)
             budget = activation_budget_fraction(graphs.context.config.activation_memory_budget, joint, joint_inputs,
                                                 kwargs)
@@ -168,7 +202,7 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
         graph_module = _post_partition(graph_module, kind, graphs)
         rewrite = executed_form(graphs)
         if rewrite is not None:  # on a copy: graph_module stays what reports and walks read
-            graph_module = rewrite(torch.fx.GraphModule(graph_module, copy.deepcopy(graph_module.graph)))
+            graph_module = rewrite(codegen_on_demand(graph_module, copy.deepcopy(graph_module.graph)))
         return compile_fx_inner(graph_module, inputs, **kwargs)
 
     patches = {"joint_custom_pre_pass": _JointPasses(graphs)} if _joint_rows(graphs) else None
