@@ -13,7 +13,9 @@ interleaved, also the median forward, backward and optimizer (``common.timed_tra
 Configurations: ``ddp`` (eager), ``compile`` (``torch.compile`` without data parallelism: the
 world-1 reference), ``ddp+compile`` (``torch.compile`` of the DDP module, DDPOptimizer), ``fsdp2``
 (``fully_shard`` per block and the root), ``fsdp2+compile``, ``zero1`` / ``zero2`` / ``zero3``
-and ``zero3+regional`` (``zcompile.mark_repeated_blocks`` first); the DDP ones step with
+and ``zero3+regional`` (``zcompile.mark_repeated_blocks`` first), ``zero3+keep`` (stage 3 keeping
+every gathered weight from forward to backward, ``keep_gathered_mb`` unbounded: ZeRO-2's memory
+between forward and backward, no re-gather, and no all-gather at the step); the DDP ones step with
 ``torch.optim.AdamW``'s default, single-tensor on a CPU, or with ``+fused`` (``ddp+fused``,
 ``ddp+compile+fused``) with ``fused=True``, the kernel ``zcompile.optim.AdamW`` runs on a CPU
 (``kernels/cpu_adamw.py``). ``--compiler``: the inner
