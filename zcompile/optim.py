@@ -49,6 +49,7 @@ from zcompile.optim_state import load_sharded_state_dict, sharded_state_dict
 from zcompile.optim_buckets import (BucketedGradReduce, BucketedParamRefresh, plan_optimizer_buckets,
                                     plan_reduce_buckets, reduce_grads_onto_shards)
 from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of, warn_eager_sharded
+from zcompile.sharded_parameter import grad_of
 from zcompile.step_agreement import DEFAULT_TIMEOUT_S, agree_before_step
 from zcompile.nonfinite import local_grads_finite, nonfinite_flag, skip_nonfinite_by_default
 from zcompile.zero_grad_route import (clear_shard_grad, remember_stepped_grads, stale_grad_members,
@@ -311,7 +312,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         warning: its name when the optimizer was given ``model.named_parameters()`` (torch keeps them as
         the group's ``param_names``), else that place."""
         sharded = shard_of(param)
-        if sharded is not None or param.grad is None:
+        if sharded is not None or grad_of(param) is None:
             return sharded
         group = next((s.group for s in map(shard_of, self._all_params()) if s is not None), None)
         place = f"param_groups[{group_index}]['params'][{index}]"

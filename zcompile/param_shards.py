@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from zcompile.process_group import DataParallelGroup, all_gather_eager, gather_to_first_eager
-from zcompile.sharded_parameter import mark_sharded
+from zcompile.sharded_parameter import grad_of, mark_sharded, set_grad
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +152,12 @@ class ShardedParam:
         or one from eager code at stages 2 and 3."""
         if self.replica is not None and self.replica.grad is not None:
             return self.replica.grad
-        return self.param.grad
+        return grad_of(self.param)
 
     def clear_full_grad(self) -> None:
         if self.replica is not None:
             self.replica.grad = None
-        self.param.grad = None
+        set_grad(self.param, None)
 
     @property
     def freed_reason(self) -> str:

@@ -68,6 +68,26 @@ def mark_sharded(param: torch.nn.Parameter) -> None:
         param.__class__ = ShardedParameter
 
 
+def grad_of(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor.grad``, read past ``ShardedParameter.__torch_function__``: reading it is metadata, which
+    the guard lets through anyway, but its dispatch cost 1.8 us a read against 0.25 here, and the
+    optimizer's step and ``zero_grad`` read each parameter's 4-5 times (1.4 ms a step of 196 stage-3
+    parameters). Any other tensor reads it directly (the context would cost it 0.15 us)."""
+    if type(tensor) is not ShardedParameter:
+        return tensor.grad
+    with DisableTorchFunctionSubclass():
+        return tensor.grad
+
+
+def set_grad(tensor: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """``tensor.grad = grad`` past the guard's dispatch (``grad_of``)."""
+    if type(tensor) is not ShardedParameter:
+        tensor.grad = grad
+        return
+    with DisableTorchFunctionSubclass():
+        tensor.grad = grad
+
+
 def is_freed(tensor: torch.Tensor) -> bool:
     with DisableTorchFunctionSubclass():
         return tensor.untyped_storage().size() == 0 and tensor.numel() > 0

@@ -23,6 +23,7 @@ import weakref
 import torch
 
 from zcompile.param_shards import ShardedParam, shard_of
+from zcompile.sharded_parameter import grad_of, set_grad
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +41,14 @@ def clear_shard_grad(sharded: ShardedParam, set_to_none: bool) -> None:
 
 def zero_tensor_grad(tensor: torch.Tensor, set_to_none: bool) -> None:
     """``tensor.grad`` dropped, or zeroed in place (detached first), as ``Optimizer.zero_grad`` does."""
-    if tensor.grad is None:
+    grad = grad_of(tensor)
+    if grad is None:
         return
     if set_to_none:
-        tensor.grad = None
+        set_grad(tensor, None)
     else:
-        tensor.grad.detach_()
-        tensor.grad.zero_()
+        grad.detach_()
+        grad.zero_()
 
 
 def install_zero_grad_route() -> None:
