@@ -60,7 +60,8 @@ from zcompile.timeline import record_step  # noqa: E402
 BATCH_PER_RANK, SEQ, VOCAB = 4, 128, 2048
 OPTIONS = {"bucket_mb": 0.5}  # several buckets on both models (about 1.1M parameters, 4.4 MB fp32)
 MIB = 2**20
-PARTS = ("model_states_bytes", "peak_gathered_bytes", "kept_gathered_bytes", "saved_activation_bytes")
+PARTS = ("model_states_bytes", "peak_gathered_bytes", "gather_staging_bytes", "kept_gathered_bytes",
+         "saved_activation_bytes")
 
 
 def build(name: str) -> torch.nn.Module:

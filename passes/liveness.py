@@ -108,12 +108,13 @@ def peak_bytes(intervals: list[tuple[float, float, int]]) -> int:
     return peak
 
 
-def gathered_peak_bytes(gm: torch.fx.GraphModule | None) -> int:
+def gathered_peak_bytes(gm: torch.fx.GraphModule | None, gather_staging: bool = False) -> int:
     """Most bytes of gathered parameters alive at once in ``gm`` as it is ordered now.
 
     Each all-gather's output counts from the gather's issue to its last reader, and each copy made
     of it (bucket pieces) from the copy to the copy's last reader (``storages``). A weight kept for
-    backward is read by the output, so it counts to the end.
+    backward is read by the output, so it counts to the end. ``gather_staging``: also the second
+    buffer a gloo all-gather holds from its issue to its wait (``live_peak_bytes``).
     """
     if gm is None:
         return 0
@@ -122,6 +123,8 @@ def gathered_peak_bytes(gm: torch.fx.GraphModule | None) -> int:
     live = []
     for node in gm.graph.find_nodes(op="call_function", target=ALL_GATHER):
         live += [(start, last, nbytes) for _, start, last, nbytes in storages(dag, position, node)]
+    if gather_staging:
+        live += _gather_staging(gm, position)
     return peak_bytes(live)
 
 

@@ -154,3 +154,25 @@ def test_gloo_holds_each_gathered_output_twice_until_its_wait():
     gm = trace(one_at_a_time, torch.ones(16), torch.ones(16))
     assert live_peak_bytes(gm) == 256 + 4 + 4  # the second output and both sums
     assert live_peak_bytes(gm, gather_staging=True) == 512 + 4  # the second gather in flight, the first sum
+
+
+def test_gathered_peak_with_gloo_staging_counts_each_gather_in_flight_twice():
+    """``gathered_peak_bytes(gm, gather_staging=True)``: gloo's flat copy of each all-gather's output
+    counts from its issue to its wait, on top of the output itself (``step_report``'s
+    ``gather_staging_bytes`` part is the difference); without it, the outputs alone."""
+    from support.graph_builders import trace
+    from zcompile.passes.collectives import ALL_GATHER, WAIT
+    from zcompile.passes.liveness import gathered_peak_bytes
+
+    def both_in_flight(a, b):
+        gathered_a, gathered_b = ALL_GATHER(a, 4, "world"), ALL_GATHER(b, 4, "world")
+        return (WAIT(gathered_a) + WAIT(gathered_b)).sum()
+
+    def one_at_a_time(a, b):
+        first = WAIT(ALL_GATHER(a, 4, "world")).sum()
+        return first + WAIT(ALL_GATHER(b, 4, "world")).sum()
+
+    gm = trace(both_in_flight, torch.ones(16), torch.ones(16))
+    assert (gathered_peak_bytes(gm), gathered_peak_bytes(gm, gather_staging=True)) == (512, 1024)
+    gm = trace(one_at_a_time, torch.ones(16), torch.ones(16))
+    assert (gathered_peak_bytes(gm), gathered_peak_bytes(gm, gather_staging=True)) == (256, 512)
