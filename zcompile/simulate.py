@@ -99,8 +99,8 @@ class SimulationResult:
 
     @property
     def per_rank_bytes(self) -> int:
-        return sum(self.memory[k] for k in ("model_states_bytes", "peak_gathered_bytes", "kept_gathered_bytes",
-                                            "saved_activation_bytes"))
+        return sum(self.memory[k] for k in ("model_states_bytes", "peak_gathered_bytes", "gather_staging_bytes",
+                                            "kept_gathered_bytes", "saved_activation_bytes"))
 
     def bytes_by(self, where: str | None = None, inside_node: bool | None = None) -> int:
         return sum(c.bytes for c in self.collectives if (where is None or c.where == where)
