@@ -152,7 +152,8 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
     schedule: list[OverlapRecord] = []
     peak_gathered = peak_staged = 0
     # gloo gathers into a flat buffer of its own and copies out: each gather in flight holds its
-    # output twice (NCCL writes in place); counted apart, so the schedule's part stays the backend's
+    # output twice (NCCL writes in place); a part of its own, so peak_gathered_bytes stays the
+    # schedule's on every backend
     staged = graphs[0].context is not None and on_gloo(graphs[0].context.group) and plan.world_size > 1
     for compiled in graphs:
         graph_id = compiled.graph_id
