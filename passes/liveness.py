@@ -128,6 +128,16 @@ def gathered_peak_bytes(gm: torch.fx.GraphModule | None, gather_staging: bool = 
     return peak_bytes(live)
 
 
+def gathered_peak_parts(graphs: list[torch.fx.GraphModule | None], gather_staging: bool) -> tuple[int, int]:
+    """(the most gathered bytes any of ``graphs`` holds at once, what gloo's copies of the gathers in
+    flight add to that most) -- ``step_report``'s and ``simulate``'s two parts; the second is 0
+    without ``gather_staging`` (NCCL: the gather writes in place)."""
+    gathered = max([gathered_peak_bytes(gm) for gm in graphs] or [0])
+    if not gather_staging:
+        return gathered, 0
+    return gathered, max([gathered_peak_bytes(gm, gather_staging=True) for gm in graphs] or [0]) - gathered
+
+
 def saved_for_backward(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The forward's nodes the backward receives: AOTAutograd's forward returns its outputs, then
     the saved values, one per backward placeholder that is not a tangent."""

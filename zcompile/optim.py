@@ -317,13 +317,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         group = next((s.group for s in map(shard_of, self._all_params()) if s is not None), None)
         place = f"param_groups[{group_index}]['params'][{index}]"
         names = self.param_groups[group_index].get("param_names")
-        eager_shown: list[str] = []
-        sharded = shard_eager_parameter(param, place, group if group is not None else DataParallelGroup.resolve(None),
-                                        eager_shown)
-        if names:  # torch kept the names: the warning shows the parameter's, not its place
-            eager_shown = [f"{names[index]!r} {tuple(param.shape)}"]
-        eager.extend(eager_shown)
-        return sharded
+        return shard_eager_parameter(param, place, group if group is not None else DataParallelGroup.resolve(None),
+                                     eager, label=repr(names[index]) if names else None)
 
     def _members(self) -> list[ShardedParam]:
         return [s for s in dict.fromkeys(map(shard_of, self._all_params())) if s is not None]

@@ -359,7 +359,7 @@ def _shard_in_replicated_storage(param: torch.nn.Parameter, piece: FlatPiece) ->
 
 
 def shard_eager_parameter(param: torch.nn.Parameter, name: str, group: DataParallelGroup,
-                          shown: list[str] | None = None) -> ShardedParam:
+                          shown: list[str] | None = None, label: str | None = None) -> ShardedParam:
     """The shard of a parameter that got a full gradient outside every compiled graph.
 
     Dynamo runs some code eagerly (a graph break inside a loop skips the whole frame), so a
@@ -369,10 +369,10 @@ def shard_eager_parameter(param: torch.nn.Parameter, name: str, group: DataParal
     same on every rank). The caller says so once for all it shards in one pass
     (``warn_eager_sharded``): a module left uncompiled has dozens of parameters, and a line each
     buried the log (56 lines for half of a 2-layer T5 on 2 ranks). ``shown``, when given, gets how
-    this parameter reads in that warning (its place and shape).
+    this parameter reads in that warning: ``label`` (default ``name``) and its shape.
     """
     if shown is not None:
-        shown.append(f"{name} {tuple(param.shape)}")
+        shown.append(f"{label or name} {tuple(param.shape)}")
     return shard_parameter(param, name, stage=1, group=group)
 
 

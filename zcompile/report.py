@@ -24,7 +24,7 @@ from zcompile.compiled import CompiledGraphs, compiled_graphs_of
 from zcompile.memory import model_state_bytes, zero_formula_bytes
 from zcompile.passes import metadata
 from zcompile.passes.collectives import COLLECTIVE_OPS, WAIT, collective_nodes
-from zcompile.passes.liveness import gathered_peak_bytes, saved_activation_bytes
+from zcompile.passes.liveness import gathered_peak_parts, saved_activation_bytes
 from zcompile.process_group import on_gloo
 
 log = logging.getLogger(__name__)
@@ -150,19 +150,17 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
     plan = graphs[0].plan
     records: list[CollectiveRecord] = []
     schedule: list[OverlapRecord] = []
-    peak_gathered = peak_staged = 0
-    # gloo gathers into a flat buffer of its own and copies out: each gather in flight holds its
-    # output twice (NCCL writes in place); a part of its own, so peak_gathered_bytes stays the
-    # schedule's on every backend
-    staged = graphs[0].context is not None and on_gloo(graphs[0].context.group) and plan.world_size > 1
     for compiled in graphs:
         graph_id = compiled.graph_id
         for where in ("forward", "backward"):
             gm = getattr(compiled, where)
             records += graph_collectives(gm, where)
             schedule += collective_overlaps(gm, graph_id, where)
-            peak_gathered = max(peak_gathered, gathered_peak_bytes(gm))
-            peak_staged = max(peak_staged, gathered_peak_bytes(gm, gather_staging=True) if staged else 0)
+    # gloo gathers into a flat buffer of its own and copies out: each gather in flight holds its
+    # output twice (NCCL writes in place); a part of its own, so peak_gathered_bytes stays the
+    # schedule's on every backend
+    staged = graphs[0].context is not None and on_gloo(graphs[0].context.group) and plan.world_size > 1
+    peak_gathered, gather_staging = gathered_peak_parts([gm for g in graphs for gm in (g.forward, g.backward)], staged)
     if optimizer is not None:
         records += list(getattr(optimizer, "last_step_collectives", []))
     unique = list(dict.fromkeys(model.parameters()))
@@ -178,7 +176,7 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
             "model_states_bytes": measured,
             "formula_bytes": zero_formula_bytes(num_params, plan.world_size, plan.stage, plan.param_dtype),
             "peak_gathered_bytes": peak_gathered,
-            "gather_staging_bytes": max(0, peak_staged - peak_gathered),
+            "gather_staging_bytes": gather_staging,
             "hpz_secondary_bytes": _hpz_secondary_bytes(graphs, unique) - sum(
                 p.hpz_secondary_bytes for g in graphs if g.keep_gathered for p in g.keep_gathered.kept),
             "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in graphs if g.keep_gathered),

@@ -56,7 +56,7 @@ from zcompile.optim_buckets import plan_optimizer_buckets, plan_reduce_buckets
 from zcompile.param_shards import shard_of
 from zcompile.passes.collectives import collective_nodes
 from zcompile.process_group import group_ranks_by_name
-from zcompile.passes.liveness import gathered_peak_bytes, saved_activation_bytes
+from zcompile.passes.liveness import gathered_peak_parts, saved_activation_bytes
 from zcompile.step_peak import step_peak
 
 log = logging.getLogger(__name__)
@@ -162,13 +162,12 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
         pricing = profile.link_costs(world_size, node_size, group_ranks_by_name())
     num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
     tokens = _tokens(args, kwargs)
-    gathered = max([gathered_peak_bytes(gm) for g in graphs for gm in (g.forward, g.backward)] or [0])
-    staged = max([gathered_peak_bytes(gm, gather_staging=True) for g in graphs for gm in (g.forward, g.backward)]
-                 or [0]) if on_gloo and world_size > 1 else gathered
+    gathered, staging = gathered_peak_parts([gm for g in graphs for gm in (g.forward, g.backward)],
+                                            on_gloo and world_size > 1)
     result = SimulationResult(world_size, node_size, profile.name, num_params, tokens, memory={
         "model_states_bytes": states.model_states_bytes,
         "peak_gathered_bytes": gathered,
-        "gather_staging_bytes": staged - gathered,  # gloo's copies of the gathers in flight (step_report's part)
+        "gather_staging_bytes": staging,  # gloo's copies of the gathers in flight (step_report's part)
         "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in graphs if g.keep_gathered),
         "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) for g in graphs),
     })
