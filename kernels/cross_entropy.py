@@ -94,7 +94,8 @@ def chunk_rows(rows: int, classes: int) -> int:
 
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp64 runs the torch path
-TRITON_BLOCK = 2048  # classes per program (a row has cdiv(classes, TRITON_BLOCK) programs)
+TRITON_BLOCK = 8192  # classes per program (a row has cdiv(classes, TRITON_BLOCK) programs): 0.94 of an
+# H200's copy bandwidth at 8192 x 32768 fp32, against 0.84 with 2048 (1024 rows: 0.86 at either)
 
 
 def cross_entropy_backward_triton(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight,

@@ -86,22 +86,45 @@ if triton_available():
         """Stores fp32 ``x`` cast, round-to-nearest-even, to the element type of ``ptrs``."""
         tl.store(ptrs, cast_rtne(x, ptrs.dtype.element_ty), mask=mask)
 
+    # 4 bits: the block is read and written in one contiguous access and split into (or joined
+    # from) its even and odd elements in registers. Two stride-2 accesses, one per half, each touch
+    # every cache line of the block: on an H200 they ran at 0.49 of the copy bandwidth.
+    @triton.jit
+    def _load_halves(x_ptr, pid, numel, BLOCK: tl.constexpr, BITS: tl.constexpr):
+        """The two halves of block ``pid`` of ``x`` (first and second, or even and odd) in fp32."""
+        if BITS == 8:
+            offs_a, offs_b = _block_offsets(pid, BLOCK, BITS)
+            a = tl.load(x_ptr + offs_a, mask=offs_a < numel, other=0.0).to(tl.float32)
+            b = tl.load(x_ptr + offs_b, mask=offs_b < numel, other=0.0).to(tl.float32)
+        else:
+            offs = pid * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+            a, b = tl.split(tl.reshape(x, [BLOCK // 2, 2]))
+        return a, b
+
+    @triton.jit
+    def _store_halves(out_ptr, pid, a, b, numel, BLOCK: tl.constexpr, BITS: tl.constexpr):
+        """Stores the fp32 halves of block ``pid``, cast to ``out_ptr``'s type, in place of the elements."""
+        if BITS == 8:
+            offs_a, offs_b = _block_offsets(pid, BLOCK, BITS)
+            _store_cast(out_ptr + offs_a, a, offs_a < numel)
+            _store_cast(out_ptr + offs_b, b, offs_b < numel)
+        else:
+            offs = pid * BLOCK + tl.arange(0, BLOCK)
+            _store_cast(out_ptr + offs, tl.reshape(tl.join(a, b), [BLOCK]), offs < numel)
+
     @triton.jit
     def _quantize_kernel(x_ptr, q_ptr, scales_ptr, numel, BLOCK: tl.constexpr, BITS: tl.constexpr,
                          QMAX: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
-        offs_a, offs_b = _block_offsets(pid, BLOCK, BITS)
-        a = tl.load(x_ptr + offs_a, mask=offs_a < numel, other=0.0).to(tl.float32)
-        b = tl.load(x_ptr + offs_b, mask=offs_b < numel, other=0.0).to(tl.float32)
+        a, b = _load_halves(x_ptr, pid, numel, BLOCK, BITS)
         _quantize_store(q_ptr, scales_ptr, pid, a, b, BLOCK, BITS, QMAX)
 
     @triton.jit
     def _dequantize_kernel(q_ptr, scales_ptr, out_ptr, numel, BLOCK: tl.constexpr, BITS: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
-        offs_a, offs_b = _block_offsets(pid, BLOCK, BITS)
         a, b = _load_dequantized(q_ptr, scales_ptr, pid, BLOCK, BITS)
-        _store_cast(out_ptr + offs_a, a, offs_a < numel)
-        _store_cast(out_ptr + offs_b, b, offs_b < numel)
+        _store_halves(out_ptr, pid, a, b, numel, BLOCK, BITS)
 
     @triton.jit
     def _dequantize_reduce_kernel(q_ptr, scales_ptr, out_ptr, q_out_ptr, scales_out_ptr, numel,
@@ -125,8 +148,7 @@ if triton_available():
         if REQUANTIZE:
             _quantize_store(q_out_ptr, scales_out_ptr, pid, acc_a, acc_b, BLOCK, BITS, QMAX)
         else:
-            tl.store(out_ptr + offs_a, acc_a, mask=offs_a < numel)
-            tl.store(out_ptr + offs_b, acc_b, mask=offs_b < numel)
+            _store_halves(out_ptr, pid, acc_a, acc_b, numel, BLOCK, BITS)
 
 # ----------------------------------------------------------------------------- checks and shapes
 def num_blocks(numel: int, block: int) -> int:
