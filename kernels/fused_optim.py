@@ -14,6 +14,7 @@ signature). On CPU the reference runs in production; tests run the kernels on CP
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -24,10 +25,13 @@ from zcompile.kernels.optim_reference import adamw_reference, sgd_reference
 log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 1024
+TABLE_COLUMNS = 6  # a shard's row in the multi-tensor table: param, grad, exp_avg, exp_avg_sq, lowp, numel
 
 if triton_available():
     import triton
     import triton.language as tl
+
+    _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     @triton.jit
     def _block_and_grad(grad_ptr, numel, grad_scale, BLOCK: tl.constexpr, SCALE_GRAD: tl.constexpr):
@@ -46,6 +50,39 @@ if triton_available():
         BLOCK: tl.constexpr, WRITE_LOWP: tl.constexpr, SCALE_GRAD: tl.constexpr,
     ):
         offsets, mask, grad = _block_and_grad(grad_ptr, numel, grad_scale, BLOCK, SCALE_GRAD)
+        _adamw_block(param_ptr, grad, exp_avg_ptr, exp_avg_sq_ptr, lowp_ptr, offsets, mask, decay, one_minus_beta1,
+                     beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, WRITE_LOWP)
+
+    @triton.jit
+    def _adamw_multi_kernel(
+        table_ptr, chunk_ptr,
+        decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, grad_scale,
+        GRAD_DTYPE: tl.constexpr, LOWP_DTYPE: tl.constexpr, COLUMNS: tl.constexpr,
+        BLOCK: tl.constexpr, WRITE_LOWP: tl.constexpr, SCALE_GRAD: tl.constexpr,
+    ):
+        """``_adamw_kernel`` over many shards in one launch. ``table`` holds per shard the addresses of
+        its param, grad, exp_avg, exp_avg_sq and lowp tensors and its numel (int64, ``COLUMNS`` a row);
+        ``chunk`` holds per program its shard's row and its block within the shard."""
+        row = tl.load(chunk_ptr + 2 * tl.program_id(0)) * COLUMNS
+        block = tl.load(chunk_ptr + 2 * tl.program_id(0) + 1)
+        param_ptr = tl.load(table_ptr + row).to(tl.pointer_type(tl.float32))
+        grad_ptr = tl.load(table_ptr + row + 1).to(tl.pointer_type(GRAD_DTYPE))
+        exp_avg_ptr = tl.load(table_ptr + row + 2).to(tl.pointer_type(tl.float32))
+        exp_avg_sq_ptr = tl.load(table_ptr + row + 3).to(tl.pointer_type(tl.float32))
+        lowp_ptr = tl.load(table_ptr + row + 4).to(tl.pointer_type(LOWP_DTYPE))
+        numel = tl.load(table_ptr + row + 5)
+        offsets = block * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < numel
+        grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+        if SCALE_GRAD:
+            grad = grad * grad_scale
+        _adamw_block(param_ptr, grad, exp_avg_ptr, exp_avg_sq_ptr, lowp_ptr, offsets, mask, decay, one_minus_beta1,
+                     beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, WRITE_LOWP)
+
+    @triton.jit
+    def _adamw_block(param_ptr, grad, exp_avg_ptr, exp_avg_sq_ptr, lowp_ptr, offsets, mask, decay, one_minus_beta1,
+                     beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, WRITE_LOWP: tl.constexpr):
+        """The AdamW update of one block of a shard, given its fp32 (scaled) gradient."""
         param = tl.load(param_ptr + offsets, mask=mask)
         exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask)
         exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
@@ -128,6 +165,106 @@ def fused_adamw_triton(
         math.sqrt(1 - beta2**step), eps, grad_scale,
         BLOCK=BLOCK_SIZE, WRITE_LOWP=lowp_out is not None, SCALE_GRAD=grad_scale != 1.0,
     )
+
+
+@dataclass
+class MultiTensorTables:
+    """The device tables of a multi-tensor launch (``fused_adamw_multi_triton``), kept by the caller
+    between steps. The chunk table depends on the shards' sizes only, so a training loop builds it
+    once. The address table changes where a tensor moved (gradients are new tensors every step):
+    it is written into a pinned host buffer and copied to the device without waiting for the
+    stream's queued work, and only the shards whose addresses changed are checked again.
+    ``builds`` counts the chunk tables built, ``uploads`` the address tables copied."""
+
+    numels: tuple | None = None
+    chunks: torch.Tensor | None = None
+    rows: tuple | None = None
+    table: torch.Tensor | None = None
+    staging: torch.Tensor | None = None  # pinned host copy of ``table`` (CUDA only)
+    uploaded: object | None = None  # the CUDA event after the last copy out of ``staging``
+    builds: int = 0
+    uploads: int = 0
+
+
+def fused_adamw_multi_triton(
+    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor], lowps: list[torch.Tensor | None], step: int, lr: float, beta1: float,
+    beta2: float, eps: float, weight_decay: float, grad_scale: float = 1.0,
+    tables: dict[tuple, MultiTensorTables] | None = None,
+) -> None:
+    """``fused_adamw_triton`` over many shards at the same step and hyper-parameters: one launch per
+    (gradient dtype, low-precision dtype) instead of one per shard, the same bits per element.
+
+    A per-shard launch costs about 80 us of host time through the custom op (measured on an H200 with
+    torch 2.11): 148 shards of a 12-layer GPT took 12 ms of a step whose GPU work was 12 ms, so a
+    bf16 step waited on the host. ``tables`` (a dict the caller keeps) holds each launch's device
+    tables (``MultiTensorTables``) for the next step."""
+    if not (len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(lowps)):
+        raise ValueError("fused_adamw_multi: params, grads, exp_avgs, exp_avg_sqs and lowps must have one "
+                         f"entry per shard, got {len(params)}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)}, "
+                         f"{len(lowps)}")
+    if step < 1:
+        raise ValueError(f"fused_adamw: step counts from 1, got {step}")
+    launches: dict[tuple, list[int]] = {}
+    for i, (grad, lowp) in enumerate(zip(grads, lowps)):
+        launches.setdefault((grad.dtype, None if lowp is None else lowp.dtype), []).append(i)
+    tables = {} if tables is None else tables
+    for (grad_dtype, lowp_dtype), members in launches.items():
+        launch = tables.setdefault((grad_dtype, lowp_dtype), MultiTensorTables())
+        _multi_tables(launch, [params[i] for i in members], [grads[i] for i in members],
+                      [exp_avgs[i] for i in members], [exp_avg_sqs[i] for i in members],
+                      [lowps[i] for i in members])
+        if launch.chunks.shape[0] == 0:
+            continue
+        _adamw_multi_kernel[(launch.chunks.shape[0],)](
+            launch.table, launch.chunks,
+            1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**step),
+            math.sqrt(1 - beta2**step), eps, grad_scale,
+            GRAD_DTYPE=_TL_DTYPE[grad_dtype], LOWP_DTYPE=_TL_DTYPE[lowp_dtype or torch.float32],
+            COLUMNS=TABLE_COLUMNS, BLOCK=BLOCK_SIZE, WRITE_LOWP=lowp_dtype is not None,
+            SCALE_GRAD=grad_scale != 1.0,
+        )
+
+
+def _multi_tables(launch: MultiTensorTables, params, grads, exp_avgs, exp_avg_sqs, lowps) -> None:
+    """Brings ``launch``'s tables up to date for these shards (``MultiTensorTables``)."""
+    rows = tuple((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.data_ptr() if o is None else o.data_ptr(),
+                  p.numel()) for p, g, m, v, o in zip(params, grads, exp_avgs, exp_avg_sqs, lowps))
+    if rows == launch.rows:
+        return
+    old = launch.rows if launch.rows is not None and len(launch.rows) == len(rows) else (None,) * len(rows)
+    for row, before, p, g, m, v, o in zip(rows, old, params, grads, exp_avgs, exp_avg_sqs, lowps):
+        if row != before:  # a tensor at a new address (or the first time): checked before the kernel reads it
+            _check_common(p, g, o)
+            _check_shard("exp_avg", m, p, (torch.float32,))
+            _check_shard("exp_avg_sq", v, p, (torch.float32,))
+    device = params[0].device
+    if any(t.device != device for t in params):
+        raise ValueError(f"fused_adamw_multi: shards on several devices: {sorted({str(t.device) for t in params})}")
+    numels = tuple(row[5] for row in rows)
+    if numels != launch.numels:
+        counts = torch.tensor([-(-n // BLOCK_SIZE) for n in numels], dtype=torch.int64)
+        shard_of_chunk = torch.repeat_interleave(torch.arange(len(numels)), counts)
+        first_chunk = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        chunks = torch.stack([shard_of_chunk, torch.arange(shard_of_chunk.numel()) - first_chunk], dim=1)
+        launch.chunks = chunks.contiguous().to(device)  # once per run of shards: a blocking copy is fine
+        launch.numels = numels
+        launch.builds += 1
+    host = torch.tensor(rows, dtype=torch.int64)
+    if device.type != "cuda":
+        launch.table = host
+    else:
+        if launch.staging is None or launch.staging.shape != host.shape:
+            launch.staging = torch.empty(host.shape, dtype=torch.int64, pin_memory=True)
+            launch.table = torch.empty(host.shape, dtype=torch.int64, device=device)
+            launch.uploaded = torch.cuda.Event()
+        else:
+            launch.uploaded.synchronize()  # the last copy out of the pinned buffer is done (long since)
+        launch.staging.copy_(host)
+        launch.table.copy_(launch.staging, non_blocking=True)  # after the kernels queued before, which read it
+        launch.uploaded.record()
+    launch.rows = rows
+    launch.uploads += 1
 
 
 def fused_sgd_triton(

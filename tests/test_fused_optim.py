@@ -20,7 +20,8 @@ triton = pytest.importorskip("triton")
 from zcompile.kernels import fused_optim  # noqa: E402
 from zcompile.kernels.dispatch import use_triton  # noqa: E402
 from zcompile.kernels.fused_optim import (  # noqa: E402
-    fused_adamw, fused_adamw_reference, fused_adamw_triton, fused_sgd, fused_sgd_reference, fused_sgd_triton,
+    MultiTensorTables, fused_adamw, fused_adamw_multi_triton, fused_adamw_reference, fused_adamw_triton, fused_sgd,
+    fused_sgd_reference, fused_sgd_triton,
 )
 
 # On a GPU (benchmarks/gpu_check.py runs this file with TRITON_INTERPRET=0) the kernels are compiled
@@ -61,6 +62,94 @@ def test_adamw_kernel_matches_reference(numel, grad_dtype, lowp_dtype):
     if lowp is not None:
         # the low-precision copy is the updated master weight rounded once
         torch.testing.assert_close(lowp, ours[0].to(lowp_dtype), rtol=0, atol=0)
+
+
+def test_multi_tensor_adamw_equals_one_launch_per_shard():
+    """One launch over shards of several sizes, gradient dtypes and with or without a low-precision
+    copy gives each shard the per-shard kernel's bits; its tables are built once and reused while
+    the tensors stay; a gradient at another address uploads the addresses again, not the chunks."""
+    sizes = [1, 1023, 1024, 1025, 4099, 3]
+    grad_dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float16, torch.bfloat16, torch.float32]
+    lowp_dtypes = [None, torch.bfloat16, torch.bfloat16, None, torch.float16, None]
+    states = [_state(n, i) for i, n in enumerate(sizes)]
+    ours = [[t.clone() for t in state] for state in states]
+    theirs = [[t.clone() for t in state] for state in states]
+    lowps = [None if d is None else torch.full((n,), float("nan"), dtype=d, device=DEVICE)
+             for n, d in zip(sizes, lowp_dtypes)]
+    lowps_ref = [None if o is None else o.clone() for o in lowps]
+    tables: dict = {}
+    grads = [torch.empty(n, dtype=d, device=DEVICE) for n, d in zip(sizes, grad_dtypes)]
+    for step in (1, 2, 3):
+        for i, grad in enumerate(grads):  # new values in the same tensors, as a training loop's buffers
+            grad.copy_(torch.randn(grad.numel(), generator=torch.Generator().manual_seed(10 * step + i)))
+        if step == 3:
+            grads[0] = grads[0].clone()  # a gradient at a new address: its launch's tables are rebuilt
+        fused_adamw_multi_triton([s[0] for s in ours], grads, [s[1] for s in ours], [s[2] for s in ours], lowps,
+                                 step, grad_scale=0.5, tables=tables, **ADAM)
+        for state, grad, lowp in zip(theirs, grads, lowps_ref):
+            fused_adamw_triton(state[0], grad, state[1], state[2], step, grad_scale=0.5, lowp_out=lowp, **ADAM)
+        if step < 3:  # the same tensors as the step before on step 2: nothing built or copied again
+            assert [(t.builds, t.uploads) for t in tables.values()] == [(1, 1)] * len(tables)
+    for a, b in zip(ours, theirs):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    for o, r in zip(lowps, lowps_ref):
+        assert o is None or torch.equal(o, r)
+    # one launch per (gradient dtype, low-precision dtype); only the one whose gradient moved uploaded again
+    assert set(tables) == set(zip(grad_dtypes, lowp_dtypes))
+    assert {k: (t.builds, t.uploads) for k, t in tables.items()} == {
+        (torch.float32, None): (1, 2), (torch.bfloat16, torch.bfloat16): (1, 1), (torch.float32, torch.bfloat16): (1, 1),
+        (torch.float16, None): (1, 1), (torch.bfloat16, torch.float16): (1, 1)}
+    assert all(isinstance(t, MultiTensorTables) for t in tables.values())
+
+
+@pytest.mark.parametrize("options", [{"stage": 2, "param_dtype": "bf16"}, {"stage": 3}])
+def test_sharded_adamw_through_the_multi_tensor_launch_steps_like_torch(monkeypatch, options):
+    """zcompile.optim.AdamW at world 1 with its GPU path (one multi-tensor launch per run; forced on
+    a CPU, where it is interpreted) follows torch.optim.AdamW fed the same gradients over 3 steps,
+    and writes the bf16 replica at stage 2 (tolerance: the 10-step test's, module doc)."""
+    import zcompile.optim
+    from zcompile.param_shards import shard_of
+
+    monkeypatch.setattr(zcompile.optim.AdamW, "_multi_tensor_launch", staticmethod(lambda batch: True))
+    launches = []
+    real = zcompile.optim.fused_adamw_multi_triton
+    monkeypatch.setattr(zcompile.optim, "fused_adamw_multi_triton",
+                        lambda *a: launches.append(len(a[0])) or real(*a))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(13, 17), torch.nn.GELU(), torch.nn.Linear(17, 5)).to(DEVICE)
+    masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    compiled = torch.compile(model, backend="zero", options=options)
+    opt = zcompile.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.01)
+    for step in range(3):
+        x = torch.randn(8, 13, generator=torch.Generator().manual_seed(step)).to(DEVICE)
+        compiled(x).square().mean().backward()
+        with zcompile.gathered(model, grads=True):
+            for p, m in zip(model.parameters(), masters):
+                m.grad = p.grad.detach().float().clone()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert launches == [4, 4, 4]  # one launch a step for the 4 parameters
+    with zcompile.gathered(model):
+        for p, m in zip(model.parameters(), masters):
+            shard = shard_of(p).shard.detach()[: p.numel()]  # world 1: the whole parameter, fp32
+            torch.testing.assert_close(shard, m.detach().reshape(-1), rtol=1e-5, atol=1e-7)
+            # the replica is the master weight rounded once (bf16 at stage 2)
+            assert torch.equal(p.detach().reshape(-1), shard.to(p.dtype))
+    torch._dynamo.reset()
+
+
+def test_multi_tensor_adamw_checks_each_shard():
+    param = torch.zeros(10, device=DEVICE)
+    with pytest.raises(ValueError, match="grad must be a contiguous tensor of 10 elements"):
+        fused_adamw_multi_triton([param], [torch.zeros(9, device=DEVICE)], [param.clone()], [param.clone()], [None],
+                                 1, **ADAM)
+    with pytest.raises(ValueError, match="one entry per shard"):
+        fused_adamw_multi_triton([param], [], [param.clone()], [param.clone()], [None], 1, **ADAM)
 
 
 @pytest.mark.parametrize("numel", SIZES)
