@@ -34,13 +34,14 @@ CONFIGS = {"s1fp32": {"stage": 1}, "s2bf16": {"stage": 2, "param_dtype": "bf16"}
 
 
 def measure(name: str, options: dict, device: str, per_shard: bool, steps: int, profile_dir: str | None) -> dict:
-    multi = zcompile.optim.AdamW.__dict__["_multi_tensor_launch"]
+    optimizer = zcompile.optim.ShardedOptimizer
+    multi = optimizer.__dict__["_multi_tensor_launch"]
     if per_shard:  # the launch per shard that the multi-tensor launch replaced
-        zcompile.optim.AdamW._multi_tensor_launch = staticmethod(lambda batch: False)
+        optimizer._multi_tensor_launch = staticmethod(lambda batch: False)
     try:
         return _measure(name, options, device, steps, profile_dir)
     finally:
-        zcompile.optim.AdamW._multi_tensor_launch = multi
+        optimizer._multi_tensor_launch = multi
 
 
 def _measure(name: str, options: dict, device: str, steps: int, profile_dir: str | None) -> dict:

@@ -106,6 +106,38 @@ if triton_available():
         WRITE_LOWP: tl.constexpr, SCALE_GRAD: tl.constexpr, DECAY: tl.constexpr,
     ):
         offsets, mask, grad = _block_and_grad(grad_ptr, numel, grad_scale, BLOCK, SCALE_GRAD)
+        _sgd_block(param_ptr, grad, momentum_ptr, lowp_ptr, offsets, mask, lr, momentum, one_minus_dampening,
+                   weight_decay, USE_MOMENTUM, FIRST_STEP, NESTEROV, WRITE_LOWP, DECAY)
+
+    @triton.jit
+    def _sgd_multi_kernel(
+        table_ptr, chunk_ptr, lr, momentum, one_minus_dampening, weight_decay, grad_scale,
+        GRAD_DTYPE: tl.constexpr, LOWP_DTYPE: tl.constexpr, COLUMNS: tl.constexpr,
+        BLOCK: tl.constexpr, USE_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
+        WRITE_LOWP: tl.constexpr, SCALE_GRAD: tl.constexpr, DECAY: tl.constexpr,
+    ):
+        """``_sgd_kernel`` over many shards in one launch (the table of ``_adamw_multi_kernel``, its
+        first state column the momentum buffer)."""
+        row = tl.load(chunk_ptr + 2 * tl.program_id(0)) * COLUMNS
+        block = tl.load(chunk_ptr + 2 * tl.program_id(0) + 1)
+        param_ptr = tl.load(table_ptr + row).to(tl.pointer_type(tl.float32))
+        grad_ptr = tl.load(table_ptr + row + 1).to(tl.pointer_type(GRAD_DTYPE))
+        momentum_ptr = tl.load(table_ptr + row + 2).to(tl.pointer_type(tl.float32))
+        lowp_ptr = tl.load(table_ptr + row + 4).to(tl.pointer_type(LOWP_DTYPE))
+        numel = tl.load(table_ptr + row + 5)
+        offsets = block * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < numel
+        grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+        if SCALE_GRAD:
+            grad = grad * grad_scale
+        _sgd_block(param_ptr, grad, momentum_ptr, lowp_ptr, offsets, mask, lr, momentum, one_minus_dampening,
+                   weight_decay, USE_MOMENTUM, FIRST_STEP, NESTEROV, WRITE_LOWP, DECAY)
+
+    @triton.jit
+    def _sgd_block(param_ptr, grad, momentum_ptr, lowp_ptr, offsets, mask, lr, momentum, one_minus_dampening,
+                   weight_decay, USE_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
+                   WRITE_LOWP: tl.constexpr, DECAY: tl.constexpr):
+        """The SGD update of one block of a shard, given its fp32 (scaled) gradient."""
         param = tl.load(param_ptr + offsets, mask=mask)
         if DECAY:
             grad = grad + weight_decay * param
@@ -205,29 +237,60 @@ def fused_adamw_multi_triton(
                          f"{len(lowps)}")
     if step < 1:
         raise ValueError(f"fused_adamw: step counts from 1, got {step}")
-    launches: dict[tuple, list[int]] = {}
-    for i, (grad, lowp) in enumerate(zip(grads, lowps)):
-        launches.setdefault((grad.dtype, None if lowp is None else lowp.dtype), []).append(i)
-    tables = {} if tables is None else tables
-    for (grad_dtype, lowp_dtype), members in launches.items():
-        launch = tables.setdefault((grad_dtype, lowp_dtype), MultiTensorTables())
-        _multi_tables(launch, [params[i] for i in members], [grads[i] for i in members],
-                      [exp_avgs[i] for i in members], [exp_avg_sqs[i] for i in members],
-                      [lowps[i] for i in members])
-        if launch.chunks.shape[0] == 0:
-            continue
+    scalars = (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**step),
+               math.sqrt(1 - beta2**step), eps, grad_scale)
+    for launch, (grad_dtype, lowp_dtype) in _multi_launches(params, grads, exp_avgs, exp_avg_sqs, lowps, tables):
         _adamw_multi_kernel[(launch.chunks.shape[0],)](
-            launch.table, launch.chunks,
-            1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**step),
-            math.sqrt(1 - beta2**step), eps, grad_scale,
+            launch.table, launch.chunks, *scalars,
             GRAD_DTYPE=_TL_DTYPE[grad_dtype], LOWP_DTYPE=_TL_DTYPE[lowp_dtype or torch.float32],
             COLUMNS=TABLE_COLUMNS, BLOCK=BLOCK_SIZE, WRITE_LOWP=lowp_dtype is not None,
             SCALE_GRAD=grad_scale != 1.0,
         )
 
 
+def fused_sgd_multi_triton(
+    params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor] | None,
+    lowps: list[torch.Tensor | None], first_step: bool, lr: float, momentum: float, dampening: float,
+    weight_decay: float, nesterov: bool, grad_scale: float = 1.0,
+    tables: dict[tuple, MultiTensorTables] | None = None,
+) -> None:
+    """``fused_sgd_triton`` over many shards at the same hyper-parameters and ``first_step``: one
+    launch per (gradient dtype, low-precision dtype), the same bits per element (see
+    ``fused_adamw_multi_triton``). ``momentum_buffers`` is None when ``momentum`` is 0."""
+    if momentum != 0 and momentum_buffers is None:
+        raise ValueError("fused_sgd_multi: momentum != 0 needs momentum_buffers (one torch.empty_like(param) each)")
+    if len(params) != len(grads) or len(params) != len(lowps) or (
+            momentum_buffers is not None and len(momentum_buffers) != len(params)):
+        raise ValueError("fused_sgd_multi: params, grads, momentum_buffers and lowps must have one entry per shard")
+    states = momentum_buffers if momentum != 0 else params  # a column the kernel does not read without momentum
+    for launch, (grad_dtype, lowp_dtype) in _multi_launches(params, grads, states, params, lowps, tables):
+        _sgd_multi_kernel[(launch.chunks.shape[0],)](
+            launch.table, launch.chunks, lr, momentum, 1 - dampening, weight_decay, grad_scale,
+            GRAD_DTYPE=_TL_DTYPE[grad_dtype], LOWP_DTYPE=_TL_DTYPE[lowp_dtype or torch.float32],
+            COLUMNS=TABLE_COLUMNS, BLOCK=BLOCK_SIZE, USE_MOMENTUM=momentum != 0, FIRST_STEP=first_step,
+            NESTEROV=nesterov, WRITE_LOWP=lowp_dtype is not None, SCALE_GRAD=grad_scale != 1.0,
+            DECAY=weight_decay != 0,
+        )
+
+
+def _multi_launches(params, grads, states1, states2, lowps, tables):
+    """Yields, per (gradient dtype, low-precision dtype) of these shards, its ``MultiTensorTables``
+    brought up to date (kept in ``tables``) and that dtype pair; launches with no element are skipped."""
+    launches: dict[tuple, list[int]] = {}
+    for i, (grad, lowp) in enumerate(zip(grads, lowps)):
+        launches.setdefault((grad.dtype, None if lowp is None else lowp.dtype), []).append(i)
+    tables = {} if tables is None else tables
+    for dtypes, members in launches.items():
+        launch = tables.setdefault(dtypes, MultiTensorTables())
+        _multi_tables(launch, [params[i] for i in members], [grads[i] for i in members],
+                      [states1[i] for i in members], [states2[i] for i in members], [lowps[i] for i in members])
+        if launch.chunks.shape[0]:
+            yield launch, dtypes
+
+
 def _multi_tables(launch: MultiTensorTables, params, grads, exp_avgs, exp_avg_sqs, lowps) -> None:
-    """Brings ``launch``'s tables up to date for these shards (``MultiTensorTables``)."""
+    """Brings ``launch``'s tables up to date for these shards (``MultiTensorTables``); the two state
+    columns are AdamW's moments, or SGD's momentum buffer and an unread column."""
     rows = tuple((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.data_ptr() if o is None else o.data_ptr(),
                   p.numel()) for p, g, m, v, o in zip(params, grads, exp_avgs, exp_avg_sqs, lowps))
     if rows == launch.rows:

@@ -21,7 +21,7 @@ from zcompile.kernels import fused_optim  # noqa: E402
 from zcompile.kernels.dispatch import use_triton  # noqa: E402
 from zcompile.kernels.fused_optim import (  # noqa: E402
     MultiTensorTables, fused_adamw, fused_adamw_multi_triton, fused_adamw_reference, fused_adamw_triton, fused_sgd,
-    fused_sgd_reference, fused_sgd_triton,
+    fused_sgd_multi_triton, fused_sgd_reference, fused_sgd_triton,
 )
 
 # On a GPU (benchmarks/gpu_check.py runs this file with TRITON_INTERPRET=0) the kernels are compiled
@@ -103,26 +103,28 @@ def test_multi_tensor_adamw_equals_one_launch_per_shard():
     assert all(isinstance(t, MultiTensorTables) for t in tables.values())
 
 
-@pytest.mark.parametrize("options", [{"stage": 2, "param_dtype": "bf16"}, {"stage": 3}])
-def test_sharded_adamw_through_the_multi_tensor_launch_steps_like_torch(monkeypatch, options):
-    """zcompile.optim.AdamW at world 1 with its GPU path (one multi-tensor launch per run; forced on
-    a CPU, where it is interpreted) follows torch.optim.AdamW fed the same gradients over 3 steps,
-    and writes the bf16 replica at stage 2 (tolerance: the 10-step test's, module doc)."""
+@pytest.mark.parametrize("optimizer, options", [("AdamW", {"stage": 2, "param_dtype": "bf16"}), ("AdamW", {"stage": 3}),
+                                                ("SGD", {"stage": 2, "param_dtype": "bf16"})])
+def test_sharded_optimizer_through_the_multi_tensor_launch_steps_like_torch(monkeypatch, optimizer, options):
+    """zcompile.optim.AdamW and SGD at world 1 with their GPU path (one multi-tensor launch per run;
+    forced on a CPU, where it is interpreted) follow torch.optim's fed the same gradients over 3
+    steps, and write the bf16 replica at stage 2 (tolerance: the 10-step test's, module doc)."""
     import zcompile.optim
     from zcompile.param_shards import shard_of
 
-    monkeypatch.setattr(zcompile.optim.AdamW, "_multi_tensor_launch", staticmethod(lambda batch: True))
+    monkeypatch.setattr(zcompile.optim.ShardedOptimizer, "_multi_tensor_launch", staticmethod(lambda batch: True))
     launches = []
-    real = zcompile.optim.fused_adamw_multi_triton
-    monkeypatch.setattr(zcompile.optim, "fused_adamw_multi_triton",
-                        lambda *a: launches.append(len(a[0])) or real(*a))
+    launch_name = "fused_adamw_multi_triton" if optimizer == "AdamW" else "fused_sgd_multi_triton"
+    real = getattr(zcompile.optim, launch_name)
+    monkeypatch.setattr(zcompile.optim, launch_name, lambda *a: launches.append(len(a[0])) or real(*a))
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(13, 17), torch.nn.GELU(), torch.nn.Linear(17, 5)).to(DEVICE)
     masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
     compiled = torch.compile(model, backend="zero", options=options)
-    opt = zcompile.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    ref_opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.01)
+    hyper = dict(lr=1e-2, weight_decay=0.01) | ({"momentum": 0.9, "nesterov": True} if optimizer == "SGD" else {})
+    opt = getattr(zcompile.optim, optimizer)(model.parameters(), **hyper)
+    ref_opt = getattr(torch.optim, optimizer)(masters, **hyper)
     for step in range(3):
         x = torch.randn(8, 13, generator=torch.Generator().manual_seed(step)).to(DEVICE)
         compiled(x).square().mean().backward()
@@ -141,6 +143,34 @@ def test_sharded_adamw_through_the_multi_tensor_launch_steps_like_torch(monkeypa
             # the replica is the master weight rounded once (bf16 at stage 2)
             assert torch.equal(p.detach().reshape(-1), shard.to(p.dtype))
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("momentum, dampening, nesterov, weight_decay", [
+    (0.0, 0.0, False, 0.0), (0.9, 0.1, False, 0.01), (0.9, 0.0, True, 0.01),
+])
+def test_multi_tensor_sgd_equals_one_launch_per_shard(momentum, dampening, nesterov, weight_decay):
+    sizes, grad_dtypes = [1, 1025, 4099], [torch.float32, torch.bfloat16, torch.float32]
+    lowps = [None, torch.full((1025,), float("nan"), dtype=torch.bfloat16, device=DEVICE), None]
+    lowps_ref = [None if o is None else o.clone() for o in lowps]
+    ours = [torch.randn(n, generator=torch.Generator().manual_seed(n)).to(DEVICE) for n in sizes]
+    theirs = [p.clone() for p in ours]
+    buffers = [torch.empty(n, device=DEVICE) for n in sizes] if momentum else None
+    buffers_ref = [torch.empty(n, device=DEVICE) for n in sizes]
+    tables: dict = {}
+    for step in range(3):
+        grads = [torch.randn(n, generator=torch.Generator().manual_seed(step)).to(d).to(DEVICE)
+                 for n, d in zip(sizes, grad_dtypes)]
+        args = (0.1, momentum, dampening, weight_decay, nesterov, 0.5)
+        fused_sgd_multi_triton(ours, grads, buffers, lowps, step == 0, *args, tables=tables)
+        for p, g, b, o in zip(theirs, grads, buffers_ref, lowps_ref):
+            fused_sgd_triton(p, g, b, step == 0, *args, lowp_out=o)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    assert torch.equal(lowps[1], lowps_ref[1])
+    if momentum:
+        assert all(torch.equal(a, b) for a, b in zip(buffers, buffers_ref))
+    with pytest.raises(ValueError, match="needs momentum_buffers"):
+        fused_sgd_multi_triton(ours, grads, None, lowps, False, 0.1, 0.9, 0.0, 0.0, False)
 
 
 def test_multi_tensor_adamw_checks_each_shard():

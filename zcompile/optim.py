@@ -44,7 +44,7 @@ from zcompile.comm_volume import CollectiveRecord
 from zcompile.memory import ModelStateBytes, model_state_bytes
 from zcompile.kernels.dispatch import triton_available
 from zcompile.kernels.fused_optim import (fused_adamw, fused_adamw_multi_triton, fused_adamw_reference, fused_sgd,
-                                          fused_sgd_reference)
+                                          fused_sgd_multi_triton, fused_sgd_reference)
 from zcompile.kernels.cpu_adamw import adamw_cpu_fused
 from zcompile.clip import clip_grad_norm_of_shards
 from zcompile.optim_state import load_sharded_state_dict, sharded_state_dict
@@ -98,6 +98,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.step_calls = 0  # step() calls so far, skipped ones included (the skip warning names the step)
         self.last_step_skipped = False
         self._clipped_since_step = False
+        # the multi-tensor launches' device tables on a GPU (_launch_tables_of), by run, and the runs a step used
+        self._launch_tables: dict[tuple, dict] = {}
+        self._tables_used: set[tuple] = set()
+        self._tables_step = 0
         self._warned_stale_grads = False
         self._warned_eager_grads = False
         super().__init__(params, defaults)
@@ -128,6 +132,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _update_many(self, batch: list[_Update]) -> None:
         for u in batch:
             self._update(u.shard, u.grad, u.grad_scale, u.state, u.group, u.lowp)
+
+    @staticmethod
+    def _multi_tensor_launch(batch: list[_Update]) -> bool:
+        """Whether ``batch`` updates through the multi-tensor Triton launch: shards on a GPU, triton
+        installed, and not inside a compiled region (the launch's tables read tensor addresses)."""
+        return all(u.shard.is_cuda for u in batch) and triton_available() and not torch.compiler.is_compiling()
+
+    def _launch_tables_of(self, run: list[_Update]) -> dict:
+        """The device tables kept for ``run`` (by its first shard and length), forgetting at a new
+        step those the last step did not use (recompiled graphs bring new shards)."""
+        if self._tables_step != self.step_calls:
+            self._launch_tables = {k: v for k, v in self._launch_tables.items() if k in self._tables_used}
+            self._tables_used, self._tables_step = set(), self.step_calls
+        key = (id(run[0].sharded), len(run))
+        self._tables_used.add(key)
+        return self._launch_tables.setdefault(key, {})
+
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
@@ -392,10 +413,6 @@ class AdamW(ShardedOptimizer):
             raise ValueError(f"zcompile.optim.AdamW: invalid hyper-parameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), bucket_mb,
                          max_grad_norm, check_timeout_s=check_timeout_s, skip_nonfinite=skip_nonfinite)
-        # the multi-tensor launches' device tables on a GPU (_adamw_gpu_run), by run, and the runs a step used
-        self._launch_tables: dict[tuple, dict] = {}
-        self._tables_used: set[tuple] = set()
-        self._tables_step = 0
 
     @staticmethod
     def _advance_state(state: dict, shard: torch.Tensor) -> int:
@@ -448,12 +465,6 @@ class AdamW(ShardedOptimizer):
         for run in runs.values():
             self._adamw_run(run)
 
-    @staticmethod
-    def _multi_tensor_launch(batch: list[_Update]) -> bool:
-        """Whether ``batch`` updates through the multi-tensor Triton launch: shards on a GPU, triton
-        installed, and not inside a compiled region (the launch's tables read tensor addresses)."""
-        return all(u.shard.is_cuda for u in batch) and triton_available() and not torch.compiler.is_compiling()
-
     def _adamw_gpu_run(self, run: list[_Update]) -> None:
         """One Triton launch per run of shards at the same step and gradient scale (and per gradient
         dtype), not one per shard: each launch costs about 80 us of host time, and a bf16 step of a
@@ -465,16 +476,6 @@ class AdamW(ShardedOptimizer):
                                  [u.state["exp_avg_sq"] for u in run], [u.lowp for u in run], step, group["lr"],
                                  beta1, beta2, group["eps"], group["weight_decay"], grad_scale,
                                  self._launch_tables_of(run))
-
-    def _launch_tables_of(self, run: list[_Update]) -> dict:
-        """The device tables kept for ``run`` (by its first shard and length), forgetting at a new
-        step those the last step did not use (recompiled graphs bring new shards)."""
-        if self._tables_step != self.step_calls:
-            self._launch_tables = {k: v for k, v in self._launch_tables.items() if k in self._tables_used}
-            self._tables_used, self._tables_step = set(), self.step_calls
-        key = (id(run[0].sharded), len(run))
-        self._tables_used.add(key)
-        return self._launch_tables.setdefault(key, {})
 
     @staticmethod
     def _adamw_run(run: list[_Update]) -> None:
@@ -503,6 +504,25 @@ class SGD(ShardedOptimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov), bucket_mb, max_grad_norm,
                          check_timeout_s=check_timeout_s, skip_nonfinite=skip_nonfinite)
+
+    def _update_many(self, batch: list[_Update]) -> None:
+        """On a GPU, one multi-tensor Triton launch per run of shards at the same gradient scale and
+        first step (``AdamW._adamw_gpu_run`` says why); elsewhere one update per shard."""
+        if not self._multi_tensor_launch(batch):
+            return super()._update_many(batch)
+        runs: dict[tuple, list[_Update]] = {}
+        for u in batch:
+            first_step = "momentum_buffer" not in u.state
+            if u.group["momentum"] != 0 and first_step:
+                u.state["momentum_buffer"] = torch.empty_like(u.shard)
+            runs.setdefault((first_step, u.grad_scale), []).append(u)
+        for (first_step, grad_scale), run in runs.items():
+            group = run[0].group
+            buffers = [u.state["momentum_buffer"] for u in run] if group["momentum"] != 0 else None
+            fused_sgd_multi_triton([u.shard for u in run], [u.grad for u in run], buffers, [u.lowp for u in run],
+                                   first_step, group["lr"], group["momentum"], group["dampening"],
+                                   group["weight_decay"], group["nesterov"], grad_scale, self._launch_tables_of(run))
+        return None
 
     def _update(self, shard, grad, grad_scale, state, group, lowp_out):
         first_step = "momentum_buffer" not in state
