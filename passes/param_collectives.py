@@ -48,6 +48,8 @@ class ShardingPlan:
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     params: list[ParamInput] = field(default_factory=list)
+    # the registered module buffers among the inputs (Dynamo source ``..._buffers['name']``): (index, name)
+    buffers: list[tuple[int, str]] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, default=str)
@@ -63,14 +65,21 @@ def param_name_from_source(source, fallback: str) -> str:
 
 def plan_sharding(gm: torch.fx.GraphModule, example_inputs, stage: int, world_size: int, group_name,
                   param_dtype, reduce_dtype) -> ShardingPlan:
-    """Lists the parameter inputs of ``gm`` (those whose example value is an ``nn.Parameter``)."""
+    """Lists the parameter inputs of ``gm`` (those whose example value is an ``nn.Parameter``) and its
+    registered module buffers (by Dynamo's source: an attribute tensor or a user input is not one)."""
     plan = ShardingPlan(stage, world_size, group_name, param_dtype, reduce_dtype)
     placeholders = gm.graph.find_nodes(op="placeholder")
     for index, (node, example) in enumerate(zip(placeholders, example_inputs)):
+        source = getattr(node, "_dynamo_source", None)
         if isinstance(example, torch.nn.Parameter):
-            name = param_name_from_source(getattr(node, "_dynamo_source", None), node.name)
+            name = param_name_from_source(source, node.name)
             plan.params.append(ParamInput(index, name, tuple(example.shape), example.requires_grad, example.dtype))
+        elif isinstance(example, torch.Tensor) and source is not None and _BUFFER_SOURCE.search(source.name):
+            plan.buffers.append((index, param_name_from_source(source, node.name)))
     return plan
+
+
+_BUFFER_SOURCE = re.compile(r"\._buffers\['[^']+'\]$")
 
 
 def insert_param_collectives_pass(gm: torch.fx.GraphModule, plan: ShardingPlan) -> torch.fx.GraphModule:

@@ -33,6 +33,7 @@ def test_unknown_option_lists_valid_ones():
         ({"compiler": "tvm"}, "'compiler' must be one of"),
         ({"group": "world"}, "ProcessGroup"),
         ({"check_timeout_s": 0}, "check_timeout_s"),
+        ({"broadcast_buffers": "yes"}, "'broadcast_buffers' must be a bool"),
         ({"on_compile": 3}, "callable"),
         ({"keep_gathered_mb": -1}, "'keep_gathered_mb' must be a finite number >= 0"),
         # NaN passed every range check (nan < 0 is False) and infinity failed in an int conversion

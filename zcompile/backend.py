@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
+from zcompile.buffer_sync import broadcast_after_call, changed_buffer_inputs
 from zcompile.compiled import CompileContext, CompiledGraphs, record_compiled_graphs
 from zcompile.config import ZeroConfig
 from zcompile.dumps import SHARDING_PLAN_FILE, resolve_dump_root
@@ -86,6 +87,8 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     )
     if config.on_compile is not None:
         config.on_compile(graphs)
+    if config.broadcast_buffers:
+        compiled = broadcast_after_call(compiled, changed_buffer_inputs(plan.buffers, graphs.mutated_inputs), group)
     return swap.wrap(compiled, _agreed_call(config, group, gm), config.check_timeout_s)
 
 

@@ -59,6 +59,8 @@ class CompiledGraphs:
     forward: torch.fx.GraphModule | None = None
     backward: torch.fx.GraphModule | None = None
     inference: torch.fx.GraphModule | None = None
+    # the inputs (positions in the Dynamo graph's call) whose data the compiled graph changes in place
+    mutated_inputs: tuple[int, ...] = ()
 
     @property
     def plan(self) -> ShardingPlan | None:

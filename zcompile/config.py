@@ -40,6 +40,10 @@ class ZeroConfig:
             AOTAutograd graphs without code generation, ``"inductor"`` generates kernels.
         group: the data-parallel ``ProcessGroup``; ``None`` is the default (world) group, or a
             world of one when no process group is initialized.
+        broadcast_buffers: after a call whose graph changed registered module buffers (BatchNorm's
+            running statistics in training mode), every rank takes rank 0's values, as DDP's
+            ``broadcast_buffers=True`` gives them: each rank's buffers would otherwise follow its
+            own data, and evaluation and checkpoints would differ by rank. ``False``: per rank.
         check_ranks: compare, across ranks, the sequence of collectives each compiled graph will
             issue, and fail with a clear error instead of deadlocking when they differ.
         check_timeout_s: how long the rank check waits for the other ranks' graphs. A rank that does
@@ -103,6 +107,7 @@ class ZeroConfig:
     reduce_dtype: torch.dtype | None = None
     compiler: str = "eager"
     group: Any = None
+    broadcast_buffers: bool = True
     check_ranks: bool = True
     check_timeout_s: float = 60.0
     on_compile: Callable[[Any], None] | None = None
@@ -183,6 +188,8 @@ class ZeroConfig:
         if self.stage == 1 and self.quantize_grads:
             raise ValueError("zero backend: quantize_grads acts on the in-graph gradient reduce-scatter of stages 2 "
                              "and 3; stage 1 reduces in the optimizer. Use stage 2 or 3")
+        if not isinstance(self.broadcast_buffers, bool):
+            raise TypeError(f"zero backend: option 'broadcast_buffers' must be a bool, got {self.broadcast_buffers!r}")
         if not isinstance(self.check_ranks, bool):
             raise TypeError(f"zero backend: option 'check_ranks' must be a bool, got {self.check_ranks!r}")
         if not finite_number(self.check_timeout_s) or self.check_timeout_s <= 0:

@@ -176,6 +176,8 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
 
         def make_compiler(kind: str):
             def compile_eager(graph_module, inputs):
+                if kind != "backward":
+                    graphs.mutated_inputs = mutated_input_indices()
                 # boxed for every graph, as torch's aot_eager does: AOTAutograd calls the forward with
                 # a list of its own (a copy of the inputs, or the runtime wrapper's list it no longer
                 # reads: it keeps what the epilogue needs aside, since inductor clears it too)
@@ -199,6 +201,8 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
 
     def inner_compile(graph_module, inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
+        if kind != "backward":
+            graphs.mutated_inputs = mutated_input_indices()
         graph_module = _post_partition(graph_module, kind, graphs)
         rewrite = executed_form(graphs)
         if rewrite is not None:  # on a copy: graph_module stays what reports and walks read
@@ -208,6 +212,17 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
     patches = {"joint_custom_pre_pass": _JointPasses(graphs)} if _joint_rows(graphs) else None
     with activation_budget(graphs.context.config.activation_memory_budget):  # a fraction (config checked it)
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+def mutated_input_indices() -> tuple[int, ...]:
+    """The inputs whose data the graph AOTAutograd is compiling changes in place (BatchNorm's running
+    statistics): its ``ViewAndMutationMeta`` for the trace in progress, torch-internal, read here only.
+    AOTAutograd's inputs are the Dynamo graph's in order (the shards stage 2 appends come last)."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    if meta is None:
+        return ()
+    return tuple(index for index, info in enumerate(meta.input_info) if info.mutates_data)
 
 
 def activation_budget(fraction: float | None):
