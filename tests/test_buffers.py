@@ -1,11 +1,12 @@
-"""Module buffers changed by a compiled graph (BatchNorm's running statistics) stay the same on every
-rank: rank 0's, the values DDP (``broadcast_buffers=True``) would use at its next forward.
+"""Module buffers changed by a compiled graph (BatchNorm's running statistics) are the same on every
+rank after each optimizer step: rank 0's, the values DDP (``broadcast_buffers=True``) would use at
+its next forward.
 
 Before, each rank's running statistics followed its own slice of the batch: after 3 steps rank 1's
 running mean differed from rank 0's and so did the evaluation output of the same input (a silent
 rank dependence of evaluation and of checkpoints). The reference is DDP in the same processes: its
 rank 0 keeps its own chain of statistics (it broadcasts them at the start of each forward), which is
-what every zcompile rank holds after each call. Tolerance: the weights are trained by the same
+what every zcompile rank holds after each step. Tolerance: the weights are trained by the same
 averaged gradients in both (1e-6 of their scale, ``support.training``), and the statistics are
 means of the activations those weights make.
 """

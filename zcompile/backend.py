@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from zcompile.buffer_sync import broadcast_after_call, changed_buffer_inputs
+from zcompile.buffer_sync import BufferSync, changed_buffer_inputs, note_changed_buffers
 from zcompile.compiled import CompileContext, CompiledGraphs, record_compiled_graphs
 from zcompile.config import ZeroConfig
 from zcompile.dumps import SHARDING_PLAN_FILE, resolve_dump_root
@@ -87,9 +87,15 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     )
     if config.on_compile is not None:
         config.on_compile(graphs)
-    if config.broadcast_buffers:
-        compiled = broadcast_after_call(compiled, changed_buffer_inputs(plan.buffers, graphs.mutated_inputs), group)
-    return swap.wrap(compiled, _agreed_call(config, group, gm), config.check_timeout_s)
+    run = swap.wrap(compiled, _agreed_call(config, group, gm), config.check_timeout_s)
+    changed = changed_buffer_inputs(plan.buffers, graphs.mutated_inputs)
+    if config.broadcast_buffers and changed and group.world_size > 1:
+        if plan.params:
+            run = note_changed_buffers(run, BufferSync(changed, group), [p.index for p in plan.params])
+        else:  # nothing for the optimizer's step to find them by
+            log.warning("zero backend: a graph without parameters changes module buffers (%s); they stay per rank",
+                        ", ".join(name for _, name in changed))
+    return run
 
 
 def copy_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

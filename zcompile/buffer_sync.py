@@ -1,26 +1,46 @@
-"""Module buffers the same on every rank: rank 0's values after each call that changed them.
+"""Module buffers the same on every rank: rank 0's values, taken at each optimizer step.
 
 A compiled graph may change registered buffers in place: BatchNorm's running mean, variance and
 batch count in training mode, from the batch each rank sees. Left alone, each rank's buffers
-would follow its own data, so evaluation and checkpoints (DCP saves one copy of a replicated
-tensor) would depend on the rank, with no error. DDP broadcasts every buffer from rank 0 at each
-forward (``broadcast_buffers=True``); here the buffers a graph changed (AOTAutograd's metadata,
-``zcompile.inner.mutated_input_indices``) are broadcast from rank 0 once the call returns, one
-flat collective per dtype, so between calls every rank holds rank 0's values, the values DDP's
-next forward would use. Option ``broadcast_buffers=False`` keeps them per rank.
+follow its own data, so evaluation and checkpoints (DCP saves one copy of a replicated tensor)
+depend on the rank, with no error. DDP broadcasts its buffers from rank 0 at each forward with
+gradients (``broadcast_buffers=True``). Here the buffers a graph changes (AOTAutograd's metadata,
+``zcompile.inner.mutated_input_indices``) are noted at each call with gradients and broadcast from
+rank 0 by the next ``optimizer.step()``, right after the ranks agreed on that step: a collective
+in a forward would pair with another rank's backward collectives when one rank skips a batch,
+while at the step every rank is known to be there. After a step every rank holds rank 0's values,
+the values DDP's next forward would use; one flat broadcast per dtype. Option
+``broadcast_buffers=False`` keeps them per rank.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from zcompile.param_shards import shard_of
 from zcompile.process_group import DataParallelGroup
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class BufferSync:
+    """The buffer inputs one compiled graph changes (``(index, name)``), and the buffers changed by
+    calls with gradients since the last step, by identity (Dynamo reuses one graph for every block)."""
+
+    changed: list[tuple[int, str]]
+    group: DataParallelGroup
+    pending: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def noted(self, args: tuple) -> None:
+        if torch.is_grad_enabled():
+            for index, _ in self.changed:
+                self.pending[id(args[index])] = args[index]
 
 
 def changed_buffer_inputs(buffers: list[tuple[int, str]], mutated: tuple[int, ...]) -> list[tuple[int, str]]:
@@ -29,20 +49,33 @@ def changed_buffer_inputs(buffers: list[tuple[int, str]], mutated: tuple[int, ..
     return [(index, name) for index, name in buffers if index in mutated_set]
 
 
-def broadcast_after_call(run: Callable, changed: list[tuple[int, str]], group: DataParallelGroup) -> Callable:
-    """``run`` followed by rank 0's values of the ``changed`` buffer inputs on every rank."""
-    if not changed or group.world_size == 1:
-        return run
-    indices = [index for index, _ in changed]
-    log.info("zero backend: buffers changed by the graph, taken from rank 0 after each call: %s",
-             ", ".join(name for _, name in changed))
+def note_changed_buffers(run: Callable, sync: BufferSync, param_indices: list[int]) -> Callable:
+    """``run`` (taking the call's own arguments), then its changed buffers noted in ``sync``, which
+    each parameter of the call points to (``ShardedParam.buffer_sync``): the optimizer's step finds
+    it there."""
+    log.info("zero backend: buffers changed by the graph, taken from rank 0 at each optimizer step: %s",
+             ", ".join(name for _, name in sync.changed))
 
-    def run_then_broadcast(*args):
+    def run_and_note(*args):
         out = run(*args)
-        broadcast_from_first([args[index] for index in indices], group)
+        sync.noted(args)
+        for index in param_indices:
+            sharded = shard_of(args[index])
+            if sharded is not None:
+                sharded.buffer_sync = sync
         return out
 
-    return run_then_broadcast
+    return run_and_note
+
+
+def broadcast_changed_buffers(members: list) -> None:
+    """At a step every rank agreed on: the buffers changed since the last one (``ShardedParam``
+    ``members``' syncs) take rank 0's values."""
+    syncs = {id(m.buffer_sync): m.buffer_sync for m in members if m.buffer_sync is not None}
+    for sync in syncs.values():
+        if sync.pending and sync.group.world_size > 1:
+            broadcast_from_first(list(sync.pending.values()), sync.group)
+        sync.pending.clear()
 
 
 def broadcast_from_first(tensors: list[torch.Tensor], group: DataParallelGroup) -> None:

@@ -40,10 +40,10 @@ class ZeroConfig:
             AOTAutograd graphs without code generation, ``"inductor"`` generates kernels.
         group: the data-parallel ``ProcessGroup``; ``None`` is the default (world) group, or a
             world of one when no process group is initialized.
-        broadcast_buffers: after a call whose graph changed registered module buffers (BatchNorm's
-            running statistics in training mode), every rank takes rank 0's values, as DDP's
-            ``broadcast_buffers=True`` gives them: each rank's buffers would otherwise follow its
-            own data, and evaluation and checkpoints would differ by rank. ``False``: per rank.
+        broadcast_buffers: registered module buffers that the graphs change (BatchNorm's running
+            statistics in training mode) take rank 0's values at each optimizer step, as DDP's
+            ``broadcast_buffers=True`` keeps them equal: each rank's buffers would otherwise follow
+            its own data, and evaluation and checkpoints would differ by rank. ``False``: per rank.
         check_ranks: compare, across ranks, the sequence of collectives each compiled graph will
             issue, and fail with a clear error instead of deadlocking when they differ.
         check_timeout_s: how long the rank check waits for the other ranks' graphs. A rank that does

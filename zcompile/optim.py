@@ -46,6 +46,7 @@ from zcompile.kernels.dispatch import triton_available
 from zcompile.kernels.fused_optim import (fused_adamw, fused_adamw_multi_triton, fused_adamw_reference, fused_sgd,
                                           fused_sgd_multi_triton, fused_sgd_reference)
 from zcompile.kernels.cpu_adamw import adamw_cpu_fused
+from zcompile.buffer_sync import broadcast_changed_buffers
 from zcompile.clip import clip_grad_norm_of_shards
 from zcompile.optim_state import load_sharded_state_dict, sharded_state_dict
 from zcompile.optim_buckets import (BucketedGradReduce, BucketedParamRefresh, plan_optimizer_buckets,
@@ -163,6 +164,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flag_in_agreement = skip_enabled and self.max_grad_norm is None and not self._clipped_since_step
         finite_everywhere = agree_before_step(members, "optimizer.step()", self.check_timeout_s,  # before any collective
                                               local_grads_finite(members) if flag_in_agreement else None)
+        broadcast_changed_buffers(members)  # BatchNorm's statistics: rank 0's on every rank (zcompile.buffer_sync)
         if self.max_grad_norm is not None and not self._clipped_since_step:
             self._clip_grad_norm(self.max_grad_norm)
         if not self._clipped_since_step:

@@ -94,6 +94,9 @@ class ShardedParam:
     calls_since_step: int | None = field(default=None, repr=False)
     # the shard's gradient at the last optimizer step, until a zero_grad (zcompile.zero_grad_route)
     stepped_grad: weakref.ref | None = field(default=None, repr=False)
+    # the zcompile.buffer_sync.BufferSync of the last graph that ran this parameter and changes module
+    # buffers: the optimizer's step broadcasts them from rank 0
+    buffer_sync: object | None = field(default=None, repr=False)
     shape: torch.Size = field(init=False)
     numel: int = field(init=False)
     _replicated_alias: torch.Tensor | None = field(default=None, init=False, repr=False)
