@@ -17,8 +17,9 @@ One GPU is enough. In order, each step recorded in the JSON file and summarized 
 5. a world-1 training step of the example GPT (12 layers, n_embd 768, seq 512, batch 8; AdamW):
    ``torch.compile(backend="zero")`` with the eager and the inductor inner compilers (stage 3), stage 1,
    and stages 2 and 3 with bf16 parameters, against plain ``torch.compile`` with ``aot_eager`` and
-   inductor and ``torch.optim.AdamW(fused=True)``: first step (compile), median step, and each step's
-   loss next to the plain ``aot_eager`` run's.
+   inductor and ``torch.optim.AdamW(fused=True)``: first step (compile), median step, the host's median
+   time to enqueue a step (a step that takes no longer waits on Python: ``bench_gpu_host.py``), and
+   each step's loss next to the plain ``aot_eager`` run's.
 A step that fails is recorded with its error and the check goes on to the next one; the exit status
 is 1 when any step failed.
 """
@@ -157,7 +158,7 @@ def training_steps(device: str, quick: bool, steps: int) -> list[dict]:
         else:
             fused = {"fused": True} if device == "cuda" else {}
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
-        times, losses = [], []
+        times, enqueued, losses = [], [], []
         for step in range(steps + 1):
             tokens, targets = (t.to(device) for t in synthetic_batch(step, batch, config))
             _sync(device)
@@ -166,11 +167,12 @@ def training_steps(device: str, quick: bool, steps: int) -> list[dict]:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+            enqueued.append(time.perf_counter() - start)  # the host's part: equal to the step when the GPU waits on it
             _sync(device)
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
         rows.append({"way": name, "first_step_s": times[0], "median_step_ms": statistics.median(times[1:]) * 1e3,
-                     "losses": losses,
+                     "median_enqueue_ms": statistics.median(enqueued[1:]) * 1e3, "losses": losses,
                      "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None})
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -255,7 +257,7 @@ def _print_summary(results: dict) -> None:
     steps = results.get("training_step")
     for row in steps if isinstance(steps, list) else []:
         rows.append((row["way"], f"first step {row['first_step_s']:.1f}s, median {row['median_step_ms']:.1f} ms "
-                     f"({row['x_aot_eager']:.2f}x aot_eager); losses {row['losses'][0]:.4f} -> "
+                     f"({row['x_aot_eager']:.2f}x aot_eager; host {row['median_enqueue_ms']:.1f} ms); losses {row['losses'][0]:.4f} -> "
                      f"{row['losses'][-1]:.4f}, at most {row['max_loss_diff_vs_aot_eager']:.1e} off aot_eager's"))
     for name, value in results.items():
         if isinstance(value, dict) and "error" in value:
