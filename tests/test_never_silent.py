@@ -55,6 +55,24 @@ def test_eager_use_of_a_stage3_weight_names_gathered():
         weight.sum()  # freed again after the block
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_dtype_change_after_sharding_names_the_parameter_and_the_fix(stage):
+    """``model.double()`` after the first step (stages 1 and 2 keep the fp32 master weight in the
+    parameter's own storage): a clear error at the next call naming the parameter and param_dtype.
+    Stage 2 stopped in torch's "mat1 and mat2 must have the same dtype"; stage 1 trained on."""
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": stage})
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens, targets = global_batch(0, 2)
+    compiled(tokens, targets).backward()
+    optimizer.step()
+    model.double()
+    with pytest.raises(Exception, match=r"parameter '.*' became torch.float64.*after it was sharded.*param_dtype"):
+        compiled(tokens, targets)
+    torch._dynamo.reset()
+
+
 def test_recompile_limit_at_stage3_names_the_limit():
     torch._dynamo.reset()
     model = build_model("gpt")

@@ -6,7 +6,7 @@ weights; none, and half the learning rate, on biases and norms), a linear warmup
 chained to a cosine decay (``CosineAnnealingLR``) by ``SequentialLR``, stepped after every optimizer
 step, and every ``EVAL_EVERY`` steps the loss of a held-out batch through the compiled model under
 ``model.eval()`` + ``torch.no_grad()``, taken twice, before ``model.train()``. Once, a weight is
-given new storage with the same values (``p.data = p.data.clone()``). Gradients are zeroed
+given new values in new storage (``p.data = p.data * 0.5``). Gradients are zeroed
 through the model (``model.zero_grad()``, what Hugging Face Trainer and accelerate call), which at
 stages 2 and 3 must clear the gradient shards (``zcompile.zero_grad_route``). Evaluation makes
 Dynamo compile other graphs (no autograd, ``training=False``) from the same sharded parameters,
@@ -42,7 +42,7 @@ SPEC = RunSpec(model="gpt", steps=STEPS)  # lr 1e-2, 8 sequences a step: the pre
 HELD_OUT_STEP = 10_000  # a global batch no training step uses
 NO_DECAY_LR_SCALE = 0.5  # a group-specific lr: a group mixed up with the other changes the trained weights
 GRAD_PROBE_STEP = 1  # gradients read and edited inside gathered(model, grads=True) before this step's update
-NEW_STORAGE_STEP = 3  # a weight given new storage (p.data = ...) before this step's update
+NEW_STORAGE_STEP = 1  # a weight given new values in new storage (p.data = ...) before this step
 DROPPED_GRAD = "ln_f.bias"
 
 
@@ -104,12 +104,13 @@ def _probe_and_edit_grads(model, out: dict) -> None:
 
 
 def _give_a_weight_new_storage(model: torch.nn.Module, zero: bool) -> None:
-    """``weight.data = weight.data.clone()`` (what weight-loading and init helpers do): the values stay,
-    the storage is new. A stage-2 graph kept reading an alias of the old storage, which the step no
-    longer refreshed: the losses left the reference's from the next step on (2 ranks)."""
+    """``weight.data = weight.data * 0.5`` (what weight-loading and init helpers do): new values in new
+    storage. At stages 1 and 2 the optimizer kept updating the master weight in the old storage and
+    the step wrote it over the new values; the stage-2 graphs also kept reading the old storage.
+    Both: the losses left the reference's from the next step on (2 ranks), with no word."""
     weight = next(p for p in model.parameters() if p.dim() == 2)
     with zcompile.gathered(model) if zero else contextlib.nullcontext():  # stage 3: the full weight exists inside
-        weight.data = weight.data.clone()
+        weight.data = weight.data * 0.5
 
 
 def _train(rank: int, world: int, stage: int | None) -> dict:

@@ -131,6 +131,7 @@ class ShardSwap:
     def sharded(self, param: torch.nn.Parameter, name: str) -> ShardedParam:
         existing = shard_of(param)
         if existing is not None and existing.stage == self.plan.stage and existing.group.name == self.group.name:
+            existing.follow_replaced_storage()
             return existing
         # new, or sharded for another stage or group: shard_parameter raises with the fix
         return shard_parameter(param, name, self.plan.stage, self.group, self.plan.reduce_dtype, self.plan.param_dtype)

@@ -337,8 +337,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         warning: its name when the optimizer was given ``model.named_parameters()`` (torch keeps them as
         the group's ``param_names``), else that place."""
         sharded = shard_of(param)
-        if sharded is not None or grad_of(param) is None:
+        if sharded is not None:
+            sharded.follow_replaced_storage()  # `param.data = other` since the last call (param_shards)
             return sharded
+        if grad_of(param) is None:
+            return None
         group = next((s.group for s in map(shard_of, self._all_params()) if s is not None), None)
         place = f"param_groups[{group_index}]['params'][{index}]"
         names = self.param_groups[group_index].get("param_names")

@@ -94,6 +94,9 @@ class ShardedParam:
     calls_since_step: int | None = field(default=None, repr=False)
     # the shard's gradient at the last optimizer step, until a zero_grad (zcompile.zero_grad_route)
     stepped_grad: weakref.ref | None = field(default=None, repr=False)
+    # stages 1 and 2 in fp32: the address of the padded storage the parameter was moved into, whose
+    # chunk is the shard (_shard_in_replicated_storage); None otherwise
+    home: int | None = field(default=None, repr=False)
     # the zcompile.buffer_sync.BufferSync of the last graph that ran this parameter and changes module
     # buffers: the optimizer's step broadcasts them from rank 0
     buffer_sync: object | None = field(default=None, repr=False)
@@ -250,6 +253,28 @@ class ShardedParam:
         flat = full.detach().reshape(-1).to(dtype)
         return F.pad(flat, (0, self.padded_numel - self.numel)) if self.padded_numel > self.numel else flat
 
+    def follow_replaced_storage(self) -> None:
+        """Stages 1 and 2 in fp32, after code gave the parameter new storage (``param.data = other``:
+        weight loading, init helpers): its values become the master weight again, moved into a padded
+        storage of their own whose chunk is the new shard (requires_grad and gradient carried over).
+        Before, the optimizer kept updating the old storage's slice and the next step wrote it over
+        the new values (2 ranks: losses off the reference's from the step after, silently)."""
+        if self.home is None or self.param.data_ptr() == self.home:
+            return
+        data = self.param.data
+        if data.dtype != self.shard.dtype or data.device != self.shard.device or data.shape != self.shape:
+            raise ValueError(
+                f"zcompile: parameter {self.name!r} became {data.dtype} {tuple(data.shape)} on {data.device} after it "
+                f"was sharded as {self.shard.dtype} {tuple(self.shape)} on {self.shard.device} (model.to(), .half() "
+                "or a `.data =` assignment after the first compiled call). Convert the model before compiling it "
+                "and creating the optimizer; for mixed precision use the option param_dtype")
+        old = self.shard
+        new = _shard_in_replicated_storage(self.param, self.piece)
+        new.requires_grad_(old.requires_grad)
+        new.grad = old.grad
+        self.shard, self.home, self._replicated_alias = new, self.param.data_ptr(), None
+        log.info("zcompile: parameter %s got new storage; its values are the master weight again", self.name)
+
     def write_shard_from_full(self) -> None:
         """Copies this rank's slice of the full parameter into the shard, and the whole of it into the
         low-precision replica if there is one (local, no collective)."""
@@ -303,12 +328,16 @@ def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: Dat
         return _new_shard(param, name, stage, group, reduce_dtype, replica_dtype)
 
 
+def _is_fake(param: torch.nn.Parameter) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(param, FakeTensor)
+
+
 def _allocation_mode(param: torch.nn.Parameter):
     """The fake-tensor mode of a fake parameter (``zcompile.simulate``: its shards are fake too, so a
     model of any size is sharded without memory), else nothing."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return param.fake_mode if isinstance(param, FakeTensor) else contextlib.nullcontext()
+    return param.fake_mode if _is_fake(param) else contextlib.nullcontext()
 
 
 def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataParallelGroup,
@@ -327,11 +356,14 @@ def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataPara
     install_foreign_optimizer_guard()  # and a torch optimizer must not step what it cannot update
     piece = FlatPiece(param.numel(), group.world_size, group.rank)
     shard_numel = piece.chunk
-    if stage in (1, 2) and param.dtype == torch.float32 and replica_dtype is None:
+    in_replicated_storage = stage in (1, 2) and param.dtype == torch.float32 and replica_dtype is None
+    if in_replicated_storage:
         shard = _shard_in_replicated_storage(param, piece)  # the master weight is the replica's own slice
     else:
         shard = torch.zeros(shard_numel, dtype=torch.float32, device=param.device)
     sharded = ShardedParam(param=param, name=name, stage=stage, group=group, shard=shard, reduce_dtype=reduce_dtype)
+    if in_replicated_storage and not _is_fake(param):
+        sharded.home = param.data_ptr()
     if replica_dtype is not None:
         padded = torch.zeros(piece.chunk * piece.world, dtype=replica_dtype, device=param.device)
         sharded.replica = padded[: piece.numel].view(param.shape)
