@@ -111,15 +111,12 @@ class ShardedParam:
     @property
     def replicated_alias(self) -> torch.Tensor:
         """A detached view of the full parameter, or its low-precision replica (stage 2 graphs read
-        it; its grad goes to the shard). Kept between calls (ShardSwap reads it at every compiled
-        call) while it still views the parameter's storage: ``param.data = other`` gives the parameter
-        new storage, which the step refreshes, and a kept alias of the old one had the graphs read
-        weights that no longer changed (2 ranks, stage 2: losses off the reference from the next step)."""
-        full = self.replica if self.replica is not None else self.param
-        alias = self._replicated_alias
-        if alias is None or alias.data_ptr() != full.data_ptr() or alias.shape != full.shape or alias.dtype != full.dtype:
-            alias = self._replicated_alias = full.detach()
-        return alias
+        it; its grad goes to the shard). Made once (ShardSwap reads it at every compiled call), and
+        again after the parameter got new storage (``follow_replaced_storage``): a kept alias of the
+        old storage had the graphs read weights the step no longer refreshed."""
+        if self._replicated_alias is None:
+            self._replicated_alias = (self.replica if self.replica is not None else self.param).detach()
+        return self._replicated_alias
 
     @property
     def replicated(self) -> torch.Tensor:
