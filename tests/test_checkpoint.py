@@ -140,10 +140,18 @@ def second_launch(rank: int, world: int, root: str) -> dict:
 
 
 def third_launch(rank: int, world: int, root: str) -> dict:
-    """2 ranks: resume the 4-rank checkpoint."""
+    """2 ranks: resume the 4-rank checkpoint; weights given new storage and saved at stages 1 and 2."""
     model, compiled, optimizer, spec = _fresh("gpt", 3)
     ckpt.load(os.path.join(root, "gpt_4r"), model, optimizer)
-    return {"gpt": train_steps(spec, compiled, optimizer, range(HALF, STEPS), rank, world)}
+    out = {"gpt": train_steps(spec, compiled, optimizer, range(HALF, STEPS), rank, world)}
+    for stage in (1, 2):
+        model, compiled, optimizer, spec = _fresh("gpt", stage)
+        train_steps(spec, compiled, optimizer, [0], rank, world)
+        name, weight = next((n, p) for n, p in model.named_parameters() if p.dim() == 2)
+        weight.data = torch.full_like(weight, 0.25)  # weights loaded by `.data =` after a step, saved before the next
+        full = ckpt.full_state_dict(compiled)  # every rank calls it; rank 0 gets the weights
+        out[f"new_storage_saved_{stage}"] = bool((full[name] == 0.25).all()) if rank == 0 else True
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +210,14 @@ def test_full_state_dict_and_consolidated_file_equal_the_trained_weights(launche
     for name, value in reference.params.items():
         # the AdamW tolerance of support.training (6 steps at lr 1e-2, eps 1e-6)
         torch.testing.assert_close(full[name], value, rtol=0, atol=STEPS * 1e-2 * 1e-9 / 1e-6)
+
+
+def test_a_weight_given_new_storage_is_what_a_checkpoint_saves(launches):
+    """``p.data = loaded`` at stages 1 and 2 (the master weight lives in the parameter's own storage),
+    then the full weights read before any call (``full_state_dict``; ``save`` reads them the same way):
+    the loaded values; they were the old master weight's."""
+    _, _, _, third = launches
+    assert third[0]["new_storage_saved_1"] and third[0]["new_storage_saved_2"]
 
 
 def test_rank_divergent_calls_are_errors_not_hangs(launches):

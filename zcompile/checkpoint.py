@@ -52,6 +52,7 @@ def _master_piece(param: torch.nn.Parameter, piece: FlatPiece) -> torch.Tensor:
     """This rank's fp32 values of ``param``: a view of its shard, or (not sharded yet) a copy of its slice."""
     sharded = shard_of(param)
     if sharded is not None:
+        sharded.follow_replaced_storage()  # `param.data = loaded` since the last call: its values are the master
         return sharded.shard.detach()[: piece.owned]
     flat = param.detach().reshape(-1)
     return flat[piece.offset: piece.offset + piece.owned].float().clone()
@@ -256,6 +257,7 @@ def _apply_model(dest: dict, params, model, group: DataParallelGroup) -> None:
         values = _local(dest[param_key(name)])
         sharded = shard_of(param)
         if sharded is not None:
+            sharded.follow_replaced_storage()  # the shard written below is the one the parameter's storage holds
             sharded.shard[: values.numel()].copy_(values)
             if sharded.stage in (1, 2):
                 sharded.refresh_replicated()  # the replicated parameter (or replica) from the new shards

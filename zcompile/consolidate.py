@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 def _gather_master(param: torch.nn.Parameter) -> torch.Tensor:
     """The full fp32 value of a sharded parameter (all-gather of its shards; collective)."""
     sharded = shard_of(param)
+    sharded.follow_replaced_storage()  # `param.data = loaded` since the last call: its values are the master
     shard = sharded.shard.detach()
     if sharded.group.world_size == 1:
         full = shard
