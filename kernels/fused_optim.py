@@ -214,6 +214,7 @@ class MultiTensorTables:
     table: torch.Tensor | None = None
     staging: torch.Tensor | None = None  # pinned host copy of ``table`` (CUDA only)
     uploaded: object | None = None  # the CUDA event after the last copy out of ``staging``
+    stream: object | None = None  # the CUDA stream the tables were last used on (``_follow_stream``)
     builds: int = 0
     uploads: int = 0
 
@@ -293,6 +294,7 @@ def _multi_tables(launch: MultiTensorTables, params, grads, exp_avgs, exp_avg_sq
     columns are AdamW's moments, or SGD's momentum buffer and an unread column."""
     rows = tuple((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.data_ptr() if o is None else o.data_ptr(),
                   p.numel()) for p, g, m, v, o in zip(params, grads, exp_avgs, exp_avg_sqs, lowps))
+    _follow_stream(launch, params[0].device)
     if rows == launch.rows:
         return
     old = launch.rows if launch.rows is not None and len(launch.rows) == len(rows) else (None,) * len(rows)
@@ -328,6 +330,19 @@ def _multi_tables(launch: MultiTensorTables, params, grads, exp_avgs, exp_avg_sq
         launch.uploaded.record()
     launch.rows = rows
     launch.uploads += 1
+
+
+def _follow_stream(launch: MultiTensorTables, device: torch.device) -> None:
+    """The tables are written and read on the current CUDA stream: when it is not the one they were
+    last used on (an optimizer stepped under ``torch.cuda.stream(...)``), it first waits for that one,
+    so a new upload cannot overwrite a table a queued kernel still reads, nor a kernel read one still
+    being copied."""
+    if device.type != "cuda":
+        return
+    current = torch.cuda.current_stream(device)
+    if launch.stream is not None and launch.stream != current:
+        current.wait_stream(launch.stream)
+    launch.stream = current
 
 
 def fused_sgd_triton(
