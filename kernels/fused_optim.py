@@ -34,9 +34,9 @@ if triton_available():
     _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     @triton.jit
-    def _block_and_grad(grad_ptr, numel, grad_scale, BLOCK: tl.constexpr, SCALE_GRAD: tl.constexpr):
-        """This program's offsets and mask, and its slice of the gradient in fp32, scaled."""
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    def _block_and_grad(grad_ptr, block, numel, grad_scale, BLOCK: tl.constexpr, SCALE_GRAD: tl.constexpr):
+        """Block ``block``'s offsets and mask, and its slice of the gradient in fp32, scaled."""
+        offsets = block * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < numel
         grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
         if SCALE_GRAD:
@@ -49,7 +49,7 @@ if triton_available():
         decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, grad_scale,
         BLOCK: tl.constexpr, WRITE_LOWP: tl.constexpr, SCALE_GRAD: tl.constexpr,
     ):
-        offsets, mask, grad = _block_and_grad(grad_ptr, numel, grad_scale, BLOCK, SCALE_GRAD)
+        offsets, mask, grad = _block_and_grad(grad_ptr, tl.program_id(0).to(tl.int64), numel, grad_scale, BLOCK, SCALE_GRAD)
         _adamw_block(param_ptr, grad, exp_avg_ptr, exp_avg_sq_ptr, lowp_ptr, offsets, mask, decay, one_minus_beta1,
                      beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, WRITE_LOWP)
 
@@ -63,21 +63,25 @@ if triton_available():
         """``_adamw_kernel`` over many shards in one launch. ``table`` holds per shard the addresses of
         its param, grad, exp_avg, exp_avg_sq and lowp tensors and its numel (int64, ``COLUMNS`` a row);
         ``chunk`` holds per program its shard's row and its block within the shard."""
-        row = tl.load(chunk_ptr + 2 * tl.program_id(0)) * COLUMNS
-        block = tl.load(chunk_ptr + 2 * tl.program_id(0) + 1)
-        param_ptr = tl.load(table_ptr + row).to(tl.pointer_type(tl.float32))
-        grad_ptr = tl.load(table_ptr + row + 1).to(tl.pointer_type(GRAD_DTYPE))
-        exp_avg_ptr = tl.load(table_ptr + row + 2).to(tl.pointer_type(tl.float32))
-        exp_avg_sq_ptr = tl.load(table_ptr + row + 3).to(tl.pointer_type(tl.float32))
-        lowp_ptr = tl.load(table_ptr + row + 4).to(tl.pointer_type(LOWP_DTYPE))
-        numel = tl.load(table_ptr + row + 5)
-        offsets = block * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < numel
-        grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
-        if SCALE_GRAD:
-            grad = grad * grad_scale
+        param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, lowp_ptr, block, numel = _table_entry(
+            table_ptr, chunk_ptr, GRAD_DTYPE, LOWP_DTYPE, COLUMNS)
+        offsets, mask, grad = _block_and_grad(grad_ptr, block, numel, grad_scale, BLOCK, SCALE_GRAD)
         _adamw_block(param_ptr, grad, exp_avg_ptr, exp_avg_sq_ptr, lowp_ptr, offsets, mask, decay, one_minus_beta1,
                      beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, WRITE_LOWP)
+
+    @triton.jit
+    def _table_entry(table_ptr, chunk_ptr, GRAD_DTYPE: tl.constexpr, LOWP_DTYPE: tl.constexpr,
+                     COLUMNS: tl.constexpr):
+        """This program's shard in a multi-tensor launch: the pointers of its row of ``table`` (param,
+        grad, two state tensors, lowp), the block ``chunk`` gives it, and the shard's numel."""
+        row = tl.load(chunk_ptr + 2 * tl.program_id(0)) * COLUMNS
+        block = tl.load(chunk_ptr + 2 * tl.program_id(0) + 1)
+        return (tl.load(table_ptr + row).to(tl.pointer_type(tl.float32)),
+                tl.load(table_ptr + row + 1).to(tl.pointer_type(GRAD_DTYPE)),
+                tl.load(table_ptr + row + 2).to(tl.pointer_type(tl.float32)),
+                tl.load(table_ptr + row + 3).to(tl.pointer_type(tl.float32)),
+                tl.load(table_ptr + row + 4).to(tl.pointer_type(LOWP_DTYPE)),
+                block, tl.load(table_ptr + row + 5))
 
     @triton.jit
     def _adamw_block(param_ptr, grad, exp_avg_ptr, exp_avg_sq_ptr, lowp_ptr, offsets, mask, decay, one_minus_beta1,
@@ -105,7 +109,7 @@ if triton_available():
         BLOCK: tl.constexpr, USE_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
         WRITE_LOWP: tl.constexpr, SCALE_GRAD: tl.constexpr, DECAY: tl.constexpr,
     ):
-        offsets, mask, grad = _block_and_grad(grad_ptr, numel, grad_scale, BLOCK, SCALE_GRAD)
+        offsets, mask, grad = _block_and_grad(grad_ptr, tl.program_id(0).to(tl.int64), numel, grad_scale, BLOCK, SCALE_GRAD)
         _sgd_block(param_ptr, grad, momentum_ptr, lowp_ptr, offsets, mask, lr, momentum, one_minus_dampening,
                    weight_decay, USE_MOMENTUM, FIRST_STEP, NESTEROV, WRITE_LOWP, DECAY)
 
@@ -118,18 +122,9 @@ if triton_available():
     ):
         """``_sgd_kernel`` over many shards in one launch (the table of ``_adamw_multi_kernel``, its
         first state column the momentum buffer)."""
-        row = tl.load(chunk_ptr + 2 * tl.program_id(0)) * COLUMNS
-        block = tl.load(chunk_ptr + 2 * tl.program_id(0) + 1)
-        param_ptr = tl.load(table_ptr + row).to(tl.pointer_type(tl.float32))
-        grad_ptr = tl.load(table_ptr + row + 1).to(tl.pointer_type(GRAD_DTYPE))
-        momentum_ptr = tl.load(table_ptr + row + 2).to(tl.pointer_type(tl.float32))
-        lowp_ptr = tl.load(table_ptr + row + 4).to(tl.pointer_type(LOWP_DTYPE))
-        numel = tl.load(table_ptr + row + 5)
-        offsets = block * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < numel
-        grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
-        if SCALE_GRAD:
-            grad = grad * grad_scale
+        param_ptr, grad_ptr, momentum_ptr, _, lowp_ptr, block, numel = _table_entry(
+            table_ptr, chunk_ptr, GRAD_DTYPE, LOWP_DTYPE, COLUMNS)
+        offsets, mask, grad = _block_and_grad(grad_ptr, block, numel, grad_scale, BLOCK, SCALE_GRAD)
         _sgd_block(param_ptr, grad, momentum_ptr, lowp_ptr, offsets, mask, lr, momentum, one_minus_dampening,
                    weight_decay, USE_MOMENTUM, FIRST_STEP, NESTEROV, WRITE_LOWP, DECAY)
 

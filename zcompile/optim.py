@@ -99,10 +99,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.step_calls = 0  # step() calls so far, skipped ones included (the skip warning names the step)
         self.last_step_skipped = False
         self._clipped_since_step = False
-        # the multi-tensor launches' device tables on a GPU (_launch_tables_of), by run, and the runs a step used
+        # the multi-tensor launches' device tables on a GPU (_launch_tables_of), by run: this step's, the last step's
         self._launch_tables: dict[tuple, dict] = {}
-        self._tables_used: set[tuple] = set()
-        self._tables_step = 0
+        self._previous_tables: dict[tuple, dict] = {}
         self._warned_stale_grads = False
         self._warned_eager_grads = False
         super().__init__(params, defaults)
@@ -141,14 +140,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return all(u.shard.is_cuda for u in batch) and triton_available() and not torch.compiler.is_compiling()
 
     def _launch_tables_of(self, run: list[_Update]) -> dict:
-        """The device tables kept for ``run`` (by its first shard and length), forgetting at a new
-        step those the last step did not use (recompiled graphs bring new shards)."""
-        if self._tables_step != self.step_calls:
-            self._launch_tables = {k: v for k, v in self._launch_tables.items() if k in self._tables_used}
-            self._tables_used, self._tables_step = set(), self.step_calls
+        """The device tables kept for ``run`` (by its first shard and length) from the last step; those
+        no run of this step takes are dropped with it (recompiled graphs bring new shards)."""
         key = (id(run[0].sharded), len(run))
-        self._tables_used.add(key)
-        return self._launch_tables.setdefault(key, {})
+        if key not in self._launch_tables:
+            self._launch_tables[key] = self._previous_tables.pop(key, {})
+        return self._launch_tables[key]
 
 
     @torch.no_grad()
@@ -199,6 +196,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         reducer = BucketedGradReduce(plan_reduce_buckets(reduced, bucket_bytes))
         refreshed = [s for s, _, _ in todo if s.stage in (1, 2)]
         refresher = BucketedParamRefresh(plan_optimizer_buckets(refreshed, lambda s: s.replicated_dtype, bucket_bytes))
+        self._previous_tables, self._launch_tables = self._launch_tables, {}  # _launch_tables_of
         # updated a batch at a time (one refresh bucket of one param group): the batch's all-gather
         # starts when it is done and moves while the next batch updates
         batch: list[_Update] = []
