@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import zcompile
 from support.launch import run_ranks
+from zcompile.rank_check import RankDivergenceError
 
 STEPS, BATCH = 3, 8
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
@@ -58,8 +59,28 @@ def buffers_on_rank(rank: int, world: int) -> dict:
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     _train(ddp, rank, world, torch.optim.SGD(model.parameters(), lr=0.1))
     out["ddp"] = {name: getattr(model[1], name).clone() for name in BUFFERS}
+    out["train_on_one_rank"] = _train_on_one_rank(rank, world)
     dist.barrier()
     return out
+
+
+def _train_on_one_rank(rank: int, world: int) -> str | None:
+    """A step in training mode on rank 0 and eval mode on rank 1, both graphs compiled by earlier steps
+    (so no compile-time check runs): rank 0's call changed the statistics, rank 1's did not."""
+    torch._dynamo.reset()
+    model = _cnn()
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1)
+    run = torch.compile(model, backend="zero", options={"stage": 2})
+    x = torch.randn(BATCH, 3, 8, 8, generator=torch.Generator().manual_seed(0))[rank::world]
+    try:
+        for mode in ("both train", "both eval", "rank 0 trains"):
+            model.train(mode == "both train" or (mode == "rank 0 trains" and rank == 0))
+            run(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    except RankDivergenceError as error:
+        return str(error)
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +98,15 @@ def test_changed_buffers_are_rank_0s_on_every_rank_like_ddp(world2, stage):
         for name in ("running_mean", "running_var"):
             torch.testing.assert_close(run[name], ddp_rank0[name], rtol=1e-5, atol=1e-6, msg=name)
         assert torch.equal(run["eval"], world2[0][f"stage {stage}"]["eval"])  # the same evaluation on every rank
+
+
+def test_a_module_in_training_mode_on_one_rank_is_an_error_on_every_rank(world2):
+    """Rank 0 would broadcast the statistics its call changed and rank 1 nothing: a wait with no end
+    before the step's agreement compared what each changed."""
+    for rank_runs in world2:
+        error = rank_runs["train_on_one_rank"]
+        assert error is not None and "changed different module buffers" in error and "same mode" in error
+        assert "3 buffers" in error and "'none'" in error
 
 
 def test_broadcast_buffers_false_keeps_each_ranks_own(world2):

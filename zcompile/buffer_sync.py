@@ -68,6 +68,16 @@ def note_changed_buffers(run: Callable, sync: BufferSync, param_indices: list[in
     return run_and_note
 
 
+def changed_buffers_summary(members: list) -> str:
+    """What the next ``broadcast_changed_buffers(members)`` will broadcast, for the step's agreement:
+    a rank whose modules ran in another mode (``model.eval()`` on one rank only) changed other
+    buffers, and its broadcasts would not pair with the others' (a wait with no end)."""
+    syncs = {id(m.buffer_sync): m.buffer_sync for m in members if m.buffer_sync is not None and m.buffer_sync.pending}
+    names = sorted(name for sync in syncs.values() for _, name in sync.changed)
+    tensors = sum(len(sync.pending) for sync in syncs.values())
+    return f"{tensors} buffers ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})" if tensors else "none"
+
+
 def broadcast_changed_buffers(members: list) -> None:
     """At a step every rank agreed on: the buffers changed since the last one (``ShardedParam``
     ``members``' syncs) take rank 0's values."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 
+from zcompile.buffer_sync import changed_buffers_summary
 from zcompile.param_shards import ShardedParam
 from zcompile.process_group import DataParallelGroup
 from zcompile.rank_check import RankDivergenceError, exchange_on_store
@@ -67,32 +68,40 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
     layout = replicated_layout(members)
     with_grads = [m.name for m in members if m.shard_grad is not None or m.full_grad is not None]
     grads = f"{len(with_grads)} parameters ({hashlib.sha1(chr(0).join(with_grads).encode()).hexdigest()[:12]})"
-    arrivals = exchange_on_store([arrival, layout, grads, grads_finite], members[0].group, timeout_s, "step",
+    buffers = changed_buffers_summary(members)
+    arrivals = exchange_on_store([arrival, layout, grads, grads_finite, buffers], members[0].group, timeout_s, "step",
                                  f"zcompile {what}", FIX)
-    if any(other != arrival for other, _, _, _ in arrivals):
-        per_rank = {rank: other for rank, (other, _, _, _) in enumerate(arrivals)}
+    if any(other != arrival for other, _, _, _, _ in arrivals):
+        per_rank = {rank: other for rank, (other, _, _, _, _) in enumerate(arrivals)}
         raise RankDivergenceError(
             f"zcompile {what}: the ranks come from different training steps (what each rank called, and its compiled "
             f"calls with gradients since the last step: {per_rank}). {FIX}")
-    if any(other != grads for _, _, other, _ in arrivals):
+    if any(other != grads for _, _, other, _, _ in arrivals):
         # the step's buckets are planned from the parameters that have gradients (zcompile.optim_buckets) and
         # pair their members by position: one parameter's gradient would be averaged with another's
-        per_rank = {rank: other for rank, (_, _, other, _) in enumerate(arrivals)}
+        per_rank = {rank: other for rank, (_, _, other, _, _) in enumerate(arrivals)}
         raise RankDivergenceError(
             f"zcompile {what}: the ranks have gradients on different parameters (per rank, how many and a digest of "
             f"their names: {per_rank}; this rank's: {_some(with_grads)}), so the step's reductions would not match. "
             "A parameter used on some ranks only (a branch on the rank or on its data) must get a gradient on every "
             "rank: use it on every rank (`+ 0 * module(x)`), or give it zeros before the step "
             "(`p.grad = torch.zeros_like(p)` where `p.grad is None`).")
-    if any(other != layout for _, other, _, _ in arrivals):
-        per_rank = {rank: other for rank, (_, other, _, _) in enumerate(arrivals)}
+    if any(other != layout for _, other, _, _, _ in arrivals):
+        per_rank = {rank: other for rank, (_, other, _, _, _) in enumerate(arrivals)}
         raise RankDivergenceError(
             f"zcompile {what}: the ranks hold the replicated weights in different dtypes (per rank, stage-1/2 "
             f"parameters by dtype: {per_rank}), so the step's all-gathers would not match. Compile the model with the "
             "same param_dtype on every rank.")
+    if any(other != buffers for _, _, _, _, other in arrivals):
+        per_rank = {rank: other for rank, (_, _, _, _, other) in enumerate(arrivals)}
+        raise RankDivergenceError(
+            f"zcompile {what}: the ranks' compiled calls changed different module buffers since the last step (per "
+            f"rank: {per_rank}), so the step's broadcast of them (option broadcast_buffers) would not match: a module "
+            "in training mode on some ranks only (model.train() / model.eval() called on one rank, BatchNorm "
+            "updating its statistics there). Put the model in the same mode on every rank.")
     for member in members:
         member.calls_since_step = 0
-    return None if grads_finite is None else all(finite for _, _, _, finite in arrivals)
+    return None if grads_finite is None else all(finite for _, _, _, finite, _ in arrivals)
 
 
 def _some(names: list[str], shown: int = 8) -> str:
