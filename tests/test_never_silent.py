@@ -161,6 +161,34 @@ def test_step_skipped_on_one_rank_fails_fast_on_every_rank(stage):
         assert seconds < 10, seconds  # the ranks meet at the next step: no timeout to wait for
 
 
+def _new_weights_on_rank0(rank, world, stage):
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": stage})
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-2)
+    spec = RunSpec(stage=stage)
+    try:
+        for step in range(3):
+            if step == 1 and rank == 0:  # weights loaded on rank 0 only
+                weight = next(p for p in model.parameters() if p.dim() == 2)
+                weight.data = weight.data * 0.5
+            (tokens, targets), = micro_batches(spec, step, rank, world)
+            compiled(tokens, targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    except RankDivergenceError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_weights_given_new_values_on_one_rank_only_fail_on_every_rank(stage):
+    """Stages 1 and 2 take `p.data = values` as the new master weight (``follow_replaced_storage``):
+    done on one rank only, the ranks would train different weights with no word."""
+    for message in run_ranks(2, _new_weights_on_rank0, stage):
+        assert message is not None and "`.data =` on some ranks only" in message and "wte.weight" in message
+
+
 class _RankBranch(torch.nn.Module):
     """One layer used on every rank and one chosen by the rank: the same number of compiled calls
     with gradients everywhere, gradients on different parameters."""

@@ -97,6 +97,8 @@ class ShardedParam:
     # stages 1 and 2 in fp32: the address of the padded storage the parameter was moved into, whose
     # chunk is the shard (_shard_in_replicated_storage); None otherwise
     home: int | None = field(default=None, repr=False)
+    # the parameter got new storage since the ranks last agreed on a step (zcompile.step_agreement compares it)
+    storage_replaced: bool = field(default=False, repr=False)
     # the zcompile.buffer_sync.BufferSync of the last graph that ran this parameter and changes module
     # buffers: the optimizer's step broadcasts them from rank 0
     buffer_sync: object | None = field(default=None, repr=False)
@@ -270,6 +272,7 @@ class ShardedParam:
         new.requires_grad_(old.requires_grad)
         new.grad = old.grad
         self.shard, self.home, self._replicated_alias = new, self.param.data_ptr(), None
+        self.storage_replaced = True
         log.info("zcompile: parameter %s got new storage; its values are the master weight again", self.name)
 
     def write_shard_from_full(self) -> None:

@@ -25,6 +25,7 @@ step's exchange also carries each rank's "are my gradients finite?" for ``skip_n
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 from zcompile.buffer_sync import changed_buffers_summary
 from zcompile.param_shards import ShardedParam
@@ -69,39 +70,51 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
     with_grads = [m.name for m in members if m.shard_grad is not None or m.full_grad is not None]
     grads = f"{len(with_grads)} parameters ({hashlib.sha1(chr(0).join(with_grads).encode()).hexdigest()[:12]})"
     buffers = changed_buffers_summary(members)
-    arrivals = exchange_on_store([arrival, layout, grads, grads_finite, buffers], members[0].group, timeout_s, "step",
-                                 f"zcompile {what}", FIX)
-    if any(other != arrival for other, _, _, _, _ in arrivals):
-        per_rank = {rank: other for rank, (other, _, _, _, _) in enumerate(arrivals)}
+    replaced = sorted(m.name for m in members if m.storage_replaced)
+    for member in members:
+        member.storage_replaced = False
+    mine = {"arrival": arrival, "layout": layout, "grads": grads, "finite": grads_finite, "buffers": buffers,
+            "replaced": _some(replaced)}
+    arrivals = exchange_on_store(list(mine.values()), members[0].group, timeout_s, "step", f"zcompile {what}", FIX)
+
+    def differs(field: str) -> dict[int, Any] | None:
+        """Every rank's ``field`` when some rank's differs from this rank's, else None."""
+        index = list(mine).index(field)
+        per_rank = {rank: values[index] for rank, values in enumerate(arrivals)}
+        return per_rank if any(value != mine[field] for value in per_rank.values()) else None
+
+    if per_rank := differs("arrival"):
         raise RankDivergenceError(
             f"zcompile {what}: the ranks come from different training steps (what each rank called, and its compiled "
             f"calls with gradients since the last step: {per_rank}). {FIX}")
-    if any(other != grads for _, _, other, _, _ in arrivals):
+    if per_rank := differs("grads"):
         # the step's buckets are planned from the parameters that have gradients (zcompile.optim_buckets) and
         # pair their members by position: one parameter's gradient would be averaged with another's
-        per_rank = {rank: other for rank, (_, _, other, _, _) in enumerate(arrivals)}
         raise RankDivergenceError(
             f"zcompile {what}: the ranks have gradients on different parameters (per rank, how many and a digest of "
             f"their names: {per_rank}; this rank's: {_some(with_grads)}), so the step's reductions would not match. "
             "A parameter used on some ranks only (a branch on the rank or on its data) must get a gradient on every "
             "rank: use it on every rank (`+ 0 * module(x)`), or give it zeros before the step "
             "(`p.grad = torch.zeros_like(p)` where `p.grad is None`).")
-    if any(other != layout for _, other, _, _, _ in arrivals):
-        per_rank = {rank: other for rank, (_, other, _, _, _) in enumerate(arrivals)}
+    if per_rank := differs("layout"):
         raise RankDivergenceError(
             f"zcompile {what}: the ranks hold the replicated weights in different dtypes (per rank, stage-1/2 "
             f"parameters by dtype: {per_rank}), so the step's all-gathers would not match. Compile the model with the "
             "same param_dtype on every rank.")
-    if any(other != buffers for _, _, _, _, other in arrivals):
-        per_rank = {rank: other for rank, (_, _, _, _, other) in enumerate(arrivals)}
+    if per_rank := differs("buffers"):
         raise RankDivergenceError(
             f"zcompile {what}: the ranks' compiled calls changed different module buffers since the last step (per "
             f"rank: {per_rank}), so the step's broadcast of them (option broadcast_buffers) would not match: a module "
             "in training mode on some ranks only (model.train() / model.eval() called on one rank, BatchNorm "
             "updating its statistics there). Put the model in the same mode on every rank.")
+    if per_rank := differs("replaced"):
+        raise RankDivergenceError(
+            f"zcompile {what}: weights were given new values through `.data =` on some ranks only since the last step "
+            f"(per rank, the parameters: {per_rank}); each rank's become its own master weights, so the ranks would "
+            "train different weights. Load weights on every rank (the same values), or before compiling the model.")
     for member in members:
         member.calls_since_step = 0
-    return None if grads_finite is None else all(finite for _, _, _, finite, _ in arrivals)
+    return None if grads_finite is None else all(values[3] for values in arrivals)
 
 
 def _some(names: list[str], shown: int = 8) -> str:
