@@ -8,14 +8,17 @@ median wall time of a step (synchronized) and the host's time to enqueue one (``
 before synchronizing). When the two are equal the GPU waits on Python: the step is host-bound and
 cutting host work is what makes it faster. ``--per-shard`` adds each configuration again with the
 optimizer's update launched per shard (as before the multi-tensor launch), on the same machine;
-``--profile`` writes torch profiler tables (by self CPU and self CUDA time) next to the JSON file.
+``--profile`` writes torch profiler tables (by self CPU and self CUDA time) and the Python profile
+(cProfile, by own and cumulative time) of 3 steps next to the JSON file.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -30,7 +33,9 @@ from common import print_table  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 CONFIGS = {"s1fp32": {"stage": 1}, "s2bf16": {"stage": 2, "param_dtype": "bf16"},
-           "s3bf16": {"stage": 3, "param_dtype": "bf16"}, "s3fp32": {"stage": 3}}
+           "s3bf16": {"stage": 3, "param_dtype": "bf16"}, "s3fp32": {"stage": 3},
+           "s2bf16_inductor": {"stage": 2, "param_dtype": "bf16", "compiler": "inductor"},
+           "s3bf16_inductor": {"stage": 3, "param_dtype": "bf16", "compiler": "inductor"}}
 
 
 def measure(name: str, options: dict, device: str, per_shard: bool, steps: int, profile_dir: str | None) -> dict:
@@ -86,9 +91,19 @@ def _measure(name: str, options: dict, device: str, steps: int, profile_dir: str
             for i in range(3):
                 step(i)
             sync()
+        # the Python side too: the torch profiler sees ops, not the interpreter's time between them
+        python_profile = cProfile.Profile()
+        python_profile.enable()
+        for i in range(3):
+            step(i)
+        sync()
+        python_profile.disable()
         with open(os.path.join(profile_dir, f"host_profile_{name}.txt"), "w") as handle:
             for key in (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
                 handle.write(prof.key_averages().table(sort_by=key, row_limit=30) + "\n")
+            for key in ("tottime", "cumulative"):
+                stats = pstats.Stats(python_profile, stream=handle)
+                stats.sort_stats(key).print_stats(40)
     return row
 
 

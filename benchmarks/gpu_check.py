@@ -16,8 +16,9 @@ One GPU is enough. In order, each step recorded in the JSON file and summarized 
    fused cross-entropy backward against the two ATen ops it replaces;
 5. a world-1 training step of the example GPT (12 layers, n_embd 768, seq 512, batch 8; AdamW):
    ``torch.compile(backend="zero")`` with the eager and the inductor inner compilers (stage 3), stage 1,
-   and stages 2 and 3 with bf16 parameters, against plain ``torch.compile`` with ``aot_eager`` and
-   inductor and ``torch.optim.AdamW(fused=True)``: first step (compile), median step, the host's median
+   and stages 2 and 3 with bf16 parameters (both inner compilers), against plain ``torch.compile``
+   with ``aot_eager`` and inductor (and inductor under bf16 autocast) and
+   ``torch.optim.AdamW(fused=True)``: first step (compile), median step, the host's median
    time to enqueue a step (a step that takes no longer waits on Python: ``bench_gpu_host.py``), and
    each step's loss next to the plain ``aot_eager`` run's.
 A step that fails is recorded with its error and the check goes on to the next one; the exit status
@@ -146,13 +147,19 @@ def training_steps(device: str, quick: bool, steps: int) -> list[dict]:
         "zero stage 1, eager": ("zero", {"stage": 1, "compiler": "eager"}),
         "zero stage 2, eager, bf16": ("zero", {"stage": 2, "compiler": "eager", "param_dtype": "bf16"}),
         "zero stage 3, eager, bf16": ("zero", {"stage": 3, "compiler": "eager", "param_dtype": "bf16"}),
+        # bf16 under inductor: the eager rows above wait on the host (Python runs each graph node);
+        # plain inductor under bf16 autocast is the same matmuls in bf16, for scale
+        "zero stage 2, inductor, bf16": ("zero", {"stage": 2, "compiler": "inductor", "param_dtype": "bf16"}),
+        "zero stage 3, inductor, bf16": ("zero", {"stage": 3, "compiler": "inductor", "param_dtype": "bf16"}),
+        "torch.compile inductor, bf16 autocast": ("inductor", "autocast"),
     }
     rows = []
     for name, (backend, options) in ways.items():
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = GPT(config).to(device)
-        compiled = torch.compile(model, backend=backend, options=options)
+        autocast = options == "autocast"
+        compiled = torch.compile(model, backend=backend, options=None if autocast else options)
         if backend == "zero":
             optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-4)
         else:
@@ -163,7 +170,8 @@ def training_steps(device: str, quick: bool, steps: int) -> list[dict]:
             tokens, targets = (t.to(device) for t in synthetic_batch(step, batch, config))
             _sync(device)
             start = time.perf_counter()
-            loss = compiled(tokens, targets)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+                loss = compiled(tokens, targets)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
