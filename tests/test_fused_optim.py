@@ -103,12 +103,16 @@ def test_multi_tensor_adamw_equals_one_launch_per_shard():
     assert all(isinstance(t, MultiTensorTables) for t in tables.values())
 
 
-@pytest.mark.parametrize("optimizer, options", [("AdamW", {"stage": 2, "param_dtype": "bf16"}), ("AdamW", {"stage": 3}),
-                                                ("SGD", {"stage": 2, "param_dtype": "bf16"})])
-def test_sharded_optimizer_through_the_multi_tensor_launch_steps_like_torch(monkeypatch, optimizer, options):
+@pytest.mark.parametrize("optimizer, options, bucket_mb", [
+    ("AdamW", {"stage": 2, "param_dtype": "bf16"}, 4.0), ("AdamW", {"stage": 3}, 4.0),
+    ("SGD", {"stage": 2, "param_dtype": "bf16"}, 4.0),
+    # a refresh bucket per parameter (100 bytes): still one launch a step, for the whole param group
+    ("AdamW", {"stage": 1, "param_dtype": "bf16"}, 1e-4), ("SGD", {"stage": 2, "param_dtype": "bf16"}, 1e-4)])
+def test_sharded_optimizer_through_the_multi_tensor_launch_steps_like_torch(monkeypatch, optimizer, options, bucket_mb):
     """zcompile.optim.AdamW and SGD at world 1 with their GPU path (one multi-tensor launch per run;
     forced on a CPU, where it is interpreted) follow torch.optim's fed the same gradients over 3
-    steps, and write the bf16 replica at stage 2 (tolerance: the 10-step test's, module doc)."""
+    steps, and write the bf16 replica at stages 1 and 2 (tolerance: the 10-step test's, module doc).
+    The launch takes the whole param group however many refresh buckets it spans."""
     import zcompile.optim
     from zcompile.param_shards import shard_of
 
@@ -123,7 +127,7 @@ def test_sharded_optimizer_through_the_multi_tensor_launch_steps_like_torch(monk
     masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
     compiled = torch.compile(model, backend="zero", options=options)
     hyper = dict(lr=1e-2, weight_decay=0.01) | ({"momentum": 0.9, "nesterov": True} if optimizer == "SGD" else {})
-    opt = getattr(zcompile.optim, optimizer)(model.parameters(), **hyper)
+    opt = getattr(zcompile.optim, optimizer)(model.parameters(), bucket_mb=bucket_mb, **hyper)
     ref_opt = getattr(torch.optim, optimizer)(masters, **hyper)
     for step in range(3):
         x = torch.randn(8, 13, generator=torch.Generator().manual_seed(step)).to(DEVICE)
@@ -140,7 +144,7 @@ def test_sharded_optimizer_through_the_multi_tensor_launch_steps_like_torch(monk
         for p, m in zip(model.parameters(), masters):
             shard = shard_of(p).shard.detach()[: p.numel()]  # world 1: the whole parameter, fp32
             torch.testing.assert_close(shard, m.detach().reshape(-1), rtol=1e-5, atol=1e-7)
-            # the replica is the master weight rounded once (bf16 at stage 2)
+            # the replica is the master weight rounded once (bf16 at stages 1 and 2)
             assert torch.equal(p.detach().reshape(-1), shard.to(p.dtype))
     torch._dynamo.reset()
 
