@@ -6,7 +6,10 @@ weights; none, and half the learning rate, on biases and norms), a linear warmup
 chained to a cosine decay (``CosineAnnealingLR``) by ``SequentialLR``, stepped after every optimizer
 step, and every ``EVAL_EVERY`` steps the loss of a held-out batch through the compiled model under
 ``model.eval()`` + ``torch.no_grad()``, taken twice, before ``model.train()``. Once, a weight is
-given new values in new storage (``p.data = p.data * 0.5``). Gradients are zeroed
+given new values in new storage (``p.data = p.data * 0.5``). The last step's batch is a sequence
+shorter on the last rank (a data loader without ``drop_last``), with the batch dimension marked
+dynamic on every rank from the first call; the average of the ranks' mean gradients is then what
+DDP takes, and the reference's mean over its parts. Gradients are zeroed
 through the model (``model.zero_grad()``, what Hugging Face Trainer and accelerate call), which at
 stages 2 and 3 must clear the gradient shards (``zcompile.zero_grad_route``). Evaluation makes
 Dynamo compile other graphs (no autograd, ``training=False``) from the same sharded parameters,
@@ -43,6 +46,7 @@ HELD_OUT_STEP = 10_000  # a global batch no training step uses
 NO_DECAY_LR_SCALE = 0.5  # a group-specific lr: a group mixed up with the other changes the trained weights
 GRAD_PROBE_STEP = 1  # gradients read and edited inside gathered(model, grads=True) before this step's update
 NEW_STORAGE_STEP = 1  # a weight given new values in new storage (p.data = ...) before this step
+SHORT_BATCH_STEP = STEPS - 1  # the last rank's batch is a sequence short (a last batch without drop_last)
 DROPPED_GRAD = "ln_f.bias"
 
 
@@ -130,6 +134,13 @@ def _train(rank: int, world: int, stage: int | None) -> dict:
         loss = torch.zeros(())
         for part in parts:
             (tokens, targets), = micro_batches(SPEC, step, part, world)
+            if step == SHORT_BATCH_STEP and part == world - 1:
+                tokens, targets = tokens[:-1], targets[:-1]
+            # the batch dimension dynamic from the first call on every rank: the rank with the short
+            # batch then runs the graph every rank compiled (a recompile on one rank alone is the rank
+            # check's RankDivergenceError, whose message names this)
+            torch._dynamo.mark_dynamic(tokens, 0)
+            torch._dynamo.mark_dynamic(targets, 0)
             part_loss = model_loss(SPEC.model, run, tokens, targets) / len(parts)
             part_loss.backward()
             loss += part_loss.detach()

@@ -38,7 +38,9 @@ POLL_S = 0.25  # then store.check every POLL_S (a timed-out store.wait prints c1
 SHOWN = 4  # extra parameters or collectives listed by name, ranks described, in a difference
 CHECK_FIX = ("The ranks took different compile paths (different models, code paths or input shapes per rank) and "
              "their collectives would deadlock. Give every rank the same model and inputs of the same shapes "
-             "(drop_last=True in the sampler), or raise check_timeout_s if a rank is only slow. Evaluating on one "
+             "(drop_last=True in the sampler; or, where one rank's last batch may be shorter, mark the batch "
+             "dimension dynamic on every rank from the first call, torch._dynamo.mark_dynamic(inputs, 0), so that "
+             "no rank recompiles alone), or raise check_timeout_s if a rank is only slow. Evaluating on one "
              "rank only works at stages 1 and 2 under torch.no_grad(); at stage 3 the forward gathers parameters from "
              "every rank, so evaluate on every rank.")
 
