@@ -90,3 +90,33 @@ def test_divergent_ranks_fail_fast(kind):
                    "'wpe.weight', 'blocks.0.ln_1.weight', 'blocks.0.ln_1.bias', ...; "
                    "rank 1: all_gather of [4096] float32 moving parameter 'wte.weight')",
     }[kind] in outcomes[0]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_channels_last_weights_name_the_layout_and_the_fix(stage):
+    """``model.to(memory_format=torch.channels_last)`` (the CNN recipe) permutes the conv weights'
+    strides; shards are cut from the contiguous layout, so the error names the format and what keeps
+    the activations channels_last (the fix itself trains like DDP, measured in the 2026-11-27 note)."""
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(2))
+    model(torch.zeros(1, 3, 5, 5))
+    model = model.to(memory_format=torch.channels_last)
+    x = torch.zeros(1, 3, 5, 5).to(memory_format=torch.channels_last)
+    with pytest.raises(Exception, match=r"'0\.weight' is in channels_last memory format.*"
+                                        r"model\.to\(memory_format=torch\.contiguous_format\).*x\.to\(memory_format"):
+        torch.compile(model, backend="zero", options={"stage": stage})(x)
+    torch._dynamo.reset()
+    # the fix: contiguous weights, channels_last inputs; the convolution's output keeps the layout
+    model = model.to(memory_format=torch.contiguous_format)
+    out = torch.compile(model[0], backend="zero", options={"stage": stage})(x)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+
+
+def test_a_transposed_weight_names_the_fix():
+    torch._dynamo.reset()
+    model = torch.nn.Linear(3, 2)
+    model.weight = torch.nn.Parameter(torch.randn(3, 2).t())  # a view of another layout
+    with pytest.raises(Exception, match=r"'weight' is not a contiguous tensor that owns its storage.*contiguous\(\)\.clone\(\)"):
+        torch.compile(model, backend="zero")(torch.zeros(1, 3))
+    torch._dynamo.reset()
