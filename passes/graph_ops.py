@@ -22,7 +22,11 @@ def _reduce_flat_grad(
     reduce_dtype: torch.dtype | None,
     shard_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Mean over ranks of ``grad`` (full shape), returned as this rank's flat shard."""
+    """Mean over ranks of ``grad`` (full shape), returned as this rank's flat shard. A sparse gradient
+    (``nn.Embedding(sparse=True)``) is made dense first: shards are cut from the dense layout, and the
+    dense gradient is what the update reads (the values a dense embedding's gradient has)."""
+    if grad.layout != torch.strided:
+        grad = grad.to_dense()
     flat = grad.reshape(-1)
     padded_numel = -(-numel // world_size) * world_size
     if padded_numel > numel:

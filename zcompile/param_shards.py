@@ -161,8 +161,8 @@ class ShardedParam:
         """This rank's local, unreduced full gradient: stage 1's (on the replica when there is one),
         or one from eager code at stages 2 and 3."""
         if self.replica is not None and self.replica.grad is not None:
-            return self.replica.grad
-        return grad_of(self.param)
+            return _dense_grad_of(self.replica)
+        return _dense_grad_of(self.param)
 
     def clear_full_grad(self) -> None:
         if self.replica is not None:
@@ -425,6 +425,16 @@ def warn_eager_sharded(shown: list[str], where: str) -> None:
         "zcompile: %d parameters got a gradient outside the compiled graphs at %s (eager code, a module left "
         "uncompiled, or a skipped frame): %s. They are kept replicated and their gradients reduce-scattered like "
         "stage 1's, so training stays exact but their memory is not reduced", len(shown), where, listed)
+
+
+def _dense_grad_of(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor``'s gradient, made dense in place where it is sparse (``nn.Embedding(sparse=True)``:
+    the reduce-scatter, the norm and the update read the dense layout shards are cut from)."""
+    grad = grad_of(tensor)
+    if grad is not None and grad.layout != torch.strided:
+        grad = grad.to_dense()
+        set_grad(tensor, grad)
+    return grad
 
 
 def _replica_dtype(param: torch.nn.Parameter, stage: int, param_dtype: torch.dtype | None) -> torch.dtype | None:

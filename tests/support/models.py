@@ -70,6 +70,10 @@ def build_model(name: str) -> torch.nn.Module:
         for param in model.blocks[0].ln_1.parameters():
             param.requires_grad_(False)
         return model
+    if name == "gpt_sparse_embedding":  # nn.Embedding(sparse=True): sparse gradients (untied: the head's is dense)
+        model = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=False))
+        model.wte.sparse = model.wpe.sparse = True
+        return model
     if name == "gpt_bf16":  # the whole model in bf16 (model.to(torch.bfloat16)), no param_dtype option
         return GPT(small).to(torch.bfloat16)
     if name == "gpt":
