@@ -1,6 +1,6 @@
 """Shapes real training loops take: graph breaks, frozen parameters, buffers, recompiles,
-gradient accumulation, zero_grad both ways, optimizer created late, gathered(), sparse embedding
-gradients (``nn.Embedding(sparse=True)``: made dense where shards are cut)."""
+gradient accumulation, zero_grad both ways, optimizer created late, gathered(), ``dynamic=True``,
+sparse embedding gradients (``nn.Embedding(sparse=True)``: made dense where shards are cut)."""
 
 import pytest
 
@@ -17,6 +17,9 @@ FEATURE_SPECS = [
     RunSpec(model="gpt", stage=2, optimizer="sgd", lr=0.1, seq_lens=(16, 8, 12), steps=4),
     *[RunSpec(model="gpt", stage=s, optimizer="sgd", lr=0.1, grad_accum=2, zero_grad_to_none=False) for s in (1, 2, 3)],
     RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, optimizer_after_forward=True),
+    # torch.compile(dynamic=True): Dynamo restarts its analysis from inside the first compile (scalar
+    # tensorification); the parameters' classes must be as it first traced them (zcompile.param_shards)
+    RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, seq_lens=(16, 8, 12), dynamic=True),
     # sparse embedding gradients, accumulated over micro-batches at stage 1 (torch's SGD takes them as they are)
     RunSpec(model="gpt_sparse_embedding", stage=1, optimizer="sgd", lr=0.1, grad_accum=2),
     RunSpec(model="gpt_sparse_embedding", stage=3, optimizer="sgd", lr=0.1),
@@ -24,7 +27,8 @@ FEATURE_SPECS = [
 
 
 def _label(spec):
-    extras = [k for k in ("seq_lens", "grad_accum", "optimizer_after_forward") if getattr(spec, k) not in ((), 1, False)]
+    extras = [k for k in ("seq_lens", "grad_accum", "optimizer_after_forward", "dynamic")
+              if getattr(spec, k) not in ((), 1, False, None)]
     return f"{spec.model}-stage{spec.stage}-" + "-".join(extras or ["plain"])
 
 

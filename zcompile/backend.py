@@ -31,7 +31,7 @@ from zcompile.config import ZeroConfig
 from zcompile.dumps import SHARDING_PLAN_FILE, resolve_dump_root
 from zcompile.dynamo_frame import forward_modules_on_stack, modules_of_compiled_frame, outer_data_parallel_wrapper
 from zcompile.inner import codegen_on_demand, compile_with_aot
-from zcompile.param_shards import ShardedParam, shard_of, shard_parameter
+from zcompile.param_shards import ShardedParam, mark_refusing_parameter, shard_of, shard_parameter
 from zcompile.pass_runner import PassRunner
 from zcompile.passes.param_collectives import ShardingPlan, plan_sharding
 from zcompile.passes.regions import subgraph_calls
@@ -79,8 +79,11 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
                              group.world_size > 1 and reduce_scatter_by_all_to_all(config.reduce_scatter, group))
     gm = run_passes(context, "dynamo", gm)
     graphs = CompiledGraphs(dynamo=gm, context=context)
-    record_compiled_graphs(_recorded_on(plan, example_inputs), graphs)  # for step_report
     compiled = compile_with_aot(gm, tracing_inputs, graphs)
+    # once the compile succeeded: Dynamo may restart the frame's analysis from inside it (dynamic=True),
+    # and the retried compile is the one that runs (shard_parameter's mark)
+    record_compiled_graphs(_recorded_on(plan, example_inputs), graphs)  # for step_report
+    swap.mark_parameters(example_inputs)
     log.info(
         "zero backend: compiled a graph with %d parameters (stage %d, world %d, %s) in %.2fs",
         len(plan.params), config.stage, group.world_size, config.compiler, time.perf_counter() - start,
@@ -128,21 +131,31 @@ class ShardSwap:
         self.plan = plan
         self.group = group
 
-    def sharded(self, param: torch.nn.Parameter, name: str) -> ShardedParam:
+    def sharded(self, param: torch.nn.Parameter, name: str, mark: bool = True) -> ShardedParam:
         existing = shard_of(param)
         if existing is not None and existing.stage == self.plan.stage and existing.group.name == self.group.name:
             existing.follow_replaced_storage()
             return existing
         # new, or sharded for another stage or group: shard_parameter raises with the fix
-        return shard_parameter(param, name, self.plan.stage, self.group, self.plan.reduce_dtype, self.plan.param_dtype)
+        return shard_parameter(param, name, self.plan.stage, self.group, self.plan.reduce_dtype, self.plan.param_dtype,
+                               mark=mark)
 
-    def swap(self, args: list, counted: bool = True) -> list:
+    def mark_parameters(self, example_inputs: list) -> None:
+        """After a compile that succeeded: the freed parameters refuse eager use (``shard_parameter``
+        says why not earlier). Dynamo builds its guards after the backend returns, so they see the
+        parameters' final class: no recompile for it."""
+        for p in self.plan.params:
+            sharded = shard_of(example_inputs[p.index])
+            if sharded is not None:
+                mark_refusing_parameter(sharded)
+
+    def swap(self, args: list, counted: bool = True, mark: bool = True) -> list:
         # calls, and calls with gradients, are counted on their parameters' shards (zcompile.step_agreement)
         training = int(counted and torch.is_grad_enabled())
         appended = []
         _check_requires_grad(self.plan, self.group, args)
         for p in self.plan.params:
-            sharded = self.sharded(args[p.index], p.name)
+            sharded = self.sharded(args[p.index], p.name, mark)
             sharded.training_calls += training
             if counted and sharded.calls_since_step is not None:
                 sharded.calls_since_step += 1
@@ -180,7 +193,7 @@ class ShardSwap:
         """
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
         originals = {id(a) for a in example_inputs}
-        args = self.swap(list(example_inputs), counted=False)
+        args = self.swap(list(example_inputs), counted=False, mark=False)
         if fake_mode is None:
             return args
         return [a if id(a) in originals else fake_mode.from_tensor(a, static_shapes=True) for a in args]

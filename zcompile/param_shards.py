@@ -212,6 +212,11 @@ class ShardedParam:
     def is_freed(self) -> bool:
         return self.param.untyped_storage().size() == 0
 
+    @property
+    def frees_full(self) -> bool:
+        """Whether the parameter's full fp32 storage is freed at rest: stage 3, or a low-precision replica."""
+        return self.stage == 3 or self.replica is not None
+
     def free_full(self) -> None:
         """Drops the full-size storage (stage 3 at rest); shape and strides are kept."""
         self.param.untyped_storage().resize_(0)
@@ -300,8 +305,14 @@ def shard_of(param: torch.Tensor) -> ShardedParam | None:
 
 
 def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: DataParallelGroup,
-                    reduce_dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None) -> ShardedParam:
+                    reduce_dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None,
+                    mark: bool = True) -> ShardedParam:
     """Creates (or returns the existing) shard of ``param``; frees the full storage at stage 3.
+
+    ``mark=False`` leaves the parameter's class alone (``mark_refusing_parameter`` later): the backend
+    marks only once its compile succeeded, because Dynamo may restart the frame's analysis from
+    inside the compile (``dynamic=True``: its scalar tensorification) and must then trace the same
+    parameter classes as the first time (a class changed in between was a SpeculationLogDivergence).
 
     Stages 1 and 2 with a ``param_dtype`` other than the parameter's keep the replicated parameter
     in ``param_dtype`` (``ShardedParam.replica``): ZeRO's mixed-precision scheme, 2 bytes per
@@ -325,7 +336,7 @@ def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: Dat
             )
         return existing
     with _allocation_mode(param):
-        return _new_shard(param, name, stage, group, reduce_dtype, replica_dtype)
+        return _new_shard(param, name, stage, group, reduce_dtype, replica_dtype, mark)
 
 
 def _is_fake(param: torch.nn.Parameter) -> bool:
@@ -341,7 +352,7 @@ def _allocation_mode(param: torch.nn.Parameter):
 
 
 def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataParallelGroup,
-               reduce_dtype: torch.dtype | None, replica_dtype: torch.dtype | None) -> ShardedParam:
+               reduce_dtype: torch.dtype | None, replica_dtype: torch.dtype | None, mark: bool) -> ShardedParam:
     _check_shardable(param, name)
     # every shard is made here (by the backend, or by the optimizer for an eager parameter): from
     # now on torch.nn.utils.clip_grad_norm_ (and a GradScaler) may see a zcompile parameter and must route it
@@ -374,11 +385,19 @@ def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataPara
     sharded.write_shard_from_full()
     shard.requires_grad_(param.requires_grad)
     setattr(param, SHARD_ATTR, sharded)
-    if stage == 3 or replica_dtype is not None:
-        mark_sharded(param)  # eager use of the freed parameter raises a clear error (zcompile.sharded_parameter)
+    if sharded.frees_full:
+        if mark:
+            mark_refusing_parameter(sharded)
         sharded.free_full()
     log.debug("sharded %s %s -> %d elements on rank %d", name, tuple(param.shape), shard_numel, group.rank)
     return sharded
+
+
+def mark_refusing_parameter(sharded: ShardedParam) -> None:
+    """Eager use of a parameter whose full storage is freed raises a clear error from now on
+    (``zcompile.sharded_parameter``); nothing for one that keeps its full value."""
+    if sharded.frees_full:
+        mark_sharded(sharded.param)
 
 
 def _shard_in_replicated_storage(param: torch.nn.Parameter, piece: FlatPiece) -> torch.Tensor:
