@@ -189,6 +189,72 @@ def test_weights_given_new_values_on_one_rank_only_fail_on_every_rank(stage):
         assert message is not None and "`.data =` on some ranks only" in message and "wte.weight" in message
 
 
+def _different_initial_weights(rank, world):
+    """Each rank builds the model from its own seed (a checkpoint loaded on rank 0 only is the same):
+    the first step refuses at stage 1 and at stage 3; ``sync_module_states`` makes them rank 0's; new
+    values given on every rank through ``.data =`` (unseeded, so per rank) are compared again."""
+    out = {}
+
+    def first_step(stage, sync=False):
+        torch._dynamo.reset()
+        torch.manual_seed(rank)
+        model = _unseeded_gpt()
+        if sync:
+            zcompile.sync_module_states(model)
+        compiled = torch.compile(model, backend="zero", options={"stage": stage})
+        optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-2)
+        (tokens, targets), = micro_batches(RunSpec(stage=stage), 0, rank, world)
+        compiled(tokens, targets).backward()
+        try:
+            optimizer.step()
+        except RankDivergenceError as error:
+            return str(error), model, compiled, optimizer
+        return None, model, compiled, optimizer
+
+    for stage in (1, 3):
+        out[stage] = first_step(stage)[0]
+    message, model, _, _ = first_step(3, sync=True)
+    torch.manual_seed(0)
+    rank0s = _unseeded_gpt()
+    with zcompile.gathered(model):  # rank 0's initial weights, updated once on every rank alike
+        out["synced"] = message, max((a - b).abs().max().item() for a, b in zip(model.parameters(), rank0s.parameters()))
+    message, model, compiled, optimizer = first_step(2, sync=True)
+    weight = next(p for p in model.parameters() if p.dim() == 2)
+    weight.data = torch.randn_like(weight)  # on every rank, from each rank's own generator
+    (tokens, targets), = micro_batches(RunSpec(stage=2), 1, rank, world)
+    compiled(tokens, targets).backward()
+    try:
+        optimizer.step()
+        out["new values"] = None
+    except RankDivergenceError as error:
+        out["new values"] = str(error)
+    return out
+
+
+def _unseeded_gpt():
+    """``build_model("gpt")`` without its seed: the caller's generator state decides the weights."""
+    from gpt import GPT, GPTConfig
+    from support.models import VOCAB
+
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32))
+
+
+def test_ranks_that_start_from_different_weights_fail_at_the_first_step():
+    """Each rank's shard is cut from its own copy of a parameter: ranks that built (or loaded) the
+    model differently trained a mix of their weights with no word (an MLP seeded by rank: 0.49 off
+    DDP's weights at stages 1 and 3). DDP broadcasts rank 0's; here the first step compares digests
+    (``zcompile.initial_values``) and ``sync_module_states`` takes rank 0's."""
+    for out in run_ranks(2, _different_initial_weights):
+        for stage in (1, 3):
+            assert out[stage] is not None, f"stage {stage}: different initial weights went unnoticed"
+            assert "started from different weights" in out[stage] and "wte.weight" in out[stage]
+            assert "sync_module_states" in out[stage]
+        message, distance = out["synced"]
+        assert message is None
+        assert 0 < distance < 0.05  # rank 0's weights, one AdamW step (lr 1e-2) away
+        assert out["new values"] is not None and "started from different weights" in out["new values"]
+
+
 class _RankBranch(torch.nn.Module):
     """One layer used on every rank and one chosen by the rank: the same number of compiled calls
     with gradients everywhere, gradients on different parameters."""

@@ -24,6 +24,7 @@ _LAZY = {
     "estimate_memory": "zcompile.estimate",
     "PassError": "zcompile.pass_runner",
     "mark_repeated_blocks": "zcompile.regional",
+    "sync_module_states": "zcompile.initial_values",
     "StepReport": "zcompile.report",
     "step_report": "zcompile.report",
     "simulate_tune": "zcompile.tune_simulate",
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from zcompile.full_params import gathered
     from zcompile.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
     from zcompile.pass_runner import PassError
+    from zcompile.initial_values import sync_module_states
     from zcompile.regional import mark_repeated_blocks
     from zcompile.report import StepReport, step_report
     from zcompile.tune_simulate import simulate_tune

@@ -259,6 +259,7 @@ def _apply_model(dest: dict, params, model, group: DataParallelGroup) -> None:
         if sharded is not None:
             sharded.follow_replaced_storage()  # the shard written below is the one the parameter's storage holds
             sharded.shard[: values.numel()].copy_(values)
+            sharded.initial_digest = None  # the checkpoint's values now, the same on every rank (zcompile.initial_values)
             if sharded.stage in (1, 2):
                 sharded.refresh_replicated()  # the replicated parameter (or replica) from the new shards
         else:

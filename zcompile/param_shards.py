@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from zcompile.process_group import DataParallelGroup, all_gather_eager, gather_to_first_eager
+from zcompile.initial_values import value_digest
 from zcompile.sharded_parameter import grad_of, mark_sharded, set_grad
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,9 @@ class ShardedParam:
     # stages 1 and 2 in fp32: the address of the padded storage the parameter was moved into, whose
     # chunk is the shard (_shard_in_replicated_storage); None otherwise
     home: int | None = field(default=None, repr=False)
+    # the digest of the parameter's values when it was sharded, until the ranks compared theirs at a
+    # step (zcompile.initial_values): ranks that start from different weights would train a mix of them
+    initial_digest: int | None = field(default=None, repr=False)
     # the parameter got new storage since the ranks last agreed on a step (zcompile.step_agreement compares it)
     storage_replaced: bool = field(default=False, repr=False)
     # the zcompile.buffer_sync.BufferSync of the last graph that ran this parameter and changes module
@@ -278,6 +282,8 @@ class ShardedParam:
         new.grad = old.grad
         self.shard, self.home, self._replicated_alias = new, self.param.data_ptr(), None
         self.storage_replaced = True
+        if self.group.world_size > 1:  # the ranks compare the new values at the next step (zcompile.initial_values)
+            self.initial_digest = value_digest(data)
         log.info("zcompile: parameter %s got new storage; its values are the master weight again", self.name)
 
     def write_shard_from_full(self) -> None:
@@ -373,6 +379,8 @@ def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataPara
     else:
         shard = torch.zeros(shard_numel, dtype=torch.float32, device=param.device)
     sharded = ShardedParam(param=param, name=name, stage=stage, group=group, shard=shard, reduce_dtype=reduce_dtype)
+    if group.world_size > 1 and not _is_fake(param):
+        sharded.initial_digest = value_digest(param)  # before the full value is freed (zcompile.initial_values)
     if in_replicated_storage and not _is_fake(param):
         sharded.home = param.data_ptr()
     if replica_dtype is not None:

@@ -28,6 +28,7 @@ import hashlib
 from typing import Any
 
 from zcompile.buffer_sync import changed_buffers_summary
+from zcompile.initial_values import differing_parameters, pending_digests
 from zcompile.param_shards import ShardedParam
 from zcompile.process_group import DataParallelGroup
 from zcompile.rank_check import RankDivergenceError, exchange_on_store
@@ -73,8 +74,9 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
     replaced = sorted(m.name for m in members if m.storage_replaced)
     for member in members:
         member.storage_replaced = False
+    initial = pending_digests(members)  # the values each parameter was sharded from (zcompile.initial_values)
     mine = {"arrival": arrival, "layout": layout, "grads": grads, "finite": grads_finite, "buffers": buffers,
-            "replaced": _some(replaced)}
+            "replaced": _some(replaced), "initial": initial}
     arrivals = exchange_on_store(list(mine.values()), members[0].group, timeout_s, "step", f"zcompile {what}", FIX)
 
     def differs(field: str) -> dict[int, Any] | None:
@@ -112,8 +114,18 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
             f"zcompile {what}: weights were given new values through `.data =` on some ranks only since the last step "
             f"(per rank, the parameters: {per_rank}); each rank's become its own master weights, so the ranks would "
             "train different weights. Load weights on every rank (the same values), or before compiling the model.")
+    if per_rank := differs("initial"):
+        names = differing_parameters(list(per_rank.values()), members[0].group.rank)
+        raise RankDivergenceError(
+            f"zcompile {what}: the ranks started from different weights: {len(names)} parameters were sharded from "
+            f"values that differ between ranks ({_some(names)}), and each rank's shard was cut from its own copy, so "
+            "the ranks would train a mix of their weights. Build the model the same way on every rank "
+            "(torch.manual_seed(same seed) before creating it) and load checkpoints on every rank, or take rank 0's: "
+            "zcompile.sync_module_states(model) before the first call of the compiled model (what "
+            "DDP does when it wraps a model).")
     for member in members:
         member.calls_since_step = 0
+        member.initial_digest = None  # compared: the step updates them from here on
     return None if grads_finite is None else all(values[3] for values in arrivals)
 
 
