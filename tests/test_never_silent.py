@@ -191,28 +191,36 @@ def test_weights_given_new_values_on_one_rank_only_fail_on_every_rank(stage):
 
 def _different_initial_weights(rank, world):
     """Each rank builds the model from its own seed (a checkpoint loaded on rank 0 only is the same):
-    the first step refuses at stage 1 and at stage 3; ``sync_module_states`` makes them rank 0's; new
-    values given on every rank through ``.data =`` (unseeded, so per rank) are compared again."""
+    stage 1 refuses at the first step; stage 3 at the first compile, a frozen weight no optimizer holds
+    included; ``sync_module_states`` makes them rank 0's; new values given on every rank through
+    ``.data =`` (unseeded, so per rank) are compared again."""
     out = {}
 
-    def first_step(stage, sync=False):
+    def first_step(stage, sync=False, frozen_only=False):
         torch._dynamo.reset()
         torch.manual_seed(rank)
         model = _unseeded_gpt()
+        if frozen_only:  # every weight equal but one frozen weight, which the optimizer does not hold
+            torch.manual_seed(0)
+            model = _unseeded_gpt()
+            torch.manual_seed(rank)
+            model.wpe.weight.data = torch.randn_like(model.wpe.weight)
+            model.wpe.weight.requires_grad_(False)
         if sync:
             zcompile.sync_module_states(model)
         compiled = torch.compile(model, backend="zero", options={"stage": stage})
-        optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-2)
+        optimizer = zcompile.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         (tokens, targets), = micro_batches(RunSpec(stage=stage), 0, rank, world)
-        compiled(tokens, targets).backward()
         try:
+            compiled(tokens, targets).backward()
             optimizer.step()
-        except RankDivergenceError as error:
-            return str(error), model, compiled, optimizer
+        except Exception as error:  # noqa: BLE001 - Dynamo wraps the compile-time one
+            return _divergence(error), model, compiled, optimizer
         return None, model, compiled, optimizer
 
-    for stage in (1, 3):
-        out[stage] = first_step(stage)[0]
+    out[1] = first_step(1)[0]
+    out[3] = first_step(3)[0]
+    out["frozen"] = first_step(3, frozen_only=True)[0]
     message, model, _, _ = first_step(3, sync=True)
     torch.manual_seed(0)
     rank0s = _unseeded_gpt()
@@ -231,6 +239,13 @@ def _different_initial_weights(rank, world):
     return out
 
 
+def _divergence(error: BaseException) -> str:
+    """The ``RankDivergenceError`` in ``error``'s chain (Dynamo wraps compile errors), else ``error``."""
+    while error is not None and not isinstance(error, RankDivergenceError):
+        error = error.__cause__ or error.__context__
+    return str(error)
+
+
 def _unseeded_gpt():
     """``build_model("gpt")`` without its seed: the caller's generator state decides the weights."""
     from gpt import GPT, GPTConfig
@@ -239,16 +254,18 @@ def _unseeded_gpt():
     return GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32))
 
 
-def test_ranks_that_start_from_different_weights_fail_at_the_first_step():
+def test_ranks_that_start_from_different_weights_fail_before_any_update():
     """Each rank's shard is cut from its own copy of a parameter: ranks that built (or loaded) the
     model differently trained a mix of their weights with no word (an MLP seeded by rank: 0.49 off
-    DDP's weights at stages 1 and 3). DDP broadcasts rank 0's; here the first step compares digests
-    (``zcompile.initial_values``) and ``sync_module_states`` takes rank 0's."""
+    DDP's weights at stages 1 and 3). DDP broadcasts rank 0's; here digests are compared
+    (``zcompile.initial_values``: at stage 3's first compile, at stage 1's first step) and
+    ``sync_module_states`` takes rank 0's."""
     for out in run_ranks(2, _different_initial_weights):
-        for stage in (1, 3):
-            assert out[stage] is not None, f"stage {stage}: different initial weights went unnoticed"
-            assert "started from different weights" in out[stage] and "wte.weight" in out[stage]
-            assert "sync_module_states" in out[stage]
+        for case, name in ((1, "wte.weight"), (3, "wte.weight"), ("frozen", "wpe.weight")):
+            assert out[case] is not None, f"{case}: different initial weights went unnoticed"
+            assert "started from different weights" in out[case] and name in out[case], out[case]
+            assert "sync_module_states" in out[case]
+        assert "1 parameter was" in out["frozen"]
         message, distance = out["synced"]
         assert message is None
         assert 0 < distance < 0.05  # rank 0's weights, one AdamW step (lr 1e-2) away

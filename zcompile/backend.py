@@ -31,6 +31,7 @@ from zcompile.config import ZeroConfig
 from zcompile.dumps import SHARDING_PLAN_FILE, resolve_dump_root
 from zcompile.dynamo_frame import forward_modules_on_stack, modules_of_compiled_frame, outer_data_parallel_wrapper
 from zcompile.inner import codegen_on_demand, compile_with_aot
+from zcompile.initial_values import check_same_initial_values
 from zcompile.param_shards import ShardedParam, mark_refusing_parameter, shard_of, shard_parameter
 from zcompile.pass_runner import PassRunner
 from zcompile.passes.param_collectives import ShardingPlan, plan_sharding
@@ -74,6 +75,9 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     zeropp = resolve_zeropp(config, group)
     if config.check_ranks and group.world_size > 1 and issues_collectives(plan, zeropp.active):
         check_same_collectives(plan, gm, group, config.check_timeout_s, zeropp.signature() if zeropp.active else None)
+        shards = [shard_of(example_inputs[p.index]) for p in plan.params]
+        check_same_initial_values([s for s in shards if s is not None], group, config.check_timeout_s,
+                                  f"graph {gm.meta.get('dynamo_compile_id', '?')}")
     zeropp = attach_groups(zeropp, group)  # makes process groups: only once the ranks agree
     context = CompileContext(config, group, plan, zeropp, runner, _device_type(example_inputs),
                              group.world_size > 1 and reduce_scatter_by_all_to_all(config.reduce_scatter, group))

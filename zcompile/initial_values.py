@@ -9,11 +9,13 @@ initialized with seed = rank trained to weights 0.49 away from DDP's at stages 1
 
 How: ``value_digest`` is the sum of the values' bit patterns as integers, exact and independent of
 the order of the sum (so the same on any device and thread count); ``zcompile.param_shards`` takes
-it when it shards a parameter, before the full value is freed, and the next step's agreement
-(``zcompile.step_agreement``) compares every rank's digests of the parameters sharded since the
-last agreement, before anything is updated: different weights are a ``RankDivergenceError`` on
-every rank naming the parameters and the fixes. It costs one pass over each parameter when it is
-sharded and no collective: the digests ride the step's store exchange.
+it when it shards a parameter, before the full value is freed (and again after ``p.data = values``).
+The digests are compared through the store, no collective: by the compile that sharded them where
+its collectives' check runs (stage 3, and stage-2 training graphs: the stages that shard frozen
+parameters too), else by the next step's agreement (``zcompile.step_agreement``: the optimizer's
+parameters), before anything is updated. Different weights are a ``RankDivergenceError`` on every
+rank naming the parameters and the fixes. Not compared: stage-1/2 parameters no optimizer holds
+(frozen ones; each rank computes with its own copy, as DDP would without its broadcast).
 """
 
 from __future__ import annotations
@@ -42,6 +44,35 @@ def differing_parameters(per_rank: list[dict[str, int]], rank: int) -> list[str]
     mine = per_rank[rank]
     names = dict.fromkeys(name for digests in per_rank for name in digests)
     return [name for name in names if any(digests.get(name) != mine.get(name) for digests in per_rank)]
+
+
+def different_weights_message(what: str, names: list[str]) -> str:
+    """The error for ranks whose parameters were sharded from different values (module doc)."""
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    count = "1 parameter was" if len(names) == 1 else f"{len(names)} parameters were"
+    return (f"zcompile {what}: the ranks started from different weights: {count} sharded from "
+            f"values that differ between ranks ({shown}), and each rank's shard was cut from its own copy, so the "
+            "ranks would train a mix of their weights. Build the model the same way on every rank "
+            "(torch.manual_seed(same seed) before creating it) and load checkpoints on every rank, or take rank 0's: "
+            "zcompile.sync_module_states(model) before the first call of the compiled model (what DDP does when it "
+            "wraps a model).")
+
+
+def check_same_initial_values(members: list, group: DataParallelGroup, timeout_s: float, what: str) -> None:
+    """At a compile every rank joins (its collectives' check passed): the digests of the parameters it
+    sharded are compared now, frozen ones included (a step compares only the optimizer's); raises
+    ``RankDivergenceError`` on every rank when they differ."""
+    from zcompile.rank_check import RankDivergenceError, exchange_on_store  # local: rank_check is heavier
+
+    pending = pending_digests(members)
+    if group.world_size == 1 or not pending:
+        return
+    per_rank = exchange_on_store(pending, group, timeout_s, "values", f"zero backend: {what}",
+                                 "Give every rank the same weights.")
+    if any(digests != pending for digests in per_rank):
+        raise RankDivergenceError(different_weights_message(what, differing_parameters(per_rank, group.rank)))
+    for member in members:
+        member.initial_digest = None
 
 
 @torch.no_grad()

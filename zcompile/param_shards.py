@@ -379,7 +379,7 @@ def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataPara
     else:
         shard = torch.zeros(shard_numel, dtype=torch.float32, device=param.device)
     sharded = ShardedParam(param=param, name=name, stage=stage, group=group, shard=shard, reduce_dtype=reduce_dtype)
-    if group.world_size > 1 and not _is_fake(param):
+    if group.world_size > 1 and not _is_fake(param) and param.device.type != "meta":
         sharded.initial_digest = value_digest(param)  # before the full value is freed (zcompile.initial_values)
     if in_replicated_storage and not _is_fake(param):
         sharded.home = param.data_ptr()

@@ -28,7 +28,7 @@ import hashlib
 from typing import Any
 
 from zcompile.buffer_sync import changed_buffers_summary
-from zcompile.initial_values import differing_parameters, pending_digests
+from zcompile.initial_values import different_weights_message, differing_parameters, pending_digests
 from zcompile.param_shards import ShardedParam
 from zcompile.process_group import DataParallelGroup
 from zcompile.rank_check import RankDivergenceError, exchange_on_store
@@ -116,13 +116,7 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
             "train different weights. Load weights on every rank (the same values), or before compiling the model.")
     if per_rank := differs("initial"):
         names = differing_parameters(list(per_rank.values()), members[0].group.rank)
-        raise RankDivergenceError(
-            f"zcompile {what}: the ranks started from different weights: {len(names)} parameters were sharded from "
-            f"values that differ between ranks ({_some(names)}), and each rank's shard was cut from its own copy, so "
-            "the ranks would train a mix of their weights. Build the model the same way on every rank "
-            "(torch.manual_seed(same seed) before creating it) and load checkpoints on every rank, or take rank 0's: "
-            "zcompile.sync_module_states(model) before the first call of the compiled model (what "
-            "DDP does when it wraps a model).")
+        raise RankDivergenceError(different_weights_message(what, names))
     for member in members:
         member.calls_since_step = 0
         member.initial_digest = None  # compared: the step updates them from here on
