@@ -272,6 +272,39 @@ def test_ranks_that_start_from_different_weights_fail_before_any_update():
         assert out["new values"] is not None and "started from different weights" in out["new values"]
 
 
+def _plateau_on_each_rank_metric(rank, world):
+    """``ReduceLROnPlateau`` fed each rank's own loss: the learning rates part after a few steps."""
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 2})
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+    spec = RunSpec(stage=2)
+    try:
+        for step in range(6):
+            (tokens, targets), = micro_batches(spec, step, rank, world)
+            loss = compiled(tokens, targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step(loss.item() + (rank == 0) * step)  # rank 0's metric only ever grows
+    except RankDivergenceError as error:
+        return str(error), step
+    return None, None
+
+
+def test_learning_rates_that_differ_by_rank_fail_at_the_next_step():
+    """Each rank updates its own shard: a learning rate that differs by rank (a metric-driven
+    scheduler fed each rank's metric) trained each slice of the weights at its own rate, silently
+    (DDP's replicas would drift apart just as silently). The step's agreement compares the param
+    groups' settings."""
+    for message, step in run_ranks(2, _plateau_on_each_rank_metric):
+        assert message is not None, "learning rates that differ by rank went unnoticed"
+        assert "different hyper-parameters" in message and "param group 0 'lr'" in message
+        assert "ReduceLROnPlateau" in message
+        assert step == 2  # rank 0 halved its rate after step 1 (patience 0): the next step refuses
+
+
 class _RankBranch(torch.nn.Module):
     """One layer used on every rank and one chosen by the rank: the same number of compiled calls
     with gradients everywhere, gradients on different parameters."""

@@ -53,7 +53,7 @@ from zcompile.optim_buckets import (BucketedGradReduce, BucketedParamRefresh, pl
                                     plan_reduce_buckets, reduce_grads_onto_shards)
 from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of, warn_eager_sharded
 from zcompile.sharded_parameter import grad_of
-from zcompile.step_agreement import DEFAULT_TIMEOUT_S, agree_before_step
+from zcompile.step_agreement import DEFAULT_TIMEOUT_S, agree_before_step, hyperparameters_of
 from zcompile.nonfinite import local_grads_finite, nonfinite_flag, skip_nonfinite_by_default
 from zcompile.zero_grad_route import (clear_shard_grad, remember_stepped_grads, stale_grad_members,
                                       zero_tensor_grad)
@@ -161,7 +161,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # skip_nonfinite without clipping decides from each rank's flag, carried by the agreement
         flag_in_agreement = skip_enabled and self.max_grad_norm is None and not self._clipped_since_step
         finite_everywhere = agree_before_step(members, "optimizer.step()", self.check_timeout_s,  # before any collective
-                                              local_grads_finite(members) if flag_in_agreement else None)
+                                              local_grads_finite(members) if flag_in_agreement else None,
+                                              hyperparameters_of(self.param_groups))
         broadcast_changed_buffers(members)  # BatchNorm's statistics: rank 0's on every rank (zcompile.buffer_sync)
         if self.max_grad_norm is not None and not self._clipped_since_step:
             self._clip_grad_norm(self.max_grad_norm)

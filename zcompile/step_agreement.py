@@ -25,7 +25,10 @@ step's exchange also carries each rank's "are my gradients finite?" for ``skip_n
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
+
+import torch
 
 from zcompile.buffer_sync import changed_buffers_summary
 from zcompile.initial_values import different_weights_message, differing_parameters, pending_digests
@@ -54,13 +57,16 @@ def agree_on_call(group: DataParallelGroup, what: str, timeout_s: float) -> None
 
 
 def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float | None,
-                      grads_finite: bool | None = None) -> bool | None:
+                      grads_finite: bool | None = None, hyperparameters: list[dict] | None = None) -> bool | None:
     """Raises ``RankDivergenceError`` unless every rank of the members' group reaches ``what`` from
     the same number of training calls (module docstring); ``timeout_s=None`` skips the check.
 
     ``grads_finite``: whether this rank's gradients are finite, carried in the same exchange so that
     ``skip_nonfinite`` needs no collective of its own. Returns whether they are finite on every
-    rank; None when not asked, or when nothing was exchanged (check off, one rank)."""
+    rank; None when not asked, or when nothing was exchanged (check off, one rank).
+    ``hyperparameters``: the optimizer's param groups without their parameters (``optimizer.step()``):
+    a learning rate that differs by rank (a scheduler stepped on some ranks only, ``ReduceLROnPlateau``
+    fed each rank's own metric) would update each rank's shard with its own, silently."""
     if timeout_s is None or not members or members[0].group.world_size == 1:
         return None
     calls = sum(m.training_calls for m in members)
@@ -76,7 +82,7 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
         member.storage_replaced = False
     initial = pending_digests(members)  # the values each parameter was sharded from (zcompile.initial_values)
     mine = {"arrival": arrival, "layout": layout, "grads": grads, "finite": grads_finite, "buffers": buffers,
-            "replaced": _some(replaced), "initial": initial}
+            "replaced": _some(replaced), "initial": initial, "hyperparameters": hyperparameters}
     arrivals = exchange_on_store(list(mine.values()), members[0].group, timeout_s, "step", f"zcompile {what}", FIX)
 
     def differs(field: str) -> dict[int, Any] | None:
@@ -114,6 +120,13 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
             f"zcompile {what}: weights were given new values through `.data =` on some ranks only since the last step "
             f"(per rank, the parameters: {per_rank}); each rank's become its own master weights, so the ranks would "
             "train different weights. Load weights on every rank (the same values), or before compiling the model.")
+    if per_rank := differs("hyperparameters"):
+        where = _first_hyperparameter_difference(per_rank, members[0].group.rank)
+        raise RankDivergenceError(
+            f"zcompile {what}: the ranks' optimizers have different hyper-parameters ({where}), so each rank would "
+            "update its shard of the weights with its own. Step learning-rate schedulers on every rank, and feed "
+            "metric-driven ones (ReduceLROnPlateau) the same value everywhere: the mean over ranks "
+            "(torch.distributed.all_reduce of the metric, divided by the world size).")
     if per_rank := differs("initial"):
         names = differing_parameters(list(per_rank.values()), members[0].group.rank)
         raise RankDivergenceError(different_weights_message(what, names))
@@ -121,6 +134,28 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
         member.calls_since_step = 0
         member.initial_digest = None  # compared: the step updates them from here on
     return None if grads_finite is None else all(values[3] for values in arrivals)
+
+
+def _first_hyperparameter_difference(per_rank: dict[int, list[dict]], rank: int) -> str:
+    """``param group 0 'lr': rank 0 0.001, rank 1 0.0005`` for the first setting that differs."""
+    for index, group in enumerate(per_rank[rank]):
+        for key in group:
+            values = {other: groups[index].get(key) if index < len(groups) else None for other, groups in per_rank.items()}
+            if len({json.dumps(v) for v in values.values()}) > 1:
+                return f"param group {index} {key!r}: " + ", ".join(f"rank {r} {v}" for r, v in values.items())
+    return "param groups per rank: " + ", ".join(f"rank {r} {len(groups)}" for r, groups in per_rank.items())
+
+
+def hyperparameters_of(param_groups: list[dict]) -> list[dict]:
+    """The param groups' settings without their parameters, as the step's agreement compares them
+    (a tensor setting by its shape: reading its value would wait for the device)."""
+    def plain(value):
+        if isinstance(value, torch.Tensor):
+            return f"tensor of shape {tuple(value.shape)}"
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value if isinstance(value, (int, float, str, bool)) or value is None else repr(value)
+    return [{key: plain(value) for key, value in group.items() if key != "params"} for group in param_groups]
 
 
 def _some(names: list[str], shown: int = 8) -> str:
