@@ -191,8 +191,7 @@ def test_weights_given_new_values_on_one_rank_only_fail_on_every_rank(stage):
 
 def _different_initial_weights(rank, world):
     """Each rank builds the model from its own seed (a checkpoint loaded on rank 0 only is the same):
-    stage 1 refuses at the first step; stage 3 at the first compile, a frozen weight no optimizer holds
-    included; ``sync_module_states`` makes them rank 0's; new values given on every rank through
+    the first training compile refuses (stages 1 and 3), a frozen weight no optimizer holds included; ``sync_module_states`` makes them rank 0's; new values given on every rank through
     ``.data =`` (unseeded, so per rank) are compared again."""
     out = {}
 
@@ -221,6 +220,7 @@ def _different_initial_weights(rank, world):
     out[1] = first_step(1)[0]
     out[3] = first_step(3)[0]
     out["frozen"] = first_step(3, frozen_only=True)[0]
+    out["frozen stage 1"] = first_step(1, frozen_only=True)[0]
     message, model, _, _ = first_step(3, sync=True)
     torch.manual_seed(0)
     rank0s = _unseeded_gpt()
@@ -258,10 +258,11 @@ def test_ranks_that_start_from_different_weights_fail_before_any_update():
     """Each rank's shard is cut from its own copy of a parameter: ranks that built (or loaded) the
     model differently trained a mix of their weights with no word (an MLP seeded by rank: 0.49 off
     DDP's weights at stages 1 and 3). DDP broadcasts rank 0's; here digests are compared
-    (``zcompile.initial_values``: at stage 3's first compile, at stage 1's first step) and
+    (``zcompile.initial_values``: at the first training compile, else at the first step) and
     ``sync_module_states`` takes rank 0's."""
     for out in run_ranks(2, _different_initial_weights):
-        for case, name in ((1, "wte.weight"), (3, "wte.weight"), ("frozen", "wpe.weight")):
+        for case, name in ((1, "wte.weight"), (3, "wte.weight"), ("frozen", "wpe.weight"),
+                           ("frozen stage 1", "wpe.weight")):
             assert out[case] is not None, f"{case}: different initial weights went unnoticed"
             assert "started from different weights" in out[case] and name in out[case], out[case]
             assert "sync_module_states" in out[case]

@@ -73,11 +73,17 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     runner = PassRunner.for_graph(gm, resolve_dump_root(config.dump), group.rank)
     runner.dump.write_json(SHARDING_PLAN_FILE, json.loads(plan.to_json()))
     zeropp = resolve_zeropp(config, group)
-    if config.check_ranks and group.world_size > 1 and issues_collectives(plan, zeropp.active):
-        check_same_collectives(plan, gm, group, config.check_timeout_s, zeropp.signature() if zeropp.active else None)
-        shards = [shard_of(example_inputs[p.index]) for p in plan.params]
-        check_same_initial_values([s for s in shards if s is not None], group, config.check_timeout_s,
-                                  f"graph {gm.meta.get('dynamo_compile_id', '?')}")
+    if config.check_ranks and group.world_size > 1:
+        collectives = issues_collectives(plan, zeropp.active)
+        if collectives:
+            check_same_collectives(plan, gm, group, config.check_timeout_s,
+                                   zeropp.signature() if zeropp.active else None)
+        # every rank compiles a training graph (the step needs all of them), so a stage-1 one compares
+        # too; a graph compiled under no_grad without collectives may be one rank's evaluation alone
+        if collectives or torch.is_grad_enabled():
+            shards = [shard_of(example_inputs[p.index]) for p in plan.params]
+            check_same_initial_values([s for s in shards if s is not None], group, config.check_timeout_s,
+                                      f"graph {gm.meta.get('dynamo_compile_id', '?')}")
     zeropp = attach_groups(zeropp, group)  # makes process groups: only once the ranks agree
     context = CompileContext(config, group, plan, zeropp, runner, _device_type(example_inputs),
                              group.world_size > 1 and reduce_scatter_by_all_to_all(config.reduce_scatter, group))

@@ -10,12 +10,13 @@ initialized with seed = rank trained to weights 0.49 away from DDP's at stages 1
 How: ``value_digest`` is the sum of the values' bit patterns as integers, exact and independent of
 the order of the sum (so the same on any device and thread count); ``zcompile.param_shards`` takes
 it when it shards a parameter, before the full value is freed (and again after ``p.data = values``).
-The digests are compared through the store, no collective: by the compile that sharded them where
-its collectives' check runs (stage 3, and stage-2 training graphs: the stages that shard frozen
-parameters too), else by the next step's agreement (``zcompile.step_agreement``: the optimizer's
+The digests are compared through the store, no collective: by the compile that sharded them when
+every rank compiles it (a training graph, or one with collectives: stage 3), frozen parameters
+included, else by the next step's agreement (``zcompile.step_agreement``: the optimizer's
 parameters), before anything is updated. Different weights are a ``RankDivergenceError`` on every
-rank naming the parameters and the fixes. Not compared: stage-1/2 parameters no optimizer holds
-(frozen ones; each rank computes with its own copy, as DDP would without its broadcast).
+rank naming the parameters and the fixes. A graph compiled under ``no_grad`` without collectives
+(stages 1-2: evaluation, maybe on one rank alone) compares nothing; its parameters' digests wait
+for the next training compile or step.
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ def pending_digests(members: list) -> dict[str, int]:
 
 
 def differing_parameters(per_rank: list[dict[str, int]], rank: int) -> list[str]:
-    """The parameters whose digest on some rank differs from ``rank``'s (or that some rank lacks)."""
+    """The parameters every rank sharded whose digest on some rank differs from ``rank``'s. One that
+    some rank lacks is not a difference of weights but of graphs (a branch per rank), which the
+    collectives' and the step's other checks name."""
     mine = per_rank[rank]
-    names = dict.fromkeys(name for digests in per_rank for name in digests)
-    return [name for name in names if any(digests.get(name) != mine.get(name) for digests in per_rank)]
+    return [name for name in mine if all(name in digests for digests in per_rank)
+            and any(digests[name] != mine[name] for digests in per_rank)]
 
 
 def different_weights_message(what: str, names: list[str]) -> str:
@@ -59,8 +62,8 @@ def different_weights_message(what: str, names: list[str]) -> str:
 
 
 def check_same_initial_values(members: list, group: DataParallelGroup, timeout_s: float, what: str) -> None:
-    """At a compile every rank joins (its collectives' check passed): the digests of the parameters it
-    sharded are compared now, frozen ones included (a step compares only the optimizer's); raises
+    """At a compile every rank joins (module doc): the digests of its parameters not compared yet are
+    compared now, frozen ones included (a step compares only the optimizer's); raises
     ``RankDivergenceError`` on every rank when they differ."""
     from zcompile.rank_check import RankDivergenceError, exchange_on_store  # local: rank_check is heavier
 
@@ -69,10 +72,11 @@ def check_same_initial_values(members: list, group: DataParallelGroup, timeout_s
         return
     per_rank = exchange_on_store(pending, group, timeout_s, "values", f"zero backend: {what}",
                                  "Give every rank the same weights.")
-    if any(digests != pending for digests in per_rank):
-        raise RankDivergenceError(different_weights_message(what, differing_parameters(per_rank, group.rank)))
+    if names := differing_parameters(per_rank, group.rank):
+        raise RankDivergenceError(different_weights_message(what, names))
     for member in members:
-        member.initial_digest = None
+        if all(member.name in digests for digests in per_rank):  # compared
+            member.initial_digest = None
 
 
 @torch.no_grad()

@@ -127,8 +127,8 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
             "update its shard of the weights with its own. Step learning-rate schedulers on every rank, and feed "
             "metric-driven ones (ReduceLROnPlateau) the same value everywhere: the mean over ranks "
             "(torch.distributed.all_reduce of the metric, divided by the world size).")
-    if per_rank := differs("initial"):
-        names = differing_parameters(list(per_rank.values()), members[0].group.rank)
+    if (per_rank := differs("initial")) and (names := differing_parameters(list(per_rank.values()),
+                                                                         members[0].group.rank)):
         raise RankDivergenceError(different_weights_message(what, names))
     for member in members:
         member.calls_since_step = 0
