@@ -68,6 +68,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     _check_devices(plan, example_inputs, group)
     swap = ShardSwap(plan, group)
     tracing_inputs = swap.swap_for_tracing(list(example_inputs))  # shards the parameters
+    shards = [shard_of(example_inputs[p.index]) for p in plan.params]
     if plan.params:
         attach_state_dict_hooks(modules_of_compiled_frame())  # model.(load_)state_dict see the shards
     runner = PassRunner.for_graph(gm, resolve_dump_root(config.dump), group.rank)
@@ -81,8 +82,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
         # every rank compiles a training graph (the step needs all of them), so a stage-1 one compares
         # too; a graph compiled under no_grad without collectives may be one rank's evaluation alone
         if collectives or torch.is_grad_enabled():
-            shards = [shard_of(example_inputs[p.index]) for p in plan.params]
-            check_same_initial_values([s for s in shards if s is not None], group, config.check_timeout_s,
+            check_same_initial_values(shards, group, config.check_timeout_s,
                                       f"graph {gm.meta.get('dynamo_compile_id', '?')}")
     zeropp = attach_groups(zeropp, group)  # makes process groups: only once the ranks agree
     context = CompileContext(config, group, plan, zeropp, runner, _device_type(example_inputs),
@@ -93,7 +93,8 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     # once the compile succeeded: Dynamo may restart the frame's analysis from inside it (dynamic=True),
     # and the retried compile is the one that runs (shard_parameter's mark)
     record_compiled_graphs(_recorded_on(plan, example_inputs), graphs)  # for step_report
-    swap.mark_parameters(example_inputs)
+    for sharded in shards:  # Dynamo builds its guards after we return: they see the final class, no recompile
+        mark_refusing_parameter(sharded)
     log.info(
         "zero backend: compiled a graph with %d parameters (stage %d, world %d, %s) in %.2fs",
         len(plan.params), config.stage, group.world_size, config.compiler, time.perf_counter() - start,
@@ -149,15 +150,6 @@ class ShardSwap:
         # new, or sharded for another stage or group: shard_parameter raises with the fix
         return shard_parameter(param, name, self.plan.stage, self.group, self.plan.reduce_dtype, self.plan.param_dtype,
                                mark=mark)
-
-    def mark_parameters(self, example_inputs: list) -> None:
-        """After a compile that succeeded: the freed parameters refuse eager use (``shard_parameter``
-        says why not earlier). Dynamo builds its guards after the backend returns, so they see the
-        parameters' final class: no recompile for it."""
-        for p in self.plan.params:
-            sharded = shard_of(example_inputs[p.index])
-            if sharded is not None:
-                mark_refusing_parameter(sharded)
 
     def swap(self, args: list, counted: bool = True, mark: bool = True) -> list:
         # calls, and calls with gradients, are counted on their parameters' shards (zcompile.step_agreement)

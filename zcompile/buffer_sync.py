@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from zcompile.param_shards import shard_of
-from zcompile.process_group import DataParallelGroup
+from zcompile.process_group import DataParallelGroup, broadcast_from_first
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +85,3 @@ def broadcast_changed_buffers(members: list) -> None:
         if sync.pending and sync.group.world_size > 1:
             broadcast_from_first(list(sync.pending.values()), sync.group)
         sync.pending.clear()
-
-
-def broadcast_from_first(tensors: list[torch.Tensor], group: DataParallelGroup) -> None:
-    """Every rank's ``tensors`` = the group's rank 0's, in one flat broadcast per dtype and device."""
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    for same in by_kind.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in same])
-        dist.broadcast(flat, group_src=0, group=group.process_group)
-        with torch.no_grad():
-            for tensor, value in zip(same, flat.split([t.numel() for t in same])):
-                tensor.copy_(value.view_as(tensor))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zcompile.process_group import DataParallelGroup
+from zcompile.process_group import DataParallelGroup, broadcast_from_first
 
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
@@ -79,11 +79,13 @@ def check_same_initial_values(members: list, group: DataParallelGroup, timeout_s
             member.initial_digest = None
 
 
-@torch.no_grad()
-def sync_module_states(module: torch.nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
-    """Every rank's parameters and buffers = rank ``src``'s (of ``group``), as DDP does when it wraps a
-    model: call it before ``torch.compile`` when the ranks built or loaded the model differently
-    (a checkpoint loaded on rank 0 only). One broadcast per tensor."""
+SYNC_BUCKET_BYTES = 256 * 2**20  # DDP's broadcast bucket at wrap time is 250 MiB
+
+
+def sync_module_states(module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Every rank's parameters and buffers = rank 0's (of ``group``), as DDP does when it wraps a
+    model: call it before the first call of the compiled model when the ranks built or loaded the
+    model differently (a checkpoint loaded on rank 0 only). Flat broadcasts of up to 256 MiB."""
     from zcompile.param_shards import shard_of  # local: param_shards imports this module
 
     sharded = [name for name, p in module.named_parameters() if shard_of(p) is not None]
@@ -92,7 +94,5 @@ def sync_module_states(module: torch.nn.Module, src: int = 0, group: dist.Proces
             f"zcompile.sync_module_states: parameters are already sharded ({', '.join(sharded[:3])}"
             f"{', ...' if len(sharded) > 3 else ''}): call it before the first call of the compiled model")
     resolved = DataParallelGroup.resolve(group)
-    if resolved.world_size == 1:
-        return
-    for tensor in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(tensor.data, group_src=src, group=resolved.process_group)
+    if resolved.world_size > 1:
+        broadcast_from_first([*module.parameters(), *module.buffers()], resolved, SYNC_BUCKET_BYTES)

@@ -472,20 +472,23 @@ def _replica_dtype(param: torch.nn.Parameter, stage: int, param_dtype: torch.dty
     return param_dtype if param_dtype.itemsize < param.dtype.itemsize else None
 
 
+# by a weight's dimensions: the channels-last layout model.to(memory_format=...) gives it
+_CHANNELS_LAST = {4: (torch.channels_last, "channels_last"), 5: (torch.channels_last_3d, "channels_last_3d")}
+
+
 def _check_shardable(param: torch.Tensor, name: str) -> None:
     if not param.dtype.is_floating_point:
         raise TypeError(f"zero backend: parameter {name!r} has dtype {param.dtype}; only floating parameters can be sharded")
-    for layout, name_in_torch in ((torch.channels_last, "channels_last"), (torch.channels_last_3d, "channels_last_3d")):
-        if param.dim() == (4 if layout is torch.channels_last else 5) and not param.is_contiguous() \
-                and param.is_contiguous(memory_format=layout):
-            # model.to(memory_format=torch.channels_last), the CNN recipe: the weights' strides are permuted
-            raise ValueError(
-                f"zero backend: parameter {name!r} is in {name_in_torch} memory format (strides {tuple(param.stride())}); "
-                "zcompile shards parameters in their contiguous layout. Keep the model's parameters contiguous "
-                "(`model.to(memory_format=torch.contiguous_format)` before torch.compile) and convert only the "
-                f"inputs (`x.to(memory_format=torch.{name_in_torch})`): a convolution runs {name_in_torch} when "
-                "its input is, on CPU and GPU, so activations keep the layout"
-            )
+    layout, name_in_torch = _CHANNELS_LAST.get(param.dim(), (None, None))
+    if layout is not None and not param.is_contiguous() and param.is_contiguous(memory_format=layout):
+        # model.to(memory_format=torch.channels_last), the CNN recipe: the weights' strides are permuted
+        raise ValueError(
+            f"zero backend: parameter {name!r} is in {name_in_torch} memory format (strides {tuple(param.stride())}); "
+            "zcompile shards parameters in their contiguous layout. Keep the model's parameters contiguous "
+            "(`model.to(memory_format=torch.contiguous_format)` before torch.compile) and convert only the "
+            f"inputs (`x.to(memory_format=torch.{name_in_torch})`): a convolution runs {name_in_torch} when "
+            "its input is, on CPU and GPU, so activations keep the layout"
+        )
     if not param.is_contiguous() or param.storage_offset() != 0:
         raise ValueError(
             f"zero backend: parameter {name!r} is not a contiguous tensor that owns its storage "

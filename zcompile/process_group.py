@@ -72,6 +72,29 @@ def all_to_all_eager(out: torch.Tensor, rows: torch.Tensor, group: DataParallelG
     return dist.all_to_all_single(out, rows, group=group.process_group, async_op=async_op)
 
 
+def broadcast_from_first(tensors: list[torch.Tensor], group: DataParallelGroup,
+                         bucket_bytes: int | None = None) -> None:
+    """Every rank's ``tensors`` = the group's rank 0's, in one flat broadcast per dtype and device, or
+    per ``bucket_bytes`` of them (a whole model's copy would double its memory for a moment)."""
+    buckets: list[list[torch.Tensor]] = []
+    open_bucket: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}  # (dtype, device) -> (bucket, [its bytes])
+    for tensor in tensors:
+        kind = (tensor.dtype, tensor.device)
+        bucket, size = open_bucket.get(kind, (None, [0]))
+        if bucket is None or (bucket_bytes is not None and size[0] + tensor.nbytes > bucket_bytes):
+            bucket, size = [], [0]
+            buckets.append(bucket)
+            open_bucket[kind] = (bucket, size)
+        bucket.append(tensor)
+        size[0] += tensor.nbytes
+    for bucket in buckets:
+        flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+        dist.broadcast(flat, group_src=0, group=group.process_group)
+        with torch.no_grad():
+            for tensor, value in zip(bucket, flat.split([t.numel() for t in bucket])):
+                tensor.copy_(value.view_as(tensor))
+
+
 def reduce_scatter_by_all_to_all(form: str, group: DataParallelGroup) -> bool:
     """Whether ``group``'s in-graph reduce-scatters run as an all-to-all and a sum (the option
     ``reduce_scatter``: ``"native"``, ``"all_to_all"`` or ``"auto"``, all-to-all on gloo). Gloo's

@@ -133,7 +133,8 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
     for member in members:
         member.calls_since_step = 0
         member.initial_digest = None  # compared: the step updates them from here on
-    return None if grads_finite is None else all(values[3] for values in arrivals)
+    finite = list(mine).index("finite")
+    return None if grads_finite is None else all(values[finite] for values in arrivals)
 
 
 def _first_hyperparameter_difference(per_rank: dict[int, list[dict]], rank: int) -> str:
