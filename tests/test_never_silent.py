@@ -236,6 +236,22 @@ def _different_initial_weights(rank, world):
         out["new values"] = None
     except RankDivergenceError as error:
         out["new values"] = str(error)
+    # sync_module_states with another model on one rank, then called on rank 0 alone: errors, not a
+    # broadcast that pairs other sizes or waits for the process group's timeout
+    torch.manual_seed(0)
+    other = _unseeded_gpt() if rank == 0 else torch.nn.Linear(3, 3)
+    try:
+        zcompile.sync_module_states(other)
+        out["other model"] = None
+    except RankDivergenceError as error:
+        out["other model"] = str(error)
+    start = time.perf_counter()
+    if rank == 0:
+        try:
+            zcompile.sync_module_states(_unseeded_gpt(), timeout_s=5)
+            out["alone"] = None
+        except RankDivergenceError as error:
+            out["alone"] = str(error), time.perf_counter() - start
     return out
 
 
@@ -259,8 +275,10 @@ def test_ranks_that_start_from_different_weights_fail_before_any_update():
     model differently trained a mix of their weights with no word (an MLP seeded by rank: 0.49 off
     DDP's weights at stages 1 and 3). DDP broadcasts rank 0's; here digests are compared
     (``zcompile.initial_values``: at the first training compile, else at the first step) and
-    ``sync_module_states`` takes rank 0's."""
-    for out in run_ranks(2, _different_initial_weights):
+    ``sync_module_states`` takes rank 0's; called with different models, or on one rank alone, it
+    is an error, not a mismatched or endless broadcast."""
+    rank0, rank1 = run_ranks(2, _different_initial_weights)
+    for out in (rank0, rank1):
         for case, name in ((1, "wte.weight"), (3, "wte.weight"), ("frozen", "wpe.weight"),
                            ("frozen stage 1", "wpe.weight")):
             assert out[case] is not None, f"{case}: different initial weights went unnoticed"
@@ -271,6 +289,9 @@ def test_ranks_that_start_from_different_weights_fail_before_any_update():
         assert message is None
         assert 0 < distance < 0.05  # rank 0's weights, one AdamW step (lr 1e-2) away
         assert out["new values"] is not None and "started from different weights" in out["new values"]
+        assert out["other model"] is not None and "the ranks' models differ" in out["other model"]
+    message, seconds = rank0["alone"]
+    assert "ranks [1] did not" in message and seconds < 15
 
 
 def _plateau_on_each_rank_metric(rank, world):

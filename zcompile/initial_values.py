@@ -82,11 +82,18 @@ def check_same_initial_values(members: list, group: DataParallelGroup, timeout_s
 SYNC_BUCKET_BYTES = 256 * 2**20  # DDP's broadcast bucket at wrap time is 250 MiB
 
 
-def sync_module_states(module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
+def sync_module_states(module: torch.nn.Module, group: dist.ProcessGroup | None = None,
+                       timeout_s: float = 60.0) -> None:
     """Every rank's parameters and buffers = rank 0's (of ``group``), as DDP does when it wraps a
     model: call it before the first call of the compiled model when the ranks built or loaded the
-    model differently (a checkpoint loaded on rank 0 only). Flat broadcasts of up to 256 MiB."""
+    model differently (a checkpoint loaded on rank 0 only). Flat broadcasts of up to 256 MiB.
+
+    Every rank must call it, with a model of the same shapes: the ranks first meet through the store
+    (no collective), so a rank that calls it alone, or with another model, gets a
+    ``RankDivergenceError`` within ``timeout_s`` on every rank that came, instead of a broadcast
+    that waits for the process group's timeout or pairs tensors of other sizes."""
     from zcompile.param_shards import shard_of  # local: param_shards imports this module
+    from zcompile.rank_check import RankDivergenceError, exchange_on_store  # local: rank_check is heavier
 
     sharded = [name for name, p in module.named_parameters() if shard_of(p) is not None]
     if sharded:
@@ -94,5 +101,15 @@ def sync_module_states(module: torch.nn.Module, group: dist.ProcessGroup | None 
             f"zcompile.sync_module_states: parameters are already sharded ({', '.join(sharded[:3])}"
             f"{', ...' if len(sharded) > 3 else ''}): call it before the first call of the compiled model")
     resolved = DataParallelGroup.resolve(group)
-    if resolved.world_size > 1:
-        broadcast_from_first([*module.parameters(), *module.buffers()], resolved, SYNC_BUCKET_BYTES)
+    if resolved.world_size == 1:
+        return
+    tensors = [*module.parameters(), *module.buffers()]
+    layout = [[list(t.shape), str(t.dtype)] for t in tensors]
+    per_rank = exchange_on_store(layout, resolved, timeout_s, "sync", "zcompile.sync_module_states",
+                                 "Call zcompile.sync_module_states(model) on every rank, with the same model.")
+    if any(other != layout for other in per_rank):
+        counts = ", ".join(f"rank {rank} {len(other)}" for rank, other in enumerate(per_rank))
+        raise RankDivergenceError(
+            f"zcompile.sync_module_states: the ranks' models differ (parameters and buffers per rank: {counts}; or "
+            "their shapes or dtypes), so rank 0's cannot be copied onto them. Build the same model on every rank.")
+    broadcast_from_first(tensors, resolved, SYNC_BUCKET_BYTES)
