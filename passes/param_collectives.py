@@ -21,6 +21,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch._C import DisableTorchFunctionSubclass
 from torch.utils.checkpoint import CheckpointPolicy
 
 from zcompile.passes import metadata
@@ -38,6 +39,8 @@ class ParamInput:
     shape: tuple[int, ...]
     requires_grad: bool
     dtype: torch.dtype = torch.float32  # the parameter's own dtype, as Dynamo traced it
+    grad_hooks: bool = False  # it has hooks of register_hook (passes/grad_hooks.py)
+    post_accumulate_hooks: bool = False  # it has hooks of register_post_accumulate_grad_hook
 
 
 @dataclass
@@ -73,13 +76,45 @@ def plan_sharding(gm: torch.fx.GraphModule, example_inputs, stage: int, world_si
         source = getattr(node, "_dynamo_source", None)
         if isinstance(example, torch.nn.Parameter):
             name = param_name_from_source(source, node.name)
-            plan.params.append(ParamInput(index, name, tuple(example.shape), example.requires_grad, example.dtype))
+            plan.params.append(ParamInput(index, name, tuple(example.shape), example.requires_grad, example.dtype,
+                                          bool(tensor_hooks(example)), bool(post_accumulate_hooks(example))))
         elif isinstance(example, torch.Tensor) and source is not None and _BUFFER_SOURCE.search(source.name):
             plan.buffers.append((index, param_name_from_source(source, node.name)))
     return plan
 
 
 _BUFFER_SOURCE = re.compile(r"\._buffers\['[^']+'\]$")
+
+
+def replica_dtype(stage: int, param_dtype: torch.dtype | None, dtype: torch.dtype,
+                  requires_grad: bool) -> torch.dtype | None:
+    """The dtype of a stage-1/2 parameter's low-precision replica, None for no replica: only trained
+    parameters (a frozen one has no master weight to keep apart) wider than ``param_dtype``."""
+    if stage not in (1, 2) or param_dtype is None or not requires_grad:
+        return None
+    return param_dtype if param_dtype.itemsize < dtype.itemsize else None
+
+
+def gradient_leaves_parameter(plan: ShardingPlan, param: ParamInput) -> bool:
+    """Whether the graph routes ``param``'s gradient away from the parameter, so that autograd never
+    accumulates it there (nor runs the parameter's hooks): stages 2 and 3 (onto the shard), stage 1
+    with a low-precision replica (onto the replica). Stage 1 in the parameter's dtype leaves it."""
+    return plan.stage != 1 or replica_dtype(1, plan.param_dtype, param.dtype, param.requires_grad) is not None
+
+
+def tensor_hooks(param: torch.Tensor) -> list:
+    """The hooks ``param.register_hook`` added, in registration order (read past a stage-3
+    parameter's ``__torch_function__``, which refuses use of freed storage)."""
+    with DisableTorchFunctionSubclass():
+        hooks = param._backward_hooks
+    return list(hooks.values()) if hooks else []
+
+
+def post_accumulate_hooks(param: torch.Tensor) -> list:
+    """The hooks ``param.register_post_accumulate_grad_hook`` added."""
+    with DisableTorchFunctionSubclass():
+        hooks = param._post_accumulate_grad_hooks
+    return list(hooks.values()) if hooks else []
 
 
 def insert_param_collectives_pass(gm: torch.fx.GraphModule, plan: ShardingPlan) -> torch.fx.GraphModule:

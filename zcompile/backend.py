@@ -34,7 +34,12 @@ from zcompile.inner import codegen_on_demand, compile_with_aot
 from zcompile.initial_values import check_same_initial_values
 from zcompile.param_shards import ShardedParam, mark_refusing_parameter, shard_of, shard_parameter
 from zcompile.pass_runner import PassRunner
-from zcompile.passes.param_collectives import ShardingPlan, plan_sharding
+from zcompile.passes.grad_hooks import hooked_params
+from zcompile.passes.param_collectives import (
+    ShardingPlan,
+    gradient_leaves_parameter,
+    plan_sharding,
+)
 from zcompile.passes.regions import subgraph_calls
 from zcompile.pipeline import run_passes
 from zcompile.process_group import DataParallelGroup, reduce_scatter_by_all_to_all
@@ -67,6 +72,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     )
     _check_devices(plan, example_inputs, group)
     swap = ShardSwap(plan, group)
+    swap.check_hooks(example_inputs)
     tracing_inputs = swap.swap_for_tracing(list(example_inputs))  # shards the parameters
     shards = [shard_of(example_inputs[p.index]) for p in plan.params]
     if plan.params:
@@ -141,6 +147,10 @@ class ShardSwap:
     def __init__(self, plan: ShardingPlan, group: DataParallelGroup):
         self.plan = plan
         self.group = group
+        # the parameters whose gradient the graph takes away from them: autograd runs none of their
+        # hooks, so those the graph was not built for are refused at every call (check_hooks)
+        self._gradient_moved = [p for p in plan.params if gradient_leaves_parameter(plan, p)]
+        self._hooked = {p.index for p in hooked_params(plan)}  # each takes its hooks token, appended last
 
     def sharded(self, param: torch.nn.Parameter, name: str, mark: bool = True) -> ShardedParam:
         existing = shard_of(param)
@@ -154,11 +164,15 @@ class ShardSwap:
     def swap(self, args: list, counted: bool = True, mark: bool = True) -> list:
         # calls, and calls with gradients, are counted on their parameters' shards (zcompile.step_agreement)
         training = int(counted and torch.is_grad_enabled())
-        appended = []
+        appended, tokens = [], []
         _check_requires_grad(self.plan, self.group, args)
+        if self._gradient_moved:
+            self.check_hooks(args)
         for p in self.plan.params:
             sharded = self.sharded(args[p.index], p.name, mark)
             sharded.training_calls += training
+            if p.index in self._hooked:
+                tokens.append(sharded.hooks_token)
             if counted and sharded.calls_since_step is not None:
                 sharded.calls_since_step += 1
             if self.plan.stage == 1:
@@ -173,7 +187,26 @@ class ShardSwap:
                 _follow_requires_grad(sharded.grad_target, p.requires_grad)
                 args[p.index] = sharded.replicated_alias
                 appended.append(sharded.grad_target)
-        return args + appended if appended else args
+        return args + appended + tokens if appended or tokens else args
+
+    def check_hooks(self, args: list) -> None:
+        """Raises ``ValueError`` for a hook this graph cannot run: a post-accumulate-grad hook on a
+        parameter whose gradient never accumulates on it, or a gradient hook registered after the
+        graph was compiled without a place for it (Dynamo does not guard hooks: no recompile). Read
+        with torch-function subclasses disabled, as ``passes.param_collectives.tensor_hooks`` reads them."""
+        message = None
+        with DisableTorchFunctionSubclass():  # one context for all: 150 parameters read in about 20 us
+            for p in self._gradient_moved:
+                param = args[p.index]
+                if param._post_accumulate_grad_hooks:
+                    message = _post_accumulate_message(p, self.plan)
+                elif not p.grad_hooks and param._backward_hooks:
+                    message = _late_hook_message(p)
+                if message is not None:
+                    break
+        if message is not None:
+            leave_abort_note(self.group, message)
+            raise ValueError(message)
 
     def first_call_since_agreed_step(self, args: tuple) -> bool:
         """Whether none of this call's parameters ran since the ranks agreed on a step: the ranks
@@ -251,6 +284,25 @@ def _stale_message(param, requires_grad: bool) -> str:
             "keeping the shards and the optimizer's state), or use torch 2.13 or newer. Where blocks compiled one "
             "by one share a graph but not their frozen weights (the first layers frozen), compile the whole "
             "model instead.")
+
+
+def _post_accumulate_message(param, plan: ShardingPlan) -> str:
+    where = (f"ZeRO stage {plan.stage}" if plan.stage != 1 else
+             f"stage 1 with param_dtype={plan.param_dtype} (the graphs take a low-precision replica)")
+    return (f"zcompile: parameter {param.name!r} has a post-accumulate-grad hook "
+            f"(register_post_accumulate_grad_hook). At {where} its gradient never accumulates in the parameter's "
+            ".grad: the compiled backward reduce-scatters it onto this rank's shard, so the hook would never run. "
+            "Use param.register_hook(fn) instead (zcompile runs it on the local gradient before the reduction, as "
+            "DDP does), or stage 1 without param_dtype, or run the hook's work after optimizer.step()")
+
+
+def _late_hook_message(param) -> str:
+    return (f"zcompile: parameter {param.name!r} got a gradient hook (register_hook) after the graph that uses it "
+            "was compiled without one. The graph routes the gradient to a shard, and Dynamo does not recompile "
+            "for a new hook, so the hook would never run. Register gradient hooks before the first compiled "
+            "call, or call torch.compiler.reset() after registering them (the next call recompiles, keeping the "
+            "shards and the optimizer's state). Where blocks compiled one by one share a graph, give every "
+            "block the hooks")
 
 
 def _follow_requires_grad(leaf: torch.Tensor, requires_grad: bool) -> None:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from zcompile.passes.grad_hooks import new_hooks_token
+from zcompile.passes.param_collectives import replica_dtype
 from zcompile.process_group import DataParallelGroup, all_gather_eager, gather_to_first_eager
 from zcompile.initial_values import value_digest
 from zcompile.sharded_parameter import grad_of, mark_sharded, set_grad
@@ -109,6 +111,7 @@ class ShardedParam:
     shape: torch.Size = field(init=False)
     numel: int = field(init=False)
     _replicated_alias: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _hooks_token: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.shape = self.param.shape
@@ -123,6 +126,15 @@ class ShardedParam:
         if self._replicated_alias is None:
             self._replicated_alias = (self.replica if self.replica is not None else self.param).detach()
         return self._replicated_alias
+
+    @property
+    def hooks_token(self) -> torch.Tensor:
+        """The tensor a graph that runs this parameter's gradient hooks takes to find them
+        (``passes/grad_hooks.py``), made on first use."""
+        if self._hooks_token is None:
+            with _allocation_mode(self.param):  # a fake parameter's token is fake (zcompile.simulate)
+                self._hooks_token = new_hooks_token(self.param)
+        return self._hooks_token
 
     @property
     def replicated(self) -> torch.Tensor:
@@ -329,20 +341,20 @@ def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: Dat
     optimizer state and the other graphs were built for the first one.
     """
     existing = shard_of(param)
-    replica_dtype = _replica_dtype(param, stage, param_dtype)
+    lowp_dtype = replica_dtype(stage, param_dtype, param.dtype, param.requires_grad)
     if existing is not None:
         existing_dtype = None if existing.replica is None else existing.replica.dtype
         if existing.stage != stage or existing.group.name != group.name or (
-                existing.stage in (1, 2) and existing.param.requires_grad and existing_dtype != replica_dtype):
+                existing.stage in (1, 2) and existing.param.requires_grad and existing_dtype != lowp_dtype):
             raise ValueError(
                 f"zero backend: parameter {name!r} is already sharded with stage {existing.stage} on group "
                 f"{existing.group.name!r} (replicated in {existing_dtype or existing.param.dtype}); it cannot be "
                 f"compiled again with stage {stage} on group {group.name!r} (replicated in "
-                f"{replica_dtype or param.dtype}). Use one ZeroConfig for every torch.compile of the same model."
+                f"{lowp_dtype or param.dtype}). Use one ZeroConfig for every torch.compile of the same model."
             )
         return existing
     with _allocation_mode(param):
-        return _new_shard(param, name, stage, group, reduce_dtype, replica_dtype, mark)
+        return _new_shard(param, name, stage, group, reduce_dtype, lowp_dtype, mark)
 
 
 def _is_fake(param: torch.nn.Parameter) -> bool:
@@ -358,7 +370,7 @@ def _allocation_mode(param: torch.nn.Parameter):
 
 
 def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataParallelGroup,
-               reduce_dtype: torch.dtype | None, replica_dtype: torch.dtype | None, mark: bool) -> ShardedParam:
+               reduce_dtype: torch.dtype | None, lowp_dtype: torch.dtype | None, mark: bool) -> ShardedParam:
     _check_shardable(param, name)
     # every shard is made here (by the backend, or by the optimizer for an eager parameter): from
     # now on torch.nn.utils.clip_grad_norm_ (and a GradScaler) may see a zcompile parameter and must route it
@@ -373,7 +385,7 @@ def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataPara
     install_foreign_optimizer_guard()  # and a torch optimizer must not step what it cannot update
     piece = FlatPiece(param.numel(), group.world_size, group.rank)
     shard_numel = piece.chunk
-    in_replicated_storage = stage in (1, 2) and param.dtype == torch.float32 and replica_dtype is None
+    in_replicated_storage = stage in (1, 2) and param.dtype == torch.float32 and lowp_dtype is None
     if in_replicated_storage:
         shard = _shard_in_replicated_storage(param, piece)  # the master weight is the replica's own slice
     else:
@@ -383,8 +395,8 @@ def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataPara
         sharded.initial_digest = value_digest(param)  # before the full value is freed (zcompile.initial_values)
     if in_replicated_storage and not _is_fake(param):
         sharded.home = param.data_ptr()
-    if replica_dtype is not None:
-        padded = torch.zeros(piece.chunk * piece.world, dtype=replica_dtype, device=param.device)
+    if lowp_dtype is not None:
+        padded = torch.zeros(piece.chunk * piece.world, dtype=lowp_dtype, device=param.device)
         sharded.replica = padded[: piece.numel].view(param.shape)
         if stage == 1:  # the graphs take the replica as the parameter: its gradient is the full local one
             sharded.replica.requires_grad_(True)
@@ -462,14 +474,6 @@ def _dense_grad_of(tensor: torch.Tensor) -> torch.Tensor | None:
         grad = grad.to_dense()
         set_grad(tensor, grad)
     return grad
-
-
-def _replica_dtype(param: torch.nn.Parameter, stage: int, param_dtype: torch.dtype | None) -> torch.dtype | None:
-    """The dtype of the low-precision replica of a stage-1/2 parameter, None for no replica: only
-    trained parameters (a frozen one has no master weight to keep apart) wider than ``param_dtype``."""
-    if stage not in (1, 2) or param_dtype is None or not param.requires_grad:
-        return None
-    return param_dtype if param_dtype.itemsize < param.dtype.itemsize else None
 
 
 # by a weight's dimensions: the channels-last layout model.to(memory_format=...) gives it
