@@ -53,6 +53,9 @@ def test_eager_use_of_a_stage3_weight_names_gathered():
         torch.testing.assert_close(eager, compiled(tokens, targets), rtol=0, atol=0)
     with pytest.raises(ShardedParameterError):
         weight.sum()  # freed again after the block
+    # gradients taken with torch.autograd.grad (meta-learning, gradient penalties): none exists in full
+    with pytest.raises(ShardedParameterError, match=r"torch.autograd.grad .*'wte.weight'.*gathered\(model, grads=True\)"):
+        torch.autograd.grad(compiled(tokens, targets), list(model.parameters()))
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -146,6 +146,14 @@ def _name_of(tensor: torch.Tensor) -> str:
 
 
 def _message(tensor: torch.Tensor, func) -> str:
+    if func is torch.autograd.grad:
+        return (
+            f"zcompile: torch.autograd.grad with respect to parameter {_name_of(tensor)!r}, which is sharded "
+            f"({_freed_reason(tensor)}): the compiled backward reduce-scatters its gradient onto this rank's shard, "
+            "so no full gradient of the parameter exists to return (and the parameter is not an input of the "
+            "compiled graphs' autograd). Call loss.backward() and read the gradients averaged over ranks inside "
+            "`with zcompile.gathered(model, grads=True): ...` (what you assign to p.grad there is what the step "
+            "applies), or use stage 1, whose graphs keep the parameters as autograd inputs")
     name = getattr(func, "__name__", str(func))
     if name in ("__get__", "__set__", "__delete__"):  # a property's accessor: name the property
         name = f"{getattr(getattr(func, '__self__', None), '__name__', '?')} ({name})"
