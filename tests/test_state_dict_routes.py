@@ -34,7 +34,7 @@ def _fresh(stage: int):
 def _error(fn) -> str:
     try:
         fn()
-    except (ShardedStateDictError, RuntimeError) as error:
+    except (ShardedStateDictError, RuntimeError, ValueError) as error:
         return f"{type(error).__name__}: {error}"
     return ""
 
@@ -89,6 +89,13 @@ def routes_on_rank(rank: int, world: int, root: str) -> dict:
     # DCP's optimizer-state initialization on a fresh optimizer is refused, not silently empty
     model, compiled, optimizer = _fresh(2)
     out["dcp_fresh_optimizer"] = _error(lambda: get_optimizer_state_dict(compiled, optimizer))
+
+    # DDP's habit: rank 0's optimizer.state_dict() file loaded on every rank (last: rank 1 leaves its
+    # error for the others, as a rank that raises does)
+    model, compiled, optimizer = _fresh(2)
+    train_steps(SPEC, compiled, optimizer, range(1), rank, world)
+    rank0_file = torch.load(os.path.join(root, "optim_0.pt"), weights_only=True)
+    out["rank0_file_loaded"] = _error(lambda: optimizer.load_state_dict(rank0_file))
     return out
 
 
@@ -114,6 +121,16 @@ def test_optimizer_state_dict_round_trips_per_rank_and_through_dcp(routes):
     for result in routes:
         assert result["torch_save_resumed"] == result["full"][2][2:]
         assert result["dcp_resumed"] == result["full"][2][2:]  # each rank its own moments
+
+
+def test_one_ranks_optimizer_file_loaded_on_every_rank_is_refused(routes):
+    """Each rank's optimizer.state_dict() is its piece of the moments: rank 0's file on rank 1 would
+    have resumed with rank 0's moments on both ranks, silently (losses off the uninterrupted run's)."""
+    rank0, rank1 = routes
+    assert rank0["rank0_file_loaded"] == ""
+    assert rank1["rank0_file_loaded"].startswith("ValueError: optimizer state 'exp_avg': rank 1 is loading the "
+                                                 "piece rank 0 of 2 saved")
+    assert "zcompile.checkpoint.save/load" in rank1["rank0_file_loaded"]
 
 
 def test_dcp_fresh_optimizer_state_is_refused(routes):

@@ -15,16 +15,22 @@ the shard's device: torch's own loader would cast it to the parameter's dtype (b
 
 from __future__ import annotations
 
-
 import torch
 
 from zcompile.checkpoint_layout import as_flat_piece, flat_mesh, group_of
 from zcompile.param_shards import FlatPiece, shard_of
 from zcompile.process_group import DataParallelGroup
+from zcompile.rank_check import leave_abort_note
 
 
 def _group(optimizer) -> DataParallelGroup:
     return group_of(p for g in optimizer.param_groups for p in g["params"])
+
+
+# on each piece ``state_dict()`` returns: the rank whose piece it is. ``torch.save`` keeps a tensor's
+# attributes and a DTensor's mesh does not say whose piece it holds: rank 0's file loaded on every rank
+# (DDP's checkpoint habit) gave each rank rank 0's moments, silently. DCP loads into this rank's pieces.
+SAVED_BY_ATTR = "_zcompile_saved_by_rank"
 
 
 def sharded_state_dict(optimizer, torch_state_dict: dict) -> dict:
@@ -36,14 +42,22 @@ def sharded_state_dict(optimizer, torch_state_dict: dict) -> dict:
     for index, entry in torch_state_dict["state"].items():
         param = params[index]
         piece = FlatPiece(param.numel(), group.world_size, group.rank)
-        state[index] = {key: as_flat_piece(value.detach()[: piece.owned], param.numel(), mesh)
-                        if piece.is_shard(value) else value for key, value in entry.items()}
+        state[index] = {key: _piece_of(value, param, piece, mesh) if piece.is_shard(value) else value
+                        for key, value in entry.items()}
     return {"state": state, "param_groups": torch_state_dict["param_groups"]}
+
+
+def _piece_of(shard_value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, mesh) -> torch.Tensor:
+    value = as_flat_piece(shard_value.detach()[: piece.owned], param.numel(), mesh)
+    if mesh is not None:
+        setattr(value, SAVED_BY_ATTR, (piece.rank, piece.world))
+    return value
 
 
 def _my_shard(value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, key: str) -> torch.Tensor:
     """This rank's padded fp32 shard of a saved state tensor, whatever form it was saved in."""
     if hasattr(value, "to_local"):  # a flat piece in this rank's layout (saved so, or resharded by dcp.load)
+        _check_saved_by_this_rank(value, piece, key)
         if tuple(value.shape) != (param.numel(),) or value.to_local().numel() != piece.owned:
             raise ValueError(f"optimizer state {key!r} is a piece of a tensor of {tuple(value.shape)} laid out for "
                              f"another number of ranks; load it with dcp.load into optimizer.state_dict() (which "
@@ -58,6 +72,19 @@ def _my_shard(value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, key: s
                          f"elements on {piece.world} ranks takes {param.numel()} (full) or {piece.chunk} (a shard)")
     device = shard_of(param).shard.device if shard_of(param) is not None else param.device
     return piece.padded(local.to(device), device)
+
+
+def _check_saved_by_this_rank(value: torch.Tensor, piece: FlatPiece, key: str) -> None:
+    saved_by = getattr(value, SAVED_BY_ATTR, None)
+    if saved_by is None or tuple(saved_by) == (piece.rank, piece.world):
+        return
+    rank, world = saved_by
+    raise ValueError(
+        f"optimizer state {key!r}: rank {piece.rank} is loading the piece rank {rank} of {world} saved. "
+        "optimizer.state_dict() holds only this rank's piece of the sharded optimizer state, so a file saved on "
+        "one rank (DDP's `if rank == 0: torch.save(...)`) and loaded on every rank would give every rank that "
+        "rank's moments. Save and load with zcompile.checkpoint.save/load (or dcp.save/dcp.load of "
+        "optimizer.state_dict()), or torch.save a file per rank (f'optim_rank{rank}.pt') and load each rank's own")
 
 
 def _merged_state(state: dict) -> dict[str, dict]:
@@ -86,11 +113,15 @@ def load_sharded_state_dict(optimizer, state_dict: dict) -> None:
     saved_ids = [str(saved_id) for g in saved_groups for saved_id in g["params"]]
     index_of = {saved_id: position for position, saved_id in enumerate(saved_ids)}
     new_state = {}
-    for saved_index, entry in _merged_state(state_dict["state"]).items():
-        param = params[index_of[saved_index]]
-        piece = FlatPiece(param.numel(), group.world_size, group.rank)
-        new_state[param] = {key: _my_shard(value, param, piece, key) if isinstance(value, torch.Tensor)
-                            and value.dim() == 1 else value for key, value in entry.items()}
+    try:
+        for saved_index, entry in _merged_state(state_dict["state"]).items():
+            param = params[index_of[saved_index]]
+            piece = FlatPiece(param.numel(), group.world_size, group.rank)
+            new_state[param] = {key: _my_shard(value, param, piece, key) if isinstance(value, torch.Tensor)
+                                and value.dim() == 1 else value for key, value in entry.items()}
+    except ValueError as error:  # maybe this rank alone: the others, waiting for it later, quote it
+        leave_abort_note(group, str(error))
+        raise
     for saved, live in zip(saved_groups, optimizer.param_groups):
         live.update({key: value for key, value in saved.items() if key != "params"})
     optimizer.state.clear()
