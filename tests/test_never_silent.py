@@ -164,6 +164,37 @@ def test_step_skipped_on_one_rank_fails_fast_on_every_rank(stage):
         assert seconds < 10, seconds  # the ranks meet at the next step: no timeout to wait for
 
 
+def _rank0_busy_between_steps(rank, world, busy_s):
+    """Rank 0 alone spends ``busy_s`` (over the check's timeout) on work of its own between steps: an
+    evaluation, a checkpoint written by rank 0, an upload. Stage 1: rank 1 waits at the next step's
+    agreement (at stages 2-3 it waits in the next graph's collectives, with no timeout of zcompile's)."""
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 1, "check_timeout_s": 3})
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, check_timeout_s=3)
+    spec, losses, waited = RunSpec(stage=1), [], 0.0
+    for step in range(3):
+        (tokens, targets), = micro_batches(spec, step, rank, world)
+        loss = compiled(tokens, targets)
+        loss.backward()
+        start = time.perf_counter()
+        optimizer.step()
+        waited = max(waited, time.perf_counter() - start)
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if step == 0 and rank == 0:
+            time.sleep(busy_s)
+    return losses, waited
+
+
+def test_a_rank_busy_with_its_own_work_past_the_timeout_is_waited_for():
+    """Before, rank 1 raised RankDivergenceError after check_timeout_s and the run ended; rank 0's beat
+    (zcompile.heartbeat) says it is alive and blocked in nothing, so rank 1 waits, as DDP would."""
+    rank0, rank1 = run_ranks(2, _rank0_busy_between_steps, 8.0)
+    assert len(rank0[0]) == len(rank1[0]) == 3
+    assert rank1[1] > 7.0  # rank 1 waited past its 3 s timeout at the step after rank 0's work
+
+
 def _new_weights_on_rank0(rank, world, stage):
     torch._dynamo.reset()
     model = build_model("gpt")

@@ -200,7 +200,7 @@ def test_a_rank_alone_times_out_naming_the_missing_rank_and_leaves_a_note():
     store = dist.HashStore()
     start = time.perf_counter()
     with pytest.raises(RankDivergenceError, match=r"doing: rank 0 \(its call #1\) got there but ranks \[1\] did "
-                                                  r"not within 2s\. the fix"):
+                                                  r"not within 2s \(rank 1 has not started zcompile's beat\)\. the fix"):
         exchange_through(store, "x", _group(0), 1.5, "check", "doing", "the fix")
     assert time.perf_counter() - start < 5
     rank, message = abort_note(store, _group(1))

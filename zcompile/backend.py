@@ -32,6 +32,7 @@ from zcompile.dumps import SHARDING_PLAN_FILE, resolve_dump_root
 from zcompile.dynamo_frame import forward_modules_on_stack, modules_of_compiled_frame, outer_data_parallel_wrapper
 from zcompile.inner import codegen_on_demand, compile_with_aot
 from zcompile.initial_values import check_same_initial_values
+from zcompile.heartbeat import heartbeat
 from zcompile.param_shards import ShardedParam, mark_refusing_parameter, shard_of, shard_parameter
 from zcompile.pass_runner import PassRunner
 from zcompile.passes.grad_hooks import hooked_params
@@ -107,7 +108,8 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     )
     if config.on_compile is not None:
         config.on_compile(graphs)
-    run = swap.wrap(compiled, _agreed_call(config, group, gm), config.check_timeout_s)
+    run = swap.wrap(compiled, _agreed_call(config, group, gm), config.check_timeout_s,
+                    str(gm.meta.get("dynamo_compile_id", "?")))
     changed = changed_buffer_inputs(plan.buffers, graphs.mutated_inputs)
     if config.broadcast_buffers and changed and group.world_size > 1:
         if plan.params:
@@ -233,15 +235,22 @@ class ShardSwap:
             return args
         return [a if id(a) in originals else fake_mode.from_tensor(a, static_shapes=True) for a in args]
 
-    def wrap(self, compiled: Callable, agreed_call: str | None = None, timeout_s: float = 60.0) -> Callable:
+    def wrap(self, compiled: Callable, agreed_call: str | None = None, timeout_s: float = 60.0,
+             graph_id: str = "?") -> Callable:
         """The compiled graph taking the shards; ``agreed_call``: what every rank must be calling
         before it runs (``zcompile.step_agreement.agree_on_call``), None for no agreement."""
         if not self.plan.params:
             return compiled
 
+        beat = heartbeat()  # a rank stuck in this graph's collectives is not busy with work of its own
+        what = f"compiled graph {graph_id}"
+
         def run_with_shards(*args):
             try:
-                return compiled(*self.swap(list(args)))
+                if beat is None:
+                    return compiled(*self.swap(list(args)))
+                with beat.blocked(what):
+                    return compiled(*self.swap(list(args)))
             except Exception as error:  # a collective failed: maybe another rank left, saying why
                 raise_if_aborted(self.group, error)
                 raise

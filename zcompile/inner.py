@@ -28,6 +28,7 @@ from zcompile.rank_check import (
     sequence_difference,
     sequence_signature,
 )
+from zcompile.heartbeat import heartbeat
 from zcompile.regional import schema_once_per_subgraph
 
 log = logging.getLogger(__name__)
@@ -145,10 +146,15 @@ def _quoting_abort_notes(run: Callable[[list], object], graphs: CompiledGraphs) 
     Boxed like ``run``: it hands the argument list on and keeps no input of its own, so the graph
     frees each after its last reader."""
     group = graphs.context.group
+    beat = heartbeat()  # a rank stuck in the backward's collectives is not busy with work of its own
+    what = "a compiled backward"
 
     def backward(args: list):
         try:
-            return run(args)
+            if beat is None:
+                return run(args)
+            with beat.blocked(what):
+                return run(args)
         except Exception as error:
             raise_if_aborted(group, error)
             raise

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from zcompile.passes.collectives import COLLECTIVE_KINDS, collective_nodes
 from zcompile.passes.metadata import params_of
 from zcompile.passes.regions import subgraph_calls
+from zcompile.heartbeat import blocked, busy_with_own_work, rank_states
 from zcompile.process_group import DataParallelGroup, default_store
 
 log = logging.getLogger(__name__)
@@ -328,25 +329,39 @@ def _abort_key(group: DataParallelGroup) -> str:
 def _wait_for_ranks(store: dist.Store, everyone: str, keys: list[str], group: DataParallelGroup, timeout_s: float,
                     where: str, fix: str) -> None:
     """Returns once ``everyone`` is set; raises when the time is up (naming the ranks whose ``keys`` are
-    not set) or another rank left an abort note."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        store.wait([everyone], timedelta(seconds=min(FIRST_WAIT_S, timeout_s)))
-        return
-    except dist.DistStoreError:  # a timeout: c10d has printed a warning about it
-        log.info("%s: waiting for ranks %s for up to %.0fs more", where, _missing(store, keys),
-                 deadline - time.monotonic())
-    while time.monotonic() < deadline:
-        if store.check([everyone]):
+    not set and what each is doing) or another rank left an abort note. Time is up only for ranks that
+    wait in zcompile too, or stopped beating: one that beats and runs its own code (an evaluation or a
+    checkpoint on one rank) is waited for, with a warning each ``timeout_s`` (``zcompile.heartbeat``)."""
+    with blocked(where):
+        deadline = time.monotonic() + timeout_s
+        try:
+            store.wait([everyone], timedelta(seconds=min(FIRST_WAIT_S, timeout_s)))
             return
-        note = abort_note(store, group)
-        if note is not None and note[0] != group.rank:
-            raise RankDivergenceError(f"{where} stopped waiting: rank {note[0]} reported: {note[1]}")
-        time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
-    if store.check([everyone]):
-        return
-    _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} did not within "
-                                         f"{timeout_s:.0f}s. {fix}")
+        except dist.DistStoreError:  # a timeout: c10d has printed a warning about it
+            log.info("%s: waiting for ranks %s for up to %.0fs more", where, _missing(store, keys),
+                     deadline - time.monotonic())
+        started = time.monotonic()
+        before = rank_states(store, group, _missing(store, keys))
+        while True:
+            while time.monotonic() < deadline:
+                if store.check([everyone]):
+                    return
+                note = abort_note(store, group)
+                if note is not None and note[0] != group.rank:
+                    raise RankDivergenceError(f"{where} stopped waiting: rank {note[0]} reported: {note[1]}")
+                time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
+            if store.check([everyone]):
+                return
+            now = rank_states(store, group, _missing(store, keys))
+            if not busy_with_own_work(before, now):
+                break
+            log.warning("%s: ranks %s have not come after %.0fs; they are alive and running code of their own "
+                        "(an evaluation or a checkpoint on some ranks only?), so this rank waits on",
+                        where, [state.rank for state in now], time.monotonic() - started)
+            before, deadline = now, time.monotonic() + timeout_s
+        states = "; ".join(state.describe() for state in now)
+        _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} did not within "
+                                             f"{timeout_s:.0f}s ({states}). {fix}")
 
 
 def _missing(store: dist.Store, keys: list[str]) -> list[int]:
