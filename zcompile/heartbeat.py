@@ -117,7 +117,11 @@ def heartbeat() -> Heartbeat | None:
     for thread in threading.enumerate():
         if thread.name == THREAD_NAME and thread.is_alive():
             return thread.heartbeat
-    beat = Heartbeat(store=default_store().clone(), rank=dist.get_rank())
+    try:
+        store = default_store().clone()  # a client of its own for the thread
+    except Exception:  # a store that cannot be cloned (torch's fake process group, zcompile.simulate): no beat
+        return None
+    beat = Heartbeat(store=store, rank=dist.get_rank())
     thread = threading.Thread(target=beat.beat_forever, name=THREAD_NAME, daemon=True)
     thread.heartbeat = beat
     thread.start()
