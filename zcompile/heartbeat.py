@@ -167,8 +167,10 @@ def rank_states(store: dist.Store, group, ranks: list[int]) -> list[RankState]:
 
 
 def busy_with_own_work(before: list[RankState], now: list[RankState]) -> bool:
-    """Whether every rank of ``now`` beat since ``before`` and waits in nothing of zcompile's."""
+    """Whether every rank of ``now`` beat since ``before`` and is not stuck: blocked in nothing, or in
+    one call for less than a beat (a rank evaluating alone through the compiled model passes through
+    many short compiled calls; one stuck in a collective stays in the same one)."""
     earlier = {state.rank: state.beat for state in before}
-    return bool(now) and all(state.beat is not None and state.blocked_in is None
+    return bool(now) and all(state.beat is not None and (state.blocked_in is None or state.for_s < BEAT_S)
                              and earlier.get(state.rank) is not None and state.beat > earlier[state.rank]
                              for state in now)
