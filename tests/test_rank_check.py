@@ -8,6 +8,7 @@ stage 3: an error on both ranks in seconds), and training under ``TORCH_DISTRIBU
 
 import subprocess
 import sys
+import json
 import threading
 import time
 from datetime import timedelta
@@ -19,6 +20,7 @@ from support.hand_built import layered_graph
 from support.launch import run_ranks
 from support.models import build_model, global_batch, model_loss
 from support.training import RunSpec, train_zero
+from zcompile.heartbeat import alive_key
 from zcompile.passes.metadata import tag
 from zcompile.passes.param_collectives import ParamInput, ShardingPlan
 
@@ -205,6 +207,28 @@ def test_a_rank_alone_times_out_naming_the_missing_rank_and_leaves_a_note():
     assert time.perf_counter() - start < 5
     rank, message = abort_note(store, _group(1))
     assert rank == 0 and "ranks [1] did not" in message
+
+
+def test_ranks_waiting_in_each_others_exchanges_fail_without_waiting_for_the_timeout():
+    """Rank 1 has waited 10 s in another exchange of the group (its beat says so, zcompile.heartbeat):
+    that exchange needs rank 0, which waits here for rank 1, so rank 0 raises within about two beats,
+    not at its 30 s timeout. One of another group's exchanges may end without rank 0: it waits on."""
+    store = dist.HashStore()
+    beat = {"beat": 5, "blocked_in": "zcompile.checkpoint.save: rank 1 (its call #1)", "for_s": 10.0,
+            "exchange_group": "g"}
+    store.set(alive_key(1), json.dumps(beat))
+    start = time.perf_counter()
+    with pytest.raises(RankDivergenceError, match=r"ranks \[1\] wait elsewhere \(rank 1 waits in "
+                                                  r"zcompile.checkpoint.save: rank 1 \(its call #1\) \(for 10s\)\): "
+                                                  r"each waits for the other"):
+        exchange_through(store, "x", _group(0), 30, "check", "doing", "the fix")
+    assert time.perf_counter() - start < 6
+    store = dist.HashStore()
+    store.set(alive_key(1), json.dumps({**beat, "exchange_group": "another group"}))
+    start = time.perf_counter()
+    with pytest.raises(RankDivergenceError, match=r"did not within 4s"):
+        exchange_through(store, "x", _group(0), 3.5, "check", "doing", "the fix")
+    assert time.perf_counter() - start > 3.4
 
 
 def test_a_note_from_another_rank_ends_the_wait_at_once():

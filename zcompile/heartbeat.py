@@ -51,6 +51,8 @@ class Heartbeat:
     rank: int  # global rank
     blocked_in: str | None = None  # what the training thread waits in, inside zcompile; None: its own code
     blocked_since: float = 0.0
+    # blocked_in is an exchange of the ranks of this group (rank_check), which needs all of them; None: not one
+    exchange_group: str | None = None
     beats: int = 0
     thread_id: int = field(default_factory=threading.get_ident)  # the training thread: the one that made it
     _in_distributed: tuple[str, float] | None = field(default=None, repr=False)  # (call, first seen)
@@ -65,7 +67,8 @@ class Heartbeat:
                 self._in_distributed = None if call is None else (call, now)
             with self._lock:
                 if self.blocked_in is not None:
-                    state = {"blocked_in": self.blocked_in, "for_s": now - self.blocked_since}
+                    state = {"blocked_in": self.blocked_in, "for_s": now - self.blocked_since,
+                             "exchange_group": self.exchange_group}
                 elif self._in_distributed is not None and now - self._in_distributed[1] >= BEAT_S:
                     state = {"blocked_in": self._in_distributed[0], "for_s": now - self._in_distributed[1]}
                 else:  # in no call, or in one seen once: a rank busy with its own work passes through many
@@ -78,18 +81,19 @@ class Heartbeat:
             time.sleep(BEAT_S)
 
     @contextlib.contextmanager
-    def blocked(self, what: str):
-        """The main thread waits in ``what`` (zcompile's) until the block ends; nested blocks keep the outer."""
+    def blocked(self, what: str, exchange_group: str | None = None):
+        """The training thread waits in ``what`` (zcompile's; ``exchange_group``: an exchange of that
+        group's ranks) until the block ends; nested blocks keep the outer."""
         if self.blocked_in is not None:
             yield
             return
         with self._lock:
-            self.blocked_in, self.blocked_since = what, time.monotonic()
+            self.blocked_in, self.blocked_since, self.exchange_group = what, time.monotonic(), exchange_group
         try:
             yield
         finally:
             with self._lock:
-                self.blocked_in = None
+                self.blocked_in, self.exchange_group = None, None
 
 
 def _distributed_call(frame) -> str | None:
@@ -128,10 +132,10 @@ def heartbeat() -> Heartbeat | None:
     return beat
 
 
-def blocked(what: str):
+def blocked(what: str, exchange_group: str | None = None):
     """``Heartbeat.blocked`` of this process's beat, or nothing without one."""
     beat = heartbeat()
-    return beat.blocked(what) if beat is not None else contextlib.nullcontext()
+    return beat.blocked(what, exchange_group) if beat is not None else contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ class RankState:
     beat: int | None
     blocked_in: str | None
     for_s: float
+    exchange_group: str | None = None
 
     def describe(self) -> str:
         if self.beat is None:
@@ -162,8 +167,19 @@ def rank_states(store: dist.Store, group, ranks: list[int]) -> list[RankState]:
             states.append(RankState(rank, None, None, 0.0))
             continue
         value = json.loads(store.get(key))
-        states.append(RankState(rank, value["beat"], value["blocked_in"], value["for_s"]))
+        states.append(RankState(rank, value["beat"], value["blocked_in"], value["for_s"],
+                                value.get("exchange_group")))
     return states
+
+
+def waiting_on_each_other(missing: list[RankState], group_name: str | None) -> bool:
+    """Whether every missing rank has waited, for a beat or more, in another exchange of this group's
+    ranks than the one this rank waits in (it would be counted as arrived in this one): that exchange
+    needs this rank, which waits for it, so neither will ever come (``if rank == 0:
+    zcompile.checkpoint.save(...)`` while the others are at ``optimizer.step()``). No timeout needs to
+    pass. An exchange of another group may end without this rank: it does not count."""
+    return bool(missing) and all(state.exchange_group is not None and state.exchange_group == str(group_name)
+                                 and state.for_s >= BEAT_S for state in missing)
 
 
 def busy_with_own_work(before: list[RankState], now: list[RankState]) -> bool:

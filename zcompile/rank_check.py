@@ -29,7 +29,7 @@ import torch.distributed as dist
 from zcompile.passes.collectives import COLLECTIVE_KINDS, collective_nodes
 from zcompile.passes.metadata import params_of
 from zcompile.passes.regions import subgraph_calls
-from zcompile.heartbeat import blocked, busy_with_own_work, rank_states
+from zcompile.heartbeat import BEAT_S, blocked, busy_with_own_work, rank_states, waiting_on_each_other
 from zcompile.process_group import DataParallelGroup, default_store
 
 log = logging.getLogger(__name__)
@@ -332,7 +332,7 @@ def _wait_for_ranks(store: dist.Store, everyone: str, keys: list[str], group: Da
     not set and what each is doing) or another rank left an abort note. Time is up only for ranks that
     wait in zcompile too, or stopped beating: one that beats and runs its own code (an evaluation or a
     checkpoint on one rank) is waited for, with a warning each ``timeout_s`` (``zcompile.heartbeat``)."""
-    with blocked(where):
+    with blocked(where, exchange_group=str(group.name)):
         deadline = time.monotonic() + timeout_s
         try:
             store.wait([everyone], timedelta(seconds=min(FIRST_WAIT_S, timeout_s)))
@@ -340,7 +340,7 @@ def _wait_for_ranks(store: dist.Store, everyone: str, keys: list[str], group: Da
         except dist.DistStoreError:  # a timeout: c10d has printed a warning about it
             log.info("%s: waiting for ranks %s for up to %.0fs more", where, _missing(store, keys),
                      deadline - time.monotonic())
-        started = time.monotonic()
+        started = looked = time.monotonic()
         before = rank_states(store, group, _missing(store, keys))
         while True:
             while time.monotonic() < deadline:
@@ -349,6 +349,12 @@ def _wait_for_ranks(store: dist.Store, everyone: str, keys: list[str], group: Da
                 note = abort_note(store, group)
                 if note is not None and note[0] != group.rank:
                     raise RankDivergenceError(f"{where} stopped waiting: rank {note[0]} reported: {note[1]}")
+                if time.monotonic() - looked >= BEAT_S:  # once a beat: do the missing ranks wait for this one?
+                    looked, now = time.monotonic(), rank_states(store, group, _missing(store, keys))
+                    if waiting_on_each_other(now, group.name):
+                        states = "; ".join(state.describe() for state in now)
+                        _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} "
+                                                             f"wait elsewhere ({states}): each waits for the other. {fix}")
                 time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
             if store.check([everyone]):
                 return
