@@ -169,6 +169,36 @@ def eval_on_rank0_only(rank, world, clock_path, stage):
     return _outcome(body, clock)
 
 
+def checkpoint_on_rank0_only(rank, world, clock_path, stage):
+    import zcompile.checkpoint
+
+    clock = Clock(clock_path)
+    model, compiled, optimizer = _model_and_batches(stage)
+    _train(compiled, optimizer, range(1), rank)
+
+    def body():
+        if rank == 0:  # DDP's habit: the checkpoint written by rank 0 alone
+            clock.mark()
+            zcompile.checkpoint.save(os.path.join(os.path.dirname(clock_path), f"ckpt_{stage}"), model, optimizer)
+        return _train(compiled, optimizer, range(1, 3), rank)
+
+    return _outcome(body, clock)
+
+
+def busy_rank0(rank, world, clock_path, stage, busy_s):
+    clock = Clock(clock_path)
+    model, compiled, optimizer = _model_and_batches(stage)
+    _train(compiled, optimizer, range(1), rank)
+
+    def body():
+        if rank == 0:  # work of its own past check_timeout_s: an evaluation, a checkpoint written by rank 0
+            clock.mark()
+            time.sleep(busy_s)
+        return _train(compiled, optimizer, range(1, 3), rank)
+
+    return _outcome(body, clock)
+
+
 def shape_change_on_one_rank(rank, world, clock_path):
     clock = Clock(clock_path)
     model, compiled, optimizer = _model_and_batches(2, dynamic=False)
@@ -216,6 +246,8 @@ FAULTS = {
     "eval on rank 0 only (no_grad), stage 3": (eval_on_rank0_only, 3),
     "input shape changes on one rank, stage 2": (shape_change_on_one_rank,),
     "NaN loss on one rank, skip_nonfinite": (nan_on_one_rank,),
+    "zcompile.checkpoint.save on rank 0 only, stage 1": (checkpoint_on_rank0_only, 1),
+    "rank 0 busy 90 s between steps, stage 1": (busy_rank0, 1, 90.0),
 }
 
 
