@@ -40,7 +40,6 @@ class ParamInput:
     requires_grad: bool
     dtype: torch.dtype = torch.float32  # the parameter's own dtype, as Dynamo traced it
     grad_hooks: bool = False  # it has hooks of register_hook (passes/grad_hooks.py)
-    post_accumulate_hooks: bool = False  # it has hooks of register_post_accumulate_grad_hook
 
 
 @dataclass
@@ -77,7 +76,7 @@ def plan_sharding(gm: torch.fx.GraphModule, example_inputs, stage: int, world_si
         if isinstance(example, torch.nn.Parameter):
             name = param_name_from_source(source, node.name)
             plan.params.append(ParamInput(index, name, tuple(example.shape), example.requires_grad, example.dtype,
-                                          bool(tensor_hooks(example)), bool(post_accumulate_hooks(example))))
+                                          bool(tensor_hooks(example))))
         elif isinstance(example, torch.Tensor) and source is not None and _BUFFER_SOURCE.search(source.name):
             plan.buffers.append((index, param_name_from_source(source, node.name)))
     return plan
@@ -107,13 +106,6 @@ def tensor_hooks(param: torch.Tensor) -> list:
     parameter's ``__torch_function__``, which refuses use of freed storage)."""
     with DisableTorchFunctionSubclass():
         hooks = param._backward_hooks
-    return list(hooks.values()) if hooks else []
-
-
-def post_accumulate_hooks(param: torch.Tensor) -> list:
-    """The hooks ``param.register_post_accumulate_grad_hook`` added."""
-    with DisableTorchFunctionSubclass():
-        hooks = param._post_accumulate_grad_hooks
     return list(hooks.values()) if hooks else []
 
 

@@ -36,11 +36,7 @@ from zcompile.heartbeat import heartbeat
 from zcompile.param_shards import ShardedParam, mark_refusing_parameter, shard_of, shard_parameter
 from zcompile.pass_runner import PassRunner
 from zcompile.passes.grad_hooks import hooked_params
-from zcompile.passes.param_collectives import (
-    ShardingPlan,
-    gradient_leaves_parameter,
-    plan_sharding,
-)
+from zcompile.passes.param_collectives import ShardingPlan, gradient_leaves_parameter, plan_sharding
 from zcompile.passes.regions import subgraph_calls
 from zcompile.pipeline import run_passes
 from zcompile.process_group import DataParallelGroup, reduce_scatter_by_all_to_all
@@ -73,7 +69,6 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     )
     _check_devices(plan, example_inputs, group)
     swap = ShardSwap(plan, group)
-    swap.check_hooks(example_inputs)
     tracing_inputs = swap.swap_for_tracing(list(example_inputs))  # shards the parameters
     shards = [shard_of(example_inputs[p.index]) for p in plan.params]
     if plan.params:

@@ -31,7 +31,7 @@ from zcompile.compiled import CompileContext
 from zcompile.dumps import plan_file
 from zcompile.passes.bucketing import bucket_collectives_pass, plan_buckets
 from zcompile.passes.cleanup import remove_unused_gathers_pass
-from zcompile.passes.grad_hooks import route_grad_hooks_pass
+from zcompile.passes.grad_hooks import hooked_params, route_grad_hooks_pass
 from zcompile.passes.hpz import hpz_forward_shortcut_pass, hpz_pass
 from zcompile.passes.keep_gathered import keep_gathered_pass, plan_keep_gathered
 from zcompile.passes.loss_backward import fuse_cross_entropy_backward_pass
@@ -80,7 +80,7 @@ PIPELINE: tuple[PassRow, ...] = (
             enabled=lambda c: c.sharding.stage > 1 and bool(c.sharding.params),
             options=lambda c, g: {"plan": c.sharding}),
     PassRow("route_grad_hooks", DYNAMO, route_grad_hooks_pass,
-            enabled=lambda c: any(p.grad_hooks for p in c.sharding.params),
+            enabled=lambda c: bool(hooked_params(c.sharding)),
             options=lambda c, g: {"plan": c.sharding},
             after=("insert_param_collectives",)),
     PassRow("autocast", DYNAMO, autocast_pass,
