@@ -231,6 +231,33 @@ def test_ranks_waiting_in_each_others_exchanges_fail_without_waiting_for_the_tim
     assert time.perf_counter() - start > 3.4
 
 
+def test_a_busy_rank_is_waited_for_up_to_the_process_groups_timeout(monkeypatch):
+    """Rank 1 beats and is blocked in nothing (its own work): rank 0 waits past its 1.5 s timeout, but
+    not forever: at the process group's timeout (3 s here; gloo's default is 30 min) it raises."""
+    import zcompile.rank_check as rank_check
+
+    monkeypatch.setattr(rank_check, "process_group_timeout_s", lambda group: 3.0)
+    store, stop = dist.HashStore(), threading.Event()
+
+    def beat():
+        count = 0
+        while not stop.is_set():
+            count += 1
+            store.set(alive_key(1), json.dumps({"beat": count, "blocked_in": None, "for_s": 0.0}))
+            time.sleep(0.2)
+
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(RankDivergenceError, match=r"ranks \[1\] did not within [34]s, the process group's "
+                                                      r"timeout \(rank 1 is alive, running its own code: busy"):
+            exchange_through(store, "x", _group(0), 1.5, "check", "doing", "the fix")
+    finally:
+        stop.set()
+    assert 3.0 <= time.perf_counter() - start < 6
+
+
 def test_a_note_from_another_rank_ends_the_wait_at_once():
     store = dist.HashStore()
     store.set("zcompile/abort/g", '[0, "zero backend: graph 0/1: rank 0 gave up"]')

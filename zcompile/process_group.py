@@ -188,6 +188,20 @@ def group_ranks_by_name() -> dict[str, tuple[int, ...]]:
             if group is not dist.GroupMember.NON_GROUP_MEMBER}
 
 
+def process_group_timeout_s(group: DataParallelGroup) -> float:
+    """The timeout ``init_process_group`` (or ``new_group``) gave ``group``'s collectives: how long a
+    collective of DDP's would wait for a missing rank; torch's default where it cannot be read."""
+    default = dist.default_pg_timeout.total_seconds()
+    if group.process_group is None:
+        return default
+    for device in ("cuda", "cpu"):
+        try:  # semi-private, stable since torch 2.2: the backend's options hold the timeout
+            return group.process_group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except Exception:
+            continue
+    return default
+
+
 def default_store() -> dist.Store:
     """The key-value store of the default process group (used for rank checks, never for data)."""
     return dist.distributed_c10d._get_default_store()

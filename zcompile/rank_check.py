@@ -30,7 +30,7 @@ from zcompile.passes.collectives import COLLECTIVE_KINDS, collective_nodes
 from zcompile.passes.metadata import params_of
 from zcompile.passes.regions import subgraph_calls
 from zcompile.heartbeat import BEAT_S, blocked, busy_with_own_work, rank_states, waiting_on_each_other
-from zcompile.process_group import DataParallelGroup, default_store
+from zcompile.process_group import DataParallelGroup, default_store, process_group_timeout_s
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +331,8 @@ def _wait_for_ranks(store: dist.Store, everyone: str, keys: list[str], group: Da
     """Returns once ``everyone`` is set; raises when the time is up (naming the ranks whose ``keys`` are
     not set and what each is doing) or another rank left an abort note. Time is up only for ranks that
     wait in zcompile too, or stopped beating: one that beats and runs its own code (an evaluation or a
-    checkpoint on one rank) is waited for, with a warning each ``timeout_s`` (``zcompile.heartbeat``)."""
+    checkpoint on one rank) is waited for, with a warning each ``timeout_s`` (``zcompile.heartbeat``),
+    up to the process group's timeout (how long DDP's next collective would wait): never forever."""
     with blocked(where, exchange_group=str(group.name)):
         deadline = time.monotonic() + timeout_s
         try:
@@ -341,6 +342,7 @@ def _wait_for_ranks(store: dist.Store, everyone: str, keys: list[str], group: Da
             log.info("%s: waiting for ranks %s for up to %.0fs more", where, _missing(store, keys),
                      deadline - time.monotonic())
         started = looked = time.monotonic()
+        patience_s = max(timeout_s, process_group_timeout_s(group))
         before = rank_states(store, group, _missing(store, keys))
         while True:
             while time.monotonic() < deadline:
@@ -358,13 +360,18 @@ def _wait_for_ranks(store: dist.Store, everyone: str, keys: list[str], group: Da
                 time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
             if store.check([everyone]):
                 return
-            now = rank_states(store, group, _missing(store, keys))
+            now, waited = rank_states(store, group, _missing(store, keys)), time.monotonic() - started
             if not busy_with_own_work(before, now):
                 break
+            if waited >= patience_s:
+                states = "; ".join(state.describe() for state in now)
+                _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} did not "
+                                                     f"within {waited:.0f}s, the process group's timeout ({states}: "
+                                                     f"busy, or stuck in code of their own). {fix}")
             log.warning("%s: ranks %s have not come after %.0fs; they are alive and running code of their own "
-                        "(an evaluation or a checkpoint on some ranks only?), so this rank waits on",
-                        where, [state.rank for state in now], time.monotonic() - started)
-            before, deadline = now, time.monotonic() + timeout_s
+                        "(an evaluation or a checkpoint on some ranks only?), so this rank waits on, up to the "
+                        "process group's timeout (%.0fs)", where, [state.rank for state in now], waited, patience_s)
+            before, deadline = now, time.monotonic() + min(timeout_s, max(patience_s - waited, 0.0))
         states = "; ".join(state.describe() for state in now)
         _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} did not within "
                                              f"{timeout_s:.0f}s ({states}). {fix}")
