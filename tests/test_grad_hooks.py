@@ -69,13 +69,40 @@ def _train_with_hooks(rank: int, world: int) -> dict:
         with zcompile.gathered(model) if options is not None else torch.no_grad():
             params = {name: p.detach().float().clone() for name, p in model.named_parameters()}
         results[label] = (params, seen)
+    results["rank0_only_warnings"] = _hooks_on_rank0_only(rank, world)
     return results
 
 
+def _hooks_on_rank0_only(rank: int, world: int) -> list[str]:
+    """``if rank == 0: wandb.watch(model)``: the warnings of the compile (a hook on one rank only is
+    fine when it reads, a mix when it changes the gradient; zcompile cannot tell which)."""
+    import logging
+
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    if rank == 0:
+        model.wte.weight.register_hook(lambda grad: None)
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("zcompile.rank_check").addHandler(handler)
+    try:
+        compiled = torch.compile(model, backend="zero", options={"stage": 3})
+        (tokens, targets), = micro_batches(RunSpec(), 0, rank, world)
+        compiled(tokens, targets).backward()
+    finally:
+        logging.getLogger("zcompile.rank_check").removeHandler(handler)
+    return records
+
+
 @pytest.fixture(scope="module")
-def hooked_runs():
-    rank0, _ = run_ranks(2, _train_with_hooks)
-    return rank0
+def both_ranks():
+    return run_ranks(2, _train_with_hooks)
+
+
+@pytest.fixture(scope="module")
+def hooked_runs(both_ranks):
+    return both_ranks[0]
 
 
 @pytest.mark.parametrize("label", list(ZERO_RUNS))
@@ -93,6 +120,12 @@ def test_gradient_hooks_run_on_the_local_gradient_like_ddp(hooked_runs, label):
         return
     for name, expected in ddp_params.items():  # the clamp ran on each rank's gradient, before the mean
         torch.testing.assert_close(params[name], expected, rtol=0, atol=2e-6, msg=name)
+
+
+def test_hooks_registered_on_one_rank_only_are_named_on_every_rank(both_ranks):
+    for records in (both_ranks[0]["rank0_only_warnings"], both_ranks[1]["rank0_only_warnings"]):
+        hooks = [r for r in records if "gradient hooks" in r]
+        assert len(hooks) == 1 and "rank 0: wte.weight; rank 1: none" in hooks[0], records
 
 
 def test_clamping_the_mean_instead_would_be_seen(hooked_runs):

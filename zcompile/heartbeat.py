@@ -23,6 +23,7 @@ not zcompile's) looks busy; the wait then lasts until the process group's timeou
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -57,9 +58,10 @@ class Heartbeat:
     thread_id: int = field(default_factory=threading.get_ident)  # the training thread: the one that made it
     _in_distributed: tuple[str, float] | None = field(default=None, repr=False)  # (call, first seen)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _stopped: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def beat_forever(self) -> None:
-        while True:
+        while not self._stopped.is_set():
             self.beats += 1
             call = _distributed_call(sys._current_frames().get(self.thread_id))
             now = time.monotonic()
@@ -78,7 +80,13 @@ class Heartbeat:
                 self.store.set(alive_key(self.rank), json.dumps(state))
             except Exception:  # the store's host is gone: the job is ending, the training thread will say why
                 return
-            time.sleep(BEAT_S)
+            self._stopped.wait(BEAT_S)
+
+    def stop(self, thread: threading.Thread) -> None:
+        """Ends the beat (at exit: a daemon thread inside a store call while the interpreter tears down
+        torch's objects could crash the process on its way out)."""
+        self._stopped.set()
+        thread.join(timeout=BEAT_S)
 
     @contextlib.contextmanager
     def blocked(self, what: str, exchange_group: str | None = None):
@@ -129,6 +137,7 @@ def heartbeat() -> Heartbeat | None:
     thread = threading.Thread(target=beat.beat_forever, name=THREAD_NAME, daemon=True)
     thread.heartbeat = beat
     thread.start()
+    atexit.register(beat.stop, thread)
     return beat
 
 

@@ -194,26 +194,41 @@ def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGr
 
     ``extra``: more settings that decide the collectives (the ZeRO++ options). Blocks marked on one
     rank only (``mark_repeated_blocks``) are named here, before the backward's buckets differ.
+    Gradient hooks registered on some ranks only ride along and get a warning, not an error: one that
+    only reads (``wandb.watch`` on rank 0) is fine, one that changes the gradient on some ranks only
+    makes the mean a mix of hooked and unhooked gradients, as it does under DDP.
     """
     compile_id = str(gm.meta.get("dynamo_compile_id", "unknown"))
-    check_same_on_all_ranks(collective_signature(plan, extra, subgraph_calls(gm)), group, timeout_s,
-                            f"graph {compile_id}", plan_difference)
+    hooked = sorted(p.name for p in plan.params if p.grad_hooks)
+    per_rank = check_same_on_all_ranks(collective_signature(plan, extra, subgraph_calls(gm)), group, timeout_s,
+                                       f"graph {compile_id}", plan_difference, aside=hooked)
+    if any(other != hooked for other in per_rank):
+        listed = "; ".join(f"rank {rank}: {', '.join(names[:4]) or 'none'}{' ...' if len(names) > 4 else ''}"
+                           for rank, names in enumerate(per_rank))
+        log.warning("zcompile: graph %s: the parameters with gradient hooks (register_hook) differ between ranks "
+                    "(%s). Fine for hooks that only read the gradient (logging on one rank); a hook that changes it "
+                    "on some ranks only makes the mean over ranks a mix of hooked and unhooked gradients. Register "
+                    "such hooks on every rank.", compile_id, listed)
 
 
 def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s: float, what: str,
-                            difference: Callable[[list, list, int, int], str | None] = entry_difference) -> None:
+                            difference: Callable[[list, list, int, int], str | None] = entry_difference,
+                            aside: Any = None) -> list:
     """Raises ``RankDivergenceError`` unless every rank of ``group`` passes the same ``signature``;
     the error names, per rank, the first place where ``difference`` finds it differs from rank 0's.
+    Returns every rank's ``aside``: carried by the same exchange, compared by the caller.
 
     The n-th check of a rank is compared with every other rank's n-th check.
     """
-    signatures = exchange_on_store(signature, group, timeout_s, "check", f"zero backend: {what}", CHECK_FIX)
+    exchanged = exchange_on_store([signature, aside], group, timeout_s, "check", f"zero backend: {what}", CHECK_FIX)
+    signatures = [entry[0] for entry in exchanged]
     if any(other != signatures[group.rank] for other in signatures):
         _tell_others_and_raise(None, group, (
             f"zero backend: {what} would issue different collectives on different ranks "
             f"({describe_differences(signatures, difference)}). Every rank must compile the same model with "
             "the same options."))
     log.debug("rank check passed for %s (%d entries)", what, len(signature))
+    return [entry[1] for entry in exchanged]
 
 
 # ---- the exchange through the store, and the abort note ----
