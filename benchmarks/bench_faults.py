@@ -2,6 +2,8 @@
 
     python benchmarks/bench_faults.py [--out benchmarks/results/faults_2.json] [--only NAME ...]
 
+(``--only`` reruns the rows named and keeps the others of ``--out``.)
+
 Each fault is a fresh run of 2 gloo ranks on this machine (``tests/support/launch.run_ranks``, the
 key-value store hosted outside the ranks as torchrun's agent hosts it)
 training the example GPT (``examples/gpt.py``: 2 layers, n_embd 64, seq 32, batch 4 per rank) with
@@ -136,9 +138,9 @@ def gathered_on_rank0_only(rank, world, clock_path):
     return _outcome(body, clock)
 
 
-def step_skipped_on_one_rank(rank, world, clock_path, stage):
+def step_skipped_on_one_rank(rank, world, clock_path, stage, compiler="eager"):
     clock = Clock(clock_path)
-    model, compiled, optimizer = _model_and_batches(stage)
+    model, compiled, optimizer = _model_and_batches(stage, {"compiler": compiler})
 
     def body():
         for step in range(4):
@@ -246,7 +248,10 @@ FAULTS = {
     "eval on rank 0 only (no_grad), stage 3": (eval_on_rank0_only, 3),
     "input shape changes on one rank, stage 2": (shape_change_on_one_rank,),
     "NaN loss on one rank, skip_nonfinite": (nan_on_one_rank,),
+    "step skipped on one rank, stage 3, inductor": (step_skipped_on_one_rank, 3, "inductor"),
     "zcompile.checkpoint.save on rank 0 only, stage 1": (checkpoint_on_rank0_only, 1),
+    "zcompile.checkpoint.save on rank 0 only, stage 2": (checkpoint_on_rank0_only, 2),
+    "zcompile.checkpoint.save on rank 0 only, stage 3": (checkpoint_on_rank0_only, 3),
     "rank 0 busy 90 s between steps, stage 1": (busy_rank0, 1, 90.0),
 }
 
@@ -268,6 +273,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="names of FAULTS to run (default: all)")
     args = parser.parse_args()
     results = {}
+    if args.only and args.out and os.path.exists(args.out):  # the rows rerun replace theirs; the others stay
+        with open(args.out) as handle:
+            results = json.load(handle)["faults"]
     with tempfile.TemporaryDirectory() as out_dir:
         for name in args.only or FAULTS:
             results[name] = run_fault(name, out_dir)

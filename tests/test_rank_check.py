@@ -209,26 +209,125 @@ def test_a_rank_alone_times_out_naming_the_missing_rank_and_leaves_a_note():
     assert rank == 0 and "ranks [1] did not" in message
 
 
+class _Beating:
+    """Rank 1's beat in the store, as its heartbeat thread writes it (``state``, a new count each 0.2 s;
+    ``fresh=False``: one beat written once, and never again)."""
+
+    def __init__(self, store: dist.Store, state: dict, fresh: bool = True):
+        self.store, self.state, self.fresh, self.stop = store, state, fresh, threading.Event()
+
+    def __enter__(self):
+        def beat():
+            count = 5
+            while not self.stop.is_set():
+                self.store.set(alive_key(1), json.dumps({"beat": count, **self.state}))
+                count += 1 if self.fresh else 0
+                time.sleep(0.2)
+
+        threading.Thread(target=beat, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+
+
+_IN_EXCHANGE = {"blocked_in": "zcompile.checkpoint.save: rank 1 (its call #1)", "for_s": 10.0, "exchange_group": "g"}
+_IN_COLLECTIVE = {"blocked_in": "a compiled backward, in reduce_scatter_tensor (c7f.py:12) over ranks [0, 1]",
+                  "for_s": 4.0, "collective_ranks": [0, 1]}
+
+
+def _raises_within(store, timeout_s: float, message: str) -> float:
+    start = time.perf_counter()
+    with pytest.raises(RankDivergenceError, match=message):
+        exchange_through(store, "x", _group(0), timeout_s, "check", "doing", "the fix")
+    return time.perf_counter() - start
+
+
 def test_ranks_waiting_in_each_others_exchanges_fail_without_waiting_for_the_timeout():
     """Rank 1 has waited 10 s in another exchange of the group (its beat says so, zcompile.heartbeat):
     that exchange needs rank 0, which waits here for rank 1, so rank 0 raises within about two beats,
     not at its 30 s timeout. One of another group's exchanges may end without rank 0: it waits on."""
-    store = dist.HashStore()
-    beat = {"beat": 5, "blocked_in": "zcompile.checkpoint.save: rank 1 (its call #1)", "for_s": 10.0,
-            "exchange_group": "g"}
-    store.set(alive_key(1), json.dumps(beat))
-    start = time.perf_counter()
-    with pytest.raises(RankDivergenceError, match=r"ranks \[1\] wait elsewhere \(rank 1 waits in "
-                                                  r"zcompile.checkpoint.save: rank 1 \(its call #1\) \(for 10s\)\): "
-                                                  r"each waits for the other"):
-        exchange_through(store, "x", _group(0), 30, "check", "doing", "the fix")
-    assert time.perf_counter() - start < 6
-    store = dist.HashStore()
-    store.set(alive_key(1), json.dumps({**beat, "exchange_group": "another group"}))
-    start = time.perf_counter()
-    with pytest.raises(RankDivergenceError, match=r"did not within 4s"):
-        exchange_through(store, "x", _group(0), 3.5, "check", "doing", "the fix")
-    assert time.perf_counter() - start > 3.4
+    with _Beating(store := dist.HashStore(), _IN_EXCHANGE):
+        seconds = _raises_within(store, 30, r"ranks \[1\] wait elsewhere \(rank 1 waits in zcompile.checkpoint.save: "
+                                            r"rank 1 \(its call #1\) \(for 10s\)\): each waits for the other")
+    assert seconds < 6
+    with _Beating(store := dist.HashStore(), {**_IN_EXCHANGE, "exchange_group": "another group"}):
+        assert _raises_within(store, 3.5, r"did not within 4s") > 3.4
+
+
+def test_a_rank_waiting_in_a_collective_with_this_rank_fails_without_waiting_for_the_timeout():
+    """Rank 1 waits in a compiled graph's collective whose group holds rank 0 (global rank 0 here: no
+    process group), which waits here instead of joining it: the error within about two beats. A
+    collective of ranks without rank 0 may end without it: rank 0 waits for its timeout."""
+    with _Beating(store := dist.HashStore(), _IN_COLLECTIVE):
+        seconds = _raises_within(store, 30, r"ranks \[1\] wait elsewhere \(rank 1 waits in a compiled backward, in "
+                                            r"reduce_scatter_tensor \(c7f.py:12\) over ranks \[0, 1\] \(for 4s\)\)")
+    assert seconds < 6
+    with _Beating(store := dist.HashStore(), {**_IN_COLLECTIVE, "collective_ranks": [1, 2]}):
+        assert _raises_within(store, 3.5, r"did not within 4s") > 3.4
+
+
+def test_a_beat_older_than_the_wait_does_not_count():
+    """A beat written before rank 0 came here (rank 1 stopped beating since) may show a wait that
+    ended as rank 0 came: rank 0 waits for its timeout rather than raising "each waits for the other"."""
+    for state in (_IN_EXCHANGE, _IN_COLLECTIVE):
+        with _Beating(store := dist.HashStore(), state, fresh=False):
+            assert _raises_within(store, 3.5, r"did not within 4s") > 3.4
+
+
+# what fx and inductor write for a collective and its wait (torch 2.13), as the beat reads them
+_FX_CODE = """def forward(self, primals_1, cat):
+    empty = torch.ops.aten.empty.memory_format([64], dtype = torch.float32)
+    all_gather_into_tensor_out_default = torch.ops._c10d_functional.all_gather_into_tensor_out.default(cat, 2, '7', out = empty);  cat = empty = None
+    wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_out_default);  all_gather_into_tensor_out_default = None
+    return (wait_tensor_default,)
+"""
+_INDUCTOR_CODE = """def call(args):
+    buf78, = args
+    buf79 = torch.ops._c10d_functional.reduce_scatter_tensor.default(buf78, 'sum', 2, '3')
+    torch.ops._c10d_functional.wait_tensor.default(buf79)
+    return (buf79, )
+"""
+
+
+def _read_while_waiting(code: str, filename: str):
+    """What the beat reads from the stack of ``code`` (registered in linecache as fx does) while it
+    waits (a stand-in for torch's ops: the generated code's own frame, at its wait's line)."""
+    import linecache
+    import types
+
+    from zcompile.heartbeat import collective_wait
+
+    linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
+    seen = []
+
+    def launch(*args, **kwargs):
+        return args[0] if args else kwargs.get("out")
+
+    def wait(tensor):
+        seen.append(collective_wait(sys._getframe()))
+        return tensor
+
+    functional = types.SimpleNamespace(**{name: types.SimpleNamespace(default=launch)
+                                          for name in ("all_gather_into_tensor_out", "reduce_scatter_tensor")},
+                                       wait_tensor=types.SimpleNamespace(default=wait))
+    aten = types.SimpleNamespace(empty=types.SimpleNamespace(memory_format=lambda *a, **k: None))
+    fake_torch = types.SimpleNamespace(ops=types.SimpleNamespace(_c10d_functional=functional, aten=aten),
+                                       float32=None)
+    namespace = {"torch": fake_torch}
+    exec(compile(code, filename, "exec"), namespace)
+    entry = namespace.get("forward") or namespace["call"]
+    entry(None, 1, 2) if "forward" in namespace else entry([1])
+    return seen[-1]
+
+
+def test_the_beat_reads_which_collective_compiled_code_waits_for_and_its_group():
+    from zcompile.heartbeat import collective_wait
+
+    assert _read_while_waiting(_FX_CODE, "<eval_with_key>.99") == \
+        ("all_gather_into_tensor_out (<eval_with_key>.99:4)", "7")
+    assert _read_while_waiting(_INDUCTOR_CODE, "/tmp/torchinductor_x/ab/cab.py") == ("reduce_scatter_tensor (cab.py:4)", "3")
+    assert collective_wait(sys._getframe()) is None  # this test's own stack waits for nothing
 
 
 def test_a_busy_rank_is_waited_for_up_to_the_process_groups_timeout(monkeypatch):
@@ -297,13 +396,13 @@ def _eval_on_rank0_without_collectives(rank, stage):
 
 
 def _eval_on_rank0_stage3(rank):
-    """Stage 3: rank 0's eval graph all-gathers, so it needs rank 1, which went on training. Both must
-    raise within seconds: rank 0 naming rank 1 after its 5s, rank 1 relaying rank 0's report (its own
-    timeout is longer, as a rank's is when it arrives first: it must not need it)."""
+    """Stage 3: rank 0's eval graph all-gathers, so it needs rank 1, which went on training and waits
+    in its forward's all-gather for rank 0. Both must raise within seconds, long before the 60 s
+    timeout: rank 0 because rank 1's beat says it waits in a collective that needs rank 0, rank 1
+    relaying rank 0's report."""
     torch._dynamo.reset()
     model = build_model("gpt")
-    options = {"stage": 3, "check_timeout_s": 5 if rank == 0 else 60}  # not in the signature: no divergence
-    compiled = torch.compile(model, backend="zero", options=options)
+    compiled = torch.compile(model, backend="zero", options={"stage": 3})  # the default 60 s timeout
     optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1)
     _train_step(compiled, optimizer)
     start, error = time.perf_counter(), None
@@ -338,13 +437,15 @@ def test_eval_on_rank0_only_works_at_stages_1_2_and_fails_fast_on_both_ranks_at_
     for stage in (1, 2):
         times = rank0[f"stage{stage}"]
         assert times["eval_s"] < times["first_step_s"] + 5, (stage, times)
-    # stage 3: rank 0 names rank 1 after its 5s; rank 1, waiting at its next call, relays rank 0's report
+    # stage 3: rank 0 names rank 1's wait; rank 1, in its all-gather, relays rank 0's report
     stage3 = rank0["stage3"]
-    assert stage3["divergence"] and "ranks [1] did not within 5s" in stage3["divergence"], stage3["error"]
-    assert 5 <= stage3["seconds"] < 20, stage3
+    waits = "ranks [1] wait elsewhere (rank 1 waits in compiled graph 0/0, in all_gather_into_tensor_out"
+    assert stage3["divergence"] and waits in stage3["divergence"], stage3["error"]
+    assert "over ranks [0, 1]" in stage3["divergence"] and "each waits for the other" in stage3["divergence"]
+    assert stage3["seconds"] < 20, stage3  # not the 60 s timeout
     stage3 = rank1["stage3"]
     assert stage3["divergence"] and "rank 0 reported" in stage3["divergence"], stage3["error"]
-    assert "ranks [1] did not within 5s" in stage3["divergence"]
+    assert waits in stage3["divergence"]
     assert stage3["seconds"] < 30, stage3  # never the process group's timeout (120s in the launcher)
 
 

@@ -26,8 +26,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import linecache
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -35,13 +37,17 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from zcompile.process_group import default_store
+from zcompile.process_group import default_store, group_ranks_by_name
 
 log = logging.getLogger(__name__)
 
 BEAT_S = 2.0  # a beat's period; a rank is alive when its count moved within a wait's timeout
 _DISTRIBUTED_DIR = os.path.join("torch", "distributed", "")
 THREAD_NAME = "zcompile-heartbeat"
+# a compiled graph's wait for a functional collective, in fx's code and in inductor's:
+# "wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_out_default)"
+_WAIT_LINE = re.compile(r"_c10d_functional\.wait_tensor(?:\.default)?\((\w+)\)")
+_COLLECTIVE_CALL = re.compile(r"_c10d_functional\.(\w+?)(?:\.default)?\((.*)\)")
 
 
 @dataclass(eq=False)
@@ -56,31 +62,55 @@ class Heartbeat:
     exchange_group: str | None = None
     beats: int = 0
     thread_id: int = field(default_factory=threading.get_ident)  # the training thread: the one that made it
-    _in_distributed: tuple[str, float] | None = field(default=None, repr=False)  # (call, first seen)
+    _waiting: StackWait | None = field(default=None, repr=False)  # what the stack waits in, since when
+    _group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # by group name
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _stopped: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def beat_forever(self) -> None:
         while not self._stopped.is_set():
             self.beats += 1
-            call = _distributed_call(sys._current_frames().get(self.thread_id))
-            now = time.monotonic()
-            if call is None or self._in_distributed is None or self._in_distributed[0] != call:
-                self._in_distributed = None if call is None else (call, now)
-            with self._lock:
-                if self.blocked_in is not None:
-                    state = {"blocked_in": self.blocked_in, "for_s": now - self.blocked_since,
-                             "exchange_group": self.exchange_group}
-                elif self._in_distributed is not None and now - self._in_distributed[1] >= BEAT_S:
-                    state = {"blocked_in": self._in_distributed[0], "for_s": now - self._in_distributed[1]}
-                else:  # in no call, or in one seen once: a rank busy with its own work passes through many
-                    state = {"blocked_in": None, "for_s": 0.0}
-            state = {"beat": self.beats, **state, "for_s": round(state["for_s"], 1)}
+            state = {"beat": self.beats, **self._state(time.monotonic())}
             try:
                 self.store.set(alive_key(self.rank), json.dumps(state))
             except Exception:  # the store's host is gone: the job is ending, the training thread will say why
                 return
             self._stopped.wait(BEAT_S)
+
+    def _state(self, now: float) -> dict:
+        """What this beat says: what the training thread is blocked in, for how long, and (where known)
+        the exchange's group or the global ranks of the collective it waits for."""
+        try:
+            waiting = self._stack_wait(sys._current_frames().get(self.thread_id))
+        except Exception:  # a stack read while it changes (linecache, the group registry): next beat
+            log.debug("could not read the training thread's stack", exc_info=True)
+            waiting = None
+        if waiting is None or self._waiting is None or self._waiting.call != waiting.call:
+            self._waiting = None if waiting is None else StackWait(waiting.call, waiting.ranks, now)
+        # in one call seen once: a rank busy with its own work passes through many
+        seen = self._waiting if self._waiting is not None and now - self._waiting.since >= BEAT_S else None
+        with self._lock:
+            mark, since, group = self.blocked_in, self.blocked_since, self.exchange_group
+        if seen is not None:
+            return {"blocked_in": seen.call if mark is None else f"{mark}, in {seen.call}",
+                    "for_s": round(now - seen.since, 1), "collective_ranks": seen.ranks,
+                    "exchange_group": group}
+        if mark is not None:
+            return {"blocked_in": mark, "for_s": round(now - since, 1), "exchange_group": group}
+        return {"blocked_in": None, "for_s": 0.0}
+
+    def _stack_wait(self, frame) -> StackWait | None:
+        """What a stack waits in: a compiled graph's wait for a collective (with its group's global
+        ranks, where its code names the group), or else a call into ``torch.distributed``."""
+        collective = collective_wait(frame)
+        if collective is None:
+            call = _distributed_call(frame)
+            return None if call is None else StackWait(call, None, 0.0)
+        call, group_name = collective
+        if group_name is not None and group_name not in self._group_ranks:
+            self._group_ranks.update(group_ranks_by_name())  # a group made since the last look
+        ranks = self._group_ranks.get(group_name) if group_name is not None else None
+        return StackWait(call if ranks is None else f"{call} over ranks {list(ranks)}", ranks, 0.0)
 
     def stop(self, thread: threading.Thread) -> None:
         """Ends the beat (at exit: a daemon thread inside a store call while the interpreter tears down
@@ -102,6 +132,52 @@ class Heartbeat:
         finally:
             with self._lock:
                 self.blocked_in, self.exchange_group = None, None
+
+
+@dataclass(frozen=True)
+class StackWait:
+    """A wait seen on the training thread's stack."""
+
+    call: str  # what it waits in, for the messages
+    ranks: tuple[int, ...] | None  # a collective's group's global ranks; None: not known
+    since: float  # when a beat first saw it
+
+
+def collective_wait(frame) -> tuple[str, str | None] | None:
+    """The functional collective that compiled code (an fx graph's, or inductor's) on a thread's stack
+    waits for: ``(what, its group's name or None)``, or None.
+
+    Read from the code's lines (``linecache``: fx registers its generated code there, inductor's is a
+    file): the line of the frame waits (``wait_tensor(buf)``) and the line that launched ``buf`` names
+    the collective and, as its last string argument, its group."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        waited = _WAIT_LINE.search(linecache.getline(filename, frame.f_lineno))
+        if waited is not None:
+            where = f"{os.path.basename(filename)}:{frame.f_lineno}"
+            launch = _launch_of(linecache.getlines(filename), waited.group(1))
+            if launch is None:
+                return f"a collective's wait ({where})", None
+            kind, group_name = launch
+            return f"{kind} ({where})", group_name
+        frame = frame.f_back
+    return None
+
+
+def _launch_of(lines: list[str], tensor: str) -> tuple[str, str | None] | None:
+    """The collective that made ``tensor`` in generated code, and its group's name (its last string
+    argument), from the line that assigns it (``buf = ..._c10d_functional.all_to_all_single.default(...)``)
+    or writes it (``..._c10d_functional.all_gather_into_tensor_out.default(..., out=buf)``)."""
+    assigns, writes = re.compile(rf"^\s*{re.escape(tensor)}\s*="), re.compile(rf"\bout\s*=\s*{re.escape(tensor)}\b")
+    for line in lines:
+        statement = line.split(";")[0]  # fx appends "; x = None" frees
+        call = _COLLECTIVE_CALL.search(statement)
+        if call is None or call.group(1).startswith("wait_tensor"):
+            continue
+        if assigns.search(statement) or writes.search(call.group(2)):
+            names = re.findall(r"'([^']*)'", call.group(2))
+            return call.group(1), names[-1] if names else None
+    return None
 
 
 def _distributed_call(frame) -> str | None:
@@ -156,6 +232,7 @@ class RankState:
     blocked_in: str | None
     for_s: float
     exchange_group: str | None = None
+    collective_ranks: tuple[int, ...] | None = None  # the global ranks of the collective it waits for
 
     def describe(self) -> str:
         if self.beat is None:
@@ -176,19 +253,35 @@ def rank_states(store: dist.Store, group, ranks: list[int]) -> list[RankState]:
             states.append(RankState(rank, None, None, 0.0))
             continue
         value = json.loads(store.get(key))
+        ranks = value.get("collective_ranks")
         states.append(RankState(rank, value["beat"], value["blocked_in"], value["for_s"],
-                                value.get("exchange_group")))
+                                value.get("exchange_group"), tuple(ranks) if ranks is not None else None))
     return states
 
 
-def waiting_on_each_other(missing: list[RankState], group_name: str | None) -> bool:
-    """Whether every missing rank has waited, for a beat or more, in another exchange of this group's
-    ranks than the one this rank waits in (it would be counted as arrived in this one): that exchange
-    needs this rank, which waits for it, so neither will ever come (``if rank == 0:
-    zcompile.checkpoint.save(...)`` while the others are at ``optimizer.step()``). No timeout needs to
-    pass. An exchange of another group may end without this rank: it does not count."""
-    return bool(missing) and all(state.exchange_group is not None and state.exchange_group == str(group_name)
-                                 and state.for_s >= BEAT_S for state in missing)
+def waiting_on_each_other(missing: list[RankState], first_look: list[RankState], group_name: str | None,
+                          global_rank: int) -> bool:
+    """Whether every missing rank waits for this one, which waits for it, so neither will ever come:
+    no timeout needs to pass. A missing rank waits for this one when it has waited, for a beat or more,
+    - in another exchange of this group's ranks than the one this rank waits in (it would be counted
+      as arrived in this one): ``if rank == 0: zcompile.checkpoint.save(...)`` while the others are at
+      stage 1's ``optimizer.step()``; an exchange of another group may end without this rank;
+    - or in a collective whose group holds this rank (``global_rank``), which this rank, waiting here,
+      has not joined: the same save at stages 2-3, where the others wait in the next backward's
+      reduce-scatters; ``gathered()`` or a stage-3 evaluation on one rank.
+    Only beats written after ``first_look`` (read while this rank already waited here) count: an
+    older one may show a wait that this rank ended just before it came here."""
+    earlier = {state.rank: state.beat for state in first_look}
+
+    def waits_for_this_rank(state: RankState) -> bool:
+        fresh = state.beat is not None and earlier.get(state.rank) is not None and state.beat > earlier[state.rank]
+        if not fresh or state.blocked_in is None or state.for_s < BEAT_S:
+            return False
+        if state.collective_ranks is not None:
+            return global_rank in state.collective_ranks
+        return state.exchange_group is not None and state.exchange_group == str(group_name)
+
+    return bool(missing) and all(waits_for_this_rank(state) for state in missing)
 
 
 def busy_with_own_work(before: list[RankState], now: list[RankState]) -> bool:

@@ -358,7 +358,8 @@ def _wait_for_ranks(store: dist.Store, everyone: str, keys: list[str], group: Da
                      deadline - time.monotonic())
         started = looked = time.monotonic()
         patience_s = max(timeout_s, process_group_timeout_s(group))
-        before = rank_states(store, group, _missing(store, keys))
+        before = first_look = rank_states(store, group, _missing(store, keys))
+        global_rank = dist.get_rank() if dist.is_initialized() else group.rank
         while True:
             while time.monotonic() < deadline:
                 if store.check([everyone]):
@@ -368,7 +369,7 @@ def _wait_for_ranks(store: dist.Store, everyone: str, keys: list[str], group: Da
                     raise RankDivergenceError(f"{where} stopped waiting: rank {note[0]} reported: {note[1]}")
                 if time.monotonic() - looked >= BEAT_S:  # once a beat: do the missing ranks wait for this one?
                     looked, now = time.monotonic(), rank_states(store, group, _missing(store, keys))
-                    if waiting_on_each_other(now, group.name):
+                    if waiting_on_each_other(now, first_look, group.name, global_rank):
                         states = "; ".join(state.describe() for state in now)
                         _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} "
                                                              f"wait elsewhere ({states}): each waits for the other. {fix}")
