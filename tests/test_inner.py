@@ -121,3 +121,32 @@ def test_pipeline_graphs_write_their_code_once_when_run_or_read_and_never_stale(
     assert "torch.sub" in lazy.code and len(written) == 1
     runnable = boxed_graph_function(lazy)
     assert torch.equal(runnable([torch.ones(4), torch.ones(4)])[0], torch.ones(4)) and len(written) == 2
+
+
+def test_inductors_compiled_backward_quotes_abort_notes_as_the_eager_one_does(monkeypatch):
+    """inductor's backward runs through the wrapper that marks the heartbeat and quotes another rank's
+    abort note when a collective fails (before: gloo's "connection closed by peer" alone on the rank
+    that waited in it). A spy on the wrapper counts the backward's calls through it."""
+    import zcompile.inner as inner
+
+    calls, real = [], inner._quoting_abort_notes
+
+    def spy(run, graphs):
+        wrapped = real(run, graphs)
+
+        def counted(args):
+            calls.append(len(args))
+            return wrapped(args)
+
+        counted._boxed_call = True
+        return counted
+
+    monkeypatch.setattr(inner, "_quoting_abort_notes", spy)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    compiled = torch.compile(model, backend="zero", options={"compiler": "inductor"})
+    loss = compiled(torch.randn(4, 8)).sum()
+    assert calls == []
+    loss.backward()
+    assert len(calls) == 1 and calls[0] > 0

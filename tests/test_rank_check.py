@@ -321,6 +321,22 @@ def _read_while_waiting(code: str, filename: str):
     return seen[-1]
 
 
+@pytest.mark.parametrize("line, default_group", [
+    ("dist.barrier()", True), ("    torch.distributed.barrier()  # all", True), ("dist.all_reduce(t)", True),
+    ("x = dist.all_reduce(t, dist.ReduceOp.MAX)", True), ("dist.all_reduce(t, op, group)", False),
+    ("dist.all_reduce(t, group=pg)", False), ("dist.barrier(pg)", False), ("dist.all_reduce(*args)", False),
+    ("dist.all_reduce(**kwargs)", False), ("dist.all_reduce(", False), ("dist.broadcast(t, 0)", True),
+])
+def test_a_torch_distributed_call_without_a_group_is_read_as_one_of_every_rank(line, default_group):
+    import inspect
+
+    from zcompile.heartbeat import _on_default_group
+
+    name = line.split("(")[0].split(".")[-1]
+    function = inspect.unwrap(getattr(dist, name)).__code__  # past torch's logging decorator
+    assert _on_default_group(function, line) is default_group
+
+
 def test_the_beat_reads_which_collective_compiled_code_waits_for_and_its_group():
     from zcompile.heartbeat import collective_wait
 

@@ -23,6 +23,7 @@ not zcompile's) looks busy; the wait then lasts until the process group's timeou
 
 from __future__ import annotations
 
+import ast
 import atexit
 import contextlib
 import json
@@ -56,6 +57,7 @@ class Heartbeat:
 
     store: dist.Store  # the beating thread's own client of the store (a clone: requests never interleave)
     rank: int  # global rank
+    world_size: int  # of the default group
     blocked_in: str | None = None  # what the training thread waits in, inside zcompile; None: its own code
     blocked_since: float = 0.0
     # blocked_in is an exchange of the ranks of this group (rank_check), which needs all of them; None: not one
@@ -103,13 +105,17 @@ class Heartbeat:
         """What a stack waits in: a compiled graph's wait for a collective (with its group's global
         ranks, where its code names the group), or else a call into ``torch.distributed``."""
         collective = collective_wait(frame)
-        if collective is None:
-            call = _distributed_call(frame)
-            return None if call is None else StackWait(call, None, 0.0)
-        call, group_name = collective
-        if group_name is not None and group_name not in self._group_ranks:
-            self._group_ranks.update(group_ranks_by_name())  # a group made since the last look
-        ranks = self._group_ranks.get(group_name) if group_name is not None else None
+        if collective is not None:
+            call, group_name = collective
+            if group_name is not None and group_name not in self._group_ranks:
+                self._group_ranks.update(group_ranks_by_name())  # a group made since the last look
+            ranks = self._group_ranks.get(group_name) if group_name is not None else None
+        else:
+            distributed = _distributed_call(frame)
+            if distributed is None:
+                return None
+            call, on_default_group = distributed
+            ranks = tuple(range(self.world_size)) if on_default_group else None
         return StackWait(call if ranks is None else f"{call} over ranks {list(ranks)}", ranks, 0.0)
 
     def stop(self, thread: threading.Thread) -> None:
@@ -139,7 +145,7 @@ class StackWait:
     """A wait seen on the training thread's stack."""
 
     call: str  # what it waits in, for the messages
-    ranks: tuple[int, ...] | None  # a collective's group's global ranks; None: not known
+    ranks: tuple[int, ...] | None  # the global ranks of the collective's group; None: not known
     since: float  # when a beat first saw it
 
 
@@ -180,18 +186,46 @@ def _launch_of(lines: list[str], tensor: str) -> tuple[str, str | None] | None:
     return None
 
 
-def _distributed_call(frame) -> str | None:
-    """The outermost ``torch.distributed`` function on a thread's stack and the line that called it, or None."""
-    call = None
+def _distributed_call(frame) -> tuple[str, bool] | None:
+    """The outermost ``torch.distributed`` function on a thread's stack (past torch's logging
+    decorators) and the line that called it, and whether that call is on the default group, or None."""
+    found, inner = None, None
     while frame is not None:
         code = frame.f_code
-        if _DISTRIBUTED_DIR in code.co_filename and frame.f_back is not None:
-            caller = frame.f_back.f_code
-            if _DISTRIBUTED_DIR not in caller.co_filename:
-                call = (f"torch.distributed's {code.co_name} (called at "
-                        f"{os.path.basename(caller.co_filename)}:{frame.f_back.f_lineno})")
-        frame = frame.f_back
-    return call
+        if (_DISTRIBUTED_DIR in code.co_filename and frame.f_back is not None
+                and _DISTRIBUTED_DIR not in frame.f_back.f_code.co_filename):
+            decorated = code.co_filename.endswith("c10d_logger.py") and inner is not None
+            found = (inner if decorated else frame, frame.f_back)
+        inner, frame = frame, frame.f_back
+    if found is None:
+        return None
+    called, caller = found
+    where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+    line = linecache.getline(caller.f_code.co_filename, caller.f_lineno)
+    return f"torch.distributed's {called.f_code.co_name} (called at {where})", _on_default_group(called.f_code, line)
+
+
+def _on_default_group(function, line: str) -> bool:
+    """Whether ``line`` calls ``function`` (one of ``torch.distributed``'s collectives, whose ``group``
+    None is the default group) without a group: ``dist.barrier()``, ``dist.all_reduce(t)``. False
+    where that cannot be read from the line (a call over several lines, ``*args``, another API)."""
+    if not function.co_filename.endswith("distributed_c10d.py"):
+        return False
+    params = function.co_varnames[:function.co_argcount + function.co_kwonlyargcount]
+    if "group" not in params:
+        return False
+    try:
+        tree = ast.parse(line.strip())
+    except SyntaxError:
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == function.co_name:
+            if any(keyword.arg in ("group", None) for keyword in node.keywords) \
+                    or any(isinstance(arg, ast.Starred) for arg in node.args):
+                return False
+            position = params.index("group")
+            return position >= function.co_argcount or len(node.args) <= position
+    return False
 
 
 def alive_key(global_rank: int) -> str:
@@ -209,7 +243,7 @@ def heartbeat() -> Heartbeat | None:
         store = default_store().clone()  # a client of its own for the thread
     except Exception:  # a store that cannot be cloned (torch's fake process group, zcompile.simulate): no beat
         return None
-    beat = Heartbeat(store=store, rank=dist.get_rank())
+    beat = Heartbeat(store=store, rank=dist.get_rank(), world_size=dist.get_world_size())
     thread = threading.Thread(target=beat.beat_forever, name=THREAD_NAME, daemon=True)
     thread.heartbeat = beat
     thread.start()

@@ -163,6 +163,17 @@ def _quoting_abort_notes(run: Callable[[list], object], graphs: CompiledGraphs) 
     return backward
 
 
+def _inductor_quoting_abort_notes(output_code, graphs: CompiledGraphs):
+    """inductor's compiled backward made to quote abort notes, as the eager one does: the callable its
+    ``CompiledFxGraph`` runs (``current_callable``, torch-internal, read here only) wrapped. Where
+    torch has none (another output type), it stays as it is: the backward then fails with gloo's
+    "connection closed" alone, and the rank that left still says why."""
+    run = getattr(output_code, "current_callable", None)
+    if callable(run):
+        output_code.current_callable = _quoting_abort_notes(run, graphs)
+    return output_code
+
+
 def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: CompiledGraphs) -> Callable:
     """Runs AOTAutograd on the rewritten Dynamo graph and compiles forward and backward.
 
@@ -213,7 +224,8 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
         rewrite = executed_form(graphs)
         if rewrite is not None:  # on a copy: graph_module stays what reports and walks read
             graph_module = rewrite(codegen_on_demand(graph_module, copy.deepcopy(graph_module.graph)))
-        return compile_fx_inner(graph_module, inputs, **kwargs)
+        compiled = compile_fx_inner(graph_module, inputs, **kwargs)
+        return _inductor_quoting_abort_notes(compiled, graphs) if kind == "backward" else compiled
 
     patches = {"joint_custom_pre_pass": _JointPasses(graphs)} if _joint_rows(graphs) else None
     with activation_budget(graphs.context.config.activation_memory_budget):  # a fraction (config checked it)
