@@ -9,16 +9,19 @@ run that was fine.
 
 So each process beats: a daemon thread writes, every ``BEAT_S``, its count of beats and what the
 training thread is blocked in, under ``zcompile/alive/{global rank}``: zcompile's own waits (an
-exchange of the ranks, a compiled graph's collectives: marked by ``blocked``), or a call into
-``torch.distributed`` seen in that thread's stack for two beats in a row (the user's
-``dist.barrier()``, a checkpoint's collectives). A rank whose wait times out reads the missing
-ranks' beats: one that beats and is blocked in nothing runs code of its own, and the wait goes on
-(with a warning each ``check_timeout_s``); one blocked in a wait of its own (a divergence: each
-waits for the other), or that stopped beating (dead, or frozen), is the error as before.
+exchange of the ranks, a compiled graph: marked by ``blocked``), and what that thread's stack shows
+in two beats in a row: compiled code (fx's or inductor's) waiting for a functional collective, read
+from the code's lines with the global ranks of its group, or a call into ``torch.distributed`` (the
+user's ``dist.barrier()``, a checkpoint's collectives; of every rank where the calling line names no
+group).
 
-What it cannot see: a rank blocked in an inductor-compiled backward's collectives (its frames are
-not zcompile's) looks busy; the wait then lasts until the process group's timeout ends that rank
-(its beats stop), as DDP's would.
+A rank whose wait times out reads the missing ranks' beats: one that beats and is blocked in
+nothing runs code of its own, and the wait goes on (with a warning each ``check_timeout_s``, up to
+the process group's timeout); one blocked in a wait of its own (a divergence), or that stopped
+beating (dead, or frozen), is the error as before. And once a beat, during the wait: a missing rank
+that waits in another exchange of this group, or in a collective whose group holds this rank, waits
+for this rank, which waits for it, so both raise at once, with no timeout to pass
+(``waiting_on_each_other``).
 """
 
 from __future__ import annotations
@@ -302,7 +305,7 @@ def waiting_on_each_other(missing: list[RankState], first_look: list[RankState],
       stage 1's ``optimizer.step()``; an exchange of another group may end without this rank;
     - or in a collective whose group holds this rank (``global_rank``), which this rank, waiting here,
       has not joined: the same save at stages 2-3, where the others wait in the next backward's
-      reduce-scatters; ``gathered()`` or a stage-3 evaluation on one rank.
+      reduce-scatters; ``gathered()`` or a stage-3 evaluation on one rank; the others' ``dist.barrier()``.
     Only beats written after ``first_look`` (read while this rank already waited here) count: an
     older one may show a wait that this rank ended just before it came here."""
     earlier = {state.rank: state.beat for state in first_look}
