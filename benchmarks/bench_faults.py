@@ -214,6 +214,28 @@ def shape_change_on_one_rank(rank, world, clock_path):
     return _outcome(body, clock)
 
 
+def uneven_epoch_then_barrier(rank, world, clock_path, stage):
+    """Rank 0 has one batch fewer (data of uneven length), then every rank calls ``dist.barrier()``.
+    Rank 0's process may end (``zcompile.mismatch_watch``): each rank's outcome is also written to a
+    file, which ``run_fault`` reads when a rank left no result."""
+    import torch.distributed as dist
+
+    clock = Clock(clock_path)
+    model, compiled, optimizer = _model_and_batches(stage)
+
+    def body():
+        _train(compiled, optimizer, range(2 if rank == 0 else 3), rank)
+        if rank == 0:
+            clock.mark()
+        dist.barrier()
+        return "both passed the barrier"
+
+    outcome = _outcome(body, clock)
+    with open(f"{clock_path}.rank{rank}", "w") as handle:
+        json.dump(outcome, handle)
+    return outcome
+
+
 def nan_on_one_rank(rank, world, clock_path):
     import zcompile
 
@@ -253,6 +275,8 @@ FAULTS = {
     "zcompile.checkpoint.save on rank 0 only, stage 2": (checkpoint_on_rank0_only, 2),
     "zcompile.checkpoint.save on rank 0 only, stage 3": (checkpoint_on_rank0_only, 3),
     "rank 0 busy 90 s between steps, stage 1": (busy_rank0, 1, 90.0),
+    "rank 0 one batch short, then dist.barrier(), stage 2": (uneven_epoch_then_barrier, 2),
+    "rank 0 one batch short, then dist.barrier(), stage 3": (uneven_epoch_then_barrier, 3),
 }
 
 
@@ -263,6 +287,17 @@ def run_fault(name: str, out_dir: str) -> list[dict]:
         return run_ranks(2, fn, clock_path, *args, timeout_s=300, store_in_parent=True)  # as under torchrun
     except TimeoutError as error:
         return [{"result": "HANG", "detail": str(error)[:300], "seconds": 300.0}] * 2
+    except RuntimeError as error:  # a rank left no result: its process ended (what the others saw is in files)
+        outcomes = []
+        for rank in range(2):
+            path = f"{clock_path}.rank{rank}"
+            if os.path.exists(path):
+                with open(path) as handle:
+                    outcomes.append(json.load(handle))
+            else:
+                ended = next((line for line in str(error).splitlines() if line.startswith(f"rank {rank}: ")), "")
+                outcomes.append({"result": "process ended", "detail": ended[:300], "seconds": None})
+        return outcomes
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ error at stage 3; eager use of a stage-3 weight names ``zcompile.gathered``; ran
 rank in seconds instead of a wait for the process-group timeout.
 """
 
+import json
 import time
 
 import pytest
@@ -468,6 +469,43 @@ def test_gathered_on_one_rank_fails_fast_and_rank0_only_gathers():
     assert "ranks [1] wait elsewhere (rank 1 waits in torch.distributed's barrier (called at " in message, message
     assert "over ranks [0, 1]" in message and "each waits for the other" in message, message
     assert seconds < 15, seconds  # not the 60 s timeout
+
+
+def _uneven_epoch(rank, world, outcome_path):
+    """Rank 0 has one batch fewer and waits in the ``dist.barrier()`` after its loop; rank 1's extra
+    step waits in its backward's reduce-scatters for rank 0."""
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 2})
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1)
+    start = time.perf_counter()
+    try:
+        for step in range(2 if rank == 0 else 3):
+            start = time.perf_counter()  # rank 0's barrier, rank 1's extra step, begin after this
+            tokens, targets = global_batch(step, 2)
+            compiled(tokens[rank::2], targets[rank::2]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        dist.barrier()
+    except RankDivergenceError as error:
+        with open(f"{outcome_path}.{rank}", "w") as handle:
+            json.dump({"message": str(error), "seconds": time.perf_counter() - start}, handle)
+        raise
+
+
+def test_a_rank_in_a_barrier_while_another_trains_on_ends_in_seconds_not_at_the_timeout(tmp_path):
+    """Before, both waited for the process group's timeout (gloo's default 30 min; 120 s here). Rank 0's
+    heartbeat sees rank 1 in a collective that needs rank 0 while rank 0 is in its own: rank 0 ends its
+    process (exit code 1) leaving a note, and rank 1's backward raises quoting it."""
+    outcome = tmp_path / "outcome"
+    with pytest.raises(RuntimeError, match=r"rank 0: no result \(exit code 1\)"):
+        run_ranks(2, _uneven_epoch, str(outcome), timeout_s=100)
+    with open(f"{outcome}.1") as handle:
+        rank1 = json.load(handle)
+    assert rank1["message"].startswith("zcompile: rank 1 stopped because rank 0 reported: zcompile: rank 0 has waited")
+    assert "in torch.distributed's barrier (called at test_never_silent.py:" in rank1["message"]
+    assert "and rank 1 in a compiled backward, in " in rank1["message"] and "drop_last=True" in rank1["message"]
+    assert rank1["seconds"] < 30, rank1
 
 
 def test_generate_needs_gathered_and_matches_plain_torch():

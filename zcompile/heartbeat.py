@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import atexit
 import contextlib
+import dataclasses
 import json
 import linecache
 import logging
@@ -37,6 +38,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -67,6 +69,8 @@ class Heartbeat:
     exchange_group: str | None = None
     beats: int = 0
     thread_id: int = field(default_factory=threading.get_ident)  # the training thread: the one that made it
+    # called each beat with what the stack has waited in for a beat or more (mismatch_watch.MismatchWatch)
+    watch: Callable[[StackWait | None, float], None] | None = field(default=None, repr=False)
     _waiting: StackWait | None = field(default=None, repr=False)  # what the stack waits in, since when
     _group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # by group name
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -75,11 +79,17 @@ class Heartbeat:
     def beat_forever(self) -> None:
         while not self._stopped.is_set():
             self.beats += 1
-            state = {"beat": self.beats, **self._state(time.monotonic())}
+            now = time.monotonic()
+            state = {"beat": self.beats, **self._state(now)}
             try:
                 self.store.set(alive_key(self.rank), json.dumps(state))
             except Exception:  # the store's host is gone: the job is ending, the training thread will say why
                 return
+            if self.watch is not None:
+                try:
+                    self.watch(self._seen(now), now)
+                except Exception:  # a beat unread (a rank leaving): the next look reads again
+                    log.debug("the mismatch watch could not look", exc_info=True)
             self._stopped.wait(BEAT_S)
 
     def _state(self, now: float) -> dict:
@@ -91,18 +101,23 @@ class Heartbeat:
             log.debug("could not read the training thread's stack", exc_info=True)
             waiting = None
         if waiting is None or self._waiting is None or self._waiting.call != waiting.call:
-            self._waiting = None if waiting is None else StackWait(waiting.call, waiting.ranks, now)
-        # in one call seen once: a rank busy with its own work passes through many
-        seen = self._waiting if self._waiting is not None and now - self._waiting.since >= BEAT_S else None
+            self._waiting = None if waiting is None else dataclasses.replace(waiting, since=now)
+        seen = self._seen(now)
         with self._lock:
             mark, since, group = self.blocked_in, self.blocked_since, self.exchange_group
         if seen is not None:
             return {"blocked_in": seen.call if mark is None else f"{mark}, in {seen.call}",
                     "for_s": round(now - seen.since, 1), "collective_ranks": seen.ranks,
+                    "compiled_collective": seen.compiled, "collective_group": seen.group_name,
                     "exchange_group": group}
         if mark is not None:
             return {"blocked_in": mark, "for_s": round(now - since, 1), "exchange_group": group}
         return {"blocked_in": None, "for_s": 0.0}
+
+    def _seen(self, now: float) -> StackWait | None:
+        """The stack's wait once seen in two beats (in one call seen once: a rank busy with its own
+        work passes through many)."""
+        return self._waiting if self._waiting is not None and now - self._waiting.since >= BEAT_S else None
 
     def _stack_wait(self, frame) -> StackWait | None:
         """What a stack waits in: a compiled graph's wait for a collective (with its group's global
@@ -119,7 +134,9 @@ class Heartbeat:
                 return None
             call, on_default_group = distributed
             ranks = tuple(range(self.world_size)) if on_default_group else None
-        return StackWait(call if ranks is None else f"{call} over ranks {list(ranks)}", ranks, 0.0)
+            group_name = None
+        return StackWait(call if ranks is None else f"{call} over ranks {list(ranks)}", ranks, 0.0,
+                         compiled=collective is not None, group_name=group_name)
 
     def stop(self, thread: threading.Thread) -> None:
         """Ends the beat (at exit: a daemon thread inside a store call while the interpreter tears down
@@ -150,6 +167,8 @@ class StackWait:
     call: str  # what it waits in, for the messages
     ranks: tuple[int, ...] | None  # the global ranks of the collective's group; None: not known
     since: float  # when a beat first saw it
+    compiled: bool = False  # a compiled graph's collective (else a torch.distributed call)
+    group_name: str | None = None  # the compiled collective's group, as its code names it
 
 
 def collective_wait(frame) -> tuple[str, str | None] | None:
@@ -246,7 +265,10 @@ def heartbeat() -> Heartbeat | None:
         store = default_store().clone()  # a client of its own for the thread
     except Exception:  # a store that cannot be cloned (torch's fake process group, zcompile.simulate): no beat
         return None
+    from zcompile.mismatch_watch import MismatchWatch  # it reads beats: imported once a beat exists
+
     beat = Heartbeat(store=store, rank=dist.get_rank(), world_size=dist.get_world_size())
+    beat.watch = MismatchWatch(store=store, rank=beat.rank).look
     thread = threading.Thread(target=beat.beat_forever, name=THREAD_NAME, daemon=True)
     thread.heartbeat = beat
     thread.start()
@@ -270,6 +292,15 @@ class RankState:
     for_s: float
     exchange_group: str | None = None
     collective_ranks: tuple[int, ...] | None = None  # the global ranks of the collective it waits for
+    compiled_collective: bool = False  # that collective is a compiled graph's
+    collective_group: str | None = None  # its group's name, as the graph's code names it
+
+    @classmethod
+    def from_beat(cls, rank: int, value: dict) -> RankState:
+        ranks = value.get("collective_ranks")
+        return cls(rank, value["beat"], value["blocked_in"], value["for_s"], value.get("exchange_group"),
+                   tuple(ranks) if ranks is not None else None, bool(value.get("compiled_collective")),
+                   value.get("collective_group"))
 
     def describe(self) -> str:
         if self.beat is None:
@@ -289,10 +320,7 @@ def rank_states(store: dist.Store, group, ranks: list[int]) -> list[RankState]:
         if not store.check([key]):
             states.append(RankState(rank, None, None, 0.0))
             continue
-        value = json.loads(store.get(key))
-        ranks = value.get("collective_ranks")
-        states.append(RankState(rank, value["beat"], value["blocked_in"], value["for_s"],
-                                value.get("exchange_group"), tuple(ranks) if ranks is not None else None))
+        states.append(RankState.from_beat(rank, json.loads(store.get(key))))
     return states
 
 
