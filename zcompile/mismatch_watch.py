@@ -78,9 +78,9 @@ class MismatchWatch:
                    f"{other.rank} in {other.blocked_in} (for {other.for_s:.0f}s): different collectives, which "
                    f"never match, so both would wait until the process group's timeout. Most often one rank ran "
                    f"more training steps than another (data of uneven length at the end of an epoch: give every "
-                   f"rank the same number of batches, e.g. DataLoader(..., drop_last=True) with a "
-                   f"DistributedSampler(drop_last=True)) or skipped a call the others made. Rank {self.rank} ends its "
-                   f"process now; the others raise quoting this.")
+                   f"rank the same number of batches; torch's DistributedSampler does, a dataset split by hand or "
+                   f"an IterableDataset must stop every rank at the same count) or skipped a call the others made. "
+                   f"Rank {self.rank} ends its process now; the others raise quoting this.")
         ranks = other.collective_ranks
         group = DataParallelGroup(rank=ranks.index(self.rank), world_size=len(ranks), name=other.collective_group,
                                   process_group=None)
