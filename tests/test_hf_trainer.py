@@ -196,6 +196,38 @@ def test_resume_from_checkpoint_continues_exactly_also_on_4_ranks(tmp_path):
     _assert_close_lists(on_four["grad_norms"], uninterrupted["grad_norms"], "grad_norm on 4 ranks")
 
 
+def _best_at_end(rank: int, world: int, out_dir: str) -> dict:
+    """Stage 3, ``load_best_model_at_end``: Trainer loads the best checkpoint's weights with
+    ``model.load_state_dict`` on every rank (it failed in ShardedParameterError: the Llama's forward
+    is wrapped in ``wrapped_func(*args, **kwargs)``, where the state-dict hooks were not attached)."""
+    import safetensors.torch
+
+    from zcompile.consolidate import full_state_dict
+    from zcompile.integrations.hf import ZeroTrainer
+
+    torch._dynamo.reset()
+    args = _args(out_dir, world, max_steps=12, gradient_accumulation_steps=1, eval_steps=3, save_strategy="steps",
+                 save_steps=3, load_best_model_at_end=True, metric_for_best_model="eval_loss", learning_rate=3e-2)
+    trainer = ZeroTrainer(model=_llama(), args=args, train_dataset=TokenDataset(12 * 8, seed=0),
+                          eval_dataset=TokenDataset(16, seed=1), zero_options={"stage": 3})
+    trainer.train()
+    weights = full_state_dict(trainer.model, rank=0)
+    if rank != 0:
+        return {}
+    best = trainer.state.best_model_checkpoint
+    saved = safetensors.torch.load_file(os.path.join(best, "model.safetensors"))
+    last = safetensors.torch.load_file(os.path.join(out_dir, "checkpoint-12", "model.safetensors"))
+    return {"best": os.path.basename(best), "keys": sorted(saved) == sorted(k for k in weights if k in saved),
+            "from_best": max((weights[k] - saved[k]).abs().max().item() for k in saved),
+            "best_from_last": max((last[k] - saved[k]).abs().max().item() for k in saved)}
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoints_weights_at_stage_3(tmp_path):
+    result = run_ranks(2, _best_at_end, str(tmp_path), timeout_s=600)[0]
+    assert result["best"] != "checkpoint-12" and result["best_from_last"] > 1e-3, result  # loading changes weights
+    assert result["keys"] and result["from_best"] == 0.0, result
+
+
 def test_refusals_name_the_fix(tmp_path):
     from zcompile.integrations.hf import ZeroTrainer
 

@@ -68,6 +68,20 @@ def routes_on_rank(rank: int, world: int, root: str) -> dict:
     full = ckpt.full_state_dict(model, rank=rank)  # every rank its own copy, to compare
     out["gathered_state_dict_equal"] = all(torch.equal(saved[k], full[k]) for k in full)
 
+    # a transformers Llama, whose forward a decorator wraps in ``wrapped_func(*args, **kwargs)``: the frame
+    # Dynamo compiles holds the model only in ``args`` (the hooks were missing: state_dict() returned
+    # freed storages, load_state_dict failed in ShardedParameterError, Trainer's load_best_model_at_end too)
+    torch._dynamo.reset()
+    llama = build_model("hf_llama")
+    initial_llama = {k: v.clone() for k, v in llama.state_dict().items()}
+    compiled = torch.compile(llama, backend="zero", options={"stage": 3})
+    optimizer = _optimizer(SPEC, llama.parameters(), True)
+    train_steps(RunSpec(model="hf_llama", steps=2), compiled, optimizer, range(2), rank, world)
+    out["llama_state_dict"] = _error(llama.state_dict)
+    out["llama_load"] = _error(lambda: llama.load_state_dict(initial_llama))
+    with zcompile.gathered(llama):
+        out["llama_loaded_equal"] = all(torch.equal(p, initial_llama[n]) for n, p in llama.named_parameters())
+
     # stage 2: model.state_dict + per-rank torch.save of optimizer.state_dict(), and the same through DCP
     model, compiled, optimizer = _fresh(2)
     train_steps(SPEC, compiled, optimizer, range(2), rank, world)
@@ -115,6 +129,12 @@ def test_stage3_state_dict_refuses_and_names_the_fix(routes):
         for key in ("stage3_state_dict", "stage3_dcp_model"):
             assert result[key].startswith("ShardedStateDictError") and "zcompile.checkpoint" in result[key]
         assert result["gathered_state_dict_equal"]
+
+
+def test_a_model_whose_forward_a_decorator_wraps_gets_the_same_state_dict_routes(routes):
+    for result in routes:
+        assert result["llama_state_dict"].startswith("ShardedStateDictError"), result["llama_state_dict"]
+        assert result["llama_load"] == "" and result["llama_loaded_equal"]
 
 
 def test_optimizer_state_dict_round_trips_per_rank_and_through_dcp(routes):

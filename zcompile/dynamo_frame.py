@@ -24,7 +24,11 @@ log = logging.getLogger(__name__)
 
 
 def modules_of_compiled_frame() -> list[torch.nn.Module]:
-    """The ``nn.Module`` objects among the locals of the frame Dynamo is compiling (may be empty)."""
+    """The ``nn.Module`` objects among the locals of the frame Dynamo is compiling, and in its tuples,
+    lists and dicts one level down (may be empty). A decorator's wrapper ``wrapped(*args, **kwargs)``
+    around a model's ``forward`` (transformers' ``deprecate_kwarg`` on ``LlamaForCausalLM.forward``)
+    is the frame compiled, and the model is ``args[0]``: read at the top level only, no module was
+    found, and a stage-3 ``model.state_dict()`` returned freed storages with no word."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -33,7 +37,11 @@ def modules_of_compiled_frame() -> list[torch.nn.Module]:
     except Exception as error:  # internals moved: degrade to no hooks, never fail the compile
         log.debug("zcompile: cannot read the compiled frame's locals (%s: %s)", type(error).__name__, error)
         return []
-    return [value for value in f_locals.values() if isinstance(value, torch.nn.Module)]
+    found: list[torch.nn.Module] = []
+    for value in f_locals.values():
+        inner = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else (value,)
+        found.extend(item for item in inner if isinstance(item, torch.nn.Module) and all(item is not m for m in found))
+    return found
 
 
 def forward_modules_on_stack() -> list[torch.nn.Module]:
