@@ -302,6 +302,20 @@ class RankState:
                    tuple(ranks) if ranks is not None else None, bool(value.get("compiled_collective")),
                    value.get("collective_group"))
 
+    def beat_since(self, earlier: dict[int, int | None]) -> bool:
+        """Whether this beat was written after ``earlier`` (rank -> beat count, ``beat_counts``) was read."""
+        before = earlier.get(self.rank)
+        return self.beat is not None and before is not None and self.beat > before
+
+    def stuck(self) -> bool:
+        """Blocked in one wait for a beat or more (a rank busy with its own work passes through many)."""
+        return self.blocked_in is not None and self.for_s >= BEAT_S
+
+    def in_collective_of(self, global_rank: int) -> bool:
+        """Stuck in a collective whose group holds ``global_rank``: it cannot end while that rank waits
+        elsewhere."""
+        return self.stuck() and global_rank in (self.collective_ranks or ())
+
     def describe(self) -> str:
         if self.beat is None:
             return f"rank {self.rank} has not started zcompile's beat"
@@ -324,6 +338,14 @@ def rank_states(store: dist.Store, group, ranks: list[int]) -> list[RankState]:
     return states
 
 
+def beat_counts(states: list[RankState]) -> dict[int, int | None]:
+    return {state.rank: state.beat for state in states}
+
+
+def describe_all(states: list[RankState]) -> str:
+    return "; ".join(state.describe() for state in states)
+
+
 def waiting_on_each_other(missing: list[RankState], first_look: list[RankState], group_name: str | None,
                           global_rank: int) -> bool:
     """Whether every missing rank waits for this one, which waits for it, so neither will ever come:
@@ -336,15 +358,14 @@ def waiting_on_each_other(missing: list[RankState], first_look: list[RankState],
       reduce-scatters; ``gathered()`` or a stage-3 evaluation on one rank; the others' ``dist.barrier()``.
     Only beats written after ``first_look`` (read while this rank already waited here) count: an
     older one may show a wait that this rank ended just before it came here."""
-    earlier = {state.rank: state.beat for state in first_look}
+    earlier = beat_counts(first_look)
 
     def waits_for_this_rank(state: RankState) -> bool:
-        fresh = state.beat is not None and earlier.get(state.rank) is not None and state.beat > earlier[state.rank]
-        if not fresh or state.blocked_in is None or state.for_s < BEAT_S:
+        if not state.beat_since(earlier):
             return False
         if state.collective_ranks is not None:
-            return global_rank in state.collective_ranks
-        return state.exchange_group is not None and state.exchange_group == str(group_name)
+            return state.in_collective_of(global_rank)
+        return state.stuck() and state.exchange_group is not None and state.exchange_group == str(group_name)
 
     return bool(missing) and all(waits_for_this_rank(state) for state in missing)
 
@@ -353,7 +374,5 @@ def busy_with_own_work(before: list[RankState], now: list[RankState]) -> bool:
     """Whether every rank of ``now`` beat since ``before`` and is not stuck: blocked in nothing, or in
     one call for less than a beat (a rank evaluating alone through the compiled model passes through
     many short compiled calls; one stuck in a collective stays in the same one)."""
-    earlier = {state.rank: state.beat for state in before}
-    return bool(now) and all(state.beat is not None and (state.blocked_in is None or state.for_s < BEAT_S)
-                             and earlier.get(state.rank) is not None and state.beat > earlier[state.rank]
-                             for state in now)
+    earlier = beat_counts(before)
+    return bool(now) and all(state.beat_since(earlier) and not state.stuck() for state in now)

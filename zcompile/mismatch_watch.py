@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from zcompile.heartbeat import BEAT_S, RankState, StackWait, alive_key
+from zcompile.heartbeat import BEAT_S, RankState, StackWait, alive_key, beat_counts
 from zcompile.process_group import DataParallelGroup
 from zcompile.rank_check import leave_abort_note
 
@@ -49,7 +49,7 @@ class MismatchWatch:
     end_process: Callable[[int], None] = os._exit
     _since: float | None = None  # the wait being watched (its StackWait.since)
     _next_look: float = 0.0
-    _beats: dict[int, int] = field(default_factory=dict)  # the others' beat counts at the last look
+    _beats: dict[int, int | None] = field(default_factory=dict)  # the others' beat counts at the last look
 
     def look(self, waiting: StackWait | None, now: float) -> None:
         if waiting is None or waiting.compiled or waiting.ranks is None:
@@ -65,11 +65,9 @@ class MismatchWatch:
         if not others or not self.store.check(keys):  # a rank that never beat: nothing to compare
             return
         states = [RankState.from_beat(rank, json.loads(value)) for rank, value in zip(others, self.store.multi_get(keys))]
-        earlier, self._beats = self._beats, {state.rank: state.beat for state in states}
-        for state in states:
-            fresh = state.rank in earlier and state.beat > earlier[state.rank]  # written while this rank waited
-            if (fresh and state.compiled_collective and state.for_s >= BEAT_S
-                    and self.rank in (state.collective_ranks or ())):
+        earlier, self._beats = self._beats, beat_counts(states)
+        for state in states:  # a beat written while this rank waited, in a compiled graph's collective with it
+            if state.beat_since(earlier) and state.compiled_collective and state.in_collective_of(self.rank):
                 self._end(waiting, now, state)
                 return
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from zcompile.passes.collectives import COLLECTIVE_KINDS, collective_nodes
 from zcompile.passes.metadata import params_of
 from zcompile.passes.regions import subgraph_calls
-from zcompile.heartbeat import BEAT_S, blocked, busy_with_own_work, rank_states, waiting_on_each_other
+from zcompile.heartbeat import BEAT_S, blocked, busy_with_own_work, describe_all, rank_states, waiting_on_each_other
 from zcompile.process_group import DataParallelGroup, default_store, process_group_timeout_s
 
 log = logging.getLogger(__name__)
@@ -370,9 +370,9 @@ def _wait_for_ranks(store: dist.Store, everyone: str, keys: list[str], group: Da
                 if time.monotonic() - looked >= BEAT_S:  # once a beat: do the missing ranks wait for this one?
                     looked, now = time.monotonic(), rank_states(store, group, _missing(store, keys))
                     if waiting_on_each_other(now, first_look, group.name, global_rank):
-                        states = "; ".join(state.describe() for state in now)
                         _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} "
-                                                             f"wait elsewhere ({states}): each waits for the other. {fix}")
+                                                             f"wait elsewhere ({describe_all(now)}): each waits for "
+                                                             f"the other. {fix}")
                 time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
             if store.check([everyone]):
                 return
@@ -380,17 +380,15 @@ def _wait_for_ranks(store: dist.Store, everyone: str, keys: list[str], group: Da
             if not busy_with_own_work(before, now):
                 break
             if waited >= patience_s:
-                states = "; ".join(state.describe() for state in now)
                 _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} did not "
-                                                     f"within {waited:.0f}s, the process group's timeout ({states}: "
-                                                     f"busy, or stuck in code of their own). {fix}")
+                                                     f"within {waited:.0f}s, the process group's timeout "
+                                                     f"({describe_all(now)}: busy, or stuck in code of their own). {fix}")
             log.warning("%s: ranks %s have not come after %.0fs; they are alive and running code of their own "
                         "(an evaluation or a checkpoint on some ranks only?), so this rank waits on, up to the "
                         "process group's timeout (%.0fs)", where, [state.rank for state in now], waited, patience_s)
             before, deadline = now, time.monotonic() + min(timeout_s, max(patience_s - waited, 0.0))
-        states = "; ".join(state.describe() for state in now)
         _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} did not within "
-                                             f"{timeout_s:.0f}s ({states}). {fix}")
+                                             f"{timeout_s:.0f}s ({describe_all(now)}). {fix}")
 
 
 def _missing(store: dist.Store, keys: list[str]) -> list[int]:
