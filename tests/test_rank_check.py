@@ -267,6 +267,16 @@ def test_a_rank_waiting_in_a_collective_with_this_rank_fails_without_waiting_for
         assert _raises_within(store, 3.5, r"did not within 4s") > 3.4
 
 
+def test_a_rank_whose_process_ended_is_not_waited_for():
+    """Rank 1's last beat, written at its exit, says its process ended (its loop ran out while rank 0
+    saves a checkpoint alone): rank 0 raises within a beat, not at its 30 s timeout, saying so. Before,
+    it waited the whole timeout and then read rank 1 as "alive, running its own code"."""
+    store = dist.HashStore()
+    store.set(alive_key(1), json.dumps({"beat": 9, "blocked_in": None, "for_s": 0.0, "ended": True}))
+    seconds = _raises_within(store, 30, r"ranks \[1\] did not, and will not \(rank 1 has ended its process\)\. the fix")
+    assert seconds < 5
+
+
 def test_a_beat_older_than_the_wait_does_not_count():
     """A beat written before rank 0 came here (rank 1 stopped beating since) may show a wait that
     ended as rank 0 came: rank 0 waits for its timeout rather than raising "each waits for the other"."""

@@ -140,9 +140,16 @@ class Heartbeat:
 
     def stop(self, thread: threading.Thread) -> None:
         """Ends the beat (at exit: a daemon thread inside a store call while the interpreter tears down
-        torch's objects could crash the process on its way out)."""
+        torch's objects could crash the process on its way out), and says so: a rank waiting for this
+        one at an exchange then raises at once instead of at its timeout (a rank whose loop ended early
+        while rank 0 saves a checkpoint: 300 s before, reading "alive, running its own code")."""
         self._stopped.set()
         thread.join(timeout=BEAT_S)
+        try:
+            self.store.set(alive_key(self.rank), json.dumps({"beat": self.beats + 1, "blocked_in": None,
+                                                             "for_s": 0.0, "ended": True}))
+        except Exception:  # the store went first (its host ended): nobody is left waiting on it
+            log.debug("could not leave the last beat", exc_info=True)
 
     @contextlib.contextmanager
     def blocked(self, what: str, exchange_group: str | None = None):
@@ -294,13 +301,14 @@ class RankState:
     collective_ranks: tuple[int, ...] | None = None  # the global ranks of the collective it waits for
     compiled_collective: bool = False  # that collective is a compiled graph's
     collective_group: str | None = None  # its group's name, as the graph's code names it
+    ended: bool = False  # its process has ended (its last beat, written at exit)
 
     @classmethod
     def from_beat(cls, rank: int, value: dict) -> RankState:
         ranks = value.get("collective_ranks")
         return cls(rank, value["beat"], value["blocked_in"], value["for_s"], value.get("exchange_group"),
                    tuple(ranks) if ranks is not None else None, bool(value.get("compiled_collective")),
-                   value.get("collective_group"))
+                   value.get("collective_group"), bool(value.get("ended")))
 
     def beat_since(self, earlier: dict[int, int | None]) -> bool:
         """Whether this beat was written after ``earlier`` (rank -> beat count, ``beat_counts``) was read."""
@@ -319,6 +327,8 @@ class RankState:
     def describe(self) -> str:
         if self.beat is None:
             return f"rank {self.rank} has not started zcompile's beat"
+        if self.ended:
+            return f"rank {self.rank} has ended its process"
         if self.blocked_in is None:
             return f"rank {self.rank} is alive, running its own code"
         return f"rank {self.rank} waits in {self.blocked_in} (for {self.for_s:.0f}s)"

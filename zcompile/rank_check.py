@@ -369,6 +369,9 @@ def _wait_for_ranks(store: dist.Store, everyone: str, keys: list[str], group: Da
                     raise RankDivergenceError(f"{where} stopped waiting: rank {note[0]} reported: {note[1]}")
                 if time.monotonic() - looked >= BEAT_S:  # once a beat: do the missing ranks wait for this one?
                     looked, now = time.monotonic(), rank_states(store, group, _missing(store, keys))
+                    if any(state.ended for state in now):
+                        _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} "
+                                                             f"did not, and will not ({describe_all(now)}). {fix}")
                     if waiting_on_each_other(now, first_look, group.name, global_rank):
                         _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} "
                                                              f"wait elsewhere ({describe_all(now)}): each waits for "
