@@ -131,8 +131,8 @@ def test_inductors_compiled_backward_quotes_abort_notes_as_the_eager_one_does(mo
 
     calls, real = [], inner._quoting_abort_notes
 
-    def spy(run, graphs):
-        wrapped = real(run, graphs)
+    def spy(run, graphs, first_call_check=None):
+        wrapped = real(run, graphs, first_call_check)
 
         def counted(args):
             calls.append(len(args))

@@ -162,6 +162,34 @@ def test_exchange_meets_every_call_and_keeps_the_store_small():
     assert store.num_keys() == 6 + 8
 
 
+def test_ranks_at_different_checks_are_told_where_each_was(monkeypatch):
+    """Rank 0 checks a graph's plan while rank 1 checks a backward's issue order (their n-th checks
+    met): each raises naming both places, not a comparison of two kinds of signature (which raised
+    ``TypeError: unhashable type: 'slice'`` inside the differ)."""
+    from zcompile import rank_check
+
+    store, errors = dist.HashStore(), {}
+    monkeypatch.setattr(rank_check, "default_store", lambda: store)
+    plan = collective_signature(_plan())
+    calls = {0: (plan, "graph 0/2", plan_difference),
+             1: (_sequence(), "the backward graph of Dynamo graph 0_1", sequence_difference)}
+
+    def rank_checks(rank):
+        signature, what, difference = calls[rank]
+        try:
+            rank_check.check_same_on_all_ranks(signature, _group(rank), 10, what, difference)
+        except RankDivergenceError as error:
+            errors[rank] = str(error)
+
+    threads = [threading.Thread(target=rank_checks, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    where = "(rank 0 at graph 0/2; rank 1 at the backward graph of Dynamo graph 0_1)"
+    assert set(errors) == {0, 1} and all(where in message for message in errors.values()), errors
+
+
 class _CountingStore:
     """A store that counts the requests each rank (thread) makes, by method."""
 

@@ -66,19 +66,41 @@ def _code_written(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return graph_module
 
 
-def _post_partition(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs) -> torch.fx.GraphModule:
-    """The pipeline's passes for a partitioned graph, the rank check of its issue order, its collectives dumped."""
+def _post_partition(graph_module: torch.fx.GraphModule, kind: str,
+                    graphs: CompiledGraphs) -> tuple[torch.fx.GraphModule, Callable[[], None] | None]:
+    """The pipeline's passes for a partitioned graph, its collectives dumped, and the rank check of
+    its issue order: run here for a forward, returned for a backward to run at its first call.
+
+    Why not a backward's at its compile: AOTAutograd compiles a backward with the forward when the
+    forward saves a symbolic size for it, and lazily, at its first call, otherwise; and which sizes
+    are symbolic can differ between ranks (Dynamo's automatic dynamic shapes: each rank's slice of a
+    global batch starts at another storage offset, ``x[rank * b:(rank + 1) * b]``). Checked at
+    compile, one rank's backward check then met another rank's next check of a forward (a GAN: the
+    discriminator's two graphs): a false ``RankDivergenceError``. Every rank calls the backward at
+    the same point of the step, whenever it was compiled."""
     context = graphs.context
     graph_module = run_passes(context, kind, codegen_on_demand(graph_module))
     setattr(graphs, kind, graph_module)
-    signature = sequence_signature(graph_module) if context.config.check_ranks else []
-    if signature:  # no collective, nothing to deadlock on: a graph one rank compiles alone (eval) is fine
-        # the schedule decided the issue order; every rank must have decided the same
-        check_same_on_all_ranks(signature, context.group, context.config.check_timeout_s,
-                                f"the {kind} graph of Dynamo graph {context.graph_id}", sequence_difference)
     context.runner.dump.write_json(collectives_file(kind),
                                    [c.to_json() for c in graph_collectives(graph_module, kind)])
-    return graph_module
+    check = _issue_order_check(graph_module, kind, graphs)
+    if check is not None and kind != "backward":
+        check()
+        check = None
+    return graph_module, check
+
+
+def _issue_order_check(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs) -> Callable[[], None] | None:
+    """The check that every rank issues ``graph_module``'s collectives in the same order (the schedule
+    decided it: every rank must have decided the same); None when it has none (nothing to deadlock
+    on: a graph one rank compiles alone, an evaluation, is fine) or checks are off."""
+    context = graphs.context
+    signature = sequence_signature(graph_module) if context.config.check_ranks else []
+    if not signature:
+        return None
+    what = f"the {kind} graph of Dynamo graph {context.graph_id}"
+    return lambda: check_same_on_all_ranks(signature, context.group, context.config.check_timeout_s, what,
+                                           sequence_difference)
 
 
 def _joint_rows(graphs: CompiledGraphs) -> list:
@@ -139,17 +161,23 @@ def executed_form(graphs: CompiledGraphs) -> Callable[[torch.fx.GraphModule], to
     return all_gathers_into_buffers if gathers_into_buffers(graphs.context.group) else None
 
 
-def _quoting_abort_notes(run: Callable[[list], object], graphs: CompiledGraphs) -> Callable[[list], object]:
+def _quoting_abort_notes(run: Callable[[list], object], graphs: CompiledGraphs,
+                         first_call_check: Callable[[], None] | None = None) -> Callable[[list], object]:
     """A compiled backward whose failed collective says why the other rank left, when it did so
     on purpose (its abort note, ``rank_check.raise_if_aborted``), rather than gloo's "connection
     closed by peer": autograd runs the backward, outside the forward's wrapper that does the same.
-    Boxed like ``run``: it hands the argument list on and keeps no input of its own, so the graph
-    frees each after its last reader."""
+    ``first_call_check`` (the rank check of its issue order, ``_post_partition``) runs before its
+    first call's collectives. Boxed like ``run``: it hands the argument list on and keeps no input of
+    its own, so the graph frees each after its last reader."""
     group = graphs.context.group
     beat = heartbeat()  # a rank stuck in the backward's collectives is not busy with work of its own
     what = "a compiled backward"
+    pending = [first_call_check] if first_call_check is not None else []
 
     def backward(args: list):
+        while pending:  # once; a check that raised raises again at the next call
+            pending[0]()
+            pending.clear()
         try:
             if beat is None:
                 return run(args)
@@ -163,14 +191,17 @@ def _quoting_abort_notes(run: Callable[[list], object], graphs: CompiledGraphs) 
     return backward
 
 
-def _inductor_quoting_abort_notes(output_code, graphs: CompiledGraphs):
-    """inductor's compiled backward made to quote abort notes, as the eager one does: the callable its
-    ``CompiledFxGraph`` runs (``current_callable``, torch-internal, read here only) wrapped. Where
-    torch has none (another output type), it stays as it is: the backward then fails with gloo's
+def _inductor_quoting_abort_notes(output_code, graphs: CompiledGraphs, first_call_check: Callable[[], None] | None = None):
+    """inductor's compiled backward made to quote abort notes and run ``first_call_check`` at its
+    first call, as the eager one does: the callable its ``CompiledFxGraph`` runs
+    (``current_callable``, torch-internal, read here only) wrapped. Where torch has none (another
+    output type), it stays as it is and the check runs now: the backward then fails with gloo's
     "connection closed" alone, and the rank that left still says why."""
     run = getattr(output_code, "current_callable", None)
     if callable(run):
-        output_code.current_callable = _quoting_abort_notes(run, graphs)
+        output_code.current_callable = _quoting_abort_notes(run, graphs, first_call_check)
+    elif first_call_check is not None:
+        first_call_check()
     return output_code
 
 
@@ -198,8 +229,9 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
                 # boxed for every graph, as torch's aot_eager does: AOTAutograd calls the forward with
                 # a list of its own (a copy of the inputs, or the runtime wrapper's list it no longer
                 # reads: it keeps what the epilogue needs aside, since inductor clears it too)
-                run = boxed_graph_function(_post_partition(graph_module, kind, graphs), executed_form(graphs))
-                return _quoting_abort_notes(run, graphs) if kind == "backward" else run
+                graph_module, check = _post_partition(graph_module, kind, graphs)
+                run = boxed_graph_function(graph_module, executed_form(graphs))
+                return _quoting_abort_notes(run, graphs, check) if kind == "backward" else run
 
             return compile_eager
 
@@ -220,12 +252,12 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
         if kind != "backward":
             graphs.mutated_inputs = mutated_input_indices()
-        graph_module = _post_partition(graph_module, kind, graphs)
+        graph_module, check = _post_partition(graph_module, kind, graphs)
         rewrite = executed_form(graphs)
         if rewrite is not None:  # on a copy: graph_module stays what reports and walks read
             graph_module = rewrite(codegen_on_demand(graph_module, copy.deepcopy(graph_module.graph)))
         compiled = compile_fx_inner(graph_module, inputs, **kwargs)
-        return _inductor_quoting_abort_notes(compiled, graphs) if kind == "backward" else compiled
+        return _inductor_quoting_abort_notes(compiled, graphs, check) if kind == "backward" else compiled
 
     patches = {"joint_custom_pre_pass": _JointPasses(graphs)} if _joint_rows(graphs) else None
     with activation_budget(graphs.context.config.activation_memory_budget):  # a fraction (config checked it)

@@ -220,8 +220,15 @@ def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s
 
     The n-th check of a rank is compared with every other rank's n-th check.
     """
-    exchanged = exchange_on_store([signature, aside], group, timeout_s, "check", f"zero backend: {what}", CHECK_FIX)
+    exchanged = exchange_on_store([signature, aside, what, difference.__name__], group, timeout_s, "check",
+                                  f"zero backend: {what}", CHECK_FIX)
     signatures = [entry[0] for entry in exchanged]
+    if any(entry[3] != difference.__name__ for entry in exchanged):  # the ranks met at different checks
+        at = "; ".join(f"rank {rank} at {entry[2]}" for rank, entry in enumerate(exchanged)
+                       if entry[3] != exchanged[0][3] or rank == 0)
+        _tell_others_and_raise(None, group, (
+            f"zero backend: the ranks reached different compile steps at the same point ({at}): they compiled "
+            "different graphs, or in another order. " + CHECK_FIX))
     if any(other != signatures[group.rank] for other in signatures):
         _tell_others_and_raise(None, group, (
             f"zero backend: {what} would issue different collectives on different ranks "
