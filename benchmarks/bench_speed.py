@@ -13,7 +13,8 @@ interleaved, also the median forward, backward and optimizer (``common.timed_tra
 Configurations: ``ddp`` (eager), ``compile`` (``torch.compile`` without data parallelism: the
 world-1 reference), ``ddp+compile`` (``torch.compile`` of the DDP module, DDPOptimizer), ``fsdp2``
 (``fully_shard`` per block and the root), ``fsdp2+compile``, ``zero1`` / ``zero2`` / ``zero3``
-and ``zero3+regional`` (``zcompile.mark_repeated_blocks`` first), ``zero3+keep`` (stage 3 keeping
+and ``zero3+regional`` (``zcompile.mark_repeated_blocks`` first), ``zero3+blocks`` (each block
+compiled on its own, ``block.compile(backend="zero")``, the rest of the model eager), ``zero3+keep`` (stage 3 keeping
 every gathered weight from forward to backward, ``keep_gathered_mb`` unbounded: ZeRO-2's memory
 between forward and backward, no re-gather, and no all-gather at the step); the DDP ones step with
 ``torch.optim.AdamW``'s default, single-tensor on a CPU, or with ``+fused`` (``ddp+fused``,
@@ -55,7 +56,7 @@ import zcompile.optim  # noqa: E402
 
 INDUCTOR = "+inductor"  # a configuration's suffix: inductor whatever --compiler says (to interleave both compilers)
 FUSED = "+fused"  # a torch configuration's suffix: torch.optim.AdamW(fused=True), not its CPU default (single-tensor)
-CONFIGS = ("ddp", "ddp+fused", "compile", "ddp+compile", "ddp+compile+fused", "fsdp2", "fsdp2+compile", "zero1", "zero2", "zero3", "zero3+regional", "zero3+keep",
+CONFIGS = ("ddp", "ddp+fused", "compile", "ddp+compile", "ddp+compile+fused", "fsdp2", "fsdp2+compile", "zero1", "zero2", "zero3", "zero3+regional", "zero3+blocks", "zero3+keep",
            "compile+inductor", "ddp+compile+inductor", "zero1+inductor", "zero2+inductor", "zero3+inductor")
 DEFAULT_CONFIGS = ("ddp", "ddp+compile", "fsdp2", "zero1", "zero2", "zero3", "zero3+regional")
 SEQ, PER_RANK, EMBD = 128, 4, 128
@@ -76,6 +77,10 @@ def build(config: str, layers: int, compiler: str, compiled_graphs: list):
         options = {"stage": int(config[4]), "compiler": compiler, "on_compile": compiled_graphs.append}
         if config.endswith("+keep"):
             options["keep_gathered_mb"] = 1e6
+        if config.endswith("+blocks"):  # one graph for every block; the embeddings and head run eagerly
+            for block in model.blocks:
+                block.compile(backend="zero", options=options)
+            return model, zcompile.optim.AdamW(model.parameters(), lr=1e-3)
         return torch.compile(model, backend="zero", options=options), zcompile.optim.AdamW(model.parameters(), lr=1e-3)
     if config == "compile":
         return torch.compile(model, backend=torch_backend), torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -233,3 +233,68 @@ def test_blocks_marked_on_one_rank_only_is_an_error_on_every_rank_naming_it():
         assert message is not None and "RankDivergenceError" in message, message
         assert "blocks marked by mark_repeated_blocks" in message, message
         assert seconds < 30, seconds  # at the check, not at a collective's timeout
+
+
+# ---- one graph for every block when Dynamo compiles the block's forward on its own ----
+
+class _BreakingBlock(Block):
+    """The example block with a graph break in its forward (a print, an ``.item()``): Dynamo then
+    runs the model's loop over its blocks eagerly and compiles the block's forward on its own."""
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        torch._dynamo.graph_break()
+        return x + self.mlp(self.ln_2(x))
+
+
+LAYERS_PAST_LIMIT = 10  # more than Dynamo's recompile_limit (8): a recompile per layer ran the rest eagerly
+
+
+def _train_blocks(how: str, stage: int | None) -> dict:
+    """Three steps of a 10-layer GPT whose blocks Dynamo compiles on their own; ``stage`` None: eager
+    torch with torch.optim.AdamW (the reference)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=LAYERS_PAST_LIMIT, n_head=2, n_embd=32)
+    model = GPT(config)
+    if how == "graph break":
+        for block in model.blocks:
+            block.__class__ = _BreakingBlock
+    compiles, runner = [], model
+    if stage is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-2)
+        options = {"stage": stage, "on_compile": compiles.append}
+        if how == "block.compile":
+            for block in model.blocks:
+                block.compile(backend="zero", options=options)
+        else:
+            runner = torch.compile(model, backend="zero", options=options)
+    losses = []
+    for step in range(3):
+        tokens, targets = synthetic_batch(step, 2, config)
+        loss = runner(tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    block_weights = [p for block in model.blocks for p in block.parameters()]
+    torch._dynamo.reset()
+    return {"losses": losses, "compiles": len(compiles),
+            "freed": sum(p.untyped_storage().nbytes() == 0 for p in block_weights), "block_weights": len(block_weights)}
+
+
+@pytest.mark.parametrize("how", ["graph break", "block.compile"])
+def test_blocks_compiled_on_their_own_share_one_graph_and_all_shard(how):
+    """Dynamo guards a graph's weights by type and reuses it for every block; the first block's weights
+    became ``ShardedParameter`` after its compile while the next block's were still plain, so every
+    layer recompiled, and past the recompile limit ran eagerly with its weights replicated (16
+    graphs, 52 of 148 weights never sharded at 12 layers). The siblings are now marked ahead."""
+    reference = _train_blocks(how, None)
+    run = _train_blocks(how, 3)
+    expected_compiles = 2 if how == "graph break" else 1  # the block's two halves, or the whole block
+    assert run["compiles"] == expected_compiles, run
+    assert run["freed"] == run["block_weights"], run  # every block weight sharded, none replicated
+    # one rank: the same AdamW steps (the fused CPU kernel against torch's single-tensor loop)
+    torch.testing.assert_close(run["losses"], reference["losses"], rtol=1e-5, atol=0)

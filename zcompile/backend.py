@@ -33,7 +33,8 @@ from zcompile.dynamo_frame import forward_modules_on_stack, modules_of_compiled_
 from zcompile.inner import codegen_on_demand, compile_with_aot
 from zcompile.initial_values import check_same_initial_values
 from zcompile.heartbeat import heartbeat
-from zcompile.param_shards import ShardedParam, mark_refusing_parameter, shard_of, shard_parameter
+from zcompile.param_shards import (ShardedParam, mark_like_siblings, mark_refusing_parameter, shard_of,
+                                   shard_parameter)
 from zcompile.pass_runner import PassRunner
 from zcompile.passes.grad_hooks import hooked_params
 from zcompile.passes.param_collectives import ShardingPlan, gradient_leaves_parameter, plan_sharding
@@ -97,6 +98,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     record_compiled_graphs(_recorded_on(plan, example_inputs), graphs)  # for step_report
     for sharded in shards:  # Dynamo builds its guards after we return: they see the final class, no recompile
         mark_refusing_parameter(sharded)
+    mark_like_siblings(shards, modules_of_compiled_frame(), forward_modules_on_stack()[-1:])
     log.info(
         "zero backend: compiled a graph with %d parameters (stage %d, world %d, %s) in %.2fs",
         len(plan.params), config.stage, group.world_size, config.compiler, time.perf_counter() - start,

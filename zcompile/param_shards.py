@@ -420,6 +420,36 @@ def mark_refusing_parameter(sharded: ShardedParam) -> None:
         mark_sharded(sharded.param)
 
 
+def mark_like_siblings(shards: list[ShardedParam], frame_modules: list[torch.nn.Module],
+                       roots: list[torch.nn.Module]) -> None:
+    """Gives the not yet sharded parameters of the siblings of ``frame_modules`` (the modules of the
+    compiled frame: the modules of their classes inside ``roots``, the model whose forward called this
+    graph) the class ``mark_refusing_parameter`` gave ``shards`` of their dtype, before Dynamo builds
+    the graph's guards.
+
+    Dynamo guards a graph's parameters by type, and reuses the graph for every instance of a module
+    class: a block whose forward has a graph break (Dynamo then runs the model's loop over its blocks
+    eagerly) is one graph for all layers, each layer's weights sharded at its first call. A layer
+    still plain failed the guard its sharded sibling set, so each layer recompiled, and from the
+    ninth on Dynamo's ``recompile_limit`` ran them eagerly with their weights replicated (a 12-layer
+    GPT with a graph break in its block at stage 3: 16 graphs, 52 of 148 weights never sharded).
+    Marked ahead, a weight behaves as before until it is sharded (the class refuses only freed
+    storages). Only the siblings: a weight that eager code uses (the embedding of a model whose
+    forward runs eagerly) stays plain, since an eager operation on a marked one, under a compiled
+    call, runs the class's Python hook as a frame of its own, which Dynamo compiles."""
+    dtypes = {sharded.param.dtype for sharded in shards if sharded.frees_full}
+    classes = {type(module) for module in frame_modules}
+    if not dtypes or not classes:
+        return
+    for root in roots:
+        for module in root.modules():
+            if type(module) not in classes:
+                continue
+            for param in module.parameters():
+                if param.dtype in dtypes and shard_of(param) is None:
+                    mark_sharded(param)
+
+
 def _shard_in_replicated_storage(param: torch.nn.Parameter, piece: FlatPiece) -> torch.Tensor:
     """Stages 1 and 2 in fp32: moves ``param`` into a flat storage padded to ``world`` whole chunks
     and returns this rank's chunk of it as the shard (a view, no copy of its own).
