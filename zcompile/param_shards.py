@@ -438,7 +438,8 @@ def mark_like_siblings(shards: list[ShardedParam], frame_modules: list[torch.nn.
     forward runs eagerly) stays plain, since an eager operation on a marked one, under a compiled
     call, runs the class's Python hook as a frame of its own, which Dynamo compiles."""
     dtypes = {sharded.param.dtype for sharded in shards if sharded.frees_full}
-    classes = {type(module) for module in frame_modules}
+    # a torch class (Sequential, Linear) is nobody's block: its instances may be anywhere, eager code too
+    classes = {type(module) for module in frame_modules if not type(module).__module__.startswith("torch.")}
     if not dtypes or not classes:
         return
     for root in roots:
