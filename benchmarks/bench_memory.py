@@ -15,8 +15,8 @@ the backend's here: the stage 1/2 optimizer holds a few of its buckets at once, 
   ``zcompile.zero_formula_bytes`` (fp32: 4+4+8 bytes per element; bf16: ZeRO's 2+2+12 accounting);
 - **peak**: the model states alive before the step plus the most the step allocated on top of them
   (``zcompile.timeline.record_step``'s allocator series), against model states + the schedule's
-  gathered peak + gloo's copies of the gathers in flight + saved activations (``step_report().memory``)
-  + 10%, each part reported (``peak_vs_parts_without_staging``: the ratio without gloo's part, which
+  gathered peak + gloo's copies of the gathers in flight + saved activations + the stage-1/2
+  optimizer's bucket buffers (``step_report().memory``) + 10%, each part reported (``peak_vs_parts_without_staging``: the ratio without gloo's part, which
   NCCL does not have: gloo gathers into a flat buffer of its own, then copies out);
 - **fwd+bwd**: forward and backward recorded as one from the model states, against the walk over
   the compiled graphs (``zcompile.step_peak``, with gloo's second buffer of each all-gather in flight);
@@ -110,7 +110,7 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int, optim_bucket
             live = zcompile.model_state_bytes(model, optimizer)
         optimizer.zero_grad()
     before_step = zcompile.model_state_bytes(model, optimizer).total
-    phases, held = {}, {}
+    phases, held, rises = {}, {}, {}
     with tempfile.TemporaryDirectory() as trace_dir:
         def step():
             loss_of(compiled, batch(2, rank, world)).backward()
@@ -123,7 +123,8 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int, optim_bucket
                                  ("backward", lambda: held.pop("loss").backward()),
                                  ("optimizer", optimizer.step)):
             start = zcompile.model_state_bytes(model, optimizer).total + (held.get("forward_left", 0))
-            phases[phase] = start + record_step(run_phase, trace_dir, rank).peak_bytes
+            rises[phase] = record_step(run_phase, trace_dir, rank).peak_bytes
+            phases[phase] = start + rises[phase]
             if phase == "forward":
                 held["forward_left"] = phases[phase] - start  # activations and outputs alive after forward, at most
             else:
@@ -141,9 +142,9 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int, optim_bucket
     formula = zcompile.zero_formula_bytes(num_params, world, stage, zcompile.ZeroConfig(param_dtype=param_dtype).param_dtype)
     peak = before_step + timeline.peak_bytes
     # the parts: the states, the schedule's gathered peak with gloo's copies of the gathers in flight
-    # (its own part of step_report; NCCL has none), the saved activations
+    # (its own part of step_report; NCCL has none), the saved activations, the optimizer's bucket buffers
     parts = {k: report[k] for k in ("model_states_bytes", "peak_gathered_bytes", "gather_staging_bytes",
-                                    "saved_activation_bytes")}
+                                    "saved_activation_bytes", "optimizer_buffers_bytes")}
     bound = sum(parts.values())
     bound_without_staging = bound - parts["gather_staging_bytes"]
     return {
@@ -154,6 +155,11 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int, optim_bucket
         "peak_bytes": peak, "parts": parts,
         "peak_vs_parts": peak / bound,
         "peak_vs_parts_without_staging": peak / bound_without_staging,
+        # before the optimizer's buffers were a part of their own (2026-11-27)
+        "peak_vs_parts_without_optimizer_buffers": peak / (bound - parts["optimizer_buffers_bytes"]),
+        # what optimizer.step() allocated above what was live when it started (the allocator's), against
+        # the optimizer's ledger of its bucket buffers (parts["optimizer_buffers_bytes"])
+        "optimizer_phase_rise_bytes": rises.get("optimizer", 0),
         "phase_peaks": phases,
         "forward_backward_peak_bytes": forward_backward,
         "walk_forward_backward_bytes": max(v for phase, v in walk.phases.items() if phase != "optimizer"),
@@ -211,7 +217,7 @@ def main() -> None:
                          " ".join(f"{a:.4f}/{b:.4f}" for a, b in zip(result["losses"], reference))))
     if rank == 0:
         print_table(f"GPT-2 (4 layers, n_embd 192), {world} ranks, AdamW: MiB per rank",
-                    ["run", "live", "ZeRO formula", "ratio", "step peak", "states + gathered + gloo staging + activations",
+                    ["run", "live", "ZeRO formula", "ratio", "step peak", "states + gathered + gloo staging + activations + optimizer buffers",
                      "peak/parts", "fwd / bwd / opt peak", "fwd+bwd: peak / walk", "opt ms", "estimate/live", "estimate/measured gathered / activations",
                      "losses zero/reference"], rows)
         out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"memory_{world}.json")

@@ -63,11 +63,14 @@ def mib(nbytes: float) -> str:
 def peak_line(memory: dict, ddp_bytes: int) -> str:
     """This rank's peak by the report's parts, next to DDP's (its model states and the same activations)."""
     staging = memory.get("gather_staging_bytes", 0)  # gloo's copies of the gathers in flight (none on NCCL)
-    ours = memory["model_states_bytes"] + memory["peak_gathered_bytes"] + staging + memory["saved_activation_bytes"]
+    buckets = memory.get("optimizer_buffers_bytes", 0)  # stages 1 and 2: the optimizer's bucketed collectives
+    ours = (memory["model_states_bytes"] + memory["peak_gathered_bytes"] + staging + memory["saved_activation_bytes"]
+            + buckets)
     ddp = ddp_bytes + memory["saved_activation_bytes"]
     return (f"per-rank peak: model states {mib(memory['model_states_bytes'])} + gathered parameters "
             f"{mib(memory['peak_gathered_bytes'])}" + (f" + gloo's copies of them {mib(staging)}" if staging else "")
-            + f" + saved activations {mib(memory['saved_activation_bytes'])} = "
+            + f" + saved activations {mib(memory['saved_activation_bytes'])}"
+            + (f" + the optimizer's bucket buffers {mib(buckets)}" if buckets else "") + " = "
             f"{mib(ours)}; DDP: {mib(ddp_bytes)} + the same activations = {mib(ddp)} ({ddp / ours:.2f}x ours)")
 
 

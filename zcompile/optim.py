@@ -49,7 +49,7 @@ from zcompile.kernels.cpu_adamw import adamw_cpu_fused
 from zcompile.buffer_sync import broadcast_changed_buffers
 from zcompile.clip import clip_grad_norm_of_shards
 from zcompile.optim_state import load_sharded_state_dict, sharded_state_dict
-from zcompile.optim_buckets import (BucketedGradReduce, BucketedParamRefresh, plan_optimizer_buckets,
+from zcompile.optim_buckets import (BucketedGradReduce, BucketedParamRefresh, BufferLedger, plan_optimizer_buckets,
                                     plan_reduce_buckets, reduce_grads_onto_shards)
 from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of, warn_eager_sharded
 from zcompile.sharded_parameter import grad_of
@@ -114,6 +114,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 )
         self.last_step_collectives: list[CollectiveRecord] = []
         self.last_step_state_bytes: ModelStateBytes | None = None  # measured at the end of step()
+        # the most bytes the last step's own bucket buffers held at once (optim_buckets.BufferLedger)
+        self.last_step_buffer_peak_bytes = 0
         self._state_layout: tuple = ()  # what last_step_state_bytes was measured for (_state_bytes_at_step)
 
     def _update(self, shard: torch.Tensor, grad: torch.Tensor, grad_scale: float, state: dict, group: dict,
@@ -182,7 +184,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # reduced early and grown by a later backward, or zeros kept by zero_grad(set_to_none=False);
         # stages 2 and 3: a gradient from eager code) is reduced and folded in now
         early = [r for s, _, _ in todo for r in s.take_pre_step_records()]
-        early += reduce_grads_onto_shards(self._local_grads_to_fold([s for s, _, _ in todo]), bucket_bytes)
+        ledger = BufferLedger()  # the step's own buffers (last_step_buffer_peak_bytes)
+        early += reduce_grads_onto_shards(self._local_grads_to_fold([s for s, _, _ in todo]), bucket_bytes, ledger)
         self.step_calls += 1
         with_grads = [s for s, _, _ in todo]
         self._warn_if_not_zeroed(with_grads)
@@ -195,9 +198,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return loss
         early += flag_records
         reduced = [s for s, _, _ in todo if s.stage == 1 and s.group.world_size > 1 and s.shard_grad is None]
-        reducer = BucketedGradReduce(plan_reduce_buckets(reduced, bucket_bytes))
+        reducer = BucketedGradReduce(plan_reduce_buckets(reduced, bucket_bytes), ledger=ledger)
         refreshed = [s for s, _, _ in todo if s.stage in (1, 2)]
-        refresher = BucketedParamRefresh(plan_optimizer_buckets(refreshed, lambda s: s.replicated_dtype, bucket_bytes))
+        refresher = BucketedParamRefresh(plan_optimizer_buckets(refreshed, lambda s: s.replicated_dtype, bucket_bytes),
+                                         ledger=ledger)
         self._previous_tables, self._launch_tables = self._launch_tables, {}  # _launch_tables_of
         # updated a batch at a time (one refresh bucket of one param group): the batch's all-gather
         # starts when it is done and moves while the next batch updates. Where a batch is one
@@ -217,6 +221,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if batch:
             self._update_batch(batch, refresher)
         refresher.finish()
+        self.last_step_buffer_peak_bytes = ledger.peak
         self.last_step_collectives = early + reducer.records + refresher.records
         # measured while gradients still exist (zero_grad frees them): what step_report shows
         self.last_step_state_bytes = self._state_bytes_at_step(self._members())

@@ -45,15 +45,48 @@ the same parameter order, so the collectives match across ranks.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from zcompile.process_group import (all_gather_coalesced_into, all_gather_eager, all_to_all_eager,
+from zcompile.process_group import (all_gather_coalesced_into, all_gather_eager, all_to_all_eager, on_gloo,
                                     reduce_scatter_by_all_to_all, reduce_scatter_eager)
 from zcompile.comm_volume import CollectiveRecord
 from zcompile.param_shards import ShardedParam
+
+
+@dataclass
+class BufferLedger:
+    """The bytes of the optimizer's own buffers alive during a step, and their peak: the bucket
+    inputs, the rows received, the reduced gradient shards, and gloo's staging of an all-gather in
+    flight (gloo gathers into a flat buffer of its own, then copies out; NCCL writes in place). It is
+    the part of a step's peak that ``optim.AdamW(bucket_mb=...)`` sizes, reported as
+    ``step_report().memory["optimizer_buffers_bytes"]``. Counted where the code makes and drops the
+    buffers, so it is the same in every run (the allocator's own peak moves with gloo's thread timing)."""
+
+    live: int = 0
+    peak: int = 0
+
+    def take(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def give(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def until_freed(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Counts ``tensor`` until it and every view of it are gone (a reduced bucket's shards live
+        as views until their update)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self.take(nbytes)
+        weakref.finalize(tensor, self.give, nbytes)
+        return tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def plan_optimizer_buckets(members: list[ShardedParam], dtype_of: Callable[[ShardedParam], torch.dtype],
@@ -117,8 +150,10 @@ class BucketedGradReduce:
     buckets: list[list[ShardedParam]]
     free_full_grads: bool = False
     records: list[CollectiveRecord] = field(default_factory=list)
+    ledger: BufferLedger = field(default_factory=BufferLedger)
     _bucket_of: dict = field(default_factory=dict, init=False)
-    # bucket index -> (work, (the [N, S] input, the rows received) when exchanged else None, the output else None)
+    # bucket index -> (work, (the [N, S] input, the rows received) when exchanged else None, the output
+    # else None, the bytes of the input the backend holds until the wait)
     _pending: dict = field(default_factory=dict, init=False)
     _started: set = field(default_factory=set, init=False)
     _ready: dict = field(default_factory=dict, init=False)  # ShardedParam -> grad shard
@@ -131,14 +166,16 @@ class BucketedGradReduce:
         index = self._bucket_of[id(member)]
         if id(member) not in self._ready:
             self._start(index)
-            work, rows, out = self._pending.pop(index)
+            work, rows, out, held = self._pending.pop(index)
             work.wait()
             del work  # the work holds the bucket's input (full size: ours, or the backend's copy) until released
+            self.ledger.give(held)
             if rows is not None:  # exchanged: the sum of the rows received, and both [N, S] buffers go now
                 sent, received = rows
-                out = received.sum(0)
+                out = self.ledger.until_freed(received.sum(0))
                 _release(sent)
                 _release(received)
+                self.ledger.give(_nbytes(sent) + _nbytes(received))
             self._start(index + 1)  # moves while this bucket updates
             offset = 0
             for m in self.buckets[index]:
@@ -162,12 +199,15 @@ class BucketedGradReduce:
                 m.clear_full_grad()
         if reduce_scatter_by_all_to_all("auto", group):  # gloo: as the graphs run it (option reduce_scatter)
             received = torch.empty_like(rows)
-            work, out = all_to_all_eager(received, rows, group, async_op=True), None
+            work, out, held = all_to_all_eager(received, rows, group, async_op=True), None, 0
             rows = (rows, received)
+            self.ledger.take(_nbytes(rows[0]) + _nbytes(received))
         else:  # the backend keeps the input alive while it needs it
-            out = torch.empty(width, dtype=dtype, device=rows.device)
+            out = self.ledger.until_freed(torch.empty(width, dtype=dtype, device=rows.device))
+            held = _nbytes(rows)
+            self.ledger.take(held)
             work, rows = reduce_scatter_eager(out, rows.view(-1), group, async_op=True), None
-        self._pending[index] = (work, rows, out)
+        self._pending[index] = (work, rows, out, held)
         self.records.append(_record("reduce_scatter", bucket, dtype))
 
 
@@ -175,7 +215,8 @@ def _grad_reduce_dtype(member: ShardedParam) -> torch.dtype:
     return member.grad_reduce_dtype
 
 
-def reduce_grads_onto_shards(members: list[ShardedParam], bucket_bytes: int) -> list[CollectiveRecord]:
+def reduce_grads_onto_shards(members: list[ShardedParam], bucket_bytes: int,
+                             ledger: BufferLedger | None = None) -> list[CollectiveRecord]:
     """Stage 1 ahead of the step: each member's local full gradient, reduce-scattered (bucketed) and
     averaged, added to ``shard.grad``; ``param.grad`` is freed. Returns the collectives issued.
 
@@ -184,7 +225,8 @@ def reduce_grads_onto_shards(members: list[ShardedParam], bucket_bytes: int) -> 
     as the fused update's ``grad_scale`` does), so an unclipped step is bitwise the same.
     """
     distributed = [m for m in members if m.group.world_size > 1]
-    reducer = BucketedGradReduce(plan_reduce_buckets(distributed, bucket_bytes), free_full_grads=True)
+    reducer = BucketedGradReduce(plan_reduce_buckets(distributed, bucket_bytes), free_full_grads=True,
+                                 ledger=ledger or BufferLedger())
     for member in members:
         world = member.group.world_size
         if world > 1:
@@ -207,10 +249,11 @@ class BucketedParamRefresh:
 
     buckets: list[list[ShardedParam]]
     records: list[CollectiveRecord] = field(default_factory=list)
+    ledger: BufferLedger = field(default_factory=BufferLedger)
     _bucket_of: dict = field(default_factory=dict, init=False)
     _updated: dict = field(default_factory=dict, init=False)  # id(member) -> shard in the param dtype
     _waiting: list = field(default_factory=list, init=False)  # per bucket: members not updated yet
-    _in_flight: tuple | None = field(default=None, init=False)  # (bucket, work, gathered)
+    _in_flight: tuple | None = field(default=None, init=False)  # (bucket, work, gathered, bytes held until landed)
 
     def __post_init__(self) -> None:
         self._bucket_of = _bucket_index(self.buckets)
@@ -248,21 +291,27 @@ class BucketedParamRefresh:
         if all(out is not None for out in outputs):  # straight into the parameters (or replicas)
             work = all_gather_coalesced_into(outputs, shards, group)
             self.records.append(_record("all_gather", bucket, shards[0].dtype))
-            self._in_flight = (bucket, work, None)
+            # gloo's flat buffers: the inputs concatenated, and the output it copies out of
+            staged = sum(map(_nbytes, outputs)) + sum(map(_nbytes, shards)) if on_gloo(group) else 0
+            self.ledger.take(staged)
+            self._in_flight = (bucket, work, None, staged)
             return
         flat = torch.cat(shards) if len(shards) > 1 else shards[0]
         gathered = torch.empty(flat.numel() * group.world_size, dtype=flat.dtype, device=flat.device)
         work = all_gather_eager(gathered, flat, group, async_op=True)
         self.records.append(_record("all_gather", bucket, flat.dtype))
-        self._in_flight = (bucket, work, gathered)
+        held = (_nbytes(flat) if len(shards) > 1 else 0) + _nbytes(gathered) * (2 if on_gloo(group) else 1)
+        self.ledger.take(held)
+        self._in_flight = (bucket, work, gathered, held)
 
     def _land(self) -> None:
         if self._in_flight is None:
             return
-        bucket, work, gathered = self._in_flight
+        bucket, work, gathered, held = self._in_flight
         self._in_flight = None
         work.wait()
         if gathered is None:  # landed in the parameters' own storages
+            self.ledger.give(held)
             return
         rows = gathered.view(bucket[0].group.world_size, -1)
         offset = 0
@@ -270,6 +319,7 @@ class BucketedParamRefresh:
             _copy_rows(m.replicated.view(-1), rows[:, offset: offset + m.shard_numel], m.numel)
             offset += m.shard_numel
         _release(gathered)
+        self.ledger.give(held)
 
 
 def _release(buffer: torch.Tensor) -> None:

@@ -101,7 +101,9 @@ class StepReport:
                if mem.get("kept_gathered_bytes") else "")
             + (f", +{mem['gather_staging_bytes'] / 2**20:.2f} MiB at most of gloo's copies of the gathers in flight"
                if mem.get("gather_staging_bytes") else "")
-            + f"; saved activations {mem.get('saved_activation_bytes', 0) / 2**20:.2f} MiB",
+            + f"; saved activations {mem.get('saved_activation_bytes', 0) / 2**20:.2f} MiB"
+            + (f"; the optimizer's bucket buffers {mem['optimizer_buffers_bytes'] / 2**20:.2f} MiB at most "
+               "(its bucket_mb)" if mem.get("optimizer_buffers_bytes") else ""),
             f"schedule: {len(self.schedule)} collectives in graphs, {exposed} with no compute between issue "
             "and wait (exposed)",
         ] + (["reduce-scatters run as an all-to-all and a sum on this backend (option reduce_scatter); the "
@@ -181,6 +183,8 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
                 p.hpz_secondary_bytes for g in graphs if g.keep_gathered for p in g.keep_gathered.kept),
             "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in graphs if g.keep_gathered),
             "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) for g in graphs),
+            # stages 1 and 2: the step's reduce-scatter and all-gather buckets (optim_buckets.BufferLedger)
+            "optimizer_buffers_bytes": getattr(optimizer, "last_step_buffer_peak_bytes", 0),
         },
         schedule=schedule,
         grad_norm=getattr(optimizer, "last_grad_norm", None),
