@@ -52,8 +52,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=None, help="clip the global gradient 2-norm to this value")
     parser.add_argument("--regional", action="store_true",
                         help="trace the repeated block once (zcompile.mark_repeated_blocks): compile time for deep models")
+    parser.add_argument("--compile-blocks", action="store_true",
+                        help="compile each block on its own, the rest eager: compile time flat in depth, steps slower "
+                        "(no prefetch across blocks; the embeddings and head replicated)")
     parser.add_argument("--eval-every", type=int, default=0, help="evaluate on a held-out batch every K steps")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.regional and args.compile_blocks:
+        parser.error("--regional and --compile-blocks are two ways to compile a block once: pick one")
+    return args
 
 
 def mib(nbytes: float) -> str:
@@ -110,7 +116,12 @@ def main() -> None:
     graphs = []
     options = {"stage": args.stage, "compiler": args.compiler, "param_dtype": args.param_dtype, "on_compile": graphs.append,
                "dump": args.dump, "keep_gathered_mb": args.keep_gathered_mb, "bucket_mb": args.bucket_mb}
-    compiled = torch.compile(model, backend="zero", options=options)
+    if args.compile_blocks:  # one graph for every block; the code around them runs eagerly
+        for block in model.blocks:
+            block.compile(backend="zero", options=options)
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend="zero", options=options)
     optimizer = zcompile.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, max_grad_norm=args.clip)
     first_step = 0
     if args.resume:
