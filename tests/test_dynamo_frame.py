@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from zcompile.dynamo_frame import modules_of_compiled_frame
+from zcompile.dynamo_frame import modules_of_compiled_frame, recompile_reason
 
 
 def _star_wrapped(forward):
@@ -48,3 +48,21 @@ def test_the_model_is_found_in_a_star_args_wrapper_as_in_its_own_forward():
         found = _found_by_backend(model)
         assert any(m is model for m in found), (type(model).__name__, found)
         assert len(found) == len({id(m) for m in found})  # each once
+
+
+def test_a_recompile_names_the_guard_that_failed():
+    """The plan check's label for a recompile (a rank recompiling alone names the input that changed:
+    each rank padding its batch to its own longest sequence)."""
+    reasons = []
+
+    def backend(gm, example_inputs):
+        reasons.append(recompile_reason())
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(Plain(), backend=backend)
+    compiled(torch.randn(2, 4))
+    compiled(torch.randn(3, 4))
+    torch._dynamo.reset()
+    assert reasons[0] is None  # a first compile
+    assert "size mismatch at index 0. expected 2, actual 3" in reasons[1], reasons

@@ -63,13 +63,18 @@ def _train_divergent(rank, world, kind):
         return "skipped"  # rank 1 never compiles: rank 0 must time out, not hang
     tokens, targets = global_batch(0, 2)
     try:
-        model_loss("gpt", torch.compile(model, backend="zero", options=options), tokens, targets)
+        compiled = torch.compile(model, backend="zero", options=options)
+        if kind == "padded":  # each rank pads to its own longest sequence; at step 1 only rank 1's changes
+            for lengths in ((16, 12), (16, 14)):
+                length = lengths[rank]
+                model_loss("gpt", compiled, tokens[:, :length].contiguous(), targets[:, :length].contiguous()).backward()
+        model_loss("gpt", compiled, tokens, targets)
     except Exception as error:  # Dynamo wraps backend errors; the message is what users read
         return f"{type(error).__name__}: {error}"
     return "no error"
 
 
-@pytest.mark.parametrize("kind", ["model", "options", "buckets", "missing"])
+@pytest.mark.parametrize("kind", ["model", "options", "buckets", "missing", "padded"])
 def test_divergent_ranks_fail_fast(kind):
     # the store outlives rank 0, as torchrun's agent hosts it: rank 0 leaves as soon as it has raised,
     # and rank 1, still polling the store when the machine is busy, must still read what differs
@@ -79,6 +84,11 @@ def test_divergent_ranks_fail_fast(kind):
         assert "RankDivergenceError" in outcome, outcome
     if kind == "missing":
         assert "ranks [1] did not within 5s" in outcomes[0]
+        return
+    if kind == "padded":  # rank 1 recompiled alone: both ranks name the input and the dimension that changed
+        for outcome in outcomes:
+            assert "graph 0/1 (a recompile: 0/0: tensor 'idx' size mismatch at index 1. expected 12, actual 14)" \
+                in outcome, outcome
         return
     assert outcomes[0] == outcomes[1] and "would issue different collectives" in outcomes[0]
     assert {  # what differs, first: a parameter, a setting, a collective (of the forward graph, after its passes)

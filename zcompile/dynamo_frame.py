@@ -10,7 +10,8 @@ is not available the caller gets no modules and logs it, and nothing else change
 
 When eager code touches a sharded parameter, the error says why Dynamo did not compile it
 (``eager_fallback_reason``: the recompile limit, or a skipped frame / graph break), read from the
-cache entries of the frames on the Python stack.
+cache entries of the frames on the Python stack. A compile that is a recompile says why
+(``recompile_reason``: the guard that failed, from Dynamo's metrics of the compile in progress).
 """
 
 from __future__ import annotations
@@ -42,6 +43,20 @@ def modules_of_compiled_frame() -> list[torch.nn.Module]:
         inner = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else (value,)
         found.extend(item for item in inner if isinstance(item, torch.nn.Module) and all(item is not m for m in found))
     return found
+
+
+def recompile_reason() -> str | None:
+    """Why Dynamo is compiling this frame again, while the backend runs: the first guard that failed
+    ("0/0: tensor 'x' size mismatch at index 1. expected 11, actual 32"); None for a first compile,
+    or where torch keeps it elsewhere (read from ``torch._dynamo.utils.get_metrics_context``, torch 2.13)."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        reason = get_metrics_context()._metrics.get("recompile_reason")
+    except Exception as error:  # internals moved: the messages lose a detail, nothing else changes
+        log.debug("zcompile: cannot read Dynamo's recompile reason (%s: %s)", type(error).__name__, error)
+        return None
+    return reason if isinstance(reason, str) else None
 
 
 def forward_modules_on_stack() -> list[torch.nn.Module]:

@@ -30,6 +30,7 @@ from zcompile.passes.collectives import COLLECTIVE_KINDS, collective_nodes
 from zcompile.passes.metadata import params_of
 from zcompile.passes.regions import subgraph_calls
 from zcompile.heartbeat import BEAT_S, blocked, busy_with_own_work, describe_all, rank_states, waiting_on_each_other
+from zcompile.dynamo_frame import recompile_reason
 from zcompile.process_group import DataParallelGroup, default_store, process_group_timeout_s
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,9 @@ CHECK_FIX = ("The ranks took different compile paths (different models, code pat
              "their collectives would deadlock. Give every rank the same model and inputs of the same shapes "
              "(drop_last=True in the sampler; or, where one rank's last batch may be shorter, mark the batch "
              "dimension dynamic on every rank from the first call, torch._dynamo.mark_dynamic(inputs, 0), so that "
-             "no rank recompiles alone), or raise check_timeout_s if a rank is only slow. Evaluating on one "
+             "no rank recompiles alone; a collator padding each rank's batch to its own longest sequence makes "
+             "shapes differ per rank too: pad to a fixed length, or mark that dimension dynamic the same way), "
+             "or raise check_timeout_s if a rank is only slow. Evaluating on one "
              "rank only works at stages 1 and 2 under torch.no_grad(); at stage 3 the forward gathers parameters from "
              "every rank, so evaluate on every rank.")
 
@@ -200,8 +203,11 @@ def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGr
     """
     compile_id = str(gm.meta.get("dynamo_compile_id", "unknown"))
     hooked = sorted(p.name for p in plan.params if p.grad_hooks)
+    # a recompile says which guard failed: a rank recompiling alone names the input that changed
+    reason = recompile_reason()
+    what = f"graph {compile_id}" + (f" (a recompile: {reason})" if reason else "")
     per_rank = check_same_on_all_ranks(collective_signature(plan, extra, subgraph_calls(gm)), group, timeout_s,
-                                       f"graph {compile_id}", plan_difference, aside=hooked)
+                                       what, plan_difference, aside=hooked)
     if any(other != hooked for other in per_rank):
         listed = "; ".join(f"rank {rank}: {', '.join(names[:4]) or 'none'}{' ...' if len(names) > 4 else ''}"
                            for rank, names in enumerate(per_rank))
