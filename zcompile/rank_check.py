@@ -43,7 +43,7 @@ CHECK_FIX = ("The ranks took different compile paths (different models, code pat
              "(drop_last=True in the sampler; or, where one rank's last batch may be shorter, mark the batch "
              "dimension dynamic on every rank from the first call, torch._dynamo.mark_dynamic(inputs, 0), so that "
              "no rank recompiles alone; a collator padding each rank's batch to its own longest sequence makes "
-             "shapes differ per rank too: pad to a fixed length, or mark that dimension dynamic the same way), "
+             "shapes differ per rank too: pad to a fixed length, or compile with torch.compile(..., dynamic=True)), "
              "or raise check_timeout_s if a rank is only slow. Evaluating on one "
              "rank only works at stages 1 and 2 under torch.no_grad(); at stage 3 the forward gathers parameters from "
              "every rank, so evaluate on every rank.")

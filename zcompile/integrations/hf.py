@@ -58,15 +58,22 @@ class ZeroTrainer(transformers.Trainer):
     ``{"stage": 3}``). ``optimizer_options``: extra ``zcompile.optim`` arguments (``bucket_mb``,
     ``skip_nonfinite``, ``check_timeout_s``). An optimizer passed in ``optimizers=`` must be a
     ``zcompile.optim`` one.
+
+    ``dynamic``: ``torch.compile``'s. True (the default here) makes every input size symbolic from the
+    first compile: Trainer's collators pad each rank's batch to its own longest sequence, and with
+    Dynamo's default a batch whose length changed on one rank only recompiled on that rank alone, a
+    ``RankDivergenceError`` at stages 2 and 3 (a Llama with sequences of 8-32 tokens, stage 3: at the
+    second step). None: Dynamo's default (for inputs of one fixed shape).
     """
 
     def __init__(self, *args: Any, zero_options: dict | None = None, optimizer_options: dict | None = None,
-                 **kwargs: Any):
+                 dynamic: bool | None = True, **kwargs: Any):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
             _take_over_torch_compile(training_args)
             _refuse_unsupported(training_args)
         self.zero_options = {"stage": 3, **(zero_options or {})}
+        self.dynamic = dynamic
         self.optimizer_options = dict(optimizer_options or {})
         self._zero_compiled: torch.nn.Module | None = None
         super().__init__(*args, **kwargs)
@@ -84,7 +91,8 @@ class ZeroTrainer(transformers.Trainer):
             # accelerate's preparation without its DDP wrap (evaluation_mode): device placement and,
             # with bf16=True, the autocast around forward that Trainer's mixed precision is
             prepared = self.accelerator.prepare_model(self.model, evaluation_mode=True)
-            self._zero_compiled = torch.compile(prepared, backend="zero", options=self.zero_options)
+            self._zero_compiled = torch.compile(prepared, backend="zero", options=self.zero_options,
+                                                dynamic=self.dynamic)
         return self._zero_compiled
 
     # ---- the optimizer: zcompile's, from Trainer's arguments ----
