@@ -52,3 +52,50 @@ def autocast_pass(gm: torch.fx.GraphModule, dtype: torch.dtype | None, device_ty
     gm.recompile()
     log.info("autocast: graph compute runs under autocast(%s, %s)", device_type, dtype)
     return gm
+
+
+# torch's norms with affine parameters, and where those are: (position, keyword) of weight and bias
+_NORM_PARAMS = {
+    torch.nn.functional.layer_norm: ((2, "weight"), (3, "bias")),
+    torch.nn.functional.group_norm: ((2, "weight"), (3, "bias")),
+    torch.nn.functional.batch_norm: ((3, "weight"), (4, "bias")),
+}
+
+
+def norm_params_in_fp32_pass(gm: torch.fx.GraphModule, device_type: str) -> torch.fx.GraphModule:
+    """Casts the weight and bias of every layer, group and batch norm of ``gm`` to fp32, on a CPU.
+
+    With ``param_dtype`` the weights reach the graph in that dtype, and CPU autocast runs norms in
+    the dtypes it is given (CUDA's casts norms to fp32 itself). torch's CPU norms take an fp32
+    weight with a bf16 input, but not a bf16 weight with an fp32 input ("mixed dtype (CPU): expect
+    parameter to have scalar type of Float"): a LayerNorm on an fp32 graph input (features, or the
+    hidden state of a block compiled on its own, its embedding run eagerly) failed at every stage,
+    and a BatchNorm failed even on a bf16 input (its fp32 running statistics). In fp32 the weights
+    fit every input, as on CUDA; the cast's backward hands their gradient back in ``param_dtype``.
+    A no-op elsewhere than on a CPU.
+    """
+    if device_type != "cpu":
+        return gm
+    graph = gm.graph
+    cast = 0
+    for node in list(graph.nodes):
+        places = _NORM_PARAMS.get(node.target) if node.op == "call_function" else None
+        for position, keyword in places or ():
+            arg = node.args[position] if len(node.args) > position else node.kwargs.get(keyword)
+            if not isinstance(arg, torch.fx.Node):
+                continue
+            with graph.inserting_before(node):
+                upcast = graph.call_method("to", (arg, torch.float32))
+            value = arg.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                upcast.meta["example_value"] = value.to(torch.float32)
+            if len(node.args) > position:
+                node.update_arg(position, upcast)
+            else:
+                node.update_kwarg(keyword, upcast)
+            cast += 1
+    if cast:
+        graph.lint()
+        gm.recompile()
+        log.info("norm_params_in_fp32: %d norm weights and biases cast to fp32 (CPU)", cast)
+    return gm

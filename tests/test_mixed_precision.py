@@ -16,6 +16,7 @@ and fails. Losses average thousands of rounded terms: 1e-4 relative (measured <=
 
 import pytest
 import torch
+import zcompile
 
 from support.launch import run_ranks
 from zcompile import zero_formula_bytes
@@ -194,3 +195,52 @@ def test_param_dtype_on_one_rank_only_is_an_error_on_every_rank():
     for message, seconds in run_ranks(2, _param_dtype_on_rank0_only, timeout_s=120):
         assert "replicated weights in different dtypes" in message and "same param_dtype" in message, message
         assert seconds < 20, seconds
+
+
+class _Norms(torch.nn.Module):
+    """Each of torch's affine norms on an fp32 input: a LayerNorm on features (or on the hidden state
+    of a block compiled on its own), a GroupNorm and a BatchNorm in a small CNN."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(8)
+        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.gn = torch.nn.GroupNorm(2, 8)
+        self.bn = torch.nn.BatchNorm2d(8)
+
+    def forward(self, x):  # x: [batch, 8, 4, 4]
+        h = self.ln(x.transpose(1, 3)).transpose(1, 3)
+        h = self.bn(self.gn(self.conv(h)))
+        return h.float().square().mean()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_norms_take_fp32_inputs_on_a_cpu(stage):
+    """torch's CPU norms refuse a bf16 weight with an fp32 input ("mixed dtype (CPU): expect parameter
+    to have scalar type of Float"), and a BatchNorm a bf16 weight beside its fp32 running statistics
+    even on a bf16 input: with param_dtype="bf16" every stage failed at the first call. The norms'
+    weights now enter them in fp32 (``norm_params_in_fp32_pass``), as CUDA autocast runs norms; the
+    loss and gradients follow eager torch.autocast with the same bf16-rounded weights (2^-8 relative
+    per rounding; 2e-2 bounds the loss of this small net, 5% each gradient's norm)."""
+    torch.manual_seed(0)
+    model, x = _Norms(), torch.randn(4, 8, 4, 4)
+    reference = _Norms()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():  # the weights the graphs read: bf16-rounded
+        for p in reference.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = reference(x)
+    expected.backward()
+    torch._dynamo.reset()
+    try:
+        loss = torch.compile(model, backend="zero", options={"stage": stage, "param_dtype": "bf16"})(x)
+        loss.backward()
+        with zcompile.gathered(model, grads=True):
+            grads = {name: p.grad.float().clone() for name, p in model.named_parameters()}
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(loss.float(), expected.float(), rtol=2e-2, atol=0)
+    for name, p in reference.named_parameters():
+        error = (grads[name] - p.grad).norm() / p.grad.norm()
+        assert error < 0.05, (name, error.item())

@@ -35,7 +35,7 @@ from zcompile.passes.grad_hooks import hooked_params, route_grad_hooks_pass
 from zcompile.passes.hpz import hpz_forward_shortcut_pass, hpz_pass
 from zcompile.passes.keep_gathered import keep_gathered_pass, plan_keep_gathered
 from zcompile.passes.loss_backward import fuse_cross_entropy_backward_pass
-from zcompile.passes.mixed_precision import autocast_pass
+from zcompile.passes.mixed_precision import autocast_pass, norm_params_in_fp32_pass
 from zcompile.passes.param_collectives import insert_param_collectives_pass
 from zcompile.passes.quantize_grads import quantize_grads_pass
 from zcompile.passes.quantize_weights import quantize_weights_pass
@@ -82,6 +82,11 @@ PIPELINE: tuple[PassRow, ...] = (
     PassRow("route_grad_hooks", DYNAMO, route_grad_hooks_pass,
             enabled=lambda c: bool(hooked_params(c.sharding)),
             options=lambda c, g: {"plan": c.sharding},
+            after=("insert_param_collectives",)),
+    # the norms' weights as the graph receives them (stage 3: gathered in param_dtype)
+    PassRow("norm_params_in_fp32", DYNAMO, norm_params_in_fp32_pass,
+            enabled=lambda c: c.config.param_dtype is not None and c.device_type == "cpu",
+            options=lambda c, g: {"device_type": c.device_type},
             after=("insert_param_collectives",)),
     PassRow("autocast", DYNAMO, autocast_pass,
             enabled=lambda c: c.config.param_dtype is not None,
