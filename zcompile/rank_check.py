@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 FIRST_WAIT_S = 1.0  # one store.wait, notified at once: ranks that arrive within it cost no polling
 POLL_S = 0.25  # then store.check every POLL_S (a timed-out store.wait prints c10d warnings each time)
 SHOWN = 4  # extra parameters or collectives listed by name, ranks described, in a difference
+COMPILE_CHECK = "zero backend: "  # how a compile's rank check names itself (and how a beat shows a rank waiting in one)
 CHECK_FIX = ("The ranks took different compile paths (different models, code paths or input shapes per rank) and "
              "their collectives would deadlock. Give every rank the same model and inputs of the same shapes "
              "(drop_last=True in the sampler; or, where one rank's last batch may be shorter, mark the batch "
@@ -227,7 +228,7 @@ def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s
     The n-th check of a rank is compared with every other rank's n-th check.
     """
     exchanged = exchange_on_store([signature, aside, what, difference.__name__], group, timeout_s, "check",
-                                  f"zero backend: {what}", CHECK_FIX)
+                                  f"{COMPILE_CHECK}{what}", CHECK_FIX)
     signatures = [entry[0] for entry in exchanged]
     if any(entry[3] != difference.__name__ for entry in exchanged):  # the ranks met at different checks
         at = "; ".join(f"rank {rank} at {entry[2]}" for rank, entry in enumerate(exchanged)
@@ -354,6 +355,15 @@ def _abort_key(group: DataParallelGroup) -> str:
     return f"zcompile/abort/{group.name}"
 
 
+def _fix_for(fix: str, missing: list) -> str:
+    """``fix``, or a compile's when a missing rank waits in a compile's rank check: it compiled a graph
+    the others did not (a recompile of its own, its inputs' shapes changed), and the fix is about that,
+    whatever this rank was doing."""
+    if any((state.blocked_in or "").startswith(COMPILE_CHECK) for state in missing):
+        return CHECK_FIX
+    return fix
+
+
 def _wait_for_ranks(store: dist.Store, everyone: str, keys: list[str], group: DataParallelGroup, timeout_s: float,
                     where: str, fix: str) -> None:
     """Returns once ``everyone`` is set; raises when the time is up (naming the ranks whose ``keys`` are
@@ -384,11 +394,12 @@ def _wait_for_ranks(store: dist.Store, everyone: str, keys: list[str], group: Da
                     looked, now = time.monotonic(), rank_states(store, group, _missing(store, keys))
                     if any(state.ended for state in now):
                         _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} "
-                                                             f"did not, and will not ({describe_all(now)}). {fix}")
+                                                             f"did not, and will not ({describe_all(now)}). "
+                                                             f"{_fix_for(fix, now)}")
                     if waiting_on_each_other(now, first_look, group.name, global_rank):
                         _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} "
                                                              f"wait elsewhere ({describe_all(now)}): each waits for "
-                                                             f"the other. {fix}")
+                                                             f"the other. {_fix_for(fix, now)}")
                 time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
             if store.check([everyone]):
                 return
@@ -398,13 +409,14 @@ def _wait_for_ranks(store: dist.Store, everyone: str, keys: list[str], group: Da
             if waited >= patience_s:
                 _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} did not "
                                                      f"within {waited:.0f}s, the process group's timeout "
-                                                     f"({describe_all(now)}: busy, or stuck in code of their own). {fix}")
+                                                     f"({describe_all(now)}: busy, or stuck in code of their own). "
+                                                     f"{_fix_for(fix, now)}")
             log.warning("%s: ranks %s have not come after %.0fs; they are alive and running code of their own "
                         "(an evaluation or a checkpoint on some ranks only?), so this rank waits on, up to the "
                         "process group's timeout (%.0fs)", where, [state.rank for state in now], waited, patience_s)
             before, deadline = now, time.monotonic() + min(timeout_s, max(patience_s - waited, 0.0))
         _tell_others_and_raise(store, group, f"{where} got there but ranks {_missing(store, keys)} did not within "
-                                             f"{timeout_s:.0f}s ({describe_all(now)}). {fix}")
+                                             f"{timeout_s:.0f}s ({describe_all(now)}). {_fix_for(fix, now)}")
 
 
 def _missing(store: dist.Store, keys: list[str]) -> list[int]:
