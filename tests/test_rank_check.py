@@ -226,6 +226,29 @@ def test_agreeing_ranks_make_the_same_few_requests_at_any_world_size(world):
     assert max(per_rank) <= 4 * 7 + 2 * 5
 
 
+def test_labels_differing_between_agreeing_ranks_are_not_read():
+    """A compile check's label (its compile id, a recompile's reason) may differ between ranks that
+    agree: it is not compared, so agreeing ranks still read nobody's value, and a rank gets the others'
+    labels only when the values differ."""
+    store, results = _CountingStore(dist.HashStore()), {}
+
+    def rank_calls(rank):
+        results[rank] = [exchange_through(store, value, _group(rank), 10, "check", "check", "fix",
+                                          label=f"rank {rank}'s call {call}")
+                         for call, value in enumerate(["same", "same", "same", f"differs on {rank}"])]
+
+    threads = [threading.Thread(target=rank_calls, args=(rank,), name=f"rank{rank}") for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    for rank in range(2):
+        assert results[rank][:3] == [[("same", f"rank {rank}'s call {call}")] * 2 for call in range(3)]
+        assert results[rank][3] == [(f"differs on {other}", f"rank {other}'s call 3") for other in range(2)]
+    # two reads a rank (values, labels), in the one call whose values differ
+    assert sum(n for (_, method), n in store.requests.items() if method == "multi_get") == 4
+
+
 def test_a_rank_alone_times_out_naming_the_missing_rank_and_leaves_a_note():
     store = dist.HashStore()
     start = time.perf_counter()

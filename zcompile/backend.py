@@ -72,8 +72,9 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     swap = ShardSwap(plan, group)
     tracing_inputs = swap.swap_for_tracing(list(example_inputs))  # shards the parameters
     shards = [shard_of(example_inputs[p.index]) for p in plan.params]
+    frame_modules = modules_of_compiled_frame()
     if plan.params:
-        attach_state_dict_hooks(modules_of_compiled_frame())  # model.(load_)state_dict see the shards
+        attach_state_dict_hooks(frame_modules)  # model.(load_)state_dict see the shards
     runner = PassRunner.for_graph(gm, resolve_dump_root(config.dump), group.rank)
     runner.dump.write_json(SHARDING_PLAN_FILE, json.loads(plan.to_json()))
     zeropp = resolve_zeropp(config, group)
@@ -95,10 +96,10 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     compiled = compile_with_aot(gm, tracing_inputs, graphs)
     # once the compile succeeded: Dynamo may restart the frame's analysis from inside it (dynamic=True),
     # and the retried compile is the one that runs (shard_parameter's mark)
-    record_compiled_graphs(_recorded_on(plan, example_inputs), graphs)  # for step_report
+    record_compiled_graphs(_recorded_on(plan, example_inputs, frame_modules), graphs)  # for step_report
     for sharded in shards:  # Dynamo builds its guards after we return: they see the final class, no recompile
         mark_refusing_parameter(sharded)
-    mark_like_siblings(shards, modules_of_compiled_frame(), forward_modules_on_stack()[-1:])
+    mark_like_siblings(shards, frame_modules, forward_modules_on_stack()[-1:])
     log.info(
         "zero backend: compiled a graph with %d parameters (stage %d, world %d, %s) in %.2fs",
         len(plan.params), config.stage, group.world_size, config.compiler, time.perf_counter() - start,
@@ -324,13 +325,13 @@ def _follow_requires_grad(leaf: torch.Tensor, requires_grad: bool) -> None:
         leaf.requires_grad_(requires_grad)
 
 
-def _recorded_on(plan: ShardingPlan, example_inputs: list) -> list[torch.nn.Parameter]:
+def _recorded_on(plan: ShardingPlan, example_inputs: list, frame_modules: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
     """The parameters ``step_report`` finds this graph through: its own, or for a graph without any
     (a loss function compiled after a graph break) those of the modules of its frame, else of the
     outermost module whose forward calls it, so that its saved activations are in the report."""
     if plan.params:
         return [example_inputs[p.index] for p in plan.params]
-    modules = modules_of_compiled_frame() or forward_modules_on_stack()[-1:]
+    modules = frame_modules or forward_modules_on_stack()[-1:]
     return [param for module in modules for param in module.parameters()]
 
 

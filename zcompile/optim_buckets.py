@@ -55,6 +55,7 @@ from zcompile.process_group import (all_gather_coalesced_into, all_gather_eager,
                                     reduce_scatter_by_all_to_all, reduce_scatter_eager)
 from zcompile.comm_volume import CollectiveRecord
 from zcompile.param_shards import ShardedParam
+from zcompile.passes.liveness import tensor_bytes
 
 
 @dataclass
@@ -79,14 +80,10 @@ class BufferLedger:
     def until_freed(self, tensor: torch.Tensor) -> torch.Tensor:
         """Counts ``tensor`` until it and every view of it are gone (a reduced bucket's shards live
         as views until their update)."""
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor_bytes(tensor)
         self.take(nbytes)
         weakref.finalize(tensor, self.give, nbytes)
         return tensor
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def plan_optimizer_buckets(members: list[ShardedParam], dtype_of: Callable[[ShardedParam], torch.dtype],
@@ -175,7 +172,7 @@ class BucketedGradReduce:
                 out = self.ledger.until_freed(received.sum(0))
                 _release(sent)
                 _release(received)
-                self.ledger.give(_nbytes(sent) + _nbytes(received))
+                self.ledger.give(tensor_bytes(rows))
             self._start(index + 1)  # moves while this bucket updates
             offset = 0
             for m in self.buckets[index]:
@@ -201,10 +198,10 @@ class BucketedGradReduce:
             received = torch.empty_like(rows)
             work, out, held = all_to_all_eager(received, rows, group, async_op=True), None, 0
             rows = (rows, received)
-            self.ledger.take(_nbytes(rows[0]) + _nbytes(received))
+            self.ledger.take(tensor_bytes(rows))
         else:  # the backend keeps the input alive while it needs it
             out = self.ledger.until_freed(torch.empty(width, dtype=dtype, device=rows.device))
-            held = _nbytes(rows)
+            held = tensor_bytes(rows)
             self.ledger.take(held)
             work, rows = reduce_scatter_eager(out, rows.view(-1), group, async_op=True), None
         self._pending[index] = (work, rows, out, held)
@@ -292,7 +289,7 @@ class BucketedParamRefresh:
             work = all_gather_coalesced_into(outputs, shards, group)
             self.records.append(_record("all_gather", bucket, shards[0].dtype))
             # gloo's flat buffers: the inputs concatenated, and the output it copies out of
-            staged = sum(map(_nbytes, outputs)) + sum(map(_nbytes, shards)) if on_gloo(group) else 0
+            staged = tensor_bytes([outputs, shards]) if on_gloo(group) else 0
             self.ledger.take(staged)
             self._in_flight = (bucket, work, None, staged)
             return
@@ -300,7 +297,7 @@ class BucketedParamRefresh:
         gathered = torch.empty(flat.numel() * group.world_size, dtype=flat.dtype, device=flat.device)
         work = all_gather_eager(gathered, flat, group, async_op=True)
         self.records.append(_record("all_gather", bucket, flat.dtype))
-        held = (_nbytes(flat) if len(shards) > 1 else 0) + _nbytes(gathered) * (2 if on_gloo(group) else 1)
+        held = (tensor_bytes(flat) if len(shards) > 1 else 0) + tensor_bytes(gathered) * (2 if on_gloo(group) else 1)
         self.ledger.take(held)
         self._in_flight = (bucket, work, gathered, held)
 

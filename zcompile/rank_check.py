@@ -227,12 +227,15 @@ def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s
 
     The n-th check of a rank is compared with every other rank's n-th check.
     """
-    exchanged = exchange_on_store([signature, aside, what, difference.__name__], group, timeout_s, "check",
-                                  f"{COMPILE_CHECK}{what}", CHECK_FIX)
-    signatures = [entry[0] for entry in exchanged]
-    if any(entry[3] != difference.__name__ for entry in exchanged):  # the ranks met at different checks
-        at = "; ".join(f"rank {rank} at {entry[2]}" for rank, entry in enumerate(exchanged)
-                       if entry[3] != exchanged[0][3] or rank == 0)
+    # the kind of check is compared (rank-independent); ``what`` (a compile id, a recompile's reason: they
+    # may differ between agreeing ranks) rides as a label, read only when the values differ
+    exchanged = exchange_on_store([signature, aside, difference.__name__], group, timeout_s, "check",
+                                  f"{COMPILE_CHECK}{what}", CHECK_FIX, label=what)
+    signatures = [entry[0] for entry, _ in exchanged]
+    kinds = [entry[2] for entry, _ in exchanged]
+    if any(kind != difference.__name__ for kind in kinds):  # the ranks met at different checks
+        at = "; ".join(f"rank {rank} at {label}" for rank, (_, label) in enumerate(exchanged)
+                       if kinds[rank] != kinds[0] or rank == 0)
         _tell_others_and_raise(None, group, (
             f"zero backend: the ranks reached different compile steps at the same point ({at}): they compiled "
             "different graphs, or in another order. " + CHECK_FIX))
@@ -242,13 +245,13 @@ def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s
             f"({describe_differences(signatures, difference)}). Every rank must compile the same model with "
             "the same options."))
     log.debug("rank check passed for %s (%d entries)", what, len(signature))
-    return [entry[1] for entry in exchanged]
+    return [entry[1] for entry, _ in exchanged]
 
 
 # ---- the exchange through the store, and the abort note ----
 
 def exchange_on_store(value: Any, group: DataParallelGroup, timeout_s: float, purpose: str, doing: str,
-                      fix: str) -> list:
+                      fix: str, label: str | None = None) -> list:
     """Every rank's ``value`` (JSON-able), exchanged through the store, in rank order.
 
     The n-th call of a rank for ``purpose`` meets every other rank's n-th call for it. A rank that
@@ -259,12 +262,12 @@ def exchange_on_store(value: Any, group: DataParallelGroup, timeout_s: float, pu
     missing rank is a timeout and not a hang.
     """
     if group.world_size == 1:
-        return [value]
-    return exchange_through(default_store(), value, group, timeout_s, purpose, doing, fix)
+        return [value] if label is None else [(value, label)]
+    return exchange_through(default_store(), value, group, timeout_s, purpose, doing, fix, label)
 
 
 def exchange_through(store: dist.Store, value: Any, group: DataParallelGroup, timeout_s: float, purpose: str,
-                     doing: str, fix: str) -> list:
+                     doing: str, fix: str, label: str | None = None) -> list:
     """``exchange_on_store`` on a given ``store``.
 
     Each rank sets its value under its own key, counts itself under the digest of its value and among
@@ -274,11 +277,17 @@ def exchange_through(store: dist.Store, value: Any, group: DataParallelGroup, ti
     whatever the number of ranks, so the exchange may run once per training step at any scale
     (reading every rank's value on every rank is N^2 through the one store: a million reads a step at
     1,024 ranks). Only when values differ does each rank read them all, to name the difference. The
-    keys stay bounded: each call deletes its rank's keys of two calls before."""
+    keys stay bounded: each call deletes its rank's keys of two calls before.
+
+    ``label``: this rank's words for its call, not compared (they may differ between agreeing ranks);
+    given one, each entry is ``(value, label)``, with every rank's label when the values differ and
+    this rank's own when they agree (no rank reads the others' then)."""
     # the counter lives in the store, so it survives torch._dynamo.reset() and needs no global
     sequence = store.add(f"zcompile/{purpose}/{group.name}/sequence/{group.rank}", 1)
     keys = _exchange_keys(purpose, group, sequence)
     text = json.dumps(value)
+    if label is not None:  # before the value: a rank that reads values may read labels
+        store.set(_label_key(keys[group.rank]), label)
     store.set(keys[group.rank], text)
     same, arrived, everyone = _shared_keys(purpose, group, sequence, text)
     store.add(same, 1)  # before arriving: once everyone has arrived, every digest is counted
@@ -290,8 +299,11 @@ def exchange_through(store: dist.Store, value: Any, group: DataParallelGroup, ti
         if store.add(same, 0) == group.world_size:
             mine = json.loads(text)
             values = [mine] * group.world_size
+            labels = [label] * group.world_size
         else:
             values = [json.loads(raw) for raw in store.multi_get(keys)]
+            labels = ([raw.decode() for raw in store.multi_get([_label_key(key) for key in keys])]
+                      if label is not None else [])
     except dist.DistNetworkError as error:
         # the store's host ended while this rank waited or read: without torchrun's agent (which hosts
         # it) that is rank 0's process, which leaves as soon as it has raised the divergence it found
@@ -300,8 +312,8 @@ def exchange_through(store: dist.Store, value: Any, group: DataParallelGroup, ti
             f"torchrun's agent hosts it) has ended, most likely with an error of its own: read that rank's "
             f"error. {fix}") from error
     if sequence > 2:  # this rank is at n: every rank has passed call n-1's wait, so is done with n-2's keys
-        _delete_call(store, purpose, group, sequence - 2)
-    return values
+        _delete_call(store, purpose, group, sequence - 2, labelled=label is not None)
+    return values if label is None else list(zip(values, labels))
 
 
 def _shared_keys(purpose: str, group: DataParallelGroup, sequence: int, text: str) -> tuple[str, str, str]:
@@ -312,10 +324,12 @@ def _shared_keys(purpose: str, group: DataParallelGroup, sequence: int, text: st
     return f"{base}/same/{digest}", f"{base}/arrived", f"{base}/everyone"
 
 
-def _delete_call(store: dist.Store, purpose: str, group: DataParallelGroup, sequence: int) -> None:
-    """Deletes this rank's keys of call ``sequence`` and the shared ones (deleting a deleted key is a no-op)."""
+def _delete_call(store: dist.Store, purpose: str, group: DataParallelGroup, sequence: int, labelled: bool) -> None:
+    """Deletes this rank's keys of call ``sequence`` and the shared ones (deleting a deleted key is a no-op);
+    ``labelled``: its label too (a purpose's calls all have one, or none)."""
     own = _exchange_keys(purpose, group, sequence)[group.rank]
-    for key in (*_shared_keys(purpose, group, sequence, store.get(own).decode()), own):
+    keys = [*_shared_keys(purpose, group, sequence, store.get(own).decode()), own]
+    for key in keys + [_label_key(own)] if labelled else keys:
         store.delete_key(key)
 
 
@@ -349,6 +363,10 @@ def abort_note(store: dist.Store, group: DataParallelGroup) -> tuple[int, str] |
 
 def _exchange_keys(purpose: str, group: DataParallelGroup, sequence: int) -> list[str]:
     return [f"zcompile/{purpose}/{group.name}/{sequence}/{rank}" for rank in range(group.world_size)]
+
+
+def _label_key(key: str) -> str:
+    return f"{key}/label"
 
 
 def _abort_key(group: DataParallelGroup) -> str:
