@@ -165,6 +165,38 @@ def test_step_skipped_on_one_rank_fails_fast_on_every_rank(stage):
         assert seconds < 10, seconds  # the ranks meet at the next step: no timeout to wait for
 
 
+def _skip_first_step_on_rank0(rank, world):
+    """Stage 3, rank 0 skips its first backward and step: rank 1's backward, at its first call, checks
+    its issue order (a check at a call, not at a compile) while rank 0 waits at its next forward."""
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "check_timeout_s": 20})
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, check_timeout_s=20)
+    spec, start = RunSpec(stage=3), time.perf_counter()
+    try:
+        for step in range(3):
+            (tokens, targets), = micro_batches(spec, step, rank, world)
+            loss = compiled(tokens, targets)
+            if step == 0 and rank == 0:
+                continue
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    except RankDivergenceError as error:
+        return str(error), time.perf_counter() - start
+    return None, None
+
+
+def test_a_first_step_skipped_on_one_rank_names_the_skip_not_a_compile():
+    """The backward's issue-order check runs at its first call: a rank waiting for it there was read as
+    one compiling alone, and the message on every rank asked for the same shapes and models (the
+    compile's fix) where a step had been skipped."""
+    for message, seconds in run_ranks(2, _skip_first_step_on_rank0):
+        assert message is not None, "a step skipped on one rank went unnoticed"
+        assert "skip_nonfinite" in message and "different compile paths" not in message, message
+        assert seconds < 30, seconds
+
+
 def _rank0_busy_between_steps(rank, world, busy_s):
     """Rank 0 alone spends ``busy_s`` (over the check's timeout) on work of its own between steps: here
     an evaluation through the compiled model (or a checkpoint written by rank 0, an upload). Stage 1: rank 1 waits at the next step's

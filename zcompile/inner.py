@@ -22,6 +22,7 @@ from zcompile.dumps import collectives_file
 from zcompile.passes.regions import subgraph_calls
 from zcompile.pipeline import JOINT, PIPELINE, run_passes
 from zcompile.process_group import gathers_into_buffers
+from zcompile.step_agreement import FIX as STEP_FIX
 from zcompile.rank_check import (
     check_same_on_all_ranks,
     raise_if_aborted,
@@ -99,8 +100,10 @@ def _issue_order_check(graph_module: torch.fx.GraphModule, kind: str, graphs: Co
     if not signature:
         return None
     what = f"the {kind} graph of Dynamo graph {context.graph_id}"
+    # a backward's runs at its first call (_post_partition): a rank that does not come skipped that call
+    at_call_fix = STEP_FIX if kind == "backward" else None
     return lambda: check_same_on_all_ranks(signature, context.group, context.config.check_timeout_s, what,
-                                           sequence_difference)
+                                           sequence_difference, at_call_fix=at_call_fix)
 
 
 def _joint_rows(graphs: CompiledGraphs) -> list:

@@ -220,17 +220,22 @@ def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGr
 
 def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s: float, what: str,
                             difference: Callable[[list, list, int, int], str | None] = entry_difference,
-                            aside: Any = None) -> list:
+                            aside: Any = None, at_call_fix: str | None = None) -> list:
     """Raises ``RankDivergenceError`` unless every rank of ``group`` passes the same ``signature``;
     the error names, per rank, the first place where ``difference`` finds it differs from rank 0's.
     Returns every rank's ``aside``: carried by the same exchange, compared by the caller.
+
+    A check runs at a compile (a rank that never comes compiled what the others did not: its fix is
+    ``CHECK_FIX``, and a rank waiting for it elsewhere gives that fix too), or, with ``at_call_fix``, at
+    a compiled call (a backward's first: a rank that never comes skipped it, and that is the fix).
 
     The n-th check of a rank is compared with every other rank's n-th check.
     """
     # the kind of check is compared (rank-independent); ``what`` (a compile id, a recompile's reason: they
     # may differ between agreeing ranks) rides as a label, read only when the values differ
-    exchanged = exchange_on_store([signature, aside, difference.__name__], group, timeout_s, "check",
-                                  f"{COMPILE_CHECK}{what}", CHECK_FIX, label=what)
+    doing, fix = (f"{COMPILE_CHECK}{what}", CHECK_FIX) if at_call_fix is None else (f"zcompile: {what}", at_call_fix)
+    exchanged = exchange_on_store([signature, aside, difference.__name__], group, timeout_s, "check", doing, fix,
+                                  label=what)
     signatures = [entry[0] for entry, _ in exchanged]
     kinds = [entry[2] for entry, _ in exchanged]
     if any(kind != difference.__name__ for kind in kinds):  # the ranks met at different checks
