@@ -134,19 +134,20 @@ def test_model_zero_grad_clears_the_gradient_shards_and_p_grad_none_is_not_silen
     assert abs(not_zeroed.losses[-1] - accumulated.losses[-1]) > 1e-3  # it did train differently
 
 
-def _skip_step_on_rank0(rank, world, stage):
-    """Rank 0 skips its step 1 (`if not isfinite(loss): continue`); both ranks must raise, at once."""
+def _skip_step_on_rank0(rank, world, stage, skipped=1):
+    """Rank 0 skips its step ``skipped`` (`if not isfinite(loss): continue`); both ranks must raise, at
+    once. Seconds from the last step's start (from the loop's, when no step ran: the first one skipped)."""
     torch._dynamo.reset()
     model = build_model("gpt")
     compiled = torch.compile(model, backend="zero", options={"stage": stage})
     optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, check_timeout_s=20)
     spec = RunSpec(stage=stage)
-    start = None
+    start = time.perf_counter()
     try:
         for step in range(4):
             (tokens, targets), = micro_batches(spec, step, rank, world)
             loss = compiled(tokens, targets)
-            if step == 1 and rank == 0:
+            if step == skipped and rank == 0:
                 continue
             loss.backward()
             start = time.perf_counter()
@@ -165,33 +166,12 @@ def test_step_skipped_on_one_rank_fails_fast_on_every_rank(stage):
         assert seconds < 10, seconds  # the ranks meet at the next step: no timeout to wait for
 
 
-def _skip_first_step_on_rank0(rank, world):
-    """Stage 3, rank 0 skips its first backward and step: rank 1's backward, at its first call, checks
-    its issue order (a check at a call, not at a compile) while rank 0 waits at its next forward."""
-    torch._dynamo.reset()
-    model = build_model("gpt")
-    compiled = torch.compile(model, backend="zero", options={"stage": 3, "check_timeout_s": 20})
-    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, check_timeout_s=20)
-    spec, start = RunSpec(stage=3), time.perf_counter()
-    try:
-        for step in range(3):
-            (tokens, targets), = micro_batches(spec, step, rank, world)
-            loss = compiled(tokens, targets)
-            if step == 0 and rank == 0:
-                continue
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    except RankDivergenceError as error:
-        return str(error), time.perf_counter() - start
-    return None, None
-
-
 def test_a_first_step_skipped_on_one_rank_names_the_skip_not_a_compile():
-    """The backward's issue-order check runs at its first call: a rank waiting for it there was read as
-    one compiling alone, and the message on every rank asked for the same shapes and models (the
+    """Stage 3, rank 0 skips its first backward and step: rank 1's backward checks its issue order at its
+    first call (a check at a call, not at a compile), and a rank waiting for it there was read as one
+    compiling alone, and the message on every rank asked for the same shapes and models (the
     compile's fix) where a step had been skipped."""
-    for message, seconds in run_ranks(2, _skip_first_step_on_rank0):
+    for message, seconds in run_ranks(2, _skip_step_on_rank0, 3, 0):
         assert message is not None, "a step skipped on one rank went unnoticed"
         assert "skip_nonfinite" in message and "different compile paths" not in message, message
         assert seconds < 30, seconds
