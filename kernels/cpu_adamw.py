@@ -56,7 +56,11 @@ def _check_layout(*lists: list[torch.Tensor]) -> None:
     """The aten kernel checks neither sizes nor strides: it walks each tensor's memory as dense and
     as long as its parameter, so a shorter gradient reads (and a shorter moment writes) past its end
     and a strided one is read in the wrong order. Refused here instead, naming the tensor. On the
-    step's path: two attribute reads a tensor, 0.5 ms a step for 200 shards."""
+    step's path: a list's sizes compared at once and its strides read by ``map`` (0.5 ms a step for
+    200 shards, one generator a shard, before); the loop below only names what is wrong."""
+    sizes = [t.numel() for t in lists[0]]
+    if all([t.numel() for t in tensors] == sizes and all(map(torch.Tensor.is_contiguous, tensors)) for tensors in lists):
+        return
     for index, tensors in enumerate(zip(*lists)):
         numel = tensors[0].numel()
         if all(t.numel() == numel and t.is_contiguous() for t in tensors):

@@ -41,7 +41,12 @@ def tensor_bytes(value) -> int:
     A size Dynamo made symbolic (the RNG state ``torch.utils.checkpoint`` saves has a size the trace
     cannot know) counts at its traced value, without a guard: arithmetic on the symbol would put a
     guard on a shape no input of the frame has, and Dynamo fails building its guards."""
-    leaves = torch.utils._pytree.tree_leaves(value)
+    if isinstance(value, torch.Tensor):
+        leaves = (value,)
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value):
+        leaves = value  # a flat list (the optimizer's buckets, each step): no pytree walk
+    else:
+        leaves = torch.utils._pytree.tree_leaves(value)
     return sum(_traced_int(t.numel()) * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 

@@ -128,7 +128,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         An optimizer with a multi-shard update overrides ``_update_many``."""
         self._update_many(batch)
         for update in batch:
-            if update.sharded.stage in (1, 2):
+            if update.sharded.stage in (1, 2) and not update.sharded.updates_replicated_in_place:
                 refresher.updated(update.sharded, update.lowp)
 
     def _update_many(self, batch: list[_Update]) -> None:
@@ -176,7 +176,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for group_index, group in enumerate(self.param_groups):
             for index, param in enumerate(group["params"]):
                 sharded = self._sharded(param, group_index, index, eager)
-                if sharded is not None and (sharded.shard_grad is not None or sharded.full_grad is not None):
+                if sharded is not None and (sharded.shard_grad is not None or sharded.has_full_grad):
                     todo.append((sharded, param, group))
         warn_eager_sharded(eager, "optimizer.step()")
         bucket_bytes = int(self.bucket_mb * 2**20)
@@ -199,7 +199,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         early += flag_records
         reduced = [s for s, _, _ in todo if s.stage == 1 and s.group.world_size > 1 and s.shard_grad is None]
         reducer = BucketedGradReduce(plan_reduce_buckets(reduced, bucket_bytes), ledger=ledger)
-        refreshed = [s for s, _, _ in todo if s.stage in (1, 2)]
+        # a world of one, the shard in the parameter's own storage (fp32): the update writes the weight itself
+        refreshed = [s for s, _, _ in todo if s.stage in (1, 2) and not s.updates_replicated_in_place]
         refresher = BucketedParamRefresh(plan_optimizer_buckets(refreshed, lambda s: s.replicated_dtype, bucket_bytes),
                                          ledger=ledger)
         self._previous_tables, self._launch_tables = self._launch_tables, {}  # _launch_tables_of
@@ -211,8 +212,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # and short (the whole update of 124M parameters is about 1 ms at 3 TB/s, divided by N)
         batch: list[_Update] = []
         batch_key = None  # (param group, refresh bucket or None) of the batch
+        # asked once a step, not once a parameter: with shards on several kinds of device a batch is a bucket
+        whole_groups = self._multi_tensor_launch([s for s, _, _ in todo])
         for sharded, param, group in todo:
-            key = (id(group), None if self._multi_tensor_launch([sharded]) else refresher.bucket_of(sharded))
+            key = (id(group), None if whole_groups else refresher.bucket_of(sharded))
             if batch and key != batch_key:
                 self._update_batch(batch, refresher)
                 batch = []
@@ -232,8 +235,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """``sharded``'s update in this step, its gradient reduced first if that is left to do. A
         function of its own so that no local of ``step()`` keeps the last gradient of a batch (a view
         of its bucket's reduced shard) alive once the batch is updated, while the next buckets move."""
-        if sharded.shard_grad is not None:  # stages 2 and 3, or stage 1 reduced early by clipping
-            grad, grad_scale = sharded.shard_grad.detach(), 1.0
+        shard_grad = sharded.shard_grad
+        if shard_grad is not None:  # stages 2 and 3, or stage 1 reduced early by clipping
+            grad, grad_scale = shard_grad.detach(), 1.0
         elif sharded.stage == 1 and sharded.group.world_size > 1:
             grad, grad_scale = reducer.grad(sharded), 1.0 / sharded.group.world_size
         else:
@@ -327,7 +331,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         stage 1's, so training stays exact (without overlap); ignoring it would leave the weights
         unchanged with no error. Said once per optimizer.
         """
-        eager = [m for m in members if m.stage != 1 and m.full_grad is not None]
+        eager = [m for m in members if m.stage != 1 and m.has_full_grad]
         if eager and not self._warned_eager_grads:
             self._warned_eager_grads = True
             log.warning(
@@ -336,7 +340,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "and TORCH_LOGS=recompiles,graph_breaks) or eager code used them. They are reduce-scattered at the "
                 "step, so training stays exact but this communication is not overlapped; make the frame compile "
                 "to get it back.", len(eager), eager[0].stage, eager[0].name)
-        return [m for m in members if m.full_grad is not None and (m.stage != 1 or m.shard_grad is not None)]
+        return [m for m in members if m.has_full_grad and (m.stage != 1 or m.shard_grad is not None)]
 
     def _sharded(self, param: torch.Tensor, group_index: int, index: int, eager: list[str]) -> ShardedParam | None:
         """The shard of ``param``, ``param_groups[group_index]['params'][index]``; a parameter trained
@@ -390,7 +394,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """``model_state_bytes`` at the end of a step, walked again only when what exists changed
         (which gradients, which optimizer states): a step re-makes the same tensors at the same
         sizes, and the storage walk is the optimizer's largest per-step cost on small models."""
-        layout = (tuple((id(s), s.shard_grad is not None, s.full_grad is not None) for s in members),
+        layout = (tuple((id(s), s.shard_grad is not None, s.has_full_grad) for s in members),
                   sum(len(state) for state in self.state.values()), len(self.state))
         if layout != self._state_layout or self.last_step_state_bytes is None:
             self._state_layout = layout

@@ -289,7 +289,7 @@ class BucketedParamRefresh:
             work = all_gather_coalesced_into(outputs, shards, group)
             self.records.append(_record("all_gather", bucket, shards[0].dtype))
             # gloo's flat buffers: the inputs concatenated, and the output it copies out of
-            staged = tensor_bytes([outputs, shards]) if on_gloo(group) else 0
+            staged = tensor_bytes(outputs) + tensor_bytes(shards) if on_gloo(group) else 0
             self.ledger.take(staged)
             self._in_flight = (bucket, work, None, staged)
             return

@@ -146,6 +146,13 @@ class ShardedParam:
         """The dtype the step's all-gather moves at stages 1 and 2 (the replica's, else the parameter's)."""
         return self.replica.dtype if self.replica is not None else self.param.dtype
 
+    @property
+    def updates_replicated_in_place(self) -> bool:
+        """Stages 1 and 2 at one rank in fp32: the shard is the parameter's whole storage, so the step's
+        update writes the weight the graphs read and there is nothing to all-gather or copy back."""
+        return (self.group.world_size == 1 and self.stage in (1, 2) and self.replica is None
+                and self.shard.data_ptr() == self.param.data_ptr())
+
     def padded_replicated(self) -> torch.Tensor | None:
         """The replicated tensor's whole padded storage, flat (``padded_numel`` elements, rank r's chunk
         at ``r * shard_numel``), or None when it has none: exactly an all-gather's output, so the
@@ -179,6 +186,11 @@ class ShardedParam:
         if self.replica is not None and self.replica.grad is not None:
             return _dense_grad_of(self.replica)
         return _dense_grad_of(self.param)
+
+    @property
+    def has_full_grad(self) -> bool:
+        """Whether ``full_grad`` is not None, without making a sparse gradient dense (a step's bookkeeping reads it)."""
+        return (self.replica is not None and self.replica.grad is not None) or grad_of(self.param) is not None
 
     def clear_full_grad(self) -> None:
         if self.replica is not None:

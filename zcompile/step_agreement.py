@@ -74,7 +74,7 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
         member.training_calls = 0
     arrival = f"{what} after {calls} training calls"
     layout = replicated_layout(members)
-    with_grads = [m.name for m in members if m.shard_grad is not None or m.full_grad is not None]
+    with_grads = [m.name for m in members if m.shard_grad is not None or m.has_full_grad]
     grads = f"{len(with_grads)} parameters ({hashlib.sha1(chr(0).join(with_grads).encode()).hexdigest()[:12]})"
     buffers = changed_buffers_summary(members)
     replaced = sorted(m.name for m in members if m.storage_replaced)
