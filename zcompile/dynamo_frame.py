@@ -16,6 +16,7 @@ cache entries of the frames on the Python stack. A compile that is a recompile s
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 
@@ -43,6 +44,15 @@ def modules_of_compiled_frame() -> list[torch.nn.Module]:
         inner = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else (value,)
         found.extend(item for item in inner if isinstance(item, torch.nn.Module) and all(item is not m for m in found))
     return found
+
+
+def compile_mode() -> list:
+    """What, besides its collectives, tells one compile of a frame from another that a rank may run
+    alone: grad mode (an evaluation under ``torch.no_grad()``) and the training flags of the frame's
+    modules (``model.eval()``), as ``[grad enabled, digest of the flags]``."""
+    flags = "".join("1" if module.training else "0"
+                    for top in modules_of_compiled_frame() for module in top.modules())
+    return [torch.is_grad_enabled(), hashlib.sha1(flags.encode()).hexdigest()[:12]]
 
 
 def recompile_reason() -> str | None:

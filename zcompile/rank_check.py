@@ -8,6 +8,11 @@ timeout, for the others'. The store is used rather than a collective so that a r
 compiles this graph produces a timeout error, not a hang; the signatures themselves are exchanged
 (not digests) so that the error can name the first setting, parameter or collective that differs.
 
+A signature every rank has already agreed on may be compiled by one rank alone: a recompile for
+that rank's own input shapes (a batch padded to its own longest sequence, a shorter last batch) issues
+the collectives of a graph the ranks checked together, so it pairs with whatever graph of that frame
+the others run, exactly as a cached graph does (``check_same_on_all_ranks``, ``_agreed_key``).
+
 A rank that raises ``RankDivergenceError`` here first leaves an abort note in the store: the other
 ranks stop waiting in their own exchanges (and a collective that failed because this rank left can
 say why, ``raise_if_aborted``) instead of waiting for a rank that will never come.
@@ -30,7 +35,7 @@ from zcompile.passes.collectives import COLLECTIVE_KINDS, collective_nodes
 from zcompile.passes.metadata import params_of
 from zcompile.passes.regions import subgraph_calls
 from zcompile.heartbeat import BEAT_S, blocked, busy_with_own_work, describe_all, rank_states, waiting_on_each_other
-from zcompile.dynamo_frame import recompile_reason
+from zcompile.dynamo_frame import compile_mode, recompile_reason
 from zcompile.process_group import DataParallelGroup, default_store, process_group_timeout_s
 
 log = logging.getLogger(__name__)
@@ -39,13 +44,14 @@ FIRST_WAIT_S = 1.0  # one store.wait, notified at once: ranks that arrive within
 POLL_S = 0.25  # then store.check every POLL_S (a timed-out store.wait prints c10d warnings each time)
 SHOWN = 4  # extra parameters or collectives listed by name, ranks described, in a difference
 COMPILE_CHECK = "zero backend: "  # how a compile's rank check names itself (and how a beat shows a rank waiting in one)
-CHECK_FIX = ("The ranks took different compile paths (different models, code paths or input shapes per rank) and "
-             "their collectives would deadlock. Give every rank the same model and inputs of the same shapes "
-             "(drop_last=True in the sampler; or, where one rank's last batch may be shorter, mark the batch "
-             "dimension dynamic on every rank from the first call, torch._dynamo.mark_dynamic(inputs, 0), so that "
-             "no rank recompiles alone; a collator padding each rank's batch to its own longest sequence makes "
-             "shapes differ per rank too: pad to a fixed length, or compile with torch.compile(..., dynamic=True)), "
-             "or raise check_timeout_s if a rank is only slow. Evaluating on one "
+CHECK_FIX = ("The ranks took different compile paths (different models, modes, code paths or input shapes per rank) "
+             "and their collectives would deadlock. Give every rank the same model, the same mode (model.train() / "
+             "model.eval(), torch.no_grad()) and the same code path. A rank recompiling alone for its own input shapes "
+             "is fine while the new graph issues the collectives the ranks agreed on; where it issues others (code "
+             "that branches on a shape), give every rank inputs of the same shapes (drop_last=True in the sampler, "
+             "pad to a fixed length) or make the shapes dynamic on every rank from the first call "
+             "(torch._dynamo.mark_dynamic(inputs, dim), or compile with torch.compile(..., dynamic=True)). Raise "
+             "check_timeout_s if a rank is only slow. Evaluating on one "
              "rank only works at stages 1 and 2 under torch.no_grad(); at stage 3 the forward gathers parameters from "
              "every rank, so evaluate on every rank.")
 
@@ -229,8 +235,22 @@ def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s
     ``CHECK_FIX``, and a rank waiting for it elsewhere gives that fix too), or, with ``at_call_fix``, at
     a compiled call (a backward's first: a rank that never comes skipped it, and that is the fix).
 
-    The n-th check of a rank is compared with every other rank's n-th check.
+    The n-th check of a rank is compared with every other rank's n-th check. A ``signature`` every
+    rank agreed on at an earlier check of this kind is not exchanged again: a rank recompiling alone
+    for its own input shapes issues the same collectives as the graph the others run (module
+    docstring), and waiting for ranks that will not compile made that a ``RankDivergenceError``.
+    Every rank's ``aside`` is then taken to be this rank's. A compile's check counts as agreed only in
+    the mode it was agreed in (``dynamo_frame.compile_mode``: grad mode, the modules' training flags):
+    rank 0 evaluating alone, under ``torch.no_grad()`` or after ``model.eval()``, compiles a graph whose
+    collectives may be the training graph's, and is still met by the exchange (which names it).
     """
+    # a compile's signature counts as agreed only in the same mode (grad, modules' training flags): one
+    # rank evaluating alone compiles a graph whose collectives may equal the training graph's
+    agreed = _agreed_key(group, [signature, difference.__name__, compile_mode() if at_call_fix is None else None])
+    if group.world_size > 1 and default_store().check([agreed]):
+        log.info("zcompile: %s issues the collectives every rank agreed on at an earlier compile: no exchange "
+                 "(a recompile on this rank only is fine)", what)
+        return [aside] * group.world_size
     # the kind of check is compared (rank-independent); ``what`` (a compile id, a recompile's reason: they
     # may differ between agreeing ranks) rides as a label, read only when the values differ
     doing, fix = (f"{COMPILE_CHECK}{what}", CHECK_FIX) if at_call_fix is None else (f"zcompile: {what}", at_call_fix)
@@ -250,7 +270,16 @@ def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s
             f"({describe_differences(signatures, difference)}). Every rank must compile the same model with "
             "the same options."))
     log.debug("rank check passed for %s (%d entries)", what, len(signature))
+    if group.world_size > 1:
+        default_store().set(agreed, "1")  # each rank its own: its later lone recompile reads it at once
     return [entry[1] for entry, _ in exchanged]
+
+
+def _agreed_key(group: DataParallelGroup, compared: list) -> str:
+    """The store key set once every rank of ``group`` passed ``compared`` (a signature and its kind of
+    check): keyed by the digest of the value, so one key per distinct graph, not per compile."""
+    digest = hashlib.sha1(json.dumps(compared).encode()).hexdigest()[:24]
+    return f"zcompile/check/{group.name}/agreed/{digest}"
 
 
 # ---- the exchange through the store, and the abort note ----
