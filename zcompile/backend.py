@@ -42,6 +42,7 @@ from zcompile.passes.regions import subgraph_calls
 from zcompile.pipeline import run_passes
 from zcompile.process_group import DataParallelGroup, reduce_scatter_by_all_to_all
 from zcompile.rank_check import (
+    call_identity,
     check_same_collectives,
     issues_collectives,
     leave_abort_note,
@@ -106,7 +107,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     )
     if config.on_compile is not None:
         config.on_compile(graphs)
-    run = swap.wrap(compiled, _agreed_call(config, group, gm), config.check_timeout_s,
+    run = swap.wrap(compiled, _agreed_call(config, group, plan, gm, zeropp), config.check_timeout_s,
                     str(gm.meta.get("dynamo_compile_id", "?")))
     changed = changed_buffer_inputs(plan.buffers, graphs.mutated_inputs)
     if config.broadcast_buffers and changed and group.world_size > 1:
@@ -335,12 +336,15 @@ def _recorded_on(plan: ShardingPlan, example_inputs: list, frame_modules: list[t
     return [param for module in modules for param in module.parameters()]
 
 
-def _agreed_call(config: ZeroConfig, group: DataParallelGroup, gm: torch.fx.GraphModule) -> str | None:
+def _agreed_call(config: ZeroConfig, group: DataParallelGroup, plan: ShardingPlan, gm: torch.fx.GraphModule,
+                 zeropp) -> str | None:
     """Stage 3: a call of this graph starts with all-gathers, so the ranks agree on it first
-    (``zcompile.step_agreement``); stages 1 and 2 agree at the step."""
+    (``zcompile.step_agreement``); stages 1 and 2 agree at the step. Named by its collectives and
+    mode, not its compile id: a rank's lone recompile for its own shapes makes the same call
+    (``rank_check.call_identity``)."""
     if config.stage != 3 or not config.check_ranks or group.world_size == 1:
         return None
-    return f"a call of compiled graph {gm.meta.get('dynamo_compile_id', '?')}"
+    return call_identity(plan, gm, zeropp.signature() if zeropp.active else None)
 
 
 def _refuse_outer_data_parallel() -> None:

@@ -77,6 +77,22 @@ def collective_signature(plan, extra: list | None = None, marked_blocks: int = 0
     return [settings, [[p.name, list(p.shape), p.requires_grad, str(p.dtype)] for p in plan.params]]
 
 
+def call_identity(plan, gm: torch.fx.GraphModule, extra: list | None = None) -> str:
+    """What a stage-3 graph's call is, for the ranks' agreement on each call
+    (``step_agreement.agree_on_call``): the same on every rank for graphs that issue the same
+    collectives in the same mode (``collective_signature``, ``dynamo_frame.compile_mode``), whatever
+    their compile ids. A rank that recompiled alone for its own shapes (graph 0/1 where the others
+    run 0/0) makes the same call; a rank evaluating under ``torch.no_grad()`` where the others train
+    does not. Read while the backend compiles (the mode is the compile's)."""
+    grad_enabled, training = compile_mode()
+    digest = hashlib.sha1(json.dumps([collective_signature(plan, extra, subgraph_calls(gm)), grad_enabled, training]
+                                     ).encode()).hexdigest()[:8]
+    names = [p.name for p in plan.params]
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    return (f"a call of a compiled {'training' if grad_enabled else 'no-grad'} graph of {names[0]!r}{more} "
+            f"(collectives {digest})")
+
+
 def sequence_signature(gm: torch.fx.GraphModule) -> list:
     """The collectives of a compiled (aten) graph in issue order: kind, input shape, dtype, other
     arguments, and the parameters it moves (from the node metadata, when the pass that made it said).
@@ -235,19 +251,23 @@ def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s
     ``CHECK_FIX``, and a rank waiting for it elsewhere gives that fix too), or, with ``at_call_fix``, at
     a compiled call (a backward's first: a rank that never comes skipped it, and that is the fix).
 
-    The n-th check of a rank is compared with every other rank's n-th check. A ``signature`` every
-    rank agreed on at an earlier check of this kind is not exchanged again: a rank recompiling alone
-    for its own input shapes issues the same collectives as the graph the others run (module
-    docstring), and waiting for ranks that will not compile made that a ``RankDivergenceError``.
-    Every rank's ``aside`` is then taken to be this rank's. A compile's check counts as agreed only in
-    the mode it was agreed in (``dynamo_frame.compile_mode``: grad mode, the modules' training flags):
-    rank 0 evaluating alone, under ``torch.no_grad()`` or after ``model.eval()``, compiles a graph whose
-    collectives may be the training graph's, and is still met by the exchange (which names it).
+    The n-th check of a rank is compared with every other rank's n-th check. At a recompile, and at
+    a backward's first call, a ``signature`` every rank agreed on at an earlier check of this kind is
+    not exchanged again: a rank recompiling alone for its own input shapes issues the same
+    collectives as the graph the others run (module docstring), and waiting for ranks that will not
+    compile made that a ``RankDivergenceError``. Every rank's ``aside`` is then taken to be this
+    rank's (a first compile, after ``torch._dynamo.reset()`` too, exchanges and compares them). A
+    compile's check counts as agreed only in the mode it was agreed in (``dynamo_frame.compile_mode``:
+    grad mode, the modules' training flags): rank 0 evaluating alone, under ``torch.no_grad()`` or
+    after ``model.eval()``, compiles a graph whose collectives may be the training graph's, and is
+    still met by the exchange (which names it). The decision to skip depends only on what every rank
+    doing the same thing has in common, so agreeing ranks skip together or exchange together.
     """
     # a compile's signature counts as agreed only in the same mode (grad, modules' training flags): one
     # rank evaluating alone compiles a graph whose collectives may equal the training graph's
     agreed = _agreed_key(group, [signature, difference.__name__, compile_mode() if at_call_fix is None else None])
-    if group.world_size > 1 and default_store().check([agreed]):
+    may_skip = at_call_fix is not None or recompile_reason() is not None  # a first compile always exchanges
+    if group.world_size > 1 and may_skip and default_store().check([agreed]):
         log.info("zcompile: %s issues the collectives every rank agreed on at an earlier compile: no exchange "
                  "(a recompile on this rank only is fine)", what)
         return [aside] * group.world_size
