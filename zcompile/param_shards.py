@@ -387,6 +387,7 @@ def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataPara
     # every shard is made here (by the backend, or by the optimizer for an eager parameter): from
     # now on torch.nn.utils.clip_grad_norm_ (and a GradScaler) may see a zcompile parameter and must route it
     from zcompile.amp import install_grad_scaler_route  # local: these modules import this one
+    from zcompile.autograd_route import install_autograd_route
     from zcompile.clip import install_torch_clip_patch
     from zcompile.optimizer_guard import install_foreign_optimizer_guard
     from zcompile.zero_grad_route import install_zero_grad_route
@@ -395,6 +396,7 @@ def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataPara
     install_grad_scaler_route()  # and a GradScaler must unscale and check the shards, every rank together
     install_zero_grad_route()  # and module.zero_grad() must clear the gradient shards
     install_foreign_optimizer_guard()  # and a torch optimizer must not step what it cannot update
+    install_autograd_route()  # and backward(inputs=...) / autograd.grad must find where gradients accumulate
     piece = FlatPiece(param.numel(), group.world_size, group.rank)
     shard_numel = piece.chunk
     in_replicated_storage = stage in (1, 2) and param.dtype == torch.float32 and lowp_dtype is None
