@@ -39,6 +39,13 @@ def _error(fn) -> str:
     return ""
 
 
+_GLOBAL_MODEL: torch.nn.Module | None = None  # what _loss_of_global_model trains (routes_on_rank sets it)
+
+
+def _loss_of_global_model(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(_GLOBAL_MODEL(x), y)
+
+
 def routes_on_rank(rank: int, world: int, root: str) -> dict:
     out = {"full": {}}
     for stage in (1, 2, 3):
@@ -81,6 +88,25 @@ def routes_on_rank(rank: int, world: int, root: str) -> dict:
     out["llama_load"] = _error(lambda: llama.load_state_dict(initial_llama))
     with zcompile.gathered(llama):
         out["llama_loaded_equal"] = all(torch.equal(p, initial_llama[n]) for n, p in llama.named_parameters())
+
+    # a compiled training step that uses a global model (no module among the frame's locals: state_dict()
+    # returned freed storages, which torch.save refused as an eager use)
+    global _GLOBAL_MODEL
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    _GLOBAL_MODEL = model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    initial_mlp = {k: v.clone() for k, v in model.state_dict().items()}
+    step_fn = torch.compile(_loss_of_global_model, backend="zero", options={"stage": 3})
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        generator = torch.Generator().manual_seed(step)
+        step_fn(torch.randn(4, 8, generator=generator), torch.randn(4, 2, generator=generator)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    out["global_state_dict"] = _error(model.state_dict)
+    out["global_load"] = _error(lambda: model.load_state_dict(initial_mlp))
+    with zcompile.gathered(model):
+        out["global_loaded_equal"] = all(torch.equal(p, initial_mlp[n]) for n, p in model.named_parameters())
 
     # stage 2: model.state_dict + per-rank torch.save of optimizer.state_dict(), and the same through DCP
     model, compiled, optimizer = _fresh(2)
@@ -135,6 +161,12 @@ def test_a_model_whose_forward_a_decorator_wraps_gets_the_same_state_dict_routes
     for result in routes:
         assert result["llama_state_dict"].startswith("ShardedStateDictError"), result["llama_state_dict"]
         assert result["llama_load"] == "" and result["llama_loaded_equal"]
+
+
+def test_a_compiled_step_using_a_global_model_gets_the_same_state_dict_routes(routes):
+    for result in routes:
+        assert result["global_state_dict"].startswith("ShardedStateDictError"), result["global_state_dict"]
+        assert result["global_load"] == "" and result["global_loaded_equal"]
 
 
 def test_optimizer_state_dict_round_trips_per_rank_and_through_dcp(routes):

@@ -26,21 +26,26 @@ log = logging.getLogger(__name__)
 
 
 def modules_of_compiled_frame() -> list[torch.nn.Module]:
-    """The ``nn.Module`` objects among the locals of the frame Dynamo is compiling, and in its tuples,
-    lists and dicts one level down (may be empty). A decorator's wrapper ``wrapped(*args, **kwargs)``
-    around a model's ``forward`` (transformers' ``deprecate_kwarg`` on ``LlamaForCausalLM.forward``)
-    is the frame compiled, and the model is ``args[0]``: read at the top level only, no module was
-    found, and a stage-3 ``model.state_dict()`` returned freed storages with no word."""
+    """The ``nn.Module`` objects among the locals of the frame Dynamo is compiling (its free variables
+    included) and the globals its code names, and in their tuples, lists and dicts one level down
+    (may be empty). A decorator's wrapper ``wrapped(*args, **kwargs)`` around a model's ``forward``
+    (transformers' ``deprecate_kwarg`` on ``LlamaForCausalLM.forward``) is the frame compiled, and
+    the model is ``args[0]``: read at the top level only, no module was found, and a stage-3
+    ``model.state_dict()`` returned freed storages with no word. A compiled training step that uses a
+    global ``model`` (``@torch.compile def loss_of(x, y): return loss_fn(model(x), y)``) has it in no
+    local: its stage-3 ``state_dict()`` returned freed storages too (``torch.save`` of them refused,
+    naming an eager use)."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        tx = InstructionTranslator.current_tx()
-        f_locals = tx.output.root_tx.f_locals
+        root = InstructionTranslator.current_tx().output.root_tx
+        values = list(root.f_locals.values())
+        values += [root.f_globals[name] for name in root.f_code.co_names if name in root.f_globals]
     except Exception as error:  # internals moved: degrade to no hooks, never fail the compile
         log.debug("zcompile: cannot read the compiled frame's locals (%s: %s)", type(error).__name__, error)
         return []
     found: list[torch.nn.Module] = []
-    for value in f_locals.values():
+    for value in values:
         inner = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else (value,)
         found.extend(item for item in inner if isinstance(item, torch.nn.Module) and all(item is not m for m in found))
     return found
