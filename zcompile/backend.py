@@ -38,6 +38,7 @@ from zcompile.param_shards import (ShardedParam, mark_like_siblings, mark_refusi
 from zcompile.pass_runner import PassRunner
 from zcompile.passes.grad_hooks import hooked_params
 from zcompile.passes.param_collectives import ShardingPlan, gradient_leaves_parameter, plan_sharding
+from zcompile.passes.param_writes import parameter_writes
 from zcompile.passes.regions import subgraph_calls
 from zcompile.pipeline import run_passes
 from zcompile.process_group import DataParallelGroup, reduce_scatter_by_all_to_all
@@ -70,6 +71,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
         config.param_dtype, config.effective_reduce_dtype,
     )
     _check_devices(plan, example_inputs, group)
+    _refuse_parameter_writes(gm, plan)
     swap = ShardSwap(plan, group)
     tracing_inputs = swap.swap_for_tracing(list(example_inputs))  # shards the parameters
     shards = [shard_of(example_inputs[p.index]) for p in plan.params]
@@ -345,6 +347,22 @@ def _agreed_call(config: ZeroConfig, group: DataParallelGroup, plan: ShardingPla
     if config.stage != 3 or not config.check_ranks or group.world_size == 1:
         return None
     return call_identity(plan, gm, zeropp.signature() if zeropp.active else None)
+
+
+def _refuse_parameter_writes(gm: torch.fx.GraphModule, plan: ShardingPlan) -> None:
+    """A forward that writes a parameter in place would write one rank's copy of it, not the shards
+    (``passes/param_writes.py``): refused on every rank (each compiles the same graph), before any
+    parameter is sharded."""
+    writes = parameter_writes(gm, {p.index: p.name for p in plan.params})
+    if writes:
+        listed = "; ".join(f"{name!r}: {what}" for name, what in writes[:4]) + (" ..." if len(writes) > 4 else "")
+        raise ValueError(
+            f"zero backend: the compiled forward writes parameters in place ({listed}). ZeRO keeps each weight's "
+            "value on its shards (each rank 1/N of it) and the graphs read a copy, so the write would reach only this "
+            "rank's copy and the weights would silently differ from one process's. Take the write out of the forward "
+            "(nn.Embedding(max_norm=None)); where the constraint matters, apply it after optimizer.step(), on every "
+            "rank, inside `with zcompile.gathered(model): ...`, which writes the change back to the shards (for an "
+            "embedding: torch.embedding_renorm_(emb.weight, ids, max_norm, 2.0) under torch.no_grad())")
 
 
 def _refuse_outer_data_parallel() -> None:
