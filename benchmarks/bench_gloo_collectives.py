@@ -24,14 +24,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import print_table, start_gloo_benchmark  # noqa: E402
+from common import print_table, slowest_ms, start_gloo_benchmark  # noqa: E402
 
 WAYS = ("reduce_scatter", "all_reduce", "all_to_all_sum", "all_gather")
 # torch 2.13 renamed the flat collectives (*_single); 2.11 has the old names
@@ -49,15 +48,6 @@ def calls(numel: int, world: int) -> dict:
                                    torch.sum(received.view(world, -1), 0, out=out)),
         "all_gather": lambda: _all_gather(gathered, out),
     }
-
-
-def slowest_ms(fn) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item() * 1e3
 
 
 def main() -> None:

@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -36,20 +35,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
-from common import print_table, start_gloo_benchmark  # noqa: E402
+from common import print_table, slowest_ms, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 PHASES = ("forward", "gather", "serial", "overlapped", "all_reduce", "reduce_scatter")
 BUCKET_BYTES = 4 * 2**20  # zcompile.optim's default bucket_mb
-
-
-def slowest_ms(fn) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    elapsed = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item() * 1e3
 
 
 def phases(layers: int, world: int) -> dict:

@@ -17,6 +17,19 @@ def start_gloo_benchmark() -> tuple[int, int, int]:
     return dist.get_rank(), dist.get_world_size(), os.cpu_count()
 
 
+def slowest_ms(fn) -> float:
+    """Milliseconds of ``fn()`` on the slowest rank, timed from a barrier."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item() * 1e3
+
+
 def timed_training_step(compiled, optimizer, tokens, targets) -> float:
     """Seconds of one training step (forward, backward, step, zero_grad) on the slowest rank,
     timed from a barrier so that one rank's lead does not count as time spent inside the step."""

@@ -37,10 +37,9 @@ import torch.autograd
 
 from zcompile.param_shards import ShardedParam, shard_of
 from zcompile.sharded_parameter import ShardedParameterError
+from zcompile.zero_grad_route import ORIGINAL_ATTR
 
 log = logging.getLogger(__name__)
-
-ORIGINAL_ATTR = "__zcompile_original__"
 
 
 def autograd_leaf(sharded: ShardedParam) -> torch.Tensor:

@@ -128,7 +128,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         An optimizer with a multi-shard update overrides ``_update_many``."""
         self._update_many(batch)
         for update in batch:
-            if update.sharded.stage in (1, 2) and not update.sharded.updates_replicated_in_place:
+            if refresher.bucket_of(update.sharded) is not None:  # stages 1 and 2, unless updated in place
                 refresher.updated(update.sharded, update.lowp)
 
     def _update_many(self, batch: list[_Update]) -> None:
