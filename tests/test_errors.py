@@ -81,6 +81,12 @@ def _train_divergent(rank, world, kind):
     tokens, targets = global_batch(0, 2)
     try:
         compiled = torch.compile(model, backend="zero", options=options)
+        if kind == "eval_alone":  # after a step, rank 0 alone takes a validation loss (a batch of its own
+            # length) in eval mode, gradients still on; rank 1 trains on
+            model_loss("gpt", compiled, tokens, targets).backward()
+            if rank == 0:
+                model.eval()
+                tokens, targets = tokens[:, :12].contiguous(), targets[:, :12].contiguous()
         if kind == "branch":  # at step 1 only rank 1's length changes, and takes the other branch
             for lengths in ((12, 12), (12, 14)):
                 length = lengths[rank]
@@ -91,7 +97,7 @@ def _train_divergent(rank, world, kind):
     return "no error"
 
 
-@pytest.mark.parametrize("kind", ["model", "options", "buckets", "missing", "branch"])
+@pytest.mark.parametrize("kind", ["model", "options", "buckets", "missing", "branch", "eval_alone"])
 def test_divergent_ranks_fail_fast(kind):
     # the store outlives rank 0, as torchrun's agent hosts it: rank 0 leaves as soon as it has raised,
     # and rank 1, still polling the store when the machine is busy, must still read what differs
@@ -109,6 +115,11 @@ def test_divergent_ranks_fail_fast(kind):
                 in outcome, outcome
             # the compile's fix, whichever rank raised first (rank 0 waits at stage 3's call agreement)
             assert "where it issues others (code that branches on a shape)" in outcome, outcome
+        return
+    if kind == "eval_alone":  # rank 0 recompiled alone in another mode: the collectives its graph issues may be
+        # the training graph's, so an agreed signature counts only in the mode it was agreed in (rank_check)
+        for outcome in outcomes:
+            assert "the same mode (model.train() / model.eval(), torch.no_grad())" in outcome, outcome
         return
     assert outcomes[0] == outcomes[1] and "would issue different collectives" in outcomes[0]
     assert {  # what differs, first: a parameter, a setting, a collective (of the forward graph, after its passes)
