@@ -16,7 +16,11 @@ world-1 reference), ``ddp+compile`` (``torch.compile`` of the DDP module, DDPOpt
 and ``zero3+regional`` (``zcompile.mark_repeated_blocks`` first), ``zero3+blocks`` (each block
 compiled on its own, ``block.compile(backend="zero")``, the rest of the model eager), ``zero3+keep`` (stage 3 keeping
 every gathered weight from forward to backward, ``keep_gathered_mb`` unbounded: ZeRO-2's memory
-between forward and backward, no re-gather, and no all-gather at the step); the DDP ones step with
+between forward and backward, no re-gather, and no all-gather at the step), and with ``+serial``
+(``zero3+serial``, ``zero3+blocks+serial``) a zero configuration without the overlap schedule
+(``overlap=False``: what prefetch and early reduce-scatters gain, within a graph), and
+``zero3+blockbuckets`` the whole model with buckets of one block's weights (``bucket_mb`` one
+block's per-rank bytes: the collectives of ``zero3+blocks``, with the whole model's schedule); the DDP ones step with
 ``torch.optim.AdamW``'s default, single-tensor on a CPU, or with ``+fused`` (``ddp+fused``,
 ``ddp+compile+fused``) with ``fused=True``, the kernel ``zcompile.optim.AdamW`` runs on a CPU
 (``kernels/cpu_adamw.py``). ``--compiler``: the inner
@@ -56,7 +60,9 @@ import zcompile.optim  # noqa: E402
 
 INDUCTOR = "+inductor"  # a configuration's suffix: inductor whatever --compiler says (to interleave both compilers)
 FUSED = "+fused"  # a torch configuration's suffix: torch.optim.AdamW(fused=True), not its CPU default (single-tensor)
+SERIAL = "+serial"  # a zero configuration's suffix: overlap=False, every collective where the graph first had it
 CONFIGS = ("ddp", "ddp+fused", "compile", "ddp+compile", "ddp+compile+fused", "fsdp2", "fsdp2+compile", "zero1", "zero2", "zero3", "zero3+regional", "zero3+blocks", "zero3+keep",
+           "zero2+serial", "zero3+serial", "zero3+blocks+serial", "zero3+blockbuckets",
            "compile+inductor", "ddp+compile+inductor", "zero1+inductor", "zero2+inductor", "zero3+inductor")
 DEFAULT_CONFIGS = ("ddp", "ddp+compile", "fsdp2", "zero1", "zero2", "zero3", "zero3+regional")
 SEQ, PER_RANK, EMBD = 128, 4, 128
@@ -68,15 +74,20 @@ def build(config: str, layers: int, compiler: str, compiled_graphs: list):
     model = GPT(GPTConfig(vocab_size=512, block_size=SEQ, n_layer=layers, n_head=4, n_embd=EMBD))
     if config.endswith(INDUCTOR):
         config, compiler = config.removesuffix(INDUCTOR), "inductor"
-    fused = config.endswith(FUSED)
-    config = config.removesuffix(FUSED)
+    fused, serial = config.endswith(FUSED), config.endswith(SERIAL)
+    config = config.removesuffix(FUSED).removesuffix(SERIAL)
     torch_backend = "aot_eager" if compiler == "eager" else compiler
     if config.startswith("zero"):
         if config.endswith("+regional"):
             zcompile.mark_repeated_blocks(model)
         options = {"stage": int(config[4]), "compiler": compiler, "on_compile": compiled_graphs.append}
+        if serial:
+            options["overlap"] = False
         if config.endswith("+keep"):
             options["keep_gathered_mb"] = 1e6
+        if config.endswith("+blockbuckets"):  # buckets of one block's weights: a block compiled apart's collectives
+            block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+            options["bucket_mb"] = 1.01 * block_bytes / dist.get_world_size() / 2**20
         if config.endswith("+blocks"):  # one graph for every block; the embeddings and head run eagerly
             for block in model.blocks:
                 block.compile(backend="zero", options=options)

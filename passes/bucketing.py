@@ -34,6 +34,7 @@ from zcompile.passes.bucket_ops import PACK_BUCKET, UNPACK_BUCKET
 from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT, CollectiveNode
 from zcompile.passes.graph_order import apply_order, topological_order
 from zcompile.passes.inline import graph_fake_mode
+from zcompile.passes.op_sets import SHAPE_VIEWS
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +156,11 @@ def bucket_collectives_pass(gm: torch.fx.GraphModule, plan: BucketPlan) -> torch
         for wait, result in zip(waits, results):
             wait.replace_all_uses_with(result)
         for wait, member in zip(waits, members):
+            member_input = member.args[0]
             graph.erase_node(wait)
             graph.erase_node(member)
+            if not member_input.users and member_input.target in SHAPE_VIEWS:  # read around (_unflattened)
+                graph.erase_node(member_input)
         for node in new_nodes:
             metadata.tag(node, bucket=index, params=list(bucket.params),
                          role=metadata.ROLE_GATHER if bucket.kind == "all_gather" else metadata.ROLE_REDUCE)
@@ -186,9 +190,21 @@ def _averages(waits: list[torch.fx.Node]) -> list[torch.fx.Node]:
     return averages if len({a.args[1] for a in averages}) == 1 else []
 
 
+def _unflattened(gradient: torch.fx.Node) -> torch.fx.Node:
+    """The gradient before its flattening ``view(grad, [-1])``, where it was flattened only to be
+    reduce-scattered: ``pack_bucket`` reads each member as ``[N, numel / N]`` whatever its shape, so
+    the flattening view is one node per parameter for the inner compiler and nothing for the data."""
+    source = gradient.args[0] if gradient.op == "call_function" and gradient.target in SHAPE_VIEWS else None
+    if (source is None or len(gradient.users) != 1 or not isinstance(source, torch.fx.Node)
+            or not isinstance(source.meta.get("val"), torch.Tensor)
+            or not isinstance(gradient.meta.get("val"), torch.Tensor) or gradient.meta["val"].dim() != 1):
+        return gradient
+    return source
+
+
 def _reduce_bucket(graph: torch.fx.Graph, members: list[torch.fx.Node], bucket: Bucket,
                    divisor: int | float | None) -> list[torch.fx.Node]:
-    flat = graph.call_function(PACK_BUCKET, ([m.args[0] for m in members], bucket.group_size))
+    flat = graph.call_function(PACK_BUCKET, ([_unflattened(m.args[0]) for m in members], bucket.group_size))
     reduced = graph.call_function(REDUCE_SCATTER, (flat, "sum", bucket.group_size, bucket.group_name))
     waited = graph.call_function(WAIT, (reduced,))
     pieces = graph.call_function(UNPACK_BUCKET, (waited, 1, list(bucket.sizes), float(divisor or 1)))

@@ -115,6 +115,34 @@ def test_a_bucket_is_copied_in_and_out_once_not_per_member(reduce):
     assert [o.meta["val"].shape[0] for o in outputs] == ([3, 5, 7] if reduce else [6, 10, 14])
 
 
+def test_flattened_gradients_are_packed_as_they_are():
+    """A gradient flattened only to be reduce-scattered (``graph_ops``: ``grad.reshape(-1)``) goes
+    into the pack unflattened, and its view leaves the graph; the pack reads it to the same buffer."""
+    world, shapes = 2, [(4, 3), (2, 5)]
+    mode = FakeTensorMode()
+    graph = torch.fx.Graph()
+    outputs = []
+    for i, shape in enumerate(shapes):
+        grad = graph.placeholder(f"grad{i}")
+        flat = graph.call_function(aten.view.default, (grad, [-1]))
+        op = graph.call_function(REDUCE_SCATTER, (flat, "sum", world, "0"))
+        metadata.tag(op, param=f"p{i}")
+        wait = graph.call_function(WAIT, (op,))
+        with mode:
+            grad.meta["val"] = torch.empty(shape)
+            flat.meta["val"] = torch.empty(grad.meta["val"].numel())
+            op.meta["val"] = wait.meta["val"] = torch.empty(grad.meta["val"].numel() // world)
+        outputs.append(wait)
+    graph.output(tuple(outputs))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    gm = bucket_collectives_pass(gm, plan_buckets(gm, bucket_bytes=10**6))
+    (pack,) = gm.graph.find_nodes(op="call_function", target=PACK_BUCKET)
+    assert [member.name for member in pack.args[0]] == ["grad0", "grad1"]
+    assert not gm.graph.find_nodes(op="call_function", target=aten.view.default)
+    grads = [torch.randn(shape) for shape in shapes]
+    assert torch.equal(pack_bucket(grads, world), pack_bucket([g.reshape(-1) for g in grads], world))
+
+
 SPECS = [
     RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, options={"bucket_mb": 0.01}),  # several buckets
     RunSpec(model="gpt_untied_odd", stage=3, optimizer="sgd", lr=0.1, options={"bucket_mb": 4}),

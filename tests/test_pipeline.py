@@ -60,14 +60,15 @@ def test_every_pass_in_passes_is_a_row():
 def test_rows_follow_the_options():
     everything = _context(bucket_mb=4.0, overlap=True)
     gm = run_passes(everything, "forward", layered_graph())
-    assert _ran(everything) == [("remove_unused_gathers", "forward"), ("bucket_collectives", "forward"),
-                                ("schedule", "forward")]
+    assert _ran(everything) == [("remove_unused_gathers", "forward"), ("drop_identity_views", "forward"),
+                                ("bucket_collectives", "forward"), ("schedule", "forward")]
     assert sorted(everything.plans) == ["buckets.forward", "schedule.forward"]
     assert len([c for c in collective_nodes(gm) if c.kind == "all_gather"]) == 1  # 3 gathers, one bucket
 
     plain = _context(bucket_mb=0, overlap=False)
     gm = run_passes(plain, "forward", layered_graph())
-    assert _ran(plain) == [("remove_unused_gathers", "forward")] and plain.plans == {}
+    assert _ran(plain) == [("remove_unused_gathers", "forward"), ("drop_identity_views", "forward")]
+    assert plain.plans == {}
     assert len(gm.graph.find_nodes(op="call_function", target=ALL_GATHER)) == 3
 
     # Dynamo-graph rows: stage 1 inserts nothing, no param_dtype means no autocast
@@ -81,7 +82,7 @@ def test_plans_and_graphs_are_dumped(tmp_path):
     run_passes(context, "backward", layered_graph())
     files = sorted(p.name for p in tmp_path.iterdir())
     assert "buckets.backward.json" in files and "schedule.backward.json" in files
-    assert "02_bucket_collectives.backward.before.txt" in files and "03_schedule.backward.after.txt" in files
+    assert "03_bucket_collectives.backward.before.txt" in files and "04_schedule.backward.after.txt" in files
     dumped = json.loads((tmp_path / "buckets.backward.json").read_text())
     assert dumped == json.loads(context.plans["buckets.backward"].to_json())
     assert len(dumped["buckets"]) == 1 and len(dumped["buckets"][0]["members"]) == 3

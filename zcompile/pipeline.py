@@ -33,6 +33,7 @@ from zcompile.passes.bucketing import bucket_collectives_pass, plan_buckets
 from zcompile.passes.cleanup import remove_unused_gathers_pass
 from zcompile.passes.grad_hooks import hooked_params, route_grad_hooks_pass
 from zcompile.passes.hpz import hpz_forward_shortcut_pass, hpz_pass
+from zcompile.passes.identity_views import drop_identity_views_pass
 from zcompile.passes.keep_gathered import keep_gathered_pass, plan_keep_gathered
 from zcompile.passes.loss_backward import fuse_cross_entropy_backward_pass
 from zcompile.passes.mixed_precision import autocast_pass, norm_params_in_fp32_pass
@@ -106,6 +107,8 @@ PIPELINE: tuple[PassRow, ...] = (
             options=lambda c, g: {"budget_bytes": int(c.config.keep_gathered_mb * MIB)},
             after=("insert_param_collectives", "hpz", "regather_through_regions")),
     PassRow("remove_unused_gathers", PARTITIONED, remove_unused_gathers_pass),
+    # a view of each parameter to its own shape at stages 2 and 3 (graph_ops' autograd functions)
+    PassRow("drop_identity_views", PARTITIONED, drop_identity_views_pass),
     # compute, not communication: independent of every other row; first, so the schedule's memory
     # budget and the walks see the one buffer
     PassRow("fuse_cross_entropy_backward", BACKWARD, fuse_cross_entropy_backward_pass,
