@@ -62,7 +62,7 @@ INDUCTOR = "+inductor"  # a configuration's suffix: inductor whatever --compiler
 FUSED = "+fused"  # a torch configuration's suffix: torch.optim.AdamW(fused=True), not its CPU default (single-tensor)
 SERIAL = "+serial"  # a zero configuration's suffix: overlap=False, every collective where the graph first had it
 CONFIGS = ("ddp", "ddp+fused", "compile", "ddp+compile", "ddp+compile+fused", "fsdp2", "fsdp2+compile", "zero1", "zero2", "zero3", "zero3+regional", "zero3+blocks", "zero3+keep",
-           "zero2+serial", "zero3+serial", "zero3+blocks+serial", "zero3+blockbuckets",
+           "zero2+serial", "zero3+serial", "zero3+blocks+serial", "zero3+blockbuckets", "zero3+blockbuckets+serial",
            "compile+inductor", "ddp+compile+inductor", "zero1+inductor", "zero2+inductor", "zero3+inductor")
 DEFAULT_CONFIGS = ("ddp", "ddp+compile", "fsdp2", "zero1", "zero2", "zero3", "zero3+regional")
 SEQ, PER_RANK, EMBD = 128, 4, 128
@@ -87,7 +87,7 @@ def build(config: str, layers: int, compiler: str, compiled_graphs: list):
             options["keep_gathered_mb"] = 1e6
         if config.endswith("+blockbuckets"):  # buckets of one block's weights: a block compiled apart's collectives
             block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
-            options["bucket_mb"] = 1.01 * block_bytes / dist.get_world_size() / 2**20
+            options["bucket_mb"] = 1.01 * block_bytes / 2**20  # bucket_mb counts a gather's output: the weights
         if config.endswith("+blocks"):  # one graph for every block; the embeddings and head run eagerly
             for block in model.blocks:
                 block.compile(backend="zero", options=options)
