@@ -58,7 +58,10 @@ def different_weights_message(what: str, names: list[str]) -> str:
             "ranks would train a mix of their weights. Build the model the same way on every rank "
             "(torch.manual_seed(same seed) before creating it) and load checkpoints on every rank, or take rank 0's: "
             "zcompile.sync_module_states(model) before the first call of the compiled model (what DDP does when it "
-            "wraps a model).")
+            "wraps a model). Weights that were equal can also differ here when code run eagerly before they were "
+            "sharded wrote them in place on each rank (a forward Dynamo fell back to eager, say with "
+            "torch._dynamo.config.suppress_errors, that renormalizes an nn.Embedding(max_norm=...)): the warnings "
+            "logged before this say why that frame was not compiled.")
 
 
 def check_same_initial_values(members: list, group: DataParallelGroup, timeout_s: float, what: str) -> None:
