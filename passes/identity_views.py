@@ -1,4 +1,4 @@
-"""Remove views that change nothing: a ``view`` to the shape its input already has.
+"""Remove views that change nothing: a ``view`` to the shape its input already has (or an ``alias``).
 
 Stages 2 and 3 route every parameter through an ``autograd.Function`` (``graph_ops``). Stage 2's
 forward returns the replicated weight as ``full.view_as(full)`` (a custom function may not hand
@@ -21,10 +21,9 @@ import logging
 
 import torch
 
-log = logging.getLogger(__name__)
+from zcompile.passes.op_sets import SHAPE_VIEWS
 
-aten = torch.ops.aten
-RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+log = logging.getLogger(__name__)
 
 
 def _static_shape(node) -> tuple[int, ...] | None:
@@ -36,7 +35,7 @@ def _static_shape(node) -> tuple[int, ...] | None:
 
 def is_identity_view(node: torch.fx.Node) -> bool:
     """Whether ``node`` re-labels its input to the static shape it already has."""
-    if node.op != "call_function" or node.target not in RESHAPES:
+    if node.op != "call_function" or node.target not in SHAPE_VIEWS:
         return False
     shape = _static_shape(node)
     return shape is not None and shape == _static_shape(node.args[0])
