@@ -156,6 +156,41 @@ def step_skipped_on_one_rank(rank, world, clock_path, stage, compiler="eager"):
     return _outcome(body, clock)
 
 
+def layerdrop_per_rank(rank, world, clock_path, stage, keep_at_step_1):
+    """Blocks compiled one by one (the FSDP2 habit), LayerDrop drawn per rank: at step 1 rank r runs
+    the layers ``keep_at_step_1[r]``, every layer at the other steps."""
+    import zcompile
+    from gpt import GPT, GPTConfig
+
+    clock = Clock(clock_path)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=SEQ, n_layer=2, n_head=2, n_embd=64))
+    for block in model.blocks:
+        block.compile(backend="zero", options={"stage": stage})
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def forward(tokens, targets, keep):
+        x = model.wte(tokens) + model.wpe(torch.arange(tokens.shape[1]))
+        for block, kept in zip(model.blocks, keep):
+            x = block(x) if kept else x
+        logits = model.head(model.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+    def body():
+        for step in range(4):
+            keep = keep_at_step_1[rank] if step == 1 else [True, True]
+            if step == 1 and rank == 0:
+                clock.mark()
+            loss = forward(*_batch(step, rank), keep)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return float(loss.detach())
+
+    return _outcome(body, clock)
+
+
 def eval_on_rank0_only(rank, world, clock_path, stage):
     clock = Clock(clock_path)
     model, compiled, optimizer = _model_and_batches(stage)
@@ -266,6 +301,12 @@ FAULTS = {
     "step skipped on one rank, stage 1": (step_skipped_on_one_rank, 1),
     "step skipped on one rank, stage 2": (step_skipped_on_one_rank, 2),
     "step skipped on one rank, stage 3": (step_skipped_on_one_rank, 3),
+    "LayerDrop per rank (layer 0 on rank 0, layer 1 on rank 1), blocks compiled apart, stage 1":
+        (layerdrop_per_rank, 1, [[True, False], [False, True]]),
+    "LayerDrop per rank (layer 0 on rank 0, layer 1 on rank 1), blocks compiled apart, stage 3":
+        (layerdrop_per_rank, 3, [[True, False], [False, True]]),
+    "LayerDrop per rank (a layer fewer on rank 1), blocks compiled apart, stage 3":
+        (layerdrop_per_rank, 3, [[True, True], [True, False]]),
     "eval on rank 0 only (no_grad), stage 2": (eval_on_rank0_only, 2),
     "eval on rank 0 only (no_grad), stage 3": (eval_on_rank0_only, 3),
     "input shape changes on one rank, stage 2": (shape_change_on_one_rank,),

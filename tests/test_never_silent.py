@@ -424,6 +424,66 @@ def test_gradients_on_different_parameters_per_rank_fail_fast_on_every_rank():
         assert seconds < 10, seconds
 
 
+def _gpt_skipping_layers(model, tokens, targets, keep):
+    """The example GPT's forward with ``keep[i]`` deciding whether layer i runs (LayerDrop)."""
+    x = model.wte(tokens) + model.wpe(torch.arange(tokens.shape[1]))
+    for block, kept in zip(model.blocks, keep):
+        if kept:
+            x = block(x)
+    logits = model.head(model.ln_f(x))
+    return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def _layers_skipped_per_rank(rank, world, stage, keep_per_rank):
+    """Blocks compiled one by one; step 0 runs every layer, step 1 the layers ``keep_per_rank[rank]``."""
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    for block in model.blocks:
+        block.compile(backend="zero", options={"stage": stage, "check_timeout_s": 20})
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, check_timeout_s=20)
+    tokens, targets = global_batch(0, 2)
+    for keep in ([True, True], keep_per_rank[rank]):
+        start = time.perf_counter()
+        try:
+            _gpt_skipping_layers(model, tokens, targets, keep).backward()
+            optimizer.step()
+        except RankDivergenceError as error:
+            return str(error), time.perf_counter() - start
+        optimizer.zero_grad()
+    return None, None
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_layers_skipped_on_some_ranks_only_fail_at_the_step_on_every_rank(stage):
+    """LayerDrop drawn from each rank's own random numbers, with the blocks compiled one by one: one
+    graph for every layer, so rank 0 running layer 0 and rank 1 layer 1 made the same calls with
+    the same collectives, which paired one layer's weights and gradients with the other's. The
+    step's agreement compared call counts and the names of the parameters with gradients, and a
+    block's weights are named from the block (``attn.qkv.weight`` in every layer): the step passed
+    and trained a mix (measured, 2 ranks, stages 1-3). It now compares positions among the
+    optimizer's parameters, and at stages 2-3 the calls each saw, and stops every rank before the update."""
+    outcomes = run_ranks(2, _layers_skipped_per_rank, stage, [[True, False], [False, True]])
+    for message, seconds in outcomes:
+        assert message is not None, "layers skipped per rank went unnoticed"
+        assert seconds < 10, seconds
+    if stage == 1:  # no collective in the graphs: the step's reduction pairs gradients, which zeros can even out
+        assert "gradients on different parameters" in outcomes[0][0], outcomes[0][0]
+        assert "#2 ln_1.weight" in outcomes[0][0] and "#14 ln_1.weight" in outcomes[1][0], outcomes
+    else:
+        assert "ran different parts of the model" in outcomes[0][0] and "LayerDrop" in outcomes[0][0], outcomes[0][0]
+        assert "#2-#13 x1" in outcomes[0][0] and "#14-#25 x1" in outcomes[0][0], outcomes[0][0]
+
+
+def test_a_layer_skipped_on_one_rank_at_stage3_is_an_error_not_a_gloo_abort():
+    """Rank 0 runs both layers, rank 1 only the first. The second layer's call was its graph's first
+    since the step, which took no agreement (only the first call after a step is where every rank
+    goes next): its gathers met rank 1's backward, and gloo aborted the process ("Received data
+    size doesn't match expected size", SIGABRT). Every call after the step's first now agrees."""
+    for message, seconds in run_ranks(2, _layers_skipped_per_rank, 3, [[True, True], [True, False]]):
+        assert message is not None and "same modules" in message, message
+        assert seconds < 30, seconds
+
+
 def _reduce_scatter_form_per_rank(rank, world):
     """Rank 0 runs gloo's own reduce-scatter, rank 1 the all-to-all (the option differs per rank)."""
     torch.manual_seed(0)

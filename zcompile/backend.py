@@ -50,7 +50,7 @@ from zcompile.rank_check import (
     raise_if_aborted,
 )
 from zcompile.state_dict_hooks import attach_state_dict_hooks
-from zcompile.step_agreement import agree_on_call
+from zcompile.step_agreement import agree_on_call, take_free_call
 from zcompile.zeropp import attach_groups, resolve_zeropp
 
 log = logging.getLogger(__name__)
@@ -176,8 +176,6 @@ class ShardSwap:
             sharded.training_calls += training
             if p.index in self._hooked:
                 tokens.append(sharded.hooks_token)
-            if counted and sharded.calls_since_step is not None:
-                sharded.calls_since_step += 1
             if self.plan.stage == 1:
                 if sharded.replica is not None:
                     _follow_requires_grad(sharded.replica, p.requires_grad)
@@ -212,16 +210,14 @@ class ShardSwap:
             raise ValueError(message)
 
     def first_call_since_agreed_step(self, args: tuple) -> bool:
-        """Whether none of this call's parameters ran since the ranks agreed on a step: the ranks
-        then left that agreement together and this is where each goes next, so the call needs no
-        agreement of its own (the common case: the forward right after ``optimizer.step()``; one
-        store exchange per step instead of two). A rank that went elsewhere meets the others' next
-        agreement, which compares what each is doing, as before."""
-        for p in self.plan.params:
-            sharded = shard_of(args[p.index])
-            if sharded is None or sharded.calls_since_step != 0:
-                return False
-        return True
+        """Whether this call is the first compiled call with collectives since the ranks agreed on a
+        step, all its parameters members of that step: the ranks then left that agreement together and
+        this is where each goes next, so the call needs no agreement of its own (the common case: the
+        forward right after ``optimizer.step()``; one store exchange per step instead of two). Takes the
+        step's one such call either way (``take_free_call``): the calls after it are not where every
+        rank goes next (blocks compiled one by one are one graph called per layer: a rank that skipped
+        a layer calls the next one, whose collectives pair with another call's)."""
+        return take_free_call([shard_of(args[p.index]) for p in self.plan.params])
 
     def swap_for_tracing(self, example_inputs: list) -> list:
         """``swap`` with the new inputs as static-shape fake tensors of Dynamo's fake mode.

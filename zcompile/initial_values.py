@@ -35,9 +35,19 @@ def value_digest(tensor: torch.Tensor) -> int:
     return int(flat.view(_BITS[flat.element_size()]).sum(dtype=torch.int64))
 
 
-def pending_digests(members: list) -> dict[str, int]:
-    """Name -> digest of the members sharded since the ranks last compared them."""
-    return {m.name: m.initial_digest for m in members if m.initial_digest is not None}
+def pending_digests(members: list, positions: list[int] | None = None) -> dict[str, int]:
+    """``digest_key`` -> digest of the members sharded since the ranks last compared them;
+    ``positions``: each member's place among the parameters the ranks list alike (default: among ``members``)."""
+    positions = range(len(members)) if positions is None else positions
+    return {digest_key(at, m): m.initial_digest for at, m in zip(positions, members) if m.initial_digest is not None}
+
+
+def digest_key(index: int, member) -> str:
+    """A member's key among ``members``: its position and name. The name alone is not unique: blocks
+    compiled one by one (``block.compile()``) name their weights from the block (``attn.qkv.weight``
+    for every layer), and a dict by name kept one layer's digest of all. The ranks list the same
+    members in the same order (the optimizer's parameters, or one graph's), so positions compare."""
+    return f"#{index} {member.name}"
 
 
 def differing_parameters(per_rank: list[dict[str, int]], rank: int) -> list[str]:
@@ -61,7 +71,10 @@ def different_weights_message(what: str, names: list[str]) -> str:
             "wraps a model). Weights that were equal can also differ here when code run eagerly before they were "
             "sharded wrote them in place on each rank (a forward Dynamo fell back to eager, say with "
             "torch._dynamo.config.suppress_errors, that renormalizes an nn.Embedding(max_norm=...)): the warnings "
-            "logged before this say why that frame was not compiled.")
+            "logged before this say why that frame was not compiled. Blocks compiled one by one (block.compile()) are "
+            "sharded at their first call: ranks whose first calls were different blocks (a layer skipped on some ranks "
+            "only, LayerDrop drawn from each rank's own random numbers) compared different layers here; draw such "
+            "decisions the same on every rank.")
 
 
 def check_same_initial_values(members: list, group: DataParallelGroup, timeout_s: float, what: str) -> None:
@@ -77,8 +90,8 @@ def check_same_initial_values(members: list, group: DataParallelGroup, timeout_s
                                  "Give every rank the same weights.")
     if names := differing_parameters(per_rank, group.rank):
         raise RankDivergenceError(different_weights_message(what, names))
-    for member in members:
-        if all(member.name in digests for digests in per_rank):  # compared
+    for index, member in enumerate(members):
+        if all(digest_key(index, member) in digests for digests in per_rank):  # compared
             member.initial_digest = None
 
 

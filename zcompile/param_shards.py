@@ -92,9 +92,9 @@ class ShardedParam:
     pre_step_records: list = field(default_factory=list, repr=False)
     # compiled calls with gradients enabled since the ranks last agreed on a step (zcompile.step_agreement)
     training_calls: int = field(default=0, repr=False)
-    # compiled calls of this parameter since the ranks last agreed on a step (None: no such agreement
-    # yet); a stage-3 call of parameters that have none needs no agreement of its own (step_agreement)
-    calls_since_step: int | None = field(default=None, repr=False)
+    # the zcompile.step_agreement.AgreedStep of the last step the ranks agreed on among this parameter's
+    # optimizer (None: none yet): the first compiled call with collectives after it needs no agreement of its own
+    agreed_step: object | None = field(default=None, repr=False)
     # the shard's gradient at the last optimizer step, until a zero_grad (zcompile.zero_grad_route)
     stepped_grad: weakref.ref | None = field(default=None, repr=False)
     # stages 1 and 2 in fp32: the address of the padded storage the parameter was moved into, whose

@@ -12,11 +12,15 @@ through the store its call number and the training calls its parameters saw sinc
 agreement. At stage 3 the forward itself starts with all-gathers, so a compiled stage-3 call also
 takes a turn on the same sequence (``agree_on_call``): a rank that skipped its step meets the
 others' step there. The first call after an agreed step needs no turn of its own (every rank left
-that agreement together and goes on to it; ``ShardSwap.first_call_since_agreed_step``): a rank that
-went elsewhere instead meets the others at their next agreement, or, waiting in a collective,
-gets the note of the rank that timed out there. A rank that does not come within the timeout, or comes from a different number of
-training calls, or with gradients on other parameters (the step's buckets are planned from those
-that have one), makes every rank that came raise ``RankDivergenceError`` saying which. Evaluation
+that agreement together and goes on to it; ``AgreedStep``, ``ShardSwap.first_call_since_agreed_step``):
+a rank that went elsewhere instead meets the others at their next agreement, or, waiting in a
+collective, gets the note of the rank that timed out there. Only the first: the calls after it are
+turns of their own, whatever their parameters (a graph run once per layer meets every layer). A rank
+that does not come within the timeout, or comes from a different number of training calls, from
+calls on other parameters (one graph run on different layers per rank: LayerDrop), or with gradients
+on other parameters (the step's buckets are planned from those that have one), makes every rank that
+came raise ``RankDivergenceError`` saying which. Parameters are compared by their position among the
+members, not their names: blocks compiled one by one name their weights from the block. Evaluation
 under ``torch.no_grad()`` is not counted, so evaluating on rank 0 only stays allowed. The cost is
 one store exchange per step (and per further stage-3 compiled call; see the README's fault table); the
 step's exchange also carries each rank's "are my gradients finite?" for ``skip_nonfinite``.
@@ -26,21 +30,48 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from zcompile.buffer_sync import changed_buffers_summary
 from zcompile.initial_values import different_weights_message, differing_parameters, pending_digests
-from zcompile.param_shards import ShardedParam
+from zcompile.param_shards import ShardedParam, shard_of
 from zcompile.process_group import DataParallelGroup
 from zcompile.rank_check import RankDivergenceError, exchange_on_store
 
 DEFAULT_TIMEOUT_S = 60.0
 
-FIX = ("Every rank must call it once per training step, after the same forward/backward calls. A rank that skips a "
-       "step on its own (`if not torch.isfinite(loss): continue`) makes the ranks diverge: let the optimizer skip "
-       "non-finite steps on every rank together (zcompile.optim.AdamW(..., skip_nonfinite=True)).")
+FIX = ("Every rank must call it once per training step, after the same forward/backward calls through the same "
+       "modules. A rank that skips a step on its own (`if not torch.isfinite(loss): continue`) makes the ranks "
+       "diverge: let the optimizer skip non-finite steps on every rank together (zcompile.optim.AdamW(..., "
+       "skip_nonfinite=True)); a layer skipped at random (LayerDrop) must be skipped on every rank together (draw "
+       "the decision from a torch.Generator seeded the same on every rank).")
+
+
+@dataclass(eq=False)
+class AgreedStep:
+    """A step (or clip) the ranks agreed on, shared by its members (``ShardedParam.agreed_step``).
+
+    The first compiled call with collectives after it needs no agreement of its own: every rank left
+    the agreement together and goes to that call next. Any later call does, whichever its parameters:
+    blocks compiled one by one are one graph called once per layer, so a rank that skipped a layer
+    makes the next layer's call, whose collectives would pair with another rank's other call (a gloo
+    abort where the sizes differ, one layer's weights gathered with another's where they match)."""
+
+    free_call_taken: bool = False
+
+
+def take_free_call(shards: list) -> bool:
+    """Whether a compiled call with collectives over ``shards`` is the first since the ranks agreed on a
+    step whose members they all are (``AgreedStep``); marks that step's free call taken either way."""
+    steps = {id(s.agreed_step): s.agreed_step for s in shards if s is not None and s.agreed_step is not None}
+    free = (len(steps) == 1 and all(s is not None and s.agreed_step is not None for s in shards)
+            and not next(iter(steps.values())).free_call_taken)
+    for step in steps.values():
+        step.free_call_taken = True
+    return free
 
 
 def agree_on_call(group: DataParallelGroup, what: str, timeout_s: float) -> None:
@@ -56,8 +87,22 @@ def agree_on_call(group: DataParallelGroup, what: str, timeout_s: float) -> None
             f"their collectives would not match. {FIX}")
 
 
+def positions_among(members: list[ShardedParam], params) -> list[int]:
+    """Each member's position among ``params`` (the optimizer's parameters in order, or the clipped
+    ones): what identifies a parameter across ranks, which list the same parameters in the same order.
+    Not its place among ``members``: a weight a rank never ran has no shard there and moves the others
+    up, nor its name (``digest_key``)."""
+    first: dict[int, int] = {}
+    for index, param in enumerate(params):
+        sharded = shard_of(param)
+        if sharded is not None:
+            first.setdefault(id(sharded), index)
+    return [first[id(member)] for member in members]
+
+
 def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float | None,
-                      grads_finite: bool | None = None, hyperparameters: list[dict] | None = None) -> bool | None:
+                      grads_finite: bool | None = None, hyperparameters: list[dict] | None = None,
+                      positions: list[int] | None = None) -> bool | None:
     """Raises ``RankDivergenceError`` unless every rank of the members' group reaches ``what`` from
     the same number of training calls (module docstring); ``timeout_s=None`` skips the check.
 
@@ -66,22 +111,28 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
     rank; None when not asked, or when nothing was exchanged (check off, one rank).
     ``hyperparameters``: the optimizer's param groups without their parameters (``optimizer.step()``):
     a learning rate that differs by rank (a scheduler stepped on some ranks only, ``ReduceLROnPlateau``
-    fed each rank's own metric) would update each rank's shard with its own, silently."""
+    fed each rank's own metric) would update each rank's shard with its own, silently. ``positions``:
+    each member's ``positions_among`` the caller's parameters (default: its place among ``members``)."""
     if timeout_s is None or not members or members[0].group.world_size == 1:
         return None
-    calls = sum(m.training_calls for m in members)
+    positions = list(range(len(members))) if positions is None else positions
+    calls_per_member = [m.training_calls for m in members]
     for member in members:
         member.training_calls = 0
-    arrival = f"{what} after {calls} training calls"
+    arrival = f"{what} after {sum(calls_per_member)} training calls"
+    # the calls that paired collectives over these weights (stages 2-3; stage 1's pair only at the step, by
+    # the gradients compared below), by position, not name: blocks compiled one by one share their names
+    called = _positions_summary([(at, calls) for at, calls, m in zip(positions, calls_per_member, members)
+                                 if calls and m.stage != 1])
     layout = replicated_layout(members)
-    with_grads = [m.name for m in members if m.shard_grad is not None or m.has_full_grad]
-    grads = f"{len(with_grads)} parameters ({hashlib.sha1(chr(0).join(with_grads).encode()).hexdigest()[:12]})"
+    with_grads = [at for at, m in zip(positions, members) if m.shard_grad is not None or m.has_full_grad]
+    grads = f"{len(with_grads)} parameters ({_digest(with_grads)})"
     buffers = changed_buffers_summary(members)
     replaced = sorted(m.name for m in members if m.storage_replaced)
     for member in members:
         member.storage_replaced = False
-    initial = pending_digests(members)  # the values each parameter was sharded from (zcompile.initial_values)
-    mine = {"arrival": arrival, "layout": layout, "grads": grads, "finite": grads_finite, "buffers": buffers,
+    initial = pending_digests(members, positions)  # the values each parameter was sharded from (zcompile.initial_values)
+    mine = {"arrival": arrival, "called": called, "layout": layout, "grads": grads, "finite": grads_finite, "buffers": buffers,
             "replaced": _some(replaced), "initial": initial, "hyperparameters": hyperparameters}
     arrivals = exchange_on_store(list(mine.values()), members[0].group, timeout_s, "step", f"zcompile {what}", FIX)
 
@@ -95,12 +146,24 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
         raise RankDivergenceError(
             f"zcompile {what}: the ranks come from different training steps (what each rank called, and its compiled "
             f"calls with gradients since the last step: {per_rank}). {FIX}")
+    if per_rank := differs("called"):
+        # as many calls, on other parameters: at stage 3 (and 2) the same graph run on one layer here and
+        # another there paired their gathers and reduce-scatters, one layer's weights with another's
+        raise RankDivergenceError(
+            f"zcompile {what}: the ranks ran different parts of the model since the last step (per rank, the "
+            f"parameters its compiled calls with gradients used, numbered in the optimizer's order, and how often: "
+            f"{per_rank}), so their collectives paired one layer's weights or gradients with another's. Every rank "
+            "must run the same modules: a layer skipped at random (LayerDrop, stochastic depth) "
+            "must be skipped on every rank together (draw the decision from a torch.Generator seeded the same on "
+            "every rank, or broadcast it), and a branch on the rank or on its data must call the same modules "
+            "on every rank.")
     if per_rank := differs("grads"):
         # the step's buckets are planned from the parameters that have gradients (zcompile.optim_buckets) and
         # pair their members by position: one parameter's gradient would be averaged with another's
         raise RankDivergenceError(
             f"zcompile {what}: the ranks have gradients on different parameters (per rank, how many and a digest of "
-            f"their names: {per_rank}; this rank's: {_some(with_grads)}), so the step's reductions would not match. "
+            f"their positions: {per_rank}; this rank's: {_some(_member_names(with_grads, positions, members))}), so "
+            "the step's reductions would not match. "
             "A parameter used on some ranks only (a branch on the rank or on its data) must get a gradient on every "
             "rank: use it on every rank (`+ 0 * module(x)`), or give it zeros before the step "
             "(`p.grad = torch.zeros_like(p)` where `p.grad is None`).")
@@ -130,8 +193,9 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
     if (per_rank := differs("initial")) and (names := differing_parameters(list(per_rank.values()),
                                                                          members[0].group.rank)):
         raise RankDivergenceError(different_weights_message(what, names))
+    agreed = AgreedStep()
     for member in members:
-        member.calls_since_step = 0
+        member.agreed_step = agreed
         member.initial_digest = None  # compared: the step updates them from here on
     finite = list(mine).index("finite")
     return None if grads_finite is None else all(values[finite] for values in arrivals)
@@ -157,6 +221,29 @@ def hyperparameters_of(param_groups: list[dict]) -> list[dict]:
             return [plain(v) for v in value]
         return value if isinstance(value, (int, float, str, bool)) or value is None else repr(value)
     return [{key: plain(value) for key, value in group.items() if key != "params"} for group in param_groups]
+
+
+def _digest(values: list) -> str:
+    return hashlib.sha1(json.dumps(values).encode()).hexdigest()[:12]
+
+
+def _member_names(chosen: list[int], positions: list[int], members: list[ShardedParam]) -> list[str]:
+    names = {at: member.name for at, member in zip(positions, members)}
+    return [f"#{at} {names[at]}" for at in chosen]
+
+
+def _positions_summary(calls: list[tuple[int, int]], shown: int = 6) -> str:
+    """``"#2-#13 x1, #26-#37 x2 (digest)"``: runs of consecutive positions called as often, the first
+    ``shown`` runs in words and a digest of all (what the ranks compare)."""
+    runs: list[list[int]] = []  # [first, last, calls]
+    for index, count in calls:
+        if runs and runs[-1][1] == index - 1 and runs[-1][2] == count:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index, count])
+    words = [f"#{first}" + (f"-#{last}" if last > first else "") + f" x{count}" for first, last, count in runs[:shown]]
+    more = f" and {len(runs) - shown} more runs" if len(runs) > shown else ""
+    return f"{', '.join(words) or 'none'}{more} ({_digest(calls)})"
 
 
 def _some(names: list[str], shown: int = 8) -> str:
