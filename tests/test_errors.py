@@ -50,6 +50,18 @@ def test_recompile_with_another_stage_is_an_error():
         model_loss("gpt", torch.compile(model, backend="zero", options={"stage": 2}), tokens, targets)
 
 
+def test_a_weight_trained_eagerly_first_then_compiled_at_stage3_names_the_eager_training():
+    """A weight with a stage-1 shard from eager training (``shard_eager_parameter``) that a stage-3 graph
+    takes later: the user gave one config, so "use one ZeroConfig" alone misled."""
+    from zcompile.param_shards import shard_eager_parameter, shard_parameter
+    from zcompile.process_group import DataParallelGroup
+
+    weight, group = torch.nn.Parameter(torch.randn(4, 4)), DataParallelGroup.resolve()
+    shard_eager_parameter(weight, "param_groups[0]['params'][0]", group)
+    with pytest.raises(ValueError, match="already sharded with stage 1.*trained outside the compiled graphs first"):
+        shard_parameter(weight, "w", 3, group)
+
+
 class _LongInputsTakeAnotherLayer(torch.nn.Module):
     """A GPT whose inputs longer than 13 tokens also go through a layer of their own: a recompile for a
     longer input issues other collectives (that layer's all-gathers) than the graph it replaces."""

@@ -77,6 +77,35 @@ def test_a_dtype_change_after_sharding_names_the_parameter_and_the_fix(stage):
     torch._dynamo.reset()
 
 
+def test_a_marked_weight_used_by_eager_code_under_a_compiled_call_is_not_compiled_alone():
+    """Eager code that Dynamo runs under a compiled call (a frame it gave up on: a graph break inside a
+    loop, as transformers' BART has at LayerDrop's ``torch.rand([]) < p``) calls ``F.layer_norm`` with a
+    weight marked as a stage-3 parameter. Dynamo compiled the class's ``__torch_function__`` as a frame
+    of its own, whose graph took the weight (``L['kwargs']['weight']``): on BART at stage 3, a
+    ``ValueError`` at the second step ("already sharded with stage 1"), its eager gradient having given
+    it a stage-1 shard at the first."""
+    from zcompile.sharded_parameter import mark_sharded
+
+    torch._dynamo.reset()
+    norm = torch.nn.LayerNorm(8)
+    mark_sharded(norm.weight)  # marked ahead (mark_like_siblings), not freed: eager use is allowed
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append([node.name for node in gm.graph.find_nodes(op="placeholder")])
+        return gm.forward
+
+    def forward(x):
+        for _ in range(2):
+            if x.sum() > 0:  # a graph break inside a loop: Dynamo runs this frame eagerly
+                x = x - 1
+        return torch.nn.functional.layer_norm(x, (8,), norm.weight, norm.bias)
+
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(torch.compile(forward, backend=recording)(x), forward(x), rtol=0, atol=0)
+    assert not any("l_kwargs_weight_" in inputs for inputs in graphs), graphs
+
+
 def test_recompile_limit_at_stage3_names_the_limit():
     torch._dynamo.reset()
     model = build_model("gpt")

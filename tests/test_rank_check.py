@@ -138,6 +138,21 @@ def test_graphs_without_collectives_need_no_agreement():
         assert not issues_collectives(_plan(stage=2), zeropp_active=False)
 
 
+def test_a_stage3_graph_without_parameters_takes_no_turn_at_its_calls():
+    """A piece of a stage-3 forward between graph breaks with no weight of its own (transformers' BART
+    with LayerDrop breaks at each layer's ``torch.rand([]) < p``) gathers nothing: its compile raised
+    ``IndexError`` naming the call by its first parameter."""
+    from types import SimpleNamespace
+
+    from zcompile.backend import _agreed_call
+    from zcompile.config import ZeroConfig
+
+    config, no_zeropp = ZeroConfig.from_options({"stage": 3}), SimpleNamespace(active=False)
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    assert _agreed_call(config, _group(0), _plan(params=()), gm, no_zeropp) is None
+    assert "'h.0.attn.weight' and 1 more" in _agreed_call(config, _group(0), _plan(), gm, no_zeropp)
+
+
 # ---- the exchange on a store: one thread per rank ----
 
 def _group(rank: int) -> DataParallelGroup:

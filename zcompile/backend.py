@@ -340,8 +340,8 @@ def _agreed_call(config: ZeroConfig, group: DataParallelGroup, plan: ShardingPla
     (``zcompile.step_agreement``); stages 1 and 2 agree at the step. Named by its collectives and
     mode, not its compile id: a rank's lone recompile for its own shapes makes the same call
     (``rank_check.call_identity``)."""
-    if config.stage != 3 or not config.check_ranks or group.world_size == 1:
-        return None
+    if config.stage != 3 or not config.check_ranks or group.world_size == 1 or not plan.params:
+        return None  # a graph without parameters gathers nothing (a piece of the forward between graph breaks)
     return call_identity(plan, gm, zeropp.signature() if zeropp.active else None)
 
 

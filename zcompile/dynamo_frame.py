@@ -12,6 +12,8 @@ When eager code touches a sharded parameter, the error says why Dynamo did not c
 (``eager_fallback_reason``: the recompile limit, or a skipped frame / graph break), read from the
 cache entries of the frames on the Python stack. A compile that is a recompile says why
 (``recompile_reason``: the guard that failed, from Dynamo's metrics of the compile in progress).
+Functions that must only ever be traced inline are kept from being compiled as frames of their own
+(``never_compiled_as_frames``).
 """
 
 from __future__ import annotations
@@ -139,3 +141,17 @@ def _fallback_reason(code) -> str:
                 "raise torch._dynamo.config.cache_size_limit.")
     return (f"Dynamo ran {where} eagerly (a skipped frame or a graph break there; TORCH_LOGS=graph_breaks says "
             "why): make it compile, or keep it out of the training step.")
+
+
+def never_compiled_as_frames(*functions) -> None:
+    """Dynamo never compiles ``functions`` as frames of their own (called from eager code under a compiled
+    call), while a graph being traced still inlines them: ``torch._dynamo.eval_frame.skip_code`` marks each
+    code object for the frame evaluator only (torch 2.11-2.13; idempotent). Without it, nothing changes
+    but the log says so."""
+    skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
+    for function in functions:
+        code = getattr(getattr(function, "__func__", function), "__code__", None)
+        if skip_code is None or code is None:
+            log.debug("cannot keep %r from being compiled as a frame of its own", function)
+            continue
+        skip_code(code)

@@ -363,10 +363,19 @@ def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: Dat
                 f"{existing.group.name!r} (replicated in {existing_dtype or existing.param.dtype}); it cannot be "
                 f"compiled again with stage {stage} on group {group.name!r} (replicated in "
                 f"{lowp_dtype or param.dtype}). Use one ZeroConfig for every torch.compile of the same model."
+                + (_EAGER_FIRST if existing.stage == 1 and stage != 1 else "")
             )
         return existing
     with _allocation_mode(param):
         return _new_shard(param, name, stage, group, reduce_dtype, lowp_dtype, mark)
+
+
+# the other way a weight has a stage-1 shard that no compile asked for (shard_eager_parameter)
+_EAGER_FIRST = (" If the model has one config, this weight trained outside the compiled graphs first (the warning "
+                "'got a gradient outside the compiled graphs' named it): eager code, or a frame Dynamo ran "
+                "uncompiled, gave it a stage-1 shard, and a graph compiled later takes it. Make the code that uses it "
+                "compile from the first step (the graph break that kept it out), or train with stage 1 or 2, where "
+                "such weights mix with the compiled ones.")
 
 
 def _is_fake(param: torch.nn.Parameter) -> bool:
