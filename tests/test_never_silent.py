@@ -106,6 +106,29 @@ def test_a_marked_weight_used_by_eager_code_under_a_compiled_call_is_not_compile
     assert not any("l_kwargs_weight_" in inputs for inputs in graphs), graphs
 
 
+def test_a_freed_weight_in_a_frame_dynamo_gave_up_on_names_that_frame():
+    """A stage-3 weight used by a frame Dynamo runs eagerly under a compiled call (a graph break inside
+    its loop: transformers' Whisper with LayerDrop, whose decoder embeds its tokens there). The error
+    said "It runs outside torch.compile", which it does not: no frame on the way had compiled entries."""
+    from zcompile.sharded_parameter import mark_sharded
+
+    torch._dynamo.reset()
+    norm = torch.nn.LayerNorm(8)
+    mark_sharded(norm.weight)
+    with torch.no_grad():
+        norm.weight.untyped_storage().resize_(0)  # as a stage-3 parameter's between graphs
+
+    def forward_with_a_loop_break(x):
+        for _ in range(2):
+            if x.sum() > 0:  # a graph break inside a loop: Dynamo runs this frame eagerly
+                x = x - 1
+        return torch.nn.functional.layer_norm(x, (8,), norm.weight, norm.bias)
+
+    with pytest.raises(ShardedParameterError, match="Dynamo runs 'forward_with_a_loop_break' .* eagerly under the "
+                                                    "compiled call: it gave up on a frame there"):
+        torch.compile(forward_with_a_loop_break, backend="eager")(torch.randn(2, 8))
+
+
 def test_recompile_limit_at_stage3_names_the_limit():
     torch._dynamo.reset()
     model = build_model("gpt")

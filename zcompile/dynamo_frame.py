@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sys
 
 import torch
@@ -115,12 +116,16 @@ def eager_fallback_reason() -> str:
     try:
         from torch._dynamo import eval_frame
 
-        frame, fell_back = sys._getframe(1), None
+        frame, fell_back, innermost_user_code = sys._getframe(1), None, None
         while frame is not None:
             if frame.f_code.co_filename == eval_frame.__file__:  # under a torch.compile'd call
-                return _fallback_reason(fell_back) if fell_back is not None else OUTSIDE_COMPILE
+                if fell_back is not None:
+                    return _fallback_reason(fell_back)
+                return _skipped_reason(innermost_user_code) if innermost_user_code is not None else OUTSIDE_COMPILE
             if fell_back is None and eval_frame._debug_get_cache_entry_list(frame.f_code):
                 fell_back = frame.f_code
+            if innermost_user_code is None and not frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+                innermost_user_code = frame.f_code
             frame = frame.f_back
         return OUTSIDE_COMPILE
     except Exception as error:  # internals moved: say less, never fail here
@@ -141,6 +146,20 @@ def _fallback_reason(code) -> str:
                 "raise torch._dynamo.config.cache_size_limit.")
     return (f"Dynamo ran {where} eagerly (a skipped frame or a graph break there; TORCH_LOGS=graph_breaks says "
             "why): make it compile, or keep it out of the training step.")
+
+
+# torch's and zcompile's own frames: the frame that runs eagerly is the user's code below them
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+
+
+def _skipped_reason(code) -> str:
+    """Under a compiled call, and no frame on the way has compiled entries: Dynamo gave up on a frame
+    (a graph break inside a loop makes it run the whole frame eagerly) and runs it, from ``code`` on."""
+    return (f"Dynamo runs {code.co_name!r} ({code.co_filename}:{code.co_firstlineno}) eagerly under the compiled "
+            "call: it gave up on a frame there (a graph break inside a loop does that, such as LayerDrop's "
+            "`if torch.rand([]) < p` in transformers' layer loops; TORCH_LOGS=graph_breaks says where). Make it "
+            "compile (take the break out: config.layerdrop = 0), or train with stage 1 or 2, where eager code may "
+            "use the weights.")
 
 
 def never_compiled_as_frames(*functions) -> None:
