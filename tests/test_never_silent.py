@@ -260,7 +260,9 @@ def test_a_rank_busy_with_its_own_work_past_the_timeout_is_waited_for():
     (zcompile.heartbeat) says it is alive and blocked in nothing, so rank 1 waits, as DDP would."""
     rank0, rank1 = run_ranks(2, _rank0_busy_between_steps, 8.0)
     assert len(rank0[0]) == len(rank1[0]) == 3
-    assert rank1[1] > 7.0  # rank 1 waited past its 3 s timeout at the step after rank 0's work
+    # rank 1 waited past its 3 s timeout at the step after rank 0's work (about 8 s less its own forward and
+    # backward, which take seconds when the other pytest worker's ranks share the two cores)
+    assert rank1[1] > 4.5
 
 
 def _new_weights_on_rank0(rank, world, stage):
