@@ -20,7 +20,8 @@ that does not come within the timeout, or comes from a different number of train
 calls on other parameters (one graph run on different layers per rank: LayerDrop), or with gradients
 on other parameters (the step's buckets are planned from those that have one), makes every rank that
 came raise ``RankDivergenceError`` saying which. Parameters are compared by their position among the
-members, not their names: blocks compiled one by one name their weights from the block. Evaluation
+optimizer's (or the clipped) parameters, not their names: blocks compiled one by one name their
+weights from the block (``positions_among``). Evaluation
 under ``torch.no_grad()`` is not counted, so evaluating on rank 0 only stays allowed. The cost is
 one store exchange per step (and per further stage-3 compiled call; see the README's fault table); the
 step's exchange also carries each rank's "are my gradients finite?" for ``skip_nonfinite``.
