@@ -163,14 +163,20 @@ def _skipped_reason(code) -> str:
 
 
 def never_compiled_as_frames(*functions) -> None:
-    """Dynamo never compiles ``functions`` as frames of their own (called from eager code under a compiled
-    call), while a graph being traced still inlines them: ``torch._dynamo.eval_frame.skip_code`` marks each
-    code object for the frame evaluator only (torch 2.11-2.13; idempotent). Without it, nothing changes
-    but the log says so."""
-    skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
+    """Dynamo never compiles ``functions``, nor the Python functions they call, as frames of their own
+    (called from eager code under a compiled call), while a graph being traced still inlines them.
+    ``set_code_exec_strategy`` with a recursive skip marks each code object for the frame evaluator
+    only (torch 2.11-2.13; idempotent); where that is missing, ``skip_code`` skips the frame alone.
+    Without either, nothing changes but the log says so."""
+    eval_frame = torch._dynamo.eval_frame
+    set_strategy = getattr(eval_frame, "set_code_exec_strategy", None)
+    strategy, action = getattr(eval_frame, "FrameExecStrategy", None), getattr(eval_frame, "FrameAction", None)
+    skip_code = getattr(eval_frame, "skip_code", None)
     for function in functions:
         code = getattr(getattr(function, "__func__", function), "__code__", None)
-        if skip_code is None or code is None:
+        if code is not None and None not in (set_strategy, strategy, action):
+            set_strategy(code, strategy(action.SKIP, action.SKIP))  # the helpers it calls too
+        elif code is not None and skip_code is not None:
+            skip_code(code)
+        else:
             log.debug("cannot keep %r from being compiled as a frame of its own", function)
-            continue
-        skip_code(code)
