@@ -54,7 +54,7 @@ from zcompile.comm_volume import CollectiveRecord
 from zcompile.optim_buckets import reduce_grads_onto_shards
 from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of, warn_eager_sharded
 from zcompile.process_group import DataParallelGroup, all_reduce_eager
-from zcompile.step_agreement import DEFAULT_TIMEOUT_S as STEP_AGREEMENT_TIMEOUT_S, agree_before_step, positions_among
+from zcompile.step_agreement import DEFAULT_TIMEOUT_S as STEP_AGREEMENT_TIMEOUT_S, agree_before_step
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def route_members(params: list[torch.Tensor]) -> list[ShardedParam]:
 def agree_before_route(params: list[torch.Tensor], what: str) -> None:
     """Before the clip's collectives: every rank is clipping the same step (``zcompile.step_agreement``)."""
     members = [s for s in dict.fromkeys(map(shard_of, params)) if s is not None]
-    agree_before_step(members, what, STEP_AGREEMENT_TIMEOUT_S, positions=positions_among(members, params))
+    agree_before_step(members, params, what, STEP_AGREEMENT_TIMEOUT_S)
 
 
 def _routed_clip_grad_norm(original):

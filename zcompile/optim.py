@@ -53,7 +53,7 @@ from zcompile.optim_buckets import (BucketedGradReduce, BucketedParamRefresh, Bu
                                     plan_reduce_buckets, reduce_grads_onto_shards)
 from zcompile.param_shards import ShardedParam, shard_eager_parameter, shard_of, warn_eager_sharded
 from zcompile.sharded_parameter import grad_of
-from zcompile.step_agreement import DEFAULT_TIMEOUT_S, agree_before_step, hyperparameters_of, positions_among
+from zcompile.step_agreement import DEFAULT_TIMEOUT_S, agree_before_step, hyperparameters_of
 from zcompile.nonfinite import local_grads_finite, nonfinite_flag, skip_nonfinite_by_default
 from zcompile.zero_grad_route import (clear_shard_grad, remember_stepped_grads, stale_grad_members,
                                       zero_tensor_grad)
@@ -162,10 +162,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         skip_enabled = self._skip_nonfinite_enabled()
         # skip_nonfinite without clipping decides from each rank's flag, carried by the agreement
         flag_in_agreement = skip_enabled and self.max_grad_norm is None and not self._clipped_since_step
-        finite_everywhere = agree_before_step(members, "optimizer.step()", self.check_timeout_s,  # before any collective
+        finite_everywhere = agree_before_step(members, self._all_params(), "optimizer.step()",  # before any collective
+                                              self.check_timeout_s,
                                               local_grads_finite(members) if flag_in_agreement else None,
-                                              hyperparameters_of(self.param_groups),
-                                              positions_among(members, self._all_params()))
+                                              hyperparameters_of(self.param_groups))
         broadcast_changed_buffers(members)  # BatchNorm's statistics: rank 0's on every rank (zcompile.buffer_sync)
         if self.max_grad_norm is not None and not self._clipped_since_step:
             self._clip_grad_norm(self.max_grad_norm)
@@ -263,9 +263,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Returns the total norm before clipping (an fp32 tensor); also kept as ``last_grad_norm``.
         A call takes the place of ``max_grad_norm`` for the next step.
         """
-        members = self._members()
-        agree_before_step(members, "optimizer.clip_grad_norm_()", self.check_timeout_s,
-                          positions=positions_among(members, self._all_params()))
+        agree_before_step(self._members(), self._all_params(), "optimizer.clip_grad_norm_()", self.check_timeout_s)
         return self._clip_grad_norm(max_norm, norm_type)
 
     def _clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -66,20 +66,6 @@ def mark_sharded(param: torch.nn.Parameter) -> None:
     """Makes ``param`` refuse eager use while freed (its class becomes ``ShardedParameter``)."""
     if type(param) is torch.nn.Parameter:
         param.__class__ = ShardedParameter
-        _never_a_frame_of_its_own()
-
-
-def _never_a_frame_of_its_own() -> None:
-    """Dynamo compiles the ``__torch_function__`` of these classes inline, inside the graph that uses
-    the parameter, and never as a frame of its own.
-
-    Why: eager code that Dynamo runs under a compiled call (a frame it skipped: transformers' BART
-    breaks inside its layer loop on LayerDrop's ``torch.rand([]) < p``) calls ``F.layer_norm`` with a
-    marked weight that no graph has taken yet; Dynamo then compiled ``__torch_function__`` as a frame,
-    its graph took the weight (``L['kwargs']['weight']``) for stage 3, and the weight had already been
-    given a stage-1 shard for its gradient from eager code: a ``ValueError`` at the next step.
-    Tracing a graph still inlines the function (``never_compiled_as_frames``)."""
-    never_compiled_as_frames(ShardedParameter.__torch_function__, FreedTensor.__torch_function__, _guarded_call)
 
 
 def grad_of(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -135,6 +121,16 @@ class FreedTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _guarded_call(func, args, kwargs)
+
+
+# Dynamo compiles these classes' __torch_function__ inline, inside the graph that uses the parameter,
+# and never as a frame of its own, nor the helpers it calls. Why: eager code that Dynamo runs under a
+# compiled call (a frame it gave up on: transformers' BART breaks inside its layer loop on LayerDrop's
+# `torch.rand([]) < p`) calls F.layer_norm with a marked weight no graph has taken yet; Dynamo then
+# compiled __torch_function__ (with dynamic=True also _first_freed(args, kwargs)) as a frame whose graph
+# took the weight (L['kwargs']['weight']) for stage 3, though eager code had given it a stage-1 shard for
+# its gradient: a ValueError at the next step. Once per process: the mark outlives torch._dynamo.reset().
+never_compiled_as_frames(ShardedParameter.__torch_function__, FreedTensor.__torch_function__, _guarded_call)
 
 
 def _first_freed(args, kwargs) -> torch.Tensor | None:

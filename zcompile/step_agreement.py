@@ -21,7 +21,7 @@ calls on other parameters (one graph run on different layers per rank: LayerDrop
 on other parameters (the step's buckets are planned from those that have one), makes every rank that
 came raise ``RankDivergenceError`` saying which. Parameters are compared by their position among the
 optimizer's (or the clipped) parameters, not their names: blocks compiled one by one name their
-weights from the block (``positions_among``). Evaluation
+weights from the block (``_positions_among``). Evaluation
 under ``torch.no_grad()`` is not counted, so evaluating on rank 0 only stays allowed. The cost is
 one store exchange per step (and per further stage-3 compiled call; see the README's fault table); the
 step's exchange also carries each rank's "are my gradients finite?" for ``skip_nonfinite``.
@@ -88,7 +88,7 @@ def agree_on_call(group: DataParallelGroup, what: str, timeout_s: float) -> None
             f"their collectives would not match. {FIX}")
 
 
-def positions_among(members: list[ShardedParam], params) -> list[int]:
+def _positions_among(members: list[ShardedParam], params) -> list[int]:
     """Each member's position among ``params`` (the optimizer's parameters in order, or the clipped
     ones): what identifies a parameter across ranks, which list the same parameters in the same order.
     Not its place among ``members``: a weight a rank never ran has no shard there and moves the others
@@ -101,9 +101,8 @@ def positions_among(members: list[ShardedParam], params) -> list[int]:
     return [first[id(member)] for member in members]
 
 
-def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float | None,
-                      grads_finite: bool | None = None, hyperparameters: list[dict] | None = None,
-                      positions: list[int] | None = None) -> bool | None:
+def agree_before_step(members: list[ShardedParam], params, what: str, timeout_s: float | None,
+                      grads_finite: bool | None = None, hyperparameters: list[dict] | None = None) -> bool | None:
     """Raises ``RankDivergenceError`` unless every rank of the members' group reaches ``what`` from
     the same number of training calls (module docstring); ``timeout_s=None`` skips the check.
 
@@ -112,11 +111,12 @@ def agree_before_step(members: list[ShardedParam], what: str, timeout_s: float |
     rank; None when not asked, or when nothing was exchanged (check off, one rank).
     ``hyperparameters``: the optimizer's param groups without their parameters (``optimizer.step()``):
     a learning rate that differs by rank (a scheduler stepped on some ranks only, ``ReduceLROnPlateau``
-    fed each rank's own metric) would update each rank's shard with its own, silently. ``positions``:
-    each member's ``positions_among`` the caller's parameters (default: its place among ``members``)."""
+    fed each rank's own metric) would update each rank's shard with its own, silently. ``params``: the
+    parameters ``members`` are the shards of, in the caller's order (the optimizer's, or the clipped ones),
+    which names each member by its position there (``_positions_among``)."""
     if timeout_s is None or not members or members[0].group.world_size == 1:
         return None
-    positions = list(range(len(members))) if positions is None else positions
+    positions = _positions_among(members, params)
     calls_per_member = [m.training_calls for m in members]
     for member in members:
         member.training_calls = 0
