@@ -336,12 +336,17 @@ def _recorded_on(plan: ShardingPlan, example_inputs: list, frame_modules: list[t
 
 def _agreed_call(config: ZeroConfig, group: DataParallelGroup, plan: ShardingPlan, gm: torch.fx.GraphModule,
                  zeropp) -> str | None:
-    """Stage 3: a call of this graph starts with all-gathers, so the ranks agree on it first
-    (``zcompile.step_agreement``); stages 1 and 2 agree at the step. Named by its collectives and
-    mode, not its compile id: a rank's lone recompile for its own shapes makes the same call
-    (``rank_check.call_identity``)."""
-    if config.stage != 3 or not config.check_ranks or group.world_size == 1 or not plan.params:
-        return None  # a graph without parameters gathers nothing (a piece of the forward between graph breaks)
+    """A graph whose call leads to collectives (``rank_check.issues_collectives``: stage 3's gathers in
+    forward, a stage-2 training graph's reduce-scatters in its backward) has the ranks agree on each
+    call first (``zcompile.step_agreement``); stage 1 agrees at the step. Stage 2 too: a rank that ran
+    a layer of another size than the others (LayerDrop drawn per rank over transformers' BART encoder
+    and decoder) paired its backward's reduce-scatters with theirs of other sizes, and gloo aborted the
+    process; agreeing in forward, the ranks meet different calls there and raise. Named by its
+    collectives and mode, not its compile id: a rank's lone recompile for its own shapes makes the same
+    call (``rank_check.call_identity``)."""
+    if (not config.check_ranks or group.world_size == 1 or not plan.params or plan.stage == 1
+            or not issues_collectives(plan, zeropp.active)):
+        return None  # a graph without parameters (a piece of the forward between graph breaks) moves none
     return call_identity(plan, gm, zeropp.signature() if zeropp.active else None)
 
 
