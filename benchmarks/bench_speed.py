@@ -22,7 +22,9 @@ between forward and backward, no re-gather, and no all-gather at the step), and 
 ``zero3+blockbuckets`` the whole model with buckets of one block's weights (``bucket_mb`` one
 block's per-rank bytes: the collectives of ``zero3+blocks``, with the whole model's schedule), and with
 ``+unchecked`` (``zero3+unchecked``, ``zero3+blocks+unchecked``) ``check_ranks=False``: no store exchange before a
-compiled call (what the per-call agreement costs: blocks compiled apart make one per layer after the first); the DDP ones step with
+compiled call (what the per-call agreement costs: blocks compiled apart make one per layer after the first), and with
+``+nocallprefetch`` (``zero3+blocks+nocallprefetch``) ``prefetch_calls=False``: no call issues the next call's first
+all-gather (what cross-call prefetch gains blocks compiled apart); the DDP ones step with
 ``torch.optim.AdamW``'s default, single-tensor on a CPU, or with ``+fused`` (``ddp+fused``,
 ``ddp+compile+fused``) with ``fused=True``, the kernel ``zcompile.optim.AdamW`` runs on a CPU
 (``kernels/cpu_adamw.py``). ``--compiler``: the inner
@@ -64,9 +66,10 @@ INDUCTOR = "+inductor"  # a configuration's suffix: inductor whatever --compiler
 FUSED = "+fused"  # a torch configuration's suffix: torch.optim.AdamW(fused=True), not its CPU default (single-tensor)
 SERIAL = "+serial"  # a zero configuration's suffix: overlap=False, every collective where the graph first had it
 UNCHECKED = "+unchecked"  # a zero configuration's suffix: check_ranks=False, no agreement before a compiled call
+NO_CALL_PREFETCH = "+nocallprefetch"  # a zero configuration's suffix: prefetch_calls=False
 CONFIGS = ("ddp", "ddp+fused", "compile", "ddp+compile", "ddp+compile+fused", "fsdp2", "fsdp2+compile", "zero1", "zero2", "zero3", "zero3+regional", "zero3+blocks", "zero3+keep",
            "zero2+serial", "zero3+serial", "zero3+blocks+serial", "zero3+blockbuckets", "zero3+blockbuckets+serial",
-           "zero3+unchecked", "zero3+blocks+unchecked",
+           "zero3+unchecked", "zero3+blocks+unchecked", "zero3+blocks+nocallprefetch",
            "compile+inductor", "ddp+compile+inductor", "zero1+inductor", "zero2+inductor", "zero3+inductor")
 DEFAULT_CONFIGS = ("ddp", "ddp+compile", "fsdp2", "zero1", "zero2", "zero3", "zero3+regional")
 SEQ, PER_RANK, EMBD = 128, 4, 128
@@ -79,7 +82,8 @@ def build(config: str, layers: int, compiler: str, compiled_graphs: list):
     if config.endswith(INDUCTOR):
         config, compiler = config.removesuffix(INDUCTOR), "inductor"
     fused, serial, unchecked = config.endswith(FUSED), config.endswith(SERIAL), config.endswith(UNCHECKED)
-    config = config.removesuffix(FUSED).removesuffix(SERIAL).removesuffix(UNCHECKED)
+    no_call_prefetch = config.endswith(NO_CALL_PREFETCH)
+    config = config.removesuffix(FUSED).removesuffix(SERIAL).removesuffix(UNCHECKED).removesuffix(NO_CALL_PREFETCH)
     torch_backend = "aot_eager" if compiler == "eager" else compiler
     if config.startswith("zero"):
         if config.endswith("+regional"):
@@ -89,6 +93,8 @@ def build(config: str, layers: int, compiler: str, compiled_graphs: list):
             options["overlap"] = False
         if unchecked:
             options["check_ranks"] = False
+        if no_call_prefetch:
+            options["prefetch_calls"] = False
         if config.endswith("+keep"):
             options["keep_gathered_mb"] = 1e6
         if config.endswith("+blockbuckets"):  # buckets of one block's weights: a block compiled apart's collectives

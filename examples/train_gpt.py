@@ -54,7 +54,7 @@ def parse_args() -> argparse.Namespace:
                         help="trace the repeated block once (zcompile.mark_repeated_blocks): compile time for deep models")
     parser.add_argument("--compile-blocks", action="store_true",
                         help="compile each block on its own, the rest eager: compile time flat in depth, steps slower "
-                        "(no prefetch across blocks; the embeddings and head replicated)")
+                        "(each layer's call prefetches the next layer's first gather; the embeddings and head replicated)")
     parser.add_argument("--eval-every", type=int, default=0, help="evaluate on a held-out batch every K steps")
     args = parser.parse_args()
     if args.regional and args.compile_blocks:

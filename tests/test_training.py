@@ -32,6 +32,8 @@ WORLD2_SPECS = (
     + [RunSpec(model="gpt_untied_odd", stage=s) for s in (2, 3)]
     # regional compilation (zcompile.mark_repeated_blocks): one subgraph per block class
     + [RunSpec(model="gpt", stage=3, regional=True), RunSpec(model="hf_llama", stage=2, lr=3e-3, regional=True)]
+    # blocks compiled one by one: one graph per layer, each call prefetching the next one's first gather
+    + [RunSpec(model="gpt", stage=3, blocks=True, grad_accum=2)]
     # gloo's own reduce-scatter (the default there runs it as an all-to-all: passes/reduce_scatter_lowering.py)
     + [RunSpec(model="gpt", stage=3, options={"reduce_scatter": "native"})]
 )
@@ -56,6 +58,7 @@ def world4():
 
 def _label(spec):
     return (f"{spec.model}-stage{spec.stage}-{spec.optimizer}" + ("-regional" if spec.regional else "")
+            + ("-blocks" if spec.blocks else "") + (f"-accum{spec.grad_accum}" if spec.grad_accum > 1 else "")
             + "".join(f"-{k}={v}" for k, v in spec.options.items()))
 
 
@@ -99,6 +102,10 @@ def test_stage3_memory_is_16_psi_over_n(world_name, request):
         world = len(ranks)
         for result in ranks:
             expected = zero_formula_bytes(result.num_params, world, stage=3)
+            if spec.blocks:  # the weights outside the compiled blocks train as stage 1's (README)
+                blocks = sum(p.numel() for name, p in result.params.items() if name.startswith("blocks."))
+                expected = (zero_formula_bytes(blocks, world, stage=3)
+                            + zero_formula_bytes(result.num_params - blocks, world, stage=1))
             # padding: each parameter is cut into N equal chunks, so a rank holds at most N-1
             # elements more than numel/N per parameter; the small GPT has 5% of its elements there at N=4
             assert expected <= result.state_bytes <= 1.05 * expected, (spec.model, result.state_bytes, expected)
@@ -117,6 +124,8 @@ def test_estimate_memory_predicts_the_measured_model_states(world2, world4):
     """zcompile.estimate_memory, made before compiling, equals the bytes measured after a step to the
     byte (params, replicas, shards, gradients, moments; padding, tied weights), at every stage and world."""
     for spec, *ranks in world2 + world4:
+        if spec.blocks:  # the estimate is of the whole model compiled (blocks apart: the rest trains as stage 1)
+            continue
         for rank, result in enumerate(ranks):
             assert result.estimated_state_bytes == result.state_bytes, (spec, rank, result.estimated_state_bytes,
                                                                         result.state_bytes)
@@ -130,7 +139,7 @@ def test_simulation_predicts_the_real_collectives_and_model_states(world2, world
     from zcompile.simulate import simulate
 
     for spec, *ranks in world2 + world4:
-        if spec.model != "gpt" or spec.optimizer != "adamw":
+        if spec.model != "gpt" or spec.optimizer != "adamw" or spec.blocks:  # the whole model compiled, as simulate compiles it
             continue
         world, rank0 = len(ranks), ranks[0]
         tokens, targets = global_batch(0, spec.batch_size // world)
@@ -155,7 +164,7 @@ def _bytes_by_kind(pairs: list[tuple[str, int]]) -> dict[str, int]:
 def test_communication_volume_per_step(world2, world4):
     """Stages 1 and 2 move exactly 2Ψ (padded) elements per rank per step; stage 3 at most 3Ψ."""
     for spec, result, *_ in world2 + world4:
-        if spec.model.startswith("gpt") and spec.optimizer == "adamw" and "breaks" not in spec.model:
+        if spec.model.startswith("gpt") and spec.optimizer == "adamw" and "breaks" not in spec.model and not spec.blocks:
             total = sum(r.elements for r in result.collectives)
             kinds = {r.kind for r in result.collectives}
             if spec.stage in (1, 2):
@@ -200,6 +209,22 @@ def test_regional_runs_trace_each_block_class_once(world2):
         # blocks' weights (passes/regions.py) instead of saving them through the subgraph calls
         unmarked = next(r0 for s, r0, _ in world2 if s == replace(spec, regional=False))
         assert _elements_by_kind(rank0) == _elements_by_kind(unmarked), spec
+
+
+def test_blocks_compiled_apart_take_the_gather_the_call_before_issued(world2):
+    """One graph called per layer: from the second run of a kind on (the first learns the order), each
+    layer's call after the first takes the first gather the call before issued, in forward and in
+    backward (zcompile.call_prefetch); the parity above is with those gathers. A whole model is one
+    call per run: nothing to prefetch."""
+    for spec, rank0, rank1 in world2:
+        if spec.stage != 3:
+            continue
+        runs = spec.steps * spec.grad_accum  # forward runs, and as many backward runs
+        layers = 2 if spec.blocks else 1  # calls per run of a graph
+        expected = (runs - 1) * (layers - 1)
+        assert rank0.facts["prefetched_calls"] == {"forward": expected, "backward": expected}, spec
+        assert rank1.facts["prefetched_calls"] == rank0.facts["prefetched_calls"], spec
+    assert any(spec.blocks for spec, _, _ in world2)
 
 
 def _elements_by_kind(result) -> dict:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
+from zcompile.call_prefetch import CallChain
 from zcompile.buffer_sync import BufferSync, changed_buffer_inputs, note_changed_buffers
 from zcompile.compiled import CompileContext, CompiledGraphs, record_compiled_graphs
 from zcompile.config import ZeroConfig
@@ -110,7 +111,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     if config.on_compile is not None:
         config.on_compile(graphs)
     run = swap.wrap(compiled, _agreed_call(config, group, plan, gm, zeropp), config.check_timeout_s,
-                    str(gm.meta.get("dynamo_compile_id", "?")))
+                    str(gm.meta.get("dynamo_compile_id", "?")), graphs.call_chains.get("forward"))
     changed = changed_buffer_inputs(plan.buffers, graphs.mutated_inputs)
     if config.broadcast_buffers and changed and group.world_size > 1:
         if plan.params:
@@ -233,32 +234,38 @@ class ShardSwap:
         return [a if id(a) in originals else fake_mode.from_tensor(a, static_shapes=True) for a in args]
 
     def wrap(self, compiled: Callable, agreed_call: str | None = None, timeout_s: float = 60.0,
-             graph_id: str = "?") -> Callable:
+             graph_id: str = "?", chain: CallChain | None = None) -> Callable:
         """The compiled graph taking the shards; ``agreed_call``: what every rank must be calling
-        before it runs (``zcompile.step_agreement.agree_on_call``), None for no agreement."""
+        before it runs (``zcompile.step_agreement.agree_on_call``), None for no agreement. ``chain``:
+        the forward's cross-call prefetch (``zcompile.call_prefetch``), whose take the agreement
+        compares too: a rank that takes a prefetched gather while another gathers its own would
+        issue one collective fewer."""
         if not self.plan.params:
             return compiled
 
         beat = heartbeat()  # a rank stuck in this graph's collectives is not busy with work of its own
         what = f"compiled graph {graph_id}"
 
-        def run_with_shards(*args):
+        def run_swapped(args: list):
             try:
                 if beat is None:
-                    return compiled(*self.swap(list(args)))
+                    return compiled(*args)
                 with beat.blocked(what):
-                    return compiled(*self.swap(list(args)))
+                    return compiled(*args)
             except Exception as error:  # a collective failed: maybe another rank left, saying why
                 raise_if_aborted(self.group, error)
                 raise
 
         if agreed_call is None:
-            return run_with_shards
+            return lambda *args: run_swapped(self.swap(list(args)))
 
         def run_agreed(*args):
-            if not self.first_call_since_agreed_step(args):
-                agree_on_call(self.group, agreed_call, timeout_s)
-            return run_with_shards(*args)
+            free = self.first_call_since_agreed_step(args)
+            swapped = self.swap(list(args))
+            if not free:
+                takes = chain is not None and chain.agree_to_take(chain.inputs_of(swapped))
+                agree_on_call(self.group, agreed_call + (", its first gather prefetched" if takes else ""), timeout_s)
+            return run_swapped(swapped)
 
         return run_agreed
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from zcompile.call_prefetch import CallChain, RunPhase
 from zcompile.config import ZeroConfig
 from zcompile.pass_runner import PassRecord, PassRunner
 from zcompile.passes.keep_gathered import KeepGatheredPlan
@@ -61,6 +62,10 @@ class CompiledGraphs:
     inference: torch.fx.GraphModule | None = None
     # the inputs (positions in the Dynamo graph's call) whose data the compiled graph changes in place
     mutated_inputs: tuple[int, ...] = ()
+    # cross-call prefetch (zcompile.call_prefetch): the chain of each graph kind that has one, and the
+    # phase its forward and backward share
+    call_chains: dict[str, CallChain] = field(default_factory=dict)
+    run_phase: RunPhase = field(default_factory=RunPhase)
 
     @property
     def plan(self) -> ShardingPlan | None:

@@ -60,6 +60,10 @@ class ZeroConfig:
         prefetch: how many buckets ahead an all-gather is issued (with ``overlap``).
         memory_budget_mb: per-rank bytes (MiB) of gathered parameters alive at once that the
             schedule may use; prefetching is reduced to fit. ``None``: bounded by ``prefetch``.
+        prefetch_calls: stage 3 (with ``overlap``, ``prefetch`` >= 1): a graph called several times
+            in a row (blocks compiled one by one: one graph per layer) has each call issue the next
+            call's first all-gather while it computes (``zcompile.call_prefetch``), holding that
+            gather's bytes one call early; off where ``memory_budget_mb`` cannot hold them.
         schedule_policy: the function that chooses each all-gather's prefetch depth (with
             ``overlap``): ``policy(problem: zcompile.passes.schedule.ScheduleProblem) -> depths``.
             ``None`` is ``greedy_prefetch`` (as deep as ``prefetch``, within ``memory_budget_mb``);
@@ -116,6 +120,7 @@ class ZeroConfig:
     overlap: bool = True
     prefetch: int = 1
     memory_budget_mb: float | None = None
+    prefetch_calls: bool = True
     schedule_policy: Callable[[Any], Any] | None = None
     keep_gathered_mb: float = 0.0
     activation_memory_budget: float | str | None = None
@@ -154,6 +159,8 @@ class ZeroConfig:
             raise ValueError(f"zero backend: option 'bucket_mb' must be a finite number >= 0 (MiB), got {self.bucket_mb!r}")
         if not isinstance(self.overlap, bool):
             raise TypeError(f"zero backend: option 'overlap' must be a bool, got {self.overlap!r}")
+        if not isinstance(self.prefetch_calls, bool):
+            raise TypeError(f"zero backend: option 'prefetch_calls' must be a bool, got {self.prefetch_calls!r}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"zero backend: option 'prefetch' must be an int >= 0, got {self.prefetch!r}")
         if self.memory_budget_mb is not None and (not finite_number(self.memory_budget_mb) or self.memory_budget_mb <= 0):

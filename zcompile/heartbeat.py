@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from zcompile.passes.call_prologue import issued_by_call_before
 from zcompile.process_group import default_store, group_ranks_by_name
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ THREAD_NAME = "zcompile-heartbeat"
 # "wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_out_default)"
 _WAIT_LINE = re.compile(r"_c10d_functional\.wait_tensor(?:\.default)?\((\w+)\)")
 _COLLECTIVE_CALL = re.compile(r"_c10d_functional\.(\w+?)(?:\.default)?\((.*)\)")
+# a collective the call before issued (passes/call_prologue.py): its kind and group named where it was
+_ISSUED_BEFORE = re.compile(rf"{issued_by_call_before.__name__}\(\w+, '(\w+)', '([^']*)'\)")
 
 
 @dataclass(eq=False)
@@ -206,6 +209,9 @@ def _launch_of(lines: list[str], tensor: str) -> tuple[str, str | None] | None:
     assigns, writes = re.compile(rf"^\s*{re.escape(tensor)}\s*="), re.compile(rf"\bout\s*=\s*{re.escape(tensor)}\b")
     for line in lines:
         statement = line.split(";")[0]  # fx appends "; x = None" frees
+        issued = _ISSUED_BEFORE.search(statement)
+        if issued is not None and assigns.search(statement):
+            return issued.group(1), issued.group(2)
         call = _COLLECTIVE_CALL.search(statement)
         if call is None or call.group(1).startswith("wait_tensor"):
             continue

@@ -16,7 +16,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from zcompile.comm_volume import graph_collectives
 from zcompile.config import activation_budget_bytes
 from zcompile.passes.all_gather_lowering import all_gathers_into_buffers
+from zcompile.passes.call_prologue import CallSplit, shard_placeholder_names, split_first_gather
 from zcompile.passes.liveness import saved_activation_bytes
+from zcompile.call_prefetch import CallChain, prefetching_call
 from zcompile.compiled import CompiledGraphs
 from zcompile.dumps import collectives_file
 from zcompile.passes.regions import subgraph_calls
@@ -164,6 +166,44 @@ def executed_form(graphs: CompiledGraphs) -> Callable[[torch.fx.GraphModule], to
     return all_gathers_into_buffers if gathers_into_buffers(graphs.context.group) else None
 
 
+def _runnable(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs) -> Callable[[list], object]:
+    """The boxed function that runs ``graph_module`` (``boxed_graph_function``), through a
+    ``CallChain`` where the graph's first all-gather can be issued by the call before
+    (``cross_call_split``)."""
+    rewrite = executed_form(graphs)
+    split = cross_call_split(graph_module, kind, graphs)
+    if split is None:
+        return boxed_graph_function(graph_module, rewrite)
+    chain = CallChain(kind, split, graphs.run_phase)
+    graphs.call_chains[kind] = chain
+    return prefetching_call(boxed_graph_function(split.body), chain)
+
+
+def cross_call_split(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs) -> CallSplit | None:
+    """``graph_module`` as it runs (``executed_form``) split at its first all-gather for cross-call
+    prefetch (``zcompile.call_prefetch``), or None where that does not apply: not a stage-3 training
+    graph on more than one rank, turned off (``prefetch_calls=False``, or the overlap schedule or
+    prefetch: ``overlap=False``, ``prefetch=0``), a first collective that is not a gather of shards alone, or a
+    ``memory_budget_mb`` that the schedule's gathered peak plus the prefetched gather would exceed."""
+    context = graphs.context
+    config = context.config
+    if (kind not in ("forward", "backward") or context.sharding.stage != 3 or context.group.world_size == 1
+            or not (config.prefetch_calls and config.overlap and config.prefetch >= 1)):
+        return None
+    rewrite = executed_form(graphs)
+    executed = graph_module if rewrite is None else rewrite(
+        codegen_on_demand(graph_module, copy.deepcopy(graph_module.graph)))
+    split = split_first_gather(executed, shard_placeholder_names(p.index for p in context.sharding.params))
+    if split is None or config.memory_budget_mb is None:
+        return split
+    peak = getattr(context.plans.get(f"schedule.{kind}"), "peak_gathered_bytes", None)
+    if peak is None or peak + split.gathered_bytes > config.memory_budget_mb * 2**20:
+        log.info("zero backend: the %s graph's first gather is not prefetched by the call before: with it, the "
+                 "gathered peak would pass memory_budget_mb", kind)
+        return None
+    return split
+
+
 def _quoting_abort_notes(run: Callable[[list], object], graphs: CompiledGraphs,
                          first_call_check: Callable[[], None] | None = None) -> Callable[[list], object]:
     """A compiled backward whose failed collective says why the other rank left, when it did so
@@ -233,7 +273,7 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
                 # a list of its own (a copy of the inputs, or the runtime wrapper's list it no longer
                 # reads: it keeps what the epilogue needs aside, since inductor clears it too)
                 graph_module, check = _post_partition(graph_module, kind, graphs)
-                run = boxed_graph_function(graph_module, executed_form(graphs))
+                run = _runnable(graph_module, kind, graphs)
                 return _quoting_abort_notes(run, graphs, check) if kind == "backward" else run
 
             return compile_eager

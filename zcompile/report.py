@@ -99,6 +99,8 @@ class StepReport:
             f"{mem['peak_gathered_bytes'] / 2**20:.2f} MiB"
             + (f" (of which {mem['kept_gathered_bytes'] / 2**20:.2f} MiB kept for backward)"
                if mem.get("kept_gathered_bytes") else "")
+            + (f" (of which {mem['call_prefetch_bytes'] / 2**20:.2f} MiB the next call's first gather, prefetched)"
+               if mem.get("call_prefetch_bytes") else "")
             + (f", +{mem['gather_staging_bytes'] / 2**20:.2f} MiB at most of gloo's copies of the gathers in flight"
                if mem.get("gather_staging_bytes") else "")
             + f"; saved activations {mem.get('saved_activation_bytes', 0) / 2**20:.2f} MiB"
@@ -163,6 +165,9 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
     # schedule's on every backend
     staged = graphs[0].context is not None and on_gloo(graphs[0].context.group) and plan.world_size > 1
     peak_gathered, gather_staging = gathered_peak_parts([gm for g in graphs for gm in (g.forward, g.backward)], staged)
+    # cross-call prefetch (zcompile.call_prefetch): while a call runs, the next call's first gather is held
+    held_ahead = max([chain.split.gathered_bytes for g in graphs for chain in g.call_chains.values()
+                      if chain.taken or chain.dropped] or [0])
     if optimizer is not None:
         records += list(getattr(optimizer, "last_step_collectives", []))
     unique = list(dict.fromkeys(model.parameters()))
@@ -177,7 +182,8 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
         memory={
             "model_states_bytes": measured,
             "formula_bytes": zero_formula_bytes(num_params, plan.world_size, plan.stage, plan.param_dtype),
-            "peak_gathered_bytes": peak_gathered,
+            "peak_gathered_bytes": peak_gathered + held_ahead,
+            "call_prefetch_bytes": held_ahead,  # of peak_gathered_bytes
             "gather_staging_bytes": gather_staging,
             "hpz_secondary_bytes": _hpz_secondary_bytes(graphs, unique) - sum(
                 p.hpz_secondary_bytes for g in graphs if g.keep_gathered for p in g.keep_gathered.kept),

@@ -64,6 +64,7 @@ class RunSpec:
     dynamic: bool | None = None  # torch.compile(dynamic=...) of the zero run
     recompile_limit: int | None = None  # torch._dynamo.config.recompile_limit during the zero run (None: torch's)
     regional: bool = False  # zcompile.mark_repeated_blocks(model) before compiling
+    blocks: bool = False  # each block compiled on its own (block.compile), the rest of the model eager
 
 
 @dataclass
@@ -128,7 +129,12 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     compiled_graphs = []
     options = {"stage": spec.stage, "compiler": "eager", "on_compile": compiled_graphs.append, **spec.options}
     estimate = zcompile.estimate_memory(model, world, options, optimizer="sgd_momentum" if spec.optimizer == "sgd" else "adamw")
-    compiled = torch.compile(model, backend="zero", options=options, dynamic=spec.dynamic)
+    if spec.blocks:
+        for block in model.blocks:
+            block.compile(backend="zero", options=options, dynamic=spec.dynamic)
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend="zero", options=options, dynamic=spec.dynamic)
     optimizer = None if spec.optimizer_after_forward else _optimizer(spec, model.parameters(), zero=True)
     losses, state_bytes, grad_norms = [], 0, []
     limit = spec.recompile_limit or torch._dynamo.config.recompile_limit
@@ -144,6 +150,9 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     padded = sum(-(-p.numel() // world) * world for p in unique)
     graphs = [(g.forward.code if g.forward else "", g.backward.code if g.backward else "") for g in compiled_graphs]
     facts = graph_facts(compiled_graphs)
+    # cross-call prefetch (zcompile.call_prefetch): calls that took the gather the call before issued
+    facts["prefetched_calls"] = {kind: sum(g.call_chains[kind].taken for g in compiled_graphs if kind in g.call_chains)
+                                 for kind in ("forward", "backward")}
     if facts["keep_plans"]:
         facts["report_kept_bytes"] = zcompile.step_report(model, optimizer).memory["kept_gathered_bytes"]
     return RunResult(losses, params, state_bytes, sum(p.numel() for p in unique), padded, collectives, graphs,

@@ -1,0 +1,187 @@
+"""Cross-call prefetch: a graph's first all-gather split off (passes/call_prologue.py) and issued by
+the call before (zcompile/call_prefetch.py), on torch's fake process group (an all-gather there
+repeats this rank's shard, so every gathered value is known)."""
+
+import pytest
+import torch
+
+from support.graph_builders import fake_process_group, trace
+from zcompile.call_prefetch import CallChain, RunPhase, prefetching_call
+from zcompile.inner import boxed_graph_function
+from zcompile.passes.all_gather_lowering import ALL_GATHER_OUT, all_gathers_into_buffers
+from zcompile.passes.call_prologue import shard_placeholder_names, split_first_gather
+from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
+
+SHARDS = shard_placeholder_names([0, 2])  # primals_1 and primals_3: the layer's two weights
+
+
+def _layer_graph(group: str) -> torch.fx.GraphModule:
+    """A layer as a stage-3 forward has it: its two weights' shards packed and gathered first, then a
+    second gather later (the schedule's next bucket), the activation in between."""
+
+    def layer(primals_1, primals_2, primals_3):
+        first = WAIT(ALL_GATHER(torch.cat([primals_1, primals_3]), 2, group))
+        hidden = primals_2 * first[:8].sum() + first[8:].mean()
+        second = WAIT(ALL_GATHER(primals_3 * 2, 2, group))
+        return hidden * second.sum()
+
+    return _as_aot_names(trace(layer, torch.zeros(4), torch.zeros(3), torch.zeros(4)))
+
+
+def _as_aot_names(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Placeholders named as AOTAutograd names a forward's (``primals_1``, ...): make_fx adds suffixes."""
+    for i, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+        node.name = node.target = f"primals_{i + 1}"
+    gm.recompile()
+    return gm
+
+
+def _layer_inputs(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, generator=gen), torch.randn(3, generator=gen), torch.randn(4, generator=gen)]
+
+
+@pytest.mark.parametrize("lowered", [False, True], ids=["functional", "into buffers"])
+def test_the_prologue_issues_the_first_gather_of_the_shards_and_the_body_computes_the_rest(lowered):
+    with fake_process_group(world_size=2) as group:
+        gm = _layer_graph(group)
+        if lowered:  # gloo's form, what the split is made of when it runs (zcompile.inner.executed_form)
+            gm = all_gathers_into_buffers(gm)
+        before = [n.name for n in gm.graph.nodes]
+        split = split_first_gather(gm, SHARDS)
+        assert split is not None
+        assert [n.name for n in gm.graph.nodes] == before  # the graph given is left as it was
+        assert split.input_indices == (0, 2)
+        assert split.gathered_bytes == 2 * 8 * 4  # the gathered output: 2 ranks x 8 float32
+        gather = ALL_GATHER_OUT if lowered else ALL_GATHER
+        assert len(split.prologue.graph.find_nodes(op="call_function", target=gather)) == 1
+        assert not split.prologue.graph.find_nodes(op="call_function", target=WAIT)  # issued, not waited
+        assert len(split.body.graph.find_nodes(op="call_function", target=gather)) == 1  # the second only
+        assert not split.body.graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default)
+        inputs = _layer_inputs(0)
+        expected = gm(*inputs)
+        issued = split.prologue(inputs[0], inputs[2])
+        torch.testing.assert_close(split.body(*inputs, issued), expected, rtol=0, atol=0)
+        # the fake group's all-gather repeats this rank's shard: the value, independently
+        hidden = inputs[1] * torch.cat([inputs[0], inputs[2]]).repeat(2)[:8].sum() + \
+            torch.cat([inputs[0], inputs[2]]).repeat(2)[8:].mean()
+        torch.testing.assert_close(expected, hidden * (inputs[2] * 2).repeat(2).sum())
+
+
+def test_no_split_where_the_first_gather_reads_more_than_shards_or_the_first_collective_is_not_a_gather():
+    with fake_process_group(world_size=2) as group:
+        gm = _layer_graph(group)
+        assert split_first_gather(gm, shard_placeholder_names([0])) is None  # primals_3 is no shard
+        reads_activation = _as_aot_names(trace(lambda shard, x: WAIT(ALL_GATHER(shard * x, 2, group)).sum(),
+                                               torch.zeros(4), torch.zeros(4)))
+        assert split_first_gather(reads_activation, shard_placeholder_names([0])) is None  # x: an activation
+        reduces_first = _as_aot_names(trace(lambda shard: WAIT(ALL_GATHER(WAIT(REDUCE_SCATTER(shard, "sum", 2, group)),
+                                                                          2, group)).sum(), torch.zeros(4)))
+        assert split_first_gather(reduces_first, shard_placeholder_names([0])) is None
+        assert split_first_gather(_as_aot_names(trace(lambda shard: shard * 2, torch.zeros(4))), SHARDS) is None
+
+
+def _chain(group: str, phase: RunPhase, kind: str = "forward"):
+    gm = _layer_graph(group)
+    split = split_first_gather(gm, SHARDS)
+    chain = CallChain(kind, split, phase)
+    return gm, chain, prefetching_call(boxed_graph_function(split.body), chain)
+
+
+def test_each_call_takes_the_gather_the_call_before_issued_once_a_run_has_taught_the_order():
+    with fake_process_group(world_size=2) as group:
+        phase = RunPhase()
+        gm, chain, call = _chain(group, phase)
+        layers = [_layer_inputs(seed) for seed in range(3)]
+
+        def forward_run(order):
+            outputs = []
+            for i in order:
+                takes = chain.would_take([layers[i][0], layers[i][2]])
+                taken_before = chain.taken
+                outputs.append(call(list(layers[i])))
+                assert (chain.taken == taken_before + 1) == takes
+                torch.testing.assert_close(outputs[-1], gm(*layers[i]), rtol=0, atol=0)
+            phase.enter("backward")  # the backward starts: the forward's run is over
+            return outputs
+
+        forward_run([0, 1, 2])
+        assert (chain.taken, chain.dropped) == (0, 0)  # the first run learns the order
+        forward_run([0, 1, 2])
+        assert (chain.taken, chain.dropped) == (2, 0)  # layers 1 and 2 were gathered by the call before
+        # a layer skipped (LayerDrop drawn alike on every rank): the prefetch of layer 1 is dropped
+        forward_run([0, 2])
+        assert (chain.taken, chain.dropped) == (2, 1)
+        forward_run([0, 2])  # and the new order learned
+        assert (chain.taken, chain.dropped) == (3, 1)
+
+
+def test_a_prefetch_of_weights_changed_since_it_was_issued_is_dropped_not_used():
+    """The optimizer updates shards in place; a prefetch issued before a change (here: between two
+    calls) would carry the old values. It is dropped and the call gathers the new ones."""
+    with fake_process_group(world_size=2) as group:
+        phase = RunPhase()
+        gm, chain, call = _chain(group, phase)
+        layers = [_layer_inputs(seed) for seed in range(2)]
+        for _ in range(2):
+            for layer in layers:
+                call(list(layer))
+            phase.enter("backward")
+        assert chain.taken == 1
+        call(list(layers[0]))  # issues layer 1's gather
+        with torch.no_grad():
+            layers[1][2].mul_(3.0)  # in place: its version moves
+        assert not chain.would_take([layers[1][0], layers[1][2]])
+        out = call(list(layers[1]))
+        assert (chain.taken, chain.dropped) == (1, 1)
+        torch.testing.assert_close(out, gm(*layers[1]), rtol=0, atol=0)  # the new values
+
+
+def test_a_call_of_the_other_kind_ends_the_run_and_the_last_call_prefetches_nothing_for_the_next_step():
+    """The forward's last layer learned no successor (the backward came next): nothing held over the
+    backward and the step; the backward's chain learns the reverse order from its own run."""
+    with fake_process_group(world_size=2) as group:
+        phase = RunPhase()
+        gm, forward_chain, forward = _chain(group, phase, "forward")
+        _, backward_chain, backward = _chain(group, phase, "backward")
+        layers = [_layer_inputs(seed) for seed in range(3)]
+        for step in range(3):
+            for i in range(3):
+                forward(list(layers[i]))
+            assert forward_chain.pending is None  # the last layer issued nothing
+            for i in reversed(range(3)):
+                torch.testing.assert_close(backward(list(layers[i])), gm(*layers[i]), rtol=0, atol=0)
+        assert (forward_chain.taken, backward_chain.taken) == (4, 4)  # 2 a run after the first
+        assert forward_chain.dropped == backward_chain.dropped == 0
+
+
+def test_a_call_that_agreed_to_take_and_then_would_not_is_an_error_not_a_collective_fewer():
+    with fake_process_group(world_size=2) as group:
+        phase = RunPhase()
+        _, chain, call = _chain(group, phase)
+        layers = [_layer_inputs(seed) for seed in range(2)]
+        for _ in range(2):
+            for layer in layers:
+                call(list(layer))
+            phase.enter("backward")
+        call(list(layers[0]))
+        assert chain.agree_to_take([layers[1][0], layers[1][2]])
+        with torch.no_grad():
+            layers[1][0].add_(1.0)  # changed after the agreement: the call would now gather its own
+        with pytest.raises(RuntimeError, match="agreed to take"):
+            call(list(layers[1]))
+        chain.end_run()  # its prefetch waited: none left in flight when the group goes
+
+
+def test_the_body_still_names_the_collective_and_group_its_first_wait_is_for():
+    """What a rank waits in, as the other ranks are told (zcompile.heartbeat reads it from the code's
+    lines): the prefetched gather's wait names the all-gather and its group, as before the split."""
+    import re
+
+    from zcompile.heartbeat import _launch_of
+
+    with fake_process_group(world_size=2) as group:
+        split = split_first_gather(all_gathers_into_buffers(_layer_graph(group)), SHARDS)
+        code = split.body.code
+        first_wait = re.search(r"wait_tensor\.default\((\w+)\)", code).group(1)
+        assert _launch_of(code.splitlines(True), first_wait) == ("all_gather_into_tensor_out", group)
