@@ -45,6 +45,9 @@ class CallSplit:
     body: torch.fx.GraphModule
     input_indices: tuple[int, ...]
     gathered_bytes: int
+    # the Dynamo graph's input each prologue input is (``primals_<i + 1>``: i), the same in a forward
+    # and in its backward: how a backward call finds the forward call it is the backward of
+    dynamo_indices: tuple[int, ...] = ()
 
 
 def issued_by_call_before(issued: torch.Tensor, collective: str, group_name: str) -> torch.Tensor:
@@ -57,7 +60,15 @@ def issued_by_call_before(issued: torch.Tensor, collective: str, group_name: str
 def shard_placeholder_names(param_indices) -> frozenset[str]:
     """The names AOTAutograd gives the placeholders of the Dynamo graph's inputs at ``param_indices``
     (``primals_<index + 1>``), in a forward graph and, where it saves them, in a backward graph."""
-    return frozenset(f"primals_{index + 1}" for index in param_indices)
+    return frozenset(_PRIMAL.format(index + 1) for index in param_indices)
+
+
+_PRIMAL = "primals_{}"
+
+
+def dynamo_index(name: str) -> int:
+    """The Dynamo graph's input a ``primals_<i + 1>`` placeholder is: ``i``."""
+    return int(name.removeprefix(_PRIMAL.format(""))) - 1
 
 
 def split_first_gather(gm: torch.fx.GraphModule, shard_inputs: frozenset[str]) -> CallSplit | None:
@@ -82,7 +93,8 @@ def split_first_gather(gm: torch.fx.GraphModule, shard_inputs: frozenset[str]) -
     prologue = _prologue(gm, first, reads, inputs)
     body = _body(gm, first, reads, placeholders)
     indices = tuple(placeholders.index(n) for n in inputs)
-    return CallSplit(prologue, body, indices, gathered.numel() * gathered.element_size())
+    return CallSplit(prologue, body, indices, gathered.numel() * gathered.element_size(),
+                     tuple(dynamo_index(n.name) for n in inputs))
 
 
 def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:

@@ -81,10 +81,12 @@ def test_no_split_where_the_first_gather_reads_more_than_shards_or_the_first_col
         assert split_first_gather(_as_aot_names(trace(lambda shard: shard * 2, torch.zeros(4))), SHARDS) is None
 
 
-def _chain(group: str, phase: RunPhase, kind: str = "forward"):
+def _chain(group: str, phase: RunPhase, kind: str = "forward", agreed: bool = False):
     gm = _layer_graph(group)
     split = split_first_gather(gm, SHARDS)
-    chain = CallChain(kind, split, phase)
+    chain = CallChain(kind, split, phase, agreed=agreed)
+    if kind == "forward":  # the layer's weights: the graph's inputs 0 and 2
+        chain.shard_positions = {0: 0, 2: 2}
     return gm, chain, prefetching_call(boxed_graph_function(split.body), chain)
 
 
@@ -97,7 +99,7 @@ def test_each_call_takes_the_gather_the_call_before_issued_once_a_run_has_taught
         def forward_run(order):
             outputs = []
             for i in order:
-                takes = chain.would_take([layers[i][0], layers[i][2]])
+                takes = chain.plan([layers[i][0], layers[i][2]]).take
                 taken_before = chain.taken
                 outputs.append(call(list(layers[i])))
                 assert (chain.taken == taken_before + 1) == takes
@@ -131,7 +133,7 @@ def test_a_prefetch_of_weights_changed_since_it_was_issued_is_dropped_not_used()
         call(list(layers[0]))  # issues layer 1's gather
         with torch.no_grad():
             layers[1][2].mul_(3.0)  # in place: its version moves
-        assert not chain.would_take([layers[1][0], layers[1][2]])
+        assert not chain.plan([layers[1][0], layers[1][2]]).take
         out = call(list(layers[1]))
         assert (chain.taken, chain.dropped) == (1, 1)
         torch.testing.assert_close(out, gm(*layers[1]), rtol=0, atol=0)  # the new values
@@ -139,20 +141,39 @@ def test_a_prefetch_of_weights_changed_since_it_was_issued_is_dropped_not_used()
 
 def test_a_call_of_the_other_kind_ends_the_run_and_the_last_call_prefetches_nothing_for_the_next_step():
     """The forward's last layer learned no successor (the backward came next): nothing held over the
-    backward and the step; the backward's chain learns the reverse order from its own run."""
+    backward and the step. A backward is its forward's calls in reverse: it prefetches the backward of
+    the forward call made before its own from its first run on, and a layer skipped changes nothing."""
     with fake_process_group(world_size=2) as group:
         phase = RunPhase()
         gm, forward_chain, forward = _chain(group, phase, "forward")
         _, backward_chain, backward = _chain(group, phase, "backward")
         layers = [_layer_inputs(seed) for seed in range(3)]
-        for step in range(3):
-            for i in range(3):
+        for order in ([0, 1, 2], [0, 1, 2], [0, 1, 2], [0, 2]):
+            for i in order:
                 forward(list(layers[i]))
             assert forward_chain.pending is None  # the last layer issued nothing
-            for i in reversed(range(3)):
+            for i in reversed(order):
                 torch.testing.assert_close(backward(list(layers[i])), gm(*layers[i]), rtol=0, atol=0)
-        assert (forward_chain.taken, backward_chain.taken) == (4, 4)  # 2 a run after the first
-        assert forward_chain.dropped == backward_chain.dropped == 0
+        assert forward_chain.taken == 4 and forward_chain.dropped == 1  # 2 a run after the first; layer 1's dropped
+        assert backward_chain.taken == 2 + 2 + 2 + 1 and backward_chain.dropped == 0
+
+
+def test_a_call_that_skipped_its_agreement_neither_takes_nor_issues_where_calls_are_agreed():
+    """With the ranks' agreement on (the backend's), only an agreed call may take or issue a prefetch:
+    a call without one (the first after a step) has nothing to make every rank do the same."""
+    with fake_process_group(world_size=2) as group:
+        phase = RunPhase()
+        _, chain, call = _chain(group, phase, agreed=True)
+        layers = [_layer_inputs(seed) for seed in range(3)]
+        for _ in range(2):
+            for i, layer in enumerate(layers):
+                if i:  # the run's first call skips its agreement, as after a step
+                    chain.plan([layer[0], layer[2]])
+                call(list(layer))
+            phase.enter("backward")
+        # run 2: layer 0 (no agreement) issued nothing, layer 1 (agreed) gathered its own and issued
+        # layer 2's, which layer 2 took
+        assert (chain.taken, chain.dropped) == (1, 0)
 
 
 def test_a_call_that_agreed_to_take_and_then_would_not_is_an_error_not_a_collective_fewer():
@@ -165,10 +186,10 @@ def test_a_call_that_agreed_to_take_and_then_would_not_is_an_error_not_a_collect
                 call(list(layer))
             phase.enter("backward")
         call(list(layers[0]))
-        assert chain.agree_to_take([layers[1][0], layers[1][2]])
+        assert chain.plan([layers[1][0], layers[1][2]]).take
         with torch.no_grad():
             layers[1][0].add_(1.0)  # changed after the agreement: the call would now gather its own
-        with pytest.raises(RuntimeError, match="agreed to take"):
+        with pytest.raises(RuntimeError, match="agreed on taking"):
             call(list(layers[1]))
         chain.end_run()  # its prefetch waited: none left in flight when the group goes
 

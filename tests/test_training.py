@@ -212,17 +212,19 @@ def test_regional_runs_trace_each_block_class_once(world2):
 
 
 def test_blocks_compiled_apart_take_the_gather_the_call_before_issued(world2):
-    """One graph called per layer: from the second run of a kind on (the first learns the order), each
-    layer's call after the first takes the first gather the call before issued, in forward and in
-    backward (zcompile.call_prefetch); the parity above is with those gathers. A whole model is one
-    call per run: nothing to prefetch."""
+    """One graph called per layer (2 here): each layer's call after the first takes the first gather
+    the call before issued (zcompile.call_prefetch); the parity above is with those gathers. In
+    backward from the first run (it is its forward's calls in reverse); in forward from the second run
+    (the first learns the order), and only where the call before was agreed: a step's first call skips
+    its agreement and so issues nothing, leaving, with 2 layers, each step's second micro-batch. A
+    whole model is one call per run: nothing to prefetch."""
     for spec, rank0, rank1 in world2:
         if spec.stage != 3:
             continue
-        runs = spec.steps * spec.grad_accum  # forward runs, and as many backward runs
         layers = 2 if spec.blocks else 1  # calls per run of a graph
-        expected = (runs - 1) * (layers - 1)
-        assert rank0.facts["prefetched_calls"] == {"forward": expected, "backward": expected}, spec
+        backward = spec.steps * spec.grad_accum * (layers - 1)
+        forward = spec.steps * (spec.grad_accum - 1) * (layers - 1)
+        assert rank0.facts["prefetched_calls"] == {"forward": forward, "backward": backward}, spec
         assert rank1.facts["prefetched_calls"] == rank0.facts["prefetched_calls"], spec
     assert any(spec.blocks for spec, _, _ in world2)
 

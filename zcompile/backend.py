@@ -237,9 +237,9 @@ class ShardSwap:
              graph_id: str = "?", chain: CallChain | None = None) -> Callable:
         """The compiled graph taking the shards; ``agreed_call``: what every rank must be calling
         before it runs (``zcompile.step_agreement.agree_on_call``), None for no agreement. ``chain``:
-        the forward's cross-call prefetch (``zcompile.call_prefetch``), whose take the agreement
-        compares too: a rank that takes a prefetched gather while another gathers its own would
-        issue one collective fewer."""
+        the forward's cross-call prefetch (``zcompile.call_prefetch``), whose plan the agreement
+        compares too: a rank that takes a prefetched gather while another gathers its own, or issues
+        one the other does not, would pair its collectives with others."""
         if not self.plan.params:
             return compiled
 
@@ -258,13 +258,15 @@ class ShardSwap:
 
         if agreed_call is None:
             return lambda *args: run_swapped(self.swap(list(args)))
+        if chain is not None:
+            chain.agreed = True  # its calls take and issue prefetches only as agreed
 
         def run_agreed(*args):
             free = self.first_call_since_agreed_step(args)
             swapped = self.swap(list(args))
             if not free:
-                takes = chain is not None and chain.agree_to_take(chain.inputs_of(swapped))
-                agree_on_call(self.group, agreed_call + (", its first gather prefetched" if takes else ""), timeout_s)
+                plan = "" if chain is None else chain.plan(chain.inputs_of(swapped)).describe()
+                agree_on_call(self.group, agreed_call + plan, timeout_s)
             return run_swapped(swapped)
 
         return run_agreed

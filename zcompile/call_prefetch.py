@@ -6,23 +6,25 @@ graph split into a prologue (that gather, issued) and a body, a call:
 
 1. takes the gather the call before issued for it, if it was issued for exactly this call's shards
    (the same tensors, unchanged since: storage, offset and version), else runs its own prologue;
-2. issues the prologue of the call that came next the last time (the previous run's successor of
-   this call, its shards the same tensors every step);
+2. issues the prologue of the call predicted next;
 3. runs the body with its gather.
 
-A run is the calls of one graph between calls of its other graph (a forward's run ends where its
-backward starts, and the backward's where a forward starts): links are learned from the previous run
-of the same kind, so the last layer of a forward never prefetches the first of the next step, whose
-weights the step is about to change. A prefetch not taken is waited and dropped when its run ends.
+Which call comes next. A forward predicts from its previous run (a run is a graph's calls between
+calls of its other graph: a forward's run ends where its backward starts), so the last layer never
+prefetches the first of the next step, whose weights the step is about to change. A backward knows:
+it is its forward's calls in reverse, so a backward call prefetches the backward of the forward call
+made before its own (found by its shards). A prefetch not taken is waited and dropped when its run ends.
 
-Every rank must take or not take alike, or one rank gathers once more than the others and the
-collectives stop pairing: ranks that run the same calls predict the same (their previous runs were
-the same), and a forward call's agreement with the other ranks (``zcompile.step_agreement``) also
-compares whether each rank takes its prefetch (``would_take``), so ranks that ran different layers
-raise there rather than pair one layer's gather with another's. A backward is the forward's calls in
-reverse, so its takes follow the agreed forward's.
+Every rank must issue the same collectives, or they stop pairing (gloo aborts the process where the
+sizes differ). A prediction is rank-local, so what a forward call does is decided where the ranks
+agree on the call (``zcompile.step_agreement``): whether it takes a prefetch and whether it issues
+one are part of what the ranks compare (``CallChain.plan``). A call that needs no agreement (the
+first after a step) neither takes nor issues. A backward's choices follow from its own forward's run
+length alone (every call but the first takes, every call but the last issues), which the forward's
+agreements made the same on every rank. With ``check_ranks=False`` nothing is agreed and each rank
+follows its own predictions, which agree wherever the ranks run the same calls.
 
-One state per compiled function (``CallChain``), shared by its forward and backward through a
+One state per compiled graph and kind (``CallChain``), the forward's and backward's sharing a
 ``RunPhase``: no module-level state; the chains live as long as the compiled graphs.
 """
 
@@ -59,51 +61,71 @@ class _Prefetch:
     issued: torch.Tensor
 
 
+@dataclass(frozen=True)
+class CallPlan:
+    """What one call does: take the pending prefetch, and the inputs of the prefetch it issues (None: none)."""
+
+    take: bool
+    following: list[torch.Tensor] | None
+
+    def describe(self) -> str:
+        """For the ranks' agreement on the call: ranks that would issue different collectives differ here."""
+        return (", taking its prefetched first gather" if self.take else "") + (
+            ", prefetching the next call's" if self.following is not None else "")
+
+
 @dataclass
 class RunPhase:
     """Which kind of call (``"forward"``, ``"backward"``) one compiled function runs now; a call of the
     other kind ends the run of every chain that shares it."""
 
     current: str | None = None
-    chains: list = field(default_factory=list)
+    chains: dict = field(default_factory=dict)  # kind -> CallChain
 
     def enter(self, kind: str) -> None:
         if self.current != kind:
-            for chain in self.chains:
+            for chain in self.chains.values():
                 chain.end_run()
             self.current = kind
 
 
 @dataclass
 class CallChain:
-    """Cross-call prefetch for one compiled graph of one kind (module docstring)."""
+    """Cross-call prefetch for one compiled graph of one kind (module docstring). ``agreed``: its
+    forward calls agree with the other ranks (``plan`` then decides there, and a call that skipped
+    its agreement takes and issues nothing)."""
 
     kind: str
     split: CallSplit
     phase: RunPhase
+    agreed: bool = False
+    # a forward: where its call's arguments hold each parameter's shard (Dynamo-graph input -> position),
+    # recorded per call for its backward to find it by
+    shard_positions: dict[int, int] = field(default_factory=dict)
     links: dict[CallKey, list[torch.Tensor]] = field(default_factory=dict)  # the previous run's: key -> next inputs
     learning: dict[CallKey, list[torch.Tensor]] = field(default_factory=dict)  # this run's
-    calls_this_run: int = 0
+    # a forward: each call's Dynamo-graph inputs by index (shards only), this run's and the last run's
+    calls: list[dict[int, torch.Tensor]] = field(default_factory=list)
+    last_run_calls: list[dict[int, torch.Tensor]] = field(default_factory=list)
     last_key: CallKey | None = None
     pending: _Prefetch | None = None
-    agreed_take: bool | None = None  # what this call's agreement said it would do (forward)
+    agreed_plan: CallPlan | None = None
     taken: int = 0  # calls that took a prefetch, and prefetches dropped: for tests and the report
     dropped: int = 0
 
     def __post_init__(self) -> None:
-        self.phase.chains.append(self)
+        self.phase.chains[self.kind] = self
 
     def inputs_of(self, args: list) -> list[torch.Tensor]:
         return [args[i] for i in self.split.input_indices]
 
-    def would_take(self, inputs: list[torch.Tensor]) -> bool:
-        """Whether a call now with these prologue inputs takes a prefetch (what ``run`` will do)."""
-        return self.phase.current == self.kind and self._matches(inputs)
-
-    def agree_to_take(self, inputs: list[torch.Tensor]) -> bool:
-        """``would_take``, remembered: the call's ``run`` checks it does what its agreement said."""
-        self.agreed_take = self.would_take(inputs)
-        return self.agreed_take
+    def plan(self, inputs: list[torch.Tensor]) -> CallPlan:
+        """What a call now with these prologue inputs does, decided where the ranks agree on the call
+        (the backend's agreement compares ``describe()``): ``run`` then does exactly that."""
+        starts_run = self.phase.current != self.kind
+        take = not starts_run and self._matches(inputs)
+        self.agreed_plan = CallPlan(take, self.links.get(_key(inputs)) if self.kind == "forward" else None)
+        return self.agreed_plan
 
     def run(self, args: list, body: Callable[[list], object]):
         """The call: its gather taken or issued, the next call's issued, then ``body`` (boxed: it
@@ -111,37 +133,63 @@ class CallChain:
         last reader)."""
         self.phase.enter(self.kind)
         inputs = self.inputs_of(args)
-        take = self._matches(inputs)
-        agreed, self.agreed_take = self.agreed_take, None
-        if agreed is not None and agreed != take:  # never: would_take is the same test, just before
-            raise RuntimeError(f"zcompile cross-call prefetch: the call agreed to {'take' if agreed else 'not take'} "
-                               "its prefetched gather and then did the other; every rank must do the same")
+        call_plan = self._plan_now(inputs)
         # no local of this frame holds the gather: the body frees it after its last reader
-        if take:
+        if call_plan.take:
             args.append(self.pending.issued)
             self.pending = None
             self.taken += 1
         else:
             self._drop_pending()
             args.append(self.split.prologue(*inputs))
-        key = _key(inputs)
-        if self.last_key is not None:
-            self.learning[self.last_key] = inputs
-        self.last_key = key
-        self.calls_this_run += 1
-        following = self.links.get(key)
-        if following is not None:
-            self.pending = _Prefetch(following, _stamp(following), self.split.prologue(*following))
+        self._learn(inputs, args)
+        if call_plan.following is not None:
+            self.pending = _Prefetch(call_plan.following, _stamp(call_plan.following),
+                                     self.split.prologue(*call_plan.following))
         return body(args)
 
     def end_run(self) -> None:
         """The run is over (a call of the other kind): what it learned replaces the links; a prefetch
         it did not take is waited (its collective ran on every rank) and dropped."""
         self._drop_pending()
-        if self.calls_this_run:
+        if self.calls:
             self.links, self.learning = self.learning, {}
-        self.calls_this_run = 0
+            self.last_run_calls, self.calls = self.calls, []
         self.last_key = None
+
+    def _plan_now(self, inputs: list[torch.Tensor]) -> CallPlan:
+        agreed, self.agreed_plan = self.agreed_plan, None
+        if self.kind != "forward":
+            return self._backward_plan(inputs)
+        if agreed is not None:
+            if agreed.take != self._matches(inputs):  # never: the same test, just before
+                raise RuntimeError("zcompile cross-call prefetch: a call agreed on taking its prefetched gather and "
+                                   "then could not; every rank must issue the same collectives")
+            return agreed
+        if self.agreed:  # a call that needed no agreement (the first after a step): nothing to compare with
+            return CallPlan(False, None)
+        return CallPlan(self._matches(inputs), self.links.get(_key(inputs)))
+
+    def _backward_plan(self, inputs: list[torch.Tensor]) -> CallPlan:
+        """Take what the backward call before issued for this one; issue the backward of the forward
+        call made just before this one's forward call (the forward's last run, found by the shards)."""
+        forward = self.phase.chains.get("forward")
+        made = forward.last_run_calls if forward is not None else []
+        key = _key(inputs)
+        at = next((i for i in range(len(made) - 1, -1, -1)
+                   if _key([made[i].get(j) for j in self.split.dynamo_indices]) == key), None)
+        following = None
+        if at is not None and at > 0 and all(j in made[at - 1] for j in self.split.dynamo_indices):
+            following = [made[at - 1][j] for j in self.split.dynamo_indices]
+        return CallPlan(self._matches(inputs), following)
+
+    def _learn(self, inputs: list[torch.Tensor], args: list) -> None:
+        key = _key(inputs)
+        if self.last_key is not None:
+            self.learning[self.last_key] = inputs
+        self.last_key = key
+        # a forward: what a backward call looks its forward call up by; a backward: that it ran
+        self.calls.append({j: args[i] for j, i in self.shard_positions.items()})
 
     def _matches(self, inputs: list[torch.Tensor]) -> bool:
         pending = self.pending

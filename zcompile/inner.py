@@ -16,7 +16,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from zcompile.comm_volume import graph_collectives
 from zcompile.config import activation_budget_bytes
 from zcompile.passes.all_gather_lowering import all_gathers_into_buffers
-from zcompile.passes.call_prologue import CallSplit, shard_placeholder_names, split_first_gather
+from zcompile.passes.call_prologue import CallSplit, dynamo_index, shard_placeholder_names, split_first_gather
 from zcompile.passes.liveness import saved_activation_bytes
 from zcompile.call_prefetch import CallChain, prefetching_call
 from zcompile.compiled import CompiledGraphs
@@ -175,6 +175,10 @@ def _runnable(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGra
     if split is None:
         return boxed_graph_function(graph_module, rewrite)
     chain = CallChain(kind, split, graphs.run_phase)
+    if kind == "forward":  # its placeholders are the Dynamo graph's inputs, in order
+        names = shard_placeholder_names(p.index for p in graphs.context.sharding.params)
+        chain.shard_positions = {dynamo_index(node.name): at for at, node in
+                                 enumerate(graph_module.graph.find_nodes(op="placeholder")) if node.name in names}
     graphs.call_chains[kind] = chain
     return prefetching_call(boxed_graph_function(split.body), chain)
 
