@@ -759,3 +759,40 @@ def test_layers_of_two_sizes_run_per_rank_at_stage2_are_an_error_not_a_gloo_abor
     for message, seconds in run_ranks(2, _two_kinds_of_layers_run_per_rank):
         assert message is not None and "different points of training" in message, message
         assert seconds < 30, seconds
+
+
+def _one_of_two_models_skipped_on_rank1(rank, world):
+    """Two models of one shape at stage 3, each with its optimizer, trained in turn (A, then B) every
+    step; at step 2 rank 1 skips A (its forward, backward and step), as a loop that trains a model
+    only when its own batch came would on a rank whose loader ran dry."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)) for _ in range(2)]
+    options = {"stage": 3, "check_timeout_s": 20}
+    compiled = [torch.compile(model, backend="zero", options=options) for model in models]
+    optimizers = [zcompile.optim.SGD(model.parameters(), lr=0.1, check_timeout_s=20) for model in models]
+    x = torch.randn(4, 8)
+    start = time.perf_counter()
+    try:
+        for step in range(4):
+            for which in (0, 1):
+                if step == 2 and which == 0 and rank == 1:
+                    continue
+                start = time.perf_counter()
+                compiled[which](x).pow(2).mean().backward()
+                optimizers[which].step()
+                optimizers[which].zero_grad()
+    except RankDivergenceError as error:
+        return str(error), time.perf_counter() - start
+    return None, None
+
+
+def test_a_model_skipped_on_one_rank_among_two_stepped_in_turn_is_an_error_not_a_silent_mix():
+    """Each model's first call after its own step took no agreement, though only the call after the
+    latest agreement is where every rank goes next: at step 2 rank 0's call of A and rank 1's of B
+    were both free, A's gathers paired with B's (one shape), and every agreement after passed (the
+    same calls and parameter positions): each rank trained a mix of the two models, silently. Only
+    the latest agreement's first call is free now."""
+    for message, seconds in run_ranks(2, _one_of_two_models_skipped_on_rank1):
+        assert message is not None, "a model skipped on one rank trained on silently"
+        assert seconds < 30, seconds

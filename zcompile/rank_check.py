@@ -337,7 +337,7 @@ def exchange_through(store: dist.Store, value: Any, group: DataParallelGroup, ti
     given one, each entry is ``(value, label)``, with every rank's label when the values differ and
     this rank's own when they agree (no rank reads the others' then)."""
     # the counter lives in the store, so it survives torch._dynamo.reset() and needs no global
-    sequence = store.add(f"zcompile/{purpose}/{group.name}/sequence/{group.rank}", 1)
+    sequence = store.add(_sequence_key(purpose, group), 1)
     keys = _exchange_keys(purpose, group, sequence)
     text = json.dumps(value)
     if label is not None:  # before the value: a rank that reads values may read labels
@@ -413,6 +413,18 @@ def abort_note(store: dist.Store, group: DataParallelGroup) -> tuple[int, str] |
         log.debug("could not read the abort note of group %s", group.name, exc_info=True)
         return None
     return rank, message
+
+
+def exchanges_made(group: DataParallelGroup, purpose: str) -> int:
+    """How many exchanges for ``purpose`` this rank has made in ``group`` (``exchange_on_store``'s
+    counter, read without moving it: one store request); 0 on one rank, where none is made."""
+    if group.world_size == 1:
+        return 0
+    return default_store().add(_sequence_key(purpose, group), 0)
+
+
+def _sequence_key(purpose: str, group: DataParallelGroup) -> str:
+    return f"zcompile/{purpose}/{group.name}/sequence/{group.rank}"
 
 
 def _exchange_keys(purpose: str, group: DataParallelGroup, sequence: int) -> list[str]:

@@ -40,7 +40,7 @@ from zcompile.buffer_sync import changed_buffers_summary
 from zcompile.initial_values import different_weights_message, differing_parameters, pending_digests
 from zcompile.param_shards import ShardedParam, shard_of
 from zcompile.process_group import DataParallelGroup
-from zcompile.rank_check import RankDivergenceError, exchange_on_store
+from zcompile.rank_check import RankDivergenceError, exchange_on_store, exchanges_made
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -61,17 +61,29 @@ class AgreedStep:
     makes the next layer's call, whose collectives would pair with another rank's other call (a gloo
     abort where the sizes differ, one layer's weights gathered with another's where they match)."""
 
+    # how many agreements this rank had made when the ranks agreed on it (``rank_check.exchanges_made``):
+    # only the latest agreement's first call is where every rank goes next
+    sequence: int = 0
     free_call_taken: bool = False
 
 
 def take_free_call(shards: list) -> bool:
     """Whether a compiled call with collectives over ``shards`` is the first since the ranks agreed on a
-    step whose members they all are (``AgreedStep``); marks that step's free call taken either way."""
+    step whose members they all are (``AgreedStep``), that agreement the rank's latest; marks that
+    step's free call taken either way.
+
+    The latest: two models stepped in turn (a GAN's discriminator, then its generator) each had a
+    free first call after its own step, so the model stepped first had one too, after the other's
+    step. A rank that skipped that model's forward then met, without an agreement, the others' call of
+    it with its call of the other model: one model's gathers paired with the other's (a gloo abort
+    where the sizes differ; two models of one shape trained each other's weights silently, every
+    agreement after passing). Reading the count is one store request per step."""
     steps = {id(s.agreed_step): s.agreed_step for s in shards if s is not None and s.agreed_step is not None}
+    step = next(iter(steps.values()), None)
     free = (len(steps) == 1 and all(s is not None and s.agreed_step is not None for s in shards)
-            and not next(iter(steps.values())).free_call_taken)
-    for step in steps.values():
-        step.free_call_taken = True
+            and not step.free_call_taken and exchanges_made(shards[0].group, "step") == step.sequence)
+    for taken in steps.values():
+        taken.free_call_taken = True
     return free
 
 
@@ -194,7 +206,7 @@ def agree_before_step(members: list[ShardedParam], params, what: str, timeout_s:
     if (per_rank := differs("initial")) and (names := differing_parameters(list(per_rank.values()),
                                                                          members[0].group.rank)):
         raise RankDivergenceError(different_weights_message(what, names))
-    agreed = AgreedStep()
+    agreed = AgreedStep(exchanges_made(members[0].group, "step"))
     for member in members:
         member.agreed_step = agreed
         member.initial_digest = None  # compared: the step updates them from here on
