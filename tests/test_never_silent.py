@@ -790,9 +790,9 @@ def _one_of_two_models_skipped_on_rank1(rank, world):
 def test_a_model_skipped_on_one_rank_among_two_stepped_in_turn_is_an_error_not_a_silent_mix():
     """Each model's first call after its own step took no agreement, though only the call after the
     latest agreement is where every rank goes next: at step 2 rank 0's call of A and rank 1's of B
-    were both free, A's gathers paired with B's (one shape), and every agreement after passed (the
-    same calls and parameter positions): each rank trained a mix of the two models, silently. Only
-    the latest agreement's first call is free now."""
+    were both free, their collectives paired, and the run ended in gloo's "Connection closed by peer"
+    with no word of why. Only the latest agreement's first call is free now: rank 0's call of A
+    agrees, and the ranks stop at it, naming what each waits in."""
     for message, seconds in run_ranks(2, _one_of_two_models_skipped_on_rank1):
         assert message is not None, "a model skipped on one rank trained on silently"
         assert seconds < 30, seconds
