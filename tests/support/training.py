@@ -153,6 +153,8 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     # cross-call prefetch (zcompile.call_prefetch): calls that took the gather the call before issued
     facts["prefetched_calls"] = {kind: sum(g.call_chains[kind].taken for g in compiled_graphs if kind in g.call_chains)
                                  for kind in ("forward", "backward")}
+    if spec.blocks:
+        facts["report_call_prefetch_bytes"] = zcompile.step_report(model, optimizer).memory["call_prefetch_bytes"]
     if facts["keep_plans"]:
         facts["report_kept_bytes"] = zcompile.step_report(model, optimizer).memory["kept_gathered_bytes"]
     return RunResult(losses, params, state_bytes, sum(p.numel() for p in unique), padded, collectives, graphs,
