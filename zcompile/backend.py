@@ -25,8 +25,8 @@ from typing import Any, Callable
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from zcompile.call_prefetch import CallChain
 from zcompile.buffer_sync import BufferSync, changed_buffer_inputs, note_changed_buffers
+from zcompile.call_prefetch import CallChain
 from zcompile.compiled import CompileContext, CompiledGraphs, record_compiled_graphs
 from zcompile.config import ZeroConfig
 from zcompile.dumps import SHARDING_PLAN_FILE, resolve_dump_root
@@ -265,7 +265,7 @@ class ShardSwap:
             free = self.first_call_since_agreed_step(args)
             swapped = self.swap(list(args))
             if not free:
-                plan = "" if chain is None else chain.plan(chain.inputs_of(swapped)).describe()
+                plan = "" if chain is None else chain.plan(chain.inputs_of_call(swapped)).describe()
                 agree_on_call(self.group, agreed_call + plan, timeout_s)
             return run_swapped(swapped)
 

@@ -117,7 +117,12 @@ class CallChain:
         self.phase.chains[self.kind] = self
 
     def inputs_of(self, args: list) -> list[torch.Tensor]:
+        """The prologue's inputs among the compiled graph's arguments."""
         return [args[i] for i in self.split.input_indices]
+
+    def inputs_of_call(self, dynamo_args: list) -> list[torch.Tensor]:
+        """The same among the Dynamo graph's (the call's, its parameters swapped for their shards)."""
+        return [dynamo_args[i] for i in self.split.dynamo_indices]
 
     def plan(self, inputs: list[torch.Tensor]) -> CallPlan:
         """What a call now with these prologue inputs does, decided where the ranks agree on the call
