@@ -206,3 +206,29 @@ def test_the_body_still_names_the_collective_and_group_its_first_wait_is_for():
         code = split.body.code
         first_wait = re.search(r"wait_tensor\.default\((\w+)\)", code).group(1)
         assert _launch_of(code.splitlines(True), first_wait) == ("all_gather_into_tensor_out", group)
+
+
+def test_cross_call_prefetch_applies_to_stage3_training_graphs_and_within_a_memory_budget():
+    """``zcompile.inner.cross_call_split``: where the split is made, and where not (a budget that the
+    schedule's gathered peak plus the held gather would pass, the option off, an inference graph)."""
+    from types import SimpleNamespace
+
+    from zcompile.config import ZeroConfig
+    from zcompile.inner import cross_call_split
+
+    def graphs(peak: int = 1000, **options):
+        params = [SimpleNamespace(index=0), SimpleNamespace(index=2)]
+        context = SimpleNamespace(config=ZeroConfig(stage=3, **options), sharding=SimpleNamespace(stage=3, params=params),
+                                  group=SimpleNamespace(world_size=2, process_group=None),
+                                  plans={"schedule.forward": SimpleNamespace(peak_gathered_bytes=peak)})
+        return SimpleNamespace(context=context)
+
+    with fake_process_group(world_size=2) as group:
+        gm = _layer_graph(group)
+        held = 2 * 8 * 4  # the first gather's output
+        assert cross_call_split(gm, "forward", graphs()) is not None
+        assert cross_call_split(gm, "forward", graphs(memory_budget_mb=(1000 + held) / 2**20)) is not None
+        assert cross_call_split(gm, "forward", graphs(memory_budget_mb=(1000 + held - 1) / 2**20)) is None
+        assert cross_call_split(gm, "forward", graphs(prefetch_calls=False)) is None
+        assert cross_call_split(gm, "forward", graphs(overlap=False)) is None
+        assert cross_call_split(gm, "inference", graphs()) is None
