@@ -228,8 +228,18 @@ def test_blocks_compiled_apart_take_the_gather_the_call_before_issued(world2):
         assert rank1.facts["prefetched_calls"] == rank0.facts["prefetched_calls"], spec
         if spec.blocks:  # the report's gathered peak counts the next layer's gather, held a call early:
             # the forward's first bucket, here a whole block's weights (each of even size: no padding)
-            block = build_model(spec.model).blocks[0]
+            model = build_model(spec.model)
+            block = model.blocks[0]
             assert rank0.facts["report_call_prefetch_bytes"] == 4 * sum(p.numel() for p in block.parameters()), spec
+            # a step's volume counts the block graph once per layer and micro-batch: each gathers the
+            # block's weights in forward and reduce-scatters their gradients (the backward re-gathers
+            # those it needs); the eager rest moves at the step, as stage 1's (even sizes: no padding)
+            in_blocks = sum(p.numel() for b in model.blocks for p in b.parameters())
+            rest = sum(p.numel() for p in model.parameters()) - in_blocks
+            elements = rank0.facts["report_elements"]
+            assert elements["forward all_gather"] == elements["backward reduce_scatter"] == in_blocks * spec.grad_accum
+            assert 0.9 * in_blocks * spec.grad_accum < elements["backward all_gather"] <= in_blocks * spec.grad_accum
+            assert elements["optimizer all_gather"] == elements["optimizer reduce_scatter"] == rest, elements
     assert any(spec.blocks for spec, _, _ in world2)
 
 

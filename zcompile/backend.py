@@ -111,7 +111,7 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     if config.on_compile is not None:
         config.on_compile(graphs)
     run = swap.wrap(compiled, _agreed_call(config, group, plan, gm, zeropp), config.check_timeout_s,
-                    str(gm.meta.get("dynamo_compile_id", "?")), graphs.call_chains.get("forward"))
+                    str(gm.meta.get("dynamo_compile_id", "?")), graphs.call_chains.get("forward"), graphs)
     changed = changed_buffer_inputs(plan.buffers, graphs.mutated_inputs)
     if config.broadcast_buffers and changed and group.world_size > 1:
         if plan.params:
@@ -234,12 +234,13 @@ class ShardSwap:
         return [a if id(a) in originals else fake_mode.from_tensor(a, static_shapes=True) for a in args]
 
     def wrap(self, compiled: Callable, agreed_call: str | None = None, timeout_s: float = 60.0,
-             graph_id: str = "?", chain: CallChain | None = None) -> Callable:
+             graph_id: str = "?", chain: CallChain | None = None, graphs: CompiledGraphs | None = None) -> Callable:
         """The compiled graph taking the shards; ``agreed_call``: what every rank must be calling
         before it runs (``zcompile.step_agreement.agree_on_call``), None for no agreement. ``chain``:
         the forward's cross-call prefetch (``zcompile.call_prefetch``), whose plan the agreement
         compares too: a rank that takes a prefetched gather while another gathers its own, or issues
-        one the other does not, would pair its collectives with others."""
+        one the other does not, would pair its collectives with others. ``graphs``: counts its training
+        calls (``CompiledGraphs.note_training_call``)."""
         if not self.plan.params:
             return compiled
 
@@ -247,6 +248,8 @@ class ShardSwap:
         what = f"compiled graph {graph_id}"
 
         def run_swapped(args: list):
+            if graphs is not None and torch.is_grad_enabled():
+                graphs.note_training_call()
             try:
                 if beat is None:
                     return compiled(*args)

@@ -44,9 +44,10 @@ def graph_collectives(gm: torch.fx.GraphModule | None, where: str) -> list[Colle
 def step_collectives(compiled_graphs, optimizer=None) -> list[CollectiveRecord]:
     """Every collective of one training step: each graph's forward and backward, then the optimizer's."""
     records = []
-    for graphs in compiled_graphs:
-        records += graph_collectives(graphs.forward, "forward")
-        records += graph_collectives(graphs.backward, "backward")
+    for graphs in compiled_graphs:  # each as often as it ran in the last step (blocks: once per layer)
+        calls = getattr(graphs, "calls_per_step", 1)
+        records += graph_collectives(graphs.forward, "forward") * calls
+        records += graph_collectives(graphs.backward, "backward") * calls
     if optimizer is not None:
         records += list(getattr(optimizer, "last_step_collectives", []))
     return records

@@ -66,6 +66,35 @@ class CompiledGraphs:
     # phase its forward and backward share
     call_chains: dict[str, CallChain] = field(default_factory=dict)
     run_phase: RunPhase = field(default_factory=RunPhase)
+    # how often the graph runs: several times a step where blocks are compiled one by one (once per
+    # layer) or gradients accumulate (once per micro-batch); what a step's collectives and the saved
+    # activations alive at once multiply by (step_report, comm_volume.step_collectives)
+    training_calls: int = 0
+    calls_at_step: int = 0
+    calls_last_step: int = 0  # training calls between the last two optimizer steps
+    forward_run_calls: int = 0  # training calls since its backward last ran
+    last_forward_run: int = 0  # calls of its last run of forwards: their saved activations alive together
+
+    def note_training_call(self) -> None:
+        self.training_calls += 1
+        self.forward_run_calls += 1
+
+    def note_backward_call(self) -> None:
+        if self.forward_run_calls:
+            self.last_forward_run, self.forward_run_calls = self.forward_run_calls, 0
+
+    def note_step(self) -> None:
+        self.calls_last_step, self.calls_at_step = self.training_calls - self.calls_at_step, self.training_calls
+
+    @property
+    def calls_per_step(self) -> int:
+        """Training calls in the last step (1 before any step)."""
+        return max(1, self.calls_last_step)
+
+    @property
+    def calls_per_forward_run(self) -> int:
+        """Calls whose saved activations were alive at once in the last run of forwards (1 before any)."""
+        return max(1, self.last_forward_run)
 
     @property
     def plan(self) -> ShardingPlan | None:

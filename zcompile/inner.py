@@ -222,6 +222,7 @@ def _quoting_abort_notes(run: Callable[[list], object], graphs: CompiledGraphs,
     pending = [first_call_check] if first_call_check is not None else []
 
     def backward(args: list):
+        graphs.note_backward_call()
         if pending:  # the first call; a check that raised runs again at the next one
             pending[0]()
             pending.clear()

@@ -41,6 +41,7 @@ import torch
 from zcompile.config import finite_number
 from zcompile.process_group import DataParallelGroup
 from zcompile.comm_volume import CollectiveRecord
+from zcompile.compiled import compiled_graphs_of_params
 from zcompile.memory import ModelStateBytes, model_state_bytes
 from zcompile.kernels.dispatch import triton_available
 from zcompile.kernels.fused_optim import (fused_adamw, fused_adamw_multi_triton, fused_adamw_reference, fused_sgd,
@@ -167,6 +168,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                               local_grads_finite(members) if flag_in_agreement else None,
                                               hyperparameters_of(self.param_groups))
         broadcast_changed_buffers(members)  # BatchNorm's statistics: rank 0's on every rank (zcompile.buffer_sync)
+        for graphs in compiled_graphs_of_params(self._all_params()):  # how often each ran this step (step_report)
+            graphs.note_step()
         if self.max_grad_norm is not None and not self._clipped_since_step:
             self._clip_grad_norm(self.max_grad_norm)
         if not self._clipped_since_step:

@@ -158,7 +158,7 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
         graph_id = compiled.graph_id
         for where in ("forward", "backward"):
             gm = getattr(compiled, where)
-            records += graph_collectives(gm, where)
+            records += graph_collectives(gm, where) * compiled.calls_per_step  # blocks: once per layer
             schedule += collective_overlaps(gm, graph_id, where)
     # gloo gathers into a flat buffer of its own and copies out: each gather in flight holds its
     # output twice (NCCL writes in place); a part of its own, so peak_gathered_bytes stays the
@@ -188,7 +188,8 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
             "hpz_secondary_bytes": _hpz_secondary_bytes(graphs, unique) - sum(
                 p.hpz_secondary_bytes for g in graphs if g.keep_gathered for p in g.keep_gathered.kept),
             "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in graphs if g.keep_gathered),
-            "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) for g in graphs),
+            "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) * g.calls_per_forward_run
+                                          for g in graphs),
             # stages 1 and 2: the step's reduce-scatter and all-gather buckets (optim_buckets.BufferLedger)
             "optimizer_buffers_bytes": getattr(optimizer, "last_step_buffer_peak_bytes", 0),
         },

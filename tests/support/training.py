@@ -154,7 +154,12 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     facts["prefetched_calls"] = {kind: sum(g.call_chains[kind].taken for g in compiled_graphs if kind in g.call_chains)
                                  for kind in ("forward", "backward")}
     if spec.blocks:
-        facts["report_call_prefetch_bytes"] = zcompile.step_report(model, optimizer).memory["call_prefetch_bytes"]
+        report = zcompile.step_report(model, optimizer)
+        facts["report_call_prefetch_bytes"] = report.memory["call_prefetch_bytes"]
+        facts["report_elements"] = {}
+        for record in report.collectives:
+            key = f"{record['where']} {record['kind']}"
+            facts["report_elements"][key] = facts["report_elements"].get(key, 0) + record["elements"]
     if facts["keep_plans"]:
         facts["report_kept_bytes"] = zcompile.step_report(model, optimizer).memory["kept_gathered_bytes"]
     return RunResult(losses, params, state_bytes, sum(p.numel() for p in unique), padded, collectives, graphs,
