@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import torch
 from functorch.compile import make_boxed_func
 
+from zcompile.compiled import CompiledGraphs
 from zcompile.inner import _quoting_abort_notes, boxed_graph_function
 from zcompile.process_group import DataParallelGroup
 from zcompile.timeline import record_step
@@ -44,7 +45,7 @@ def test_boxed_graph_function_frees_an_input_after_its_last_reader():
     returns, also through the backward's wrapper that quotes abort notes; under ``make_boxed_func``
     (the list kept) it is alive, so the probe does observe it. The graph module keeps its ordinary
     code: reports and dumps read it."""
-    one_rank = SimpleNamespace(context=SimpleNamespace(group=DataParallelGroup(0, 1, "g", None)))
+    one_rank = CompiledGraphs(dynamo=None, context=SimpleNamespace(group=DataParallelGroup(0, 1, "g", None)))
     assert not _input_alive_at_probe(boxed_graph_function)
     assert not _input_alive_at_probe(lambda gm: _quoting_abort_notes(boxed_graph_function(gm), one_rank))
     assert _input_alive_at_probe(lambda gm: make_boxed_func(gm.forward))
