@@ -75,9 +75,10 @@ def take_free_call(shards: list) -> bool:
     The latest: two models stepped in turn (a GAN's discriminator, then its generator) each had a
     free first call after its own step, so the model stepped first had one too, after the other's
     step. A rank that skipped that model's forward then met, without an agreement, the others' call of
-    it with its call of the other model: one model's gathers paired with the other's (a gloo abort
-    where the sizes differ; two models of one shape trained each other's weights silently, every
-    agreement after passing). Reading the count is one store request per step."""
+    it with its call of the other model: their collectives paired, and the run ended in gloo's
+    "Connection closed by peer" with no word of why (two models of one shape,
+    ``tests/test_never_silent.py``). Reading the count costs a store request at the step and one at
+    the call."""
     steps = {id(s.agreed_step): s.agreed_step for s in shards if s is not None and s.agreed_step is not None}
     step = next(iter(steps.values()), None)
     free = (len(steps) == 1 and all(s is not None and s.agreed_step is not None for s in shards)
