@@ -90,6 +90,14 @@ def _chain(group: str, phase: RunPhase, kind: str = "forward", agreed: bool = Fa
     return gm, chain, prefetching_call(boxed_graph_function(split.body), chain)
 
 
+def _forward_runs(call, phase: RunPhase, layers: list, runs: int) -> None:
+    """``runs`` forwards over ``layers`` in order, each ended as a backward would end it."""
+    for _ in range(runs):
+        for layer in layers:
+            call(list(layer))
+        phase.enter("backward")
+
+
 def test_each_call_takes_the_gather_the_call_before_issued_once_a_run_has_taught_the_order():
     with fake_process_group(world_size=2) as group:
         phase = RunPhase()
@@ -125,10 +133,7 @@ def test_a_prefetch_of_weights_changed_since_it_was_issued_is_dropped_not_used()
         phase = RunPhase()
         gm, chain, call = _chain(group, phase)
         layers = [_layer_inputs(seed) for seed in range(2)]
-        for _ in range(2):
-            for layer in layers:
-                call(list(layer))
-            phase.enter("backward")
+        _forward_runs(call, phase, layers, runs=2)
         assert chain.taken == 1
         call(list(layers[0]))  # issues layer 1's gather
         with torch.no_grad():
@@ -181,10 +186,7 @@ def test_a_call_that_agreed_to_take_and_then_would_not_is_an_error_not_a_collect
         phase = RunPhase()
         _, chain, call = _chain(group, phase)
         layers = [_layer_inputs(seed) for seed in range(2)]
-        for _ in range(2):
-            for layer in layers:
-                call(list(layer))
-            phase.enter("backward")
+        _forward_runs(call, phase, layers, runs=2)
         call(list(layers[0]))
         assert chain.plan([layers[1][0], layers[1][2]]).take
         with torch.no_grad():

@@ -107,6 +107,8 @@ class CallChain:
     # a forward: each call's Dynamo-graph inputs by index (shards only), this run's and the last run's
     calls: list[dict[int, torch.Tensor]] = field(default_factory=list)
     last_run_calls: list[dict[int, torch.Tensor]] = field(default_factory=list)
+    # a backward: where each of its forward's last run of calls was made, by this graph's key for it
+    forward_positions: dict[CallKey, int] | None = None
     last_key: CallKey | None = None
     pending: _Prefetch | None = None
     agreed_plan: CallPlan | None = None
@@ -161,6 +163,7 @@ class CallChain:
             self.links, self.learning = self.learning, {}
             self.last_run_calls, self.calls = self.calls, []
         self.last_key = None
+        self.forward_positions = None
 
     def _plan_now(self, inputs: list[torch.Tensor]) -> CallPlan:
         agreed, self.agreed_plan = self.agreed_plan, None
@@ -180,20 +183,24 @@ class CallChain:
         call made just before this one's forward call (the forward's last run, found by the shards)."""
         forward = self.phase.chains.get("forward")
         made = forward.last_run_calls if forward is not None else []
-        key = _key(inputs)
-        at = next((i for i in range(len(made) - 1, -1, -1)
-                   if _key([made[i].get(j) for j in self.split.dynamo_indices]) == key), None)
+        if self.forward_positions is None:  # once a run: its last call with these shards wins
+            self.forward_positions = {_key([call.get(j) for j in self.split.dynamo_indices]): at
+                                      for at, call in enumerate(made)}
+        at = self.forward_positions.get(_key(inputs))
         following = None
         if at is not None and at > 0 and all(j in made[at - 1] for j in self.split.dynamo_indices):
             following = [made[at - 1][j] for j in self.split.dynamo_indices]
         return CallPlan(self._matches(inputs), following)
 
     def _learn(self, inputs: list[torch.Tensor], args: list) -> None:
+        """A forward's order, for its next run, and its calls' shards, for its backward (a backward
+        plans from those, and learns nothing)."""
+        if self.kind != "forward":
+            return
         key = _key(inputs)
         if self.last_key is not None:
             self.learning[self.last_key] = inputs
         self.last_key = key
-        # a forward: what a backward call looks its forward call up by; a backward: that it ran
         self.calls.append({j: args[i] for j, i in self.shard_positions.items()})
 
     def _matches(self, inputs: list[torch.Tensor]) -> bool:

@@ -45,9 +45,8 @@ def step_collectives(compiled_graphs, optimizer=None) -> list[CollectiveRecord]:
     """Every collective of one training step: each graph's forward and backward, then the optimizer's."""
     records = []
     for graphs in compiled_graphs:  # each as often as it ran in the last step (blocks: once per layer)
-        calls = getattr(graphs, "calls_per_step", 1)
-        records += graph_collectives(graphs.forward, "forward") * calls
-        records += graph_collectives(graphs.backward, "backward") * calls
+        records += graph_collectives(graphs.forward, "forward") * graphs.calls_per_step
+        records += graph_collectives(graphs.backward, "backward") * graphs.calls_per_step
     if optimizer is not None:
         records += list(getattr(optimizer, "last_step_collectives", []))
     return records

@@ -69,14 +69,13 @@ class CompiledGraphs:
     # how often the graph runs: several times a step where blocks are compiled one by one (once per
     # layer) or gradients accumulate (once per micro-batch); what a step's collectives and the saved
     # activations alive at once multiply by (step_report, comm_volume.step_collectives)
-    training_calls: int = 0
-    calls_at_step: int = 0
-    calls_last_step: int = 0  # training calls between the last two optimizer steps
+    calls_since_step: int = 0  # training calls since the last optimizer step
+    calls_last_step: int = 0  # and between the two before
     forward_run_calls: int = 0  # training calls since its backward last ran
     last_forward_run: int = 0  # calls of its last run of forwards: their saved activations alive together
 
     def note_training_call(self) -> None:
-        self.training_calls += 1
+        self.calls_since_step += 1
         self.forward_run_calls += 1
 
     def note_backward_call(self) -> None:
@@ -84,7 +83,7 @@ class CompiledGraphs:
             self.last_forward_run, self.forward_run_calls = self.forward_run_calls, 0
 
     def note_step(self) -> None:
-        self.calls_last_step, self.calls_at_step = self.training_calls - self.calls_at_step, self.training_calls
+        self.calls_last_step, self.calls_since_step = self.calls_since_step, 0
 
     @property
     def calls_per_step(self) -> int:
@@ -138,9 +137,9 @@ def compiled_graphs_of(model: torch.nn.Module) -> list[CompiledGraphs]:
 
 def compiled_graphs_of_params(params) -> list[CompiledGraphs]:
     """Every ``CompiledGraphs`` the backend recorded on ``params``, in compile order."""
-    found = []
-    for param in params:
-        for graphs in getattr(param, COMPILE_LOG_ATTR, ()):
-            if all(graphs is not seen for seen in found):
-                found.append(graphs)
+    # parameters share their log: each log read once (the optimizer's step asks, every step)
+    logs = {id(log): log for param in params if (log := getattr(param, COMPILE_LOG_ATTR, None)) is not None}
+    found: list[CompiledGraphs] = []
+    for log in logs.values():
+        found += [graphs for graphs in log if all(graphs is not seen for seen in found)]
     return found

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from zcompile.comm_volume import CollectiveRecord, graph_collectives, summarize
+from zcompile.comm_volume import step_collectives, summarize
 from zcompile.compiled import CompiledGraphs, compiled_graphs_of
 from zcompile.memory import model_state_bytes, zero_formula_bytes
 from zcompile.passes import metadata
@@ -152,14 +152,11 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
             "run a step of torch.compile(model, backend='zero') first"
         )
     plan = graphs[0].plan
-    records: list[CollectiveRecord] = []
     schedule: list[OverlapRecord] = []
     for compiled in graphs:
         graph_id = compiled.graph_id
         for where in ("forward", "backward"):
-            gm = getattr(compiled, where)
-            records += graph_collectives(gm, where) * compiled.calls_per_step  # blocks: once per layer
-            schedule += collective_overlaps(gm, graph_id, where)
+            schedule += collective_overlaps(getattr(compiled, where), graph_id, where)
     # gloo gathers into a flat buffer of its own and copies out: each gather in flight holds its
     # output twice (NCCL writes in place); a part of its own, so peak_gathered_bytes stays the
     # schedule's on every backend
@@ -168,8 +165,7 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
     # cross-call prefetch (zcompile.call_prefetch): while a call runs, the next call's first gather is held
     held_ahead = max([chain.split.gathered_bytes for g in graphs for chain in g.call_chains.values()
                       if chain.taken or chain.dropped] or [0])
-    if optimizer is not None:
-        records += list(getattr(optimizer, "last_step_collectives", []))
+    records = step_collectives(graphs, optimizer)  # each graph as often as it ran in the last step
     unique = list(dict.fromkeys(model.parameters()))
     num_params = sum(p.numel() for p in unique)
     padded = sum(-(-p.numel() // plan.world_size) * plan.world_size for p in unique)
