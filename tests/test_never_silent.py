@@ -796,3 +796,32 @@ def test_a_model_skipped_on_one_rank_among_two_stepped_in_turn_is_an_error_not_a
     for message, seconds in run_ranks(2, _one_of_two_models_skipped_on_rank1):
         assert message is not None, "a model skipped on one rank trained on silently"
         assert seconds < 30, seconds
+
+
+def _micro_batch_skipped_on_rank1(rank, world):
+    """Stage 3, 2 micro-batches a step; at step 1 rank 1 skips its second (a loader that ran dry on
+    one rank): its optimizer.step() meets rank 0's second forward."""
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "check_timeout_s": 20})
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, check_timeout_s=20)
+    try:
+        for step in range(3):
+            for micro, (tokens, targets) in enumerate(micro_batches(RunSpec(grad_accum=2), step, rank, world)):
+                if step == 1 and micro == 1 and rank == 1:
+                    continue
+                compiled(tokens, targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    except RankDivergenceError as error:
+        return str(error)
+    return None
+
+
+def test_a_micro_batch_skipped_on_one_rank_is_an_error_on_every_rank():
+    """Rank 0's forward agreed on its call where rank 1 agreed on its step: rank 0 read rank 1's step
+    fields as a call's and stopped with "ValueError: too many values to unpack". Each rank now names
+    what every rank was doing."""
+    for message in run_ranks(2, _micro_batch_skipped_on_rank1):
+        assert message is not None, "a micro-batch skipped on one rank went unnoticed"
+        assert "optimizer.step()" in message and "call of a compiled training graph" in message, message

@@ -93,7 +93,8 @@ def agree_on_call(group: DataParallelGroup, what: str, timeout_s: float) -> None
     the same call. On the same sequence as the steps, so a rank that skipped its backward and step
     (and is already in its next forward) meets the others' ``optimizer.step()`` here and every rank
     raises at once, before a collective could pair a forward's all-gather with a backward's."""
-    arrivals = [other for other, _ in exchange_on_store([what, None], group, timeout_s, "step", f"zcompile: {what}",
+    # a rank at a step's agreement sent the step's fields: its "what" comes first there too
+    arrivals = [other[0] for other in exchange_on_store([what, None], group, timeout_s, "step", f"zcompile: {what}",
                                                          FIX)]
     if any(arrival != what for arrival in arrivals):
         raise RankDivergenceError(
