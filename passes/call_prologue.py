@@ -22,6 +22,7 @@ known a call early (the same tensors every step), its activations are not.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 import torch
@@ -50,11 +51,30 @@ class CallSplit:
     dynamo_indices: tuple[int, ...] = ()
 
 
-def issued_by_call_before(issued: torch.Tensor, collective: str, group_name: str) -> torch.Tensor:
-    """``issued``, as it is: in a body, the node where its first gather was, so that the body's code
-    still names that collective and its group on the line the gather's wait reads (what
-    ``zcompile.heartbeat`` tells the other ranks a rank waits in)."""
-    return issued
+def issued_input_name(collective: str, group_name: str) -> str:
+    """The body's input for the gather issued by the call before, named after that collective and its
+    group (hex: a group's name need not be an identifier). fx's code and inductor's keep an input's
+    name, so the line where the body waits for it still says what it waits for, as ``issued_by``
+    reads it back (``zcompile.heartbeat`` tells the other ranks a rank waits there)."""
+    return f"{_ISSUED_PREFIX}{collective}__group_{group_name.encode().hex()}"
+
+
+def issued_by(name: str) -> tuple[str, str] | None:
+    """``(collective, group name)`` of an input named by ``issued_input_name``; None for any other name."""
+    found = _ISSUED_NAME.fullmatch(name)
+    if found is None:
+        return None
+    return found.group(1), bytes.fromhex(found.group(2)).decode()
+
+
+_ISSUED_PREFIX = "issued_by_call_before__"
+_ISSUED_NAME = re.compile(rf"{_ISSUED_PREFIX}(\w+?)__group_((?:[0-9a-f]{{2}})*)")
+
+
+def issued_example(split: CallSplit):
+    """The issued gather's example value (the body's last input, as its graph's metadata has it):
+    what an inner compiler that specializes on its inputs is given for it."""
+    return list(split.body.graph.find_nodes(op="placeholder"))[-1].meta["val"]
 
 
 def shard_placeholder_names(param_indices) -> frozenset[str]:
@@ -129,12 +149,9 @@ def _body(gm, first, reads, placeholders) -> torch.fx.GraphModule:
     output_node = graph.graph_copy(gm.graph, env)
     graph.output(output_node)
     with graph.inserting_after(env[placeholders[-1]]):
-        issued = graph.placeholder(f"{first.name}_issued")
+        issued = graph.placeholder(issued_input_name(first.target._opname, first.args[-1]))
     issued.meta.update(first.meta)
-    with graph.inserting_before(env[first]):
-        marked = graph.call_function(issued_by_call_before, (issued, first.target._opname, first.args[-1]))
-    marked.meta.update(first.meta)
-    env[first].replace_all_uses_with(marked)
+    env[first].replace_all_uses_with(issued)
     graph.erase_node(env[first])
     for node in reversed(list(gm.graph.nodes)):  # what only the gather read goes with it
         if node in reads and node.op != "placeholder" and not env[node].users:

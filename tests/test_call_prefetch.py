@@ -9,7 +9,7 @@ from support.graph_builders import fake_process_group, trace
 from zcompile.call_prefetch import CallChain, RunPhase, prefetching_call
 from zcompile.inner import boxed_graph_function
 from zcompile.passes.all_gather_lowering import ALL_GATHER_OUT, all_gathers_into_buffers
-from zcompile.passes.call_prologue import shard_placeholder_names, split_first_gather
+from zcompile.passes.call_prologue import issued_by, issued_input_name, shard_placeholder_names, split_first_gather
 from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
 
 SHARDS = shard_placeholder_names([0, 2])  # primals_1 and primals_3: the layer's two weights
@@ -208,6 +208,11 @@ def test_the_body_still_names_the_collective_and_group_its_first_wait_is_for():
         code = split.body.code
         first_wait = re.search(r"wait_tensor\.default\((\w+)\)", code).group(1)
         assert _launch_of(code.splitlines(True), first_wait) == ("all_gather_into_tensor_out", group)
+    # the input's name alone says it (inductor's code keeps it, and has no line that issues it), for
+    # any group name, an identifier or not
+    for name in ("0", "tp:dp/3", ""):
+        assert _launch_of([], issued_input_name("all_gather_into_tensor", name)) == ("all_gather_into_tensor", name)
+    assert issued_by("all_gather_into_tensor_out_default") is None
 
 
 def test_cross_call_prefetch_applies_to_stage3_training_graphs_and_within_a_memory_budget():

@@ -12,7 +12,11 @@ def test_stage3_inductor_matches_single_process():
     spec = RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, options={"compiler": "inductor"})
     keep = RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1,
                    options={"compiler": "inductor", "keep_gathered_mb": 100})
-    result, kept = run_ranks(2, zero_run_on_rank, [spec, keep], timeout_s=900)[0]
+    # blocks compiled one by one (the FSDP2 habit, whose torch.compile is inductor's): each layer's
+    # call takes the first gather the call before issued, through inductor's code (zcompile.call_prefetch)
+    blocks = RunSpec(model="gpt", stage=3, blocks=True, grad_accum=2, optimizer="sgd", lr=0.1,
+                     options={"compiler": "inductor"})
+    (result, kept, in_blocks), (_, _, in_blocks1) = run_ranks(2, zero_run_on_rank, [spec, keep, blocks], timeout_s=900)
     assert_same_training(result, train_reference(spec, world=2), spec)
     # keep-gathered reaches inductor's partitioner through its joint-graph hook: nothing re-gathered
     assert_same_training(kept, train_reference(keep, world=2), keep)
@@ -22,3 +26,8 @@ def test_stage3_inductor_matches_single_process():
     assert result.facts["fw_all_gathers"] == result.facts["gather_nodes"] > 0
     assert result.facts["bw_reduce_scatters"] == result.facts["gather_nodes"]
     assert result.facts["saved_gathered"] == 0
+    assert_same_training(in_blocks, train_reference(blocks, world=2), blocks)
+    # 2 layers: in backward every step's micro-batches, in forward the second micro-batch of each step
+    # (a step's first call skips its agreement and issues nothing); test_training's count for eager
+    assert in_blocks.facts["prefetched_calls"] == in_blocks1.facts["prefetched_calls"] == {
+        "forward": blocks.steps * (blocks.grad_accum - 1), "backward": blocks.steps * blocks.grad_accum}

@@ -364,6 +364,13 @@ _INDUCTOR_CODE = """def call(args):
     torch.ops._c10d_functional.wait_tensor.default(buf79)
     return (buf79, )
 """
+# a body whose first gather the call before issued (passes/call_prologue.py), as inductor writes it:
+# the gather's input, waited, and no line that issues it
+_INDUCTOR_BODY = """def call(args):
+    issued_by_call_before__all_gather_into_tensor_out__group_35, = args
+    torch.ops._c10d_functional.wait_tensor.default(issued_by_call_before__all_gather_into_tensor_out__group_35)
+    return (issued_by_call_before__all_gather_into_tensor_out__group_35, )
+"""
 
 
 def _read_while_waiting(code: str, filename: str):
@@ -419,6 +426,8 @@ def test_the_beat_reads_which_collective_compiled_code_waits_for_and_its_group()
     assert _read_while_waiting(_FX_CODE, "<eval_with_key>.99") == \
         ("all_gather_into_tensor_out (<eval_with_key>.99:4)", "7")
     assert _read_while_waiting(_INDUCTOR_CODE, "/tmp/torchinductor_x/ab/cab.py") == ("reduce_scatter_tensor (cab.py:4)", "3")
+    assert _read_while_waiting(_INDUCTOR_BODY, "/tmp/torchinductor_x/cd/ecd.py") == \
+        ("all_gather_into_tensor_out (ecd.py:3)", "5")
     assert collective_wait(sys._getframe()) is None  # this test's own stack waits for nothing
 
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from zcompile.passes.call_prologue import issued_by_call_before
+from zcompile.passes.call_prologue import issued_by
 from zcompile.process_group import default_store, group_ranks_by_name
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,6 @@ THREAD_NAME = "zcompile-heartbeat"
 # "wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_out_default)"
 _WAIT_LINE = re.compile(r"_c10d_functional\.wait_tensor(?:\.default)?\((\w+)\)")
 _COLLECTIVE_CALL = re.compile(r"_c10d_functional\.(\w+?)(?:\.default)?\((.*)\)")
-# a collective the call before issued (passes/call_prologue.py): its kind and group named where it was
-_ISSUED_BEFORE = re.compile(rf"{issued_by_call_before.__name__}\(\w+, '(\w+)', '([^']*)'\)")
 
 
 @dataclass(eq=False)
@@ -187,7 +185,8 @@ def collective_wait(frame) -> tuple[str, str | None] | None:
 
     Read from the code's lines (``linecache``: fx registers its generated code there, inductor's is a
     file): the line of the frame waits (``wait_tensor(buf)``) and the line that launched ``buf`` names
-    the collective and, as its last string argument, its group."""
+    the collective and, as its last string argument, its group; a gather the call before issued
+    (``passes/call_prologue.py``) is an input whose name says both."""
     while frame is not None:
         filename = frame.f_code.co_filename
         waited = _WAIT_LINE.search(linecache.getline(filename, frame.f_lineno))
@@ -206,12 +205,12 @@ def _launch_of(lines: list[str], tensor: str) -> tuple[str, str | None] | None:
     """The collective that made ``tensor`` in generated code, and its group's name (its last string
     argument), from the line that assigns it (``buf = ..._c10d_functional.all_to_all_single.default(...)``)
     or writes it (``..._c10d_functional.all_gather_into_tensor_out.default(..., out=buf)``)."""
+    issued = issued_by(tensor)
+    if issued is not None:
+        return issued
     assigns, writes = re.compile(rf"^\s*{re.escape(tensor)}\s*="), re.compile(rf"\bout\s*=\s*{re.escape(tensor)}\b")
     for line in lines:
         statement = line.split(";")[0]  # fx appends "; x = None" frees
-        issued = _ISSUED_BEFORE.search(statement)
-        if issued is not None and assigns.search(statement):
-            return issued.group(1), issued.group(2)
         call = _COLLECTIVE_CALL.search(statement)
         if call is None or call.group(1).startswith("wait_tensor"):
             continue

@@ -16,7 +16,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from zcompile.comm_volume import graph_collectives
 from zcompile.config import activation_budget_bytes
 from zcompile.passes.all_gather_lowering import all_gathers_into_buffers
-from zcompile.passes.call_prologue import CallSplit, dynamo_index, shard_placeholder_names, split_first_gather
+from zcompile.passes.call_prologue import (CallSplit, dynamo_index, issued_example, shard_placeholder_names,
+                                           split_first_gather)
 from zcompile.passes.liveness import saved_activation_bytes
 from zcompile.call_prefetch import CallChain, prefetching_call
 from zcompile.compiled import CompiledGraphs
@@ -174,13 +175,19 @@ def _runnable(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGra
     split = cross_call_split(graph_module, kind, graphs)
     if split is None:
         return boxed_graph_function(graph_module, rewrite)
+    return prefetching_call(boxed_graph_function(split.body), _call_chain(graph_module, kind, graphs, split))
+
+
+def _call_chain(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs, split: CallSplit) -> CallChain:
+    """The ``CallChain`` that runs ``split`` of ``graph_module`` (this compile's ``kind`` graph),
+    recorded where the backend's wrapper and the reports find it."""
     chain = CallChain(kind, split, graphs.run_phase)
     if kind == "forward":  # its placeholders are the Dynamo graph's inputs, in order
         names = shard_placeholder_names(p.index for p in graphs.context.sharding.params)
         chain.shard_positions = {dynamo_index(node.name): at for at, node in
                                  enumerate(graph_module.graph.find_nodes(op="placeholder")) if node.name in names}
     graphs.call_chains[kind] = chain
-    return prefetching_call(boxed_graph_function(split.body), chain)
+    return chain
 
 
 def cross_call_split(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs) -> CallSplit | None:
@@ -206,6 +213,26 @@ def cross_call_split(graph_module: torch.fx.GraphModule, kind: str, graphs: Comp
                  "gathered peak would pass memory_budget_mb", kind)
         return None
     return split
+
+
+def _inductor_prefetching_call(graph_module: torch.fx.GraphModule, inputs: list, kind: str, graphs: CompiledGraphs,
+                               compile_fx_inner: Callable, kwargs: dict):
+    """Cross-call prefetch under inductor: the body of ``cross_call_split`` compiled by inductor (the
+    issued gather its last input) and run through a ``CallChain``, its prologue run as an fx graph
+    (a pack and a collective: nothing for inductor to fuse). None where the split does not apply, or
+    where inductor's output has no callable to wrap (``current_callable``, torch-internal, read here
+    only as in ``_inductor_quoting_abort_notes``): the graph is then compiled whole."""
+    split = cross_call_split(graph_module, kind, graphs)
+    if split is None:
+        return None
+    compiled = compile_fx_inner(split.body, [*inputs, issued_example(split)], **kwargs)
+    run = getattr(compiled, "current_callable", None)
+    if not callable(run):
+        log.info("zero backend: inductor's %s graph has no callable to run through cross-call prefetch; "
+                 "compiled whole", kind)
+        return None
+    compiled.current_callable = prefetching_call(run, _call_chain(graph_module, kind, graphs, split))
+    return compiled
 
 
 def _quoting_abort_notes(run: Callable[[list], object], graphs: CompiledGraphs,
@@ -301,10 +328,12 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
         if kind != "backward":
             graphs.mutated_inputs = mutated_input_indices()
         graph_module, check = _post_partition(graph_module, kind, graphs)
-        rewrite = executed_form(graphs)
-        if rewrite is not None:  # on a copy: graph_module stays what reports and walks read
-            graph_module = rewrite(codegen_on_demand(graph_module, copy.deepcopy(graph_module.graph)))
-        compiled = compile_fx_inner(graph_module, inputs, **kwargs)
+        compiled = _inductor_prefetching_call(graph_module, inputs, kind, graphs, compile_fx_inner, kwargs)
+        if compiled is None:
+            rewrite = executed_form(graphs)
+            if rewrite is not None:  # on a copy: graph_module stays what reports and walks read
+                graph_module = rewrite(codegen_on_demand(graph_module, copy.deepcopy(graph_module.graph)))
+            compiled = compile_fx_inner(graph_module, inputs, **kwargs)
         return _inductor_quoting_abort_notes(compiled, graphs, check) if kind == "backward" else compiled
 
     patches = {"joint_custom_pre_pass": _JointPasses(graphs)} if _joint_rows(graphs) else None
