@@ -61,6 +61,32 @@ def test_saved_activations_match_the_compiled_graphs(options):
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 
+@pytest.mark.parametrize("name", ["blocks", "gpt_loop_breaks"])
+def test_saved_activations_count_a_graph_as_often_as_a_forward_runs_it(name):
+    """A graph run once per layer (blocks compiled one by one: ``block.compile``, the estimate made
+    after those compiles; or a graph break inside the layer loop, each block's frame its own graph)
+    saves once per layer: the estimate against what the compiled graphs save in one process, as
+    ``step_report`` counts them (each graph times its calls). Before, the estimate counted each graph
+    once (half of this 2-layer model's), and for blocks compiled apart traced the whole model."""
+    tokens, targets = global_batch(0, 4)
+    torch._dynamo.reset()
+    model = build_model("gpt" if name == "blocks" else name)
+    options = {"stage": 3}
+    if name == "blocks":
+        for block in model.blocks:
+            block.compile(backend="zero", options=options)
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend="zero", options=options)
+    estimate = zcompile.estimate_memory(model, 1, options, batch=(tokens, targets))
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-3)
+    model_loss("gpt", compiled, tokens, targets).backward()
+    optimizer.step()
+    report = zcompile.step_report(model, optimizer)
+    assert report.memory["saved_activation_bytes"] > 0
+    assert estimate.saved_activation_bytes == report.memory["saved_activation_bytes"], (estimate, report.memory)
+
+
 def test_estimate_parts_and_peak():
     model = build_model("gpt")
     estimate = zcompile.estimate_memory(model, 4, {"stage": 3, "keep_gathered_mb": 0.001, "bucket_mb": 0.01})

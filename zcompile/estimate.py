@@ -19,15 +19,23 @@ this gives every part zcompile's ``step_report().memory`` measures, for any opti
   parameters have no storage: nothing allocated, no process group, autocast to ``param_dtype``
   applied as the backend applies it) through the min-cut partition zcompile uses, and the
   forward's saved values counted by ``passes.liveness.saved_activation_bytes``, with
-  ``activation_memory_budget`` applied by the same partitioner. Stage 3's weight re-gathers do not
-  change what is saved.
+  ``activation_memory_budget`` applied by the same partitioner, each graph as often as the forward
+  ran it (a graph break inside a loop). Stage 3's weight re-gathers do not change what is saved.
+
+Blocks compiled one by one (``block.compile(backend="zero")``, the rest of the model eager; call
+the estimate after those compiles, before the first step) are estimated as they train: the blocks'
+parameters by the options, every other trained parameter as stage 1 keeps a weight trained outside
+every graph (replicated in its own dtype, its gradient reduced at the step); the gathered peak is
+one block's graph's, plus the next block's first bucket that cross-call prefetch holds
+(``prefetch_calls``); saved activations are the blocks' graphs', once per layer, as
+``step_report`` counts them (the eager rest's are autograd's, in neither).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -83,12 +91,22 @@ def estimate_memory(model: torch.nn.Module, world_size: int, options: ZeroConfig
         raise ValueError(f"estimate_memory: optimizer must be one of {sorted(MOMENTS)}, got {optimizer!r}")
     config = ZeroConfig.from_options(options)
     params = list(dict.fromkeys(model.parameters()))
-    states = [_param_states(p, config, world_size, MOMENTS[optimizer]) for p in params]
-    gathered = _gathered_peak(params, config, world_size)
+    blocks = compiled_apart(model)
+    if blocks:  # the weights no compiled block holds train outside every graph: stage 1's rules, their own dtype
+        in_blocks = {id(p) for block in blocks for p in block.parameters()}
+        outside = replace(config, stage=1, param_dtype=None)
+        states = [_param_states(p, config if id(p) in in_blocks else outside, world_size, MOMENTS[optimizer])
+                  for p in params]
+        gathered = _blocks_gathered_peak(blocks, config, world_size)
+        compiled = [p for p in params if id(p) in in_blocks]
+    else:
+        states = [_param_states(p, config, world_size, MOMENTS[optimizer]) for p in params]
+        gathered = _gathered_peak(params, config, world_size)
+        compiled = params
     kept = 0
     if config.stage == 3 and config.keep_gathered_mb > 0:
-        kept = min(int(config.keep_gathered_mb * MIB), sum(_gathered_bytes(p, config, world_size) for p in params))
-    saved = None if batch is None else _saved_activations(model, batch, config)
+        kept = min(int(config.keep_gathered_mb * MIB), sum(_gathered_bytes(p, config, world_size) for p in compiled))
+    saved = None if batch is None else _saved_activations(model, batch, config, blocks)
     return MemoryEstimate(world_size, config.stage, sum(s[0] for s in states), sum(s[1] for s in states),
                           sum(s[2] for s in states), gathered, kept, saved)
 
@@ -122,30 +140,73 @@ def _gathered_bytes(param: torch.nn.Parameter, config: ZeroConfig, world: int) -
     return FlatPiece(param.numel(), world, 0).chunk * world * dtype.itemsize
 
 
-def _gathered_peak(params: list[torch.nn.Parameter], config: ZeroConfig, world: int) -> int:
-    if config.stage != 3 or world == 1:
-        return 0
-    sizes = [_gathered_bytes(p, config, world) for p in params]
+def compiled_apart(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The outermost submodules of ``model`` compiled on their own (``module.compile(...)``: blocks
+    compiled one by one), in registration order; none where ``model`` itself is compiled (a
+    ``torch.compile`` wrapper, or ``model.compile()``), which compiles them with it."""
+    # nn.Module.compile keeps its compiled call in _compiled_call_impl (torch-internal, read here only)
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or getattr(model, "_compiled_call_impl", None):
+        return []
+    found: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            (found.append if getattr(child, "_compiled_call_impl", None) is not None else visit)(child)
+
+    visit(model)
+    return found
+
+
+def _buckets(params: list[torch.nn.Parameter], config: ZeroConfig, world: int) -> list[int]:
+    """Gathered bytes of each bucket, as the bucketing pass makes them of ``params`` in order."""
     bucket_bytes = int(config.bucket_mb * MIB)
     buckets: list[int] = []
-    for nbytes in sizes:
+    for nbytes in (_gathered_bytes(p, config, world) for p in params):
         if buckets and bucket_bytes and buckets[-1] + nbytes <= bucket_bytes:
             buckets[-1] += nbytes
         else:
             buckets.append(nbytes)
+    return buckets
+
+
+def _blocks_gathered_peak(blocks: list[torch.nn.Module], config: ZeroConfig, world: int) -> int:
+    """Stage 3 with blocks compiled apart: the largest block's own schedule peak, plus, where each
+    call prefetches the next one's first gather (``prefetch_calls``), the largest such gather."""
+    peaks = [_gathered_peak(list(dict.fromkeys(block.parameters())), config, world) for block in blocks]
+    if not peaks or not max(peaks):
+        return 0
+    held = 0
+    if config.prefetch_calls and config.overlap and config.prefetch >= 1 and len(blocks) > 1:
+        for block in blocks:
+            params = list(dict.fromkeys(block.parameters()))
+            # a forward's first gather is the block's first bucket; a backward re-gathers, in reverse,
+            # the weights its input gradients read: the matrices (a bias's gradient reads no weight)
+            forward = _buckets(params, config, world)
+            backward = _buckets([p for p in reversed(params) if p.dim() >= 2], config, world)
+            held = max(held, forward[0] if forward else 0, backward[0] if backward else 0)
+    return max(peaks) + held
+
+
+def _gathered_peak(params: list[torch.nn.Parameter], config: ZeroConfig, world: int) -> int:
+    if config.stage != 3 or world == 1 or not params:
+        return 0
+    buckets = _buckets(params, config, world)
     depth = config.prefetch if config.overlap else 0
     in_flight = [sum(buckets[j:j + depth + 1]) for j in range(len(buckets))]
-    # the next bucket's buffer and its copied-out pieces coexist once it lands
-    peak = max(in_flight[j] + (buckets[j + 1] if j + 1 < len(buckets) else 0) for j in range(len(buckets)))
+    # the next bucket's buffer and its copied-out pieces coexist once it lands; the last bucket's own
+    # (a graph of one bucket, as a block compiled apart often is: twice its bucket)
+    peak = max(in_flight[j] + buckets[min(j + 1, len(buckets) - 1)] for j in range(len(buckets)))
     if config.memory_budget_mb is not None:
         floor = max(2 * b for b in buckets)  # one bucket's buffer and pieces: no prefetch at all
         peak = max(min(peak, int(config.memory_budget_mb * MIB)), floor)
     return peak
 
 
-def _saved_activations(model: torch.nn.Module, batch: Any, config: ZeroConfig) -> int:
-    """What the forwards save for backward, from one compile on fake tensors (module doc): the
-    min-cut partition zcompile uses, with the same activation budget, summed over Dynamo's graphs."""
+def _saved_activations(model: torch.nn.Module, batch: Any, config: ZeroConfig,
+                       blocks: list[torch.nn.Module] = ()) -> int:
+    """What the forwards save for backward, from one forward on fake tensors (module doc): the min-cut
+    partition zcompile uses, with the same activation budget, each Dynamo graph's times the calls of
+    it that forward made. ``blocks`` (``compiled_apart``): those compiled, the rest run eagerly."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -154,6 +215,7 @@ def _saved_activations(model: torch.nn.Module, batch: Any, config: ZeroConfig) -
     from zcompile.passes.liveness import saved_activation_bytes
 
     saved: dict[int, int] = {}  # per Dynamo graph: its partition's (a block subgraph's is made first)
+    calls: dict[int, int] = {}  # per Dynamo graph: its forward's calls
 
     def run(gm, example_inputs):
         return make_boxed_func(gm.forward)
@@ -169,18 +231,35 @@ def _saved_activations(model: torch.nn.Module, batch: Any, config: ZeroConfig) -
             saved[id(gm)] = saved_activation_bytes(forward, backward) - _saved_weight_bytes(forward, backward, params)
             return forward, backward
 
-        return aot_autograd(fw_compiler=run, bw_compiler=run, partition_fn=partition)(gm, example_inputs)
+        def counted(forward_graph, forward_inputs):
+            forward = make_boxed_func(forward_graph.forward)
+
+            def call(args):
+                calls[id(gm)] = calls.get(id(gm), 0) + 1
+                return forward(args)
+
+            call._boxed_call = True
+            return call
+
+        return aot_autograd(fw_compiler=counted, bw_compiler=run, partition_fn=partition)(gm, example_inputs)
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     args, kwargs = fake_call(batch, fake_mode)
     device_type = next((v.device.type for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), "cpu")
+    faked = _faked(model, fake_mode)
+    if blocks:  # the copy's blocks compiled as the model's are, with this backend; the rest runs eagerly
+        names = {id(module): name for name, module in model.named_modules()}
+        for block in blocks:
+            copied = faked.get_submodule(names[id(block)])
+            copied._compiled_call_impl = None  # the model's compiled call, which the copy shares
+            copied.compile(backend=backend)
     torch._dynamo.reset()
     try:
         with torch.autocast(device_type, dtype=config.param_dtype, enabled=config.param_dtype is not None):
-            torch.compile(_faked(model, fake_mode), backend=backend)(*args, **kwargs)
+            (faked if blocks else torch.compile(faked, backend=backend))(*args, **kwargs)
     finally:
         torch._dynamo.reset()
-    return sum(saved.values())
+    return sum(nbytes * calls.get(key, 1) for key, nbytes in saved.items())
 
 
 def _saved_weight_bytes(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, params: set[str]) -> int:

@@ -128,13 +128,14 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
         assert zcompile.mark_repeated_blocks(model), "the model has no repeated blocks to mark"
     compiled_graphs = []
     options = {"stage": spec.stage, "compiler": "eager", "on_compile": compiled_graphs.append, **spec.options}
-    estimate = zcompile.estimate_memory(model, world, options, optimizer="sgd_momentum" if spec.optimizer == "sgd" else "adamw")
     if spec.blocks:
         for block in model.blocks:
             block.compile(backend="zero", options=options, dynamic=spec.dynamic)
         compiled = model
     else:
         compiled = torch.compile(model, backend="zero", options=options, dynamic=spec.dynamic)
+    # before the first call (blocks compiled apart: after their compiles, which it reads)
+    estimate = zcompile.estimate_memory(model, world, options, optimizer="sgd_momentum" if spec.optimizer == "sgd" else "adamw")
     optimizer = None if spec.optimizer_after_forward else _optimizer(spec, model.parameters(), zero=True)
     losses, state_bytes, grad_norms = [], 0, []
     limit = spec.recompile_limit or torch._dynamo.config.recompile_limit
@@ -156,6 +157,8 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     if spec.blocks:
         report = zcompile.step_report(model, optimizer)
         facts["report_call_prefetch_bytes"] = report.memory["call_prefetch_bytes"]
+        facts["report_peak_gathered_bytes"] = report.memory["peak_gathered_bytes"]
+        facts["estimated_gathered_peak_bytes"] = estimate.gathered_peak_bytes
         facts["report_elements"] = {}
         for record in report.collectives:
             key = f"{record['where']} {record['kind']}"
