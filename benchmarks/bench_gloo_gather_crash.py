@@ -15,7 +15,11 @@ one. Nothing of zcompile runs: only torch's collectives, in four forms:
   (what zcompile's graphs run on gloo), 8 in flight;
 - ``dist_async``: ``torch.distributed.all_gather_single(..., async_op=True)`` (2.11:
   ``all_gather_into_tensor``), 8 in flight;
-- ``functional_one_at_a_time``: the functional op, each waited before the next is issued.
+- ``functional_one_at_a_time``: the functional op, each waited before the next is issued;
+- ``coalesced_with_all_to_all``: what the sharded optimizer's step ran at stage 1 on gloo
+  (``zcompile.optim_buckets``): the process group's coalesced all-gather into given outputs
+  (``process_group.all_gather_coalesced_into``) in flight beside an ``all_to_all_single(async_op=True)``;
+- ``flat_with_all_to_all``: the same with ``all_gather_single(async_op=True)`` per output.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from support.launch import run_ranks  # noqa: E402
 
 # torch 2.13's name for the flat all-gather; 2.11's
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-FORMS = ("functional", "functional_out", "dist_async", "functional_one_at_a_time")
+FORMS = ("functional", "functional_out", "dist_async", "functional_one_at_a_time", "coalesced_with_all_to_all",
+         "flat_with_all_to_all")
 NUMEL, IN_FLIGHT = 4096, 8
 
 
@@ -45,24 +50,33 @@ def _gather_rounds(rank: int, world: int, form: str, rounds: int) -> bool:
     ops = torch.ops._c10d_functional
     name = dist.group.WORLD.group_name
     shards = [torch.randn(NUMEL) for _ in range(IN_FLIGHT)]
+    process_group = dist.group.WORLD
+    coalesced = (getattr(process_group, "all_gather_single_coalesced", None)
+                 or getattr(process_group, "allgather_into_tensor_coalesced", None))
     for _ in range(rounds):
-        if form == "functional":
+        pending, works = [], []
+        if form in ("coalesced_with_all_to_all", "flat_with_all_to_all"):
+            rows = torch.randn(world, NUMEL)
+            works.append(dist.all_to_all_single(torch.empty_like(rows), rows, async_op=True))
+            outputs = [torch.empty(NUMEL * world) for _ in shards]
+            if form == "coalesced_with_all_to_all":
+                works.append(coalesced(outputs, shards))
+            else:
+                works += [_all_gather_flat(out, s, async_op=True) for out, s in zip(outputs, shards)]
+        elif form == "functional":
             pending = [ops.all_gather_into_tensor(s, world, name) for s in shards]
         elif form == "functional_out":
             pending = [ops.all_gather_into_tensor_out(s, world, name, out=torch.empty(NUMEL * world)) for s in shards]
         elif form == "dist_async":
             works = [_all_gather_flat(torch.empty(NUMEL * world), s, async_op=True) for s in shards]
-            pending = []
-        else:
-            pending, works = [], []
+        elif form == "functional_one_at_a_time":
             for s in shards:
                 ops.wait_tensor(ops.all_gather_into_tensor(s, world, name))
         [torch.randn(1000) * 2 for _ in range(50)]  # the main thread allocates while the gathers run
         for tensor in pending:
             ops.wait_tensor(tensor)
-        if form == "dist_async":
-            for work in works:
-                work.wait()
+        for work in works:
+            work.wait()
     return True
 
 
