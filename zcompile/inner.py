@@ -216,12 +216,14 @@ def cross_call_split(graph_module: torch.fx.GraphModule, kind: str, graphs: Comp
 
 
 def _inductor_prefetching_call(graph_module: torch.fx.GraphModule, inputs: list, kind: str, graphs: CompiledGraphs,
-                               compile_fx_inner: Callable, kwargs: dict):
+                               kwargs: dict):
     """Cross-call prefetch under inductor: the body of ``cross_call_split`` compiled by inductor (the
     issued gather its last input) and run through a ``CallChain``, its prologue run as an fx graph
     (a pack and a collective: nothing for inductor to fuse). None where the split does not apply, or
     where inductor's output has no callable to wrap (``current_callable``, torch-internal, read here
     only as in ``_inductor_quoting_abort_notes``): the graph is then compiled whole."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
     split = cross_call_split(graph_module, kind, graphs)
     if split is None:
         return None
@@ -328,7 +330,7 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
         if kind != "backward":
             graphs.mutated_inputs = mutated_input_indices()
         graph_module, check = _post_partition(graph_module, kind, graphs)
-        compiled = _inductor_prefetching_call(graph_module, inputs, kind, graphs, compile_fx_inner, kwargs)
+        compiled = _inductor_prefetching_call(graph_module, inputs, kind, graphs, kwargs)
         if compiled is None:
             rewrite = executed_form(graphs)
             if rewrite is not None:  # on a copy: graph_module stays what reports and walks read
