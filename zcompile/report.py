@@ -39,6 +39,9 @@ class OverlapRecord:
     kind: str
     params: list[str]
     overlapped_ops: int
+    # a graph's first all-gather that cross-call prefetch issued during the call before (blocks
+    # compiled one by one): nothing runs before it in its own graph, the previous layer ran beside it
+    issued_by_call_before: bool = False
 
 
 @dataclass
@@ -87,7 +90,8 @@ class StepReport:
         psi = max(self.num_params, 1)
         total = self.totals.get("total", 0)
         mem = self.memory
-        exposed = sum(1 for s in self.schedule if s.overlapped_ops == 0)
+        exposed = sum(1 for s in self.schedule if s.overlapped_ops == 0 and not s.issued_by_call_before)
+        ahead = sum(1 for s in self.schedule if s.issued_by_call_before)
         return [
             f"total {total:,} elements = {total / psi:.2f} Ψ per rank per step "
             f"(ZeRO formula {self.formula_elements / psi:.0f} Ψ)",
@@ -107,7 +111,8 @@ class StepReport:
             + (f"; the optimizer's bucket buffers {mem['optimizer_buffers_bytes'] / 2**20:.2f} MiB at most "
                "(its bucket_mb)" if mem.get("optimizer_buffers_bytes") else ""),
             f"schedule: {len(self.schedule)} collectives in graphs, {exposed} with no compute between issue "
-            "and wait (exposed)",
+            "and wait (exposed)" + (f", {ahead} issued by the call before (cross-call prefetch: exposed only in a "
+                                    "run's first call)" if ahead else ""),
         ] + (["reduce-scatters run as an all-to-all and a sum on this backend (option reduce_scatter); the "
               "profiler and the timeline show them as all_to_all"] if self.reduce_scatter_as_all_to_all else []) + (
             [f"gradient norm {self.grad_norm:.6g} (before clipping)"] if self.grad_norm is not None else []) + (
@@ -156,7 +161,11 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
     for compiled in graphs:
         graph_id = compiled.graph_id
         for where in ("forward", "backward"):
-            schedule += collective_overlaps(getattr(compiled, where), graph_id, where)
+            records = collective_overlaps(getattr(compiled, where), graph_id, where)
+            chain = compiled.call_chains.get(where)
+            if records and chain is not None and chain.taken:  # its first collective is the gather split off
+                records[0].issued_by_call_before = True
+            schedule += records
     # gloo gathers into a flat buffer of its own and copies out: each gather in flight holds its
     # output twice (NCCL writes in place); a part of its own, so peak_gathered_bytes stays the
     # schedule's on every backend
