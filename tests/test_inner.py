@@ -151,3 +151,30 @@ def test_inductors_compiled_backward_quotes_abort_notes_as_the_eager_one_does(mo
     assert calls == []
     loss.backward()
     assert len(calls) == 1 and calls[0] > 0
+
+
+def test_a_split_graph_inductor_cannot_compile_is_compiled_whole_with_a_warning(monkeypatch, caplog):
+    """Cross-call prefetch under inductor compiles the split graph's body; where inductor refuses it,
+    the graph is compiled whole (no chain: each call gathers its own first bucket), with a warning
+    naming the error, rather than the compile failing (every rank compiles alike, so every rank does
+    the same)."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch._inductor.compile_fx as compile_fx
+
+    import zcompile.inner as inner
+
+    split = SimpleNamespace(body=None)
+    monkeypatch.setattr(inner, "cross_call_split", lambda graph_module, kind, graphs: split)
+    monkeypatch.setattr(inner, "issued_example", lambda split: None)
+
+    def refuse(graph_module, inputs, **kwargs):
+        raise NotImplementedError("no lowering for that")
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", refuse)
+    graphs = SimpleNamespace(call_chains={})
+    with caplog.at_level(logging.WARNING, logger="zcompile.inner"):
+        assert inner._inductor_prefetching_call(None, [], "forward", graphs, {}) is None
+    assert graphs.call_chains == {}
+    assert "NotImplementedError: no lowering for that" in caplog.text and "compiled whole" in caplog.text

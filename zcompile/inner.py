@@ -221,13 +221,19 @@ def _inductor_prefetching_call(graph_module: torch.fx.GraphModule, inputs: list,
     issued gather its last input) and run through a ``CallChain``, its prologue run as an fx graph
     (a pack and a collective: nothing for inductor to fuse). None where the split does not apply, or
     where inductor's output has no callable to wrap (``current_callable``, torch-internal, read here
-    only as in ``_inductor_quoting_abort_notes``): the graph is then compiled whole."""
+    only as in ``_inductor_quoting_abort_notes``), or that inductor cannot compile (a warning): the graph
+    is then compiled whole."""
     from torch._inductor.compile_fx import compile_fx_inner
 
     split = cross_call_split(graph_module, kind, graphs)
     if split is None:
         return None
-    compiled = compile_fx_inner(split.body, [*inputs, issued_example(split)], **kwargs)
+    try:
+        compiled = compile_fx_inner(split.body, [*inputs, issued_example(split)], **kwargs)
+    except Exception as error:  # the same on every rank (a compile is): each compiles the graph whole
+        log.warning("zero backend: inductor could not compile the %s graph split for cross-call prefetch (%s: %s); "
+                    "compiled whole, each call gathering its own first bucket", kind, type(error).__name__, error)
+        return None
     run = getattr(compiled, "current_callable", None)
     if not callable(run):
         log.info("zero backend: inductor's %s graph has no callable to run through cross-call prefetch; "
