@@ -57,6 +57,28 @@ def test_parameters_used_outside_graphs_train_replicated(feature_runs):
     assert rank0.facts["graphs"] >= 2 and rank0.facts["gather_nodes"] > 0  # the blocks' frames
 
 
+def test_simulation_counts_a_graph_break_inside_the_layer_loop_once_per_layer(feature_runs):
+    """A graph break inside the loop over blocks compiles one graph for a block's frame, which the
+    step runs once per layer: zcompile.simulate (one process, torch's fake process group) issues
+    the collectives the real 2-rank run did, kind by kind and byte for byte, each graph as often as
+    it ran. Before, it counted each graph once: the forward's all-gathers moved one block of two."""
+    from support.models import build_model, global_batch
+    from zcompile.simulate import simulate
+
+    spec, rank0, _ = feature_runs[2]
+    assert spec.model == "gpt_loop_breaks"
+    tokens, targets = global_batch(0, spec.batch_size // 2)
+    simulated = simulate(lambda: build_model(spec.model), (tokens, targets), world_size=2,
+                         options={"stage": spec.stage, **spec.options}, hardware="cpu-local")
+    for where in ("forward", "backward"):
+        real = sorted((r.kind, r.bytes) for r in rank0.collectives if r.where == where)
+        ours = sorted((c.kind, c.bytes) for c in simulated.collectives if c.where == where)
+        assert ours == real, (where, ours, real)
+    # the block's graph twice and the tail's (ln_f and head) once, each a forward and a backward: the
+    # host overhead a CPU profile adds is per call
+    assert simulated.graph_calls == 6
+
+
 def test_frozen_parameters_get_no_gradient_reduction(feature_runs):
     spec, rank0, _ = feature_runs[3]
     assert spec.model == "gpt_frozen" and spec.stage == 3

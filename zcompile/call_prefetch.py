@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from zcompile.passes.call_prologue import CallSplit
 
@@ -50,8 +51,10 @@ def _key(inputs: list[torch.Tensor]) -> CallKey:
 
 def _stamp(inputs: list[torch.Tensor]) -> tuple:
     """What must not change between a prefetch and its take: each input's storage, place and version
-    (an in-place update, such as the optimizer's, bumps the version; a new storage moves the pointer)."""
-    return tuple((t.untyped_storage().data_ptr(), t.storage_offset(), t._version) for t in inputs)
+    (an in-place update, such as the optimizer's, bumps the version; a new storage moves the pointer).
+    A fake tensor (``zcompile.simulate``'s world) has no storage to point at: its version alone."""
+    return tuple((0 if isinstance(t, FakeTensor) else t.untyped_storage().data_ptr(), t.storage_offset(), t._version)
+                 for t in inputs)
 
 
 @dataclass

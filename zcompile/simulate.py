@@ -164,22 +164,25 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
     tokens = _tokens(args, kwargs)
     gathered, staging = gathered_peak_parts([gm for g in graphs for gm in (g.forward, g.backward)],
                                             on_gloo and world_size > 1)
+    # each graph as often as the step ran it, as step_report counts it: a graph break inside the layer
+    # loop compiles one graph for a layer's frame, called once per layer (counted once until 2026-11-28)
+    stepped = [g for g in graphs for _ in range(max(1, g.calls_since_step))]
     result = SimulationResult(world_size, node_size, profile.name, num_params, tokens, memory={
         "model_states_bytes": states.model_states_bytes,
         "peak_gathered_bytes": gathered,
         "gather_staging_bytes": staging,  # gloo's copies of the gathers in flight (step_report's part)
-        "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in graphs if g.keep_gathered),
-        "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) for g in graphs),
+        "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in stepped if g.keep_gathered),
+        "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) for g in stepped),
     })
-    peak = step_peak(graphs, states.params_bytes, states.grads_bytes, states.optimizer_bytes,
+    peak = step_peak(stepped, states.params_bytes, states.grads_bytes, states.optimizer_bytes,
                      gather_staging=on_gloo and world_size > 1)
     result.step_peak_bytes, result.step_peak_phase = peak.peak_bytes, peak.where
-    result.collectives = _graph_collectives(graphs, pricing) + _optimizer_collectives(
+    result.collectives = _graph_collectives(stepped, pricing) + _optimizer_collectives(
         model, pricing, by_all_to_all=on_gloo)
     compute = profile.compute_costs(config.param_dtype or torch.float32)
     result.optimizer_update_s = _optimizer_update_seconds(model, profile, compute)
     result.time_sharing = time_sharing
-    _predict(result, graphs, pricing, compute, sum(p.requires_grad for p in dict.fromkeys(model.parameters())))
+    _predict(result, stepped, pricing, compute, sum(p.requires_grad for p in dict.fromkeys(model.parameters())))
     result.simulate_s = time.perf_counter() - start
     log.info("simulate: %d parameters on %d ranks (%s): %.1f MiB per rank, step %.3f s, MFU %.1f%%", num_params,
              world_size, profile.name, result.per_rank_bytes / 2**20, result.step_s, 100 * result.mfu)
