@@ -59,8 +59,8 @@ class StepPeak:
 
 def step_peak(graphs: list, params_bytes: int, grads_bytes: int, optimizer_bytes: int,
               hold_backward_inputs: bool = False, gather_staging: bool = False) -> StepPeak:
-    """The step's peak from the ``CompiledGraphs`` of one step (``on_compile``'s, in compile order)
-    and this rank's model states (``estimate_memory``'s or ``model_state_bytes``' parts).
+    """The step's peak from the ``CompiledGraphs`` of one step (``on_compile``'s, in compile order, a
+    graph the step runs several times once per call) and this rank's model states (``estimate_memory``'s or ``model_state_bytes``' parts).
     ``hold_backward_inputs``: the peak if each backward kept its saved values and tangents until it
     returned, as the eager compiler did before its boxed call (what that call saves).
     ``gather_staging``: the graphs' all-gathers run on gloo, which holds each gathered output twice
@@ -80,9 +80,9 @@ def step_peak(graphs: list, params_bytes: int, grads_bytes: int, optimizer_bytes
             phases[f"backward{i}"] = states + sum(map(_total, saved[:i])) + grads_after[i] + walk
     phases["optimizer"] = states + grads_bytes
     result = StepPeak(states, phases)
-    if sum(g.forward is not None for g in graphs) > 1:
-        log.warning("step peak: %d compiled graphs (graph breaks): the tensors eager code carries between them "
-                    "(a hidden state and its gradient) are not counted", len(graphs))
+    if sum(g.forward is not None for g in graphs) > 1:  # graphs: one entry per call (simulate's walk)
+        log.warning("step peak: %d compiled graphs, %d calls (graph breaks): the tensors eager code carries between "
+                    "them (a hidden state and its gradient) are not counted", len({id(g) for g in graphs}), len(graphs))
     log.info("step peak %.1f MiB in %s (parameters and optimizer state %.1f MiB; the optimizer's own temporaries "
              "not counted)", result.peak_bytes / 2**20, result.where, states / 2**20)
     return result
