@@ -12,7 +12,9 @@ the option ``reduce_scatter``): for each size (fp32, MiB of the full input), the
 - ``all_to_all_sum``: ``dist.all_to_all_single`` into a second buffer, then the sum of the ``N`` rows
   received (what zcompile runs; the same result);
 - ``all_gather``: ``dist.all_gather_into_tensor`` of one rank's share into the full size, for scale
-  (the step's all-gather at stages 1 and 2).
+  (the step's all-gather at stages 1 and 2);
+- ``all_gather_by_all_to_all``: the same result as an all-to-all: the share copied into each of the
+  ``N`` rows sent, the rows received the gathered buffer.
 
 The calls are interleaved by round, so the machine's drift falls on each alike.
 """
@@ -32,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import print_table, slowest_ms, start_gloo_benchmark  # noqa: E402
 
-WAYS = ("reduce_scatter", "all_reduce", "all_to_all_sum", "all_gather")
+WAYS = ("reduce_scatter", "all_reduce", "all_to_all_sum", "all_gather", "all_gather_by_all_to_all")
 # torch 2.13 renamed the flat collectives (*_single); 2.11 has the old names
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -40,13 +42,15 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 def calls(numel: int, world: int) -> dict:
     full, out = torch.randn(numel), torch.empty(numel // world)
-    received, gathered = torch.empty(numel), torch.empty(numel)
+    received, gathered, sent = torch.empty(numel), torch.empty(numel), torch.empty(world, numel // world)
     return {
         "reduce_scatter": lambda: _reduce_scatter(out, full),
         "all_reduce": lambda: dist.all_reduce(full),
         "all_to_all_sum": lambda: (dist.all_to_all_single(received, full),
                                    torch.sum(received.view(world, -1), 0, out=out)),
         "all_gather": lambda: _all_gather(gathered, out),
+        "all_gather_by_all_to_all": lambda: (sent.copy_(out.expand(world, -1)),
+                                             dist.all_to_all_single(gathered, sent)),
     }
 
 
