@@ -174,6 +174,8 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
     # cross-call prefetch (zcompile.call_prefetch): while a call runs, the next call's first gather is held
     held_ahead = max([chain.split.gathered_bytes for g in graphs for chain in g.call_chains.values()
                       if chain.taken or chain.dropped] or [0])
+    if staged:  # that gather is in flight the whole call: gloo holds its flat copy of it too
+        gather_staging += held_ahead
     records = step_collectives(graphs, optimizer)  # each graph as often as it ran in the last step
     unique = list(dict.fromkeys(model.parameters()))
     num_params = sum(p.numel() for p in unique)

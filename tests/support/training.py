@@ -158,6 +158,7 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
         report = zcompile.step_report(model, optimizer)
         facts["report_call_prefetch_bytes"] = report.memory["call_prefetch_bytes"]
         facts["report_peak_gathered_bytes"] = report.memory["peak_gathered_bytes"]
+        facts["report_gather_staging_bytes"] = report.memory["gather_staging_bytes"]
         facts["report_issued_by_call_before"] = [(r.where, r.kind) for r in report.schedule if r.issued_by_call_before]
         facts["report_summary"] = report.summary_lines()
         facts["estimated_gathered_peak_bytes"] = estimate.gathered_peak_bytes
