@@ -276,13 +276,23 @@ def _new_weights_on_rank0(rank, world, stage):
     compiled = torch.compile(model, backend="zero", options={"stage": stage})
     optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-2)
     spec = RunSpec(stage=stage)
+
+    def batches(step):
+        if step == 1 and rank == 0:  # weights loaded on rank 0 only
+            weight = next(p for p in model.parameters() if p.dim() == 2)
+            weight.data = weight.data * 0.5
+        return micro_batches(spec, step, rank, world)
+
+    return _steps_until_divergence(compiled, optimizer, batches)
+
+
+def _steps_until_divergence(compiled, optimizer, batches, steps: int = 3) -> str | None:
+    """Trains ``steps`` steps, step ``i`` over the micro-batches ``batches(i)`` gives; the message of
+    the RankDivergenceError that stopped it, or None."""
     try:
-        for step in range(3):
-            if step == 1 and rank == 0:  # weights loaded on rank 0 only
-                weight = next(p for p in model.parameters() if p.dim() == 2)
-                weight.data = weight.data * 0.5
-            (tokens, targets), = micro_batches(spec, step, rank, world)
-            compiled(tokens, targets).backward()
+        for step in range(steps):
+            for tokens, targets in batches(step):
+                compiled(tokens, targets).backward()
             optimizer.step()
             optimizer.zero_grad()
     except RankDivergenceError as error:
@@ -807,17 +817,12 @@ def _micro_batch_skipped_on_rank1(rank, world):
     model = build_model("gpt")
     compiled = torch.compile(model, backend="zero", options={"stage": 3, "check_timeout_s": 20})
     optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, check_timeout_s=20)
-    try:
-        for step in range(3):
-            for micro, (tokens, targets) in enumerate(micro_batches(RunSpec(grad_accum=2), step, rank, world)):
-                if step == 1 and micro == 1 and rank == 1:
-                    continue
-                compiled(tokens, targets).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    except RankDivergenceError as error:
-        return str(error)
-    return None
+
+    def batches(step):
+        both = micro_batches(RunSpec(grad_accum=2), step, rank, world)
+        return both[:1] if step == 1 and rank == 1 else both
+
+    return _steps_until_divergence(compiled, optimizer, batches)
 
 
 def test_a_micro_batch_skipped_on_one_rank_is_an_error_on_every_rank():

@@ -172,19 +172,18 @@ def _buckets(params: list[torch.nn.Parameter], config: ZeroConfig, world: int) -
 def _blocks_gathered_peak(blocks: list[torch.nn.Module], config: ZeroConfig, world: int) -> int:
     """Stage 3 with blocks compiled apart: the largest block's own schedule peak, plus, where each
     call prefetches the next one's first gather (``prefetch_calls``), the largest such gather."""
-    peaks = [_gathered_peak(list(dict.fromkeys(block.parameters())), config, world) for block in blocks]
-    if not peaks or not max(peaks):
-        return 0
-    held = 0
-    if config.prefetch_calls and config.overlap and config.prefetch >= 1 and len(blocks) > 1:
-        for block in blocks:
-            params = list(dict.fromkeys(block.parameters()))
+    prefetching = config.prefetch_calls and config.overlap and config.prefetch >= 1 and len(blocks) > 1
+    peak = held = 0
+    for block in blocks:
+        params = list(dict.fromkeys(block.parameters()))
+        peak = max(peak, _gathered_peak(params, config, world))
+        if prefetching:
             # a forward's first gather is the block's first bucket; a backward re-gathers, in reverse,
             # the weights its input gradients read: the matrices (a bias's gradient reads no weight)
             forward = _buckets(params, config, world)
             backward = _buckets([p for p in reversed(params) if p.dim() >= 2], config, world)
             held = max(held, forward[0] if forward else 0, backward[0] if backward else 0)
-    return max(peaks) + held
+    return peak + held if peak else 0
 
 
 def _gathered_peak(params: list[torch.nn.Parameter], config: ZeroConfig, world: int) -> int:
