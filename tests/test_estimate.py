@@ -87,6 +87,25 @@ def test_saved_activations_count_a_graph_as_often_as_a_forward_runs_it(name):
     assert estimate.saved_activation_bytes == report.memory["saved_activation_bytes"], (estimate, report.memory)
 
 
+def test_saved_activations_asked_after_training_started_are_an_error_not_a_lone_recompile():
+    """Estimating saved activations compiles a copy of the model between two torch._dynamo.reset():
+    asked mid-training (rank 0 logging it), that rank then compiled its graphs again alone, and every
+    rank stopped in a RankDivergenceError blaming "different compile paths" (measured: transformers
+    GPT-2, blocks compiled apart, 2 ranks). Now a ValueError names the cause before anything is reset;
+    without a batch the estimate, which compiles nothing, still answers, with the same states."""
+    tokens, targets = global_batch(0, 4)
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    before = zcompile.estimate_memory(model, 1, {"stage": 3})
+    compiled = torch.compile(model, backend="zero", options={"stage": 3})
+    model_loss("gpt", compiled, tokens, targets).backward()
+    with pytest.raises(ValueError, match=r"trained already.*Call it before the first step.*step_report"):
+        zcompile.estimate_memory(model, 1, {"stage": 3}, batch=(tokens, targets))
+    assert zcompile.estimate_memory(model, 1, {"stage": 3}).model_states_bytes == before.model_states_bytes
+    # the run goes on with its own graphs: nothing was reset
+    model_loss("gpt", compiled, tokens, targets).backward()
+
+
 def test_estimate_parts_and_peak():
     model = build_model("gpt")
     estimate = zcompile.estimate_memory(model, 4, {"stage": 3, "keep_gathered_mb": 0.001, "bucket_mb": 0.01})

@@ -832,3 +832,32 @@ def test_a_micro_batch_skipped_on_one_rank_is_an_error_on_every_rank():
     for message in run_ranks(2, _micro_batch_skipped_on_rank1):
         assert message is not None, "a micro-batch skipped on one rank went unnoticed"
         assert "optimizer.step()" in message and "call of a compiled training graph" in message, message
+
+
+def _estimate_on_rank0_after_a_step(rank, world):
+    """Stage 3; after step 0 rank 0 alone asks estimate_memory for saved activations (logging it)."""
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "check_timeout_s": 20})
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, check_timeout_s=20)
+    spec = RunSpec(stage=3)
+
+    def batches(step):
+        if step == 1 and rank == 0:
+            zcompile.estimate_memory(model, world, {"stage": 3}, batch=micro_batches(spec, 0, rank, world)[0])
+        return micro_batches(spec, step, rank, world)
+
+    try:
+        return _steps_until_divergence(compiled, optimizer, batches)
+    except ValueError as error:
+        return f"ValueError: {error}"
+
+
+def test_saved_activations_estimated_on_one_rank_mid_training_is_an_error_on_every_rank():
+    """The estimate of saved activations resets Dynamo; rank 0 alone then compiled its graphs again and
+    both ranks stopped in a RankDivergenceError blaming "different compile paths" (measured with a
+    transformers GPT-2, blocks compiled apart under inductor). Rank 0 now raises a ValueError naming
+    estimate_memory before anything is reset, and rank 1, in a collective with it, quotes it."""
+    rank0, rank1 = run_ranks(2, _estimate_on_rank0_after_a_step)
+    assert rank0.startswith("ValueError") and "Call it before the first step" in rank0, rank0
+    assert "rank 0 reported: zcompile.estimate_memory(batch=...)" in rank1, rank1

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from zcompile.config import ZeroConfig, activation_budget_bytes
-from zcompile.param_shards import FlatPiece
+from zcompile.param_shards import FlatPiece, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ def estimate_memory(model: torch.nn.Module, world_size: int, options: ZeroConfig
     ``options``: the backend's options; ``batch``: one rank's inputs (a tensor, a tuple of
     positional arguments or a dict of keyword arguments of ``model``) to estimate saved activations;
     ``optimizer``: ``"adamw"`` (2 moments), ``"sgd_momentum"`` (1) or ``"sgd"`` (0). Call it on the
-    model before ``torch.compile`` shards it.
+    model before ``torch.compile`` shards it; with ``batch``, after its first step is a ``ValueError``
+    (the saved activations' compile resets Dynamo, on this rank alone if only it asks).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"estimate_memory: world_size must be an int >= 1, got {world_size!r}")
@@ -106,6 +107,18 @@ def estimate_memory(model: torch.nn.Module, world_size: int, options: ZeroConfig
     kept = 0
     if config.stage == 3 and config.keep_gathered_mb > 0:
         kept = min(int(config.keep_gathered_mb * MIB), sum(_gathered_bytes(p, config, world_size) for p in compiled))
+    sharded = [shard for p in params if (shard := shard_of(p)) is not None]
+    if batch is not None and sharded:
+        # the estimate compiles a copy between two torch._dynamo.reset(): this process would then compile
+        # its graphs again alone (a RankDivergenceError on every rank, blaming the compile paths)
+        from zcompile.rank_check import leave_abort_note  # local: rank_check is heavier
+
+        message = ("zcompile.estimate_memory(batch=...): the model has trained already (its parameters are "
+                   "sharded); estimating saved activations resets Dynamo, and this rank would then recompile its "
+                   "graphs without the others. Call it before the first step, or read the measured figures from "
+                   "zcompile.step_report(model, optimizer)")
+        leave_abort_note(sharded[0].group, message)  # the others, in collectives with this rank, quote it
+        raise ValueError(message)
     saved = None if batch is None else _saved_activations(model, batch, config, blocks)
     return MemoryEstimate(world_size, config.stage, sum(s[0] for s in states), sum(s[1] for s in states),
                           sum(s[2] for s in states), gathered, kept, saved)
