@@ -399,10 +399,12 @@ def _call_keys(purpose: str, group: DataParallelGroup, sequence: int) -> tuple[s
 
 
 def _slot_value(raw: bytes, sequence: int) -> str:
-    """A slot's value written at call ``sequence`` (every rank wrote it before arriving)."""
+    """A slot's value written at call ``sequence`` (every rank wrote it before arriving; one written at
+    another call is a rank whose exchanges are out of step with this one's)."""
     written, _, value = raw.decode().partition("\n")
     if int(written) != sequence:
-        raise RuntimeError(f"zcompile: a rank's value of exchange #{sequence} was written at #{written}")
+        raise RankDivergenceError(f"zcompile: a rank's value read at its exchange #{sequence} was written at "
+                                  f"its #{written}: the ranks' exchanges are out of step")
     return value
 
 
@@ -473,10 +475,11 @@ def _fix_for(fix: str, missing: list) -> str:
 def _wait_for_ranks(store: dist.Store, everyone: str, missing: Callable[[], list[int]], group: DataParallelGroup,
                     timeout_s: float, where: str, fix: str) -> None:
     """Returns once ``everyone`` is set; raises when the time is up (naming the ranks that have not
-    arrived, ``missing()``, and what each is doing) or another rank left an abort note. Time is up only for ranks that
-    wait in zcompile too, or stopped beating: one that beats and runs its own code (an evaluation or a
-    checkpoint on one rank) is waited for, with a warning each ``timeout_s`` (``zcompile.heartbeat``),
-    up to the process group's timeout (how long DDP's next collective would wait): never forever."""
+    arrived, ``missing()``, and what each is doing) or another rank left an abort note. Time is up
+    only for ranks that wait in zcompile too, or stopped beating: one that beats and runs its own code
+    (an evaluation or a checkpoint on one rank) is waited for, with a warning each ``timeout_s``
+    (``zcompile.heartbeat``), up to the process group's timeout (how long DDP's next collective would
+    wait): never forever."""
     with blocked(where, exchange_group=str(group.name)):
         deadline = time.monotonic() + timeout_s
         try:
