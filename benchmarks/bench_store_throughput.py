@@ -1,0 +1,58 @@
+"""How many requests a second the process group's store serves: what the ranks' agreements cost at scale.
+
+    for n in 1 4 16; do torchrun --nproc-per-node $n benchmarks/bench_store_throughput.py --out benchmarks/results/store_throughput_$n.json; done
+
+Every agreement (``zcompile.rank_check.exchange_through``) waits for 5 answers from the store per
+rank, and one process (torchrun's agent, or rank 0's) serves every rank's. Each rank here sends
+``--requests`` answered requests (``store.add`` on a key of its own) back to back, from a barrier;
+requests served a second = ranks x requests / the slowest rank's time. On a machine where the
+clients share the cores with the store's process this is a floor, not the store's own limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import start_gloo_benchmark  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=3000, help="answered requests per rank")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rank, world, cores = start_gloo_benchmark()
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.requests):
+        store.add(f"bench_store_throughput/{rank}", 1)
+    slowest = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    served = world * args.requests / slowest.item()
+    if rank == 0:
+        row = {"ranks": world, "cores": cores, "requests_per_rank": args.requests, "served_per_s": served,
+               "us_per_request_per_rank": 1e6 * slowest.item() / args.requests,
+               "exchange_ms_at_1024_ranks": 1e3 * 5 * 1024 / served}
+        print(f"{world} ranks x {args.requests} requests: {served:.0f} served a second, "
+              f"{row['us_per_request_per_rank']:.0f} us a request per rank; at this rate one agreement at "
+              f"1,024 ranks (5 answered requests each) takes {row['exchange_ms_at_1024_ranks']:.0f} ms")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(row, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
