@@ -260,6 +260,76 @@ def test_agreeing_ranks_make_the_same_few_requests_at_any_world_size(world):
     assert all(4 * 5 - 1 <= n <= 4 * 5 for n in answered), answered
 
 
+class _SlowSets:
+    """A rank's store whose ``set``s leave 10 ms late (a busy client; a TCPStore does not wait for a
+    ``set``'s answer, and keeps each client's requests in order)."""
+
+    def __init__(self, store: dist.Store):
+        self.store = store
+
+    def set(self, key, value):
+        time.sleep(0.01)
+        return self.store.set(key, value)
+
+    def __getattr__(self, method):
+        return getattr(self.store, method)
+
+
+def test_exchange_on_a_tcp_store_keeps_every_call_exact_with_its_unanswered_sets():
+    """On a TCPStore a ``set`` is not answered: the exchange counts on each client's requests reaching
+    the store in order (a rank's value and "values differ" mark before its arrival, the last rank's
+    slot resets before its next arrival). Four ranks, each its own client, through agreeing and
+    differing calls, labelled and not; rank 1's sets come late, and it alone differs, arriving first
+    (the others start those calls 40 ms later): a mark it set after arriving would reach the store after
+    the last rank had read that nobody differs. Every call's result exact on every rank, and the
+    store's keys bounded."""
+    server = dist.TCPStore("127.0.0.1", 0, 5, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    world, calls, results, errors = 4, 60, {}, []
+
+    def differs(call: int, rank: int) -> bool:
+        return call % 7 == 3 and rank == 1
+
+    def rank_calls(rank):
+        client = dist.TCPStore("127.0.0.1", server.port, 5, is_master=False, timeout=timedelta(seconds=30))
+        client = _SlowSets(client) if rank == 1 else client
+        group = DataParallelGroup(rank=rank, world_size=world, name="g", process_group=None)
+        got = []
+        try:
+            for call in range(calls):
+                if call % 7 == 3 and rank != 1:
+                    time.sleep(0.04)  # rank 1, slow and differing, arrives first: another rank is the last
+                elif (call + rank) % 5 == 0:
+                    time.sleep(0.002)  # the ranks drift: a different one arrives last
+                value = ["v", call, int(differs(call, rank))]
+                label = f"rank {rank} call {call}" if call % 2 else None
+                got.append(exchange_through(client, value, group, 30, "lab" if label else "plain", "x", "fix",
+                                            label=label))
+        except Exception as error:  # noqa: BLE001 - reported below, with the rank
+            errors.append((rank, error))
+        results[rank] = got
+
+    threads = [threading.Thread(target=rank_calls, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    for rank in range(world):
+        for call, got in enumerate(results[rank]):
+            values = [["v", call, int(differs(call, other))] for other in range(world)]
+            if call % 2 == 0:
+                assert got == values, (rank, call, got)
+            else:
+                labels = ([f"rank {other} call {call}" for other in range(world)] if call % 7 == 3
+                          else [f"rank {rank} call {call}"] * world)
+                assert got == list(zip(values, labels)), (rank, call, got)
+    # per purpose: each rank's counter and two value slots, and the two slots' first digest and arrival
+    # count; the labels' two slots a rank for the labelled purpose; a purpose's last call's "everyone"
+    # key where it agreed (the next call's last to arrive deletes it; a call that differed, its last reader)
+    everyone_left = sum(1 for last in (calls - 2, calls - 1) if last % 7 != 3)
+    assert server.num_keys() - 1 == 2 * (world * 3 + 4) + world * 2 + everyone_left  # and the store's own key
+
+
 def test_labels_differing_between_agreeing_ranks_are_not_read():
     """A compile check's label (its compile id, a recompile's reason) may differ between ranks that
     agree: it is not compared, so agreeing ranks still read nobody's value, and a rank gets the others'
