@@ -155,6 +155,15 @@ def test_a_stage3_graph_without_parameters_takes_no_turn_at_its_calls():
 
 # ---- the exchange on a store: one thread per rank ----
 
+def _in_threads(rank_fn, world: int, timeout_s: float) -> None:
+    """``rank_fn(rank)`` for every rank at once, each in a thread named ``rank{rank}``, as ranks run."""
+    threads = [threading.Thread(target=rank_fn, args=(rank,), name=f"rank{rank}") for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+
+
 def _group(rank: int) -> DataParallelGroup:
     return DataParallelGroup(rank=rank, world_size=2, name="g", process_group=None)
 
@@ -166,11 +175,7 @@ def test_exchange_meets_every_call_and_keeps_the_store_small():
         results[rank] = [exchange_through(store, [rank, call], _group(rank), 10, "step", "step", "fix")
                          for call in range(6)]
 
-    threads = [threading.Thread(target=rank_calls, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    _in_threads(rank_calls, 2, 30)
     assert results[0] == results[1] == [[[0, call], [1, call]] for call in range(6)]
     # per rank its counter and its two value slots (6), and the two slots of the first digest and of the
     # arrival count (4); of each call whose values differ, the last rank to read them deleted the rest
@@ -181,11 +186,7 @@ def test_exchange_meets_every_call_and_keeps_the_store_small():
         agreeing[rank] = [exchange_through(store, ["step", call], _group(rank), 10, "step", "step", "fix")
                           for call in range(6)]
 
-    threads = [threading.Thread(target=rank_agrees, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    _in_threads(rank_agrees, 2, 30)
     assert agreeing[0] == agreeing[1] == [[["step", call]] * 2 for call in range(6)]
     # the counters and slots, and only the last call's "everyone is here" (the next call's last to
     # arrive deletes it)
@@ -211,11 +212,7 @@ def test_ranks_at_different_checks_are_told_where_each_was(monkeypatch):
         except RankDivergenceError as error:
             errors[rank] = str(error)
 
-    threads = [threading.Thread(target=rank_checks, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    _in_threads(rank_checks, 2, 30)
     where = "(rank 0 at graph 0/2; rank 1 at the backward graph of Dynamo graph 0_1)"
     assert set(errors) == {0, 1} and all(where in message for message in errors.values()), errors
 
@@ -244,11 +241,7 @@ def test_agreeing_ranks_make_the_same_few_requests_at_any_world_size(world):
         group = DataParallelGroup(rank=rank, world_size=world, name="g", process_group=None)
         results[rank] = [exchange_through(store, ["step", call], group, 30, "step", "step", "fix") for call in range(4)]
 
-    threads = [threading.Thread(target=rank_calls, args=(rank,), name=f"rank{rank}") for rank in range(world)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    _in_threads(rank_calls, world, 60)
     assert all(results[rank] == [[["step", call]] * world for call in range(4)] for rank in range(world))
     assert not any(method == "multi_get" for _, method in store.requests)
     per_rank = [sum(n for (thread, _), n in store.requests.items() if thread == f"rank{rank}") for rank in range(world)]
@@ -308,11 +301,7 @@ def test_exchange_on_a_tcp_store_keeps_every_call_exact_with_its_unanswered_sets
             errors.append((rank, error))
         results[rank] = got
 
-    threads = [threading.Thread(target=rank_calls, args=(rank,)) for rank in range(world)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    _in_threads(rank_calls, world, 120)
     assert not errors, errors
     for rank in range(world):
         for call, got in enumerate(results[rank]):
@@ -341,11 +330,7 @@ def test_labels_differing_between_agreeing_ranks_are_not_read():
                                           label=f"rank {rank}'s call {call}")
                          for call, value in enumerate(["same", "same", "same", f"differs on {rank}"])]
 
-    threads = [threading.Thread(target=rank_calls, args=(rank,), name=f"rank{rank}") for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    _in_threads(rank_calls, 2, 30)
     for rank in range(2):
         assert results[rank][:3] == [[("same", f"rank {rank}'s call {call}")] * 2 for call in range(3)]
         assert results[rank][3] == [(f"differs on {other}", f"rank {other}'s call 3") for other in range(2)]

@@ -350,11 +350,11 @@ def exchange_through(store: dist.Store, value: Any, group: DataParallelGroup, ti
     this rank's own when they agree (no rank reads the others' then)."""
     # the counter lives in the store, so it survives torch._dynamo.reset() and needs no global
     sequence = store.add(_sequence_key(purpose, group), 1)
-    slots = _value_slots(purpose, group, sequence)
+    own_slot = _value_slot(purpose, group, sequence, group.rank)  # the others' named only where read
     text = json.dumps(value)
     if label is not None:  # before the value: a rank that reads values may read labels
-        store.set(_label_key(slots[group.rank]), f"{sequence}\n{label}")
-    store.set(slots[group.rank], f"{sequence}\n{text}")
+        store.set(_label_key(own_slot), f"{sequence}\n{label}")
+    store.set(own_slot, f"{sequence}\n{text}")
     first, arrived, everyone, differ = _call_keys(purpose, group, sequence)
     digest = hashlib.sha1(text.encode()).hexdigest()[:16]
     if store.compare_set(first, "", digest).decode() != digest:
@@ -369,11 +369,13 @@ def exchange_through(store: dist.Store, value: Any, group: DataParallelGroup, ti
             if sequence > 1:
                 store.delete_key(_call_keys(purpose, group, sequence - 1)[2])
         else:
-            _wait_for_ranks(store, everyone, lambda: _missing(store, slots, sequence), group, timeout_s, where, fix)
+            _wait_for_ranks(store, everyone, lambda: _missing(store, purpose, group, sequence), group, timeout_s,
+                            where, fix)
             agreed = not store.check([differ])
         if agreed:
             mine = json.loads(text)
             return [mine] * group.world_size if label is None else [(mine, label)] * group.world_size
+        slots = [_value_slot(purpose, group, sequence, rank) for rank in range(group.world_size)]
         values = [json.loads(_slot_value(raw, sequence)) for raw in store.multi_get(slots)]
         labels = ([_slot_value(raw, sequence) for raw in store.multi_get([_label_key(slot) for slot in slots])]
                   if label is not None else [])
@@ -448,11 +450,11 @@ def _sequence_key(purpose: str, group: DataParallelGroup) -> str:
     return f"zcompile/{purpose}/{group.name}/sequence/{group.rank}"
 
 
-def _value_slots(purpose: str, group: DataParallelGroup, sequence: int) -> list[str]:
-    """Each rank's slot for its value at call ``sequence``: two per rank, alternating. A rank writes
+def _value_slot(purpose: str, group: DataParallelGroup, sequence: int, rank: int) -> str:
+    """``rank``'s slot for its value at call ``sequence``: two per rank, alternating. A rank writes
     over its value of two calls before, which no rank reads any more (every rank arrived at the call
     between, so has finished that one)."""
-    return [f"zcompile/{purpose}/{group.name}/slot{sequence % 2}/{rank}" for rank in range(group.world_size)]
+    return f"zcompile/{purpose}/{group.name}/slot{sequence % 2}/{rank}"
 
 
 def _label_key(key: str) -> str:
@@ -528,10 +530,12 @@ def _wait_for_ranks(store: dist.Store, everyone: str, missing: Callable[[], list
                                              f"{timeout_s:.0f}s ({describe_all(now)}). {_fix_for(fix, now)}")
 
 
-def _missing(store: dist.Store, slots: list[str], sequence: int) -> list[int]:
+def _missing(store: dist.Store, purpose: str, group: DataParallelGroup, sequence: int) -> list[int]:
     """The ranks whose slot does not hold a value of call ``sequence`` yet: they have not arrived."""
-    return [rank for rank, slot in enumerate(slots)
-            if not store.check([slot]) or not store.get(slot).decode().startswith(f"{sequence}\n")]
+    def arrived(slot: str) -> bool:
+        return store.check([slot]) and store.get(slot).decode().startswith(f"{sequence}\n")
+
+    return [rank for rank in range(group.world_size) if not arrived(_value_slot(purpose, group, sequence, rank))]
 
 
 def _tell_others_and_raise(store: dist.Store | None, group: DataParallelGroup, message: str) -> NoReturn:
