@@ -163,6 +163,28 @@ def test_a_call_of_the_other_kind_ends_the_run_and_the_last_call_prefetches_noth
         assert backward_chain.taken == 2 + 2 + 2 + 1 and backward_chain.dropped == 0
 
 
+@pytest.mark.parametrize("order", [[0, 0], [0, 1, 0]], ids=["the model twice a step", "a layer shared"])
+def test_a_graph_called_again_with_the_same_shards_prefetches_only_for_calls_that_come(order):
+    """The whole model called on two batches before one backward (DPO's chosen and rejected), or a
+    layer shared across depths: the last call with those shards predicts no successor, and the
+    backward's last call issues nothing, so no gather is wasted or left in flight after the step."""
+    with fake_process_group(world_size=2) as group:
+        phase = RunPhase()
+        gm, forward_chain, forward = _chain(group, phase, "forward")
+        _, backward_chain, backward = _chain(group, phase, "backward")
+        layers = [_layer_inputs(seed) for seed in range(2)]
+        for _ in range(3):
+            for i in order:
+                torch.testing.assert_close(forward(list(layers[i])), gm(*layers[i]), rtol=0, atol=0)
+            assert forward_chain.pending is None  # the last call issued nothing
+            for i in reversed(order):
+                torch.testing.assert_close(backward(list(layers[i])), gm(*layers[i]), rtol=0, atol=0)
+            assert backward_chain.pending is None  # nothing held over the step
+        calls_after_the_first = len(order) - 1
+        assert (forward_chain.taken, forward_chain.dropped) == (2 * calls_after_the_first, 0)  # runs 2 and 3
+        assert (backward_chain.taken, backward_chain.dropped) == (3 * calls_after_the_first, 0)
+
+
 def test_a_call_that_skipped_its_agreement_neither_takes_nor_issues_where_calls_are_agreed():
     """With the ranks' agreement on (the backend's), only an agreed call may take or issue a prefetch:
     a call without one (the first after a step) has nothing to make every rank do the same."""

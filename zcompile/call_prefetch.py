@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 CallKey = tuple[int, ...]
+RunPlace = tuple[CallKey, int]  # a forward call's shards, and how many calls of its run had them before
 
 
 def _key(inputs: list[torch.Tensor]) -> CallKey:
@@ -105,14 +106,15 @@ class CallChain:
     # a forward: where its call's arguments hold each parameter's shard (Dynamo-graph input -> position),
     # recorded per call for its backward to find it by
     shard_positions: dict[int, int] = field(default_factory=dict)
-    links: dict[CallKey, list[torch.Tensor]] = field(default_factory=dict)  # the previous run's: key -> next inputs
-    learning: dict[CallKey, list[torch.Tensor]] = field(default_factory=dict)  # this run's
+    links: dict[RunPlace, list[torch.Tensor]] = field(default_factory=dict)  # the previous run's: place -> next inputs
+    learning: dict[RunPlace, list[torch.Tensor]] = field(default_factory=dict)  # this run's
+    seen: dict[CallKey, int] = field(default_factory=dict)  # this run's calls so far, by shards
     # a forward: each call's Dynamo-graph inputs by index (shards only), this run's and the last run's
     calls: list[dict[int, torch.Tensor]] = field(default_factory=list)
     last_run_calls: list[dict[int, torch.Tensor]] = field(default_factory=list)
-    # a backward: where each of its forward's last run of calls was made, by this graph's key for it
-    forward_positions: dict[CallKey, int] | None = None
-    last_key: CallKey | None = None
+    # a backward: where its forward's last run made the calls with each key, not yet claimed by a backward call
+    forward_positions: dict[CallKey, list[int]] | None = None
+    last_place: RunPlace | None = None
     pending: _Prefetch | None = None
     agreed_plan: CallPlan | None = None
     taken: int = 0  # calls that took a prefetch, and prefetches dropped: for tests and the report
@@ -134,7 +136,7 @@ class CallChain:
         (the backend's agreement compares ``describe()``): ``run`` then does exactly that."""
         starts_run = self.phase.current != self.kind
         take = not starts_run and self._matches(inputs)
-        self.agreed_plan = CallPlan(take, self.links.get(_key(inputs)) if self.kind == "forward" else None)
+        self.agreed_plan = CallPlan(take, self.links.get(self._place(inputs)) if self.kind == "forward" else None)
         return self.agreed_plan
 
     def run(self, args: list, body: Callable[[list], object]):
@@ -165,7 +167,8 @@ class CallChain:
         if self.calls:
             self.links, self.learning = self.learning, {}
             self.last_run_calls, self.calls = self.calls, []
-        self.last_key = None
+        self.last_place = None
+        self.seen = {}
         self.forward_positions = None
 
     def _plan_now(self, inputs: list[torch.Tensor]) -> CallPlan:
@@ -179,17 +182,19 @@ class CallChain:
             return agreed
         if self.agreed:  # a call that needed no agreement (the first after a step): nothing to compare with
             return CallPlan(False, None)
-        return CallPlan(self._matches(inputs), self.links.get(_key(inputs)))
+        return CallPlan(self._matches(inputs), self.links.get(self._place(inputs)))
 
     def _backward_plan(self, inputs: list[torch.Tensor]) -> CallPlan:
         """Take what the backward call before issued for this one; issue the backward of the forward
         call made just before this one's forward call (the forward's last run, found by the shards)."""
         forward = self.phase.chains.get("forward")
         made = forward.last_run_calls if forward is not None else []
-        if self.forward_positions is None:  # once a run: its last call with these shards wins
-            self.forward_positions = {_key([call.get(j) for j in self.split.dynamo_indices]): at
-                                      for at, call in enumerate(made)}
-        at = self.forward_positions.get(_key(inputs))
+        if self.forward_positions is None:  # once a run
+            self.forward_positions = {}
+            for at, call in enumerate(made):
+                self.forward_positions.setdefault(_key([call.get(j) for j in self.split.dynamo_indices]), []).append(at)
+        unclaimed = self.forward_positions.get(_key(inputs))
+        at = unclaimed.pop() if unclaimed else None  # the latest: backward runs the forward's calls in reverse
         following = None
         if at is not None and at > 0 and all(j in made[at - 1] for j in self.split.dynamo_indices):
             following = [made[at - 1][j] for j in self.split.dynamo_indices]
@@ -200,11 +205,16 @@ class CallChain:
         plans from those, and learns nothing)."""
         if self.kind != "forward":
             return
-        key = _key(inputs)
-        if self.last_key is not None:
-            self.learning[self.last_key] = inputs
-        self.last_key = key
+        place = self._place(inputs)
+        if self.last_place is not None:
+            self.learning[self.last_place] = inputs
+        self.last_place = place
+        self.seen[place[0]] = place[1] + 1
         self.calls.append({j: args[i] for j, i in self.shard_positions.items()})
+
+    def _place(self, inputs: list[torch.Tensor]) -> RunPlace:
+        key = _key(inputs)
+        return key, self.seen.get(key, 0)
 
     def _matches(self, inputs: list[torch.Tensor]) -> bool:
         pending = self.pending
