@@ -105,6 +105,34 @@ def test_more_ranks_than_host_cores_take_turns_on_them():
     assert shared.mfu == pytest.approx(own.mfu / 2, rel=1e-9)  # against a rank's own peak
 
 
+def test_the_ranks_agreements_are_priced_at_the_profiles_store_rate(caplog):
+    """One store server answers 5 requests per rank an exchange (``rank_check``): a step's exchanges
+    cost 5 x ranks x exchanges / ``store_requests_per_s``. On a CPU profile they add to the step; on
+    a GPU's the host runs ahead, so the step is the longer of the device's and the host's waits. A
+    graph called once per layer (a graph break in the layer loop) agrees on each call; where that
+    is a large share of the step the warning says so and names the fix."""
+    tokens, targets = global_batch(0, 2)
+    for name, rates in (("cpu-local", (0.0, 1e3)), ("h100-sxm", (0.0, 1e9, 1e3))):
+        data = json.loads(open(load_profile(name).source).read())
+        runs = {}
+        for rate in rates:
+            data["store_requests_per_s"] = rate
+            caplog.clear()
+            runs[rate] = simulate(lambda: build_model("gpt_loop_breaks"), (tokens, targets), world_size=WORLD,
+                                  options={"stage": 3}, hardware=profile_from_dict(data))
+        unpriced, slow = runs[0.0], runs[1e3]
+        assert unpriced.store_s == 0.0  # 0: not priced
+        assert unpriced.store_exchanges == slow.store_exchanges > 1  # the count itself: test_simulate_check
+        assert slow.store_s == pytest.approx(5 * WORLD * slow.store_exchanges / 1e3, rel=1e-12)
+        assert "agree on every call" in caplog.text and "mark_repeated_blocks" in caplog.text
+        if name == "cpu-local":
+            assert slow.step_s == pytest.approx(unpriced.step_s + slow.store_s, rel=1e-9)
+        else:
+            assert slow.step_s == slow.store_s > unpriced.step_s
+            fast = runs[1e9]  # its waits hidden behind the device's step
+            assert 0 < fast.store_s < unpriced.step_s and fast.step_s == pytest.approx(unpriced.step_s, rel=1e-12)
+
+
 def test_stage2_optimizer_gathers_the_parameters_in_bf16():
     tokens, targets = global_batch(0, 2)
     result = simulate(lambda: build_model("gpt"), (tokens, targets), world_size=WORLD,

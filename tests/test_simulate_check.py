@@ -30,8 +30,21 @@ def _tokens(rank: int, world: int) -> torch.Tensor:
     return tokens[rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK].contiguous()
 
 
+def _store_exchanges_of(model: torch.nn.Module, step) -> int:
+    """The ranks' agreements through the store that ``step()`` made on this rank (``rank_check``'s count)."""
+    from zcompile.param_shards import shard_of
+    from zcompile.rank_check import exchanges_made
+
+    group = next(filter(None, map(shard_of, model.parameters()))).group
+    before = exchanges_made(group, "step")
+    step()
+    return exchanges_made(group, "step") - before
+
+
 def _llama_steps_on_rank(rank: int, world: int) -> dict:
-    """Rank entry (spawned): per stage, two AdamW steps of the Llama; the step report's memory and collectives."""
+    """Rank entry (spawned): per stage, two AdamW steps of the Llama; the step report's memory and
+    collectives, and the store exchanges of the second step. Then the GPT with a graph break in its
+    layer loop at stage 3 (a graph called once per layer, each call agreed): its exchanges a step."""
     import zcompile
 
     out = {}
@@ -40,16 +53,41 @@ def _llama_steps_on_rank(rank: int, world: int) -> dict:
         model = build_model("hf_llama")
         optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-3)
         compiled = torch.compile(model, backend="zero", options={"stage": stage, "bucket_mb": 0.01})
-        for _ in range(2):
+
+        def step():
             tokens = _tokens(rank, world)
             compiled(input_ids=tokens, labels=tokens).loss.backward()
             optimizer.step()
+
+        step()
+        exchanges = _store_exchanges_of(model, step)
         report = zcompile.step_report(model, optimizer)
         optimizer.zero_grad()
         rows = [(where, kind, count, nbytes) for where, kind, count, _, nbytes in report.collective_rows()]
-        out[stage] = {"memory": report.memory, "collectives": rows}
+        out[stage] = {"memory": report.memory, "collectives": rows, "store_exchanges": exchanges}
+    torch._dynamo.reset()
+    model = build_model(LAYER_LOOP_MODEL)
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend="zero", options={"stage": 3})
+
+    def step():
+        compiled(*_gpt_batch(rank, world)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    out[LAYER_LOOP_MODEL] = _store_exchanges_of(model, step)
     dist.barrier()
     return out
+
+
+LAYER_LOOP_MODEL = "gpt_loop_breaks"
+
+
+def _gpt_batch(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, targets = global_batch(0, BATCH_PER_RANK * world)
+    rows = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
+    return tokens[rows].contiguous(), targets[rows].contiguous()
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +130,21 @@ def test_simulated_llama_equals_the_real_2_rank_run(llama_world2, llama_simulate
     assert set(ours) == set(theirs), (ours, theirs)
     for key, (count, nbytes) in theirs.items():
         assert ours[key] == [count, nbytes], (key, ours[key], theirs[key])
+
+
+def test_simulated_store_exchanges_are_the_real_runs(llama_world2, llama_simulated):
+    """The ranks' agreements a step that ``simulate`` prices (``SimulationResult.store_exchanges``)
+    are the exchanges the real 2-rank run made in a step, counted by the store's own sequence: the
+    whole Llama's one (its forward is the step's free call), and with a graph break in the layer loop
+    one more per compiled call after the first."""
+    from zcompile.simulate import simulate
+
+    for stage in SIM_STAGES:
+        assert llama_simulated[stage].store_exchanges == llama_world2[stage]["store_exchanges"] == 1, stage
+    looped = simulate(lambda: build_model(LAYER_LOOP_MODEL), _gpt_batch(0, WORLD), world_size=WORLD,
+                      options={"stage": 3}, hardware="cpu-local")
+    assert looped.store_exchanges == llama_world2[LAYER_LOOP_MODEL] > 1
+    assert looped.store_s > 0
 
 
 # ----------------------------------------------------------------------------- torch's own estimate

@@ -356,10 +356,18 @@ def _agreed_call(config: ZeroConfig, group: DataParallelGroup, plan: ShardingPla
     process; agreeing in forward, the ranks meet different calls there and raise. Named by its
     collectives and mode, not its compile id: a rank's lone recompile for its own shapes makes the same
     call (``rank_check.call_identity``)."""
-    if (not config.check_ranks or group.world_size == 1 or not plan.params or plan.stage == 1
-            or not issues_collectives(plan, zeropp.active)):
-        return None  # a graph without parameters (a piece of the forward between graph breaks) moves none
+    if not agrees_on_each_call(config, group.world_size, plan, zeropp.active):
+        return None
     return call_identity(plan, gm, zeropp.signature() if zeropp.active else None)
+
+
+def agrees_on_each_call(config: ZeroConfig, world_size: int, plan: ShardingPlan, zeropp_active: bool,
+                        grad_enabled: bool | None = None) -> bool:
+    """Whether the ranks agree before each call of a graph compiled with ``plan`` (``_agreed_call``):
+    one store exchange a call, but the first after a step (``zcompile.simulate`` counts them)."""
+    # a graph without parameters (a piece of the forward between graph breaks) moves none
+    return (config.check_ranks and world_size > 1 and bool(plan.params) and plan.stage != 1
+            and issues_collectives(plan, zeropp_active, grad_enabled))
 
 
 def _refuse_parameter_writes(gm: torch.fx.GraphModule, plan: ShardingPlan) -> None:

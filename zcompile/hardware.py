@@ -49,7 +49,11 @@ profiles leave them out, and each defaults to "no effect"):
   host (``cpu-local``); its figures are each rank's with at most one rank per core, as fitted.
   More ranks than cores time-share them: ``time_sharing`` is how many times longer each rank's
   compute, host work and transfers take (4 ranks on 2 cores: 2x; ``shared_by`` applies it to every
-  figure of time). Left out (0) in the GPU profiles: a device per rank.
+  figure of time). Left out (0) in the GPU profiles: a device per rank;
+- ``store_requests_per_s``: the answered requests a second the process group's store serves (one
+  server, torchrun's agent or rank 0's, answers every rank's), which bounds the ranks' agreements
+  (``zcompile.rank_check``: 5 answered requests per rank an exchange, so 5N through the one server).
+  Measured by ``benchmarks/bench_store_throughput.py``; 0: not priced.
 """
 
 from __future__ import annotations
@@ -122,6 +126,7 @@ class HardwareProfile:
     graph_call_overhead_s: float = 0.0  # host time per compiled graph call (forward or backward)
     parameter_overhead_s: float = 0.0  # host time per trained parameter and step
     host_cores: int = 0  # CPU cores a node's ranks share (module docstring); 0: a device per rank
+    store_requests_per_s: float = 0.0  # answered requests a second of the process group's store; 0: not priced
 
     def time_sharing(self, world_size: int, node_size: int | None = None) -> float:
         """How many times longer each rank's compute, host work and transfers take in a world of
@@ -158,12 +163,17 @@ class HardwareProfile:
             transcendental_bytes_per_s=self.transcendental_bytes_per_s / share,
             op_overhead_s=self.op_overhead_s * share, graph_call_overhead_s=self.graph_call_overhead_s * share,
             parameter_overhead_s=self.parameter_overhead_s * share,
+            store_requests_per_s=self.store_requests_per_s / share,  # its server takes turns on the cores too
             intra_node=link(self.intra_node), inter_node=link(self.inter_node))
 
     def host_overhead_seconds(self, graph_calls: int, parameters: int) -> float:
         """The step's host time no op's price holds: ``graph_calls`` graph calls, ``parameters`` trained
         parameters (tensors, not elements)."""
         return self.graph_call_overhead_s * graph_calls + self.parameter_overhead_s * parameters
+
+    def store_seconds(self, requests: int) -> float:
+        """The store's time to answer ``requests`` requests, one after another (0 where not priced)."""
+        return requests / self.store_requests_per_s if self.store_requests_per_s else 0.0
 
     def group_cost(self, kind: str, group_size: int, across_nodes: bool) -> CollectiveCost:
         """``kind`` over a group of ``group_size`` ranks, on the inter-node link when the group spans
@@ -282,7 +292,8 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
     links = {name: _link(name, positive, data) for name in ("intra_node", "inter_node")}
     optional = {key: positive(key) for key in ("attention_efficiency", "transcendental_bytes_per_s", "overlap_slowdown",
                                                "compute_efficiency") if key in data}
-    optional.update({key: positive(key, allow_zero=True) for key in ("graph_call_overhead_s", "parameter_overhead_s")
+    optional.update({key: positive(key, allow_zero=True) for key in ("graph_call_overhead_s", "parameter_overhead_s",
+                                                                     "store_requests_per_s")
                      if key in data})
     for fraction in ("attention_efficiency", "compute_efficiency"):
         if optional.get(fraction, 1.0) > 1.0:

@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 
 FIRST_WAIT_S = 1.0  # one store.wait, notified at once: ranks that arrive within it cost no polling
 POLL_S = 0.25  # then store.check every POLL_S (a timed-out store.wait prints c10d warnings each time)
+# answered store requests per rank in one exchange whose ranks agree (``exchange_through``): what an
+# exchange costs the one store server at N ranks, 5N requests (``zcompile.simulate`` prices it)
+ANSWERED_REQUESTS_PER_EXCHANGE = 5
 SHOWN = 4  # extra parameters or collectives listed by name, ranks described, in a difference
 COMPILE_CHECK = "zero backend: "  # how a compile's rank check names itself (and how a beat shows a rank waiting in one)
 CHECK_FIX = ("The ranks took different compile paths (different models, modes, code paths or input shapes per rank) "

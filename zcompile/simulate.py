@@ -35,6 +35,15 @@ From the compiled graphs it returns:
   ``HardwareProfile.host_overhead_seconds``), which a GPU's host spends ahead of the device. With
   more ranks on a node than the profile's ``host_cores`` (4 ranks on this machine's 2 cores) every
   figure of time is that ratio slower (``HardwareProfile.shared_by``): the ranks take turns.
+- the ranks' agreements through the store (``zcompile.step_agreement``, with the default
+  ``check_ranks=True``): the step's, and one before each training call of a graph whose calls are
+  agreed (``backend.agrees_on_each_call``: stages 2 and 3) but the first after the step. One server
+  answers every rank's requests, 5 per rank an exchange (``rank_check.ANSWERED_REQUESTS_PER_EXCHANGE``),
+  so an exchange takes 5N requests at the profile's ``store_requests_per_s``: 0.5 ms at 8 ranks, 66 ms
+  at 1,024 at the rate this machine's store served. Blocks compiled one by one, or a graph break in
+  the layer loop, make one a layer. On a CPU profile the host's waits add to the step; on a GPU's the
+  host runs ahead of the device, and they show where they outlast the device's step. A clip's
+  agreement is not counted (the simulation does not clip).
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from zcompile.backend import agrees_on_each_call
 from zcompile.config import ZeroConfig
 from zcompile.cost_model import ComputeCosts, predict_step, step_graphs
 from zcompile.estimate import estimate_memory, fake_call
@@ -56,10 +66,12 @@ from zcompile.optim_buckets import plan_optimizer_buckets, plan_reduce_buckets
 from zcompile.param_shards import shard_of
 from zcompile.passes.collectives import collective_nodes
 from zcompile.process_group import group_ranks_by_name
+from zcompile.rank_check import ANSWERED_REQUESTS_PER_EXCHANGE
 from zcompile.passes.liveness import gathered_peak_parts, saved_activation_bytes
 from zcompile.step_peak import step_peak
 
 log = logging.getLogger(__name__)
+STORE_SHARE_WORTH_A_WARNING = 0.1  # of the predicted step
 OPTIMIZER_BUCKET_MB = 4.0  # zcompile.optim's default bucket_mb: the optimizer the simulation assumes
 
 
@@ -91,6 +103,8 @@ class SimulationResult:
     # the host's time per graph call and trained parameter (the profile's; 0 on a GPU profile)
     host_overhead_s: float = 0.0
     graph_calls: int = 0  # compiled graph calls per step (forward and backward graphs)
+    store_exchanges: int = 0  # the ranks' agreements through the store per step (module docstring)
+    store_s: float = 0.0  # the store's time to serve them, at the profile's store_requests_per_s
     mfu: float = 0.0
     simulate_s: float = 0.0  # wall time of the simulation itself
     step_peak_bytes: int = 0  # the most bytes per rank during a step (zcompile.step_peak), model states included
@@ -132,7 +146,9 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
     """
     check_world(world_size, node_size)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
-    config = ZeroConfig.from_options(options).replace(check_ranks=False)
+    config = ZeroConfig.from_options(options)
+    checks_ranks = config.check_ranks  # the user's: priced, though there are no ranks here to check
+    config = config.replace(check_ranks=False)
     on_gloo = profile.device_type == "cpu"  # the fake group has no backend: the profile's device says which
     if config.reduce_scatter == "auto":
         config = config.replace(reduce_scatter="all_to_all" if on_gloo else "native")
@@ -182,6 +198,7 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
     compute = profile.compute_costs(config.param_dtype or torch.float32)
     result.optimizer_update_s = _optimizer_update_seconds(model, profile, compute)
     result.time_sharing = time_sharing
+    result.store_exchanges = _store_exchanges(graphs, world_size) if checks_ranks else 0
     _predict(result, stepped, pricing, compute, sum(p.requires_grad for p in dict.fromkeys(model.parameters())))
     result.simulate_s = time.perf_counter() - start
     log.info("simulate: %d parameters on %d ranks (%s): %.1f MiB per rank, step %.3f s, MFU %.1f%%", num_params,
@@ -277,6 +294,34 @@ def _optimizer_collectives(model: torch.nn.Module, pricing: LinkCosts, by_all_to
     return out
 
 
+def _store_exchanges(graphs: list, world_size: int) -> int:
+    """The step's agreements through the store with the ranks checked: the step's own, and one before
+    each training call of a graph that agrees on its calls, but the first after the step (every rank
+    goes there from the step's agreement: ``ShardSwap.first_call_since_agreed_step``)."""
+    if world_size == 1:
+        return 0
+    agreed_calls = sum(max(1, g.calls_since_step) for g in graphs if g.context is not None and agrees_on_each_call(
+        g.context.config.replace(check_ranks=True), world_size, g.context.sharding, g.context.zeropp.active,
+        grad_enabled=True))
+    return 1 + max(0, agreed_calls - 1)
+
+
+def _store_note(result: SimulationResult, profile: HardwareProfile) -> str:
+    """What the store's share of the step is, why, and what lowers it."""
+    each = result.store_s / result.store_exchanges
+    said = (f"at {result.world_size} ranks the ranks' {result.store_exchanges} agreement(s) a step through the store "
+            f"take {result.store_s * 1e3:.1f} ms of the {result.step_s * 1e3:.1f} ms step ({each * 1e3:.2f} ms each: "
+            f"one store server answers {ANSWERED_REQUESTS_PER_EXCHANGE * result.world_size} requests an exchange at "
+            f"{profile.store_requests_per_s:,.0f} requests/s, the profile's store_requests_per_s). ")
+    if result.store_exchanges > 1:
+        return said + ("Graphs called once per layer (blocks compiled one by one, a graph break in the layer loop) "
+                       "agree on every call: compile the whole model, whose forward needs none, or mark its blocks "
+                       "with zcompile.mark_repeated_blocks")
+    return said + ("That is the step's own agreement, once a step: more tokens per step (gradient accumulation) "
+                   "spread it; check_ranks=False removes it, and with it the error a rank that skips a step or a "
+                   "layer alone would raise (a hang instead)")
+
+
 def _optimizer_update_seconds(model: torch.nn.Module, profile: HardwareProfile, compute: ComputeCosts) -> float:
     """``zcompile.optim.AdamW``'s update of rank 0's shards: the fused AdamW kernel's one pass over
     each shard (the module docstring), one op's overhead per shard, plus on a CPU the passes torch's
@@ -310,6 +355,14 @@ def _predict(result: SimulationResult, graphs: list, pricing: LinkCosts, compute
     result.compute_s = prediction.compute_s + result.optimizer_update_s
     result.exposed_comm_s = prediction.exposed_comm_s + optimizer_comm
     result.step_s = prediction.step_s + optimizer_comm + result.optimizer_update_s + result.host_overhead_s
+    profile = pricing.profile
+    result.store_s = profile.store_seconds(ANSWERED_REQUESTS_PER_EXCHANGE * result.world_size * result.store_exchanges)
+    if profile.device_type == "cpu":  # the host runs the ops: its waits are the step's
+        result.step_s += result.store_s
+    else:  # the host runs ahead of the device: its waits show where they outlast the device's step
+        result.step_s = max(result.step_s, result.store_s)
+    if result.store_s > STORE_SHARE_WORTH_A_WARNING * result.step_s:
+        log.warning("zcompile.simulate: %s", _store_note(result, profile))
     if result.step_s > 0:
         # against a rank's own peak, not its time-shared one
         peak = compute.flops_per_s * result.time_sharing
