@@ -110,7 +110,7 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
     out.table("collectives per step and rank (GiB)", ["where", "all", "across nodes"], rows, numeric={1, 2})
     host = f", host {result.host_overhead_s * 1e3:.1f} ms" if result.host_overhead_s else ""
     if result.store_s:
-        host += f", the ranks' {result.store_exchanges} agreements through the store {result.store_s * 1e3:.1f} ms"
+        host += f", the ranks' {result.store_exchanges} agreement{'s' if result.store_exchanges != 1 else ''} through the store {result.store_s * 1e3:.1f} ms"
     out.line(f"step {result.step_s * 1e3:.1f} ms (compute {result.compute_s * 1e3:.1f} ms, exposed communication "
              f"{result.exposed_comm_s * 1e3:.1f} ms{host}), {result.tokens_per_rank / result.step_s:,.0f} tokens/s per "
              f"rank, MFU {100 * result.mfu:.1f}%; simulated in {result.simulate_s:.1f} s")
