@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from zcompile.dynamo_frame import modules_of_compiled_frame, recompile_reason
+from zcompile.dynamo_frame import _fallback_reason, modules_of_compiled_frame, recompile_causes, recompile_reason
 
 
 def _star_wrapped(forward):
@@ -66,3 +66,40 @@ def test_a_recompile_names_the_guard_that_failed():
     torch._dynamo.reset()
     assert reasons[0] is None  # a first compile
     assert "size mismatch at index 0. expected 2, actual 3" in reasons[1], reasons
+
+
+class WithDropout(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.dropout = torch.nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.dropout(self.linear(x))
+
+
+def test_at_the_recompile_limit_the_guards_that_failed_are_named_with_a_fix_each():
+    """A frame Dynamo ran eagerly at the recompile limit: the message names the guards that made it
+    compile again (torch's ``guard_failures``), latest first, and the fix for each kind, not "a new
+    input shape" whatever the cause (a transformers GPT-2's blocks compiled one by one, evaluated
+    with its KV cache: a per-layer ``layer_idx``, the training flag and the cache failed, not shapes)."""
+    torch._dynamo.reset()
+    model = WithDropout()
+    compiled = torch.compile(model, backend="eager", dynamic=False)
+    compiled(torch.randn(2, 4))
+    model.eval()
+    compiled(torch.randn(2, 4))  # the training flag
+    model.train()
+    compiled(torch.randn(3, 4))  # a new shape
+    code = WithDropout.forward.__code__
+    causes = recompile_causes(code)
+    with torch._dynamo.config.patch(recompile_limit=3):
+        message = _fallback_reason(code)
+    torch._dynamo.reset()
+    assert any("size mismatch at index 0" in cause and "expected" not in cause for cause in causes), causes
+    assert any(".training == " in cause for cause in causes), causes
+    assert len(causes) == len(set(causes))
+    assert "recompile_limit (cache_size_limit) = 3 recompiles" in message
+    assert "size mismatch at index 0`" in message and "mark_dynamic" in message
+    assert "(model.train() / model.eval())" in message
+    assert "layer_idx" not in message and "use_cache" not in message  # fixes for causes not there are not said

@@ -10,8 +10,10 @@ is not available the caller gets no modules and logs it, and nothing else change
 
 When eager code touches a sharded parameter, the error says why Dynamo did not compile it
 (``eager_fallback_reason``: the recompile limit, or a skipped frame / graph break), read from the
-cache entries of the frames on the Python stack. A compile that is a recompile says why
-(``recompile_reason``: the guard that failed, from Dynamo's metrics of the compile in progress).
+cache entries of the frames on the Python stack; at the recompile limit, with the guards that failed
+and a fix for each (``recompile_causes``, from ``torch._dynamo.utils.guard_failures``). A compile
+that is a recompile says why (``recompile_reason``: the guard that failed, from Dynamo's metrics of
+the compile in progress).
 Functions that must only ever be traced inline are kept from being compiled as frames of their own
 (``never_compiled_as_frames``).
 """
@@ -140,12 +142,57 @@ def _fallback_reason(code) -> str:
     where = f"{code.co_name!r} ({code.co_filename}:{code.co_firstlineno})"
     limit = torch._dynamo.config.recompile_limit
     if len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) >= limit:
+        causes = recompile_causes(code)
+        if not causes:
+            return (f"Dynamo ran {where} eagerly because it hit torch._dynamo.config.recompile_limit (cache_size_limit) "
+                    f"= {limit} recompiles (a new input shape or dtype each time): mark the changing dimension dynamic "
+                    "(torch._dynamo.mark_dynamic, or torch.compile(dynamic=True)), pad inputs to a few fixed shapes, or "
+                    "raise torch._dynamo.config.cache_size_limit.")
+        fixes = list(dict.fromkeys(fix for cause in causes for pattern, fix in _RECOMPILE_FIXES if pattern in cause))
         return (f"Dynamo ran {where} eagerly because it hit torch._dynamo.config.recompile_limit (cache_size_limit) "
-                f"= {limit} recompiles (a new input shape or dtype each time): mark the changing dimension dynamic "
-                "(torch._dynamo.mark_dynamic, or torch.compile(dynamic=True)), pad inputs to a few fixed shapes, or "
-                "raise torch._dynamo.config.cache_size_limit.")
+                f"= {limit} recompiles. The guards that failed, the latest first: "
+                f"{'; '.join(f'`{cause}`' for cause in causes[:SHOWN_CAUSES])}"
+                f"{f' and {len(causes) - SHOWN_CAUSES} more' if len(causes) > SHOWN_CAUSES else ''}. "
+                + "".join(f"{fix[0].upper()}{fix[1:]}. " for fix in fixes)
+                + "Or raise torch._dynamo.config.cache_size_limit (TORCH_LOGS=recompiles shows each recompile).")
     return (f"Dynamo ran {where} eagerly (a skipped frame or a graph break there; TORCH_LOGS=graph_breaks says "
             "why): make it compile, or keep it out of the training step.")
+
+
+SHOWN_CAUSES = 4
+# what a failed guard's text says -> the fix for it (each said once)
+_RECOMPILE_FIXES = (
+    ("size mismatch", "a new input shape each time: mark the changing dimension dynamic (torch._dynamo.mark_dynamic, "
+                      "or torch.compile(dynamic=True)), or pad inputs to a few fixed shapes"),
+    ("stride mismatch", "a new input layout each time: pass contiguous inputs"),
+    ("dtype mismatch", "a new input dtype each time: cast inputs to one dtype"),
+    (".training ==", "train and eval mode each compile their own graph (model.train() / model.eval())"),
+    ("layer_idx", "an integer attribute differs per layer (blocks compiled one by one each specialize on it): "
+                  "torch._dynamo.config.allow_unspec_int_on_nn_module = True"),
+    ("is_initialized", "a key/value cache passes through the layers: use_cache=False where nothing generates "
+                       "(training and evaluation losses)"),
+)
+
+
+def recompile_causes(code) -> list[str]:
+    """The guards whose failure made Dynamo compile ``code`` again, distinct and latest first, each
+    without its compile id, values or source comment (``size mismatch at index 0``, ``self.training ==
+    True``). Read from ``torch._dynamo.utils.guard_failures`` (torch 2.11-2.13: at each recompile, why
+    each compiled entry refused the call); empty where that moved."""
+    try:
+        from torch._dynamo.utils import guard_failures
+
+        reasons = list(guard_failures.get(code, ()))
+    except Exception as error:  # internals moved: the message loses a detail, nothing else changes
+        log.debug("zcompile: cannot read Dynamo's guard failures (%s: %s)", type(error).__name__, error)
+        return []
+    causes: list[str] = []
+    for reason in reversed(reasons):
+        first_line = str(reason).split("\n", 1)[0]
+        guard = first_line.split(": ", 1)[-1].split("  #", 1)[0].split(". expected", 1)[0].strip()
+        if guard and guard not in causes:
+            causes.append(guard)
+    return causes
 
 
 # torch's and zcompile's own frames: the frame that runs eagerly is the user's code below them
