@@ -292,7 +292,7 @@ def main() -> None:
     profile["measured"]["compute_efficiency"] = efficiencies
     if rank == 0:
         path = Path(args.out)
-        keep_store_rate(profile, PROFILE_DIR / "cpu-local.json")
+        keep_store_figures(profile, PROFILE_DIR / "cpu-local.json")
         path.write_text(json.dumps(profile, indent=2) + "\n")
         load_profile(path)  # validates what was written
         print(json.dumps({k: v for k, v in profile.items() if k != "measured"}, indent=2))
@@ -301,14 +301,15 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def keep_store_rate(profile: dict, shipped: Path) -> None:
-    """The store's rate is measured apart (``bench_store_throughput.py``, by hand): the shipped
-    profile's figure and its source carried into the new fit."""
+def keep_store_figures(profile: dict, shipped: Path) -> None:
+    """The store's rate and latency are measured apart (``bench_store_throughput.py``, by hand): the
+    shipped profile's figures and their sources carried into the new fit."""
     if shipped.exists():
         old = json.loads(shipped.read_text())
-        if "store_requests_per_s" in old:
-            profile["store_requests_per_s"] = old["store_requests_per_s"]
-            profile["sources"]["store_requests_per_s"] = old["sources"]["store_requests_per_s"]
+        for key in ("store_requests_per_s", "store_latency_s"):
+            if key in old:
+                profile[key] = old[key]
+                profile["sources"][key] = old["sources"][key]
 
 
 if __name__ == "__main__":

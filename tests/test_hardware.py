@@ -4,6 +4,7 @@ nccl-tests' bus-bandwidth rule, and a broken profile is a clear error naming the
 import copy
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -179,3 +180,19 @@ def test_ranks_beyond_the_hosts_cores_share_them():
     data["host_cores"] = 2
     profile = profile_from_dict(data)
     assert [profile.time_sharing(n) for n in (1, 2, 3, 4, 8)] == [1.0, 1.0, 1.5, 2.0, 4.0]
+
+
+def test_the_stores_time_per_request_is_its_round_trip_or_its_turn_through_every_ranks():
+    """``store_seconds`` against the store measured at a rank count the profile was not built from:
+    cpu-local's figures come from 1 rank (the round trip) and 16 (the rate); at 4 ranks each
+    request took 56.6 us (``bench_store_throughput.py``, results/store_throughput_4.json), where the
+    rate alone would say 51 and the round trip 53."""
+    from pathlib import Path
+
+    profile = load_profile("cpu-local")
+    results = Path(__file__).parent.parent / "benchmarks" / "results"
+    for ranks in (1, 4, 16):
+        measured = json.loads((results / f"store_throughput_{ranks}.json").read_text())["us_per_request_per_rank"]
+        assert profile.store_seconds(1, ranks) * 1e6 == pytest.approx(measured, rel=0.1), ranks
+    assert profile.store_seconds(5, 1024) == pytest.approx(5 * 1024 / profile.store_requests_per_s)
+    assert replace(profile, store_requests_per_s=0.0).store_seconds(5, 1024) == 0.0  # not priced

@@ -53,7 +53,10 @@ profiles leave them out, and each defaults to "no effect"):
 - ``store_requests_per_s``: the answered requests a second the process group's store serves (one
   server, torchrun's agent or rank 0's, answers every rank's), which bounds the ranks' agreements
   (``zcompile.rank_check``: 5 answered requests per rank an exchange, so 5N through the one server).
-  Measured by ``benchmarks/bench_store_throughput.py``; 0: not priced.
+  Measured by ``benchmarks/bench_store_throughput.py``; 0: not priced. ``store_latency_s``: one
+  answered request's round trip with the server idle (the same benchmark with one rank). Each of a
+  rank's requests waits the longer of the two: its round trip, or the server's turn through every
+  rank's (``store_seconds``: at 2 ranks the latency, at 16 the queue, as measured at 1, 4 and 16).
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ class HardwareProfile:
     parameter_overhead_s: float = 0.0  # host time per trained parameter and step
     host_cores: int = 0  # CPU cores a node's ranks share (module docstring); 0: a device per rank
     store_requests_per_s: float = 0.0  # answered requests a second of the process group's store; 0: not priced
+    store_latency_s: float = 0.0  # one answered store request's round trip, the server idle
 
     def time_sharing(self, world_size: int, node_size: int | None = None) -> float:
         """How many times longer each rank's compute, host work and transfers take in a world of
@@ -164,6 +168,7 @@ class HardwareProfile:
             op_overhead_s=self.op_overhead_s * share, graph_call_overhead_s=self.graph_call_overhead_s * share,
             parameter_overhead_s=self.parameter_overhead_s * share,
             store_requests_per_s=self.store_requests_per_s / share,  # its server takes turns on the cores too
+            store_latency_s=self.store_latency_s * share,
             intra_node=link(self.intra_node), inter_node=link(self.inter_node))
 
     def host_overhead_seconds(self, graph_calls: int, parameters: int) -> float:
@@ -171,9 +176,13 @@ class HardwareProfile:
         parameters (tensors, not elements)."""
         return self.graph_call_overhead_s * graph_calls + self.parameter_overhead_s * parameters
 
-    def store_seconds(self, requests: int) -> float:
-        """The store's time to answer ``requests`` requests, one after another (0 where not priced)."""
-        return requests / self.store_requests_per_s if self.store_requests_per_s else 0.0
+    def store_seconds(self, requests_per_rank: int, ranks: int) -> float:
+        """A rank's time for ``requests_per_rank`` answered requests, one after another, while each of
+        ``ranks`` ranks sends as many: each waits its round trip or the server's turn through every
+        rank's request, the longer (0 where the rate is not priced)."""
+        if not self.store_requests_per_s:
+            return 0.0
+        return requests_per_rank * max(self.store_latency_s, ranks / self.store_requests_per_s)
 
     def group_cost(self, kind: str, group_size: int, across_nodes: bool) -> CollectiveCost:
         """``kind`` over a group of ``group_size`` ranks, on the inter-node link when the group spans
@@ -293,7 +302,7 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
     optional = {key: positive(key) for key in ("attention_efficiency", "transcendental_bytes_per_s", "overlap_slowdown",
                                                "compute_efficiency") if key in data}
     optional.update({key: positive(key, allow_zero=True) for key in ("graph_call_overhead_s", "parameter_overhead_s",
-                                                                     "store_requests_per_s")
+                                                                     "store_requests_per_s", "store_latency_s")
                      if key in data})
     for fraction in ("attention_efficiency", "compute_efficiency"):
         if optional.get(fraction, 1.0) > 1.0:

@@ -39,8 +39,8 @@ From the compiled graphs it returns:
   ``check_ranks=True``): the step's, and one before each training call of a graph whose calls are
   agreed (``backend.agrees_on_each_call``: stages 2 and 3) but the first after the step. One server
   answers every rank's requests, 5 per rank an exchange (``rank_check.ANSWERED_REQUESTS_PER_EXCHANGE``),
-  so an exchange takes 5N requests at the profile's ``store_requests_per_s``: 0.5 ms at 8 ranks, 66 ms
-  at 1,024 at the rate this machine's store served. Blocks compiled one by one, or a graph break in
+  each waiting its round trip or the server's turn through the N ranks' (``HardwareProfile.store_seconds``):
+  0.27 ms at 2 ranks (measured: 0.30), 0.5 ms at 8 and 66 ms at 1,024 at this machine's store's figures. Blocks compiled one by one, or a graph break in
   the layer loop, make one a layer. On a CPU profile the host's waits add to the step; on a GPU's the
   host runs ahead of the device, and they show where they outlast the device's step. A clip's
   agreement is not counted (the simulation does not clip).
@@ -312,7 +312,8 @@ def _store_note(result: SimulationResult, profile: HardwareProfile) -> str:
     said = (f"at {result.world_size} ranks the ranks' {result.store_exchanges} agreement(s) a step through the store "
             f"take {result.store_s * 1e3:.1f} ms of the {result.step_s * 1e3:.1f} ms step ({each * 1e3:.2f} ms each: "
             f"one store server answers {ANSWERED_REQUESTS_PER_EXCHANGE * result.world_size} requests an exchange at "
-            f"{profile.store_requests_per_s:,.0f} requests/s, the profile's store_requests_per_s). ")
+            f"{profile.store_requests_per_s:,.0f} requests/s, the profile's store_requests_per_s, "
+            f"{ANSWERED_REQUESTS_PER_EXCHANGE} of them one after another on each rank). ")
     if result.store_exchanges > 1:
         return said + ("Graphs called once per layer (blocks compiled one by one, a graph break in the layer loop) "
                        "agree on every call: compile the whole model, whose forward needs none, or mark its blocks "
@@ -356,7 +357,7 @@ def _predict(result: SimulationResult, graphs: list, pricing: LinkCosts, compute
     result.exposed_comm_s = prediction.exposed_comm_s + optimizer_comm
     result.step_s = prediction.step_s + optimizer_comm + result.optimizer_update_s + result.host_overhead_s
     profile = pricing.profile
-    result.store_s = profile.store_seconds(ANSWERED_REQUESTS_PER_EXCHANGE * result.world_size * result.store_exchanges)
+    result.store_s = result.store_exchanges * profile.store_seconds(ANSWERED_REQUESTS_PER_EXCHANGE, result.world_size)
     if profile.device_type == "cpu":  # the host runs the ops: its waits are the step's
         result.step_s += result.store_s
     else:  # the host runs ahead of the device: its waits show where they outlast the device's step
