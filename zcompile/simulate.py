@@ -40,10 +40,11 @@ From the compiled graphs it returns:
   agreed (``backend.agrees_on_each_call``: stages 2 and 3) but the first after the step. One server
   answers every rank's requests, 5 per rank an exchange (``rank_check.ANSWERED_REQUESTS_PER_EXCHANGE``),
   each waiting its round trip or the server's turn through the N ranks' (``HardwareProfile.store_seconds``):
-  0.27 ms at 2 ranks (measured: 0.30), 0.5 ms at 8 and 66 ms at 1,024 at this machine's store's figures. Blocks compiled one by one, or a graph break in
-  the layer loop, make one a layer. On a CPU profile the host's waits add to the step; on a GPU's the
-  host runs ahead of the device, and they show where they outlast the device's step. A clip's
-  agreement is not counted (the simulation does not clip).
+  0.27 ms at 2 ranks (measured: 0.30), 0.5 ms at 8 and 66 ms at 1,024 at this machine's store's
+  figures. Blocks compiled one by one, or a graph break in the layer loop, make one a layer. On a
+  CPU profile the host's waits add to the step; on a GPU's the host runs ahead of the device, and
+  they show where they outlast the device's step. A loop that clips gradients makes one more a step
+  (measured at stages 2 and 3), not counted: the simulation does not clip.
 """
 
 from __future__ import annotations
