@@ -23,6 +23,7 @@ from support.models import build_model, global_batch
 
 WORLD, BATCH_PER_RANK = 2, 2
 SIM_STAGES = (1, 3)
+LAYER_LOOP_MODEL = "gpt_loop_breaks"  # a graph break in the layer loop: one graph called once per layer
 
 
 def _tokens(rank: int, world: int) -> torch.Tensor:
@@ -79,9 +80,6 @@ def _llama_steps_on_rank(rank: int, world: int) -> dict:
     out[LAYER_LOOP_MODEL] = _store_exchanges_of(model, step)
     dist.barrier()
     return out
-
-
-LAYER_LOOP_MODEL = "gpt_loop_breaks"
 
 
 def _gpt_batch(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
