@@ -143,17 +143,14 @@ def _fallback_reason(code) -> str:
     limit = torch._dynamo.config.recompile_limit
     if len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) >= limit:
         causes = recompile_causes(code)
-        if not causes:
-            return (f"Dynamo ran {where} eagerly because it hit torch._dynamo.config.recompile_limit (cache_size_limit) "
-                    f"= {limit} recompiles (a new input shape or dtype each time): mark the changing dimension dynamic "
-                    "(torch._dynamo.mark_dynamic, or torch.compile(dynamic=True)), pad inputs to a few fixed shapes, or "
-                    "raise torch._dynamo.config.cache_size_limit.")
+        # the fix for each kind of guard that failed; where none could be read, a shape's (the usual cause)
         fixes = list(dict.fromkeys(fix for cause in causes for pattern, fix in _RECOMPILE_FIXES if pattern in cause))
+        shown = "; ".join(f"`{cause}`" for cause in causes[:SHOWN_CAUSES])
+        more = f" and {len(causes) - SHOWN_CAUSES} more" if len(causes) > SHOWN_CAUSES else ""
+        named = f" The guards that failed, the latest first: {shown}{more}." if causes else ""
         return (f"Dynamo ran {where} eagerly because it hit torch._dynamo.config.recompile_limit (cache_size_limit) "
-                f"= {limit} recompiles. The guards that failed, the latest first: "
-                f"{'; '.join(f'`{cause}`' for cause in causes[:SHOWN_CAUSES])}"
-                f"{f' and {len(causes) - SHOWN_CAUSES} more' if len(causes) > SHOWN_CAUSES else ''}. "
-                + "".join(f"{fix[0].upper()}{fix[1:]}. " for fix in fixes)
+                f"= {limit} recompiles.{named} "
+                + "".join(f"{fix[0].upper()}{fix[1:]}. " for fix in (fixes if causes else [_RECOMPILE_FIXES[0][1]]))
                 + "Or raise torch._dynamo.config.cache_size_limit (TORCH_LOGS=recompiles shows each recompile).")
     return (f"Dynamo ran {where} eagerly (a skipped frame or a graph break there; TORCH_LOGS=graph_breaks says "
             "why): make it compile, or keep it out of the training step.")

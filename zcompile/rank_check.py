@@ -356,8 +356,8 @@ def exchange_through(store: dist.Store, value: Any, group: DataParallelGroup, ti
     own_slot = _value_slot(purpose, group, sequence, group.rank)  # the others' named only where read
     text = json.dumps(value)
     if label is not None:  # before the value: a rank that reads values may read labels
-        store.set(_label_key(own_slot), f"{sequence}\n{label}")
-    store.set(own_slot, f"{sequence}\n{text}")
+        store.set(_label_key(own_slot), _stamped(sequence, label))
+    store.set(own_slot, _stamped(sequence, text))
     first, arrived, everyone, differ = _call_keys(purpose, group, sequence)
     digest = hashlib.sha1(text.encode()).hexdigest()[:16]
     if store.compare_set(first, "", digest).decode() != digest:
@@ -403,11 +403,22 @@ def _call_keys(purpose: str, group: DataParallelGroup, sequence: int) -> tuple[s
     return f"{slot}/first", f"{slot}/arrived", f"{base}/{sequence}/everyone", f"{base}/{sequence}/differ"
 
 
+def _stamped(sequence: int, text: str) -> str:
+    """A slot's content: the call it was written at, then the value (``_written``)."""
+    return f"{sequence}\n{text}"
+
+
+def _written(raw: bytes) -> tuple[int, str]:
+    """A slot's call number and value (``_stamped``)."""
+    written, _, value = raw.decode().partition("\n")
+    return int(written), value
+
+
 def _slot_value(raw: bytes, sequence: int) -> str:
     """A slot's value written at call ``sequence`` (every rank wrote it before arriving; one written at
     another call is a rank whose exchanges are out of step with this one's)."""
-    written, _, value = raw.decode().partition("\n")
-    if int(written) != sequence:
+    written, value = _written(raw)
+    if written != sequence:
         raise RankDivergenceError(f"zcompile: a rank's value read at its exchange #{sequence} was written at "
                                   f"its #{written}: the ranks' exchanges are out of step")
     return value
@@ -536,7 +547,7 @@ def _wait_for_ranks(store: dist.Store, everyone: str, missing: Callable[[], list
 def _missing(store: dist.Store, purpose: str, group: DataParallelGroup, sequence: int) -> list[int]:
     """The ranks whose slot does not hold a value of call ``sequence`` yet: they have not arrived."""
     def arrived(slot: str) -> bool:
-        return store.check([slot]) and store.get(slot).decode().startswith(f"{sequence}\n")
+        return store.check([slot]) and _written(store.get(slot))[0] == sequence
 
     return [rank for rank in range(group.world_size) if not arrived(_value_slot(purpose, group, sequence, rank))]
 

@@ -105,7 +105,7 @@ class SimulationResult:
     host_overhead_s: float = 0.0
     graph_calls: int = 0  # compiled graph calls per step (forward and backward graphs)
     store_exchanges: int = 0  # the ranks' agreements through the store per step (module docstring)
-    store_s: float = 0.0  # the store's time to serve them, at the profile's store_requests_per_s
+    store_s: float = 0.0  # their time on the store (HardwareProfile.store_seconds: round trip or the server's turn)
     mfu: float = 0.0
     simulate_s: float = 0.0  # wall time of the simulation itself
     step_peak_bytes: int = 0  # the most bytes per rank during a step (zcompile.step_peak), model states included
