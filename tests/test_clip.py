@@ -200,3 +200,23 @@ def test_world_of_one_compiled_clipping_and_report():
     assert report.grad_norm == opt.last_grad_norm > 0.5
     assert report.to_dict()["grad_norm"] == report.grad_norm
     assert any(line.startswith("gradient norm") for line in report.summary_lines())
+
+
+@pytest.mark.parametrize("stage, warned", [(1, False), (3, True)])
+def test_a_weight_trained_eagerly_is_warned_of_only_where_it_holds_more_than_the_compiled_ones(caplog, stage, warned):
+    """A temperature beside a compiled tower (CLIP's ``logit_scale``) gets its gradient in eager code. At
+    stage 3 it stays replicated where the tower is sharded (a warning, naming it); at stage 1 it holds
+    what the tower's weights hold, so the same words are only information."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    tower = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    scale = torch.nn.Parameter(torch.tensor(2.0))
+    compiled = torch.compile(tower, backend="zero", options={"stage": stage})
+    opt = zcompile.optim.AdamW([*tower.parameters(), scale], lr=1e-2)
+    with caplog.at_level("INFO", logger="zcompile.param_shards"):
+        (compiled(torch.randn(4, 8)) * scale.exp()).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_([*tower.parameters(), scale], 1.0)
+        opt.step()
+    said = [r for r in caplog.records if "got a gradient outside the compiled graphs" in r.getMessage()]
+    assert len(said) == 1 and "#4 of the clipped parameters of shape ()" in said[0].getMessage()
+    assert (said[0].levelname == "WARNING") is warned

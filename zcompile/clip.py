@@ -200,7 +200,7 @@ def route_members(params: list[torch.Tensor]) -> list[ShardedParam]:
     shown: list[str] = []
     members = [s if s is not None else shard_eager_parameter(p, f"#{index} of the clipped parameters", group, shown)
                for index, (p, s) in enumerate(zip(params, shards)) if s is not None or p.grad is not None]
-    warn_eager_sharded(shown, "gradient clipping")
+    warn_eager_sharded(shown, "gradient clipping", members)
     return members
 
 

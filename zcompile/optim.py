@@ -182,7 +182,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 sharded = self._sharded(param, group_index, index, eager)
                 if sharded is not None and (sharded.shard_grad is not None or sharded.has_full_grad):
                     todo.append((sharded, param, group))
-        warn_eager_sharded(eager, "optimizer.step()")
+        warn_eager_sharded(eager, "optimizer.step()", [s for s, _, _ in todo])
         bucket_bytes = int(self.bucket_mb * 2**20)
         # collectives already issued by clipping; a full local gradient next to the shard's (stage 1
         # reduced early and grown by a later backward, or zeros kept by zero_grad(set_to_none=False);
@@ -275,7 +275,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         members = [s for group_index, group in enumerate(self.param_groups)
                    for index, param in enumerate(group["params"])
                    if (s := self._sharded(param, group_index, index, eager)) is not None]
-        warn_eager_sharded(eager, "optimizer.clip_grad_norm_()")
+        warn_eager_sharded(eager, "optimizer.clip_grad_norm_()", members)
         norm = clip_grad_norm_of_shards(members, max_norm, norm_type, int(self.bucket_mb * 2**20))
         self.last_grad_norm = float(norm)
         self._clipped_since_step = True

@@ -505,15 +505,24 @@ def shard_eager_parameter(param: torch.nn.Parameter, name: str, group: DataParal
     this parameter reads in that warning: ``label`` (default ``name``) and its shape.
     """
     if shown is not None:
-        shown.append(f"{label or name} {tuple(param.shape)}")
+        shown.append(f"{label or name} of shape {tuple(param.shape)}")
     return shard_parameter(param, name, stage=1, group=group)
 
 
-def warn_eager_sharded(shown: list[str], where: str) -> None:
-    """One warning for the parameters ``shard_eager_parameter`` just sharded (``shown``) at ``where``."""
+def warn_eager_sharded(shown: list[str], where: str, members: list[ShardedParam]) -> None:
+    """One warning for the parameters ``shard_eager_parameter`` just sharded (``shown``) at ``where``,
+    among ``members`` (the shards stepped or clipped there, theirs included). Where every member is
+    stage 1 in its own dtype the eager ones train and hold what the compiled ones do, so there is
+    nothing to fix: said at info level only (a low-precision replica is what an eager one lacks). With
+    no compiled member beside them the warning stays: a graph compiled later at stage 2 or 3 that takes
+    them is refused, and its error points back to this line."""
     if not shown:
         return
     listed = ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
+    if len(members) > len(shown) and all(member.stage == 1 and member.replica is None for member in members):
+        log.info("zcompile: %d parameters got a gradient outside the compiled graphs at %s: %s; stage 1, as the "
+                 "compiled ones", len(shown), where, listed)
+        return
     log.warning(
         "zcompile: %d parameters got a gradient outside the compiled graphs at %s (eager code, a module left "
         "uncompiled, or a skipped frame): %s. They are kept replicated and their gradients reduce-scattered like "
