@@ -124,6 +124,9 @@ def test_replicated_fp32_parameters_are_freed_and_say_so(stage):
     assert sharded.replica is not None and sharded.replica.dtype == torch.bfloat16
     with pytest.raises(ShardedParameterError, match=f"stage {stage} with param_dtype.*zcompile.gathered"):
         head.sum()
+    # an alias (what an EMA's update reads: p.detach()) says the same, not "stage 3"
+    with pytest.raises(ShardedParameterError, match=fr"is sharded \(ZeRO stage {stage} with param_dtype"):
+        head.detach().sum()
     with pytest.raises(RuntimeError, match="gathered"):
         model.state_dict()
     with zcompile.gathered(model):

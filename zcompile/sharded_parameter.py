@@ -23,6 +23,7 @@ from torch._C import DisableTorchFunctionSubclass
 from zcompile.dynamo_frame import eager_fallback_reason, never_compiled_as_frames
 
 NAME_ATTR = "_zcompile_name"  # on a FreedTensor: the parameter it aliases
+REASON_ATTR = "_zcompile_freed_reason"  # on a FreedTensor: why that parameter is freed (its stage, its dtype)
 
 # reading these never touches the (freed) elements
 _METADATA = {
@@ -102,6 +103,7 @@ def _guarded_call(func, args, kwargs):
                 if func in _ALIASES:
                     alias = func(*args, **kwargs).as_subclass(FreedTensor)
                     setattr(alias, NAME_ATTR, _name_of(freed))
+                    setattr(alias, REASON_ATTR, _freed_reason(freed))
                     return alias
                 raise ShardedParameterError(_message(freed, func))
         return func(*args, **kwargs)
@@ -145,7 +147,7 @@ def _freed_reason(tensor: torch.Tensor) -> str:
     from zcompile.param_shards import shard_of  # local: param_shards imports this module
 
     sharded = shard_of(tensor)
-    return "ZeRO stage 3" if sharded is None else sharded.freed_reason
+    return getattr(tensor, REASON_ATTR, "ZeRO stage 3") if sharded is None else sharded.freed_reason
 
 
 def _name_of(tensor: torch.Tensor) -> str:
