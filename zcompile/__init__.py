@@ -17,6 +17,7 @@ _LAZY = {
     "checkpoint": "",
     "ZeroConfig": "zcompile.config",
     "gathered": "zcompile.full_params",
+    "lerp_weights_": "zcompile.weight_average",
     "ModelStateBytes": "zcompile.memory",
     "model_state_bytes": "zcompile.memory",
     "zero_formula_bytes": "zcompile.memory",
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from zcompile.config import ZeroConfig
     from zcompile.estimate import MemoryEstimate, estimate_memory
     from zcompile.full_params import gathered
+    from zcompile.weight_average import lerp_weights_
     from zcompile.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
     from zcompile.pass_runner import PassError
     from zcompile.initial_values import sync_module_states

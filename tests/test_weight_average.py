@@ -1,0 +1,158 @@
+"""``zcompile.lerp_weights_``: a momentum teacher (BYOL, DINO, MoCo) and an EMA of the weights, updated
+on each rank's pieces, against one process running the same loop on the global batch with
+``torch.lerp_`` over the full weights (``torch.optim.AdamW``).
+
+The student is trained on 2 gloo ranks at stages 2 and 3 (one launch); its teacher is compiled with
+it and frozen, and follows it by ``lerp_weights_`` after every step; the stage-3 run also keeps an
+EMA copy compiled like the model. The loss is a mean over rows, so the ranks' averaged losses and
+gradients are one process's on the global batch; weights are compared to 1e-6 (fp32, summation order).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zcompile
+from support.launch import run_ranks
+from zcompile.rank_check import RankDivergenceError
+
+STEPS, ROWS, MOMENTUM, EMA_WEIGHT = 4, 8, 0.2, 0.5
+ATOL = 1e-6
+
+
+def _models() -> tuple[nn.Module, nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 8))
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    return student, teacher, nn.Linear(8, 8)
+
+
+def _views(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(10 + step)
+    x = torch.randn(ROWS, 16, generator=generator)
+    return x + 0.1 * torch.randn(x.shape, generator=generator), x + 0.1 * torch.randn(x.shape, generator=generator)
+
+
+def _byol_loss(online, predictor, teacher, a, b) -> torch.Tensor:
+    with torch.no_grad():
+        target_a, target_b = teacher(a), teacher(b)
+    return (4 - 2 * F.cosine_similarity(predictor(online(a)), target_b).mean()
+            - 2 * F.cosine_similarity(predictor(online(b)), target_a).mean())
+
+
+def _reference() -> dict:
+    student, teacher, predictor = _models()
+    ema = copy.deepcopy(student).requires_grad_(False)
+    optimizer = torch.optim.AdamW([*student.parameters(), *predictor.parameters()], lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        loss = _byol_loss(student, predictor, teacher, *_views(step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for t, s in zip(teacher.parameters(), student.parameters()):
+                t.lerp_(s, MOMENTUM)
+            for e, s in zip(ema.parameters(), student.parameters()):
+                e.lerp_(s, EMA_WEIGHT)
+        losses.append(loss.item())
+    return {"losses": losses, "teacher": [p.clone() for p in teacher.parameters()],
+            "ema": [p.clone() for p in ema.parameters()]}
+
+
+def _train_on_rank(rank: int, world: int, stages: list[int]) -> dict:
+    results = {}
+    for stage in stages:
+        torch._dynamo.reset()
+        student, teacher, predictor = _models()
+        ema = copy.deepcopy(student).requires_grad_(False)
+        options = {"stage": stage}
+        online, target, head = (torch.compile(m, backend="zero", options=options) for m in (student, teacher, predictor))
+        averaged = torch.compile(ema, backend="zero", options=options)
+        optimizer = zcompile.optim.AdamW([*student.parameters(), *predictor.parameters()], lr=1e-2)
+        losses = []
+        for step in range(STEPS):
+            a, b = (view.chunk(world)[rank] for view in _views(step))
+            loss = _byol_loss(online, head, target, a, b)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:
+                with torch.no_grad():
+                    averaged(a)  # an evaluation: compiles (and shards) the EMA copy like the model
+            zcompile.lerp_weights_(teacher, student, MOMENTUM)
+            zcompile.lerp_weights_(ema, student, EMA_WEIGHT)
+            reduced = loss.detach().clone()
+            torch.distributed.all_reduce(reduced)
+            losses.append(reduced.item() / world)
+        with zcompile.gathered(teacher), zcompile.gathered(ema):
+            results[stage] = {"losses": losses, "teacher": [p.detach().clone() for p in teacher.parameters()],
+                              "ema": [p.detach().clone() for p in ema.parameters()]}
+        try:  # ranks that disagree on the weight: an error on each, no update
+            zcompile.lerp_weights_(teacher, student, 0.1 if rank == 0 else 0.2, timeout_s=20)
+        except RankDivergenceError as error:
+            results[stage]["disagreement"] = str(error)
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(2, _train_on_rank, [2, 3], timeout_s=300)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_teacher_and_an_ema_updated_on_shards_equal_one_process_over_full_weights(runs, stage):
+    reference = _reference()
+    for rank_results in runs:
+        ours = rank_results[stage]
+        assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-6)
+        for kind in ("teacher", "ema"):
+            for got, expected in zip(ours[kind], reference[kind], strict=True):
+                torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+        # they moved: the update did not leave the starting weights
+        assert any(not torch.equal(t, s) for t, s in zip(ours["teacher"], _models()[1].parameters()))
+        assert "different models or weights" in ours["disagreement"] and "0.1" in ours["disagreement"]
+
+
+def test_pairs_held_differently_are_refused_before_any_weight_changes():
+    """One process (a world of one): a stage-3 student against an uncompiled copy cannot be updated
+    piece by piece; the error names the pair and the fixes, and nothing moved."""
+    torch._dynamo.reset()
+    student, teacher, _ = _models()
+    compiled = torch.compile(student, backend="zero", options={"stage": 3})
+    compiled(torch.randn(2, 16)).sum().backward()
+    before = [p.clone() for p in teacher.parameters()]
+    with pytest.raises(ValueError, match=r"pair #0 \(32, 16\).*target: full, not sharded; source: stage 3.*"
+                                         r"zcompile.gathered"):
+        zcompile.lerp_weights_(teacher, student, 0.5)
+    assert all(torch.equal(p, b) for p, b in zip(teacher.parameters(), before))
+    with pytest.raises(ValueError, match=r"weight=1.5 must be in \[0, 1\]"):
+        zcompile.lerp_weights_(teacher, student, 1.5)
+
+
+def test_a_bf16_model_at_stage_2_keeps_its_fp32_master_in_step_with_the_new_weights():
+    """A model cast to bf16 (no ``param_dtype``) keeps full bf16 weights at stage 2 and an fp32 master
+    shard apart, which the optimizer steps from and checkpoints save: the update writes both, where
+    updating the weights alone would be undone by the next step. One process (a world of one)."""
+    from zcompile.param_shards import shard_of
+
+    torch._dynamo.reset()
+    target, source = (_models()[0].to(torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1.0)
+    for model in (target, source):
+        compiled = torch.compile(model, backend="zero", options={"stage": 2})
+        compiled(torch.randn(2, 16, dtype=torch.bfloat16)).float().sum().backward()
+        model.zero_grad()
+    expected = [t.float().lerp(s.float(), 0.25).to(torch.bfloat16) for t, s in zip(target.parameters(), source.parameters())]
+    zcompile.lerp_weights_(target, source, 0.25)
+    for param, value in zip(target.parameters(), expected, strict=True):
+        torch.testing.assert_close(param.detach(), value, atol=0.02, rtol=0.01)  # bf16 rounding
+        master = shard_of(param).shard.detach()[: param.numel()]
+        assert torch.equal(master, param.detach().float().reshape(-1))
