@@ -3,8 +3,9 @@ on each rank's pieces, against one process running the same loop on the global b
 ``torch.lerp_`` over the full weights (``torch.optim.AdamW``).
 
 The student is trained on 2 gloo ranks at stages 2 and 3 (one launch); its teacher is compiled with
-it and frozen, and follows it by ``lerp_weights_`` after every step; the stage-3 run also keeps an
-EMA copy compiled like the model. The loss is a mean over rows, so the ranks' averaged losses and
+it and frozen, and follows it by ``lerp_weights_`` after every step; an EMA copy made before the
+compile is never called in training (at stage 3 the first update shards it as the student is) and is
+compiled for one evaluation at the end, which must take the averaged shards. The loss is a mean over rows, so the ranks' averaged losses and
 gradients are one process's on the global batch; weights are compared to 1e-6 (fp32, summation order).
 """
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 import zcompile
 from support.launch import run_ranks
+from zcompile.param_shards import shard_of
 from zcompile.rank_check import RankDivergenceError
 
 STEPS, ROWS, MOMENTUM, EMA_WEIGHT = 4, 8, 0.2, 0.5
@@ -61,8 +63,10 @@ def _reference() -> dict:
             for e, s in zip(ema.parameters(), student.parameters()):
                 e.lerp_(s, EMA_WEIGHT)
         losses.append(loss.item())
+    with torch.no_grad():
+        evaluation = ema(_views(0)[0])
     return {"losses": losses, "teacher": [p.clone() for p in teacher.parameters()],
-            "ema": [p.clone() for p in ema.parameters()]}
+            "ema": [p.clone() for p in ema.parameters()], "evaluation": evaluation}
 
 
 def _train_on_rank(rank: int, world: int, stages: list[int]) -> dict:
@@ -73,7 +77,6 @@ def _train_on_rank(rank: int, world: int, stages: list[int]) -> dict:
         ema = copy.deepcopy(student).requires_grad_(False)
         options = {"stage": stage}
         online, target, head = (torch.compile(m, backend="zero", options=options) for m in (student, teacher, predictor))
-        averaged = torch.compile(ema, backend="zero", options=options)
         optimizer = zcompile.optim.AdamW([*student.parameters(), *predictor.parameters()], lr=1e-2)
         losses = []
         for step in range(STEPS):
@@ -82,17 +85,18 @@ def _train_on_rank(rank: int, world: int, stages: list[int]) -> dict:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            if step == 0:
-                with torch.no_grad():
-                    averaged(a)  # an evaluation: compiles (and shards) the EMA copy like the model
             zcompile.lerp_weights_(teacher, student, MOMENTUM)
             zcompile.lerp_weights_(ema, student, EMA_WEIGHT)
             reduced = loss.detach().clone()
             torch.distributed.all_reduce(reduced)
             losses.append(reduced.item() / world)
+        ema_sharded = [getattr(shard_of(p), "stage", None) for p in ema.parameters()]  # before its compile
+        with torch.no_grad():  # the EMA copy's first compile, on every rank's full batch
+            evaluation = torch.compile(ema, backend="zero", options=options)(_views(0)[0])
         with zcompile.gathered(teacher), zcompile.gathered(ema):
             results[stage] = {"losses": losses, "teacher": [p.detach().clone() for p in teacher.parameters()],
-                              "ema": [p.detach().clone() for p in ema.parameters()]}
+                              "ema": [p.detach().clone() for p in ema.parameters()], "evaluation": evaluation,
+                              "ema_sharded": ema_sharded}
         try:  # ranks that disagree on the weight: an error on each, no update
             zcompile.lerp_weights_(teacher, student, 0.1 if rank == 0 else 0.2, timeout_s=20)
         except RankDivergenceError as error:
@@ -114,25 +118,31 @@ def test_a_teacher_and_an_ema_updated_on_shards_equal_one_process_over_full_weig
         for kind in ("teacher", "ema"):
             for got, expected in zip(ours[kind], reference[kind], strict=True):
                 torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+        torch.testing.assert_close(ours["evaluation"], reference["evaluation"], atol=ATOL, rtol=0)
+        # at stage 3 the first update sharded the EMA copy as the student (its compile then took those shards)
+        assert ours["ema_sharded"] == [3 if stage == 3 else None] * len(ours["ema"])
         # they moved: the update did not leave the starting weights
         assert any(not torch.equal(t, s) for t, s in zip(ours["teacher"], _models()[1].parameters()))
         assert "different models or weights" in ours["disagreement"] and "0.1" in ours["disagreement"]
 
 
 def test_pairs_held_differently_are_refused_before_any_weight_changes():
-    """One process (a world of one): a stage-3 student against an uncompiled copy cannot be updated
-    piece by piece; the error names the pair and the fixes, and nothing moved."""
+    """One process (a world of one): a stage-3 target cannot move toward a source held in full (it has no
+    shard), nor a stage-3 target toward a stage-2 source; the error names the pair and the fixes, and
+    nothing moved, the pairs before the refused one included."""
     torch._dynamo.reset()
-    student, teacher, _ = _models()
-    compiled = torch.compile(student, backend="zero", options={"stage": 3})
+    target, source, _ = _models()
+    compiled = torch.compile(target, backend="zero", options={"stage": 3})
     compiled(torch.randn(2, 16)).sum().backward()
-    before = [p.clone() for p in teacher.parameters()]
-    with pytest.raises(ValueError, match=r"pair #0 \(32, 16\).*target: full, not sharded; source: stage 3.*"
-                                         r"zcompile.gathered"):
-        zcompile.lerp_weights_(teacher, student, 0.5)
-    assert all(torch.equal(p, b) for p, b in zip(teacher.parameters(), before))
+    with zcompile.gathered(target):
+        before = [p.detach().clone() for p in target.parameters()]
+    with pytest.raises(ValueError, match=r"pair #0 \(32, 16\).*target: stage 3, 512 elements over 1 ranks; "
+                                         r"source: full, not sharded.*zcompile.gathered"):
+        zcompile.lerp_weights_(target, source, 0.5)
+    with zcompile.gathered(target):
+        assert all(torch.equal(p, b) for p, b in zip(target.parameters(), before))
     with pytest.raises(ValueError, match=r"weight=1.5 must be in \[0, 1\]"):
-        zcompile.lerp_weights_(teacher, student, 1.5)
+        zcompile.lerp_weights_(source, target, 1.5)
 
 
 def test_a_bf16_model_at_stage_2_keeps_its_fp32_master_in_step_with_the_new_weights():

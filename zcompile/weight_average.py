@@ -15,6 +15,10 @@ Each pair of parameters (``target.parameters()`` and ``source.parameters()`` in 
   one; an fp32 model's shard is a view of the weight) is rewritten from the new weight;
 - both stage 3 with the same layout (size, group and rank): the shards, so what the next compiled
   call gathers is the average. A prefetch issued before is dropped (it checks the shard's version);
+- a target not sharded yet beside a stage-3 source (an EMA copy made before the model was compiled,
+  not called since): the target is sharded as the source is, then as above. A later compile of it
+  with the same options takes those shards; eager use of it then needs ``gathered``, as the
+  source's does;
 - anything else (one side sharded, the other not; a ``param_dtype`` replica, whose fp32 master is
   sharded but whose replica is full) is refused naming the pair and the fixes, before any weight
   changes.
@@ -28,14 +32,28 @@ from __future__ import annotations
 
 import hashlib
 
+import hashlib
+from dataclasses import dataclass
+
 import torch
 
 from zcompile.full_params import DEFAULT_TIMEOUT_S
-from zcompile.param_shards import ShardedParam, shard_of
+from zcompile.param_shards import ShardedParam, shard_of, shard_parameter
+from zcompile.process_group import DataParallelGroup
 from zcompile.rank_check import RankDivergenceError, exchange_on_store
 
 _FIX = ("compile both models with the same options and call each once before the first update (a teacher's "
         "forward does), or update inside `with zcompile.gathered(target), zcompile.gathered(source):`")
+
+# how this rank updates one pair: the full weights, the two stage-3 shards, or the target sharded first
+FULL, SHARDS, SHARD_TARGET = "full", "shards", "shard target"
+
+
+@dataclass(frozen=True)
+class _Pair:
+    target: torch.nn.Parameter
+    source: torch.nn.Parameter
+    way: str
 
 
 def _held_in_full(sharded: ShardedParam | None) -> bool:
@@ -43,18 +61,25 @@ def _held_in_full(sharded: ShardedParam | None) -> bool:
     return sharded is None or (sharded.stage in (1, 2) and sharded.replica is None)
 
 
-def _pieces(target: torch.nn.Parameter, source: torch.nn.Parameter, name: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """What this rank updates for one pair: (target's tensor, source's tensor, whether it is a shard)."""
+def _sharded_alike(target: ShardedParam, source: ShardedParam) -> bool:
+    return (target.stage == source.stage == 3 and target.piece == source.piece
+            and target.group.name == source.group.name)
+
+
+def _plan(target: torch.nn.Parameter, source: torch.nn.Parameter, name: str) -> _Pair:
+    """How this rank updates one pair (module docstring), or the error that says why it cannot."""
+    if target.shape != source.shape:
+        raise ValueError(f"zcompile.lerp_weights_: parameter pair {name} has shapes {tuple(target.shape)} and "
+                         f"{tuple(source.shape)}; the two models must be instances of one architecture")
     t_shard, s_shard = shard_of(target), shard_of(source)
     if _held_in_full(t_shard) and _held_in_full(s_shard):
-        return target.detach(), source.detach(), False
-    if (t_shard is not None and s_shard is not None and t_shard.stage == s_shard.stage == 3
-            and t_shard.piece == s_shard.piece and t_shard.group.name == s_shard.group.name):
-        if not (t_shard.is_freed and s_shard.is_freed):
+        return _Pair(target, source, FULL)
+    if s_shard is not None and s_shard.stage == 3 and (t_shard is None or _sharded_alike(t_shard, s_shard)):
+        if not s_shard.is_freed or t_shard is not None and not t_shard.is_freed:
             raise RuntimeError(f"zcompile.lerp_weights_: parameter pair {name} is gathered now (inside "
                                "`zcompile.gathered`, whose exit writes the full weights back over the shards); "
                                "update outside it, or update the full weights there")
-        return t_shard.shard.detach(), s_shard.shard.detach(), True
+        return _Pair(target, source, SHARDS if t_shard is not None else SHARD_TARGET)
     raise ValueError(f"zcompile.lerp_weights_: parameter pair {name} is held differently by the two models (target: "
                      f"{_held_as(t_shard)}; source: {_held_as(s_shard)}), so this rank's pieces of the two do not "
                      f"match; {_FIX}")
@@ -66,6 +91,16 @@ def _held_as(sharded: ShardedParam | None) -> str:
     if sharded.replica is not None:
         return f"stage {sharded.stage} with a {sharded.replica.dtype} replica and an fp32 shard"
     return f"stage {sharded.stage}, {sharded.numel} elements over {sharded.group.world_size} ranks"
+
+
+def _pieces(pair: _Pair) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's tensors of the pair: what is updated, and what it moves toward."""
+    if pair.way == FULL:
+        return pair.target.detach(), pair.source.detach()
+    source = shard_of(pair.source)
+    if pair.way == SHARD_TARGET:  # as a compile of the target with the source's options would
+        shard_parameter(pair.target, f"{source.name} (averaged)", stage=3, group=source.group)
+    return shard_of(pair.target).shard.detach(), source.shard.detach()
 
 
 @torch.no_grad()
@@ -80,35 +115,39 @@ def lerp_weights_(target: torch.nn.Module, source: torch.nn.Module, weight: floa
     if len(targets) != len(sources):
         raise ValueError(f"zcompile.lerp_weights_: target has {len(targets)} parameters and source {len(sources)}; "
                          "they must be two instances of one architecture")
-    pairs = []
-    for index, (t, s) in enumerate(zip(targets, sources)):
-        name = f"#{index} {tuple(t.shape)}"
-        if t.shape != s.shape:
-            raise ValueError(f"zcompile.lerp_weights_: parameter pair {name} has shapes {tuple(t.shape)} and "
-                             f"{tuple(s.shape)}; the two models must be instances of one architecture")
-        pairs.append(_pieces(t, s, name))
-    _agree(targets, weight, timeout_s)
-    torch._foreach_lerp_([t for t, _, _ in pairs], [s.to(t.dtype) for t, s, _ in pairs], weight)
-    for param, (_, _, on_shards) in zip(targets, pairs):
-        sharded = shard_of(param)
-        if not on_shards and sharded is not None and sharded.home is None:
+    pairs = [_plan(t, s, f"#{index} {tuple(t.shape)}") for index, (t, s) in enumerate(zip(targets, sources))]
+    _agree(pairs, weight, timeout_s)
+    pieces = [_pieces(pair) for pair in pairs]  # nothing changed before every rank agreed
+    torch._foreach_lerp_([t for t, _ in pieces], [s.to(t.dtype) for t, s in pieces], weight)
+    for pair in pairs:
+        sharded = shard_of(pair.target)
+        if pair.way == FULL and sharded is not None and sharded.home is None:
             # a full weight with a master shard apart (a bf16 model at stages 1-2): the shard is what the
             # optimizer steps from and what checkpoints save, so it takes the new value too
             sharded.write_shard_from_full()
 
 
-def _agree(targets: list[torch.nn.Parameter], weight: float, timeout_s: float) -> None:
-    """Every rank updates the same target with the same weight, or every rank that came raises."""
-    sharded = [s for s in map(shard_of, targets) if s is not None]
-    if not sharded or sharded[0].group.world_size == 1:
+def _group_of(pairs: list[_Pair]) -> DataParallelGroup | None:
+    for pair in pairs:
+        for param in (pair.target, pair.source):
+            if (sharded := shard_of(param)) is not None:
+                return sharded.group
+    return None
+
+
+def _agree(pairs: list[_Pair], weight: float, timeout_s: float) -> None:
+    """Every rank updates the same pairs the same way with the same weight, or every rank that came raises."""
+    group = _group_of(pairs)
+    if group is None or group.world_size == 1:
         return
-    names = hashlib.sha1("\n".join(s.name for s in sharded).encode()).hexdigest()[:16]
-    call = [len(targets), names, float(weight)]
+    ways = hashlib.sha1("\n".join(pair.way for pair in pairs).encode()).hexdigest()[:16]
+    call = [len(pairs), ways, float(weight)]
     calls = exchange_on_store(
-        call, sharded[0].group, timeout_s, "lerp_weights", "zcompile.lerp_weights_(target, source, weight)",
+        call, group, timeout_s, "lerp_weights", "zcompile.lerp_weights_(target, source, weight)",
         "Every rank must call zcompile.lerp_weights_ at the same point of the loop (each updates its own pieces of "
         "the target: a rank that skips it leaves its pieces behind the others').")
     if any(other != call for other in calls):
         raise RankDivergenceError(
-            "zcompile.lerp_weights_: the ranks called it with different models or weights ([parameters, their names' "
-            f"digest, weight] per rank: {dict(enumerate(calls))}); call it on every rank with the same arguments.")
+            "zcompile.lerp_weights_: the ranks called it with different models or weights ([parameters, how each "
+            f"pair is held (digest), weight] per rank: {dict(enumerate(calls))}); call it on every rank with the "
+            "same arguments.")
