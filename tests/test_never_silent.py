@@ -695,7 +695,7 @@ def test_a_weight_trained_outside_the_graphs_is_named_in_the_warning(named, capl
     eager = [(n, p) for n, p in model.named_parameters() if not n.startswith("blocks.")]
     assert len(eager) > 3 and len(warned) == 1, warned  # once (the shards are kept), for all of them
     assert f"{len(eager)} parameters got a gradient" in warned[0] and f"and {len(eager) - 3} more" in warned[0]
-    first = [f"'{n}' {tuple(p.shape)}" for n, p in eager[:3]] if named else \
+    first = [f"'{n}' of shape {tuple(p.shape)}" for n, p in eager[:3]] if named else \
         [f"param_groups[0]['params'][{i}] " for i, (n, p) in enumerate(model.named_parameters()) if not n.startswith("blocks.")][:3]
     assert all(f in warned[0] for f in first), (first, warned)
 
