@@ -10,7 +10,7 @@ import torch
 
 from zcompile import full_grads
 from zcompile.param_shards import ShardedParam, shard_of
-from zcompile.rank_check import RankDivergenceError, exchange_on_store
+from zcompile.rank_check import agree_on_store
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -91,14 +91,11 @@ def _agree_on_entry(shards: list[ShardedParam], rank0_only: bool, writeback: boo
     # the rank) would pair one parameter's collective with another's of the same size
     names = hashlib.sha1("\n".join(s.name for s in shards).encode()).hexdigest()[:16]
     call = [len(shards), sum(s.numel for s in shards), names, rank0_only, writeback, layout]
-    calls = exchange_on_store(
+    agree_on_store(
         call, group, timeout_s, "gathered", "zcompile.gathered(model)",
         "Every rank must enter `with zcompile.gathered(model):` (it gathers the parameters with collectives); "
-        "to save or export from one rank, enter it on every rank with rank0_only=True and act on rank 0 inside.")
-    if any(other != call for other in calls):
-        raise RankDivergenceError(
-            "zcompile.gathered(model): the ranks entered it with different models or arguments "
-            f"([parameters, elements, their names' digest, rank0_only, writeback, which parameters have gradients] "
-            "per rank: "
-            f"{dict(enumerate(calls))}); enter it on every rank with the same model and arguments (with grads=True, "
-            "after a backward on every rank that reached the same parameters).")
+        "to save or export from one rank, enter it on every rank with rank0_only=True and act on rank 0 inside.",
+        lambda calls: "zcompile.gathered(model): the ranks entered it with different models or arguments "
+        f"([parameters, elements, their names' digest, rank0_only, writeback, which parameters have gradients] "
+        f"per rank: {dict(enumerate(calls))}); enter it on every rank with the same model and arguments (with "
+        "grads=True, after a backward on every rank that reached the same parameters).")

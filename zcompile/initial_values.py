@@ -109,7 +109,7 @@ def sync_module_states(module: torch.nn.Module, group: dist.ProcessGroup | None 
     ``RankDivergenceError`` within ``timeout_s`` on every rank that came, instead of a broadcast
     that waits for the process group's timeout or pairs tensors of other sizes."""
     from zcompile.param_shards import shard_of  # local: param_shards imports this module
-    from zcompile.rank_check import RankDivergenceError, exchange_on_store  # local: rank_check is heavier
+    from zcompile.rank_check import agree_on_store  # local: rank_check is heavier
 
     sharded = [name for name, p in module.named_parameters() if shard_of(p) is not None]
     if sharded:
@@ -121,11 +121,9 @@ def sync_module_states(module: torch.nn.Module, group: dist.ProcessGroup | None 
         return
     tensors = [*module.parameters(), *module.buffers()]
     layout = [[list(t.shape), str(t.dtype)] for t in tensors]
-    per_rank = exchange_on_store(layout, resolved, timeout_s, "sync", "zcompile.sync_module_states",
-                                 "Call zcompile.sync_module_states(model) on every rank, with the same model.")
-    if any(other != layout for other in per_rank):
-        counts = ", ".join(f"rank {rank} {len(other)}" for rank, other in enumerate(per_rank))
-        raise RankDivergenceError(
-            f"zcompile.sync_module_states: the ranks' models differ (parameters and buffers per rank: {counts}; or "
-            "their shapes or dtypes), so rank 0's cannot be copied onto them. Build the same model on every rank.")
+    agree_on_store(layout, resolved, timeout_s, "sync", "zcompile.sync_module_states",
+                   "Call zcompile.sync_module_states(model) on every rank, with the same model.",
+                   lambda per_rank: "zcompile.sync_module_states: the ranks' models differ (parameters and buffers per "
+                   f"rank: {', '.join(f'rank {rank} {len(other)}' for rank, other in enumerate(per_rank))}; or their "
+                   "shapes or dtypes), so rank 0's cannot be copied onto them. Build the same model on every rank.")
     broadcast_from_first(tensors, resolved, SYNC_BUCKET_BYTES)

@@ -323,6 +323,16 @@ def exchange_on_store(value: Any, group: DataParallelGroup, timeout_s: float, pu
     return exchange_through(default_store(), value, group, timeout_s, purpose, doing, fix, label)
 
 
+def agree_on_store(value: Any, group: DataParallelGroup, timeout_s: float, purpose: str, doing: str, fix: str,
+                   differ: Callable[[list], str]) -> None:
+    """``exchange_on_store``, then a ``RankDivergenceError`` on every rank unless every rank passed the
+    same ``value``: ``differ(per_rank)`` says how they differ (a rank entering a collective context with
+    other arguments, other models)."""
+    per_rank = exchange_on_store(value, group, timeout_s, purpose, doing, fix)
+    if any(other != value for other in per_rank):
+        raise RankDivergenceError(differ(per_rank))
+
+
 def exchange_through(store: dist.Store, value: Any, group: DataParallelGroup, timeout_s: float, purpose: str,
                      doing: str, fix: str, label: str | None = None) -> list:
     """``exchange_on_store`` on a given ``store``.

@@ -40,7 +40,7 @@ import torch
 from zcompile.full_params import DEFAULT_TIMEOUT_S
 from zcompile.param_shards import ShardedParam, shard_of, shard_parameter
 from zcompile.process_group import DataParallelGroup
-from zcompile.rank_check import RankDivergenceError, exchange_on_store
+from zcompile.rank_check import agree_on_store
 
 _FIX = ("compile both models with the same options and call each once before the first update (a teacher's "
         "forward does), or update inside `with zcompile.gathered(target), zcompile.gathered(source):`")
@@ -142,12 +142,10 @@ def _agree(pairs: list[_Pair], weight: float, timeout_s: float) -> None:
         return
     ways = hashlib.sha1("\n".join(pair.way for pair in pairs).encode()).hexdigest()[:16]
     call = [len(pairs), ways, float(weight)]
-    calls = exchange_on_store(
+    agree_on_store(
         call, group, timeout_s, "lerp_weights", "zcompile.lerp_weights_(target, source, weight)",
         "Every rank must call zcompile.lerp_weights_ at the same point of the loop (each updates its own pieces of "
-        "the target: a rank that skips it leaves its pieces behind the others').")
-    if any(other != call for other in calls):
-        raise RankDivergenceError(
-            "zcompile.lerp_weights_: the ranks called it with different models or weights ([parameters, how each "
-            f"pair is held (digest), weight] per rank: {dict(enumerate(calls))}); call it on every rank with the "
-            "same arguments.")
+        "the target: a rank that skips it leaves its pieces behind the others').",
+        lambda calls: "zcompile.lerp_weights_: the ranks called it with different models or weights ([parameters, "
+        f"how each pair is held (digest), weight] per rank: {dict(enumerate(calls))}); call it on every rank with "
+        "the same arguments.")
