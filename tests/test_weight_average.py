@@ -166,3 +166,19 @@ def test_a_bf16_model_at_stage_2_keeps_its_fp32_master_in_step_with_the_new_weig
         torch.testing.assert_close(param.detach(), value, atol=0.02, rtol=0.01)  # bf16 rounding
         master = shard_of(param).shard.detach()[: param.numel()]
         assert torch.equal(master, param.detach().float().reshape(-1))
+
+
+def test_a_param_dtype_replica_beside_a_frozen_copy_is_refused_naming_gathered():
+    """Stage 2 with ``param_dtype``: the trained student keeps a bf16 replica and fp32 master shards, its
+    frozen teacher one fp32 weight; no rank holds both pieces, so the update is refused with the fix
+    that works (``gathered``), not the one for an uncompiled copy. One process (a world of one)."""
+    torch._dynamo.reset()
+    student, teacher, _ = _models()
+    for model in (student, teacher):
+        compiled = torch.compile(model, backend="zero", options={"stage": 2, "param_dtype": "bf16"})
+        out = compiled(torch.randn(2, 16))
+        if model is student:
+            out.float().sum().backward()
+    with pytest.raises(ValueError, match=r"target: stage 2, 512 elements over 1 ranks; source: stage 2 with a torch.bfloat16 replica.*"
+                                         r"needs them gathered: `with zcompile.gathered\(target\)"):
+        zcompile.lerp_weights_(teacher, student, 0.5)

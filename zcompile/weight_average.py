@@ -45,6 +45,12 @@ from zcompile.rank_check import agree_on_store
 _FIX = ("compile both models with the same options and call each once before the first update (a teacher's "
         "forward does), or update inside `with zcompile.gathered(target), zcompile.gathered(source):`")
 
+# a stage-1/2 replica's fp32 values exist only as every rank's master shard, and a frozen model has none
+_REPLICA_FIX = ("with param_dtype a trained weight's fp32 value is spread over the ranks' master shards while a frozen "
+                "one is kept whole, so the update needs them gathered: "
+                "`with zcompile.gathered(target), zcompile.gathered(source):` (or train at stage 3, where both are "
+                "shards)")
+
 # how this rank updates one pair: the full weights, the two stage-3 shards, or the target sharded first
 FULL, SHARDS, SHARD_TARGET = "full", "shards", "shard target"
 
@@ -80,9 +86,11 @@ def _plan(target: torch.nn.Parameter, source: torch.nn.Parameter, name: str) -> 
                                "`zcompile.gathered`, whose exit writes the full weights back over the shards); "
                                "update outside it, or update the full weights there")
         return _Pair(target, source, SHARDS if t_shard is not None else SHARD_TARGET)
+    replica = any(sharded is not None and sharded.replica is not None for sharded in (t_shard, s_shard))
+    fix = (_REPLICA_FIX if replica else _FIX)
     raise ValueError(f"zcompile.lerp_weights_: parameter pair {name} is held differently by the two models (target: "
                      f"{_held_as(t_shard)}; source: {_held_as(s_shard)}), so this rank's pieces of the two do not "
-                     f"match; {_FIX}")
+                     f"match; {fix}")
 
 
 def _held_as(sharded: ShardedParam | None) -> str:
