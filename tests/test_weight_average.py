@@ -12,6 +12,7 @@ gradients are one process's on the global batch; weights are compared to 1e-6 (f
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -101,6 +102,10 @@ def _train_on_rank(rank: int, world: int, stages: list[int]) -> dict:
             zcompile.lerp_weights_(teacher, student, 0.1 if rank == 0 else 0.2, timeout_s=20)
         except RankDivergenceError as error:
             results[stage]["disagreement"] = str(error)
+        try:  # rank 1 skips the teacher's update and makes the EMA's, with the same weight: other models
+            zcompile.lerp_weights_(teacher if rank == 0 else ema, student, MOMENTUM, timeout_s=20)
+        except RankDivergenceError as error:
+            results[stage]["other_model"] = str(error)
     return results
 
 
@@ -124,6 +129,10 @@ def test_a_teacher_and_an_ema_updated_on_shards_equal_one_process_over_full_weig
         # they moved: the update did not leave the starting weights
         assert any(not torch.equal(t, s) for t, s in zip(ours["teacher"], _models()[1].parameters()))
         assert "different models or weights" in ours["disagreement"] and "0.1" in ours["disagreement"]
+        # the teacher, the student and the EMA copy were numbered in that order at the first step's updates
+        numbers = re.search(r"\{0: \[\[(\d+), (\d+)\], 6, .*, 1: \[\[(\d+), (\d+)\], 6, ", ours["other_model"])
+        teacher, student, ema, student_again = map(int, numbers.groups())
+        assert student == student_again == teacher + 1 and ema == teacher + 2
 
 
 def test_pairs_held_differently_are_refused_before_any_weight_changes():

@@ -323,6 +323,15 @@ def exchange_on_store(value: Any, group: DataParallelGroup, timeout_s: float, pu
     return exchange_through(default_store(), value, group, timeout_s, purpose, doing, fix, label)
 
 
+def next_number(purpose: str, group: DataParallelGroup) -> int:
+    """This rank's next number for ``purpose`` (1, 2, ...), counted in the store: ranks that number the
+    same things in the same order give each the same number, with no exchange (an agreement then
+    compares them). A world of one counts nothing: 0."""
+    if group.world_size == 1:
+        return 0
+    return default_store().add(f"zcompile/{purpose}/{group.name}/numbered/{group.rank}", 1)
+
+
 def agree_on_store(value: Any, group: DataParallelGroup, timeout_s: float, purpose: str, doing: str, fix: str,
                    differ: Callable[[list], str]) -> None:
     """``exchange_on_store``, then a ``RankDivergenceError`` on every rank unless every rank passed the

@@ -23,9 +23,13 @@ Each pair of parameters (``target.parameters()`` and ``source.parameters()`` in 
   sharded but whose replica is full) is refused naming the pair and the fixes, before any weight
   changes.
 
-The ranks agree through the store first (the pairs, the weight), as ``gathered`` does: a rank that
-skips the update, or updates with another weight, is a ``RankDivergenceError`` on every rank rather
-than a teacher whose pieces follow different schedules.
+The ranks agree through the store first (which models, how each pair is held, the weight), as
+``gathered`` does: a rank that skips the update, or updates another model or with another weight, is
+a ``RankDivergenceError`` on every rank rather than a teacher whose pieces follow different
+schedules. Models of one architecture read alike (their parameters' names, shapes and sharding), so
+each model is numbered the first time it is passed (``rank_check.next_number``; the number kept on
+the module with its ``id``, so a deep copy is numbered anew): a rank that skips the teacher's update
+and makes the EMA's in its place is told, even with the same weight.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch
 from zcompile.full_params import DEFAULT_TIMEOUT_S
 from zcompile.param_shards import ShardedParam, shard_of, shard_parameter
 from zcompile.process_group import DataParallelGroup
-from zcompile.rank_check import agree_on_store
+from zcompile.rank_check import agree_on_store, next_number
 
 _FIX = ("compile both models with the same options and call each once before the first update (a teacher's "
         "forward does), or update inside `with zcompile.gathered(target), zcompile.gathered(source):`")
@@ -50,6 +54,9 @@ _REPLICA_FIX = ("with param_dtype a trained weight's fp32 value is spread over t
                 "one is kept whole, so the update needs them gathered: "
                 "`with zcompile.gathered(target), zcompile.gathered(source):` (or train at stage 3, where both are "
                 "shards)")
+
+# on a module passed to lerp_weights_: (its number, id(module)); a deep copy carries the pair, not the id
+NUMBER_ATTR = "_zcompile_averaging_number"
 
 # how this rank updates one pair: the full weights, the two stage-3 shards, or the target sharded first
 FULL, SHARDS, SHARD_TARGET = "full", "shards", "shard target"
@@ -119,12 +126,13 @@ def lerp_weights_(target: torch.nn.Module, source: torch.nn.Module, weight: floa
     calls it; buffers are left alone (copy them as you would without zcompile)."""
     if not 0.0 <= weight <= 1.0:
         raise ValueError(f"zcompile.lerp_weights_: weight={weight!r} must be in [0, 1] (an EMA with decay d: 1 - d)")
+    target, source = (getattr(m, "_orig_mod", m) for m in (target, source))  # torch.compile's wrapper: its module
     targets, sources = list(target.parameters()), list(source.parameters())
     if len(targets) != len(sources):
         raise ValueError(f"zcompile.lerp_weights_: target has {len(targets)} parameters and source {len(sources)}; "
                          "they must be two instances of one architecture")
     pairs = [_plan(t, s, f"#{index} {tuple(t.shape)}") for index, (t, s) in enumerate(zip(targets, sources))]
-    _agree(pairs, weight, timeout_s)
+    _agree(pairs, [_number(target, pairs), _number(source, pairs)], weight, timeout_s)
     pieces = [_pieces(pair) for pair in pairs]  # nothing changed before every rank agreed
     torch._foreach_lerp_([t for t, _ in pieces], [s.to(t.dtype) for t, s in pieces], weight)
     for pair in pairs:
@@ -143,17 +151,29 @@ def _group_of(pairs: list[_Pair]) -> DataParallelGroup | None:
     return None
 
 
-def _agree(pairs: list[_Pair], weight: float, timeout_s: float) -> None:
-    """Every rank updates the same pairs the same way with the same weight, or every rank that came raises."""
+def _number(module: torch.nn.Module, pairs: list[_Pair]) -> int:
+    """``module``'s number among the models passed to ``lerp_weights_`` (module docstring)."""
+    numbered = module.__dict__.get(NUMBER_ATTR)
+    if numbered is not None and numbered[1] == id(module):
+        return numbered[0]
+    group = _group_of(pairs)
+    number = next_number("lerp_weights", group) if group is not None else 0
+    module.__dict__[NUMBER_ATTR] = (number, id(module))  # not a submodule, buffer or parameter: the plain dict
+    return number
+
+
+def _agree(pairs: list[_Pair], numbers: list[int], weight: float, timeout_s: float) -> None:
+    """Every rank updates the same models' pairs the same way with the same weight, or every rank that
+    came raises."""
     group = _group_of(pairs)
     if group is None or group.world_size == 1:
         return
     ways = hashlib.sha1("\n".join(pair.way for pair in pairs).encode()).hexdigest()[:16]
-    call = [len(pairs), ways, float(weight)]
+    call = [numbers, len(pairs), ways, float(weight)]
     agree_on_store(
         call, group, timeout_s, "lerp_weights", "zcompile.lerp_weights_(target, source, weight)",
         "Every rank must call zcompile.lerp_weights_ at the same point of the loop (each updates its own pieces of "
         "the target: a rank that skips it leaves its pieces behind the others').",
-        lambda calls: "zcompile.lerp_weights_: the ranks called it with different models or weights ([parameters, "
-        f"how each pair is held (digest), weight] per rank: {dict(enumerate(calls))}); call it on every rank with "
-        "the same arguments.")
+        lambda calls: "zcompile.lerp_weights_: the ranks called it with different models or weights ([the target's "
+        "and the source's numbers (in the order each was first passed), parameters, how each pair is held (digest), "
+        f"weight] per rank: {dict(enumerate(calls))}); call it on every rank with the same models and weight.")
