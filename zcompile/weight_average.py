@@ -19,9 +19,9 @@ Each pair of parameters (``target.parameters()`` and ``source.parameters()`` in 
   not called since): the target is sharded as the source is, then as above. A later compile of it
   with the same options takes those shards; eager use of it then needs ``gathered``, as the
   source's does;
-- anything else (one side sharded, the other not; a ``param_dtype`` replica, whose fp32 master is
-  sharded but whose replica is full) is refused naming the pair and the fixes, before any weight
-  changes.
+- anything else (a stage-3 target beside a source held in full; a ``param_dtype`` replica, whose
+  fp32 master is sharded while its replica is full) is refused naming the pair and the fix, before
+  any weight changes.
 
 The ranks agree through the store first (which models, how each pair is held, the weight), as
 ``gathered`` does: a rank that skips the update, or updates another model or with another weight, is
@@ -33,8 +33,6 @@ and makes the EMA's in its place is told, even with the same weight.
 """
 
 from __future__ import annotations
-
-import hashlib
 
 import hashlib
 from dataclasses import dataclass
@@ -88,13 +86,13 @@ def _plan(target: torch.nn.Parameter, source: torch.nn.Parameter, name: str) -> 
     if _held_in_full(t_shard) and _held_in_full(s_shard):
         return _Pair(target, source, FULL)
     if s_shard is not None and s_shard.stage == 3 and (t_shard is None or _sharded_alike(t_shard, s_shard)):
-        if not s_shard.is_freed or t_shard is not None and not t_shard.is_freed:
+        if not s_shard.is_freed or (t_shard is not None and not t_shard.is_freed):
             raise RuntimeError(f"zcompile.lerp_weights_: parameter pair {name} is gathered now (inside "
                                "`zcompile.gathered`, whose exit writes the full weights back over the shards); "
                                "update outside it, or update the full weights there")
         return _Pair(target, source, SHARDS if t_shard is not None else SHARD_TARGET)
     replica = any(sharded is not None and sharded.replica is not None for sharded in (t_shard, s_shard))
-    fix = (_REPLICA_FIX if replica else _FIX)
+    fix = _REPLICA_FIX if replica else _FIX
     raise ValueError(f"zcompile.lerp_weights_: parameter pair {name} is held differently by the two models (target: "
                      f"{_held_as(t_shard)}; source: {_held_as(s_shard)}), so this rank's pieces of the two do not "
                      f"match; {fix}")
