@@ -152,6 +152,9 @@ def test_pairs_held_differently_are_refused_before_any_weight_changes():
         assert all(torch.equal(p, b) for p, b in zip(target.parameters(), before))
     with pytest.raises(ValueError, match=r"weight=1.5 must be in \[0, 1\]"):
         zcompile.lerp_weights_(source, target, 1.5)
+    with zcompile.gathered(target):  # its exit writes the full weights over the shards: refused, not lost
+        with pytest.raises(RuntimeError, match=r"pair #0 \(32, 16\) is gathered now"):
+            zcompile.lerp_weights_(target, target, 0.5)
 
 
 def test_a_bf16_model_at_stage_2_keeps_its_fp32_master_in_step_with_the_new_weights():
