@@ -578,6 +578,31 @@ def test_reduce_scatter_option_differing_per_rank_fails_fast_on_every_rank():
         assert seconds < 30, seconds
 
 
+def _gathered_in_buckets_equals_the_weights_before_sharding(rank):
+    """``gathered`` gathers a bucket of weights at a time (``full_params._materialize``): with buckets
+    of a few hundred bytes, weights of odd sizes (padded shards) and a bf16 one, the weights it gives,
+    on every rank and on rank 0 alone, are the values they had before the compile sharded them."""
+    import zcompile.full_params as full_params
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3), torch.nn.Linear(3, 9))
+    model[2].to(torch.bfloat16)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    def forward(x):
+        return model[3](model[2](model[1](model[0](x)).to(torch.bfloat16)).float())
+
+    torch.compile(forward, backend="zero", options={"stage": 3})(torch.randn(2, 7))
+    assert all(p.untyped_storage().size() == 0 for p in model.parameters())  # sharded and freed
+    full_params.GATHER_BUCKET_BYTES = 96  # several buckets, of one and of several weights
+    for rank0_only in (False, True):
+        with zcompile.gathered(model, rank0_only=rank0_only):
+            if rank == 0 or not rank0_only:
+                for name, p in model.named_parameters():
+                    torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0, msg=name)
+    full_params.GATHER_BUCKET_BYTES = 4 * 2**20
+
+
 def _gathered_on_rank0_only(rank, world):
     torch._dynamo.reset()
     model = build_model("gpt")
@@ -593,6 +618,7 @@ def _gathered_on_rank0_only(rank, world):
         assert on_rank0.keys() == everywhere.keys()
         for name, value in everywhere.items():
             torch.testing.assert_close(on_rank0[name], value, rtol=0, atol=0, msg=name)
+    _gathered_in_buckets_equals_the_weights_before_sharding(rank)
     message = seconds = None
     if rank == 0:
         start = time.perf_counter()

@@ -10,7 +10,7 @@ import zcompile
 from support.launch import run_ranks
 from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
 from zcompile.process_group import DataParallelGroup
-from zcompile.optim_buckets import _copy_rows, _write_rows, plan_optimizer_buckets
+from zcompile.optim_buckets import copy_rows, _write_rows, plan_optimizer_buckets
 from zcompile.param_shards import shard_parameter
 from zcompile.timeline import record_step
 
@@ -37,7 +37,7 @@ def test_a_members_columns_land_rank_major_without_the_padding(numel):
     written into its parameter straight from the rows: what the flattened copy gave, padding dropped."""
     rows = torch.arange(30.0).view(3, 10)[:, 2:6]
     parameter = torch.full((numel,), -1.0)
-    _copy_rows(parameter, rows, numel)
+    copy_rows(parameter, rows, numel)
     assert torch.equal(parameter, rows.reshape(-1)[:numel])
 
 

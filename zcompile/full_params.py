@@ -9,10 +9,13 @@ from typing import Iterator
 import torch
 
 from zcompile import full_grads
+from zcompile.optim_buckets import BucketedParamRefresh, copy_rows, plan_optimizer_buckets
+from zcompile.process_group import gather_to_first_eager
 from zcompile.param_shards import ShardedParam, shard_of
 from zcompile.rank_check import agree_on_store
 
 DEFAULT_TIMEOUT_S = 60.0
+GATHER_BUCKET_BYTES = 4 * 2**20  # full bytes per all-gather on entry, as the optimizer's default bucket_mb
 
 
 def _sharded_params(model: torch.nn.Module) -> list[ShardedParam]:
@@ -66,8 +69,7 @@ def gathered(model: torch.nn.Module, writeback: bool | None = None, rank0_only: 
     if shards or (grad_members and grad_members[0].group.world_size > 1):
         _agree_on_entry(grad_members or shards, rank0_only, writeback, timeout_s, full_grads.grad_layout(grad_members))
     with torch.no_grad():
-        for sharded in shards:
-            sharded.materialize_full(rank0_only)
+        _materialize(shards, rank0_only)
         with_grad = full_grads.enter(grad_members)
     try:
         yield model
@@ -78,6 +80,58 @@ def gathered(model: torch.nn.Module, writeback: bool | None = None, rank0_only: 
                 if writeback:
                     sharded.write_shard_from_full()
                 sharded.free_full()
+
+
+def _materialize(shards: list[ShardedParam], rank0_only: bool) -> None:
+    """Every rank's shards of ``shards`` gathered into their parameters (collective).
+
+    A parameter whose full value is the parameter itself (stage 3) is gathered a bucket of
+    ``GATHER_BUCKET_BYTES`` at a time, the next bucket's all-gather moving while the last one's
+    values are copied out (``optim_buckets.BucketedParamRefresh``, the stage-1/2 step's own): one
+    blocking all-gather per parameter made entering the block latency-bound (the 16-layer example GPT
+    on 2 ranks: 110 ms for its 196 weights; ``benchmarks/bench_gathered.py``). Those with a
+    low-precision replica (whose fp32 parameter is gathered from the master shards, while the step's
+    bucketed path writes the replica) go one at a time. ``rank0_only``: the same buckets gathered to
+    rank 0 (``_gather_to_first``)."""
+    own = [s for s in shards if s.replica is None]
+    if rank0_only:
+        _gather_to_first(own)
+        for sharded in shards:
+            if sharded.replica is not None:
+                sharded.materialize_full(rank0_only=True)
+        return
+    for sharded in own:
+        sharded.allocate_full()
+    refresher = BucketedParamRefresh(plan_optimizer_buckets(own, lambda s: s.param.dtype, GATHER_BUCKET_BYTES))
+    for sharded in own:
+        refresher.updated(sharded, sharded.shard.detach().to(sharded.param.dtype))
+    refresher.finish()
+    for sharded in shards:
+        if sharded.replica is not None:
+            sharded.materialize_full()
+
+
+def _gather_to_first(own: list[ShardedParam]) -> None:
+    """``_materialize`` with ``rank0_only``: each bucket's shards, side by side, gathered to rank 0, which
+    copies every member's rows into its parameter; the other ranks send and stay freed."""
+    for bucket in plan_optimizer_buckets(own, lambda s: s.param.dtype, GATHER_BUCKET_BYTES):
+        group = bucket[0].group
+        shards = [s.shard.detach().to(s.param.dtype) for s in bucket]
+        flat = torch.cat(shards) if len(shards) > 1 else shards[0]
+        if group.rank != 0:
+            gather_to_first_eager(None, flat, group)
+            continue
+        if group.world_size > 1:
+            gathered = torch.empty(flat.numel() * group.world_size, dtype=flat.dtype, device=flat.device)
+            gather_to_first_eager(gathered, flat, group)
+        else:
+            gathered = flat
+        rows = gathered.view(group.world_size, -1)
+        offset = 0
+        for sharded in bucket:
+            sharded.allocate_full()
+            copy_rows(sharded.param.data.view(-1), rows[:, offset: offset + sharded.shard_numel], sharded.numel)
+            offset += sharded.shard_numel
 
 
 def _agree_on_entry(shards: list[ShardedParam], rank0_only: bool, writeback: bool, timeout_s: float,

@@ -313,7 +313,7 @@ class BucketedParamRefresh:
         rows = gathered.view(bucket[0].group.world_size, -1)
         offset = 0
         for m in bucket:
-            _copy_rows(m.replicated.view(-1), rows[:, offset: offset + m.shard_numel], m.numel)
+            copy_rows(m.replicated.view(-1), rows[:, offset: offset + m.shard_numel], m.numel)
             offset += m.shard_numel
         _release(gathered)
         self.ledger.give(held)
@@ -329,7 +329,7 @@ def _release(buffer: torch.Tensor) -> None:
 
 def _write_rows(rows: torch.Tensor, flat: torch.Tensor, numel: int) -> None:
     """``rows`` (``[N, s]``, strided: one member's columns of a bucket) = ``flat[:numel]`` zero-padded to
-    ``N * s`` elements and read rank-major, cast in the copy: ``_copy_rows`` the other way."""
+    ``N * s`` elements and read rank-major, cast in the copy: ``copy_rows`` the other way."""
     width = rows.shape[1]
     whole = min(numel // width, rows.shape[0]) if width else 0
     if whole:
@@ -341,7 +341,7 @@ def _write_rows(rows: torch.Tensor, flat: torch.Tensor, numel: int) -> None:
         rows[whole + 1:].zero_()
 
 
-def _copy_rows(dst: torch.Tensor, rows: torch.Tensor, numel: int) -> None:
+def copy_rows(dst: torch.Tensor, rows: torch.Tensor, numel: int) -> None:
     """``dst[:numel]`` = ``rows`` (``[N, s]``, strided: one member's columns of a bucket) read rank-major,
     with no contiguous copy of them first (``reshape(-1)`` made one, the member's full size): whole
     rows into a ``[k, s]`` view of ``dst``, then the last rank's partial row (the padding left out)."""

@@ -259,9 +259,7 @@ class ShardedParam:
         if rank0_only and self.group.rank != 0:
             gather_to_first_eager(None, shard, self.group)
             return
-        if self.is_freed:
-            nbytes = self.numel * self.param.element_size()
-            self.param.untyped_storage().resize_(nbytes)
+        self.allocate_full()
         flat_full = self.param.data.view(-1)
         if rank0_only and self.group.world_size > 1:
             gathered = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
@@ -269,6 +267,11 @@ class ShardedParam:
         else:
             gathered = self.all_gathered(shard)
         flat_full.copy_(gathered[: self.numel])
+
+    def allocate_full(self) -> None:
+        """The full storage back where it was freed, its elements not yet written (a gather fills them)."""
+        if self.is_freed:
+            self.param.untyped_storage().resize_(self.numel * self.param.element_size())
 
     def all_gathered(self, shard: torch.Tensor) -> torch.Tensor:
         """Every rank's ``shard`` (this parameter's shard layout: the shard, its gradient, a cast of

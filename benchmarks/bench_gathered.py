@@ -1,0 +1,77 @@
+"""``zcompile.gathered(model)`` at stage 3: what entering and leaving it costs.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_gathered.py    # results/gathered_2.json
+
+The example GPT (n_embd 128), compiled at stage 3 and trained one step, then ``with
+zcompile.gathered(model): pass`` (every weight gathered, written back and freed), and the same with
+``writeback=False`` and with ``rank0_only=True``: median ms of the slowest rank over ``--rounds``,
+the three alternating, against the model's fp32 bytes. An evaluation, ``generate()`` or an export
+in eager code pays this each time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import zcompile  # noqa: E402
+import zcompile.optim  # noqa: E402
+from common import print_table, slowest_ms, start_gloo_benchmark  # noqa: E402
+from gpt import GPT, GPTConfig  # noqa: E402
+
+WAYS = {"gathered": {}, "writeback=False": {"writeback": False}, "rank0_only": {"rank0_only": True}}
+
+
+def measure(layers: int, rounds: int) -> dict:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=layers, n_embd=128, n_head=4, block_size=128, vocab_size=512))
+    compiled = torch.compile(model, backend="zero", options={"stage": 3})
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 512, (2, 128))
+    compiled(tokens, tokens).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+    def enter_and_leave(arguments: dict) -> None:
+        with zcompile.gathered(model, **arguments):
+            pass
+
+    times = {name: [] for name in WAYS}
+    for _ in range(rounds):
+        for name, arguments in WAYS.items():
+            times[name].append(slowest_ms(lambda: enter_and_leave(arguments)))
+    row = {"layers": layers, "parameters": sum(1 for _ in model.parameters()),
+           "model_MiB": sum(p.numel() * 4 for p in model.parameters()) / 2**20}
+    row.update({f"{name}_ms": statistics.median(values) for name, values in times.items()})
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                      "gathered_2.json"))
+    args = parser.parse_args()
+    rank, world, cores = start_gloo_benchmark()
+    rows = [measure(layers, args.rounds) for layers in args.layers]
+    if rank == 0:
+        print_table(f"zcompile.gathered(model) at stage 3, {world} ranks ({cores} cores): median ms, enter and leave",
+                    ["layers", "parameters", "model MiB", *WAYS],
+                    [[str(r["layers"]), str(r["parameters"]), f"{r['model_MiB']:.2f}",
+                      *(f"{r[f'{name}_ms']:.2f}" for name in WAYS)] for r in rows])
+        with open(args.out, "w") as handle:
+            json.dump({"world_size": world, "cores": cores, "rounds": args.rounds, "rows": rows}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
