@@ -11,7 +11,6 @@ in eager code pays this each time.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import zcompile  # noqa: E402
 import zcompile.optim  # noqa: E402
-from common import print_table, slowest_ms, start_gloo_benchmark  # noqa: E402
+from common import depth_sweep_arguments, print_table, slowest_ms, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 WAYS = {"gathered": {}, "writeback=False": {"writeback": False}, "rank0_only": {"rank0_only": True}}
@@ -56,12 +55,7 @@ def measure(layers: int, rounds: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, nargs="+", default=[4, 16])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                      "gathered_2.json"))
-    args = parser.parse_args()
+    args = depth_sweep_arguments(__doc__, "gathered_2.json")
     rank, world, cores = start_gloo_benchmark()
     rows = [measure(layers, args.rounds) for layers in args.layers]
     if rank == 0:

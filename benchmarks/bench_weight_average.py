@@ -12,7 +12,6 @@ against the model's fp32 bytes.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import zcompile  # noqa: E402
-from common import print_table, slowest_ms, start_gloo_benchmark  # noqa: E402
+from common import depth_sweep_arguments, print_table, slowest_ms, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 from zcompile.timeline import record_step  # noqa: E402
 
@@ -65,12 +64,7 @@ def measure(layers: int, rounds: int, rank: int, trace_dir: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, nargs="+", default=[4, 16])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                      "weight_average_2.json"))
-    args = parser.parse_args()
+    args = depth_sweep_arguments(__doc__, "weight_average_2.json")
     rank, world, cores = start_gloo_benchmark()
     trace_dir = os.path.join("/tmp", f"bench_weight_average_{os.getpid()}")
     rows = [measure(layers, args.rounds, rank, trace_dir) for layers in args.layers]

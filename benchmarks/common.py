@@ -87,3 +87,15 @@ def print_table(title: str, columns, rows) -> None:
     for row in rows:
         table.add_row(*row)
     Console().print(table)
+
+
+def depth_sweep_arguments(doc: str, result_name: str):
+    """The command line of a benchmark over the example GPT's depth: ``--layers``, ``--rounds`` and
+    ``--out`` (default ``benchmarks/results/<result_name>``), parsed."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", result_name))
+    return parser.parse_args()
