@@ -156,6 +156,33 @@ def step_skipped_on_one_rank(rank, world, clock_path, stage, compiler="eager"):
     return _outcome(body, clock)
 
 
+def teacher_update_skipped_on_one_rank(rank, world, clock_path, stage, other_model: bool = False):
+    """A momentum teacher (``zcompile.lerp_weights_`` after each step): at step 1 rank 1 skips its
+    update, or (``other_model``) updates an EMA copy in its place with the same weight."""
+    import copy
+
+    import zcompile
+
+    clock = Clock(clock_path)
+    model, compiled, optimizer = _model_and_batches(stage)
+    teacher, ema = (copy.deepcopy(model).requires_grad_(False) for _ in range(2))
+
+    def body():
+        for step in range(4):
+            _train(compiled, optimizer, [step], rank)
+            if step == 1 and rank == 1:
+                clock.mark()
+                if other_model:
+                    zcompile.lerp_weights_(ema, model, 0.1)
+                continue
+            zcompile.lerp_weights_(teacher, model, 0.1)
+            if step == 0:
+                zcompile.lerp_weights_(ema, model, 0.1)  # numbered after the teacher, on every rank
+        return "trained"
+
+    return _outcome(body, clock)
+
+
 def layerdrop_per_rank(rank, world, clock_path, stage, keep_at_step_1):
     """Blocks compiled one by one (the FSDP2 habit), LayerDrop drawn per rank: at step 1 rank r runs
     the layers ``keep_at_step_1[r]``, every layer at the other steps."""
@@ -318,6 +345,9 @@ FAULTS = {
     "rank 0 busy 90 s between steps, stage 1": (busy_rank0, 1, 90.0),
     "rank 0 one batch short, then dist.barrier(), stage 2": (uneven_epoch_then_barrier, 2),
     "rank 0 one batch short, then dist.barrier(), stage 3": (uneven_epoch_then_barrier, 3),
+    "teacher update (lerp_weights_) skipped on one rank, stage 2": (teacher_update_skipped_on_one_rank, 2),
+    "teacher update (lerp_weights_) skipped on one rank, stage 3": (teacher_update_skipped_on_one_rank, 3),
+    "EMA updated in the teacher's place on one rank, stage 3": (teacher_update_skipped_on_one_rank, 3, True),
 }
 
 
