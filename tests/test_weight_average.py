@@ -5,7 +5,9 @@ on each rank's pieces, against one process running the same loop on the global b
 The student is trained on 2 gloo ranks at stages 2 and 3 (one launch); its teacher is compiled with
 it and frozen, and follows it by ``lerp_weights_`` after every step; an EMA copy made before the
 compile is never called in training (at stage 3 the first update shards it as the student is) and is
-compiled for one evaluation at the end, which must take the averaged shards. The loss is a mean over rows, so the ranks' averaged losses and
+compiled for one evaluation at the end, which must take the averaged shards. At stage 2 with
+``param_dtype`` (the student's fp32 weights only as master shards) the teacher and the EMA copy are
+compared with copies updated inside ``gathered``. The loss is a mean over rows, so the ranks' averaged losses and
 gradients are one process's on the global batch; weights are compared to 1e-6 (fp32, summation order).
 """
 
@@ -109,9 +111,50 @@ def _train_on_rank(rank: int, world: int, stages: list[int]) -> dict:
     return results
 
 
+def _replica_student(rank: int, world: int) -> dict:
+    """Stage 2 with ``param_dtype``: the student trains a bf16 replica over fp32 master shards, so no
+    rank holds its fp32 weights whole; its teacher (compiled, frozen: whole in fp32 on every rank) and
+    an uncompiled EMA copy follow it by ``lerp_weights_`` (slices, then an all-gather), and two plain
+    copies follow it through ``gathered`` (the fp32 masters gathered whole): the two ways must agree."""
+    torch._dynamo.reset()
+    student, teacher, predictor = _models()
+    ema = copy.deepcopy(student).requires_grad_(False)
+    by_gathered = [copy.deepcopy(teacher), copy.deepcopy(ema)]
+    options = {"stage": 2, "param_dtype": "bf16"}
+    online, target, head = (torch.compile(m, backend="zero", options=options) for m in (student, teacher, predictor))
+    optimizer = zcompile.optim.AdamW([*student.parameters(), *predictor.parameters()], lr=1e-2)
+    for step in range(STEPS):
+        a, b = (view.chunk(world)[rank] for view in _views(step))
+        _byol_loss(online, head, target, a, b).float().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        zcompile.lerp_weights_(teacher, student, MOMENTUM)
+        zcompile.lerp_weights_(ema, student, EMA_WEIGHT)
+        with zcompile.gathered(student), torch.no_grad():
+            for copied, weight in zip(by_gathered, (MOMENTUM, EMA_WEIGHT)):
+                for t, s in zip(copied.parameters(), student.parameters()):
+                    t.lerp_(s, weight)
+    return {"ours": [[p.detach().clone() for p in m.parameters()] for m in (teacher, ema)],
+            "by_gathered": [[p.detach().clone() for p in m.parameters()] for m in by_gathered],
+            "first": [p.detach().clone() for p in _models()[1].parameters()]}
+
+
+def _all_on_rank(rank: int, world: int) -> dict:
+    return {**_train_on_rank(rank, world, [2, 3]), "replica": _replica_student(rank, world)}
+
+
 @pytest.fixture(scope="module")
 def runs():
-    return run_ranks(2, _train_on_rank, [2, 3], timeout_s=300)
+    return run_ranks(2, _all_on_rank, timeout_s=300)
+
+
+def test_a_bf16_students_teacher_and_ema_follow_its_fp32_masters_from_slices(runs):
+    for rank_results in runs:
+        ours, by_gathered = rank_results["replica"]["ours"], rank_results["replica"]["by_gathered"]
+        for model_ours, model_gathered in zip(ours, by_gathered, strict=True):
+            for got, expected in zip(model_ours, model_gathered, strict=True):
+                torch.testing.assert_close(got, expected, atol=1e-7, rtol=0)
+        assert any(not torch.equal(p, q) for p, q in zip(ours[0], rank_results["replica"]["first"]))  # it moved
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -180,17 +223,15 @@ def test_a_bf16_model_at_stage_2_keeps_its_fp32_master_in_step_with_the_new_weig
         assert torch.equal(master, param.detach().float().reshape(-1))
 
 
-def test_a_param_dtype_replica_beside_a_frozen_copy_is_refused_naming_gathered():
-    """Stage 2 with ``param_dtype``: the trained student keeps a bf16 replica and fp32 master shards, its
-    frozen teacher one fp32 weight; no rank holds both pieces, so the update is refused with the fix
-    that works (``gathered``), not the one for an uncompiled copy. One process (a world of one)."""
+def test_a_target_with_a_replica_of_its_own_is_refused_naming_gathered():
+    """Stage 2 with ``param_dtype``, a trained target (lookahead's slow weights): its fp32 values are
+    master shards with a bf16 replica beside them, which a slice update would leave behind; refused
+    with the fix that works. One process (a world of one)."""
     torch._dynamo.reset()
-    student, teacher, _ = _models()
-    for model in (student, teacher):
+    target, source = _models()[0], _models()[0]
+    for model in (target, source):
         compiled = torch.compile(model, backend="zero", options={"stage": 2, "param_dtype": "bf16"})
-        out = compiled(torch.randn(2, 16))
-        if model is student:
-            out.float().sum().backward()
-    with pytest.raises(ValueError, match=r"target: stage 2, 512 elements over 1 ranks; source: stage 2 with a torch.bfloat16 replica.*"
-                                         r"needs them gathered: `with zcompile.gathered\(target\)"):
-        zcompile.lerp_weights_(teacher, student, 0.5)
+        compiled(torch.randn(2, 16)).float().sum().backward()
+    with pytest.raises(ValueError, match=r"target: stage 2 with a torch.bfloat16 replica.*"
+                                         r"update inside `with zcompile.gathered\(target\)"):
+        zcompile.lerp_weights_(target, source, 0.5)

@@ -19,9 +19,13 @@ Each pair of parameters (``target.parameters()`` and ``source.parameters()`` in 
   not called since): the target is sharded as the source is, then as above. A later compile of it
   with the same options takes those shards; eager use of it then needs ``gathered``, as the
   source's does;
-- anything else (a stage-3 target beside a source held in full; a ``param_dtype`` replica, whose
-  fp32 master is sharded while its replica is full) is refused naming the pair and the fix, before
-  any weight changes.
+- a target held in full beside a stage-1/2 source with a ``param_dtype`` replica (a bf16-trained
+  student's fp32 values exist only as the ranks' master shards): this rank's slice of the target
+  from the source's master shard, then the slices all-gathered into the full target, a bucket of
+  ``full_params.GATHER_BUCKET_BYTES`` per collective (one all-gather of the target, where
+  ``gathered`` on both models gathered the source and wrote both back);
+- anything else (a stage-3 target beside a source held in full; a target with a replica of its
+  own) is refused naming the pair and the fix, before any weight changes.
 
 The ranks agree through the store first (which models, how each pair is held, the weight), as
 ``gathered`` does: a rank that skips the update, or updates another model or with another weight, is
@@ -39,25 +43,28 @@ from dataclasses import dataclass
 
 import torch
 
-from zcompile.full_params import DEFAULT_TIMEOUT_S
+import torch.nn.functional as F
+
+from zcompile.full_params import DEFAULT_TIMEOUT_S, GATHER_BUCKET_BYTES
+from zcompile.optim_buckets import copy_rows
 from zcompile.param_shards import ShardedParam, shard_of, shard_parameter
-from zcompile.process_group import DataParallelGroup
+from zcompile.process_group import DataParallelGroup, all_gather_eager
 from zcompile.rank_check import agree_on_store, next_number
 
 _FIX = ("compile both models with the same options and call each once before the first update (a teacher's "
         "forward does), or update inside `with zcompile.gathered(target), zcompile.gathered(source):`")
 
-# a stage-1/2 replica's fp32 values exist only as every rank's master shard, and a frozen model has none
-_REPLICA_FIX = ("with param_dtype a trained weight's fp32 value is spread over the ranks' master shards while a frozen "
-                "one is kept whole, so the update needs them gathered: "
-                "`with zcompile.gathered(target), zcompile.gathered(source):` (or train at stage 3, where both are "
-                "shards)")
+# a target with a replica of its own: its fp32 values are master shards, its replica a second copy to keep
+_REPLICA_FIX = ("a target trained with param_dtype keeps its fp32 values on the ranks' master shards and a "
+                "low-precision replica beside them; update inside `with zcompile.gathered(target), "
+                "zcompile.gathered(source):` (or train at stage 3, where both are shards)")
 
 # on a module passed to lerp_weights_: (its number, id(module)); a deep copy carries the pair, not the id
 NUMBER_ATTR = "_zcompile_averaging_number"
 
-# how this rank updates one pair: the full weights, the two stage-3 shards, or the target sharded first
-FULL, SHARDS, SHARD_TARGET = "full", "shards", "shard target"
+# how this rank updates one pair: the full weights, the two stage-3 shards, the target sharded first, or
+# this rank's slice of a full target from a replica's master shard, the slices gathered after
+FULL, SHARDS, SHARD_TARGET, SLICES = "full", "shards", "shard target", "slices"
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,9 @@ def _plan(target: torch.nn.Parameter, source: torch.nn.Parameter, name: str) -> 
                                "`zcompile.gathered`, whose exit writes the full weights back over the shards); "
                                "update outside it, or update the full weights there")
         return _Pair(target, source, SHARDS if t_shard is not None else SHARD_TARGET)
+    if (_held_in_full(t_shard) and target.is_contiguous() and s_shard is not None and s_shard.stage in (1, 2)
+            and s_shard.replica is not None):
+        return _Pair(target, source, SLICES)
     replica = any(sharded is not None and sharded.replica is not None for sharded in (t_shard, s_shard))
     fix = _REPLICA_FIX if replica else _FIX
     raise ValueError(f"zcompile.lerp_weights_: parameter pair {name} is held differently by the two models (target: "
@@ -111,6 +121,9 @@ def _pieces(pair: _Pair) -> tuple[torch.Tensor, torch.Tensor]:
     if pair.way == FULL:
         return pair.target.detach(), pair.source.detach()
     source = shard_of(pair.source)
+    if pair.way == SLICES:
+        piece = source.piece
+        return pair.target.detach().view(-1)[piece.offset: piece.offset + piece.owned], source.shard.detach()[: piece.owned]
     if pair.way == SHARD_TARGET:  # as a compile of the target with the source's options would
         shard_parameter(pair.target, f"{source.name} (averaged)", stage=3, group=source.group)
     return shard_of(pair.target).shard.detach(), source.shard.detach()
@@ -133,12 +146,47 @@ def lerp_weights_(target: torch.nn.Module, source: torch.nn.Module, weight: floa
     _agree(pairs, [_number(target, pairs), _number(source, pairs)], weight, timeout_s)
     pieces = [_pieces(pair) for pair in pairs]  # nothing changed before every rank agreed
     torch._foreach_lerp_([t for t, _ in pieces], [s.to(t.dtype) for t, s in pieces], weight)
+    _gather_slices([pair for pair in pairs if pair.way == SLICES])
     for pair in pairs:
         sharded = shard_of(pair.target)
-        if pair.way == FULL and sharded is not None and sharded.home is None:
+        if pair.way in (FULL, SLICES) and sharded is not None and sharded.home is None:
             # a full weight with a master shard apart (a bf16 model at stages 1-2): the shard is what the
             # optimizer steps from and what checkpoints save, so it takes the new value too
             sharded.write_shard_from_full()
+
+
+def _gather_slices(pairs: list[_Pair]) -> None:
+    """Each pair's target whole again on every rank from every rank's updated slice (collective): the
+    slices side by side a bucket at a time, one all-gather each, every member's rows copied back."""
+    buckets: list[list[_Pair]] = []
+    size, key = 0, None
+    for pair in pairs:
+        source = shard_of(pair.source)
+        pair_key = (source.group.name, pair.target.dtype)
+        nbytes = source.padded_numel * pair.target.element_size()
+        if not buckets or pair_key != key or size + nbytes > GATHER_BUCKET_BYTES:
+            buckets.append([])
+            size, key = 0, pair_key
+        buckets[-1].append(pair)
+        size += nbytes
+    for bucket in buckets:
+        group = shard_of(bucket[0].source).group
+        if group.world_size == 1:
+            continue  # the slice was the whole
+        slices = []
+        for pair in bucket:
+            piece = shard_of(pair.source).piece
+            mine = pair.target.detach().view(-1)[piece.offset: piece.offset + piece.owned]
+            slices.append(F.pad(mine, (0, piece.chunk - piece.owned)) if piece.owned < piece.chunk else mine)
+        flat = torch.cat(slices)
+        gathered = torch.empty(flat.numel() * group.world_size, dtype=flat.dtype, device=flat.device)
+        all_gather_eager(gathered, flat, group)
+        rows = gathered.view(group.world_size, -1)
+        offset = 0
+        for pair in bucket:
+            source = shard_of(pair.source)
+            copy_rows(pair.target.detach().view(-1), rows[:, offset: offset + source.shard_numel], source.numel)
+            offset += source.shard_numel
 
 
 def _group_of(pairs: list[_Pair]) -> DataParallelGroup | None:
