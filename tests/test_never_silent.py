@@ -580,8 +580,9 @@ def test_reduce_scatter_option_differing_per_rank_fails_fast_on_every_rank():
 
 def _gathered_in_buckets_equals_the_weights_before_sharding(rank):
     """``gathered`` gathers a bucket of weights at a time (``full_params._materialize``): with buckets
-    of a few hundred bytes, weights of odd sizes (padded shards) and a bf16 one, the weights it gives,
-    on every rank and on rank 0 alone, are the values they had before the compile sharded them."""
+    of a few hundred bytes, weights of odd sizes (padded shards), a bf16 one, and a stage-2 model's
+    fp32 masters beside bf16 replicas, the weights it gives, on every rank and on rank 0 alone, are
+    the values they had before the compile sharded them."""
     import zcompile.full_params as full_params
 
     torch.manual_seed(3)
@@ -594,12 +595,18 @@ def _gathered_in_buckets_equals_the_weights_before_sharding(rank):
 
     torch.compile(forward, backend="zero", options={"stage": 3})(torch.randn(2, 7))
     assert all(p.untyped_storage().size() == 0 for p in model.parameters())  # sharded and freed
+    # and stage 2 with param_dtype: the fp32 weights exist only as master shards beside bf16 replicas
+    torch.manual_seed(4)
+    replicated = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    before_replicated = {name: p.detach().clone() for name, p in replicated.named_parameters()}
+    torch.compile(replicated, backend="zero", options={"stage": 2, "param_dtype": "bf16"})(torch.randn(2, 7))
     full_params.GATHER_BUCKET_BYTES = 96  # several buckets, of one and of several weights
     for rank0_only in (False, True):
-        with zcompile.gathered(model, rank0_only=rank0_only):
-            if rank == 0 or not rank0_only:
-                for name, p in model.named_parameters():
-                    torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0, msg=name)
+        for gathered_model, values in ((model, before), (replicated, before_replicated)):
+            with zcompile.gathered(gathered_model, rank0_only=rank0_only):
+                if rank == 0 or not rank0_only:
+                    for name, p in gathered_model.named_parameters():
+                        torch.testing.assert_close(p.detach(), values[name], rtol=0, atol=0, msg=name)
     full_params.GATHER_BUCKET_BYTES = 4 * 2**20
 
 

@@ -10,7 +10,7 @@ import torch
 
 from zcompile import full_grads
 from zcompile.optim_buckets import BucketedParamRefresh, copy_rows, plan_optimizer_buckets
-from zcompile.process_group import gather_to_first_eager
+from zcompile.process_group import all_gather_eager, gather_to_first_eager
 from zcompile.param_shards import ShardedParam, shard_of
 from zcompile.rank_check import agree_on_store
 
@@ -91,8 +91,8 @@ def _materialize(shards: list[ShardedParam], rank0_only: bool) -> None:
     blocking all-gather per parameter made entering the block latency-bound (the 16-layer example GPT
     on 2 ranks: 110 ms for its 196 weights; ``benchmarks/bench_gathered.py``). Those with a
     low-precision replica (whose fp32 parameter is gathered from the master shards, while the step's
-    bucketed path writes the replica) go one at a time. ``rank0_only``: the same buckets gathered to
-    rank 0 (``_gather_to_first``)."""
+    bucketed path writes the replica) are gathered the same way into the parameters (``gather_into_full``).
+    ``rank0_only``: the same buckets gathered to rank 0 (``_gather_to_first``)."""
     own = [s for s in shards if s.replica is None]
     if rank0_only:
         _gather_to_first(own)
@@ -100,15 +100,46 @@ def _materialize(shards: list[ShardedParam], rank0_only: bool) -> None:
             if sharded.replica is not None:
                 sharded.materialize_full(rank0_only=True)
         return
-    for sharded in own:
+    for sharded in shards:
         sharded.allocate_full()
     refresher = BucketedParamRefresh(plan_optimizer_buckets(own, lambda s: s.param.dtype, GATHER_BUCKET_BYTES))
     for sharded in own:
         refresher.updated(sharded, sharded.shard.detach().to(sharded.param.dtype))
     refresher.finish()
-    for sharded in shards:
-        if sharded.replica is not None:
-            sharded.materialize_full()
+    gather_into_full([(s.param.data.view(-1), s.shard.detach().to(s.param.dtype), s) for s in shards
+                      if s.replica is not None])
+
+
+def gather_into_full(items: list[tuple[torch.Tensor, torch.Tensor, ShardedParam]]) -> None:
+    """For each ``(full, chunk, layout)``: ``full`` (flat, ``layout.numel`` elements) = every rank's
+    ``chunk`` (``layout.shard_numel`` elements, padded past what the rank owns) in rank order
+    (collective). A bucket of ``GATHER_BUCKET_BYTES`` per all-gather, the chunks side by side, every
+    member's rows copied out: where the full tensor is not the storage the layout's step refreshes
+    (the fp32 parameter of a ``param_dtype`` replica, a weight averaged toward it)."""
+    buckets: list[list[tuple]] = []
+    size, key = 0, None
+    for item in items:
+        full, chunk, layout = item
+        item_key = (layout.group.name, chunk.dtype, chunk.device)
+        nbytes = layout.padded_numel * chunk.element_size()
+        if not buckets or item_key != key or size + nbytes > GATHER_BUCKET_BYTES:
+            buckets.append([])
+            size, key = 0, item_key
+        buckets[-1].append(item)
+        size += nbytes
+    for bucket in buckets:
+        group = bucket[0][2].group
+        flat = torch.cat([chunk for _, chunk, _ in bucket])
+        if group.world_size > 1:
+            gathered = torch.empty(flat.numel() * group.world_size, dtype=flat.dtype, device=flat.device)
+            all_gather_eager(gathered, flat, group)
+        else:
+            gathered = flat
+        rows = gathered.view(group.world_size, -1)
+        offset = 0
+        for full, _, layout in bucket:
+            copy_rows(full, rows[:, offset: offset + layout.shard_numel], layout.numel)
+            offset += layout.shard_numel
 
 
 def _gather_to_first(own: list[ShardedParam]) -> None:

@@ -21,9 +21,9 @@ Each pair of parameters (``target.parameters()`` and ``source.parameters()`` in 
   source's does;
 - a target held in full beside a stage-1/2 source with a ``param_dtype`` replica (a bf16-trained
   student's fp32 values exist only as the ranks' master shards): this rank's slice of the target
-  from the source's master shard, then the slices all-gathered into the full target, a bucket of
-  ``full_params.GATHER_BUCKET_BYTES`` per collective (one all-gather of the target, where
-  ``gathered`` on both models gathered the source and wrote both back);
+  from the source's master shard, then the slices all-gathered into the full target a bucket at a
+  time (``full_params.gather_into_full``): one all-gather of the target, where ``gathered`` on both
+  models gathered the source and wrote both back;
 - anything else (a stage-3 target beside a source held in full; a target with a replica of its
   own) is refused naming the pair and the fix, before any weight changes.
 
@@ -45,10 +45,9 @@ import torch
 
 import torch.nn.functional as F
 
-from zcompile.full_params import DEFAULT_TIMEOUT_S, GATHER_BUCKET_BYTES
-from zcompile.optim_buckets import copy_rows
+from zcompile.full_params import DEFAULT_TIMEOUT_S, gather_into_full
 from zcompile.param_shards import ShardedParam, shard_of, shard_parameter
-from zcompile.process_group import DataParallelGroup, all_gather_eager
+from zcompile.process_group import DataParallelGroup
 from zcompile.rank_check import agree_on_store, next_number
 
 _FIX = ("compile both models with the same options and call each once before the first update (a teacher's "
@@ -156,37 +155,16 @@ def lerp_weights_(target: torch.nn.Module, source: torch.nn.Module, weight: floa
 
 
 def _gather_slices(pairs: list[_Pair]) -> None:
-    """Each pair's target whole again on every rank from every rank's updated slice (collective): the
-    slices side by side a bucket at a time, one all-gather each, every member's rows copied back."""
-    buckets: list[list[_Pair]] = []
-    size, key = 0, None
+    """Each pair's target whole again on every rank from every rank's updated slice (collective)."""
+    items = []
     for pair in pairs:
-        source = shard_of(pair.source)
-        pair_key = (source.group.name, pair.target.dtype)
-        nbytes = source.padded_numel * pair.target.element_size()
-        if not buckets or pair_key != key or size + nbytes > GATHER_BUCKET_BYTES:
-            buckets.append([])
-            size, key = 0, pair_key
-        buckets[-1].append(pair)
-        size += nbytes
-    for bucket in buckets:
-        group = shard_of(bucket[0].source).group
-        if group.world_size == 1:
-            continue  # the slice was the whole
-        slices = []
-        for pair in bucket:
-            piece = shard_of(pair.source).piece
-            mine = pair.target.detach().view(-1)[piece.offset: piece.offset + piece.owned]
-            slices.append(F.pad(mine, (0, piece.chunk - piece.owned)) if piece.owned < piece.chunk else mine)
-        flat = torch.cat(slices)
-        gathered = torch.empty(flat.numel() * group.world_size, dtype=flat.dtype, device=flat.device)
-        all_gather_eager(gathered, flat, group)
-        rows = gathered.view(group.world_size, -1)
-        offset = 0
-        for pair in bucket:
-            source = shard_of(pair.source)
-            copy_rows(pair.target.detach().view(-1), rows[:, offset: offset + source.shard_numel], source.numel)
-            offset += source.shard_numel
+        layout = shard_of(pair.source)
+        piece = layout.piece
+        flat = pair.target.detach().view(-1)
+        mine = flat[piece.offset: piece.offset + piece.owned]
+        items.append((flat, F.pad(mine, (0, piece.chunk - piece.owned)) if piece.owned < piece.chunk else mine,
+                      layout))
+    gather_into_full(items)
 
 
 def _group_of(pairs: list[_Pair]) -> DataParallelGroup | None:
