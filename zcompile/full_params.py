@@ -92,14 +92,15 @@ def _materialize(shards: list[ShardedParam], rank0_only: bool) -> None:
     on 2 ranks: 110 ms for its 196 weights; ``benchmarks/bench_gathered.py``). Those with a
     low-precision replica (whose fp32 parameter is gathered from the master shards, while the step's
     bucketed path writes the replica) are gathered the same way into the parameters (``gather_into_full``).
-    ``rank0_only``: the same buckets gathered to rank 0 (``_gather_to_first``)."""
-    own = [s for s in shards if s.replica is None]
+    ``rank0_only``: every weight's bucket gathered to rank 0 (``gather_into_full(to_first=True)``)."""
     if rank0_only:
-        _gather_to_first(own)
         for sharded in shards:
-            if sharded.replica is not None:
-                sharded.materialize_full(rank0_only=True)
+            if sharded.group.rank == 0:
+                sharded.allocate_full()
+        gather_into_full([(s.param.data.view(-1) if s.group.rank == 0 else None, s.shard.detach().to(s.param.dtype), s)
+                          for s in shards], to_first=True)
         return
+    own = [s for s in shards if s.replica is None]
     for sharded in shards:
         sharded.allocate_full()
     refresher = BucketedParamRefresh(plan_optimizer_buckets(own, lambda s: s.param.dtype, GATHER_BUCKET_BYTES))
@@ -110,12 +111,13 @@ def _materialize(shards: list[ShardedParam], rank0_only: bool) -> None:
                       if s.replica is not None])
 
 
-def gather_into_full(items: list[tuple[torch.Tensor, torch.Tensor, ShardedParam]]) -> None:
+def gather_into_full(items: list[tuple[torch.Tensor | None, torch.Tensor, ShardedParam]], to_first: bool = False) -> None:
     """For each ``(full, chunk, layout)``: ``full`` (flat, ``layout.numel`` elements) = every rank's
     ``chunk`` (``layout.shard_numel`` elements, padded past what the rank owns) in rank order
-    (collective). A bucket of ``GATHER_BUCKET_BYTES`` per all-gather, the chunks side by side, every
+    (collective). A bucket of ``GATHER_BUCKET_BYTES`` per collective, the chunks side by side, every
     member's rows copied out: where the full tensor is not the storage the layout's step refreshes
-    (the fp32 parameter of a ``param_dtype`` replica, a weight averaged toward it)."""
+    (the fp32 parameter of a ``param_dtype`` replica, a weight averaged toward it, ``rank0_only``).
+    ``to_first``: gathered to the group's rank 0 only; the other ranks send, and their ``full`` is None."""
     buckets: list[list[tuple]] = []
     size, key = 0, None
     for item in items:
@@ -130,9 +132,12 @@ def gather_into_full(items: list[tuple[torch.Tensor, torch.Tensor, ShardedParam]
     for bucket in buckets:
         group = bucket[0][2].group
         flat = torch.cat([chunk for _, chunk, _ in bucket])
+        if to_first and group.rank != 0:
+            gather_to_first_eager(None, flat, group)
+            continue
         if group.world_size > 1:
             gathered = torch.empty(flat.numel() * group.world_size, dtype=flat.dtype, device=flat.device)
-            all_gather_eager(gathered, flat, group)
+            (gather_to_first_eager if to_first else all_gather_eager)(gathered, flat, group)
         else:
             gathered = flat
         rows = gathered.view(group.world_size, -1)
@@ -140,29 +145,6 @@ def gather_into_full(items: list[tuple[torch.Tensor, torch.Tensor, ShardedParam]
         for full, _, layout in bucket:
             copy_rows(full, rows[:, offset: offset + layout.shard_numel], layout.numel)
             offset += layout.shard_numel
-
-
-def _gather_to_first(own: list[ShardedParam]) -> None:
-    """``_materialize`` with ``rank0_only``: each bucket's shards, side by side, gathered to rank 0, which
-    copies every member's rows into its parameter; the other ranks send and stay freed."""
-    for bucket in plan_optimizer_buckets(own, lambda s: s.param.dtype, GATHER_BUCKET_BYTES):
-        group = bucket[0].group
-        shards = [s.shard.detach().to(s.param.dtype) for s in bucket]
-        flat = torch.cat(shards) if len(shards) > 1 else shards[0]
-        if group.rank != 0:
-            gather_to_first_eager(None, flat, group)
-            continue
-        if group.world_size > 1:
-            gathered = torch.empty(flat.numel() * group.world_size, dtype=flat.dtype, device=flat.device)
-            gather_to_first_eager(gathered, flat, group)
-        else:
-            gathered = flat
-        rows = gathered.view(group.world_size, -1)
-        offset = 0
-        for sharded in bucket:
-            sharded.allocate_full()
-            copy_rows(sharded.param.data.view(-1), rows[:, offset: offset + sharded.shard_numel], sharded.numel)
-            offset += sharded.shard_numel
 
 
 def _agree_on_entry(shards: list[ShardedParam], rank0_only: bool, writeback: bool, timeout_s: float,
