@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 
 from zcompile import full_grads
-from zcompile.optim_buckets import BucketedParamRefresh, copy_rows, plan_optimizer_buckets
+from zcompile.optim_buckets import copy_rows, plan_optimizer_buckets
 from zcompile.process_group import all_gather_eager, gather_to_first_eager
 from zcompile.param_shards import ShardedParam, shard_of
 from zcompile.rank_check import agree_on_store
@@ -83,55 +83,34 @@ def gathered(model: torch.nn.Module, writeback: bool | None = None, rank0_only: 
 
 
 def _materialize(shards: list[ShardedParam], rank0_only: bool) -> None:
-    """Every rank's shards of ``shards`` gathered into their parameters (collective).
-
-    A parameter whose full value is the parameter itself (stage 3) is gathered a bucket of
-    ``GATHER_BUCKET_BYTES`` at a time, the next bucket's all-gather moving while the last one's
-    values are copied out (``optim_buckets.BucketedParamRefresh``, the stage-1/2 step's own): one
-    blocking all-gather per parameter made entering the block latency-bound (the 16-layer example GPT
-    on 2 ranks: 110 ms for its 196 weights; ``benchmarks/bench_gathered.py``). Those with a
-    low-precision replica (whose fp32 parameter is gathered from the master shards, while the step's
-    bucketed path writes the replica) are gathered the same way into the parameters (``gather_into_full``).
-    ``rank0_only``: every weight's bucket gathered to rank 0 (``gather_into_full(to_first=True)``)."""
-    if rank0_only:
-        for sharded in shards:
-            if sharded.group.rank == 0:
-                sharded.allocate_full()
-        gather_into_full([(s.param.data.view(-1) if s.group.rank == 0 else None, s.shard.detach().to(s.param.dtype), s)
-                          for s in shards], to_first=True)
-        return
-    own = [s for s in shards if s.replica is None]
-    for sharded in shards:
+    """Every rank's shards of ``shards`` gathered into their parameters (collective), a bucket of
+    ``GATHER_BUCKET_BYTES`` per collective (``gather_into_full``): one blocking all-gather per
+    parameter made entering the block latency-bound (the 16-layer example GPT on 2 ranks: 110 ms for
+    its 196 weights; ``benchmarks/bench_gathered.py``). ``rank0_only``: gathered to rank 0, the other
+    ranks' parameters left freed."""
+    receives = [s for s in shards if not rank0_only or s.group.rank == 0]
+    for sharded in receives:
         sharded.allocate_full()
-    refresher = BucketedParamRefresh(plan_optimizer_buckets(own, lambda s: s.param.dtype, GATHER_BUCKET_BYTES))
-    for sharded in own:
-        refresher.updated(sharded, sharded.shard.detach().to(sharded.param.dtype))
-    refresher.finish()
-    gather_into_full([(s.param.data.view(-1), s.shard.detach().to(s.param.dtype), s) for s in shards
-                      if s.replica is not None])
+    receiving = set(map(id, receives))
+    gather_into_full([(s.param.data.view(-1) if id(s) in receiving else None, s.shard.detach().to(s.param.dtype), s)
+                      for s in shards], to_first=rank0_only)
 
 
 def gather_into_full(items: list[tuple[torch.Tensor | None, torch.Tensor, ShardedParam]], to_first: bool = False) -> None:
     """For each ``(full, chunk, layout)``: ``full`` (flat, ``layout.numel`` elements) = every rank's
     ``chunk`` (``layout.shard_numel`` elements, padded past what the rank owns) in rank order
-    (collective). A bucket of ``GATHER_BUCKET_BYTES`` per collective, the chunks side by side, every
-    member's rows copied out: where the full tensor is not the storage the layout's step refreshes
-    (the fp32 parameter of a ``param_dtype`` replica, a weight averaged toward it, ``rank0_only``).
+    (collective), each layout once. The chunks side by side, in the optimizer's buckets of ``GATHER_BUCKET_BYTES``
+    (``optim_buckets.plan_optimizer_buckets``), one collective each, every member's rows copied out:
+    ``gathered``'s parameters, and a weight averaged toward a replica's masters (``zcompile.weight_average``).
     ``to_first``: gathered to the group's rank 0 only; the other ranks send, and their ``full`` is None."""
-    buckets: list[list[tuple]] = []
-    size, key = 0, None
-    for item in items:
-        full, chunk, layout = item
-        item_key = (layout.group.name, chunk.dtype, chunk.device)
-        nbytes = layout.padded_numel * chunk.element_size()
-        if not buckets or item_key != key or size + nbytes > GATHER_BUCKET_BYTES:
-            buckets.append([])
-            size, key = 0, item_key
-        buckets[-1].append(item)
-        size += nbytes
+    by_layout = {id(layout): (full, chunk) for full, chunk, layout in items}
+    if len(by_layout) != len(items):
+        raise ValueError("gather_into_full: each layout once (one full tensor per parameter)")
+    buckets = plan_optimizer_buckets([layout for _, _, layout in items], lambda layout: by_layout[id(layout)][1].dtype,
+                                     GATHER_BUCKET_BYTES)
     for bucket in buckets:
-        group = bucket[0][2].group
-        flat = torch.cat([chunk for _, chunk, _ in bucket])
+        group = bucket[0].group
+        flat = torch.cat([by_layout[id(layout)][1] for layout in bucket])
         if to_first and group.rank != 0:
             gather_to_first_eager(None, flat, group)
             continue
@@ -142,8 +121,8 @@ def gather_into_full(items: list[tuple[torch.Tensor | None, torch.Tensor, Sharde
             gathered = flat
         rows = gathered.view(group.world_size, -1)
         offset = 0
-        for full, _, layout in bucket:
-            copy_rows(full, rows[:, offset: offset + layout.shard_numel], layout.numel)
+        for layout in bucket:
+            copy_rows(by_layout[id(layout)][0], rows[:, offset: offset + layout.shard_numel], layout.numel)
             offset += layout.shard_numel
 
 

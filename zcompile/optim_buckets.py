@@ -242,9 +242,7 @@ def reduce_grads_onto_shards(members: list[ShardedParam], bucket_bytes: int,
 
 @dataclass
 class BucketedParamRefresh:
-    """Shards all-gathered into the full tensors they are pieces of, a bucket at a time: the stage-1/2
-    step's updated shards into the replicated parameters (or replicas), and ``zcompile.gathered``'s
-    stage-3 shards into their parameters' re-allocated storage (``full_params._materialize``)."""
+    """Stages 1 and 2: updated shards all-gathered into the replicated parameters, per bucket."""
 
     buckets: list[list[ShardedParam]]
     records: list[CollectiveRecord] = field(default_factory=list)
@@ -259,7 +257,7 @@ class BucketedParamRefresh:
         self._waiting = [len(bucket) for bucket in self.buckets]
 
     def bucket_of(self, member: ShardedParam) -> int | None:
-        """The index of ``member``'s bucket; None when it is not in one (a stage-3 shard at a step)."""
+        """The index of ``member``'s bucket; None when it is not refreshed here (stage 3)."""
         return self._bucket_of.get(id(member))
 
     def updated(self, member: ShardedParam, shard_in_param_dtype: torch.Tensor | None) -> None:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from zcompile.passes.grad_hooks import new_hooks_token
 from zcompile.passes.param_collectives import replica_dtype
-from zcompile.process_group import DataParallelGroup, all_gather_eager, gather_to_first_eager
+from zcompile.process_group import DataParallelGroup, all_gather_eager
 from zcompile.initial_values import value_digest
 from zcompile.sharded_parameter import grad_of, mark_sharded, set_grad
 
@@ -249,24 +249,10 @@ class ShardedParam:
         """Drops the full-size storage (stage 3 at rest); shape and strides are kept."""
         self.param.untyped_storage().resize_(0)
 
-    def materialize_full(self, rank0_only: bool = False) -> None:
-        """Re-allocates the full storage and fills it from every rank's shard (collective).
-
-        ``rank0_only``: gathered to the group's rank 0 only; the other ranks send their shard and
-        stay freed.
-        """
-        shard = self.shard.detach().to(self.param.dtype)
-        if rank0_only and self.group.rank != 0:
-            gather_to_first_eager(None, shard, self.group)
-            return
+    def materialize_full(self) -> None:
+        """Re-allocates the full storage and fills it from every rank's shard (collective)."""
         self.allocate_full()
-        flat_full = self.param.data.view(-1)
-        if rank0_only and self.group.world_size > 1:
-            gathered = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
-            gather_to_first_eager(gathered, shard, self.group)
-        else:
-            gathered = self.all_gathered(shard)
-        flat_full.copy_(gathered[: self.numel])
+        self.param.data.view(-1).copy_(self.all_gathered(self.shard.detach().to(self.param.dtype))[: self.numel])
 
     def allocate_full(self) -> None:
         """The full storage back where it was freed, its elements not yet written (a gather fills them)."""

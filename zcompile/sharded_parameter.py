@@ -22,8 +22,7 @@ from torch._C import DisableTorchFunctionSubclass
 
 from zcompile.dynamo_frame import eager_fallback_reason, never_compiled_as_frames
 
-NAME_ATTR = "_zcompile_name"  # on a FreedTensor: the parameter it aliases
-REASON_ATTR = "_zcompile_freed_reason"  # on a FreedTensor: why that parameter is freed (its stage, its dtype)
+ALIASED_ATTR = "_zcompile_aliased"  # on a FreedTensor: the ShardedParam of the parameter it aliases
 
 # reading these never touches the (freed) elements
 _METADATA = {
@@ -102,8 +101,7 @@ def _guarded_call(func, args, kwargs):
             if freed is not None:
                 if func in _ALIASES:
                     alias = func(*args, **kwargs).as_subclass(FreedTensor)
-                    setattr(alias, NAME_ATTR, _name_of(freed))
-                    setattr(alias, REASON_ATTR, _freed_reason(freed))
+                    setattr(alias, ALIASED_ATTR, _sharded(freed))
                     return alias
                 raise ShardedParameterError(_message(freed, func))
         return func(*args, **kwargs)
@@ -143,18 +141,22 @@ def _first_freed(args, kwargs) -> torch.Tensor | None:
     return None
 
 
-def _freed_reason(tensor: torch.Tensor) -> str:
+def _sharded(tensor: torch.Tensor):
+    """The ``ShardedParam`` of ``tensor``: a parameter's own, or the one an alias of it carries."""
     from zcompile.param_shards import shard_of  # local: param_shards imports this module
 
     sharded = shard_of(tensor)
-    return getattr(tensor, REASON_ATTR, "ZeRO stage 3") if sharded is None else sharded.freed_reason
+    return sharded if sharded is not None else getattr(tensor, ALIASED_ATTR, None)
+
+
+def _freed_reason(tensor: torch.Tensor) -> str:
+    sharded = _sharded(tensor)
+    return "ZeRO stage 3" if sharded is None else sharded.freed_reason
 
 
 def _name_of(tensor: torch.Tensor) -> str:
-    from zcompile.param_shards import shard_of  # local: param_shards imports this module
-
-    sharded = shard_of(tensor)
-    return sharded.name if sharded is not None else getattr(tensor, NAME_ATTR, "?")
+    sharded = _sharded(tensor)
+    return "?" if sharded is None else sharded.name
 
 
 def _message(tensor: torch.Tensor, func) -> str:
