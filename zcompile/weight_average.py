@@ -142,7 +142,8 @@ def lerp_weights_(target: torch.nn.Module, source: torch.nn.Module, weight: floa
         raise ValueError(f"zcompile.lerp_weights_: target has {len(targets)} parameters and source {len(sources)}; "
                          "they must be two instances of one architecture")
     pairs = [_plan(t, s, f"#{index} {tuple(t.shape)}") for index, (t, s) in enumerate(zip(targets, sources))]
-    _agree(pairs, [_number(target, pairs), _number(source, pairs)], weight, timeout_s)
+    group = _group_of(pairs)  # None: nothing sharded, nothing to agree on
+    _agree(pairs, [_number(target, group), _number(source, group)], weight, group, timeout_s)
     pieces = [_pieces(pair) for pair in pairs]  # nothing changed before every rank agreed
     torch._foreach_lerp_([t for t, _ in pieces], [s.to(t.dtype) for t, s in pieces], weight)
     _gather_slices([pair for pair in pairs if pair.way == SLICES])
@@ -175,21 +176,20 @@ def _group_of(pairs: list[_Pair]) -> DataParallelGroup | None:
     return None
 
 
-def _number(module: torch.nn.Module, pairs: list[_Pair]) -> int:
+def _number(module: torch.nn.Module, group: DataParallelGroup | None) -> int:
     """``module``'s number among the models passed to ``lerp_weights_`` (module docstring)."""
     numbered = module.__dict__.get(NUMBER_ATTR)
     if numbered is not None and numbered[1] == id(module):
         return numbered[0]
-    group = _group_of(pairs)
     number = next_number("lerp_weights", group) if group is not None else 0
     module.__dict__[NUMBER_ATTR] = (number, id(module))  # not a submodule, buffer or parameter: the plain dict
     return number
 
 
-def _agree(pairs: list[_Pair], numbers: list[int], weight: float, timeout_s: float) -> None:
+def _agree(pairs: list[_Pair], numbers: list[int], weight: float, group: DataParallelGroup | None,
+           timeout_s: float) -> None:
     """Every rank updates the same models' pairs the same way with the same weight, or every rank that
     came raises."""
-    group = _group_of(pairs)
     if group is None or group.world_size == 1:
         return
     ways = hashlib.sha1("\n".join(pair.way for pair in pairs).encode()).hexdigest()[:16]
