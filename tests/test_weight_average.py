@@ -108,6 +108,13 @@ def _train_on_rank(rank: int, world: int, stages: list[int]) -> dict:
             zcompile.lerp_weights_(teacher if rank == 0 else ema, student, MOMENTUM, timeout_s=20)
         except RankDivergenceError as error:
             results[stage]["other_model"] = str(error)
+        skewed = _models()[0]  # a copy whose values differ between ranks (made before the ranks agreed on them)
+        with torch.no_grad():
+            skewed[0].weight.add_(rank)
+        try:
+            zcompile.lerp_weights_(skewed, student, EMA_WEIGHT, timeout_s=20)
+        except RankDivergenceError as error:
+            results[stage]["skewed"] = (str(error), shard_of(skewed[0].weight) is None)
     return results
 
 
@@ -176,6 +183,9 @@ def test_a_teacher_and_an_ema_updated_on_shards_equal_one_process_over_full_weig
         numbers = re.search(r"\{0: \[\[(\d+), (\d+)\], 6, .*, 1: \[\[(\d+), (\d+)\], 6, ", ours["other_model"])
         teacher, student, ema, student_again = map(int, numbers.groups())
         assert student == student_again == teacher + 1 and ema == teacher + 2
+        # a copy that differs between ranks would be cut into a mix of them: refused before it is sharded
+        message, left_whole = ours["skewed"]
+        assert "the target starts from different values on different ranks" in message and left_whole
 
 
 def test_pairs_held_differently_are_refused_before_any_weight_changes():

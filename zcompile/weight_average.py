@@ -33,7 +33,9 @@ a ``RankDivergenceError`` on every rank rather than a teacher whose pieces follo
 schedules. Models of one architecture read alike (their parameters' names, shapes and sharding), so
 each model is numbered the first time it is passed (``rank_check.next_number``; the number kept on
 the module with its ``id``, so a deep copy is numbered anew): a rank that skips the teacher's update
-and makes the EMA's in its place is told, even with the same weight.
+and makes the EMA's in its place is told, even with the same weight. At a target's first update the
+ranks also compare the values it starts from (``_starting_digest``): a copy that differs between
+ranks would be cut into a mix of them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from zcompile.full_params import DEFAULT_TIMEOUT_S, gather_into_full
+from zcompile.initial_values import value_digest
 from zcompile.param_shards import ShardedParam, shard_of, shard_parameter
 from zcompile.process_group import DataParallelGroup
 from zcompile.rank_check import agree_on_store, next_number
@@ -143,7 +146,8 @@ def lerp_weights_(target: torch.nn.Module, source: torch.nn.Module, weight: floa
                          "they must be two instances of one architecture")
     pairs = [_plan(t, s, f"#{index} {tuple(t.shape)}") for index, (t, s) in enumerate(zip(targets, sources))]
     group = _group_of(pairs)  # None: nothing sharded, nothing to agree on
-    _agree(pairs, [_number(target, group), _number(source, group)], weight, group, timeout_s)
+    starting = _starting_digest(pairs) if _number_of(target) is None else None  # its first update
+    _agree(pairs, [_number(target, group), _number(source, group)], starting, weight, group, timeout_s)
     pieces = [_pieces(pair) for pair in pairs]  # nothing changed before every rank agreed
     torch._foreach_lerp_([t for t, _ in pieces], [s.to(t.dtype) for t, s in pieces], weight)
     _gather_slices([pair for pair in pairs if pair.way == SLICES])
@@ -176,28 +180,54 @@ def _group_of(pairs: list[_Pair]) -> DataParallelGroup | None:
     return None
 
 
+def _number_of(module: torch.nn.Module) -> int | None:
+    """``module``'s number if it was passed to ``lerp_weights_`` before (not a deep copy of one)."""
+    numbered = module.__dict__.get(NUMBER_ATTR)
+    return numbered[0] if numbered is not None and numbered[1] == id(module) else None
+
+
 def _number(module: torch.nn.Module, group: DataParallelGroup | None) -> int:
     """``module``'s number among the models passed to ``lerp_weights_`` (module docstring)."""
-    numbered = module.__dict__.get(NUMBER_ATTR)
-    if numbered is not None and numbered[1] == id(module):
-        return numbered[0]
+    if (number := _number_of(module)) is not None:
+        return number
     number = next_number("lerp_weights", group) if group is not None else 0
     module.__dict__[NUMBER_ATTR] = (number, id(module))  # not a submodule, buffer or parameter: the plain dict
     return number
 
 
-def _agree(pairs: list[_Pair], numbers: list[int], weight: float, group: DataParallelGroup | None,
-           timeout_s: float) -> None:
-    """Every rank updates the same models' pairs the same way with the same weight, or every rank that
-    came raises."""
+def _starting_digest(pairs: list[_Pair]) -> int | None:
+    """At a target's first update, the digest of the values it starts from where every rank holds them
+    whole (``initial_values.value_digest``): a copy made on each rank before the ranks' weights were
+    made equal (``copy.deepcopy(model)`` before ``sync_module_states``, or without a common seed)
+    would be cut into shards or slices that mix the ranks' copies. Shards a compile made were compared
+    there (None)."""
+    whole = [pair.target for pair in pairs if pair.way != SHARDS]
+    return sum(value_digest(target) for target in whole) if whole else None
+
+
+def _agree(pairs: list[_Pair], numbers: list[int], starting: int | None, weight: float,
+           group: DataParallelGroup | None, timeout_s: float) -> None:
+    """Every rank updates the same models' pairs the same way with the same weight, and a target starts
+    from the same values on every rank, or every rank that came raises."""
     if group is None or group.world_size == 1:
         return
     ways = hashlib.sha1("\n".join(pair.way for pair in pairs).encode()).hexdigest()[:16]
-    call = [numbers, len(pairs), ways, float(weight)]
+    call = [numbers, len(pairs), ways, float(weight), starting]
     agree_on_store(
         call, group, timeout_s, "lerp_weights", "zcompile.lerp_weights_(target, source, weight)",
         "Every rank must call zcompile.lerp_weights_ at the same point of the loop (each updates its own pieces of "
         "the target: a rank that skips it leaves its pieces behind the others').",
-        lambda calls: "zcompile.lerp_weights_: the ranks called it with different models or weights ([the target's "
-        "and the source's numbers (in the order each was first passed), parameters, how each pair is held (digest), "
-        f"weight] per rank: {dict(enumerate(calls))}); call it on every rank with the same models and weight.")
+        lambda calls: _difference(calls, call))
+
+
+def _difference(calls: list, mine: list) -> str:
+    if all(other[:4] == mine[:4] for other in calls):  # the same call: the target's values differ
+        return ("zcompile.lerp_weights_: the target starts from different values on different ranks (a digest of "
+                f"its weights per rank: {dict(enumerate(other[4] for other in calls))}), and each rank would update "
+                "its own piece of its own copy: a mix of the ranks' copies. Make the copy from weights every rank "
+                "shares: copy.deepcopy(model) after zcompile.sync_module_states(model), or build both with the same "
+                "seed, or load the copy on every rank")
+    return ("zcompile.lerp_weights_: the ranks called it with different models or weights ([the target's and the "
+            "source's numbers (in the order each was first passed), parameters, how each pair is held (digest), "
+            f"weight, the target's starting values (digest)] per rank: {dict(enumerate(calls))}); call it on every "
+            "rank with the same models and weight.")
