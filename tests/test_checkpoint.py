@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 import zcompile
 import zcompile.checkpoint as ckpt
@@ -38,6 +39,19 @@ def _fresh(name: str, stage: int):
     spec = RunSpec(model=name, stage=stage, steps=STEPS)
     optimizer = _optimizer(spec, model.parameters(), zero=True)
     return model, torch.compile(model, backend="zero", options={"stage": stage}), optimizer, spec
+
+
+def _fresh_frozen(stage: int):
+    """The gpt with everything but its second block frozen (a fine-tuning run's base model, as LoRA's),
+    the optimizer over what trains."""
+    model, compiled, _, spec = _fresh("gpt", stage)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith(FROZEN_RUN_TRAINS))
+    optimizer = _optimizer(spec, [p for p in model.parameters() if p.requires_grad], zero=True)
+    return model, compiled, optimizer, spec
+
+
+FROZEN_RUN_TRAINS = "blocks.1."
 
 
 def _params(model) -> dict[str, torch.Tensor]:
@@ -78,6 +92,7 @@ def first_launch(rank: int, world: int, root: str) -> dict:
     train_steps(spec, compiled, optimizer, [STEPS + 1], rank, world)  # compiled, sharded, state moved on
     ckpt.load(os.path.join(root, "gpt_2r"), compiled, optimizer)
     out["resumed_after_compile"] = train_steps(spec, compiled, optimizer, range(HALF, STEPS), rank, world)
+    out.update(_frozen_runs(rank, world, root))
     # bad inputs: another model, a truncated file, no directory; the model must stay as it was
     other, other_compiled, other_optimizer, _ = _fresh("gpt_untied_odd", 3)
     before = _params(other)
@@ -99,6 +114,32 @@ def first_launch(rank: int, world: int, root: str) -> dict:
     out["other_untouched"] = all(torch.equal(before[k], v) for k, v in _params(other).items())
     out["model_untouched"] = all(torch.equal(untouched[k], v) for k, v in _params(model).items())
     out["divergent"] = _divergent_calls(rank, world, root, model, optimizer)
+    return out
+
+
+def _frozen_runs(rank: int, world: int, root: str) -> dict:
+    """A run whose base is frozen: checkpoints without it (``exclude_frozen_parameters``), resumed;
+    its trained weights alone (``full_state_dict``); a resume onto other base weights refused."""
+    out = {}
+    model, compiled, optimizer, spec = _fresh_frozen(3)
+    out["frozen_full"] = train_steps(spec, compiled, optimizer, range(STEPS), rank, world)
+    model, compiled, optimizer, spec = _fresh_frozen(3)
+    train_steps(spec, compiled, optimizer, range(HALF), rank, world)
+    ckpt.save(os.path.join(root, "frozen_2r"), compiled, optimizer, exclude_frozen_parameters=True)
+    out["frozen_saved"] = sorted(k for k in dcp.FileSystemReader(os.path.join(root, "frozen_2r")).read_metadata()
+                                 .state_dict_metadata if k.startswith("model/"))
+    out["frozen_trained_only"] = ckpt.full_state_dict(compiled, exclude_frozen_parameters=True)
+    out["frozen_params"] = _params(model)
+    model, compiled, optimizer, spec = _fresh_frozen(3)
+    ckpt.load(os.path.join(root, "frozen_2r"), compiled, optimizer)
+    out["frozen_resumed"] = train_steps(spec, compiled, optimizer, range(HALF, STEPS), rank, world)
+    model, compiled, optimizer, spec = _fresh_frozen(2)  # other base weights: one frozen weight differs
+    train_steps(spec, compiled, optimizer, [STEPS + 1], rank, world)  # compiled, and its trained weights moved on
+    with torch.no_grad(), zcompile.gathered(model):
+        model.ln_f.weight.add_(1e-3)
+    before = _params(model)
+    out["frozen_other_base"] = _error_of(lambda: ckpt.load(os.path.join(root, "frozen_2r"), compiled, optimizer))
+    out["frozen_other_base_untouched"] = all(torch.equal(before[k], v) for k, v in _params(model).items())
     return out
 
 
@@ -132,6 +173,9 @@ def second_launch(rank: int, world: int, root: str) -> dict:
     model, compiled, optimizer, spec = _fresh("hf_llama", 3)
     ckpt.load(os.path.join(root, "hf_llama_2r"), compiled, optimizer)
     out["hf_llama"] = train_steps(spec, compiled, optimizer, range(HALF, STEPS), rank, world)
+    model, compiled, optimizer, spec = _fresh_frozen(2)  # the frozen base's values, cut in 4 now, still match
+    ckpt.load(os.path.join(root, "frozen_2r"), compiled, optimizer)
+    out["frozen"] = train_steps(spec, compiled, optimizer, range(HALF, STEPS), rank, world)
     model, compiled, optimizer, spec = _fresh("gpt", 3)
     out["gpt_full_4r"] = train_steps(spec, compiled, optimizer, range(HALF), rank, world)
     ckpt.save(os.path.join(root, "gpt_4r"), compiled, optimizer)
@@ -239,3 +283,27 @@ def test_bad_checkpoints_fail_on_every_rank_and_change_nothing(launches):
         assert errors["truncated"] and "reading" in errors["truncated"]
         assert errors["missing"] and "nowhere" in errors["missing"]
         assert result["other_untouched"] and result["model_untouched"]
+
+
+def test_a_frozen_base_is_left_out_of_checkpoints_and_kept_on_resume(launches, tmp_path):
+    """``exclude_frozen_parameters``: the checkpoint holds the trained block only; resumed into a model
+    built the same way it trains on as the uninterrupted run (bitwise at the same world size and
+    stage; at 4 ranks and stage 2 within LOSS_RTOL, the frozen values checked after resharding); a
+    model whose frozen weights differ is refused on every rank before anything is written."""
+    _, first, second, _ = launches
+    trains = sorted(f"model/{name}" for name in first[0]["frozen_params"] if name.startswith(FROZEN_RUN_TRAINS))
+    assert first[0]["frozen_saved"] == trains and len(trains) < len(first[0]["frozen_params"])
+    for result in first:
+        assert result["frozen_resumed"] == result["frozen_full"][HALF:]
+        error = result["frozen_other_base"]
+        assert error and "exclude_frozen_parameters=True" in error and "ln_f.weight" in error
+        assert "1 of them" in error  # only the weight that differs is named
+        assert result["frozen_other_base_untouched"]
+    assert _close(second[0]["frozen"], first[0]["frozen_full"][HALF:])
+    trained_only = first[0]["frozen_trained_only"]
+    assert sorted(f"model/{name}" for name in trained_only) == trains and first[1]["frozen_trained_only"] is None
+    for name, value in trained_only.items():
+        assert torch.equal(value, first[0]["frozen_params"][name]), name
+    summary = consolidate(os.path.join(launches[0], "frozen_2r"), tmp_path / "frozen.pt")  # says what it lacks
+    frozen = sorted(name for name in first[0]["frozen_params"] if not name.startswith(FROZEN_RUN_TRAINS))
+    assert summary["excluded_frozen"] == frozen and sorted(torch.load(tmp_path / "frozen.pt")) == sorted(trained_only)

@@ -7,6 +7,14 @@ into a freshly built model and optimizer, before or after ``torch.compile``, at 
 ranks and any stage: DCP reads each rank's new piece from whatever pieces were saved. The
 layout is in ``zcompile.checkpoint_layout``.
 
+``exclude_frozen_parameters=True`` leaves out the parameters that do not train (``requires_grad``
+False: a LoRA run's base model, a frozen backbone), as DeepSpeed's option of that name does: a
+checkpoint of a fine-tuning run then holds what it changes, not the base model again at every
+save. What the ranks hold of each is summed into a digest (``initial_values.value_digest``, which
+adds up the same however the weight is cut), kept in the checkpoint; ``load`` keeps the model's own
+values of those parameters and refuses, on every rank, if they are not the values they had at the
+save (the run resumed from other base weights, or a weight trained before it was frozen).
+
 Loading is all-or-nothing and never hangs: every rank checks the checkpoint against its model
 first (missing directory, names, sizes, optimizer type), the ranks agree on the outcome before
 any collective read, and the values are read into new buffers and copied into the model only
@@ -28,9 +36,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from zcompile.checkpoint_layout import (FORMAT, META_KEY, PARAM_GROUPS_KEY, CheckpointError, agree_on_call,
                                         as_flat_piece, buffer_key, extra_key, flat_mesh, from_bytes, group_of, named_unique_params, optim_key,
                                         param_aliases, param_key, persistent_buffers, to_bytes, unwrap)
-from zcompile.consolidate import full_state_dict
+from zcompile.consolidate import frozen_names_digest, full_state_dict, read_meta
+from zcompile.initial_values import value_digest
 from zcompile.param_shards import FlatPiece, shard_of
-from zcompile.process_group import DataParallelGroup, all_gather_eager
+from zcompile.process_group import DataParallelGroup, all_gather_eager, all_reduce_eager
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +67,28 @@ def _master_piece(param: torch.nn.Parameter, piece: FlatPiece) -> torch.Tensor:
     return flat[piece.offset: piece.offset + piece.owned].float().clone()
 
 
+# value_digest sums bit patterns into an int64 that wraps, so the pieces' digests add up to the whole's
+# modulo 2**64; kept modulo 2**40 (which divides it), the sum over any number of ranks fits an int64
+_DIGEST_MODULUS = 2**40
+
+
+def _full_value_digests(params, group: DataParallelGroup) -> dict[str, int]:
+    """Name -> digest of each parameter's full value in fp32, the same however it is cut between ranks
+    and whether or not it is sharded yet: each rank's piece digested, then added over the ranks (one
+    all-reduce; collective)."""
+    if not params:
+        return {}
+    local = torch.tensor([value_digest(_master_piece(p, _piece(p.numel(), group)).float()) % _DIGEST_MODULUS
+                          for _, p in params], dtype=torch.int64, device=params[0][1].device)
+    if group.world_size > 1:
+        all_reduce_eager(local, group, dist.ReduceOp.SUM)
+    return {name: int(total) % _DIGEST_MODULUS for (name, _), total in zip(params, local.tolist())}
+
+
 # ----------------------------------------------------------------------------- save
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         extra: dict | None = None, async_save: bool = False, timeout_s: float = 300.0):
+         extra: dict | None = None, async_save: bool = False, timeout_s: float = 300.0,
+         exclude_frozen_parameters: bool = False):
     """Writes ``model``'s (and ``optimizer``'s) shards and this rank's ``extra`` to the directory ``path``.
 
     Collective: every rank of the model's group calls it. ``extra`` (scheduler, data-loader
@@ -68,20 +96,28 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     in host memory and written in the background: the returned ``Future`` completes when the files
     are written (keep training meanwhile; wait for it before another save of the same path).
     A rank that does not make the same call within ``timeout_s`` is an error on the others.
+    ``exclude_frozen_parameters``: the parameters with ``requires_grad`` False are left out, their
+    digests kept (module docstring); ``load`` then takes them from the model it loads into.
     """
     params = named_unique_params(model)
     group = group_of([p for _, p in params])
-    agree_on_call("save", path, group, timeout_s, optimizer=optimizer is not None, async_save=async_save)
+    frozen = [(name, p) for name, p in params if not p.requires_grad] if exclude_frozen_parameters else []
+    agree_on_call("save", path, group, timeout_s, optimizer=optimizer is not None, async_save=async_save,
+                  exclude_frozen_parameters=exclude_frozen_parameters,
+                  frozen=frozen_names_digest([name for name, _ in frozen]))  # else each writes other entries
+    excluded = {name: {"shape": list(p.shape), "dtype": str(p.dtype), "digest": digest}
+                for (name, p), digest in zip(frozen, _full_value_digests(frozen, group).values())}
+    trained = [(name, p) for name, p in params if name not in excluded]
     mesh = flat_mesh(group, _device_type(params))
     state: dict[str, Any] = {}
-    for name, param in params:
+    for name, param in trained:
         piece = _piece(param.numel(), group)
         state[param_key(name)] = as_flat_piece(_master_piece(param, piece), param.numel(), mesh)
     for name, buffer in persistent_buffers(model):
         state[buffer_key(name)] = buffer.detach()
     if optimizer is not None:
         state.update(_optimizer_entries(optimizer, params, group, mesh))
-    state[META_KEY] = json.dumps(_meta(model, params, optimizer, group))
+    state[META_KEY] = json.dumps(_meta(model, trained, optimizer, group) | {"excluded_frozen": excluded})
     state[extra_key(group.rank)] = to_bytes(extra or {})
     if async_save:
         result = dcp.async_save(state, checkpoint_id=os.fspath(path), process_group=_async_group(model, group),
@@ -90,8 +126,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     else:
         result = dcp.save(state, checkpoint_id=os.fspath(path), process_group=group.process_group,
                           no_dist=group.world_size == 1)
-    log.info("checkpoint: %s %d parameters to %s (rank %d of %d)", "saving" if async_save else "saved",
-             len(params), path, group.rank, group.world_size)
+    log.info("checkpoint: %s %d parameters to %s (rank %d of %d)%s", "saving" if async_save else "saved",
+             len(trained), path, group.rank, group.world_size,
+             f", {len(excluded)} frozen ones left out" if excluded else "")
     return result
 
 
@@ -151,20 +188,25 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
 
     Works before or after ``torch.compile`` and at another number of ranks or stage than the save.
     Collective: every rank of the model's group calls it. ``strict``: every parameter of the
-    model must be in the checkpoint and nothing else (a missing name is always an error). A rank
-    that does not make the same call within ``timeout_s`` is an error on the others.
+    model must be in the checkpoint and nothing else (a missing name is always an error, but for
+    one saved with ``exclude_frozen_parameters``: the model's own value is kept, and must be the one
+    it had at the save). A rank that does not make the same call within ``timeout_s`` is an error on
+    the others.
     """
     params = named_unique_params(model)
     group = group_of([p for _, p in params])
     path = os.fspath(path)
-    problem = None
+    problem, excluded = None, {}
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
-        _check(metadata.state_dict_metadata, params, model, optimizer, strict)
+        if META_KEY in metadata.state_dict_metadata:
+            excluded = read_meta(path).get("excluded_frozen", {})
+        _check(metadata.state_dict_metadata, params, model, optimizer, strict, excluded)
     except (Exception, CheckpointException) as error:  # reported on every rank below, never alone (no hang)
         problem = f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
     agree_on_call("load", path, group, timeout_s, problem, optimizer=optimizer is not None, strict=strict)
     keys = metadata.state_dict_metadata
+    kept = [(name, p) for name, p in params if name in excluded]  # the same on every rank: one checkpoint
     dest, optimizer_shards = _destination(keys, params, model, optimizer, group)
     try:
         dcp.load(dest, checkpoint_id=path, process_group=group.process_group, no_dist=group.world_size == 1)
@@ -172,6 +214,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         raise CheckpointError(f"zcompile.checkpoint.load: reading {path} failed ({type(error).__name__}: "
                               f"{_first_line(error)}); the model and optimizer are unchanged") from error
     meta = json.loads(dest[META_KEY])
+    _check_kept_values(kept, excluded, group, path)  # before anything is written
     _apply_model(dest, params, model, group)
     if optimizer is not None and meta.get("optimizer") is not None:
         _apply_optimizer(dest, optimizer_shards, optimizer, params)
@@ -181,8 +224,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     if group.world_size != saved_ranks:
         log.warning("checkpoint: saved on %d ranks, loaded on %d (resharded); rank %d gets the extra of saved "
                     "rank %d", saved_ranks, group.world_size, group.rank, extra_rank)
-    log.info("checkpoint: loaded %s (saved on %d ranks) on rank %d of %d", path, saved_ranks, group.rank,
-             group.world_size)
+    log.info("checkpoint: loaded %s (saved on %d ranks) on rank %d of %d%s", path, saved_ranks, group.rank,
+             group.world_size, f"; {len(kept)} frozen parameters kept as the model has them" if kept else "")
     return from_bytes(extra) if extra is not None else {}
 
 
@@ -194,13 +237,37 @@ def _first_line(error: BaseException) -> str:
     return (failures or lines or [type(error).__name__])[-1][:300]
 
 
-def _check(keys: dict, params, model, optimizer, strict: bool) -> None:
-    """Raises ``CheckpointError`` naming the first tensor that does not match."""
+def _check_kept_values(kept, excluded: dict, group: DataParallelGroup, path: str) -> None:
+    """The parameters a save left out (``exclude_frozen_parameters``) hold, in the model loaded into,
+    the values they had at the save; else ``CheckpointError`` on every rank (the digests are
+    all-reduced, so every rank compares the same numbers). Collective."""
+    now = _full_value_digests(kept, group)
+    differing = [name for name, digest in now.items() if digest != excluded[name]["digest"]]
+    if differing:
+        shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
+        raise CheckpointError(
+            f"zcompile.checkpoint.load({path!r}): the checkpoint was saved with exclude_frozen_parameters=True, so "
+            f"{len(excluded)} frozen parameters were left out and are taken from the model loaded into, but "
+            f"{len(differing)} of them ({shown}) do not hold the values they had at the save: the model was built "
+            "from other weights (load the same base weights, e.g. the same from_pretrained checkpoint, before "
+            "zcompile.checkpoint.load), or a weight was trained before it was frozen (save such runs without "
+            "exclude_frozen_parameters). The model and optimizer are unchanged")
+
+
+def _check(keys: dict, params, model, optimizer, strict: bool, excluded: dict | None = None) -> None:
+    """Raises ``CheckpointError`` naming the first tensor that does not match. ``excluded``: the
+    frozen parameters the save left out (name -> shape, dtype, digest)."""
     if META_KEY not in keys:
         raise CheckpointError("not a zcompile checkpoint (no zcompile/meta entry); write it with "
                               "zcompile.checkpoint.save")
+    excluded = excluded or {}
     for name, param in params:
         entry = keys.get(param_key(name))
+        if entry is None and name in excluded:
+            if excluded[name]["shape"] != list(param.shape):
+                raise CheckpointError(f"parameter {name!r} has shape {tuple(param.shape)} in the model but "
+                                      f"{tuple(excluded[name]['shape'])} in the checkpoint (left out there as frozen)")
+            continue
         if entry is None:
             raise CheckpointError(f"parameter {name!r} of the model is not in the checkpoint (the checkpoint is "
                                   "of another model)")
@@ -209,6 +276,10 @@ def _check(keys: dict, params, model, optimizer, strict: bool) -> None:
                                   f"model but {tuple(entry.size)[0] if entry.size else 0} in the checkpoint")
     if strict:
         names = {param_key(name) for name, _ in params}
+        missing = sorted(set(excluded) - {name for name, _ in params})
+        if missing:
+            raise CheckpointError(f"the checkpoint left out frozen parameters the model lacks: {missing[:5]}; pass "
+                                  "strict=False to ignore them")
         unexpected = sorted(k for k in keys if k.startswith("model/") and k not in names)
         if unexpected:
             raise CheckpointError(f"the checkpoint has parameters the model lacks: {unexpected[:5]}; pass "
@@ -227,6 +298,8 @@ def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup)
         dest[extra_key(0)] = b""
     dest = {k: v for k, v in dest.items() if k in keys}
     for name, param in params:
+        if param_key(name) not in keys:  # left out as frozen (``_check``): the model keeps its value
+            continue
         piece = _piece(param.numel(), group)
         dest[param_key(name)] = as_flat_piece(torch.empty(piece.owned, device=param.device), param.numel(), mesh)
     for name, buffer in persistent_buffers(model):
@@ -254,6 +327,8 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def _apply_model(dest: dict, params, model, group: DataParallelGroup) -> None:
     for name, param in params:
+        if param_key(name) not in dest:  # left out as frozen: kept, its values checked (_check_kept_values)
+            continue
         values = _local(dest[param_key(name)])
         sharded = shard_of(param)
         if sharded is not None:

@@ -13,7 +13,8 @@ Keys (a flat dict, so DCP never re-nests them):
 - ``optim/{name}/{key}``: a per-parameter state tensor (flat) or value (``step``);
 - ``optim/param_groups``: the groups' hyper-parameters and parameter names (pickled bytes);
 - ``zcompile/meta``: JSON text: format version, world size and stage at save time, each
-  parameter's shape, dtype and aliases (tied names), the optimizer's class;
+  parameter's shape, dtype and aliases (tied names), the optimizer's class, and the frozen
+  parameters left out (``exclude_frozen_parameters``) with each one's shape, dtype and digest;
 - ``extra/rank{R}``: the ``extra`` dict each rank passed (pickled bytes).
 """
 

@@ -362,6 +362,10 @@ def cmd_consolidate(args: argparse.Namespace, out: Output, warnings: list[str]) 
     out.line(f"{summary['out']}: {summary['parameters']} parameters ({summary['elements']:,} elements), "
              f"{summary['tensors']} tensors with aliases and buffers, from a checkpoint of "
              f"{summary['saved_world_size']} rank(s)")
+    if summary["excluded_frozen"]:
+        out.line(f"without the {len(summary['excluded_frozen'])} frozen parameters the checkpoint left out "
+                 f"(saved with exclude_frozen_parameters=True): {', '.join(summary['excluded_frozen'][:3])}"
+                 f"{', ...' if len(summary['excluded_frozen']) > 3 else ''}")
     return 0
 
 

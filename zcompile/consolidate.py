@@ -4,10 +4,15 @@ Both produce what a plain, non-distributed copy of the model reads with ``load_s
 user's own keys (no ``_orig_mod.`` prefix, every name of a tied weight, persistent buffers) and
 fp32 master values. Both hold one full tensor at a time besides the result: ``full_state_dict``
 gathers parameter by parameter, ``consolidate`` reads tensor by tensor, without a process group.
+
+``exclude_frozen_parameters``: what a fine-tuning run changed (the parameters with
+``requires_grad``; a LoRA adapter), without the frozen base model: ``full_state_dict`` gathers only
+those, and ``consolidate`` of a checkpoint saved that way has only those (it says which it lacks).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -38,17 +43,30 @@ def _gather_master(param: torch.nn.Parameter) -> torch.Tensor:
 
 
 @torch.no_grad()
-def full_state_dict(model: torch.nn.Module, rank: int = 0, timeout_s: float = 300.0) -> dict[str, torch.Tensor] | None:
+def full_state_dict(model: torch.nn.Module, rank: int = 0, timeout_s: float = 300.0,
+                    exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
     """The model's full state dict (fp32 master weights, on the CPU) on ``rank``; ``None`` on the others.
 
     Collective over the model's group: every rank calls it. Memory: one full parameter at a time
     on every rank, plus the result on ``rank``. A rank that does not call it within ``timeout_s``
     (``if rank == 0: full_state_dict(model)``) is an error on the others, not a hang.
+    ``exclude_frozen_parameters``: the parameters with ``requires_grad`` False are left out (buffers
+    stay): a LoRA adapter's weights without gathering the base model, e.g. for
+    ``peft_model.save_pretrained(out, state_dict=...)``.
     """
     refs = _state_refs(unwrap(model))
+    if exclude_frozen_parameters:
+        frozen = [name for name, value in refs.items() if isinstance(value, torch.nn.Parameter)
+                  and not value.requires_grad]
+        left_out = set(frozen)
+        refs = {name: value for name, value in refs.items() if name not in left_out}
+    else:
+        frozen = []
     group = next((s.group for s in map(shard_of, refs.values()) if s is not None), None)
     group = group or DataParallelGroup.resolve(None)
-    agree_on_call("full_state_dict", None, group, timeout_s)  # (``rank`` may differ: every rank gathers)
+    # (``rank`` may differ: every rank gathers); what is gathered may not
+    agree_on_call("full_state_dict", None, group, timeout_s, exclude_frozen_parameters=exclude_frozen_parameters,
+                  frozen=frozen_names_digest(frozen))
     mine = group.rank == rank
     out: dict[str, torch.Tensor] | None = {} if mine else None
     done: dict[int, torch.Tensor] = {}  # a tied weight is gathered once
@@ -63,6 +81,13 @@ def full_state_dict(model: torch.nn.Module, rank: int = 0, timeout_s: float = 30
         if mine:
             out[name] = done[id(value)]
     return out
+
+
+def frozen_names_digest(names: list[str]) -> str:
+    """One short value for a list of parameter names, for the ranks to compare through the store
+    (a LoRA model's base has thousands): ranks that left out different parameters would gather or
+    write different tensors, and wait for each other in the first that differs."""
+    return hashlib.sha1("\n".join(names).encode()).hexdigest()[:16] if names else ""
 
 
 def _state_refs(root: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -135,5 +160,11 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, An
         torch.save(result, out)
     numel = sum(t.numel() for name, t in result.items() if name in meta["params"])
     log.info("consolidate: %d tensors (%d parameters' elements) from %s to %s", len(result), numel, path, out)
+    excluded = sorted(meta.get("excluded_frozen", {}))
+    if excluded:
+        log.warning("consolidate: %s holds only what trained: %d frozen parameters (%s%s) were left out when it "
+                    "was saved (exclude_frozen_parameters=True), so %s lacks them; take them from the weights "
+                    "the run started from", path, len(excluded), ", ".join(excluded[:3]),
+                    ", ..." if len(excluded) > 3 else "", out)
     return {"tensors": len(result), "parameters": len(meta["params"]), "elements": numel,
-            "saved_world_size": meta["world_size"], "out": out}
+            "saved_world_size": meta["world_size"], "out": out, "excluded_frozen": excluded}

@@ -20,6 +20,9 @@ What it changes in ``Trainer``, and why:
   ``from_pretrained`` loads into a plain model; a Trainer checkpoint also holds zcompile's sharded
   checkpoint (``zcompile/``: master weights, optimizer state, scheduler), from which
   ``trainer.train(resume_from_checkpoint=...)`` resumes, at the same or another number of ranks.
+  A peft model (LoRA...) saves its adapter, as Trainer does, gathering only the weights that train,
+  and its checkpoints leave the frozen base out (``exclude_frozen_parameters``): the resumed
+  Trainer's model, built from the same base, keeps its own, checked against the save's.
 
 Refused with the reason: DeepSpeed or FSDP arguments (another sharding), ``fp16=True``
 (accelerate's loss scaling runs on a GPU only, not yet run with zcompile: use ``bf16=True``; a loop
@@ -39,6 +42,7 @@ import transformers
 
 import zcompile.checkpoint
 import zcompile.optim
+from zcompile.checkpoint_layout import unwrap
 from zcompile.consolidate import full_state_dict
 
 log = logging.getLogger(__name__)
@@ -143,7 +147,8 @@ class ZeroTrainer(transformers.Trainer):
         it (Trainer does) because every rank holds a part of the weights."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         # collective (a rank-0-only call is a RankDivergenceError in 60 s); the weights on rank 0 only
-        state_dict = full_state_dict(self.model, rank=0, timeout_s=60.0)
+        state_dict = full_state_dict(self.model, rank=0, timeout_s=60.0,
+                                     exclude_frozen_parameters=_trains_an_adapter(self.model))
         if self.args.should_save:
             self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
@@ -152,7 +157,7 @@ class ZeroTrainer(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         extra = {"lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None}
         zcompile.checkpoint.save(os.path.join(output_dir, CHECKPOINT_SUBDIR), self.model, self._zero_optimizer(),
-                                 extra=extra)
+                                 extra=extra, exclude_frozen_parameters=_trains_an_adapter(self.model))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         if _zero_checkpoint(resume_from_checkpoint) is None:  # a checkpoint of another Trainer: its weights
@@ -167,6 +172,16 @@ class ZeroTrainer(transformers.Trainer):
         extra = zcompile.checkpoint.load(path, self.model, self._zero_optimizer())
         if self.lr_scheduler is not None and extra.get("lr_scheduler") is not None:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+
+
+def _trains_an_adapter(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a peft model (LoRA and the like): Trainer saves its adapter alone, and its
+    frozen base, which the run never changes, need not be gathered or checkpointed."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(unwrap(model), PeftModel)
 
 
 def _unwrapped(optimizer: torch.optim.Optimizer) -> Any:
