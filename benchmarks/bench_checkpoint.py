@@ -19,6 +19,10 @@ state exists), then checkpointed ``--repeats`` times each:
 - ``FSDP2 + DCP``: ``fully_shard`` on each block and the root, ``torch.optim.AdamW``; save =
   ``get_state_dict(model, optimizer)`` + ``dcp.save``; load = on a fresh FSDP2 model and optimizer,
   ``get_state_dict`` (which creates the optimizer state) + ``dcp.load`` + ``set_state_dict``.
+- ``zcompile, base frozen`` and ``zcompile, frozen base left out`` (``--routes frozen``): a
+  fine-tuning run's model, every weight frozen but the last block's (LoRA's proportion is smaller
+  still), the optimizer over that block; saved by ``zcompile.checkpoint.save`` with and without
+  ``exclude_frozen_parameters=True`` and loaded into a fresh model built from the same weights.
 
 Every load goes into a model built (and, for FSDP2, sharded) outside the measured region, and is
 checked: the parameters (and for the DCP routes the optimizer state) sum, in float64 over every
@@ -81,6 +85,8 @@ from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 LR = 3e-4
 ZC, ZC_LIVE, GATHERED, FSDP = "zcompile", "zcompile, into compiled", "gathered + torch.save", "FSDP2 + DCP"
+ZC_FROZEN, ZC_FROZEN_OUT = "zcompile, base frozen", "zcompile, frozen base left out"
+ROUTES = ("zcompile", "fsdp2", "frozen")
 
 
 # ----------------------------------------------------------------------------- memory
@@ -154,6 +160,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="saves and loads per route (median)")
     parser.add_argument("--train-steps", type=int, default=2, help="AdamW steps before the first save")
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank in those steps")
+    parser.add_argument("--routes", nargs="+", choices=ROUTES, default=list(ROUTES),
+                        help="zcompile: its checkpoints and gathered + torch.save; fsdp2; frozen: a frozen base")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
     parser.add_argument("--out", default=None, help="JSON results (default benchmarks/results/checkpoint_N.json)")
     return parser.parse_args()
@@ -322,6 +330,41 @@ def bench_zcompile(config, size, args, rank, world, root, exact) -> list[dict]:
     return rows
 
 
+def bench_frozen(config, size, args, rank, world, root, exact) -> list[dict]:
+    """A stage-3 model frozen but for its last block, saved with and without its frozen base."""
+    torch._dynamo.reset()
+
+    def frozen_model():
+        model = new_model(config)
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.startswith(f"blocks.{config.n_layer - 1}."))
+        return model, zcompile.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+
+    model, optimizer = frozen_model()
+    compiled = torch.compile(model, backend="zero", options={"stage": 3})
+    train(compiled, optimizer, config, args, rank, world)
+    numel = sum(p.numel() for p in model.parameters())
+    with zcompile.gathered(model):
+        expected = param_sums(model, sharded=False)
+    expected_optim = optim_sums(optimizer)
+    rows = []
+    for method, exclude in ((ZC_FROZEN, False), (ZC_FROZEN_OUT, True)):
+        saves, path = [], None
+        for rep in range(args.repeats):
+            path = fresh_dir(root, f"frozen_{exclude}_{rep}")
+            saves.append(measure(lambda path=path, exclude=exclude: ckpt.save(
+                path, compiled, optimizer, exclude_frozen_parameters=exclude), exact))
+        loads = []
+        for _ in range(args.repeats):
+            fresh, fresh_opt = frozen_model()
+            loads.append(measure(lambda m=fresh, o=fresh_opt: ckpt.load(path, m, o), exact))
+            assert param_sums(fresh, sharded=False) == expected, f"{method}: parameters differ"
+            assert optim_sums(fresh_opt) == expected_optim, f"{method}: optimizer state differs"
+            del fresh, fresh_opt
+        rows.append(summarize(method, size, numel, saves, loads, disk_bytes(path), world))
+    return rows
+
+
 def bench_fsdp2(config, size, args, rank, world, root, exact) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -366,21 +409,23 @@ def ms(value) -> str:
 
 
 def print_tables(rows: list[dict], setup: str) -> dict:
-    """The table on rank 0; returns each route's ratios to ``zcompile`` per size."""
+    """The table on rank 0; returns each route's ratios to ``zcompile`` per size (the frozen base left
+    out: to the same model saved whole)."""
     ratios, table = {}, []
     for row in rows:
-        base = next(r for r in rows if r["size"] == row["size"] and r["method"] == ZC)
+        base = next((r for r in rows if r["size"] == row["size"]
+                     and r["method"] == (ZC_FROZEN if row["method"] == ZC_FROZEN_OUT else ZC)), None)
         full = 4 * row["params"]
         table.append((f"{row['size']} ({row['params'] / 1e6:.1f}M)", row["method"], ms(row["save_ms"]),
                       ms(row["load_ms"]), mib(row["save_extra_bytes"]), mib(row["load_extra_bytes"]),
                       mib(row["load_kept_bytes"]), mib(row["disk_bytes"]), f"{row['save_extra_bytes'] / full:.2f}",
                       f"{row['load_extra_bytes'] / full:.2f}"))
-        if row["method"] != ZC:
+        if base is not None and base is not row and row["method"] != ZC_FROZEN:
             keys = ("load_ms", "load_extra_bytes", "load_kept_bytes") if row["method"] == ZC_LIVE else (
                 "save_ms", "load_ms", "save_extra_bytes", "load_extra_bytes", "load_kept_bytes", "disk_bytes")
             for key in keys:  # the into-compiled row repeats zcompile's save
                 if row[key] is not None and base[key]:
-                    ratios[f"{row['size']} {key} {row['method']} / {ZC}"] = row[key] / base[key]
+                    ratios[f"{row['size']} {key} {row['method']} / {base['method']}"] = row[key] / base[key]
     print_table(f"Checkpoint save and load per rank (time: median of repeats, slowest rank; extra: peak RSS "
                 f"growth, largest rank; kept: RSS growth left after the load; disk: all ranks' files; x model: "
                 f"extra / fp32 model bytes), {setup}",
@@ -406,8 +451,12 @@ def main() -> None:
     start, rows = time.perf_counter(), []
     for size in args.sizes:
         config = gpt_config(size)
-        rows += bench_zcompile(config, size, args, rank, world, root, exact)
-        rows.append(bench_fsdp2(config, size, args, rank, world, root, exact))
+        if "zcompile" in args.routes:
+            rows += bench_zcompile(config, size, args, rank, world, root, exact)
+        if "fsdp2" in args.routes:
+            rows.append(bench_fsdp2(config, size, args, rank, world, root, exact))
+        if "frozen" in args.routes:
+            rows += bench_frozen(config, size, args, rank, world, root, exact)
         if rank == 0:
             print(f"  {size}: done [{time.perf_counter() - start:.0f}s]", flush=True)
     dist.barrier()
