@@ -146,8 +146,38 @@ def _replica_student(rank: int, world: int) -> dict:
             "first": [p.detach().clone() for p in _models()[1].parameters()]}
 
 
+def _averaged_buffers(rank: int, world: int) -> dict:
+    """``buffers=True`` at stage 3: an EMA copy of a BatchNorm model follows the student's running
+    statistics (rank 0's on every rank after each step) as ``torch.lerp_`` over the same buffers does;
+    between a forward (each rank's own statistics) and the step the call is refused on every rank."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.GELU(), nn.Linear(32, 8))
+    ema = copy.deepcopy(student).requires_grad_(False)
+    by_torch, start = copy.deepcopy(ema), [b.clone() for b in ema.buffers()]
+    compiled = torch.compile(student, backend="zero", options={"stage": 3})
+    optimizer = zcompile.optim.AdamW(student.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        compiled(_views(step)[0].chunk(world)[rank]).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        zcompile.lerp_weights_(ema, student, EMA_WEIGHT, buffers=True)
+        with torch.no_grad():
+            for t, s in zip(by_torch.buffers(), student.buffers()):
+                t.lerp_(s, EMA_WEIGHT) if t.is_floating_point() else t.copy_(s)
+    out = {"ours": [b.clone() for b in ema.buffers()], "by_torch": [b.clone() for b in by_torch.buffers()],
+           "start": start}
+    compiled(_views(STEPS)[0].chunk(world)[rank]).square().mean().backward()  # each rank's own statistics now
+    try:
+        zcompile.lerp_weights_(ema, student, EMA_WEIGHT, buffers=True, timeout_s=20)
+    except RankDivergenceError as error:
+        out["before_step"] = str(error)
+    return out
+
+
 def _all_on_rank(rank: int, world: int) -> dict:
-    return {**_train_on_rank(rank, world, [2, 3]), "replica": _replica_student(rank, world)}
+    return {**_train_on_rank(rank, world, [2, 3]), "replica": _replica_student(rank, world),
+            "buffers": _averaged_buffers(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +216,17 @@ def test_a_teacher_and_an_ema_updated_on_shards_equal_one_process_over_full_weig
         # a copy that differs between ranks would be cut into a mix of them: refused before it is sharded
         message, left_whole = ours["skewed"]
         assert "the target starts from different values on different ranks" in message and left_whole
+
+
+def test_buffers_averaged_follow_rank_0s_statistics_and_are_refused_between_forward_and_step(runs):
+    mean, var, tracked = runs[0]["buffers"]["ours"]
+    assert tracked.item() == STEPS and not torch.equal(mean, runs[0]["buffers"]["start"][0])  # they moved
+    for rank_results in runs:
+        ours = rank_results["buffers"]
+        for got, expected, first_rank in zip(ours["ours"], ours["by_torch"], runs[0]["buffers"]["ours"], strict=True):
+            assert torch.equal(got, expected) and torch.equal(got, first_rank)  # one EMA on every rank
+        assert "the source's buffers differ between ranks" in ours["before_step"]
+        assert "update after the step" in ours["before_step"]
 
 
 def test_pairs_held_differently_are_refused_before_any_weight_changes():

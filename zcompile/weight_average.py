@@ -133,10 +133,17 @@ def _pieces(pair: _Pair) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def lerp_weights_(target: torch.nn.Module, source: torch.nn.Module, weight: float,
-                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                  timeout_s: float = DEFAULT_TIMEOUT_S, buffers: bool = False) -> None:
     """Moves every weight of ``target`` toward ``source``'s: ``t += weight * (s - t)`` (``torch.lerp``),
     on each rank's pieces (module docstring). An EMA with decay ``d`` is ``weight = 1 - d``. Every rank
-    calls it; buffers are left alone (copy them as you would without zcompile)."""
+    calls it.
+
+    ``buffers``: the buffers too (``AveragedModel(use_buffers=True)``, timm's ``ModelEmaV3``): the
+    floating-point ones moved the same way (BatchNorm's running statistics), the others copied
+    (``num_batches_tracked``). Buffers are whole on every rank; the source's must be the same on
+    every rank, as they are after ``optimizer.step()`` (which gives every rank rank 0's), or the ranks'
+    averages would part: compared with the rest of the call. Default False, as ``AveragedModel``:
+    the target's buffers are left alone (copy them yourself, or run ``torch.optim.swa_utils.update_bn``)."""
     if not 0.0 <= weight <= 1.0:
         raise ValueError(f"zcompile.lerp_weights_: weight={weight!r} must be in [0, 1] (an EMA with decay d: 1 - d)")
     target, source = (getattr(m, "_orig_mod", m) for m in (target, source))  # torch.compile's wrapper: its module
@@ -145,11 +152,19 @@ def lerp_weights_(target: torch.nn.Module, source: torch.nn.Module, weight: floa
         raise ValueError(f"zcompile.lerp_weights_: target has {len(targets)} parameters and source {len(sources)}; "
                          "they must be two instances of one architecture")
     pairs = [_plan(t, s, f"#{index} {tuple(t.shape)}") for index, (t, s) in enumerate(zip(targets, sources))]
+    buffer_pairs = _buffer_pairs(target, source) if buffers else []
     group = _group_of(pairs)  # None: nothing sharded, nothing to agree on
     starting = _starting_digest(pairs) if _number_of(target) is None else None  # its first update
-    _agree(pairs, [_number(target, group), _number(source, group)], starting, weight, group, timeout_s)
+    source_buffers = sum(value_digest(s) for _, s in buffer_pairs) if buffers else None
+    _agree(pairs, [_number(target, group), _number(source, group)], starting, weight, group, timeout_s,
+           source_buffers)
     pieces = [_pieces(pair) for pair in pairs]  # nothing changed before every rank agreed
     torch._foreach_lerp_([t for t, _ in pieces], [s.to(t.dtype) for t, s in pieces], weight)
+    for t, s in buffer_pairs:
+        if t.is_floating_point():
+            t.lerp_(s.to(t.dtype), weight)
+        else:
+            t.copy_(s)
     _gather_slices([pair for pair in pairs if pair.way == SLICES])
     for pair in pairs:
         sharded = shard_of(pair.target)
@@ -157,6 +172,15 @@ def lerp_weights_(target: torch.nn.Module, source: torch.nn.Module, weight: floa
             # a full weight with a master shard apart (a bf16 model at stages 1-2): the shard is what the
             # optimizer steps from and what checkpoints save, so it takes the new value too
             sharded.write_shard_from_full()
+
+
+def _buffer_pairs(target: torch.nn.Module, source: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``target.buffers()`` and ``source.buffers()`` in order, detached; an error unless they match."""
+    targets, sources = list(target.buffers()), list(source.buffers())
+    if len(targets) != len(sources) or any(t.shape != s.shape for t, s in zip(targets, sources)):
+        raise ValueError(f"zcompile.lerp_weights_(buffers=True): target has {len(targets)} buffers and source "
+                         f"{len(sources)}, or their shapes differ; they must be two instances of one architecture")
+    return [(t.detach(), s.detach()) for t, s in zip(targets, sources)]
 
 
 def _gather_slices(pairs: list[_Pair]) -> None:
@@ -206,13 +230,14 @@ def _starting_digest(pairs: list[_Pair]) -> int | None:
 
 
 def _agree(pairs: list[_Pair], numbers: list[int], starting: int | None, weight: float,
-           group: DataParallelGroup | None, timeout_s: float) -> None:
-    """Every rank updates the same models' pairs the same way with the same weight, and a target starts
-    from the same values on every rank, or every rank that came raises."""
+           group: DataParallelGroup | None, timeout_s: float, source_buffers: int | None) -> None:
+    """Every rank updates the same models' pairs the same way with the same weight, a target starts
+    from the same values on every rank, and buffers averaged move toward the same values (their
+    digest, ``source_buffers``; None: not averaged), or every rank that came raises."""
     if group is None or group.world_size == 1:
         return
     ways = hashlib.sha1("\n".join(pair.way for pair in pairs).encode()).hexdigest()[:16]
-    call = [numbers, len(pairs), ways, float(weight), starting]
+    call = [numbers, len(pairs), ways, float(weight), starting, source_buffers is not None, source_buffers]
     agree_on_store(
         call, group, timeout_s, "lerp_weights", "zcompile.lerp_weights_(target, source, weight)",
         "Every rank must call zcompile.lerp_weights_ at the same point of the loop (each updates its own pieces of "
@@ -221,13 +246,20 @@ def _agree(pairs: list[_Pair], numbers: list[int], starting: int | None, weight:
 
 
 def _difference(calls: list, mine: list) -> str:
-    if all(other[:4] == mine[:4] for other in calls):  # the same call: the target's values differ
+    # [numbers, pairs, ways, weight, the target's starting values, buffers or not, the source's buffers]
+    same_call = all(other[:4] == mine[:4] and other[5] == mine[5] for other in calls)
+    if same_call and any(other[4] != mine[4] for other in calls):
         return ("zcompile.lerp_weights_: the target starts from different values on different ranks (a digest of "
                 f"its weights per rank: {dict(enumerate(other[4] for other in calls))}), and each rank would update "
                 "its own piece of its own copy: a mix of the ranks' copies. Make the copy from weights every rank "
                 "shares: copy.deepcopy(model) after zcompile.sync_module_states(model), or build both with the same "
                 "seed, or load the copy on every rank")
+    if same_call:
+        return ("zcompile.lerp_weights_(buffers=True): the source's buffers differ between ranks (a digest per rank: "
+                f"{dict(enumerate(other[6] for other in calls))}), so each rank's average would part from the others'. "
+                "They are the same on every rank after optimizer.step() (every rank takes rank 0's BatchNorm "
+                "statistics there): update after the step, not between the forward and the step")
     return ("zcompile.lerp_weights_: the ranks called it with different models or weights ([the target's and the "
             "source's numbers (in the order each was first passed), parameters, how each pair is held (digest), "
-            f"weight, the target's starting values (digest)] per rank: {dict(enumerate(calls))}); call it on every "
-            "rank with the same models and weight.")
+            "weight, the target's starting values (digest), buffers or not, the source's buffers (digest)] per "
+            f"rank: {dict(enumerate(calls))}); call it on every rank with the same models and weight.")
