@@ -196,6 +196,60 @@ def test_resume_from_checkpoint_continues_exactly_also_on_4_ranks(tmp_path):
     _assert_close_lists(on_four["grad_norms"], uninterrupted["grad_norms"], "grad_norm on 4 ranks")
 
 
+def _peft_llama():
+    from peft import LoraConfig, get_peft_model
+
+    base = _llama()
+    torch.manual_seed(1)  # the adapter's own initial values (B is random too, so every step moves A)
+    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                           init_lora_weights="gaussian"))
+
+
+def _peft_train_then_resume(rank: int, world: int, out_dir: str) -> dict:
+    """A peft LoRA model at stage 3: checkpoints without the frozen base, the resume, the saved adapter."""
+    import torch.distributed.checkpoint as dcp
+
+    import zcompile
+    from zcompile.integrations.hf import ZeroTrainer
+
+    def trainer():
+        torch._dynamo.reset()
+        return ZeroTrainer(model=_peft_llama(), args=_resume_args(out_dir, world),
+                           train_dataset=TokenDataset(RESUME_STEPS * 8, seed=0), zero_options={"stage": 3})
+
+    uninterrupted = trainer()
+    uninterrupted.train()
+    uninterrupted.save_model(os.path.join(out_dir, "adapter"))
+    model = uninterrupted.model
+    with zcompile.gathered(model):  # the trained adapter, read from the model itself
+        adapter = {name.replace(".default", ""): p.detach().clone() for name, p in model.named_parameters()
+                   if p.requires_grad}
+    resumed = trainer()
+    resumed.train(resume_from_checkpoint=os.path.join(out_dir, f"checkpoint-{SAVE_EVERY}"))
+    saved = dcp.FileSystemReader(os.path.join(out_dir, f"checkpoint-{SAVE_EVERY}", "zcompile")).read_metadata()
+    return {"uninterrupted": _history(uninterrupted), "resumed": _history(resumed), "adapter": adapter,
+            "checkpointed": sorted(k.removeprefix("model/").replace(".default", "")
+                                   for k in saved.state_dict_metadata if k.startswith("model/"))}
+
+
+def test_a_peft_model_saves_its_adapter_and_resumes_from_checkpoints_without_its_base(tmp_path):
+    """``ZeroTrainer`` with a LoRA model (peft): the checkpoint holds the adapter's weights (the frozen
+    base left out, ``exclude_frozen_parameters``), the resume is bitwise the uninterrupted run, and
+    ``save_model`` writes peft's adapter folder with the trained weights (gathered alone)."""
+    pytest.importorskip("peft")
+    import safetensors.torch
+
+    result = run_ranks(2, _peft_train_then_resume, str(tmp_path), timeout_s=600)[0]
+    adapter = result["adapter"]
+    assert len(adapter) == 8 and all(".lora_" in name for name in adapter)  # q and v, A and B, 2 layers
+    assert result["checkpointed"] == sorted(adapter)
+    assert result["resumed"]["losses"] == result["uninterrupted"]["losses"]
+    written = safetensors.torch.load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert sorted(written) == sorted(adapter)
+    for name, value in adapter.items():
+        assert torch.equal(written[name], value), name
+
+
 def _best_at_end(rank: int, world: int, out_dir: str) -> dict:
     """Stage 3, ``load_best_model_at_end``: Trainer loads the best checkpoint's weights with
     ``model.load_state_dict`` on every rank (it failed in ShardedParameterError: the Llama's forward
