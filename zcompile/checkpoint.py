@@ -250,7 +250,8 @@ def _check_kept_values(kept, excluded: dict, group: DataParallelGroup, path: str
             f"{len(excluded)} frozen parameters were left out and are taken from the model loaded into, but "
             f"{len(differing)} of them ({shown}) do not hold the values they had at the save: the model was built "
             "from other weights (load the same base weights, e.g. the same from_pretrained checkpoint, before "
-            "zcompile.checkpoint.load), or a weight was trained before it was frozen (save such runs without "
+            "zcompile.checkpoint.load), or a frozen weight changed in the run (trained before it was frozen, or moved "
+            "by other code: an EMA or a momentum teacher, whose weights are all frozen; save such models without "
             "exclude_frozen_parameters). The model and optimizer are unchanged")
 
 
