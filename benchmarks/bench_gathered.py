@@ -5,9 +5,10 @@
 The example GPT (n_embd 128), compiled at stage 3 (or at stage 2 with bf16 replicas, whose fp32
 weights are master shards) and trained one step, then ``with
 zcompile.gathered(model): pass`` (every weight gathered, written back and freed), and the same with
-``writeback=False`` and with ``rank0_only=True``: median ms of the slowest rank over ``--rounds``,
-the three alternating, against the model's fp32 bytes. An evaluation, ``generate()`` or an export
-in eager code pays this each time.
+``writeback=False`` and with ``rank0_only=True``, and ``zcompile.checkpoint.full_state_dict(model)``
+(every weight to rank 0's CPU memory: an export, ``ZeroTrainer.save_model``): median ms of the
+slowest rank over ``--rounds``, the four alternating, against the model's fp32 bytes. An
+evaluation, ``generate()`` or an export in eager code pays this each time.
 """
 
 from __future__ import annotations
@@ -26,8 +27,16 @@ import zcompile  # noqa: E402
 import zcompile.optim  # noqa: E402
 from common import depth_sweep_arguments, print_table, slowest_ms, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+from zcompile.checkpoint import full_state_dict  # noqa: E402
 
-WAYS = {"gathered": {}, "writeback=False": {"writeback": False}, "rank0_only": {"rank0_only": True}}
+
+def _enter_and_leave(model: torch.nn.Module, **arguments) -> None:
+    with zcompile.gathered(model, **arguments):
+        pass
+
+
+WAYS = {"gathered": _enter_and_leave, "writeback=False": lambda model: _enter_and_leave(model, writeback=False),
+        "rank0_only": lambda model: _enter_and_leave(model, rank0_only=True), "full_state_dict": full_state_dict}
 
 
 CONFIGS = {"stage 3": {"stage": 3}, "stage 2, param_dtype bf16": {"stage": 2, "param_dtype": "bf16"}}
@@ -44,14 +53,10 @@ def measure(layers: int, rounds: int, config: str) -> dict:
     optimizer.step()
     optimizer.zero_grad()
 
-    def enter_and_leave(arguments: dict) -> None:
-        with zcompile.gathered(model, **arguments):
-            pass
-
     times = {name: [] for name in WAYS}
     for _ in range(rounds):
-        for name, arguments in WAYS.items():
-            times[name].append(slowest_ms(lambda: enter_and_leave(arguments)))
+        for name, way in WAYS.items():
+            times[name].append(slowest_ms(lambda: way(model)))
     row = {"config": config, "layers": layers, "parameters": sum(1 for _ in model.parameters()),
            "model_MiB": sum(p.numel() * 4 for p in model.parameters()) / 2**20}
     row.update({f"{name}_ms": statistics.median(values) for name, values in times.items()})

@@ -582,7 +582,7 @@ def _gathered_in_buckets_equals_the_weights_before_sharding(rank):
     """``gathered`` gathers a bucket of weights at a time (``full_params._materialize``): with buckets
     of a few hundred bytes, weights of odd sizes (padded shards), a bf16 one, and a stage-2 model's
     fp32 masters beside bf16 replicas, the weights it gives, on every rank and on rank 0 alone, are
-    the values they had before the compile sharded them."""
+    the values they had before the compile sharded them; and so is what ``full_state_dict`` exports."""
     import zcompile.full_params as full_params
 
     torch.manual_seed(3)
@@ -607,6 +607,13 @@ def _gathered_in_buckets_equals_the_weights_before_sharding(rank):
                 if rank == 0 or not rank0_only:
                     for name, p in gathered_model.named_parameters():
                         torch.testing.assert_close(p.detach(), values[name], rtol=0, atol=0, msg=name)
+    # the export gathers the same buckets (the masters, to rank 1's CPU memory this time)
+    from zcompile.checkpoint import full_state_dict
+    for exported_model, values in ((model, before), (replicated, before_replicated)):
+        exported = full_state_dict(exported_model, rank=1)
+        assert (exported is None) == (rank != 1)
+        for name, value in (exported or {}).items():
+            torch.testing.assert_close(value.to(values[name].dtype), values[name], rtol=0, atol=0, msg=name)
     full_params.GATHER_BUCKET_BYTES = 4 * 2**20
 
 

@@ -24,22 +24,10 @@ import torch.distributed.checkpoint as dcp
 
 from zcompile.checkpoint_layout import META_KEY, agree_on_call, buffer_key, param_key, unwrap
 from zcompile.param_shards import shard_of
-from zcompile.process_group import DataParallelGroup, all_gather_eager
+from zcompile.full_params import gather_into_full
+from zcompile.process_group import DataParallelGroup
 
 log = logging.getLogger(__name__)
-
-
-def _gather_master(param: torch.nn.Parameter) -> torch.Tensor:
-    """The full fp32 value of a sharded parameter (all-gather of its shards; collective)."""
-    sharded = shard_of(param)
-    sharded.follow_replaced_storage()  # `param.data = loaded` since the last call: its values are the master
-    shard = sharded.shard.detach()
-    if sharded.group.world_size == 1:
-        full = shard
-    else:
-        full = torch.empty(sharded.padded_numel, dtype=shard.dtype, device=shard.device)
-        all_gather_eager(full, shard, sharded.group)
-    return full[: sharded.numel].view(sharded.shape)
 
 
 @torch.no_grad()
@@ -47,8 +35,10 @@ def full_state_dict(model: torch.nn.Module, rank: int = 0, timeout_s: float = 30
                     exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
     """The model's full state dict (fp32 master weights, on the CPU) on ``rank``; ``None`` on the others.
 
-    Collective over the model's group: every rank calls it. Memory: one full parameter at a time
-    on every rank, plus the result on ``rank``. A rank that does not call it within ``timeout_s``
+    Collective over the model's group: every rank calls it. Memory: the result on ``rank``, and on
+    every rank a bucket of 4 MiB of full weights at a time (``full_params.GATHER_BUCKET_BYTES``),
+    gathered by one collective each: one per parameter made an export of many small weights
+    latency-bound. A rank that does not call it within ``timeout_s``
     (``if rank == 0: full_state_dict(model)``) is an error on the others, not a hang.
     ``exclude_frozen_parameters``: the parameters with ``requires_grad`` False are left out (buffers
     stay): a LoRA adapter's weights without gathering the base model, e.g. for
@@ -68,18 +58,27 @@ def full_state_dict(model: torch.nn.Module, rank: int = 0, timeout_s: float = 30
     agree_on_call("full_state_dict", None, group, timeout_s, exclude_frozen_parameters=exclude_frozen_parameters,
                   frozen=frozen_names_digest(frozen))
     mine = group.rank == rank
+    # each sharded weight once (a tied one has several names), its master shards gathered a bucket at
+    # a time into the result's CPU tensors on ``rank`` (``full_params.gather_into_full``); the other
+    # ranks take part and keep nothing
+    masters = list({id(s): s for s in map(shard_of, refs.values()) if s is not None}.values())
+    for sharded in masters:
+        sharded.follow_replaced_storage()  # `param.data = loaded` since the last call: its values are the master
+    fulls = {id(s): torch.empty(s.numel, dtype=s.shard.dtype) if mine else None for s in masters}
+    gather_into_full([(fulls[id(s)], s.shard.detach(), s) for s in masters])
     out: dict[str, torch.Tensor] | None = {} if mine else None
-    done: dict[int, torch.Tensor] = {}  # a tied weight is gathered once
+    copied: dict[int, torch.Tensor] = {}  # a tied weight not sharded: one copy for its names
     for name, value in refs.items():
+        if not mine:
+            break
         if not isinstance(value, torch.Tensor):
-            if mine:
-                out[name] = value  # extra state (``get_extra_state``) as the module returns it
-            continue
-        if id(value) not in done:
-            full = _gather_master(value) if shard_of(value) is not None else value.detach()
-            done[id(value)] = full.to("cpu", copy=True) if mine else None  # nothing is kept off ``rank``
-        if mine:
-            out[name] = done[id(value)]
+            out[name] = value  # extra state (``get_extra_state``) as the module returns it
+        elif (sharded := shard_of(value)) is not None:
+            out[name] = fulls[id(sharded)].view(sharded.shape)
+        else:
+            if id(value) not in copied:
+                copied[id(value)] = value.detach().to("cpu", copy=True)
+            out[name] = copied[id(value)]
     return out
 
 

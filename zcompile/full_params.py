@@ -101,8 +101,10 @@ def gather_into_full(items: list[tuple[torch.Tensor | None, torch.Tensor, Sharde
     ``chunk`` (``layout.shard_numel`` elements, padded past what the rank owns) in rank order
     (collective), each layout once. The chunks side by side, in the optimizer's buckets of ``GATHER_BUCKET_BYTES``
     (``optim_buckets.plan_optimizer_buckets``), one collective each, every member's rows copied out:
-    ``gathered``'s parameters, and a weight averaged toward a replica's masters (``zcompile.weight_average``).
-    ``to_first``: gathered to the group's rank 0 only; the other ranks send, and their ``full`` is None."""
+    ``gathered``'s parameters, ``full_state_dict``'s, and a weight averaged toward a replica's masters
+    (``zcompile.weight_average``). ``full`` may be on another device than the chunks (the CPU), or None
+    on a rank that only takes part. ``to_first``: gathered to the group's rank 0 only; the other ranks
+    send, and their ``full`` is None."""
     by_layout = {id(layout): (full, chunk) for full, chunk, layout in items}
     if len(by_layout) != len(items):
         raise ValueError("gather_into_full: each layout once (one full tensor per parameter)")
@@ -122,7 +124,9 @@ def gather_into_full(items: list[tuple[torch.Tensor | None, torch.Tensor, Sharde
         rows = gathered.view(group.world_size, -1)
         offset = 0
         for layout in bucket:
-            copy_rows(by_layout[id(layout)][0], rows[:, offset: offset + layout.shard_numel], layout.numel)
+            full = by_layout[id(layout)][0]
+            if full is not None:
+                copy_rows(full, rows[:, offset: offset + layout.shard_numel], layout.numel)
             offset += layout.shard_numel
 
 
