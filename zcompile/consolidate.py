@@ -2,8 +2,8 @@
 
 Both produce what a plain, non-distributed copy of the model reads with ``load_state_dict``: the
 user's own keys (no ``_orig_mod.`` prefix, every name of a tied weight, persistent buffers) and
-fp32 master values. Both hold one full tensor at a time besides the result: ``full_state_dict``
-gathers parameter by parameter, ``consolidate`` reads tensor by tensor, without a process group.
+fp32 master values. Besides the result, ``full_state_dict`` holds one bucket of full weights at a
+time (gathered by one collective), ``consolidate`` one tensor (read without a process group).
 
 ``exclude_frozen_parameters``: what a fine-tuning run changed (the parameters with
 ``requires_grad``; a LoRA adapter), without the frozen base model: ``full_state_dict`` gathers only
@@ -36,9 +36,9 @@ def full_state_dict(model: torch.nn.Module, rank: int = 0, timeout_s: float = 30
     """The model's full state dict (fp32 master weights, on the CPU) on ``rank``; ``None`` on the others.
 
     Collective over the model's group: every rank calls it. Memory: the result on ``rank``, and on
-    every rank a bucket of 4 MiB of full weights at a time (``full_params.GATHER_BUCKET_BYTES``),
-    gathered by one collective each: one per parameter made an export of many small weights
-    latency-bound. A rank that does not call it within ``timeout_s``
+    every rank one bucket of full weights at a time (``full_params.GATHER_BUCKET_BYTES``, 4 MiB, or
+    one larger weight alone), gathered by one collective each: one per parameter made an export of
+    many small weights latency-bound. A rank that does not call it within ``timeout_s``
     (``if rank == 0: full_state_dict(model)``) is an error on the others, not a hang.
     ``exclude_frozen_parameters``: the parameters with ``requires_grad`` False are left out (buffers
     stay): a LoRA adapter's weights without gathering the base model, e.g. for
