@@ -275,31 +275,48 @@ def fresh_dir(root: str, name: str) -> str:
     return path
 
 
+def trained_at_stage_3(model, optimizer, config, args, rank, world):
+    """``model`` compiled at stage 3 and trained; the parameter and optimizer-state sums a checkpoint
+    of it must give back."""
+    compiled = torch.compile(model, backend="zero", options={"stage": 3})
+    train(compiled, optimizer, config, args, rank, world)
+    with zcompile.gathered(model):
+        expected = param_sums(model, sharded=False)
+    return compiled, (expected, optim_sums(optimizer))
+
+
+def zcompile_saves_and_loads(name, compiled, optimizer, build, expected, args, root, exact, **save_options):
+    """``--repeats`` saves by ``zcompile.checkpoint.save`` (``save_options``), each into a fresh
+    directory, then as many loads of the last into fresh models and optimizers from ``build()``, each
+    checked against ``expected``; the measurements and the checkpoint's path."""
+    saves, path = [], None
+    for rep in range(args.repeats):
+        path = fresh_dir(root, f"{name}_{rep}")
+        saves.append(measure(lambda path=path: ckpt.save(path, compiled, optimizer, **save_options), exact))
+    loads = []
+    for _ in range(args.repeats):
+        fresh, fresh_opt = build()
+        loads.append(measure(lambda m=fresh, o=fresh_opt: ckpt.load(path, m, o), exact))
+        assert param_sums(fresh, sharded=False) == expected[0], f"{name}: parameters differ after the load"
+        assert optim_sums(fresh_opt) == expected[1], f"{name}: optimizer state differs after the load"
+        del fresh, fresh_opt
+    return saves, loads, path
+
+
 def bench_zcompile(config, size, args, rank, world, root, exact) -> list[dict]:
     """Routes ``zcompile``, ``zcompile, into compiled`` and ``gathered + torch.save`` on one stage-3 model."""
     torch._dynamo.reset()
-    model = new_model(config)
-    optimizer = zcompile.optim.AdamW(model.parameters(), lr=LR)
-    compiled = torch.compile(model, backend="zero", options={"stage": 3})
-    train(compiled, optimizer, config, args, rank, world)
-    numel = sum(p.numel() for p in model.parameters())
-    with zcompile.gathered(model):
-        expected = param_sums(model, sharded=False)
-    expected_optim = optim_sums(optimizer)
 
-    saves, path = [], None
-    for rep in range(args.repeats):
-        path = fresh_dir(root, f"zc_{rep}")
-        saves.append(measure(lambda path=path: ckpt.save(path, compiled, optimizer), exact))
+    def fresh_model():
+        model = new_model(config)
+        return model, zcompile.optim.AdamW(model.parameters(), lr=LR)
+
+    model, optimizer = fresh_model()
+    compiled, sums = trained_at_stage_3(model, optimizer, config, args, rank, world)
+    expected = sums[0]
+    numel = sum(p.numel() for p in model.parameters())
+    saves, loads, path = zcompile_saves_and_loads("zc", compiled, optimizer, fresh_model, sums, args, root, exact)
     disk = disk_bytes(path)
-    loads = []
-    for _ in range(args.repeats):
-        fresh = new_model(config)
-        fresh_opt = zcompile.optim.AdamW(fresh.parameters(), lr=LR)
-        loads.append(measure(lambda m=fresh, o=fresh_opt: ckpt.load(path, m, o), exact))
-        assert param_sums(fresh, sharded=False) == expected, "zcompile.checkpoint.load: parameters differ"
-        assert optim_sums(fresh_opt) == expected_optim, "zcompile.checkpoint.load: optimizer state differs"
-        del fresh, fresh_opt
     live = [measure(lambda: ckpt.load(path, compiled, optimizer), exact) for _ in range(args.repeats)]
     with zcompile.gathered(model):
         assert param_sums(model, sharded=False) == expected, "load into the compiled model: parameters differ"
@@ -341,26 +358,12 @@ def bench_frozen(config, size, args, rank, world, root, exact) -> list[dict]:
         return model, zcompile.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
 
     model, optimizer = frozen_model()
-    compiled = torch.compile(model, backend="zero", options={"stage": 3})
-    train(compiled, optimizer, config, args, rank, world)
+    compiled, sums = trained_at_stage_3(model, optimizer, config, args, rank, world)
     numel = sum(p.numel() for p in model.parameters())
-    with zcompile.gathered(model):
-        expected = param_sums(model, sharded=False)
-    expected_optim = optim_sums(optimizer)
     rows = []
     for method, exclude in ((ZC_FROZEN, False), (ZC_FROZEN_OUT, True)):
-        saves, path = [], None
-        for rep in range(args.repeats):
-            path = fresh_dir(root, f"frozen_{exclude}_{rep}")
-            saves.append(measure(lambda path=path, exclude=exclude: ckpt.save(
-                path, compiled, optimizer, exclude_frozen_parameters=exclude), exact))
-        loads = []
-        for _ in range(args.repeats):
-            fresh, fresh_opt = frozen_model()
-            loads.append(measure(lambda m=fresh, o=fresh_opt: ckpt.load(path, m, o), exact))
-            assert param_sums(fresh, sharded=False) == expected, f"{method}: parameters differ"
-            assert optim_sums(fresh_opt) == expected_optim, f"{method}: optimizer state differs"
-            del fresh, fresh_opt
+        saves, loads, path = zcompile_saves_and_loads(f"frozen_{exclude}", compiled, optimizer, frozen_model, sums,
+                                                      args, root, exact, exclude_frozen_parameters=exclude)
         rows.append(summarize(method, size, numel, saves, loads, disk_bytes(path), world))
     return rows
 

@@ -36,10 +36,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from zcompile.checkpoint_layout import (FORMAT, META_KEY, PARAM_GROUPS_KEY, CheckpointError, agree_on_call,
                                         as_flat_piece, buffer_key, extra_key, flat_mesh, from_bytes, group_of, named_unique_params, optim_key,
                                         param_aliases, param_key, persistent_buffers, to_bytes, unwrap)
-from zcompile.consolidate import frozen_names_digest, full_state_dict, read_meta
+from zcompile.consolidate import full_state_dict, read_meta
 from zcompile.initial_values import value_digest
 from zcompile.param_shards import FlatPiece, shard_of
 from zcompile.process_group import DataParallelGroup, all_gather_eager, all_reduce_eager
+from zcompile.rank_check import names_digest
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     frozen = [(name, p) for name, p in params if not p.requires_grad] if exclude_frozen_parameters else []
     agree_on_call("save", path, group, timeout_s, optimizer=optimizer is not None, async_save=async_save,
                   exclude_frozen_parameters=exclude_frozen_parameters,
-                  frozen=frozen_names_digest([name for name, _ in frozen]))  # else each writes other entries
+                  frozen=names_digest(name for name, _ in frozen))  # else each writes other entries
     excluded = {name: {"shape": list(p.shape), "dtype": str(p.dtype), "digest": digest}
                 for (name, p), digest in zip(frozen, _full_value_digests(frozen, group).values())}
     trained = [(name, p) for name, p in params if name not in excluded]
@@ -196,16 +197,16 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     params = named_unique_params(model)
     group = group_of([p for _, p in params])
     path = os.fspath(path)
-    problem, excluded = None, {}
+    problem, meta = None, {}
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
-        if META_KEY in metadata.state_dict_metadata:
-            excluded = read_meta(path).get("excluded_frozen", {})
-        _check(metadata.state_dict_metadata, params, model, optimizer, strict, excluded)
+        if META_KEY in metadata.state_dict_metadata:  # read first: it says which parameters were left out
+            meta = read_meta(path)
+        _check(metadata.state_dict_metadata, params, model, optimizer, strict, meta.get("excluded_frozen", {}))
     except (Exception, CheckpointException) as error:  # reported on every rank below, never alone (no hang)
         problem = f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
     agree_on_call("load", path, group, timeout_s, problem, optimizer=optimizer is not None, strict=strict)
-    keys = metadata.state_dict_metadata
+    keys, excluded = metadata.state_dict_metadata, meta.get("excluded_frozen", {})
     kept = [(name, p) for name, p in params if name in excluded]  # the same on every rank: one checkpoint
     dest, optimizer_shards = _destination(keys, params, model, optimizer, group)
     try:
@@ -213,7 +214,6 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException; it reaches every rank
         raise CheckpointError(f"zcompile.checkpoint.load: reading {path} failed ({type(error).__name__}: "
                               f"{_first_line(error)}); the model and optimizer are unchanged") from error
-    meta = json.loads(dest[META_KEY])
     _check_kept_values(kept, excluded, group, path)  # before anything is written
     _apply_model(dest, params, model, group)
     if optimizer is not None and meta.get("optimizer") is not None:
@@ -294,7 +294,7 @@ def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup)
     padded shards the optimizer-state pieces are views of (read in place, kept as the state)."""
     mesh = flat_mesh(group, _device_type(params))
     optimizer_shards: dict[str, torch.Tensor] = {}
-    dest: dict[str, Any] = {META_KEY: "", extra_key(group.rank): b""}
+    dest: dict[str, Any] = {extra_key(group.rank): b""}
     if group.rank != 0:
         dest[extra_key(0)] = b""
     dest = {k: v for k, v in dest.items() if k in keys}

@@ -12,7 +12,6 @@ those, and ``consolidate`` of a checkpoint saved that way has only those (it say
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from zcompile.checkpoint_layout import META_KEY, agree_on_call, buffer_key, para
 from zcompile.param_shards import shard_of
 from zcompile.full_params import gather_into_full
 from zcompile.process_group import DataParallelGroup
+from zcompile.rank_check import names_digest
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def full_state_dict(model: torch.nn.Module, rank: int = 0, timeout_s: float = 30
     group = group or DataParallelGroup.resolve(None)
     # (``rank`` may differ: every rank gathers); what is gathered may not
     agree_on_call("full_state_dict", None, group, timeout_s, exclude_frozen_parameters=exclude_frozen_parameters,
-                  frozen=frozen_names_digest(frozen))
+                  frozen=names_digest(frozen))
     mine = group.rank == rank
     # each sharded weight once (a tied one has several names), its master shards gathered a bucket at
     # a time into the result's CPU tensors on ``rank`` (``full_params.gather_into_full``); the other
@@ -80,13 +80,6 @@ def full_state_dict(model: torch.nn.Module, rank: int = 0, timeout_s: float = 30
                 copied[id(value)] = value.detach().to("cpu", copy=True)
             out[name] = copied[id(value)]
     return out
-
-
-def frozen_names_digest(names: list[str]) -> str:
-    """One short value for a list of parameter names, for the ranks to compare through the store
-    (a LoRA model's base has thousands): ranks that left out different parameters would gather or
-    write different tensors, and wait for each other in the first that differs."""
-    return hashlib.sha1("\n".join(names).encode()).hexdigest()[:16] if names else ""
 
 
 def _state_refs(root: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from typing import Iterator
 
 import torch
@@ -12,7 +11,7 @@ from zcompile import full_grads
 from zcompile.optim_buckets import copy_rows, plan_optimizer_buckets
 from zcompile.process_group import all_gather_eager, gather_to_first_eager
 from zcompile.param_shards import ShardedParam, shard_of
-from zcompile.rank_check import agree_on_store
+from zcompile.rank_check import agree_on_store, names_digest
 
 DEFAULT_TIMEOUT_S = 60.0
 GATHER_BUCKET_BYTES = 4 * 2**20  # full bytes per all-gather on entry, as the optimizer's default bucket_mb
@@ -139,7 +138,7 @@ def _agree_on_entry(shards: list[ShardedParam], rank0_only: bool, writeback: boo
     layout = "".join("1" if has else "0" for has in grad_layout)
     # which parameters, not only how many: ranks whose graphs reached different ones (a branch on
     # the rank) would pair one parameter's collective with another's of the same size
-    names = hashlib.sha1("\n".join(s.name for s in shards).encode()).hexdigest()[:16]
+    names = names_digest(s.name for s in shards)
     call = [len(shards), sum(s.numel for s in shards), names, rank0_only, writeback, layout]
     agree_on_store(
         call, group, timeout_s, "gathered", "zcompile.gathered(model)",

@@ -24,7 +24,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -330,6 +330,12 @@ def next_number(purpose: str, group: DataParallelGroup) -> int:
     if group.world_size == 1:
         return 0
     return default_store().add(f"zcompile/{purpose}/{group.name}/numbered/{group.rank}", 1)
+
+
+def names_digest(names: Iterable[str]) -> str:
+    """A short stand-in for a list of names (parameters, ways of holding them) that the ranks compare
+    through the store: one value however long the list (a LoRA model's frozen base has thousands)."""
+    return hashlib.sha1("\n".join(names).encode()).hexdigest()[:16]
 
 
 def agree_on_store(value: Any, group: DataParallelGroup, timeout_s: float, purpose: str, doing: str, fix: str,

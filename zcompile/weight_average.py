@@ -40,7 +40,6 @@ ranks would be cut into a mix of them.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +50,7 @@ from zcompile.full_params import DEFAULT_TIMEOUT_S, gather_into_full
 from zcompile.initial_values import value_digest
 from zcompile.param_shards import ShardedParam, shard_of, shard_parameter
 from zcompile.process_group import DataParallelGroup
-from zcompile.rank_check import agree_on_store, next_number
+from zcompile.rank_check import agree_on_store, names_digest, next_number
 
 _FIX = ("compile both models with the same options and call each once before the first update (a teacher's "
         "forward does), or update inside `with zcompile.gathered(target), zcompile.gathered(source):`")
@@ -236,7 +235,7 @@ def _agree(pairs: list[_Pair], numbers: list[int], starting: int | None, weight:
     digest, ``source_buffers``; None: not averaged), or every rank that came raises."""
     if group is None or group.world_size == 1:
         return
-    ways = hashlib.sha1("\n".join(pair.way for pair in pairs).encode()).hexdigest()[:16]
+    ways = names_digest(pair.way for pair in pairs)
     call = [numbers, len(pairs), ways, float(weight), starting, source_buffers is not None, source_buffers]
     agree_on_store(
         call, group, timeout_s, "lerp_weights", "zcompile.lerp_weights_(target, source, weight)",
