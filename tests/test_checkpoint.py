@@ -140,6 +140,14 @@ def _frozen_runs(rank: int, world: int, root: str) -> dict:
     before = _params(model)
     out["frozen_other_base"] = _error_of(lambda: ckpt.load(os.path.join(root, "frozen_2r"), compiled, optimizer))
     out["frozen_other_base_untouched"] = all(torch.equal(before[k], v) for k, v in _params(model).items())
+    # one rank's copy differs, in the slice another rank would own: a load before the compile (whole
+    # copies, not shards yet) must see it on that rank and stop both
+    model, compiled, optimizer, spec = _fresh_frozen(3)
+    if rank == 1:
+        with torch.no_grad():
+            model.ln_f.weight[0] += 1e-3
+    out["frozen_other_base_one_rank"] = _error_of(lambda: ckpt.load(os.path.join(root, "frozen_2r"), compiled,
+                                                                    optimizer))
     return out
 
 
@@ -156,6 +164,12 @@ def _divergent_calls(rank, world, root, model, optimizer) -> dict[str, str | Non
     out = {"per_rank_path": outcome(lambda: ckpt.save(os.path.join(root, f"mine_{rank}"), model, optimizer))}
     out["per_rank_path_wrote"] = any(os.path.exists(os.path.join(root, f"mine_{r}")) and
                                      os.listdir(os.path.join(root, f"mine_{r}")) for r in range(world))
+    # a parameter frozen on one rank only: the ranks would leave out different tensors; refused on both
+    frozen_here = next(iter(model.parameters()))
+    frozen_here.requires_grad_(rank != 1)
+    out["frozen_on_one_rank"] = outcome(lambda: ckpt.save(os.path.join(root, "frozen_one"), model, optimizer,
+                                                           exclude_frozen_parameters=True))
+    frozen_here.requires_grad_(True)
     # the last calls on this group: after a lone call the ranks' call counts differ (the job would stop)
     start = time.perf_counter()
     if rank == 0:  # `if rank == 0: save(...)`, the torch.save habit
@@ -270,6 +284,8 @@ def test_rank_divergent_calls_are_errors_not_hangs(launches):
         divergent = result["divergent"]
         assert "different 'path'" in divergent["per_rank_path"] and "broadcast_object_list" in divergent["per_rank_path"]
         assert not divergent["per_rank_path_wrote"]
+        assert "different 'frozen'" in divergent["frozen_on_one_rank"]
+        assert "freeze the same parameters on every rank" in divergent["frozen_on_one_rank"]
     lone = first[0]["divergent"]
     assert lone["lone_save"].startswith("RankDivergenceError") and "ranks [1] did not within 3s" in lone["lone_save"]
     assert "if rank == 0" in lone["lone_save"] and lone["seconds"] < 30
@@ -289,7 +305,8 @@ def test_a_frozen_base_is_left_out_of_checkpoints_and_kept_on_resume(launches, t
     """``exclude_frozen_parameters``: the checkpoint holds the trained block only; resumed into a model
     built the same way it trains on as the uninterrupted run (bitwise at the same world size and
     stage; at 4 ranks and stage 2 within LOSS_RTOL, the frozen values checked after resharding); a
-    model whose frozen weights differ is refused on every rank before anything is written."""
+    model whose frozen weights differ, on every rank or in one rank's copy only, is refused on every
+    rank before anything is written."""
     _, first, second, _ = launches
     trains = sorted(f"model/{name}" for name in first[0]["frozen_params"] if name.startswith(FROZEN_RUN_TRAINS))
     assert first[0]["frozen_saved"] == trains and len(trains) < len(first[0]["frozen_params"])
@@ -299,6 +316,8 @@ def test_a_frozen_base_is_left_out_of_checkpoints_and_kept_on_resume(launches, t
         assert error and "exclude_frozen_parameters=True" in error and "ln_f.weight" in error
         assert "1 of them" in error  # only the weight that differs is named
         assert result["frozen_other_base_untouched"]
+        one_rank = result["frozen_other_base_one_rank"]  # rank 1's copy alone: both ranks stop
+        assert one_rank and "1 of them (ln_f.weight)" in one_rank
     assert _close(second[0]["frozen"], first[0]["frozen_full"][HALF:])
     trained_only = first[0]["frozen_trained_only"]
     assert sorted(f"model/{name}" for name in trained_only) == trains and first[1]["frozen_trained_only"] is None

@@ -73,17 +73,21 @@ def _master_piece(param: torch.nn.Parameter, piece: FlatPiece) -> torch.Tensor:
 _DIGEST_MODULUS = 2**40
 
 
-def _full_value_digests(params, group: DataParallelGroup) -> dict[str, int]:
-    """Name -> digest of each parameter's full value in fp32, the same however it is cut between ranks
-    and whether or not it is sharded yet: each rank's piece digested, then added over the ranks (one
-    all-reduce; collective)."""
+def _full_value_digests(params, group: DataParallelGroup) -> list[int]:
+    """The digest of each parameter's full value in fp32 as this rank holds it, the same however the
+    weight is cut between ranks: a sharded one's pieces digested on their ranks and added (one
+    all-reduce; collective), one not sharded yet from this rank's own whole copy (each rank's copy
+    is its own: a copy that differs on one rank is seen there, not hidden in a sum of slices)."""
     if not params:
-        return {}
-    local = torch.tensor([value_digest(_master_piece(p, _piece(p.numel(), group)).float()) % _DIGEST_MODULUS
-                          for _, p in params], dtype=torch.int64, device=params[0][1].device)
+        return []
+    sharded = [shard_of(p) is not None for _, p in params]
+    pieces = torch.tensor([value_digest(_master_piece(p, _piece(p.numel(), group)).float()) % _DIGEST_MODULUS
+                           if is_sharded else 0 for (_, p), is_sharded in zip(params, sharded)],
+                          dtype=torch.int64, device=params[0][1].device)
     if group.world_size > 1:
-        all_reduce_eager(local, group, dist.ReduceOp.SUM)
-    return {name: int(total) % _DIGEST_MODULUS for (name, _), total in zip(params, local.tolist())}
+        all_reduce_eager(pieces, group, dist.ReduceOp.SUM)
+    return [int(total) % _DIGEST_MODULUS if is_sharded else value_digest(p.detach().float()) % _DIGEST_MODULUS
+            for (_, p), is_sharded, total in zip(params, sharded, pieces.tolist())]
 
 
 # ----------------------------------------------------------------------------- save
@@ -107,7 +111,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
                   exclude_frozen_parameters=exclude_frozen_parameters,
                   frozen=names_digest(name for name, _ in frozen))  # else each writes other entries
     excluded = {name: {"shape": list(p.shape), "dtype": str(p.dtype), "digest": digest}
-                for (name, p), digest in zip(frozen, _full_value_digests(frozen, group).values())}
+                for (name, p), digest in zip(frozen, _full_value_digests(frozen, group))}
     trained = [(name, p) for name, p in params if name not in excluded]
     mesh = flat_mesh(group, _device_type(params))
     state: dict[str, Any] = {}
@@ -239,16 +243,22 @@ def _first_line(error: BaseException) -> str:
 
 def _check_kept_values(kept, excluded: dict, group: DataParallelGroup, path: str) -> None:
     """The parameters a save left out (``exclude_frozen_parameters``) hold, in the model loaded into,
-    the values they had at the save; else ``CheckpointError`` on every rank (the digests are
-    all-reduced, so every rank compares the same numbers). Collective."""
+    the values they had at the save; else ``CheckpointError`` on every rank: each rank compares what
+    it holds, and the ranks' findings are all-reduced, so a copy that differs on one rank only stops
+    them all. Collective."""
     now = _full_value_digests(kept, group)
-    differing = [name for name, digest in now.items() if digest != excluded[name]["digest"]]
+    found = torch.tensor([int(digest != excluded[name]["digest"]) for (name, _), digest in zip(kept, now)],
+                         dtype=torch.int64, device=kept[0][1].device if kept else "cpu")
+    if group.world_size > 1 and kept:
+        all_reduce_eager(found, group, dist.ReduceOp.MAX)
+    differing = [name for (name, _), on_some_rank in zip(kept, found.tolist()) if on_some_rank]
     if differing:
         shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
         raise CheckpointError(
             f"zcompile.checkpoint.load({path!r}): the checkpoint was saved with exclude_frozen_parameters=True, so "
             f"{len(excluded)} frozen parameters were left out and are taken from the model loaded into, but "
-            f"{len(differing)} of them ({shown}) do not hold the values they had at the save: the model was built "
+            f"{len(differing)} of them ({shown}) do not hold the values they had at the save (on one rank at "
+            "least): the model was built "
             "from other weights (load the same base weights, e.g. the same from_pretrained checkpoint, before "
             "zcompile.checkpoint.load), or a frozen weight changed in the run (trained before it was frozen, or moved "
             "by other code: an EMA or a momentum teacher, whose weights are all frozen; save such models without "

@@ -56,6 +56,16 @@ class CheckpointError(RuntimeError):
     """A checkpoint call that cannot go on (raised on every rank that made it; the model is untouched)."""
 
 
+# what to do when the ranks' calls differ in one of these, beyond saying so
+_DIFFERENT_FIXES = {
+    "path": " A path made per rank (the rank, a time stamp) gives each rank a directory of its own and no readable "
+            "checkpoint: make it the same everywhere (a step number, or rank 0's path sent with "
+            "dist.broadcast_object_list).",
+    "frozen": " These are digests of the names of the parameters with requires_grad False, which "
+              "exclude_frozen_parameters leaves out: freeze the same parameters on every rank.",
+}
+
+
 def agree_on_call(call: str, path: str | os.PathLike | None, group: DataParallelGroup, timeout_s: float,
                   problem: str | None = None, **same: Any) -> None:
     """Every rank of ``group`` made the same checkpoint ``call`` with the same ``path`` and ``same``
@@ -75,11 +85,8 @@ def agree_on_call(call: str, path: str | os.PathLike | None, group: DataParallel
     for key in ("call", "path", *same):
         values = [entry[key] for entry in everyone]
         if len({json.dumps(v) for v in values}) > 1:
-            fix = (" A path made per rank (the rank, a time stamp) gives each rank a directory of its own and no "
-                   "readable checkpoint: make it the same everywhere (a step number, or rank 0's path sent with "
-                   "dist.broadcast_object_list)." if key == "path" else "")
             raise CheckpointError(f"zcompile.checkpoint.{call}: the ranks passed different {key!r}: "
-                                  f"{dict(enumerate(values))}.{fix}")
+                                  f"{dict(enumerate(values))}.{_DIFFERENT_FIXES.get(key, '')}")
     found = [(rank, entry["problem"]) for rank, entry in enumerate(everyone) if entry["problem"]]
     if found:
         rank, text = found[0]
