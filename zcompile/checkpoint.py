@@ -10,10 +10,11 @@ layout is in ``zcompile.checkpoint_layout``.
 ``exclude_frozen_parameters=True`` leaves out the parameters that do not train (``requires_grad``
 False: a LoRA run's base model, a frozen backbone), as DeepSpeed's option of that name does: a
 checkpoint of a fine-tuning run then holds what it changes, not the base model again at every
-save. What the ranks hold of each is summed into a digest (``initial_values.value_digest``, which
-adds up the same however the weight is cut), kept in the checkpoint; ``load`` keeps the model's own
-values of those parameters and refuses, on every rank, if they are not the values they had at the
-save (the run resumed from other base weights, or a weight trained before it was frozen).
+save. A digest of each (``initial_values.value_digest``, a sum that adds up the same however the
+weight is cut: its shards' digests summed over the ranks) is kept in the checkpoint; ``load`` keeps
+the model's own values of those parameters, each rank compares what it holds (a copy not sharded
+yet, whole), and every rank refuses if any found them not the values they had at the save (the run
+resumed from other base weights, or a weight trained before it was frozen).
 
 Loading is all-or-nothing and never hangs: every rank checks the checkpoint against its model
 first (missing directory, names, sizes, optimizer type), the ranks agree on the outcome before
