@@ -142,6 +142,69 @@ def test_recompile_limit_at_stage3_names_the_limit():
             compiled(*global_batch(0, 2, (8,)))
 
 
+class _MaskedEmbedding(torch.nn.Module):
+    """wav2vec2's SpecAugment in training: the masked positions get a learned vector (a boolean mask as an index)."""
+
+    def __init__(self):
+        super().__init__()
+        self.masked_embed = torch.nn.Parameter(torch.randn(8))
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        x = self.proj(x)
+        x[mask] = self.masked_embed.to(x.dtype)
+        return x.square().mean()
+
+
+def test_an_op_whose_shape_depends_on_the_data_names_the_config_that_compiles_it():
+    """A boolean-mask assignment (aten.nonzero, whose output shape depends on the values) fails the backend's
+    AOTAutograd trace, and Dynamo then runs the frame eagerly, where stage-3 weights have no full value:
+    torch's "setStorage ... out of bounds for storage of size 0" at the first (transformers' wav2vec2 in
+    training, its SpecAugment masking: a ShardedParameterError blaming a graph break inside a loop). Now
+    the compile's error names the op and the one Dynamo setting that compiles it, which then trains as eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x, mask = torch.randn(4, 6, 8), torch.rand(4, 6) < 0.5
+    model = _MaskedEmbedding()
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=r"ShardedParameterError: zcompile: graph 0/0 did not compile: aten\.nonzero\.default's output shape "
+                                                    r"depends on the tensor's values.*'masked_embed'.*"
+                                                    r"capture_dynamic_output_shape_ops = True"):
+        torch.compile(model, backend="zero", options={"stage": 3})(x, mask)
+
+    torch._dynamo.reset()
+    reference, model = _MaskedEmbedding(), _MaskedEmbedding()
+    model.load_state_dict(reference.state_dict())
+    reference_loss = reference(x, mask)
+    reference_loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        loss = torch.compile(model, backend="zero", options={"stage": 3})(x, mask)
+        loss.backward()
+        zcompile.optim.SGD(model.parameters(), lr=0.1).step()
+    torch.testing.assert_close(loss, reference_loss)
+    with zcompile.gathered(model):
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(model.get_parameter(name), param, msg=name)
+
+
+def test_a_failed_stage3_compile_leaves_parameters_that_refuse_eager_use(monkeypatch):
+    """A compile that fails after sharding (any error in AOTAutograd, the passes or the inner compiler) left
+    stage-3 parameters with freed storage and their plain class: printing one (the model in an except
+    clause, pytest showing a failed test's locals) read freed memory and segfaulted."""
+    import zcompile.backend
+
+    def failing_compile(*args, **kwargs):
+        raise RuntimeError("the inner compile failed")
+
+    torch._dynamo.reset()
+    model = torch.nn.Linear(4, 4)
+    monkeypatch.setattr(zcompile.backend, "compile_with_aot", failing_compile)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="the inner compile failed"):
+        torch.compile(model, backend="zero", options={"stage": 3})(torch.randn(2, 4))
+    with pytest.raises(ShardedParameterError, match=r"'weight' \(4, 4\) is sharded"):
+        repr(model.weight)
+
+
 def test_gathered_refuses_writeback_with_rank0_only():
     with pytest.raises(ValueError, match="writeback=True with rank0_only=True"):
         with zcompile.gathered(torch.nn.Linear(2, 2), writeback=True, rank0_only=True):

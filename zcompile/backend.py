@@ -30,7 +30,10 @@ from zcompile.call_prefetch import CallChain
 from zcompile.compiled import CompileContext, CompiledGraphs, record_compiled_graphs
 from zcompile.config import ZeroConfig
 from zcompile.dumps import SHARDING_PLAN_FILE, resolve_dump_root
-from zcompile.dynamo_frame import forward_modules_on_stack, modules_of_compiled_frame, outer_data_parallel_wrapper
+from zcompile.dynamo_frame import (
+    eager_fallback_cause, forward_modules_on_stack, modules_of_compiled_frame, outer_data_parallel_wrapper,
+    restarts_analysis,
+)
 from zcompile.inner import codegen_on_demand, compile_with_aot
 from zcompile.initial_values import check_same_initial_values
 from zcompile.heartbeat import heartbeat
@@ -50,6 +53,7 @@ from zcompile.rank_check import (
     leave_abort_note,
     raise_if_aborted,
 )
+from zcompile.sharded_parameter import ShardedParameterError
 from zcompile.state_dict_hooks import attach_state_dict_hooks
 from zcompile.step_agreement import agree_on_call, take_free_call
 from zcompile.zeropp import attach_groups, resolve_zeropp
@@ -97,7 +101,17 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
                              group.world_size > 1 and reduce_scatter_by_all_to_all(config.reduce_scatter, group))
     gm = run_passes(context, "dynamo", gm)
     graphs = CompiledGraphs(dynamo=gm, context=context)
-    compiled = compile_with_aot(gm, tracing_inputs, graphs)
+    try:
+        compiled = compile_with_aot(gm, tracing_inputs, graphs)
+    except Exception as error:
+        if not restarts_analysis(error):
+            # the parameters stay sharded, stage 3's with their full storage freed: eager use of one (Dynamo's
+            # fallback, a print of the model in an except clause) is a ShardedParameterError, not torch reading
+            # freed memory (repr segfaulted). Not before a restart: Dynamo's replay must see the same classes
+            for sharded in shards:
+                mark_refusing_parameter(sharded)
+        _refuse_eager_fallback(error, str(gm.meta.get("dynamo_compile_id", "?")), shards)
+        raise
     # once the compile succeeded: Dynamo may restart the frame's analysis from inside it (dynamic=True),
     # and the retried compile is the one that runs (shard_parameter's mark)
     record_compiled_graphs(_recorded_on(plan, example_inputs, frame_modules), graphs)  # for step_report
@@ -384,6 +398,30 @@ def _refuse_parameter_writes(gm: torch.fx.GraphModule, plan: ShardingPlan) -> No
             "(nn.Embedding(max_norm=None)); where the constraint matters, apply it after optimizer.step(), on every "
             "rank, inside `with zcompile.gathered(model): ...`, which writes the change back to the shards (for an "
             "embedding: torch.embedding_renorm_(emb.weight, ids, max_norm, 2.0) under torch.no_grad())")
+
+
+def _refuse_eager_fallback(error: BaseException, graph: str, shards: list) -> None:
+    """A compile that failed where Dynamo then runs the graph's frame eagerly (its fallback, with a
+    warning to report the backend): with parameters whose full storage this compile freed (stage 3, or
+    a low-precision replica), eager code cannot run them, and the fallback stopped at the first with
+    torch's "setStorage ... out of bounds for storage of size 0" (or at best, where one was marked, a
+    ShardedParameterError blaming a graph break); that is an error now, naming the op and the setting
+    that compiles it. Where the parameters keep their full values the fallback runs, slower (no
+    overlap in that frame), and the log says why and how to compile the op."""
+    cause = eager_fallback_cause(error)
+    if cause is None:
+        return
+    what, fix = cause
+    freed = [sharded for sharded in shards if sharded is not None and sharded.frees_full]
+    if freed:
+        names = ", ".join(repr(s.name) for s in freed[:3]) + (f" and {len(freed) - 3} more" if len(freed) > 3 else "")
+        raise ShardedParameterError(
+            f"zcompile: graph {graph} did not compile: {what}. Dynamo would run its code eagerly instead, where its "
+            f"parameters ({names}) have no full value: they are sharded ({freed[0].freed_reason}) and exist in full "
+            f"only inside compiled graphs. {fix}; or train with stage 1 or 2 in fp32, where eager code may use the "
+            "weights.") from error
+    log.warning("zero backend: graph %s did not compile: %s; Dynamo runs its code eagerly instead (slower). %s.",
+                graph, what, fix)
 
 
 def _refuse_outer_data_parallel() -> None:

@@ -206,6 +206,37 @@ def _skipped_reason(code) -> str:
             "use the weights.")
 
 
+def restarts_analysis(error: BaseException) -> bool:
+    """Whether ``error`` is Dynamo's request to trace the frame again (``RestartAnalysis``: a scalar
+    tensorified, a speculation to replay), not a failure: the trace that follows must see the
+    parameters as this one did."""
+    restart = getattr(torch._dynamo.exc, "RestartAnalysis", None)
+    return restart is not None and isinstance(error, restart)
+
+
+def eager_fallback_cause(error: BaseException) -> tuple[str, str] | None:
+    """(what failed, how to compile it) for a compile ``error`` on which Dynamo, instead of raising,
+    runs the frame the graph came from eagerly (torch's ``exceptions_allowed_to_be_fallback``, fake
+    tensors' exceptions: its own warning then says "report an issue to the backend compiler repo");
+    None for any other error."""
+    from torch._subclasses import fake_tensor
+
+    op = getattr(error, "func", None) or str(error)
+    if isinstance(error, fake_tensor.DynamicOutputShapeException):
+        return (f"{op}'s output shape depends on the tensor's values (a boolean mask as an index, nonzero, unique)",
+                "Set `torch._dynamo.config.capture_dynamic_output_shape_ops = True` before the first compiled "
+                "call: the op then compiles into the graph")
+    if isinstance(error, fake_tensor.DataDependentOutputException):
+        return (f"{op} reads a value from the tensor's data",
+                "Set `torch._dynamo.config.capture_scalar_outputs = True` before the first compiled call: the op "
+                "then compiles into the graph")
+    if isinstance(error, (fake_tensor.UnsupportedOperatorException, fake_tensor.UnsupportedFakeTensorException,
+                          fake_tensor.UnsupportedMutationAliasingException)):
+        return (f"{op} cannot be traced with fake tensors ({type(error).__name__}: {error})",
+                "Replace it with ops that can be")
+    return None
+
+
 def never_compiled_as_frames(*functions) -> None:
     """Dynamo never compiles ``functions``, nor the Python functions they call, as frames of their own
     (called from eager code under a compiled call), while a graph being traced still inlines them.
