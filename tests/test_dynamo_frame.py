@@ -7,7 +7,10 @@ import functools
 
 import torch
 
-from zcompile.dynamo_frame import _fallback_reason, modules_of_compiled_frame, recompile_causes, recompile_reason
+from zcompile.dynamo_frame import (
+    _fallback_reason, eager_fallback_cause, modules_of_compiled_frame, recompile_causes, recompile_reason,
+    restarts_analysis,
+)
 
 
 def _star_wrapped(forward):
@@ -103,3 +106,19 @@ def test_at_the_recompile_limit_the_guards_that_failed_are_named_with_a_fix_each
     assert "size mismatch at index 0`" in message and "mark_dynamic" in message
     assert "(model.train() / model.eval())" in message
     assert "layer_idx" not in message and "use_cache" not in message  # fixes for causes not there are not said
+
+
+def test_a_fallback_error_names_the_op_and_the_setting_that_compiles_it():
+    """The fake-tensor errors on which Dynamo runs a frame eagerly: each names its op, and the Dynamo setting
+    that puts the op in graphs where there is one; other errors (and Dynamo's restarts) are not fallbacks."""
+    from torch._subclasses import fake_tensor
+
+    aten = torch.ops.aten
+    what, fix = eager_fallback_cause(fake_tensor.DynamicOutputShapeException(aten.nonzero.default))
+    assert what.startswith("aten.nonzero.default's output shape") and "capture_dynamic_output_shape_ops = True" in fix
+    what, fix = eager_fallback_cause(fake_tensor.DataDependentOutputException(aten._local_scalar_dense.default))
+    assert "aten._local_scalar_dense.default" in what and "capture_scalar_outputs = True" in fix
+    what, fix = eager_fallback_cause(fake_tensor.DataDependentOutputException(aten.equal.default))
+    assert "aten.equal.default" in what and "capture_" not in fix
+    assert eager_fallback_cause(RuntimeError("a pass failed")) is None
+    assert restarts_analysis(torch._dynamo.exc.RestartAnalysis()) and not restarts_analysis(RuntimeError())

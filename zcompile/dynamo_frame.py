@@ -15,7 +15,9 @@ and a fix for each (``recompile_causes``, from ``torch._dynamo.utils.guard_failu
 that is a recompile says why (``recompile_reason``: the guard that failed, from Dynamo's metrics of
 the compile in progress).
 Functions that must only ever be traced inline are kept from being compiled as frames of their own
-(``never_compiled_as_frames``).
+(``never_compiled_as_frames``). A compile error is read for what Dynamo does next: trace the frame
+again (``restarts_analysis``), or run it eagerly, with the op that failed and the setting that
+compiles it (``eager_fallback_cause``).
 """
 
 from __future__ import annotations
@@ -227,9 +229,11 @@ def eager_fallback_cause(error: BaseException) -> tuple[str, str] | None:
                 "Set `torch._dynamo.config.capture_dynamic_output_shape_ops = True` before the first compiled "
                 "call: the op then compiles into the graph")
     if isinstance(error, fake_tensor.DataDependentOutputException):
-        return (f"{op} reads a value from the tensor's data",
-                "Set `torch._dynamo.config.capture_scalar_outputs = True` before the first compiled call: the op "
-                "then compiles into the graph")
+        if any(name in str(op) for name in ("_local_scalar_dense", "select")):  # .item(), an index read from data
+            return (f"{op} reads a value from the tensor's data (`.item()`, an index taken from a tensor)",
+                    "Set `torch._dynamo.config.capture_scalar_outputs = True` before the first compiled call: the "
+                    "op then compiles into the graph")
+        return (f"{op}'s result depends on the tensor's values", "Compute it outside the compiled model")
     if isinstance(error, (fake_tensor.UnsupportedOperatorException, fake_tensor.UnsupportedFakeTensorException,
                           fake_tensor.UnsupportedMutationAliasingException)):
         return (f"{op} cannot be traced with fake tensors ({type(error).__name__}: {error})",
