@@ -187,19 +187,20 @@ def test_an_op_whose_shape_depends_on_the_data_names_the_config_that_compiles_it
             torch.testing.assert_close(model.get_parameter(name), param, msg=name)
 
 
-def test_a_failed_stage3_compile_leaves_parameters_that_refuse_eager_use(monkeypatch):
-    """A compile that fails after sharding (any error in AOTAutograd, the passes or the inner compiler) left
+@pytest.mark.parametrize("failing", ["run_passes", "compile_with_aot"])
+def test_a_failed_stage3_compile_leaves_parameters_that_refuse_eager_use(monkeypatch, failing):
+    """A compile that fails after sharding (a rank check, a pass, AOTAutograd, the inner compiler) left
     stage-3 parameters with freed storage and their plain class: printing one (the model in an except
     clause, pytest showing a failed test's locals) read freed memory and segfaulted."""
     import zcompile.backend
 
-    def failing_compile(*args, **kwargs):
-        raise RuntimeError("the inner compile failed")
+    def failing_step(*args, **kwargs):
+        raise RuntimeError(f"{failing} failed")
 
     torch._dynamo.reset()
     model = torch.nn.Linear(4, 4)
-    monkeypatch.setattr(zcompile.backend, "compile_with_aot", failing_compile)
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="the inner compile failed"):
+    monkeypatch.setattr(zcompile.backend, failing, failing_step)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=f"{failing} failed"):
         torch.compile(model, backend="zero", options={"stage": 3})(torch.randn(2, 4))
     with pytest.raises(ShardedParameterError, match=r"'weight' \(4, 4\) is sharded"):
         repr(model.weight)

@@ -16,6 +16,7 @@ Data flow for one Dynamo graph:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -80,38 +81,29 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     swap = ShardSwap(plan, group)
     tracing_inputs = swap.swap_for_tracing(list(example_inputs))  # shards the parameters
     shards = [shard_of(example_inputs[p.index]) for p in plan.params]
-    frame_modules = modules_of_compiled_frame()
-    if plan.params:
-        attach_state_dict_hooks(frame_modules)  # model.(load_)state_dict see the shards
-    runner = PassRunner.for_graph(gm, resolve_dump_root(config.dump), group.rank)
-    runner.dump.write_json(SHARDING_PLAN_FILE, json.loads(plan.to_json()))
-    zeropp = resolve_zeropp(config, group)
-    if config.check_ranks and group.world_size > 1:
-        collectives = issues_collectives(plan, zeropp.active)
-        if collectives:
-            check_same_collectives(plan, gm, group, config.check_timeout_s,
-                                   zeropp.signature() if zeropp.active else None)
-        # every rank compiles a training graph (the step needs all of them), so a stage-1 one compares
-        # too; a graph compiled under no_grad without collectives may be one rank's evaluation alone
-        if collectives or torch.is_grad_enabled():
-            check_same_initial_values(shards, group, config.check_timeout_s,
-                                      f"graph {gm.meta.get('dynamo_compile_id', '?')}")
-    zeropp = attach_groups(zeropp, group)  # makes process groups: only once the ranks agree
-    context = CompileContext(config, group, plan, zeropp, runner, _device_type(example_inputs),
-                             group.world_size > 1 and reduce_scatter_by_all_to_all(config.reduce_scatter, group))
-    gm = run_passes(context, "dynamo", gm)
-    graphs = CompiledGraphs(dynamo=gm, context=context)
-    try:
+    with _failure_leaves_refusing_parameters(shards, str(gm.meta.get("dynamo_compile_id", "?"))):
+        frame_modules = modules_of_compiled_frame()
+        if plan.params:
+            attach_state_dict_hooks(frame_modules)  # model.(load_)state_dict see the shards
+        runner = PassRunner.for_graph(gm, resolve_dump_root(config.dump), group.rank)
+        runner.dump.write_json(SHARDING_PLAN_FILE, json.loads(plan.to_json()))
+        zeropp = resolve_zeropp(config, group)
+        if config.check_ranks and group.world_size > 1:
+            collectives = issues_collectives(plan, zeropp.active)
+            if collectives:
+                check_same_collectives(plan, gm, group, config.check_timeout_s,
+                                       zeropp.signature() if zeropp.active else None)
+            # every rank compiles a training graph (the step needs all of them), so a stage-1 one compares
+            # too; a graph compiled under no_grad without collectives may be one rank's evaluation alone
+            if collectives or torch.is_grad_enabled():
+                check_same_initial_values(shards, group, config.check_timeout_s,
+                                          f"graph {gm.meta.get('dynamo_compile_id', '?')}")
+        zeropp = attach_groups(zeropp, group)  # makes process groups: only once the ranks agree
+        context = CompileContext(config, group, plan, zeropp, runner, _device_type(example_inputs),
+                                 group.world_size > 1 and reduce_scatter_by_all_to_all(config.reduce_scatter, group))
+        gm = run_passes(context, "dynamo", gm)
+        graphs = CompiledGraphs(dynamo=gm, context=context)
         compiled = compile_with_aot(gm, tracing_inputs, graphs)
-    except Exception as error:
-        if not restarts_analysis(error):
-            # the parameters stay sharded, stage 3's with their full storage freed: eager use of one (Dynamo's
-            # fallback, a print of the model in an except clause) is a ShardedParameterError, not torch reading
-            # freed memory (repr segfaulted). Not before a restart: Dynamo's replay must see the same classes
-            for sharded in shards:
-                mark_refusing_parameter(sharded)
-        _refuse_eager_fallback(error, str(gm.meta.get("dynamo_compile_id", "?")), shards)
-        raise
     # once the compile succeeded: Dynamo may restart the frame's analysis from inside it (dynamic=True),
     # and the retried compile is the one that runs (shard_parameter's mark)
     record_compiled_graphs(_recorded_on(plan, example_inputs, frame_modules), graphs)  # for step_report
@@ -398,6 +390,23 @@ def _refuse_parameter_writes(gm: torch.fx.GraphModule, plan: ShardingPlan) -> No
             "(nn.Embedding(max_norm=None)); where the constraint matters, apply it after optimizer.step(), on every "
             "rank, inside `with zcompile.gathered(model): ...`, which writes the change back to the shards (for an "
             "embedding: torch.embedding_renorm_(emb.weight, ids, max_norm, 2.0) under torch.no_grad())")
+
+
+@contextlib.contextmanager
+def _failure_leaves_refusing_parameters(shards: list, graph: str):
+    """Once ``shards`` are cut (stage 3's full storage freed), a failure of the rest of the compile (a
+    rank check, a pass, AOTAutograd, the inner compiler) leaves them marked: eager use of one (Dynamo's
+    fallback, a print of the model in an except clause) is a ``ShardedParameterError``, not torch
+    reading freed memory (a parameter's repr segfaulted). Not on Dynamo's request to trace again: its
+    replay must see the parameters' classes as this trace did (else a SpeculationLogDivergence)."""
+    try:
+        yield
+    except Exception as error:
+        if not restarts_analysis(error):
+            for sharded in shards:
+                mark_refusing_parameter(sharded)
+        _refuse_eager_fallback(error, graph, shards)
+        raise
 
 
 def _refuse_eager_fallback(error: BaseException, graph: str, shards: list) -> None:
