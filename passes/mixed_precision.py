@@ -48,10 +48,37 @@ def autocast_pass(gm: torch.fx.GraphModule, dtype: torch.dtype | None, device_ty
         leave = graph.call_function(torch.amp.autocast_mode._exit_autocast, (enter,))
     metadata.tag(enter, role=metadata.ROLE_AUTOCAST)
     metadata.tag(leave, role=metadata.ROLE_AUTOCAST)
+    restored = _outputs_in_traced_dtypes(graph, output)
     graph.lint()
     gm.recompile()
-    log.info("autocast: graph compute runs under autocast(%s, %s)", device_type, dtype)
+    log.info("autocast: graph compute runs under autocast(%s, %s); %d outputs cast back to their traced dtype",
+             device_type, dtype, restored)
     return gm
+
+
+def _outputs_in_traced_dtypes(graph: torch.fx.Graph, output: torch.fx.Node) -> int:
+    """Each floating-point output the graph computes, cast after the autocast region to the dtype
+    Dynamo traced it in (its ``example_value``'s). Dynamo traces the code after the graph (a graph
+    break's next frame, eager code reading ``.dtype``) with that dtype; autocast's ``param_dtype``
+    output broke it: with bf16 parameters, a convolution after a graph break failed in Dynamo's own
+    trace ("Input type (c10::BFloat16) and bias type (float) should be the same"), the activation
+    carried across being bf16 where the frame's weights are traced fp32. A cast to the same dtype is
+    the tensor itself (no copy); graph inputs returned as they are stay untouched."""
+    returned = output.args[0]
+    if not isinstance(returned, (tuple, list)):
+        return 0
+    casts: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in returned:
+        value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+        if (node in casts or node.op == "placeholder" or not isinstance(value, torch.Tensor)
+                or not value.is_floating_point()):
+            continue
+        with graph.inserting_before(output):
+            casts[node] = graph.call_method("to", (node, value.dtype))
+        casts[node].meta["example_value"] = value
+    if casts:
+        output.args = (type(returned)(casts.get(node, node) for node in returned), *output.args[1:])
+    return len(casts)
 
 
 # torch's norms with affine parameters, and where those are: (position, keyword) of weight and bias

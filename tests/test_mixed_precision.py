@@ -247,3 +247,50 @@ def test_norms_take_fp32_inputs_on_a_cpu(stage):
     for name, p in reference.named_parameters():
         error = (grads[name] - p.grad).norm() / p.grad.norm()
         assert error < 0.05, (name, error.item())
+
+
+class _ConvAfterABreak(torch.nn.Module):
+    """A linear layer, a graph break that reads the activation in eager code, then a convolution: the
+    activation crosses from one graph to the next (transformers' wav2vec2 masks its features in between)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.conv, self.head = torch.nn.Linear(8, 8), torch.nn.Conv1d(8, 8, 3, padding=1), torch.nn.Linear(8, 1)
+        self.seen_dtypes = []
+
+    def forward(self, x):
+        h = self.proj(x)
+        self._record(h)
+        return self.head(self.conv(h.transpose(1, 2)).transpose(1, 2)).square().mean()
+
+    @torch.compiler.disable
+    def _record(self, h):
+        self.seen_dtypes.append(h.dtype)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_activations_leave_a_graph_in_their_traced_dtype(stage):
+    """With param_dtype the graphs run under autocast, and an activation left the graph in bf16 where
+    Dynamo had traced it fp32: the next frame's convolution then failed in Dynamo's own trace ("Input
+    type (c10::BFloat16) and bias type (float) should be the same"), and eager code between the graphs
+    read a dtype that Dynamo had baked in as fp32. Outputs are cast back to their traced dtype; the loss
+    follows eager torch.autocast with the same bf16-rounded weights (2e-2, as above)."""
+    torch.manual_seed(0)
+    model, x = _ConvAfterABreak(), torch.randn(4, 6, 8)
+    reference = _ConvAfterABreak()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = reference(x)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="zero", options={"stage": stage, "param_dtype": "bf16"})
+        losses = [compiled(x) for _ in range(2)]
+        losses[-1].backward()
+    finally:
+        torch._dynamo.reset()
+    assert model.seen_dtypes == [torch.float32, torch.float32]
+    assert losses[-1].dtype == torch.float32
+    torch.testing.assert_close(losses[-1], expected.float(), rtol=2e-2, atol=0)
