@@ -126,3 +126,70 @@ def norm_params_in_fp32_pass(gm: torch.fx.GraphModule, device_type: str) -> torc
         gm.recompile()
         log.info("norm_params_in_fp32: %d norm weights and biases cast to fp32 (CPU)", cast)
     return gm
+
+
+# namespaces whose ops autocast knows (or that zcompile itself adds and types): every other op is a user's
+# or a library's custom op
+_AUTOCAST_KNOWN_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d_functional", "zcompile"})
+
+
+def _is_custom_op(target) -> bool:
+    # str: "aten.mm.default" for an overload, "transformers.grouped_mm_fallback" for a packet
+    return (isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+            and str(target).split(".", 1)[0] not in _AUTOCAST_KNOWN_NAMESPACES)
+
+
+def _traced_dtype(node: torch.fx.Node, param_dtypes: dict[str, torch.dtype]) -> torch.dtype | None:
+    """The dtype Dynamo traced ``node`` in: its ``example_value``'s, or for a parameter's gather or
+    replica (inserted by zcompile, without one) the parameter's own."""
+    value = node.meta.get("example_value")
+    if isinstance(value, torch.Tensor):
+        return value.dtype if value.is_floating_point() else None
+    entry = metadata.tags(node)
+    if entry.get(metadata.ROLE) in (metadata.ROLE_GATHER, metadata.ROLE_REPLICATED):
+        return param_dtypes.get(entry.get(metadata.PARAM))
+    return None
+
+
+def custom_ops_in_traced_dtypes_pass(gm: torch.fx.GraphModule, plan) -> torch.fx.GraphModule:
+    """Casts every floating-point tensor a custom op (``torch.library``, outside aten) takes to the
+    dtype Dynamo traced it in (its ``example_value``'s), with ``param_dtype``.
+
+    Autocast does not know custom ops: it casts neither their inputs nor their outputs. In eager
+    ``torch.autocast`` with fp32 weights such an op gets fp32 weights and fp32 activations; here the
+    weights reach the graph in ``param_dtype`` and the activations stay fp32, so an op that multiplies
+    them failed (transformers' MoE ``_grouped_mm`` CPU fallback, Mixtral, Qwen2-MoE: "expected m1 and
+    m2 to have the same dtype, but got: float != c10::BFloat16"). In the traced dtypes the op computes
+    as eager autocast would have it; the casts' backward hands the weights' gradients back in
+    ``param_dtype``. A cast to the same dtype is the tensor itself.
+    """
+    graph = gm.graph
+    param_dtypes = {p.name: p.dtype for p in plan.params}
+    cast = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not _is_custom_op(node.target):
+            continue
+        casts: dict[torch.fx.Node, torch.fx.Node] = {}
+
+        def traced(arg):
+            nonlocal cast
+            dtype = _traced_dtype(arg, param_dtypes) if isinstance(arg, torch.fx.Node) else None
+            if dtype is None:
+                return arg
+            if arg not in casts:
+                with graph.inserting_before(node):
+                    casts[arg] = graph.call_method("to", (arg, dtype))
+                value = arg.meta.get("example_value")
+                if isinstance(value, torch.Tensor):
+                    casts[arg].meta["example_value"] = value
+                cast += 1
+            return casts[arg]
+
+        node.args = torch.fx.node.map_arg(node.args, traced)
+        node.kwargs = torch.fx.node.map_arg(node.kwargs, traced)
+    if cast:
+        graph.lint()
+        gm.recompile()
+        log.info("custom_ops_in_traced_dtypes: %d custom-op inputs cast to their traced dtype", cast)
+    return gm
+

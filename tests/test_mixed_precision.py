@@ -294,3 +294,68 @@ def test_activations_leave_a_graph_in_their_traced_dtype(stage):
     assert model.seen_dtypes == [torch.float32, torch.float32]
     assert losses[-1].dtype == torch.float32
     torch.testing.assert_close(losses[-1], expected.float(), rtol=2e-2, atol=0)
+
+
+@torch.library.custom_op("zcompile_test::matmul", mutates_args=())
+def _custom_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A custom op autocast knows nothing of (as transformers' MoE ``_grouped_mm`` CPU fallback): torch.mm
+    refuses mixed dtypes."""
+    return torch.mm(x, w)
+
+
+@_custom_matmul.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+def _custom_matmul_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _custom_matmul_backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    grad = grad.to(x.dtype)  # under eager autocast the next op's gradient may come in bf16
+    return grad @ w.t(), x.t() @ grad
+
+
+_custom_matmul.register_autograd(_custom_matmul_backward, setup_context=_custom_matmul_setup)
+
+
+class _CustomOpNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 4))
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):  # x: an fp32 graph input, as the hidden state reaching transformers' grouped_mm is
+        return self.head(_custom_matmul(x, self.weight)).square().mean()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_custom_op_computes_in_its_traced_dtypes(stage):
+    """Autocast casts neither the inputs nor the outputs of a custom op: with param_dtype its weight came
+    in bf16 beside an fp32 activation, and torch.mm inside it failed ("expected m1 and m2 to have the same
+    dtype"; transformers' Mixtral and Qwen2-MoE on a CPU). Its inputs now take the dtypes Dynamo traced,
+    as in eager torch.autocast with fp32 weights; loss and gradients follow that with bf16-rounded weights."""
+    torch.manual_seed(0)
+    model, x = _CustomOpNet(), torch.randn(6, 8)
+    reference = _CustomOpNet()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = reference(x)
+    expected.backward()
+    torch._dynamo.reset()
+    try:
+        loss = torch.compile(model, backend="zero", options={"stage": stage, "param_dtype": "bf16"})(x)
+        loss.backward()
+        with zcompile.gathered(model, grads=True):
+            grads = {name: p.grad.float().clone() for name, p in model.named_parameters()}
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(loss.float(), expected.float(), rtol=2e-2, atol=0)
+    for name, p in reference.named_parameters():
+        error = (grads[name] - p.grad).norm() / p.grad.norm()
+        assert error < 0.05, (name, error.item())

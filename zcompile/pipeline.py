@@ -36,7 +36,7 @@ from zcompile.passes.hpz import hpz_forward_shortcut_pass, hpz_pass
 from zcompile.passes.identity_views import drop_identity_views_pass
 from zcompile.passes.keep_gathered import keep_gathered_pass, plan_keep_gathered
 from zcompile.passes.loss_backward import fuse_cross_entropy_backward_pass
-from zcompile.passes.mixed_precision import autocast_pass, norm_params_in_fp32_pass
+from zcompile.passes.mixed_precision import autocast_pass, custom_ops_in_traced_dtypes_pass, norm_params_in_fp32_pass
 from zcompile.passes.param_collectives import insert_param_collectives_pass
 from zcompile.passes.quantize_grads import quantize_grads_pass
 from zcompile.passes.quantize_weights import quantize_weights_pass
@@ -88,6 +88,11 @@ PIPELINE: tuple[PassRow, ...] = (
     PassRow("norm_params_in_fp32", DYNAMO, norm_params_in_fp32_pass,
             enabled=lambda c: c.config.param_dtype is not None and c.device_type == "cpu",
             options=lambda c, g: {"device_type": c.device_type},
+            after=("insert_param_collectives",)),
+    # the weights as the graph receives them (in param_dtype), where autocast does not reach
+    PassRow("custom_ops_in_traced_dtypes", DYNAMO, custom_ops_in_traced_dtypes_pass,
+            enabled=lambda c: c.config.param_dtype is not None,
+            options=lambda c, g: {"plan": c.sharding},
             after=("insert_param_collectives",)),
     PassRow("autocast", DYNAMO, autocast_pass,
             enabled=lambda c: c.config.param_dtype is not None,
