@@ -24,6 +24,18 @@ from zcompile.passes import metadata
 log = logging.getLogger(__name__)
 
 
+def _cast_before(graph: torch.fx.Graph, anchor: torch.fx.Node, node: torch.fx.Node,
+                 dtype: torch.dtype) -> torch.fx.Node:
+    """``node.to(dtype)`` inserted before ``anchor``, with the traced value the next passes read (a cast
+    to ``node``'s own dtype is ``node`` itself at run time: no copy)."""
+    with graph.inserting_before(anchor):
+        cast = graph.call_method("to", (node, dtype))
+    value = node.meta.get("example_value")
+    if isinstance(value, torch.Tensor):
+        cast.meta["example_value"] = value.to(dtype)
+    return cast
+
+
 def autocast_pass(gm: torch.fx.GraphModule, dtype: torch.dtype | None, device_type: str) -> torch.fx.GraphModule:
     """Wraps every compute node of ``gm`` in ``torch.autocast(device_type, dtype)``.
 
@@ -73,9 +85,7 @@ def _outputs_in_traced_dtypes(graph: torch.fx.Graph, output: torch.fx.Node) -> i
         if (node in casts or node.op == "placeholder" or not isinstance(value, torch.Tensor)
                 or not value.is_floating_point()):
             continue
-        with graph.inserting_before(output):
-            casts[node] = graph.call_method("to", (node, value.dtype))
-        casts[node].meta["example_value"] = value
+        casts[node] = _cast_before(graph, output, node, value.dtype)
     if casts:
         output.args = (type(returned)(casts.get(node, node) for node in returned), *output.args[1:])
     return len(casts)
@@ -111,11 +121,7 @@ def norm_params_in_fp32_pass(gm: torch.fx.GraphModule, device_type: str) -> torc
             arg = node.args[position] if len(node.args) > position else node.kwargs.get(keyword)
             if not isinstance(arg, torch.fx.Node):
                 continue
-            with graph.inserting_before(node):
-                upcast = graph.call_method("to", (arg, torch.float32))
-            value = arg.meta.get("example_value")
-            if isinstance(value, torch.Tensor):
-                upcast.meta["example_value"] = value.to(torch.float32)
+            upcast = _cast_before(graph, node, arg, torch.float32)
             if len(node.args) > position:
                 node.update_arg(position, upcast)
             else:
@@ -177,11 +183,7 @@ def custom_ops_in_traced_dtypes_pass(gm: torch.fx.GraphModule, plan) -> torch.fx
             if dtype is None:
                 return arg
             if arg not in casts:
-                with graph.inserting_before(node):
-                    casts[arg] = graph.call_method("to", (arg, dtype))
-                value = arg.meta.get("example_value")
-                if isinstance(value, torch.Tensor):
-                    casts[arg].meta["example_value"] = value
+                casts[arg] = _cast_before(graph, node, arg, dtype)
                 cast += 1
             return casts[arg]
 

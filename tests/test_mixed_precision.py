@@ -225,11 +225,18 @@ def test_norms_take_fp32_inputs_on_a_cpu(stage):
     weights now enter them in fp32 (``norm_params_in_fp32_pass``), as CUDA autocast runs norms; the
     loss and gradients follow eager torch.autocast with the same bf16-rounded weights (2^-8 relative
     per rounding; 2e-2 bounds the loss of this small net, 5% each gradient's norm)."""
+    _assert_follows_eager_autocast(_Norms, torch.randn(4, 8, 4, 4), stage)
+
+
+def _assert_follows_eager_autocast(make_model, x, stage: int, calls: int = 1, gradients: bool = True):
+    """``make_model()`` compiled at ``stage`` with param_dtype="bf16", called ``calls`` times on ``x`` (the
+    last one's backward), against eager torch.autocast of a copy whose weights are the bf16-rounded ones the
+    graphs read: the loss within 2e-2 (2^-8 relative per rounding, in a small net) and, with ``gradients``,
+    each gradient's norm within 5%. Returns the compiled model's last loss and the model."""
     torch.manual_seed(0)
-    model, x = _Norms(), torch.randn(4, 8, 4, 4)
-    reference = _Norms()
+    model, reference = make_model(), make_model()
     reference.load_state_dict(model.state_dict())
-    with torch.no_grad():  # the weights the graphs read: bf16-rounded
+    with torch.no_grad():
         for p in reference.parameters():
             p.copy_(p.to(torch.bfloat16).float())
     with torch.autocast("cpu", torch.bfloat16):
@@ -237,16 +244,18 @@ def test_norms_take_fp32_inputs_on_a_cpu(stage):
     expected.backward()
     torch._dynamo.reset()
     try:
-        loss = torch.compile(model, backend="zero", options={"stage": stage, "param_dtype": "bf16"})(x)
+        compiled = torch.compile(model, backend="zero", options={"stage": stage, "param_dtype": "bf16"})
+        loss = [compiled(x) for _ in range(calls)][-1]
         loss.backward()
         with zcompile.gathered(model, grads=True):
             grads = {name: p.grad.float().clone() for name, p in model.named_parameters()}
     finally:
         torch._dynamo.reset()
     torch.testing.assert_close(loss.float(), expected.float(), rtol=2e-2, atol=0)
-    for name, p in reference.named_parameters():
+    for name, p in reference.named_parameters() if gradients else ():
         error = (grads[name] - p.grad).norm() / p.grad.norm()
         assert error < 0.05, (name, error.item())
+    return loss, model
 
 
 class _ConvAfterABreak(torch.nn.Module):
@@ -275,25 +284,10 @@ def test_activations_leave_a_graph_in_their_traced_dtype(stage):
     type (c10::BFloat16) and bias type (float) should be the same"), and eager code between the graphs
     read a dtype that Dynamo had baked in as fp32. Outputs are cast back to their traced dtype; the loss
     follows eager torch.autocast with the same bf16-rounded weights (2e-2, as above)."""
-    torch.manual_seed(0)
-    model, x = _ConvAfterABreak(), torch.randn(4, 6, 8)
-    reference = _ConvAfterABreak()
-    reference.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    with torch.autocast("cpu", torch.bfloat16):
-        expected = reference(x)
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(model, backend="zero", options={"stage": stage, "param_dtype": "bf16"})
-        losses = [compiled(x) for _ in range(2)]
-        losses[-1].backward()
-    finally:
-        torch._dynamo.reset()
+    loss, model = _assert_follows_eager_autocast(_ConvAfterABreak, torch.randn(4, 6, 8), stage, calls=2,
+                                                 gradients=False)
     assert model.seen_dtypes == [torch.float32, torch.float32]
-    assert losses[-1].dtype == torch.float32
-    torch.testing.assert_close(losses[-1], expected.float(), rtol=2e-2, atol=0)
+    assert loss.dtype == torch.float32
 
 
 @torch.library.custom_op("zcompile_test::matmul", mutates_args=())
@@ -337,25 +331,4 @@ def test_a_custom_op_computes_in_its_traced_dtypes(stage):
     in bf16 beside an fp32 activation, and torch.mm inside it failed ("expected m1 and m2 to have the same
     dtype"; transformers' Mixtral and Qwen2-MoE on a CPU). Its inputs now take the dtypes Dynamo traced,
     as in eager torch.autocast with fp32 weights; loss and gradients follow that with bf16-rounded weights."""
-    torch.manual_seed(0)
-    model, x = _CustomOpNet(), torch.randn(6, 8)
-    reference = _CustomOpNet()
-    reference.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    with torch.autocast("cpu", torch.bfloat16):
-        expected = reference(x)
-    expected.backward()
-    torch._dynamo.reset()
-    try:
-        loss = torch.compile(model, backend="zero", options={"stage": stage, "param_dtype": "bf16"})(x)
-        loss.backward()
-        with zcompile.gathered(model, grads=True):
-            grads = {name: p.grad.float().clone() for name, p in model.named_parameters()}
-    finally:
-        torch._dynamo.reset()
-    torch.testing.assert_close(loss.float(), expected.float(), rtol=2e-2, atol=0)
-    for name, p in reference.named_parameters():
-        error = (grads[name] - p.grad).norm() / p.grad.norm()
-        assert error < 0.05, (name, error.item())
+    _assert_follows_eager_autocast(_CustomOpNet, torch.randn(6, 8), stage)
