@@ -73,10 +73,11 @@ class BucketPlan:
 
 
 def _bucketable(node: torch.fx.Node) -> CollectiveNode | None:
-    """``node`` as a collective that can join a bucket: an all-gather, or a sum reduce-scatter of
-    whole shards, with a known input and waited by its only user."""
+    """``node`` as a collective that can join a bucket: ZeRO's all-gather, or its sum reduce-scatter of
+    whole shards, with a known input and waited by its only user (the model's own collectives keep
+    their shapes: a bucket is flat)."""
     collective = CollectiveNode.of(node)
-    if collective is None or collective.kind not in ("all_gather", "reduce_scatter"):
+    if collective is None or not collective.is_zero or collective.kind not in ("all_gather", "reduce_scatter"):
         return None
     if collective.input_val is None or collective.wait is None:
         return None

@@ -7,6 +7,8 @@ This module owns the vocabulary every pass, report and cost model speaks about c
 - ``CollectiveNode``: a collective node decoded once (kind, input, group size and name, reduce op,
   its wait) with the volume it moves, counted per rank the way ZeRO's formulas count it: an
   all-gather moves its output (input x group size), the others their input;
+- ``is_zero_collective``: whether a collective moves parameters or gradients for ZeRO (the passes
+  rewrite only those) or is the model's own;
 - ``all_gather_in_graph`` / ``reduce_scatter_in_graph``: traceable helpers that issue and wait.
 
 Argument layouts (torch 2.11-2.13): ``all_gather_into_tensor(input, group_size, group_name)``,
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zcompile.passes.metadata import LOWERED_FROM, tags
+from zcompile.passes.metadata import LOWERED_FROM, ROLE, ZERO_COLLECTIVE_ROLES, tags
 
 _functional = torch.ops._c10d_functional
 
@@ -42,6 +44,15 @@ def collective_kind(node: torch.fx.Node) -> str | None:
     if node.op != "call_function" or node.target not in COLLECTIVE_KINDS:
         return None
     return tags(node).get(LOWERED_FROM) or COLLECTIVE_KINDS[node.target]
+
+
+def is_zero_collective(node: torch.fx.Node) -> bool:
+    """Whether collective ``node`` moves parameters or gradients for ZeRO: zcompile inserted it (or
+    AOTAutograd traced it from a node zcompile inserted), so it carries a role. A collective the
+    model calls itself (``torch.distributed._functional_collectives`` in a contrastive loss, say)
+    has none; bucketing, lowering and quantizing, which assume a flat shard of a parameter or a
+    gradient, must leave it as the model wrote it."""
+    return tags(node).get(ROLE) in ZERO_COLLECTIVE_ROLES
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,11 @@ class CollectiveNode:
             return cls(node, kind, args[0], int(args[2]), str(args[3]), str(args[1]))
         if kind == "all_reduce":
             return cls(node, kind, args[0], 0, str(args[2]), str(args[1]))
+
+    @property
+    def is_zero(self) -> bool:
+        """See ``is_zero_collective``."""
+        return is_zero_collective(self.node)
 
     @property
     def waits(self) -> list[torch.fx.Node]:

@@ -73,7 +73,7 @@ def hierarchical_reduce_scatter(flat: torch.Tensor, world: int, node_size: int, 
 
 def quantize_grads_pass(gm: torch.fx.GraphModule, group_name: str, world: int, node_size: int, intra_name: str,
                         inter_name: str, block: int) -> torch.fx.GraphModule:
-    """Replaces every floating-point sum reduce-scatter over ``group_name`` by ``hierarchical_reduce_scatter``.
+    """Replaces every floating-point sum reduce-scatter of gradients (not the model's own) over ``group_name`` by ``hierarchical_reduce_scatter``.
 
     The replacement sits where the reduce-scatter was issued (its all-to-alls wait at once: each
     step needs the previous one's result). Inserted nodes carry the reduce-scatter's tags.
@@ -81,7 +81,7 @@ def quantize_grads_pass(gm: torch.fx.GraphModule, group_name: str, world: int, n
     graph = gm.graph
     fake_mode = graph_fake_mode(gm)
     reductions = [c for c in map(CollectiveNode.of, graph.find_nodes(op="call_function", target=REDUCE_SCATTER))
-                  if c.reduce_op == "sum" and c.group_name == group_name and c.group_size == world
+                  if c.is_zero and c.reduce_op == "sum" and c.group_name == group_name and c.group_size == world
                   and c.dtype.is_floating_point and c.wait is not None]
     for reduction in reductions:
         wait = reduction.wait

@@ -52,7 +52,7 @@ def quantized_all_gather(shard: torch.Tensor, group_size: int, group_name: str, 
 
 
 def quantize_weights_pass(gm: torch.fx.GraphModule, group_name: str, block: int) -> torch.fx.GraphModule:
-    """Replaces every floating-point all-gather over ``group_name`` by ``quantized_all_gather``.
+    """Replaces every floating-point all-gather of weights (not the model's own) over ``group_name`` by ``quantized_all_gather``.
 
     Run on forward graphs only (see the module docstring). Inserted nodes carry the replaced
     gather's zcompile tags (parameters, bucket) and ``quantized="int8"``.
@@ -60,7 +60,7 @@ def quantize_weights_pass(gm: torch.fx.GraphModule, group_name: str, block: int)
     graph = gm.graph
     fake_mode = graph_fake_mode(gm)
     gathers = [c for c in map(CollectiveNode.of, graph.find_nodes(op="call_function", target=ALL_GATHER))
-               if c.group_name == group_name and c.dtype in _FLOATS and c.wait is not None]
+               if c.is_zero and c.group_name == group_name and c.dtype in _FLOATS and c.wait is not None]
     for gather in gathers:
         wait, group_size = gather.wait, gather.group_size
         chosen = effective_block(gather.input_val.numel(), block)

@@ -40,7 +40,7 @@ aten = torch.ops.aten
 
 
 def _lowerable(collective: CollectiveNode) -> bool:
-    return (collective.node.target is REDUCE_SCATTER and collective.reduce_op in ("sum", "avg")
+    return (collective.node.target is REDUCE_SCATTER and collective.is_zero and collective.reduce_op in ("sum", "avg")
             and collective.wait is not None and collective.input_val is not None and collective.group_size > 1)
 
 

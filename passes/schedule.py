@@ -179,7 +179,9 @@ def schedule_problem(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int
     gathers = []  # (collective node, first use)
     for collective in collective_nodes(gm):
         waits = collective.waits
-        if collective.kind not in ("all_gather", "reduce_scatter") or len(waits) != 1:
+        # the model's own collectives stay where it waits on them: their inputs are activations, which
+        # inductor may reuse for another kernel's output while an out= all-gather still reads them
+        if not collective.is_zero or collective.kind not in ("all_gather", "reduce_scatter") or len(waits) != 1:
             continue
         if collective.kind == "reduce_scatter":
             reduce_scatters.append(collective)

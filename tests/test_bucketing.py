@@ -33,7 +33,7 @@ def _gather_graph(shard_sizes, world=2, reduce=False, average=False):
             op = graph.call_function(REDUCE_SCATTER, (full, "sum", world, "0"))
         else:
             op = graph.call_function(ALL_GATHER, (shard, world, "0"))
-        metadata.tag(op, param=f"p{i}")
+        metadata.tag(op, role=metadata.ROLE_REDUCE if reduce else metadata.ROLE_GATHER, param=f"p{i}")
         wait = graph.call_function(WAIT, (op,))
         use = graph.call_function(aten.div.Tensor if average else aten.mul.Tensor, (wait, world if average else 2.0))
         with mode:
@@ -126,7 +126,7 @@ def test_flattened_gradients_are_packed_as_they_are():
         grad = graph.placeholder(f"grad{i}")
         flat = graph.call_function(aten.view.default, (grad, [-1]))
         op = graph.call_function(REDUCE_SCATTER, (flat, "sum", world, "0"))
-        metadata.tag(op, param=f"p{i}")
+        metadata.tag(op, role=metadata.ROLE_REDUCE, param=f"p{i}")
         wait = graph.call_function(WAIT, (op,))
         with mode:
             grad.meta["val"] = torch.empty(shape)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.testing import FileCheck
 
-from tests.support.graph_builders import calls, reduce_scatter_graph, trace
+from tests.support.graph_builders import as_zero_collectives, calls, reduce_scatter_graph, trace
 from zcompile.config import ZeroConfig
 from zcompile.passes import metadata
 from zcompile.passes.collectives import ALL_TO_ALL, REDUCE_SCATTER, WAIT, CollectiveNode, collective_nodes
@@ -37,7 +37,8 @@ class _Ranks(torch.fx.Interpreter):
 
 
 def _graph(reduce_op: str, shape: tuple[int, ...], world: int) -> torch.fx.GraphModule:
-    return trace(lambda grad: WAIT(REDUCE_SCATTER(grad, reduce_op, world, "world")), torch.zeros(shape))
+    return as_zero_collectives(trace(lambda grad: WAIT(REDUCE_SCATTER(grad, reduce_op, world, "world")),
+                                     torch.zeros(shape)))
 
 
 @pytest.mark.parametrize("reduce_op, shape, world", [("sum", (64,), 4), ("avg", (64,), 4), ("sum", (8, 3), 4),
@@ -80,7 +81,7 @@ def test_issue_and_wait_stay_where_the_schedule_put_them():
         busy = other * 3  # compute the schedule overlapped with the transfer
         return WAIT(reduced) + busy.sum()
 
-    gm = reduce_scatter_as_all_to_all_pass(trace(step, torch.zeros(8), torch.zeros(5)))
+    gm = reduce_scatter_as_all_to_all_pass(as_zero_collectives(trace(step, torch.zeros(8), torch.zeros(5))))
     order = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     exchange, wait, mul = order.index(ALL_TO_ALL), order.index(WAIT), order.index(torch.ops.aten.mul.Tensor)
     assert exchange < mul < wait  # still overlapped

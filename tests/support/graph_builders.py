@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
+from zcompile.passes import metadata
+from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT, collective_kind
 
 
 @contextlib.contextmanager
@@ -46,15 +47,28 @@ def trace(fn: Callable, *example_inputs: torch.Tensor) -> torch.fx.GraphModule:
     return make_fx(fn, tracing_mode="fake")(*example_inputs)
 
 
+def as_zero_collectives(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` with each untagged collective tagged as the ZeRO one zcompile would have inserted (a
+    parameter's gather, a gradient's reduction): the passes rewrite only those; an untagged one is
+    the model's own. Collectives already tagged keep their tags."""
+    for node in gm.graph.nodes:
+        kind = collective_kind(node)
+        if kind is not None and not metadata.tags(node).get(metadata.ROLE):
+            metadata.tag(node, role=metadata.ROLE_GATHER if kind == "all_gather" else metadata.ROLE_REDUCE)
+    return gm
+
+
 def all_gather_graph(numel: int, group_size: int, group_name: str, dtype=torch.float32) -> torch.fx.GraphModule:
-    """``wait(all_gather(shard))`` times 2 (a user of the gathered value, as a forward has)."""
-    return trace(lambda shard: WAIT(ALL_GATHER(shard, group_size, group_name)) * 2, torch.zeros(numel, dtype=dtype))
+    """``wait(all_gather(shard))`` times 2 (a user of the gathered value, as a forward has), the
+    gather tagged as ZeRO's."""
+    return as_zero_collectives(trace(lambda shard: WAIT(ALL_GATHER(shard, group_size, group_name)) * 2,
+                                     torch.zeros(numel, dtype=dtype)))
 
 
 def reduce_scatter_graph(numel: int, group_size: int, group_name: str, dtype=torch.float32) -> torch.fx.GraphModule:
-    """``wait(reduce_scatter(grad, "sum"))`` of a flat gradient of ``numel`` elements."""
-    return trace(lambda grad: WAIT(REDUCE_SCATTER(grad, "sum", group_size, group_name)),
-                 torch.zeros(numel, dtype=dtype))
+    """``wait(reduce_scatter(grad, "sum"))`` of a flat gradient of ``numel`` elements, tagged as ZeRO's."""
+    return as_zero_collectives(trace(lambda grad: WAIT(REDUCE_SCATTER(grad, "sum", group_size, group_name)),
+                                     torch.zeros(numel, dtype=dtype)))
 
 
 def calls(gm: torch.fx.GraphModule, target) -> list[torch.fx.Node]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from support.graph_builders import as_zero_collectives
 from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
 
 aten = torch.ops.aten
@@ -33,7 +34,7 @@ def layered_graph(layers=3, shard=8, world=2):
         reduce.meta["val"] = reduce_wait.meta["val"] = torch.empty(shard)
         tail.meta["val"] = torch.empty(shard * world)
     graph.output((reduce_wait, tail))
-    return torch.fx.GraphModule(torch.nn.Module(), graph)
+    return as_zero_collectives(torch.fx.GraphModule(torch.nn.Module(), graph))
 
 
 def reduce_chain_graph(buckets=4, shard=8, world=2):
@@ -53,4 +54,4 @@ def reduce_chain_graph(buckets=4, shard=8, world=2):
             g.meta["val"] = torch.empty(shard * world)
             reduce.meta["val"] = waits[-1].meta["val"] = torch.empty(shard)
     graph.output(tuple(waits))
-    return torch.fx.GraphModule(torch.nn.Module(), graph)
+    return as_zero_collectives(torch.fx.GraphModule(torch.nn.Module(), graph))

@@ -1,5 +1,5 @@
-"""The models the tests train (the example GPT, with graph breaks, frozen or bf16 variants, and two
-Hugging Face models), their loss, and the deterministic global batch of a step."""
+"""The models the tests train (the example GPT, with graph breaks, frozen or bf16 variants, a
+contrastive loss gathering across ranks, and two Hugging Face models), their loss, and the deterministic global batch of a step."""
 
 from __future__ import annotations
 
@@ -53,6 +53,36 @@ class GPTCheckpointed(GPT):
         return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class GPTContrastive(GPT):
+    """The GPT plus a contrastive term over every rank's sequence embeddings, CLIP's habit: in the
+    compiled forward, each rank all-gathers the others' embeddings (two views: a sequence's first
+    and second half) with torch's differentiable functional all-gather, and scores every pair.
+
+    Every rank computes the global batch's contrastive loss, and the gather's backward sums its
+    gradient over ranks, so with DDP's mean the step is one process's on the global batch, which
+    has nothing to gather (``zcompile``'s passes must leave the model's own 2-D gathers alone)."""
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)
+        logits = self.head(x)
+        lm = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        half = idx.shape[1] // 2
+        views = [torch.nn.functional.normalize(x[:, part].mean(1), dim=-1)
+                 for part in (slice(None, half), slice(half, None))]
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            import torch.distributed._functional_collectives as funcol
+
+            # torch 2.13's name; torch 2.11 has only the older one
+            gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+            views = [gather(view, 0, torch.distributed.group.WORLD) for view in views]
+        first, second = views
+        scores = first @ second.T * 5.0
+        return lm + torch.nn.functional.cross_entropy(scores, torch.arange(len(scores)))
+
+
 def build_model(name: str) -> torch.nn.Module:
     """The models the tests train, each deterministic (seeded, no dropout)."""
     torch.manual_seed(0)
@@ -64,6 +94,8 @@ def build_model(name: str) -> torch.nn.Module:
                                        tie_weights=False), in_loop=True)
     if name == "gpt_checkpointed":
         return GPTCheckpointed(small)
+    if name == "gpt_contrastive":
+        return GPTContrastive(small)
     if name == "gpt_frozen":  # position embedding and first block's norm frozen
         model = GPT(small)
         model.wpe.weight.requires_grad_(False)
