@@ -25,6 +25,16 @@ same bytes, alive over the same span. It applies to the graph a compiled functio
 pipeline's graphs that reports, dumps, the rank checks and the memory walks read (those speak of
 all-gathers, and an out= collective's result aliases an argument that is not its first); the front
 end applies it (``zcompile.inner``) when ``zcompile.process_group.gathers_into_buffers`` says so.
+
+Under inductor, a second rewrite (``gather_inputs_into_out_buffers``) writes each gather's input into
+the tail of the buffer it gathers into. Inductor models ``all_gather_into_tensor_out`` as mutating
+its input and ``out``, and its wait as touching ``out`` alone, so once the collective is issued it
+counts the input as dead and hands its memory to the next kernel with an output of that size, while
+gloo still reads it (checked on torch 2.13's generated code: ``buf5 = buf1; del buf1  # reuse``
+between the issue and the wait). Where the input is an activation of the model's own gather, stage 3
+trained on garbage with no error; a bf16 cast or a bucket's pack of ZeRO's shards is as exposed when
+a kernel's output has its size. In one buffer with the gathered result, the input lives as long as
+the result is read; inductor fuses the kernel that computes the input into that tail (no copy).
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import logging
 import torch
 
 from zcompile.passes.collectives import ALL_GATHER
+from zcompile.passes.inline import graph_fake_mode
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -61,6 +72,47 @@ def all_gathers_into_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         graph.erase_node(gather)
     if gathers:
         log.debug("all_gathers_into_buffers: %d all-gathers run into graph-allocated buffers", len(gathers))
+        graph.lint()
+        gm.recompile()
+    return gm
+
+
+def gather_inputs_into_out_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Rewrites each ``all_gather_into_tensor_out(x, N, g, out=empty(shape))`` of ``gm`` into one
+    buffer of ``numel(shape) + numel(x)`` elements: ``x`` copied into its tail, gathered from there
+    into its head (module docstring: inductor would reuse ``x``'s memory while the gather reads it).
+    The gather's result, a view of the head, keeps the whole buffer alive. Reads and writes
+    ``meta["val"]``."""
+    graph = gm.graph
+    fake_mode = graph_fake_mode(gm)
+    gathers = list(graph.find_nodes(op="call_function", target=ALL_GATHER_OUT))
+    for gather in gathers:
+        source, group_size, group_name = gather.args
+        out = gather.kwargs["out"]
+        if out.target is not aten.empty.memory_format or len(out.users) != 1:
+            raise ValueError(f"gather_inputs_into_out_buffers: {gather.name} does not gather into a buffer of its own "
+                             f"(run all_gathers_into_buffers first)")
+        gathered, shard = out.meta["val"], source.meta["val"]
+        total, size = gathered.numel(), shard.numel()
+        with graph.inserting_before(gather):
+            buffer = graph.call_function(aten.empty.memory_format, ([total + size],),
+                                         {"dtype": gathered.dtype, "device": gathered.device})
+            tail = graph.call_function(aten.slice.Tensor, (buffer, 0, total, total + size))
+            shard_slot = graph.call_function(aten.view.default, (tail, list(shard.shape)))
+            written = graph.call_function(aten.copy_.default, (shard_slot, source))
+            head = graph.call_function(aten.slice.Tensor, (buffer, 0, 0, total))
+            gathered_slot = graph.call_function(aten.view.default, (head, list(gathered.shape)))
+        with fake_mode:
+            buffer.meta["val"] = torch.empty(total + size, dtype=gathered.dtype, device=gathered.device)
+            tail.meta["val"] = buffer.meta["val"][total:]
+            shard_slot.meta["val"] = written.meta["val"] = tail.meta["val"].view(shard.shape)
+            head.meta["val"] = buffer.meta["val"][:total]
+            gathered_slot.meta["val"] = head.meta["val"].view(gathered.shape)
+        gather.args = (written, group_size, group_name)  # copy_ returns its destination, the tail
+        gather.kwargs = {"out": gathered_slot}
+        graph.erase_node(out)
+    if gathers:
+        log.debug("gather_inputs_into_out_buffers: %d all-gathers read their input from their own buffer", len(gathers))
         graph.lint()
         gm.recompile()
     return gm

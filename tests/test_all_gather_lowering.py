@@ -1,10 +1,13 @@
 """all_gathers_into_buffers: gloo's form of the graphs' all-gathers (passes/all_gather_lowering.py)."""
 
+import re
+
+import pytest
 import torch
 
 from support.graph_builders import fake_process_group, trace
 from support.hand_built import layered_graph
-from zcompile.passes.all_gather_lowering import ALL_GATHER_OUT, all_gathers_into_buffers
+from zcompile.passes.all_gather_lowering import ALL_GATHER_OUT, all_gathers_into_buffers, gather_inputs_into_out_buffers
 from zcompile.passes.collectives import ALL_GATHER, WAIT
 
 aten = torch.ops.aten
@@ -55,3 +58,40 @@ def test_the_front_end_rewrites_the_graph_it_runs_and_keeps_the_one_reports_read
         torch.testing.assert_close(run([shard]), shard.repeat(2) * 2, rtol=0, atol=0)
     assert len(gm.graph.find_nodes(op="call_function", target=ALL_GATHER)) == 1
     assert not gm.graph.find_nodes(op="call_function", target=ALL_GATHER_OUT)
+
+
+def _inductor_code_between_issue_and_wait(gm: torch.fx.GraphModule, inputs: list) -> tuple[str, list[str], list]:
+    """Inductor's generated code for ``gm``: the name of the buffer the all-gather reads, the lines
+    between its issue and its wait, and the outputs of one run."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.utils import run_and_get_code
+
+    outputs, (code,) = run_and_get_code(lambda: compile_fx_inner(gm, [t.clone() for t in inputs])(list(inputs)))
+    lines = code.splitlines()
+    issue = next(i for i, line in enumerate(lines) if "all_gather_into_tensor_out.default(" in line)
+    wait = next(i for i, line in enumerate(lines) if "wait_tensor.default(" in line and i > issue)
+    read = re.search(r"all_gather_into_tensor_out\.default\((?:reinterpret_tensor\()?(\w+)", lines[issue]).group(1)
+    return read, lines[issue + 1:wait], outputs
+
+
+@pytest.mark.parametrize("shape", [(16,), (4, 4)], ids=["flat", "2d"])
+def test_under_inductor_no_kernel_takes_the_gathers_input_before_its_wait(shape):
+    """An input computed in the graph (a cast of a shard, a bucket's pack, an activation the model
+    gathers), then a kernel whose output has its size while the gather is in flight: inductor hands
+    that kernel the input's memory unless the input lives in the gathered buffer's tail."""
+    def step(a, b):
+        gathered = ALL_GATHER(a * 2, 2, group)
+        busy = (b * 3).sin()  # a kernel between the issue and the wait, its output the input's size
+        return WAIT(gathered) + 1, busy
+
+    a, b = torch.randn(shape), torch.randn(shape)
+    with fake_process_group(world_size=2) as group:
+        exposed = all_gathers_into_buffers(trace(step, a, b))
+        read, between, _ = _inductor_code_between_issue_and_wait(exposed, [a, b])
+        assert any(f"= {read}; del {read}" in line for line in between)  # torch's reuse: why the rewrite exists
+        kept = gather_inputs_into_out_buffers(all_gathers_into_buffers(trace(step, a, b)))
+        read, between, (gathered, busy) = _inductor_code_between_issue_and_wait(kept, [a, b])
+        assert not any(read in line for line in between), between
+    # torch's fake group of 2 gathers this rank's input twice
+    torch.testing.assert_close(gathered, torch.cat([a * 2, a * 2]) + 1, rtol=0, atol=0)
+    torch.testing.assert_close(busy, (b * 3).sin())

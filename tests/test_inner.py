@@ -165,7 +165,7 @@ def test_a_split_graph_inductor_cannot_compile_is_compiled_whole_with_a_warning(
 
     import zcompile.inner as inner
 
-    split = SimpleNamespace(body=None)
+    split = SimpleNamespace(body=torch.fx.symbolic_trace(torch.nn.Identity()))
     monkeypatch.setattr(inner, "cross_call_split", lambda graph_module, kind, graphs: split)
     monkeypatch.setattr(inner, "issued_example", lambda split: None)
 

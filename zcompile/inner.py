@@ -15,7 +15,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from zcompile.comm_volume import graph_collectives
 from zcompile.config import activation_budget_bytes
-from zcompile.passes.all_gather_lowering import all_gathers_into_buffers
+from zcompile.passes.all_gather_lowering import all_gathers_into_buffers, gather_inputs_into_out_buffers
 from zcompile.passes.call_prologue import (CallSplit, dynamo_index, issued_example, shard_placeholder_names,
                                            split_first_gather)
 from zcompile.passes.liveness import saved_activation_bytes
@@ -215,6 +215,13 @@ def cross_call_split(graph_module: torch.fx.GraphModule, kind: str, graphs: Comp
     return split
 
 
+def _inductor_form(executed: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``executed`` (the graph as it runs: ``executed_form``) as inductor must get it: each all-gather
+    into a buffer reads its input from that buffer's tail, which inductor would otherwise hand to
+    another kernel while the gather still reads it (``passes/all_gather_lowering.py``)."""
+    return gather_inputs_into_out_buffers(executed)
+
+
 def _inductor_prefetching_call(graph_module: torch.fx.GraphModule, inputs: list, kind: str, graphs: CompiledGraphs,
                                kwargs: dict):
     """Cross-call prefetch under inductor: the body of ``cross_call_split`` compiled by inductor (the
@@ -229,7 +236,7 @@ def _inductor_prefetching_call(graph_module: torch.fx.GraphModule, inputs: list,
     if split is None:
         return None
     try:
-        compiled = compile_fx_inner(split.body, [*inputs, issued_example(split)], **kwargs)
+        compiled = compile_fx_inner(_inductor_form(split.body), [*inputs, issued_example(split)], **kwargs)
     except Exception as error:  # the same on every rank (a compile is): each compiles the graph whole
         log.warning("zero backend: inductor could not compile the %s graph split for cross-call prefetch (%s: %s); "
                     "compiled whole, each call gathering its own first bucket", kind, type(error).__name__, error)
@@ -340,7 +347,7 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
         if compiled is None:
             rewrite = executed_form(graphs)
             if rewrite is not None:  # on a copy: graph_module stays what reports and walks read
-                graph_module = rewrite(codegen_on_demand(graph_module, copy.deepcopy(graph_module.graph)))
+                graph_module = _inductor_form(rewrite(codegen_on_demand(graph_module, copy.deepcopy(graph_module.graph))))
             compiled = compile_fx_inner(graph_module, inputs, **kwargs)
         return _inductor_quoting_abort_notes(compiled, graphs, check) if kind == "backward" else compiled
 
