@@ -27,7 +27,7 @@ from typing import Hashable
 import networkx as nx
 import torch
 
-from zcompile.passes.collectives import ALL_GATHER, WAIT, CollectiveNode
+from zcompile.passes.collectives import ALL_GATHER, WAIT, CollectiveNode, is_zero_collective
 from zcompile.passes.op_sets import PREP_OPS, VIEW_OPS, is_call_to, makes_copy
 from zcompile.passes.regions import INVOKE_SUBGRAPH, called_subgraph, subgraph_output_origin
 
@@ -127,9 +127,10 @@ def gathered_peak_bytes(gm: torch.fx.GraphModule | None, gather_staging: bool = 
     position = nx.get_node_attributes(dag, "position")
     live = []
     for node in gm.graph.find_nodes(op="call_function", target=ALL_GATHER):
-        live += [(start, last, nbytes) for _, start, last, nbytes in storages(dag, position, node)]
+        if is_zero_collective(node):  # the model's own gather moves activations, not weights
+            live += [(start, last, nbytes) for _, start, last, nbytes in storages(dag, position, node)]
     if gather_staging:
-        live += _gather_staging(gm, position)
+        live += _gather_staging(gm, position, zero_only=True)
     return peak_bytes(live)
 
 
@@ -178,9 +179,10 @@ def saved_storages(forward: torch.fx.GraphModule,
 
 
 def gathered_values(forward: torch.fx.GraphModule) -> set[torch.fx.Node]:
-    """The forward's all-gathers and what prepares their buffers for the readers (``PREP_OPS``)."""
+    """The forward's all-gathers of weights (not the model's own, whose results are activations) and
+    what prepares their buffers for the readers (``PREP_OPS``)."""
     gathered: set[torch.fx.Node] = set()
-    for collective in forward.graph.find_nodes(op="call_function", target=ALL_GATHER):
+    for collective in filter(is_zero_collective, forward.graph.find_nodes(op="call_function", target=ALL_GATHER)):
         stack = [collective]
         while stack:
             node = stack.pop()
@@ -328,10 +330,12 @@ def _buffer(gm, node, preloaded, buffers, position, hold: bool) -> Hashable | No
     return key
 
 
-def _gather_staging(gm: torch.fx.GraphModule, position: dict) -> list[tuple[int, int, int]]:
-    """(issue, wait, bytes) of each all-gather's second buffer (``live_peak_bytes``' ``gather_staging``)."""
+def _gather_staging(gm: torch.fx.GraphModule, position: dict, zero_only: bool = False) -> list[tuple[int, int, int]]:
+    """(issue, wait, bytes) of each all-gather's second buffer (``live_peak_bytes``' ``gather_staging``);
+    ``zero_only``: of the gathers of weights alone, not the model's own."""
     return [(position[node], max((position[w] for w in CollectiveNode.of(node).waits), default=len(position)),
-             node_bytes(node)) for node in gm.graph.find_nodes(op="call_function", target=ALL_GATHER)]
+             node_bytes(node)) for node in gm.graph.find_nodes(op="call_function", target=ALL_GATHER)
+            if not zero_only or is_zero_collective(node)]
 
 
 def _subgraph_transient(gm: torch.fx.GraphModule, call: torch.fx.Node, walked: dict[int, int],

@@ -160,7 +160,7 @@ def test_gathered_peak_with_gloo_staging_counts_each_gather_in_flight_twice():
     """``gathered_peak_bytes(gm, gather_staging=True)``: gloo's flat copy of each all-gather's output
     counts from its issue to its wait, on top of the output itself (``step_report``'s
     ``gather_staging_bytes`` part is the difference); without it, the outputs alone."""
-    from support.graph_builders import trace
+    from support.graph_builders import as_zero_collectives, trace
     from zcompile.passes.collectives import ALL_GATHER, WAIT
     from zcompile.passes.liveness import gathered_peak_bytes
 
@@ -172,7 +172,11 @@ def test_gathered_peak_with_gloo_staging_counts_each_gather_in_flight_twice():
         first = WAIT(ALL_GATHER(a, 4, "world")).sum()
         return first + WAIT(ALL_GATHER(b, 4, "world")).sum()
 
-    gm = trace(both_in_flight, torch.ones(16), torch.ones(16))
+    gm = as_zero_collectives(trace(both_in_flight, torch.ones(16), torch.ones(16)))
     assert (gathered_peak_bytes(gm), gathered_peak_bytes(gm, gather_staging=True)) == (512, 1024)
-    gm = trace(one_at_a_time, torch.ones(16), torch.ones(16))
+    gm = as_zero_collectives(trace(one_at_a_time, torch.ones(16), torch.ones(16)))
     assert (gathered_peak_bytes(gm), gathered_peak_bytes(gm, gather_staging=True)) == (256, 512)
+    # the model's own gathers (untagged: a contrastive loss's embeddings) are activations, no weights
+    gm = trace(both_in_flight, torch.ones(16), torch.ones(16))
+    assert (gathered_peak_bytes(gm), gathered_peak_bytes(gm, gather_staging=True)) == (0, 0)
+    assert live_peak_bytes(gm, gather_staging=True) == 1024  # though they take memory all the same
