@@ -40,6 +40,7 @@ the result is read; inductor fuses the kernel that computes the input into that 
 from __future__ import annotations
 
 import logging
+import operator
 
 import torch
 
@@ -49,6 +50,24 @@ from zcompile.passes.inline import graph_fake_mode
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 ALL_GATHER_OUT = torch.ops._c10d_functional.all_gather_into_tensor_out.default
+
+
+def shape_arguments(graph: torch.fx.Graph, tensor: torch.fx.Node, first_times: int = 1) -> list:
+    """The shape of ``tensor``'s value as arguments of a node inserted at the current point, its first
+    dimension times ``first_times``: ints where static; where symbolic (dynamic shapes: a batch
+    dimension), ``sym_size`` nodes of ``tensor``, since a SymInt is no constant a graph's code can hold."""
+    dims = []
+    for dim, size in enumerate(tensor.meta["val"].shape):
+        if not isinstance(size, torch.SymInt):
+            dims.append(size * first_times if dim == 0 else size)
+            continue
+        node = graph.call_function(aten.sym_size.int, (tensor, dim))
+        node.meta["val"] = size
+        if dim == 0 and first_times != 1:
+            node = graph.call_function(operator.mul, (node, first_times))
+            node.meta["val"] = size * first_times
+        dims.append(node)
+    return dims
 
 
 def all_gathers_into_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -63,7 +82,7 @@ def all_gathers_into_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if gathered is None:
             raise ValueError(f"all_gathers_into_buffers: {gather.name} has no meta['val'] (its output's shape)")
         with graph.inserting_before(gather):
-            buffer = graph.call_function(aten.empty.memory_format, (list(gathered.shape),),
+            buffer = graph.call_function(aten.empty.memory_format, (shape_arguments(graph, shard, group_size),),
                                          {"dtype": gathered.dtype, "device": gathered.device})
             into = graph.call_function(ALL_GATHER_OUT, (shard, group_size, group_name), {"out": buffer})
         buffer.meta["val"] = into.meta["val"] = gathered
@@ -79,9 +98,9 @@ def all_gathers_into_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def gather_inputs_into_out_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Rewrites each ``all_gather_into_tensor_out(x, N, g, out=empty(shape))`` of ``gm`` into one
-    buffer of ``numel(shape) + numel(x)`` elements: ``x`` copied into its tail, gathered from there
-    into its head (module docstring: inductor would reuse ``x``'s memory while the gather reads it).
-    The gather's result, a view of the head, keeps the whole buffer alive. Reads and writes
+    buffer ``[N + 1, *x.shape]``: ``x`` copied into its last row, gathered from there into the first
+    ``N`` (module docstring: inductor would reuse ``x``'s memory while the gather reads it). The
+    gather's result, a view of those rows, keeps the whole buffer alive. Reads and writes
     ``meta["val"]``."""
     graph = gm.graph
     fake_mode = graph_fake_mode(gm)
@@ -93,20 +112,19 @@ def gather_inputs_into_out_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphMo
             raise ValueError(f"gather_inputs_into_out_buffers: {gather.name} does not gather into a buffer of its own "
                              f"(run all_gathers_into_buffers first)")
         gathered, shard = out.meta["val"], source.meta["val"]
-        total, size = gathered.numel(), shard.numel()
         with graph.inserting_before(gather):
-            buffer = graph.call_function(aten.empty.memory_format, ([total + size],),
+            rows = [group_size + 1, *shape_arguments(graph, source)]
+            buffer = graph.call_function(aten.empty.memory_format, (rows,),
                                          {"dtype": gathered.dtype, "device": gathered.device})
-            tail = graph.call_function(aten.slice.Tensor, (buffer, 0, total, total + size))
-            shard_slot = graph.call_function(aten.view.default, (tail, list(shard.shape)))
+            shard_slot = graph.call_function(aten.select.int, (buffer, 0, group_size))
             written = graph.call_function(aten.copy_.default, (shard_slot, source))
-            head = graph.call_function(aten.slice.Tensor, (buffer, 0, 0, total))
-            gathered_slot = graph.call_function(aten.view.default, (head, list(gathered.shape)))
+            head = graph.call_function(aten.slice.Tensor, (buffer, 0, 0, group_size))
+            gathered_slot = graph.call_function(aten.view.default, (head, shape_arguments(graph, source, group_size)))
         with fake_mode:
-            buffer.meta["val"] = torch.empty(total + size, dtype=gathered.dtype, device=gathered.device)
-            tail.meta["val"] = buffer.meta["val"][total:]
-            shard_slot.meta["val"] = written.meta["val"] = tail.meta["val"].view(shard.shape)
-            head.meta["val"] = buffer.meta["val"][:total]
+            buffer.meta["val"] = torch.empty([group_size + 1, *shard.shape], dtype=gathered.dtype,
+                                             device=gathered.device)
+            shard_slot.meta["val"] = written.meta["val"] = buffer.meta["val"][group_size]
+            head.meta["val"] = buffer.meta["val"][:group_size]
             gathered_slot.meta["val"] = head.meta["val"].view(gathered.shape)
         gather.args = (written, group_size, group_name)  # copy_ returns its destination, the tail
         gather.kwargs = {"out": gathered_slot}

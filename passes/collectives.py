@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from zcompile.passes.metadata import LOWERED_FROM, ROLE, ZERO_COLLECTIVE_ROLES, tags
+from zcompile.passes.sizes import traced_int
 
 _functional = torch.ops._c10d_functional
 
@@ -110,8 +111,9 @@ class CollectiveNode:
 
     @property
     def elements(self) -> int:
-        """Elements this rank moves: an all-gather's output, any other collective's input."""
-        numel = self.input_val.numel()
+        """Elements this rank moves: an all-gather's output, any other collective's input (a dynamic
+        size at its traced value: the model's own gather of a batch, say)."""
+        numel = traced_int(self.input_val.numel())
         return numel * self.group_size if self.kind == "all_gather" else numel
 
     @property
@@ -121,7 +123,7 @@ class CollectiveNode:
     @property
     def shard_elements(self) -> int:
         """Elements of one rank's shard: an all-gather's input, a reduce-scatter's output."""
-        numel = self.input_val.numel()
+        numel = traced_int(self.input_val.numel())
         return numel // self.group_size if self.kind == "reduce_scatter" else numel
 
 

@@ -28,6 +28,7 @@ import networkx as nx
 import torch
 
 from zcompile.passes.collectives import ALL_GATHER, WAIT, CollectiveNode, is_zero_collective
+from zcompile.passes.sizes import traced_int
 from zcompile.passes.op_sets import PREP_OPS, VIEW_OPS, is_call_to, makes_copy
 from zcompile.passes.regions import INVOKE_SUBGRAPH, called_subgraph, subgraph_output_origin
 
@@ -47,15 +48,7 @@ def tensor_bytes(value) -> int:
         leaves = value  # a flat list (the optimizer's buckets, each step): no pytree walk
     else:
         leaves = torch.utils._pytree.tree_leaves(value)
-    return sum(_traced_int(t.numel()) * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-
-
-def _traced_int(size) -> int:
-    """``size`` as an int: a symbolic one at its traced value (its hint), guarding nothing."""
-    if not isinstance(size, torch.SymInt):
-        return int(size)
-    hint = size.node.hint  # the value the trace saw; None only for data-dependent sizes
-    return int(hint) if hint is not None else 0
+    return sum(traced_int(t.numel()) * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
 def node_bytes(node: torch.fx.Node) -> int:

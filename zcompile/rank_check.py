@@ -106,7 +106,8 @@ def sequence_signature(gm: torch.fx.GraphModule) -> list:
     signature = []
     for collective in collective_nodes(gm):
         val = collective.input_val
-        shape = list(val.shape) if val is not None else None
+        # a dynamic dimension by its expression (``s0``): a SymInt is no JSON, and its value may differ by rank
+        shape = [size if isinstance(size, int) else str(size) for size in val.shape] if val is not None else None
         # the form it runs in too: a reduce-scatter on one rank and an all-to-all on another would not pair
         ran_as = COLLECTIVE_KINDS[collective.node.target]
         kind = collective.kind if ran_as == collective.kind else f"{collective.kind} run as {ran_as} (option reduce_scatter)"
