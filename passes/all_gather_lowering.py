@@ -70,6 +70,15 @@ def shape_arguments(graph: torch.fx.Graph, tensor: torch.fx.Node, first_times: i
     return dims
 
 
+def gathered_shape_arguments(graph: torch.fx.Graph, shard: torch.fx.Node, gathered: torch.Tensor,
+                             group_size: int) -> list:
+    """The shape of an all-gather's result ``gathered`` (value) of ``shard`` (node) as node arguments:
+    its ints where static (a 0-d shard too, gathered into ``[N]``), else ``shape_arguments``."""
+    if not any(isinstance(size, torch.SymInt) for size in gathered.shape):
+        return list(gathered.shape)
+    return shape_arguments(graph, shard, group_size)
+
+
 def all_gathers_into_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Rewrites each ``all_gather_into_tensor`` of ``gm`` into an ``empty`` of its output's shape and
     an ``all_gather_into_tensor_out`` into it (module docstring); its users read the latter. Reads
@@ -82,7 +91,8 @@ def all_gathers_into_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if gathered is None:
             raise ValueError(f"all_gathers_into_buffers: {gather.name} has no meta['val'] (its output's shape)")
         with graph.inserting_before(gather):
-            buffer = graph.call_function(aten.empty.memory_format, (shape_arguments(graph, shard, group_size),),
+            buffer = graph.call_function(aten.empty.memory_format, (gathered_shape_arguments(graph, shard, gathered,
+                                                                                             group_size),),
                                          {"dtype": gathered.dtype, "device": gathered.device})
             into = graph.call_function(ALL_GATHER_OUT, (shard, group_size, group_name), {"out": buffer})
         buffer.meta["val"] = into.meta["val"] = gathered
@@ -119,7 +129,8 @@ def gather_inputs_into_out_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphMo
             shard_slot = graph.call_function(aten.select.int, (buffer, 0, group_size))
             written = graph.call_function(aten.copy_.default, (shard_slot, source))
             head = graph.call_function(aten.slice.Tensor, (buffer, 0, 0, group_size))
-            gathered_slot = graph.call_function(aten.view.default, (head, shape_arguments(graph, source, group_size)))
+            gathered_slot = graph.call_function(aten.view.default,
+                                                (head, gathered_shape_arguments(graph, source, gathered, group_size)))
         with fake_mode:
             buffer.meta["val"] = torch.empty([group_size + 1, *shard.shape], dtype=gathered.dtype,
                                              device=gathered.device)
