@@ -46,6 +46,7 @@ import torch
 
 from zcompile.passes.collectives import ALL_GATHER
 from zcompile.passes.inline import graph_fake_mode
+from zcompile.passes.metadata import FORWARD_INPUT_PREFIX
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -117,6 +118,8 @@ def gather_inputs_into_out_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphMo
     gathers = list(graph.find_nodes(op="call_function", target=ALL_GATHER_OUT))
     for gather in gathers:
         source, group_size, group_name = gather.args
+        if source.op == "placeholder" and source.name.startswith(FORWARD_INPUT_PREFIX):
+            continue  # a shard the forward takes as input: memory inductor never reuses (not a donated buffer)
         out = gather.kwargs["out"]
         if out.target is not aten.empty.memory_format or len(out.users) != 1:
             raise ValueError(f"gather_inputs_into_out_buffers: {gather.name} does not gather into a buffer of its own "

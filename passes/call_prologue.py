@@ -29,6 +29,7 @@ import torch
 
 from zcompile.passes.all_gather_lowering import ALL_GATHER_OUT
 from zcompile.passes.collectives import ALL_GATHER, COLLECTIVE_OPS
+from zcompile.passes.metadata import FORWARD_INPUT_PREFIX
 
 log = logging.getLogger(__name__)
 GATHERS = (ALL_GATHER, ALL_GATHER_OUT)
@@ -83,7 +84,7 @@ def shard_placeholder_names(param_indices) -> frozenset[str]:
     return frozenset(_PRIMAL.format(index + 1) for index in param_indices)
 
 
-_PRIMAL = "primals_{}"
+_PRIMAL = FORWARD_INPUT_PREFIX + "{}"
 
 
 def dynamo_index(name: str) -> int:

@@ -21,6 +21,9 @@ ZERO_COLLECTIVE_ROLES = frozenset({ROLE_GATHER, ROLE_REPLICATED, ROLE_REDUCE, RO
 PARAMS = "params"  # parameter names a bucketed collective moves
 LOWERED_FROM = "lowered_from"  # the collective kind a node runs in another form (a reduce-scatter as all-to-all)
 RECOMPUTE = "recompute"  # torch-owned key read by the min-cut partitioner
+# not metadata but a name torch gives: AOTAutograd's placeholder for a forward input (primals_<i + 1>),
+# in the forward graph and, where it is saved, in the backward graph
+FORWARD_INPUT_PREFIX = "primals_"
 
 
 def tag(node, **fields) -> None:
