@@ -26,15 +26,17 @@ pipeline's graphs that reports, dumps, the rank checks and the memory walks read
 all-gathers, and an out= collective's result aliases an argument that is not its first); the front
 end applies it (``zcompile.inner``) when ``zcompile.process_group.gathers_into_buffers`` says so.
 
-Under inductor, a second rewrite (``gather_inputs_into_out_buffers``) writes each gather's input into
-the tail of the buffer it gathers into. Inductor models ``all_gather_into_tensor_out`` as mutating
+Under inductor, a second rewrite (``gather_inputs_into_out_buffers``) writes each gather's input that
+the graph computes into the last row of the buffer it gathers into (a forward input, a shard, stays
+where it is: inductor never reuses that memory). Inductor models ``all_gather_into_tensor_out`` as mutating
 its input and ``out``, and its wait as touching ``out`` alone, so once the collective is issued it
 counts the input as dead and hands its memory to the next kernel with an output of that size, while
 gloo still reads it (checked on torch 2.13's generated code: ``buf5 = buf1; del buf1  # reuse``
 between the issue and the wait). Where the input is an activation of the model's own gather, stage 3
 trained on garbage with no error; a bf16 cast or a bucket's pack of ZeRO's shards is as exposed when
 a kernel's output has its size. In one buffer with the gathered result, the input lives as long as
-the result is read; inductor fuses the kernel that computes the input into that tail (no copy).
+the result is read; inductor fuses a kernel that computes the input into that row (no copy), while
+a fallback op's output (``zcompile::pack_bucket``) is copied there once.
 """
 
 from __future__ import annotations
