@@ -59,8 +59,11 @@ def shape_arguments(graph: torch.fx.Graph, tensor: torch.fx.Node, first_times: i
     """The shape of ``tensor``'s value as arguments of a node inserted at the current point, its first
     dimension times ``first_times``: ints where static; where symbolic (dynamic shapes: a batch
     dimension), ``sym_size`` nodes of ``tensor``, since a SymInt is no constant a graph's code can hold."""
+    shape = tensor.meta["val"].shape
+    if not shape:  # a 0-d tensor, gathered into [N]
+        return [first_times] if first_times != 1 else []
     dims = []
-    for dim, size in enumerate(tensor.meta["val"].shape):
+    for dim, size in enumerate(shape):
         if not isinstance(size, torch.SymInt):
             dims.append(size * first_times if dim == 0 else size)
             continue
@@ -71,15 +74,6 @@ def shape_arguments(graph: torch.fx.Graph, tensor: torch.fx.Node, first_times: i
             node.meta["val"] = size * first_times
         dims.append(node)
     return dims
-
-
-def gathered_shape_arguments(graph: torch.fx.Graph, shard: torch.fx.Node, gathered: torch.Tensor,
-                             group_size: int) -> list:
-    """The shape of an all-gather's result ``gathered`` (value) of ``shard`` (node) as node arguments:
-    its ints where static (a 0-d shard too, gathered into ``[N]``), else ``shape_arguments``."""
-    if not any(isinstance(size, torch.SymInt) for size in gathered.shape):
-        return list(gathered.shape)
-    return shape_arguments(graph, shard, group_size)
 
 
 def all_gathers_into_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -94,8 +88,7 @@ def all_gathers_into_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if gathered is None:
             raise ValueError(f"all_gathers_into_buffers: {gather.name} has no meta['val'] (its output's shape)")
         with graph.inserting_before(gather):
-            buffer = graph.call_function(aten.empty.memory_format, (gathered_shape_arguments(graph, shard, gathered,
-                                                                                             group_size),),
+            buffer = graph.call_function(aten.empty.memory_format, (shape_arguments(graph, shard, group_size),),
                                          {"dtype": gathered.dtype, "device": gathered.device})
             into = graph.call_function(ALL_GATHER_OUT, (shard, group_size, group_name), {"out": buffer})
         buffer.meta["val"] = into.meta["val"] = gathered
@@ -134,15 +127,14 @@ def gather_inputs_into_out_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphMo
             shard_slot = graph.call_function(aten.select.int, (buffer, 0, group_size))
             written = graph.call_function(aten.copy_.default, (shard_slot, source))
             head = graph.call_function(aten.slice.Tensor, (buffer, 0, 0, group_size))
-            gathered_slot = graph.call_function(aten.view.default,
-                                                (head, gathered_shape_arguments(graph, source, gathered, group_size)))
+            gathered_slot = graph.call_function(aten.view.default, (head, shape_arguments(graph, source, group_size)))
         with fake_mode:
             buffer.meta["val"] = torch.empty([group_size + 1, *shard.shape], dtype=gathered.dtype,
                                              device=gathered.device)
             shard_slot.meta["val"] = written.meta["val"] = buffer.meta["val"][group_size]
             head.meta["val"] = buffer.meta["val"][:group_size]
             gathered_slot.meta["val"] = head.meta["val"].view(gathered.shape)
-        gather.args = (written, group_size, group_name)  # copy_ returns its destination, the tail
+        gather.args = (written, group_size, group_name)  # copy_ returns its destination, the last row
         gather.kwargs = {"out": gathered_slot}
         graph.erase_node(out)
     if gathers:

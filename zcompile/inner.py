@@ -217,8 +217,8 @@ def cross_call_split(graph_module: torch.fx.GraphModule, kind: str, graphs: Comp
 
 def _inductor_form(executed: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """``executed`` (the graph as it runs: ``executed_form``) as inductor must get it: each all-gather
-    into a buffer reads its input from that buffer's tail, which inductor would otherwise hand to
-    another kernel while the gather still reads it (``passes/all_gather_lowering.py``)."""
+    into a buffer reads an input the graph computes from a row of that buffer, which inductor would
+    otherwise hand to another kernel while the gather still reads it (``passes/all_gather_lowering.py``)."""
     return gather_inputs_into_out_buffers(executed)
 
 
