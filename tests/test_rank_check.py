@@ -21,6 +21,7 @@ from support.launch import run_ranks
 from support.models import build_model, global_batch, model_loss
 from support.training import RunSpec, train_zero
 from zcompile.heartbeat import alive_key
+from zcompile.passes import metadata
 from zcompile.passes.metadata import tag
 from zcompile.passes.param_collectives import ParamInput, ShardingPlan
 
@@ -118,6 +119,26 @@ def test_sequence_difference_shows_arguments_and_bucket_members_where_they_diffe
     assert sequence_difference(mine, theirs, 0, 1) == (
         "collective #3: rank 0: reduce_scatter of [16] float32 moving 3 parameters, from #2: 'h.2.weight'; "
         "rank 1: reduce_scatter of [16] float32 moving 3 parameters, from #2: 'h.9.weight'")
+
+
+def test_a_difference_in_the_models_own_collective_says_it_must_run_on_every_rank():
+    gm = layered_graph(layers=2)
+    metadata.tags(next(n for n in gm.graph.nodes if n.name == "reduce")).pop(metadata.ROLE)  # the model's own
+    with_it = sequence_signature(gm)
+    assert with_it[2][0] == "reduce_scatter (the model's own)"
+    text = sequence_difference(with_it, with_it[:2], 0, 1)
+    assert text.startswith("rank 0 has 1 more collectives than rank 1: reduce_scatter (the model's own) of [16] "
+                           "float32. A collective the model calls itself (in its forward, not one zcompile "
+                           "inserts) must run on every rank")
+    other_shape = [list(entry) for entry in with_it]
+    other_shape[2][1] = [12]  # another batch size on rank 1
+    assert sequence_difference(with_it, other_shape, 0, 1) == (
+        "collective #2: rank 0: reduce_scatter (the model's own) of [16] float32; rank 1: reduce_scatter (the "
+        "model's own) of [12] float32. A collective the model calls itself (in its forward, not one zcompile "
+        "inserts) must run on every rank, in the same order and with the same shapes: take it out of any branch "
+        "on the rank or on data that differs by rank")
+    # ZeRO's collectives alone differing: the general fix, not this one
+    assert "the model calls itself" not in sequence_difference(_sequence(layers=2), _sequence(layers=3), 0, 1)
 
 
 def test_describe_differences_lists_each_rank_that_differs_from_rank_0():

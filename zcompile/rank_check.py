@@ -65,6 +65,7 @@ class RankDivergenceError(RuntimeError):
 
 # ---- signatures and where two of them differ (pure functions) ----
 
+MODELS_OWN = "(the model's own)"  # marks a collective the model calls itself in a graph's signature
 MARKED_BLOCKS = "blocks marked by mark_repeated_blocks"
 
 
@@ -111,6 +112,8 @@ def sequence_signature(gm: torch.fx.GraphModule) -> list:
         # the form it runs in too: a reduce-scatter on one rank and an all-to-all on another would not pair
         ran_as = COLLECTIVE_KINDS[collective.node.target]
         kind = collective.kind if ran_as == collective.kind else f"{collective.kind} run as {ran_as} (option reduce_scatter)"
+        if not collective.is_zero:
+            kind = f"{kind} {MODELS_OWN}"
         signature.append([kind, shape, str(getattr(val, "dtype", None)),
                           [str(a) for a in collective.node.args[1:-1]], params_of(collective.node)])
     return signature
@@ -130,7 +133,9 @@ def plan_difference(mine: list, theirs: list, rank: int, other: int) -> str | No
 
 
 def sequence_difference(mine: list, theirs: list, rank: int, other: int) -> str | None:
-    """Where two ranks' ``sequence_signature`` first differ, in words; None when they do not."""
+    """Where two ranks' ``sequence_signature`` first differ, in words; None when they do not. Where a
+    collective the model calls itself is among those that differ, it says what such a call needs: the
+    general fix (the same model and options everywhere) would not point at the model's own code."""
     for index, (collective, other_collective) in enumerate(zip(mine, theirs)):
         if collective != other_collective:
             # the arguments (group size, reduce op) only when they are what differs
@@ -139,8 +144,18 @@ def sequence_difference(mine: list, theirs: list, rank: int, other: int) -> str 
             alike = collective[:4] == other_collective[:4]
             start = _first_difference(collective[4], other_collective[4]) if alike else 0
             return (f"collective #{index}: rank {rank}: {_collective(collective, with_args, start)}; "
-                    f"rank {other}: {_collective(other_collective, with_args, start)}")
-    return _more_entries(mine, theirs, rank, other, "collectives", _collective)
+                    f"rank {other}: {_collective(other_collective, with_args, start)}"
+                    + _models_own_advice([collective, other_collective]))
+    text = _more_entries(mine, theirs, rank, other, "collectives", _collective)
+    return None if text is None else text + _models_own_advice(mine[len(theirs):] + theirs[len(mine):])
+
+
+def _models_own_advice(differing: list) -> str:
+    if not any(entry[0].endswith(MODELS_OWN) for entry in differing):
+        return ""
+    return (". A collective the model calls itself (in its forward, not one zcompile inserts) must run on every "
+            "rank, in the same order and with the same shapes: take it out of any branch on the rank or on data "
+            "that differs by rank")
 
 
 def entry_difference(mine: list, theirs: list, rank: int, other: int) -> str | None:
