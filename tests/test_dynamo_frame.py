@@ -122,3 +122,40 @@ def test_a_fallback_error_names_the_op_and_the_setting_that_compiles_it():
     assert "aten.equal.default" in what and "capture_" not in fix
     assert eager_fallback_cause(RuntimeError("a pass failed")) is None
     assert restarts_analysis(torch._dynamo.exc.RestartAnalysis()) and not restarts_analysis(RuntimeError())
+
+
+class RecurrentLM(torch.nn.Module):
+    """An LSTM language model: Dynamo does not trace ``nn.LSTM`` unless ``config.allow_rnn``, and runs
+    the whole forward eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.rnn = torch.nn.LSTM(8, 8, batch_first=True)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, tokens):
+        hidden, _ = self.rnn(self.embed(tokens))
+        return torch.nn.functional.cross_entropy(self.head(hidden).flatten(0, 1), tokens.flatten())
+
+
+def test_weights_trained_outside_every_graph_are_warned_of_with_dynamos_reason_and_hint(caplog):
+    """Stage 3 of a model Dynamo cannot trace shards nothing: the warning names the weights and why
+    Dynamo left them out, with its fix (before: only "eager code, a module left uncompiled, or a
+    skipped frame")."""
+    import zcompile
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = RecurrentLM()
+    compiled = torch.compile(model, backend="zero", options={"stage": 3})
+    opt = zcompile.optim.AdamW(model.named_parameters(), lr=1e-2)
+    with caplog.at_level("WARNING", logger="zcompile.param_shards"):
+        compiled(torch.randint(0, 16, (2, 5))).backward()
+        opt.step()
+    said = [r.getMessage() for r in caplog.records if "got a gradient outside the compiled graphs" in r.getMessage()]
+    assert len(said) == 1 and "rnn.weight_ih_l0" in said[0]
+    assert said[0].endswith("Dynamo left code out of its graphs in this process for: Attempted to wrap RNN, GRU, "
+                            "or LSTM (Set torch._dynamo.config.allow_rnn=True to enable experimental support for "
+                            "RNN, GRU, and LSTM in Dynamo)")

@@ -14,6 +14,9 @@ cache entries of the frames on the Python stack; at the recompile limit, with th
 and a fix for each (``recompile_causes``, from ``torch._dynamo.utils.guard_failures``). A compile
 that is a recompile says why (``recompile_reason``: the guard that failed, from Dynamo's metrics of
 the compile in progress).
+Where weights got gradients outside every graph, the warning lists why Dynamo left code out of its
+graphs in this process (``graph_break_reasons``: its graph breaks and the frames it could not trace,
+with Dynamo's own hint, from ``torch._dynamo.utils.counters``).
 Functions that must only ever be traced inline are kept from being compiled as frames of their own
 (``never_compiled_as_frames``). A compile error is read for what Dynamo does next: trace the frame
 again (``restarts_analysis``), or run it eagerly, with the op that failed and the setting that
@@ -155,7 +158,12 @@ def _fallback_reason(code) -> str:
                 + "".join(f"{fix[0].upper()}{fix[1:]}. " for fix in (fixes if causes else [_RECOMPILE_FIXES[0][1]]))
                 + "Or raise torch._dynamo.config.cache_size_limit (TORCH_LOGS=recompiles shows each recompile).")
     return (f"Dynamo ran {where} eagerly (a skipped frame or a graph break there; TORCH_LOGS=graph_breaks says "
-            "why): make it compile, or keep it out of the training step.")
+            f"why{_reasons_so_far()}): make it compile, or keep it out of the training step.")
+
+
+def _reasons_so_far() -> str:
+    reasons = graph_break_reasons()
+    return f"; in this process so far: {'; '.join(reasons)}" if reasons else ""
 
 
 SHOWN_CAUSES = 4
@@ -203,9 +211,40 @@ def _skipped_reason(code) -> str:
     (a graph break inside a loop makes it run the whole frame eagerly) and runs it, from ``code`` on."""
     return (f"Dynamo runs {code.co_name!r} ({code.co_filename}:{code.co_firstlineno}) eagerly under the compiled "
             "call: it gave up on a frame there (a graph break inside a loop does that, such as LayerDrop's "
-            "`if torch.rand([]) < p` in transformers' layer loops; TORCH_LOGS=graph_breaks says where). Make it "
+            f"`if torch.rand([]) < p` in transformers' layer loops; TORCH_LOGS=graph_breaks says where"
+            f"{_reasons_so_far()}). Make it "
             "compile (take the break out: config.layerdrop = 0), or train with stage 1 or 2, where eager code may "
             "use the weights.")
+
+
+# hints Dynamo gives every graph break: they name no fix
+_GENERIC_HINTS = ("It may be possible to write Dynamo tracing rules", "Remove the graph break",
+                  "Avoid calling", "Use `torch._dynamo.config")
+
+
+def graph_break_reasons(shown: int = SHOWN_CAUSES) -> list[str]:
+    """Why Dynamo left code out of its graphs in this process so far: its graph breaks and the frames
+    it could not trace (``torch._dynamo.utils.counters``' ``graph_break`` and ``unimplemented``,
+    torch 2.11-2.13), the most frequent first, each as its summary line and Dynamo's first hint that
+    names a fix (``Attempted to wrap RNN, GRU, or LSTM (Set torch._dynamo.config.allow_rnn=True ...)``).
+    Empty where that moved."""
+    try:
+        from torch._dynamo.utils import counters
+
+        seen = counters["graph_break"] + counters["unimplemented"]
+    except Exception as error:  # internals moved: the warning loses a detail, nothing else changes
+        log.debug("zcompile: cannot read Dynamo's graph breaks (%s: %s)", type(error).__name__, error)
+        return []
+    reasons: list[str] = []
+    for text, _ in seen.most_common():
+        lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+        summary = lines[0] if lines else ""
+        hint = next((line.removeprefix("Hint:").strip() for line in lines[1:] if line.startswith("Hint:")
+                     and not line.removeprefix("Hint:").strip().startswith(_GENERIC_HINTS)), None)
+        reason = f"{summary} ({hint})" if hint else summary
+        if reason and reason not in reasons:
+            reasons.append(reason)
+    return reasons[:shown]
 
 
 def restarts_analysis(error: BaseException) -> bool:

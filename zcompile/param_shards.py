@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from zcompile.passes.grad_hooks import new_hooks_token
 from zcompile.passes.param_collectives import replica_dtype
 from zcompile.process_group import DataParallelGroup, all_gather_eager
+from zcompile.dynamo_frame import graph_break_reasons
 from zcompile.initial_values import value_digest
 from zcompile.sharded_parameter import grad_of, mark_sharded, set_grad
 
@@ -512,10 +513,13 @@ def warn_eager_sharded(shown: list[str], where: str, members: list[ShardedParam]
         log.info("zcompile: %d parameters got a gradient outside the compiled graphs at %s: %s; stage 1, as the "
                  "compiled ones", len(shown), where, listed)
         return
+    # a frame Dynamo could not trace keeps its weights out of every graph: its reason (and hint) is the fix
+    reasons = graph_break_reasons()
+    named = f". Dynamo left code out of its graphs in this process for: {'; '.join(reasons)}" if reasons else ""
     log.warning(
         "zcompile: %d parameters got a gradient outside the compiled graphs at %s (eager code, a module left "
         "uncompiled, or a skipped frame): %s. They are kept replicated and their gradients reduce-scattered like "
-        "stage 1's, so training stays exact but their memory is not reduced", len(shown), where, listed)
+        "stage 1's, so training stays exact but their memory is not reduced%s", len(shown), where, listed, named)
 
 
 def _dense_grad_of(tensor: torch.Tensor) -> torch.Tensor | None:
