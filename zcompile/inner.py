@@ -29,6 +29,7 @@ from zcompile.step_agreement import FIX as STEP_FIX
 from zcompile.rank_check import (
     check_same_on_all_ranks,
     raise_if_aborted,
+    models_own_note,
     sequence_difference,
     sequence_signature,
 )
@@ -102,7 +103,7 @@ def _issue_order_check(graph_module: torch.fx.GraphModule, kind: str, graphs: Co
     signature = sequence_signature(graph_module) if context.config.check_ranks else []
     if not signature:
         return None
-    what = f"the {kind} graph of Dynamo graph {context.graph_id}"
+    what = f"the {kind} graph of Dynamo graph {context.graph_id}{models_own_note(signature)}"
     # a backward's runs at its first call (_post_partition): a rank that does not come skipped that call
     at_call_fix = STEP_FIX if kind == "backward" else None
     return lambda: check_same_on_all_ranks(signature, context.group, context.config.check_timeout_s, what,

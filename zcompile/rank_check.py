@@ -150,6 +150,17 @@ def sequence_difference(mine: list, theirs: list, rank: int, other: int) -> str 
     return None if text is None else text + _models_own_advice(mine[len(theirs):] + theirs[len(mine):])
 
 
+def models_own_note(signature: list) -> str:
+    """How a graph whose ``sequence_signature`` holds collectives the model calls itself says so where
+    it is named (a rank waiting at its check): a rank whose graph lacks them compiled nothing to check,
+    so the wait is all the others see. Empty for a graph with ZeRO's collectives alone."""
+    own = [entry for entry in signature if entry[0].endswith(MODELS_OWN)]
+    if not own:
+        return ""
+    more = f" and {len(own) - 1} more" if len(own) > 1 else ""
+    return f" (with the model's own {_collective(own[0]).replace(' ' + MODELS_OWN, '')}{more}, which every rank must run)"
+
+
 def _models_own_advice(differing: list) -> str:
     if not any(entry[0].endswith(MODELS_OWN) for entry in differing):
         return ""
