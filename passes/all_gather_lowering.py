@@ -35,8 +35,10 @@ gloo still reads it (checked on torch 2.13's generated code: ``buf5 = buf1; del 
 between the issue and the wait). Where the input is an activation of the model's own gather, stage 3
 trained on garbage with no error; a bf16 cast or a bucket's pack of ZeRO's shards is as exposed when
 a kernel's output has its size. In one buffer with the gathered result, the input lives as long as
-the result is read; inductor fuses a kernel that computes the input into that row (no copy), while
-a fallback op's output (``zcompile::pack_bucket``) is copied there once.
+the result is read; inductor fuses a kernel that computes the input into that row (no copy), and a
+bucket's pack (``zcompile::pack_bucket``, a fallback op inductor cannot fuse into the row) is made by
+``zcompile::pack_bucket_as_last_row``, which allocates the whole buffer and writes that row itself
+(before, its output was copied there: one more pass over the bucket's shards each gather).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import operator
 
 import torch
 
+from zcompile.passes.bucket_ops import PACK_BUCKET, PACK_BUCKET_AS_LAST_ROW
 from zcompile.passes.collectives import ALL_GATHER
 from zcompile.passes.inline import graph_fake_mode
 from zcompile.passes.metadata import FORWARD_INPUT_PREFIX
@@ -106,8 +109,9 @@ def gather_inputs_into_out_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphMo
     """Rewrites each ``all_gather_into_tensor_out(x, N, g, out=empty(shape))`` of ``gm`` into one
     buffer ``[N + 1, *x.shape]``: ``x`` copied into its last row, gathered from there into the first
     ``N`` (module docstring: inductor would reuse ``x``'s memory while the gather reads it). The
-    gather's result, a view of those rows, keeps the whole buffer alive. Reads and writes
-    ``meta["val"]``."""
+    gather's result, a view of those rows, keeps the whole buffer alive. Where ``x`` is a bucket's pack
+    read by this gather alone, the pack writes that row as it makes the buffer (no copy). Reads and
+    writes ``meta["val"]``."""
     graph = gm.graph
     fake_mode = graph_fake_mode(gm)
     gathers = list(graph.find_nodes(op="call_function", target=ALL_GATHER_OUT))
@@ -120,6 +124,9 @@ def gather_inputs_into_out_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphMo
             raise ValueError(f"gather_inputs_into_out_buffers: {gather.name} does not gather into a buffer of its own "
                              f"(run all_gathers_into_buffers first)")
         gathered, shard = out.meta["val"], source.meta["val"]
+        if _packed_for_this_gather_alone(source, gather):
+            _pack_into_the_buffer(graph, fake_mode, gather, source, out)
+            continue
         with graph.inserting_before(gather):
             rows = [group_size + 1, *shape_arguments(graph, source)]
             buffer = graph.call_function(aten.empty.memory_format, (rows,),
@@ -142,3 +149,37 @@ def gather_inputs_into_out_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphMo
         graph.lint()
         gm.recompile()
     return gm
+
+
+def _packed_for_this_gather_alone(source: torch.fx.Node, gather: torch.fx.Node) -> bool:
+    """Whether ``source`` is a bucket's pack that only ``gather`` reads, of a static size: then it can
+    be written straight into the gather's buffer (``_pack_into_the_buffer``)."""
+    return (source.target is PACK_BUCKET and list(source.users) == [gather]
+            and isinstance(source.meta["val"].numel(), int))
+
+
+def _pack_into_the_buffer(graph: torch.fx.Graph, fake_mode, gather: torch.fx.Node, pack: torch.fx.Node,
+                          out: torch.fx.Node) -> None:
+    """``gather_inputs_into_out_buffers`` for a gather of a bucket's pack: the pack itself makes the
+    ``[N + 1, width]`` buffer and writes the last row (``pack_bucket_as_last_row``), where a copy of
+    a fallback op's output into that row cost one more pass over the shards. Made where the pack was
+    (the schedule placed it)."""
+    members, rows = pack.args
+    group_size = gather.args[1]
+    width = pack.meta["val"].numel()
+    with graph.inserting_before(pack):
+        buffer = graph.call_function(PACK_BUCKET_AS_LAST_ROW, (members, rows, group_size + 1))
+        table = graph.call_function(aten.view.default, (buffer, [group_size + 1, width]))
+        shard_slot = graph.call_function(aten.select.int, (table, 0, group_size))
+        head = graph.call_function(aten.slice.Tensor, (table, 0, 0, group_size))
+        gathered_slot = graph.call_function(aten.view.default, (head, [group_size * width]))
+    with fake_mode:
+        buffer.meta["val"] = pack.meta["val"].new_empty((group_size + 1) * width)
+        table.meta["val"] = buffer.meta["val"].view(group_size + 1, width)
+        shard_slot.meta["val"] = table.meta["val"][group_size]
+        head.meta["val"] = table.meta["val"][:group_size]
+        gathered_slot.meta["val"] = head.meta["val"].view(-1)
+    gather.args = (shard_slot, group_size, gather.args[2])
+    gather.kwargs = {"out": gathered_slot}
+    graph.erase_node(out)
+    graph.erase_node(pack)

@@ -34,6 +34,23 @@ def _pack_bucket_fake(members: list[torch.Tensor], rows: int) -> torch.Tensor:
     return members[0].new_empty(sum(member.numel() for member in members))
 
 
+@torch.library.custom_op("zcompile::pack_bucket_as_last_row", mutates_args=())
+def pack_bucket_as_last_row(members: list[torch.Tensor], rows: int, buffer_rows: int) -> torch.Tensor:
+    """``pack_bucket(members, rows)`` written as the last of ``buffer_rows`` equal rows of a new flat
+    buffer, the rows before it left empty: an all-gather's buffer, which the gather fills from that
+    last row (``all_gather_lowering.gather_inputs_into_out_buffers``), so the pack needs no copy there."""
+    width = sum(member.numel() for member in members)
+    buffer = members[0].new_empty(buffer_rows * width)
+    last_row = buffer[(buffer_rows - 1) * width:].view(rows, -1)
+    torch.cat([member.reshape(rows, -1) for member in members], dim=1, out=last_row)
+    return buffer
+
+
+@pack_bucket_as_last_row.register_fake
+def _pack_bucket_as_last_row_fake(members: list[torch.Tensor], rows: int, buffer_rows: int) -> torch.Tensor:
+    return members[0].new_empty(buffer_rows * sum(member.numel() for member in members))
+
+
 @torch.library.custom_op("zcompile::unpack_bucket", mutates_args=())
 def unpack_bucket(flat: torch.Tensor, rows: int, sizes: list[int], divisor: float) -> list[torch.Tensor]:
     """``flat`` viewed ``[rows, sum(sizes)]`` and cut along its columns: member i's ``[rows * sizes[i]]``
@@ -54,4 +71,5 @@ def _unpack_bucket_fake(flat: torch.Tensor, rows: int, sizes: list[int], divisor
 
 
 PACK_BUCKET = torch.ops.zcompile.pack_bucket.default
+PACK_BUCKET_AS_LAST_ROW = torch.ops.zcompile.pack_bucket_as_last_row.default
 UNPACK_BUCKET = torch.ops.zcompile.unpack_bucket.default

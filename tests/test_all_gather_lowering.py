@@ -8,6 +8,7 @@ import torch
 from support.graph_builders import fake_process_group, trace
 from support.hand_built import layered_graph
 from zcompile.passes.all_gather_lowering import ALL_GATHER_OUT, all_gathers_into_buffers, gather_inputs_into_out_buffers
+from zcompile.passes.bucket_ops import PACK_BUCKET, PACK_BUCKET_AS_LAST_ROW
 from zcompile.passes.collectives import ALL_GATHER, WAIT
 
 aten = torch.ops.aten
@@ -95,4 +96,27 @@ def test_under_inductor_no_kernel_takes_the_gathers_input_before_its_wait(shape)
         assert not any(read in line for line in between), between
     # torch's fake group of 2 gathers this rank's input twice
     torch.testing.assert_close(gathered, torch.stack([a * 2] * 2).reshape(-1, *shape[1:]) + 1, rtol=0, atol=0)
+    torch.testing.assert_close(busy, (b * 3).sin())
+
+
+def test_under_inductor_a_buckets_pack_is_written_into_its_gathers_buffer_without_a_copy():
+    """A bucket's pack (``zcompile::pack_bucket``, a fallback op to inductor) only the gather reads: the
+    pack makes the gather's ``[N + 1, width]`` buffer itself and writes the last row, so inductor runs no
+    copy of it (before: a copy of the pack into the row, one more pass over the bucket's shards)."""
+    def step(a, c, b):
+        gathered = ALL_GATHER(PACK_BUCKET([a, c], 1), 2, group)
+        busy = (b * 3).sin()  # a kernel between the issue and the wait, its output the pack's size
+        return WAIT(gathered) + 1, busy
+
+    a, c, b = torch.randn(4, 3), torch.randn(4), torch.randn(16)
+    with fake_process_group(world_size=2) as group:
+        kept = gather_inputs_into_out_buffers(all_gathers_into_buffers(trace(step, a, c, b)))
+        assert not kept.graph.find_nodes(op="call_function", target=PACK_BUCKET)
+        assert not kept.graph.find_nodes(op="call_function", target=aten.copy_.default)
+        (pack,) = kept.graph.find_nodes(op="call_function", target=PACK_BUCKET_AS_LAST_ROW)
+        assert pack.args[1:] == (1, 3)
+        read, between, (gathered, busy) = _inductor_code_between_issue_and_wait(kept, [a, c, b])
+        assert not any(read in line for line in between), between
+    packed = torch.cat([a.reshape(-1), c])
+    torch.testing.assert_close(gathered, torch.cat([packed, packed]) + 1, rtol=0, atol=0)
     torch.testing.assert_close(busy, (b * 3).sin())
