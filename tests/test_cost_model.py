@@ -297,3 +297,44 @@ def test_op_classes_have_their_own_rates():
     assert node_seconds(gelu, plain) == 2 * 96 / 96.0 and node_seconds(sdpa, plain) == node_flops(sdpa) / 8.0
     # scaled keeps the classes apart
     assert node_seconds(gelu, costs.scaled(2.0)) == 2 * node_seconds(gelu, costs)
+
+
+def _fits_in_turn(monkeypatch, fits_by_kind: dict) -> list[str]:
+    """``_measure_kind`` replaced by the given fits, each kind's in turn (its last one repeated);
+    returns the kinds as measured, in order."""
+    import zcompile.cost_model as cost_model
+
+    measured = []
+
+    def measure_kind(kind, *args):
+        measured.append(kind)
+        fits = fits_by_kind[kind]
+        return fits.pop(0) if len(fits) > 1 else fits[0]
+
+    monkeypatch.setattr(cost_model, "_measure_kind", measure_kind)
+    return measured
+
+
+def test_a_collective_whose_time_did_not_grow_with_its_size_is_measured_again(monkeypatch, caplog):
+    """A burst of load at the larger sizes makes a fit flat (once, in CI, for one kind): it is measured
+    again, not kept as free bandwidth; still flat after ``MEASURE_AGAIN`` more, a warning names it."""
+    from support.graph_builders import fake_process_group
+    from zcompile.cost_model import MEASURE_AGAIN
+
+    steady = [1e-4, 1e-10, 1e-5, 0.0]
+    flat_then_steady = {kind: [list(steady)] for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")}
+    flat_then_steady["all_reduce"] = [[2e-3, 0.0, 1e-5, 0.0], [1e-4, 3e-10, 1e-5, 0.0]]
+    measured = _fits_in_turn(monkeypatch, flat_then_steady)
+    with fake_process_group(world_size=2):
+        costs = measure_collective_costs(measure_overlap=False)
+    assert measured == ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "all_reduce"]
+    assert costs.costs["all_reduce"] == CollectiveCost(1e-4, 3e-10, 1e-5, 0.0)
+    assert costs.costs["all_gather"] == CollectiveCost(*steady)
+
+    always_flat = {kind: [list(steady)] for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")}
+    always_flat["all_to_all"] = [[2e-3, 0.0, 1e-5, 0.0]]
+    measured = _fits_in_turn(monkeypatch, always_flat)
+    with fake_process_group(world_size=2), caplog.at_level("WARNING", logger="zcompile.cost_model"):
+        costs = measure_collective_costs(measure_overlap=False)
+    assert measured.count("all_to_all") == 1 + MEASURE_AGAIN and costs.costs["all_to_all"].seconds_per_byte == 0.0
+    assert any("the time of all_to_all did not grow with its size" in r.getMessage() for r in caplog.records)

@@ -141,7 +141,8 @@ def test_a_difference_in_the_models_own_collective_says_it_must_run_on_every_ran
     # ZeRO's collectives alone differing: the general fix, not this one
     assert "the model calls itself" not in sequence_difference(_sequence(layers=2), _sequence(layers=3), 0, 1)
     # a rank waiting at this graph's check names the collective too (a rank without it has nothing to check)
-    assert models_own_note(with_it) == " (with the model's own reduce_scatter of [16] float32, which every rank must run)"
+    assert models_own_note(with_it) == (" (with the model's own reduce_scatter of [16] float32, which every rank "
+                                        "must run)")
     assert models_own_note(_sequence(layers=2)) == ""
 
 

@@ -158,7 +158,8 @@ def models_own_note(signature: list) -> str:
     if not own:
         return ""
     more = f" and {len(own) - 1} more" if len(own) > 1 else ""
-    return f" (with the model's own {_collective(own[0]).replace(' ' + MODELS_OWN, '')}{more}, which every rank must run)"
+    collective = _collective(own[0]).replace(f" {MODELS_OWN}", "")
+    return f" (with the model's own {collective}{more}, which every rank must run)"
 
 
 def _models_own_advice(differing: list) -> str:
