@@ -124,26 +124,36 @@ def gather_inputs_into_out_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphMo
             raise ValueError(f"gather_inputs_into_out_buffers: {gather.name} does not gather into a buffer of its own "
                              f"(run all_gathers_into_buffers first)")
         gathered, shard = out.meta["val"], source.meta["val"]
-        if _packed_for_this_gather_alone(source, gather):
-            _pack_into_the_buffer(graph, fake_mode, gather, source, out)
-            continue
-        with graph.inserting_before(gather):
+        # a bucket's pack (a fallback op, which inductor cannot fuse into the row) makes the buffer and
+        # writes the last row itself, where the schedule placed it; any other input is copied there
+        packed = _packed_for_this_gather_alone(source, gather)
+        with graph.inserting_before(source if packed else gather):
             rows = [group_size + 1, *shape_arguments(graph, source)]
-            buffer = graph.call_function(aten.empty.memory_format, (rows,),
-                                         {"dtype": gathered.dtype, "device": gathered.device})
+            if packed:
+                members, pack_rows = source.args
+                flat = graph.call_function(PACK_BUCKET_AS_LAST_ROW, (members, pack_rows, group_size + 1))
+                buffer = graph.call_function(aten.view.default, (flat, rows))
+            else:
+                buffer = graph.call_function(aten.empty.memory_format, (rows,),
+                                             {"dtype": gathered.dtype, "device": gathered.device})
             shard_slot = graph.call_function(aten.select.int, (buffer, 0, group_size))
-            written = graph.call_function(aten.copy_.default, (shard_slot, source))
+            # copy_ returns its destination, the last row: the gather reads it after the copy
+            read = shard_slot if packed else graph.call_function(aten.copy_.default, (shard_slot, source))
             head = graph.call_function(aten.slice.Tensor, (buffer, 0, 0, group_size))
             gathered_slot = graph.call_function(aten.view.default, (head, shape_arguments(graph, source, group_size)))
         with fake_mode:
             buffer.meta["val"] = torch.empty([group_size + 1, *shard.shape], dtype=gathered.dtype,
                                              device=gathered.device)
-            shard_slot.meta["val"] = written.meta["val"] = buffer.meta["val"][group_size]
+            if packed:
+                flat.meta["val"] = buffer.meta["val"].view(-1)
+            shard_slot.meta["val"] = read.meta["val"] = buffer.meta["val"][group_size]
             head.meta["val"] = buffer.meta["val"][:group_size]
             gathered_slot.meta["val"] = head.meta["val"].view(gathered.shape)
-        gather.args = (written, group_size, group_name)  # copy_ returns its destination, the last row
+        gather.args = (read, group_size, group_name)
         gather.kwargs = {"out": gathered_slot}
         graph.erase_node(out)
+        if packed:
+            graph.erase_node(source)
     if gathers:
         log.debug("gather_inputs_into_out_buffers: %d all-gathers read their input from their own buffer", len(gathers))
         graph.lint()
@@ -152,34 +162,9 @@ def gather_inputs_into_out_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphMo
 
 
 def _packed_for_this_gather_alone(source: torch.fx.Node, gather: torch.fx.Node) -> bool:
-    """Whether ``source`` is a bucket's pack that only ``gather`` reads, of a static size: then it can
-    be written straight into the gather's buffer (``_pack_into_the_buffer``)."""
+    """Whether ``source`` is a bucket's pack that only ``gather`` reads, of a static size (the buffer's
+    sizes are then no ``sym_size`` nodes of the pack, which is erased): then the pack is made as the
+    last row of the gather's buffer (``pack_bucket_as_last_row``)."""
     return (source.target is PACK_BUCKET and list(source.users) == [gather]
             and isinstance(source.meta["val"].numel(), int))
 
-
-def _pack_into_the_buffer(graph: torch.fx.Graph, fake_mode, gather: torch.fx.Node, pack: torch.fx.Node,
-                          out: torch.fx.Node) -> None:
-    """``gather_inputs_into_out_buffers`` for a gather of a bucket's pack: the pack itself makes the
-    ``[N + 1, width]`` buffer and writes the last row (``pack_bucket_as_last_row``), where a copy of
-    a fallback op's output into that row cost one more pass over the shards. Made where the pack was
-    (the schedule placed it)."""
-    members, rows = pack.args
-    group_size = gather.args[1]
-    width = pack.meta["val"].numel()
-    with graph.inserting_before(pack):
-        buffer = graph.call_function(PACK_BUCKET_AS_LAST_ROW, (members, rows, group_size + 1))
-        table = graph.call_function(aten.view.default, (buffer, [group_size + 1, width]))
-        shard_slot = graph.call_function(aten.select.int, (table, 0, group_size))
-        head = graph.call_function(aten.slice.Tensor, (table, 0, 0, group_size))
-        gathered_slot = graph.call_function(aten.view.default, (head, [group_size * width]))
-    with fake_mode:
-        buffer.meta["val"] = pack.meta["val"].new_empty((group_size + 1) * width)
-        table.meta["val"] = buffer.meta["val"].view(group_size + 1, width)
-        shard_slot.meta["val"] = table.meta["val"][group_size]
-        head.meta["val"] = table.meta["val"][:group_size]
-        gathered_slot.meta["val"] = head.meta["val"].view(-1)
-    gather.args = (shard_slot, group_size, gather.args[2])
-    gather.kwargs = {"out": gathered_slot}
-    graph.erase_node(out)
-    graph.erase_node(pack)
