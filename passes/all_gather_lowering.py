@@ -35,10 +35,12 @@ gloo still reads it (checked on torch 2.13's generated code: ``buf5 = buf1; del 
 between the issue and the wait). Where the input is an activation of the model's own gather, stage 3
 trained on garbage with no error; a bf16 cast or a bucket's pack of ZeRO's shards is as exposed when
 a kernel's output has its size. In one buffer with the gathered result, the input lives as long as
-the result is read; inductor fuses a kernel that computes the input into that row (no copy), and a
-bucket's pack (``zcompile::pack_bucket``, a fallback op inductor cannot fuse into the row) is made by
-``zcompile::pack_bucket_as_last_row``, which allocates the whole buffer and writes that row itself
-(before, its output was copied there: one more pass over the bucket's shards each gather).
+the result is read. The buffer is made by ``zcompile::pack_bucket_as_last_row``, which allocates it
+and writes that row: a bucket's pack (``zcompile::pack_bucket``) becomes that op (before, its output
+was copied there: one more pass over the bucket's shards each gather), and any other input is the
+op's one member. Until 2026-11-28 such an input was copied into an ``empty``'s last row, a copy
+inductor fused into the kernel that computes the input; inductor 2.11 allocated that ``empty`` after
+the kernel, and its code stopped in ``UnboundLocalError`` (torch 2.13 placed it right).
 """
 
 from __future__ import annotations
@@ -107,11 +109,11 @@ def all_gathers_into_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def gather_inputs_into_out_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Rewrites each ``all_gather_into_tensor_out(x, N, g, out=empty(shape))`` of ``gm`` into one
-    buffer ``[N + 1, *x.shape]``: ``x`` copied into its last row, gathered from there into the first
-    ``N`` (module docstring: inductor would reuse ``x``'s memory while the gather reads it). The
-    gather's result, a view of those rows, keeps the whole buffer alive. Where ``x`` is a bucket's pack
-    read by this gather alone, the pack writes that row as it makes the buffer (no copy). Reads and
-    writes ``meta["val"]``."""
+    buffer ``[N + 1, *x.shape]`` that ``pack_bucket_as_last_row`` makes with ``x`` in its last row,
+    gathered from there into the first ``N`` (module docstring: inductor would reuse ``x``'s memory
+    while the gather reads it). The gather's result, a view of those rows, keeps the whole buffer
+    alive. Where ``x`` is a bucket's pack read by this gather alone, the pack itself becomes the op
+    (no copy); any other ``x`` is the op's one member (one copy of it). Reads and writes ``meta["val"]``."""
     graph = gm.graph
     fake_mode = graph_fake_mode(gm)
     gathers = list(graph.find_nodes(op="call_function", target=ALL_GATHER_OUT))
@@ -124,29 +126,27 @@ def gather_inputs_into_out_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphMo
             raise ValueError(f"gather_inputs_into_out_buffers: {gather.name} does not gather into a buffer of its own "
                              f"(run all_gathers_into_buffers first)")
         gathered, shard = out.meta["val"], source.meta["val"]
-        # a bucket's pack (a fallback op, which inductor cannot fuse into the row) makes the buffer and
-        # writes the last row itself, where the schedule placed it; any other input is copied there
+        # ``pack_bucket_as_last_row`` makes the buffer and writes the input into its last row: a bucket's
+        # pack (a fallback op, which inductor cannot fuse into the row) where the schedule placed it, as
+        # the pack itself; any other input as a bucket of one, where the gather is issued. Before, such
+        # an input was copied into an ``empty``'s last row (a copy inductor fuses into the kernel that
+        # computes it), and inductor 2.11 allocated that ``empty`` after the kernel: its code stopped in
+        # "UnboundLocalError: cannot access local variable 'buf99'" (a model's own gather of normalized
+        # embeddings, stage 3). The op costs a copy of the input, 1/N of the gathered bytes.
         packed = _packed_for_this_gather_alone(source, gather)
         with graph.inserting_before(source if packed else gather):
             rows = [group_size + 1, *shape_arguments(graph, source)]
-            if packed:
-                members, pack_rows = source.args
-                flat = graph.call_function(PACK_BUCKET_AS_LAST_ROW, (members, pack_rows, group_size + 1))
-                buffer = graph.call_function(aten.view.default, (flat, rows))
-            else:
-                buffer = graph.call_function(aten.empty.memory_format, (rows,),
-                                             {"dtype": gathered.dtype, "device": gathered.device})
-            shard_slot = graph.call_function(aten.select.int, (buffer, 0, group_size))
-            # copy_ returns its destination, the last row: the gather reads it after the copy
-            read = shard_slot if packed else graph.call_function(aten.copy_.default, (shard_slot, source))
+            members, pack_rows = source.args if packed else ([source], 1)
+            flat = graph.call_function(PACK_BUCKET_AS_LAST_ROW, (members, pack_rows, group_size + 1))
+            buffer = graph.call_function(aten.view.default, (flat, rows))
+            read = graph.call_function(aten.select.int, (buffer, 0, group_size))
             head = graph.call_function(aten.slice.Tensor, (buffer, 0, 0, group_size))
             gathered_slot = graph.call_function(aten.view.default, (head, shape_arguments(graph, source, group_size)))
         with fake_mode:
             buffer.meta["val"] = torch.empty([group_size + 1, *shard.shape], dtype=gathered.dtype,
                                              device=gathered.device)
-            if packed:
-                flat.meta["val"] = buffer.meta["val"].view(-1)
-            shard_slot.meta["val"] = read.meta["val"] = buffer.meta["val"][group_size]
+            flat.meta["val"] = buffer.meta["val"].view(-1)
+            read.meta["val"] = buffer.meta["val"][group_size]
             head.meta["val"] = buffer.meta["val"][:group_size]
             gathered_slot.meta["val"] = head.meta["val"].view(gathered.shape)
         gather.args = (read, group_size, group_name)

@@ -120,3 +120,50 @@ def test_under_inductor_a_buckets_pack_is_written_into_its_gathers_buffer_withou
     packed = torch.cat([a.reshape(-1), c])
     torch.testing.assert_close(gathered, torch.cat([packed, packed]) + 1, rtol=0, atol=0)
     torch.testing.assert_close(busy, (b * 3).sin())
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_under_inductor_a_computed_input_is_written_into_its_gathers_buffer_by_the_op(dynamic):
+    """A model's own gather of normalized embeddings (a CLIP-like contrastive loss), its batch dynamic
+    (``dynamic=True``, or Dynamo's recompile for a shorter last batch) or not: when the input was
+    copied into an ``empty`` buffer's last row, inductor 2.11 allocated the buffer after the kernel that
+    writes that row, and its generated code stopped in "UnboundLocalError: cannot access local variable
+    'buf4'" (stage 3, 2 ranks: 'buf99'). The buffer is made by ``pack_bucket_as_last_row`` from the
+    input alone; the gathered values, the loss and the gradient are eager's on the same fake group."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    rewritten = []
+
+    def inner(gm, inputs, **kwargs):
+        gm = gather_inputs_into_out_buffers(all_gathers_into_buffers(gm))
+        rewritten.append(gm)
+        return compile_fx_inner(gm, inputs, **kwargs)
+
+    def contrastive(x, w):
+        h = torch.nn.functional.normalize(x @ w, dim=-1)
+        # detached: the gather's backward on torch 2.11's fake group reads memory it never wrote
+        everyone = WAIT(ALL_GATHER(h.detach(), 2, group))
+        return torch.nn.functional.cross_entropy(h @ everyone.t(), torch.arange(h.shape[0])), everyone
+
+    x, w = torch.randn(6, 16), torch.randn(16, 32, requires_grad=True)
+    reference_w = w.detach().clone().requires_grad_(True)
+    # caches off: a cached graph would skip `inner` (the AOTAutograd cache keys the graph before it)
+    with fake_process_group(world_size=2) as group, torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled = torch.compile(contrastive, backend=lambda gm, inputs: compile_fx(gm, inputs, inner_compile=inner),
+                                 dynamic=dynamic)
+        loss, everyone = compiled(x, w)
+        loss.backward()
+        reference_loss, reference_everyone = contrastive(x, reference_w)  # eager, on the same fake group
+        reference_loss.backward()
+    forward = rewritten[0]
+    (made,) = forward.graph.find_nodes(op="call_function", target=PACK_BUCKET_AS_LAST_ROW)
+    assert made.args[1:] == (1, 3) and len(made.args[0]) == 1
+    assert not forward.graph.find_nodes(op="call_function", target=aten.copy_.default)
+    assert not forward.graph.find_nodes(op="call_function", target=aten.empty.memory_format)
+    # torch's fake group of 2 gathers this rank's input twice
+    h = torch.nn.functional.normalize(x @ w.detach(), dim=-1)
+    torch.testing.assert_close(everyone, torch.cat([h, h]), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(everyone, reference_everyone, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss, reference_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w.grad, reference_w.grad, rtol=1e-5, atol=1e-7)
