@@ -19,7 +19,7 @@ import torch
 
 from support.graph_builders import calls, trace
 from support.launch import run_ranks
-from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
+from support.training import PARAM_TOL, RunSpec, assert_same_training, train_reference, zero_run_on_rank
 from zcompile.passes import metadata
 from zcompile.passes.bucketing import bucket_collectives_pass, plan_buckets
 from zcompile.passes.collectives import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER, WAIT, CollectiveNode
@@ -96,4 +96,9 @@ def test_a_contrastive_loss_gathering_every_ranks_embeddings_trains_like_one_pro
     results = run_ranks(WORLD, zero_run_on_rank, specs, timeout_s=900)[0]
     reference = train_reference(specs[0], world=WORLD)  # one process: nothing to gather
     for spec, result in zip(specs, results):
-        assert_same_training(result, reference, spec)
+        # inductor's fused norms (the embeddings' normalize, the layer norms) round apart from eager's,
+        # and 3 SGD steps at lr 0.1 through this loss grow that to 1.1e-6 (torch 2.13) / 1.5e-6 (2.11)
+        # in the biases: above the eager compiler's 1e-6, far below a wrong gather (a first loss of 3.5
+        # for 6.2, when inductor reused a gather's input)
+        param_tol = 4e-6 if spec.options.get("compiler") == "inductor" else PARAM_TOL
+        assert_same_training(result, reference, spec, param_tol)
