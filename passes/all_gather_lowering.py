@@ -126,13 +126,8 @@ def gather_inputs_into_out_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphMo
             raise ValueError(f"gather_inputs_into_out_buffers: {gather.name} does not gather into a buffer of its own "
                              f"(run all_gathers_into_buffers first)")
         gathered, shard = out.meta["val"], source.meta["val"]
-        # ``pack_bucket_as_last_row`` makes the buffer and writes the input into its last row: a bucket's
-        # pack (a fallback op, which inductor cannot fuse into the row) where the schedule placed it, as
-        # the pack itself; any other input as a bucket of one, where the gather is issued. Before, such
-        # an input was copied into an ``empty``'s last row (a copy inductor fuses into the kernel that
-        # computes it), and inductor 2.11 allocated that ``empty`` after the kernel: its code stopped in
-        # "UnboundLocalError: cannot access local variable 'buf99'" (a model's own gather of normalized
-        # embeddings, stage 3). The op costs a copy of the input, 1/N of the gathered bytes.
+        # the op makes the buffer (an extern allocation inductor cannot misplace: module docstring), a
+        # bucket's pack where the schedule placed the pack, any other input as a bucket of one at the gather
         packed = _packed_for_this_gather_alone(source, gather)
         with graph.inserting_before(source if packed else gather):
             rows = [group_size + 1, *shape_arguments(graph, source)]

@@ -12,8 +12,9 @@ and its C++ code generation costs about as much per kernel however small the ker
 eager compiler runs three dispatcher calls per member. As ``torch.library`` custom ops each is one
 call per bucket: an extern kernel to inductor, which neither fuses nor splits it, and one call in
 the eager compiler's code. The copies themselves are ``torch.cat`` / ``torch.split_with_sizes_copy``:
-the same bytes as before. Under inductor on gloo a gather's pack is made as the last row of the
-gather's own buffer (``pack_bucket_as_last_row``; ``all_gather_lowering``).
+the same bytes as before. Under inductor on gloo every gather's computed input, a bucket's pack or
+any tensor as a bucket of one, is made as the last row of the gather's own buffer
+(``pack_bucket_as_last_row``; ``all_gather_lowering``).
 
 All three are pure (new storages, no alias of an input), with fake implementations for FakeTensorMode
 (``zcompile.simulate``; the passes' fake values).
