@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zcompile.passes.collectives import all_gather_in_graph, reduce_scatter_in_graph
+from zcompile.passes.collectives import all_gather_in_graph
+from zcompile.passes.grad_reduction import reduce_grad_to_shard, reduce_padded_grad
 
 
 def _reduce_flat_grad(
@@ -27,21 +28,9 @@ def _reduce_flat_grad(
     dense gradient is what the update reads (the values a dense embedding's gradient has)."""
     if grad.layout != torch.strided:
         grad = grad.to_dense()
-    flat = grad.reshape(-1)
-    padded_numel = -(-numel // world_size) * world_size
-    if padded_numel > numel:
-        flat = F.pad(flat, (0, padded_numel - numel))
-    return _reduce_padded_grad(flat, world_size, group_name, reduce_dtype, shard_dtype)
-
-
-def _reduce_padded_grad(flat: torch.Tensor, world_size: int, group_name: str | None,
-                        reduce_dtype: torch.dtype | None, shard_dtype: torch.dtype) -> torch.Tensor:
-    """Mean over ranks of a flat gradient already padded to a multiple of ``world_size``: this rank's shard."""
-    if reduce_dtype is not None and flat.dtype != reduce_dtype:
-        flat = flat.to(reduce_dtype)
-    if world_size > 1:
-        flat = reduce_scatter_in_graph(flat, world_size, group_name) / world_size
-    return flat.to(shard_dtype)
+    if world_size > 1:  # one node through AOTAutograd, written out by the first backward pass (grad_reduction)
+        return reduce_grad_to_shard(grad, numel, world_size, group_name, reduce_dtype, shard_dtype)
+    return reduce_padded_grad(grad.reshape(-1), world_size, group_name, reduce_dtype, shard_dtype)
 
 
 class _GatherParam(torch.autograd.Function):
@@ -75,7 +64,7 @@ class _GatherFlat(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_padded):
         world_size, group_name, reduce_dtype, shard_dtype = ctx.static
-        return _reduce_padded_grad(grad_padded, world_size, group_name, reduce_dtype, shard_dtype), None, None, None, None
+        return reduce_padded_grad(grad_padded, world_size, group_name, reduce_dtype, shard_dtype), None, None, None, None
 
 
 class _HpzRegather(torch.autograd.Function):

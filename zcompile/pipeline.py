@@ -32,6 +32,7 @@ from zcompile.dumps import plan_file
 from zcompile.passes.bucketing import bucket_collectives_pass, plan_buckets
 from zcompile.passes.cleanup import remove_unused_gathers_pass
 from zcompile.passes.grad_hooks import hooked_params, route_grad_hooks_pass
+from zcompile.passes.grad_reduction import expand_grad_reductions_pass
 from zcompile.passes.hpz import hpz_forward_shortcut_pass, hpz_pass
 from zcompile.passes.identity_views import drop_identity_views_pass
 from zcompile.passes.keep_gathered import keep_gathered_pass, plan_keep_gathered
@@ -111,6 +112,8 @@ PIPELINE: tuple[PassRow, ...] = (
             planner=plan_keep_gathered, plan_name="keep_gathered",
             options=lambda c, g: {"budget_bytes": int(c.config.keep_gathered_mb * MIB)},
             after=("insert_param_collectives", "hpz", "regather_through_regions")),
+    # the gradient reductions traced as one op each, written out before any pass reads a backward
+    PassRow("expand_grad_reductions", BACKWARD, expand_grad_reductions_pass),
     PassRow("remove_unused_gathers", PARTITIONED, remove_unused_gathers_pass),
     # a view of each parameter to its own shape at stages 2 and 3 (graph_ops' autograd functions)
     PassRow("drop_identity_views", PARTITIONED, drop_identity_views_pass),
@@ -126,7 +129,7 @@ PIPELINE: tuple[PassRow, ...] = (
             enabled=lambda c: c.config.bucket_mb > 0,
             planner=plan_buckets, plan_name="buckets",
             options=lambda c, g: {"bucket_bytes": int(c.config.bucket_mb * MIB), "graph": g},
-            after=("remove_unused_gathers", "hpz_forward_shortcut")),
+            after=("expand_grad_reductions", "remove_unused_gathers", "hpz_forward_shortcut")),
     # qwZ and qgZ quantize whole (bucketed) collectives: after bucketing, before the schedule moves them
     PassRow("quantize_weights", FORWARD, quantize_weights_pass,
             enabled=lambda c: c.zeropp.quantize_weights,
