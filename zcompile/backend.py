@@ -28,6 +28,7 @@ from torch._C import DisableTorchFunctionSubclass
 
 from zcompile.buffer_sync import BufferSync, changed_buffer_inputs, note_changed_buffers
 from zcompile.call_prefetch import CallChain
+from zcompile.compile_gc import full_collections_deferred
 from zcompile.compiled import CompileContext, CompiledGraphs, record_compiled_graphs
 from zcompile.config import ZeroConfig
 from zcompile.dumps import SHARDING_PLAN_FILE, resolve_dump_root
@@ -62,6 +63,7 @@ from zcompile.zeropp import attach_groups, resolve_zeropp
 log = logging.getLogger(__name__)
 
 
+@full_collections_deferred()  # compile_gc: a compile's full collections wait for its end
 def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = None, mode: str | None = None) -> Callable:
     """Compiles one Dynamo graph for ZeRO data parallelism (see the module docstring)."""
     if mode is not None:

@@ -20,6 +20,7 @@ from zcompile.passes.call_prologue import (CallSplit, dynamo_index, issued_examp
                                            split_first_gather)
 from zcompile.passes.liveness import saved_activation_bytes
 from zcompile.call_prefetch import CallChain, prefetching_call
+from zcompile.compile_gc import full_collections_deferred
 from zcompile.compiled import CompiledGraphs
 from zcompile.dumps import collectives_file
 from zcompile.passes.regions import subgraph_calls
@@ -314,6 +315,7 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
                 return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         def make_compiler(kind: str):
+            @full_collections_deferred()  # a backward compiles at its first call, outside the backend
             def compile_eager(graph_module, inputs):
                 if kind != "backward":
                     graphs.mutated_inputs = mutated_input_indices()
@@ -339,6 +341,7 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
 
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    @full_collections_deferred()  # a backward compiles at its first call, outside the backend
     def inner_compile(graph_module, inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else "inference" if kwargs.get("is_inference") else "forward"
         if kind != "backward":
