@@ -82,7 +82,7 @@ def test_plans_and_graphs_are_dumped(tmp_path):
     run_passes(context, "backward", layered_graph())
     files = sorted(p.name for p in tmp_path.iterdir())
     assert "buckets.backward.json" in files and "schedule.backward.json" in files
-    assert "03_bucket_collectives.backward.before.txt" in files and "04_schedule.backward.after.txt" in files
+    assert "04_bucket_collectives.backward.before.txt" in files and "05_schedule.backward.after.txt" in files
     dumped = json.loads((tmp_path / "buckets.backward.json").read_text())
     assert dumped == json.loads(context.plans["buckets.backward"].to_json())
     assert len(dumped["buckets"]) == 1 and len(dumped["buckets"][0]["members"]) == 3

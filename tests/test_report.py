@@ -148,7 +148,8 @@ def test_dump_layout(reported):
             [("insert_param_collectives", "dynamo")]
             + ([("regather_through_regions", "joint")] if stage == 3 else [])
             + [(name, "forward") for name in post_partition]
-            + [(name, "backward") for name in post_partition[:2] + ["fuse_cross_entropy_backward"] + post_partition[2:]]
+            + [(name, "backward") for name in ["expand_grad_reductions"] + post_partition[:2]
+               + ["fuse_cross_entropy_backward"] + post_partition[2:]]
             + [("reduce_scatter_as_all_to_all", "backward")]  # gloo (the option reduce_scatter="auto")
         )
         for kind in ("forward", "backward"):
