@@ -4,6 +4,8 @@ Inductor fuses and reorders elementwise work, which changes roundings at the 1e-
 the SGD tolerances of test_training apply unchanged.
 """
 
+import torch
+
 from support.launch import run_ranks
 from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
 
@@ -31,3 +33,26 @@ def test_stage3_inductor_matches_single_process():
     # (a step's first call skips its agreement and issues nothing); test_training's count for eager
     assert in_blocks.facts["prefetched_calls"] == in_blocks1.facts["prefetched_calls"] == {
         "forward": blocks.steps * (blocks.grad_accum - 1), "backward": blocks.steps * blocks.grad_accum}
+
+
+def test_a_graph_compiled_again_from_torchs_caches_still_goes_through_zcompile(tmp_path, monkeypatch):
+    """A stage-1 graph in the parameters' dtype has no op of zcompile's, so AOTAutograd's cache could
+    serve its second compile (a job run again on the same machine) without calling zcompile's inner
+    compile: no passes, no graphs for the reports, and no record of the running statistics a
+    BatchNorm changes, which then went unsynchronised across ranks, silently."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: the first compile fills it
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 1))
+    x = torch.randn(32, 8)
+    for attempt in range(2):
+        torch._dynamo.reset()
+        compiled_graphs = []
+        compiled = torch.compile(model, backend="zero",
+                                 options={"stage": 1, "compiler": "inductor", "on_compile": compiled_graphs.append})
+        compiled(x).pow(2).mean().backward()
+        (graphs,) = compiled_graphs
+        assert graphs.forward is not None and graphs.backward is not None, attempt
+        # primals: the BatchNorm's running mean, running variance and batch count are changed in place
+        assert len(graphs.mutated_inputs) == 3, (attempt, graphs.mutated_inputs)
+        model.zero_grad()

@@ -356,8 +356,20 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
         return _inductor_quoting_abort_notes(compiled, graphs, check) if kind == "backward" else compiled
 
     patches = {"joint_custom_pre_pass": _JointPasses(graphs)} if _joint_rows(graphs) else None
-    with activation_budget(graphs.context.config.activation_memory_budget):  # a fraction (config checked it)
+    with activation_budget(graphs.context.config.activation_memory_budget), without_autograd_cache():
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+def without_autograd_cache():
+    """AOTAutograd's cache off for the compile inside: a hit there hands back the compiled forward and
+    backward without calling ``inner_compile``, so none of what zcompile does there happened (its
+    passes, the graphs reports read, the issue-order check, the inputs a graph mutates, the
+    backward's abort notes). A graph zcompile left without an op of its own (stage 1 in the
+    parameters' dtype) was cacheable: run a second time on the same machine, its BatchNorm's running
+    statistics went unsynchronised across the ranks, silently (`tests/test_inductor.py`). Inductor's
+    own cache of each graph, keyed on the graph after zcompile's passes, still serves the inner
+    compiles. ``torch._functorch.config`` is torch-internal, read here only."""
+    return torch._functorch.config.patch(enable_autograd_cache=False)
 
 
 def mutated_input_indices() -> tuple[int, ...]:
