@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from zcompile.passes.collectives import all_gather_in_graph
 from zcompile.passes.grad_reduction import reduce_grad_to_shard, reduce_padded_grad
+from zcompile.passes.param_gather import gather_shards
 
 
 def _reduce_flat_grad(
@@ -37,12 +38,11 @@ class _GatherParam(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, numel, shape, world_size, group_name, param_dtype, reduce_dtype):
         ctx.static = (numel, world_size, group_name, reduce_dtype, shard.dtype)
+        if world_size > 1:  # one node through AOTAutograd, written out after the partition (param_gather)
+            return gather_shards(shard, numel, shape, world_size, group_name, param_dtype or shard.dtype)
         if param_dtype is not None and shard.dtype != param_dtype:
             shard = shard.to(param_dtype)
-        full = all_gather_in_graph(shard, world_size, group_name) if world_size > 1 else shard
-        # unpadded (the usual case) the gathered buffer is the parameter: no slice, which would be one
-        # more op per parameter for AOTAutograd to trace twice and the partitioner to place
-        return (full if full.numel() == numel else full[:numel]).view(shape)
+        return shard.view(shape)
 
     @staticmethod
     def backward(ctx, grad):

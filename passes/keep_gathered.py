@@ -41,6 +41,7 @@ from zcompile.passes import metadata
 from zcompile.passes.collectives import ALL_GATHER, CollectiveNode
 from zcompile.passes.liveness import node_bytes
 from zcompile.passes.op_sets import PASS_THROUGH
+from zcompile.passes.param_gather import GATHER_SHARDS, gather_shards_bytes
 
 _PASS_THROUGH = PASS_THROUGH | {torch.ops.aten.clone.default}  # ops that pass a weight on unchanged
 
@@ -126,6 +127,14 @@ def _read_by_backward(gathered: list[torch.fx.Node], backward: set[torch.fx.Node
     return False
 
 
+def _gather_size(node: torch.fx.Node) -> tuple[int, int]:
+    """(bytes gathered, group size) of an all-gather or of a stage-3 gather traced as one op (``param_gather``)."""
+    if node.target is GATHER_SHARDS:
+        return gather_shards_bytes(node)
+    collective = CollectiveNode.of(node)
+    return node_bytes(node), collective.group_size
+
+
 def plan_keep_gathered(gm: torch.fx.GraphModule, budget_bytes: int) -> KeepGatheredPlan:
     """Which parameters of joint graph ``gm`` to keep gathered for backward within ``budget_bytes``
     (module docstring)."""
@@ -137,11 +146,12 @@ def plan_keep_gathered(gm: torch.fx.GraphModule, budget_bytes: int) -> KeepGathe
         recomputed = [n for n in chain if n.meta.get(metadata.RECOMPUTE) == CheckpointPolicy.MUST_RECOMPUTE]
         if not _read_by_backward(recomputed, backward):
             continue  # backward never reads the gathered weight: nothing is re-gathered
-        regathers = [n for n in recomputed if n.target is ALL_GATHER]
+        regathers = [n for n in recomputed if n.target in (ALL_GATHER, GATHER_SHARDS)]
         if not regathers:
             continue
-        gathered = sum(node_bytes(n) for n in regathers)
-        saved = sum(c.bytes * (c.group_size - 1) // c.group_size for c in map(CollectiveNode.of, regathers))
+        sizes = [_gather_size(n) for n in regathers]
+        gathered = sum(nbytes for nbytes, _ in sizes)
+        saved = sum(nbytes * (group_size - 1) // group_size for nbytes, group_size in sizes)
         # the secondary slice is the last node traced from hpz_secondary (view, select, clone)
         secondary = ([node_bytes(n) for n in chain if metadata.tags(n).get(metadata.ROLE) == metadata.ROLE_HPZ_SECONDARY] or [0])[-1]
         candidates.append(GatheredParam(param, max(0, gathered - secondary), saved, order[regathers[0]], secondary))

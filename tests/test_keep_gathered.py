@@ -12,12 +12,14 @@ from support.training import RunSpec, assert_same_training, train_reference, zer
 from zcompile.passes.collectives import ALL_GATHER, WAIT
 from zcompile.passes import metadata
 from zcompile.passes.keep_gathered import keep_gathered_pass, plan_keep_gathered
+from zcompile.passes.param_gather import GATHER_SHARDS
 
 aten = torch.ops.aten
 
 
-def _joint_graph(shard_sizes=(8, 8, 8), world=2):
-    """A joint graph: per parameter i, all-gather -> wait -> t (the weight), tagged MUST_RECOMPUTE;
+def _joint_graph(shard_sizes=(8, 8, 8), world=2, one_op=False):
+    """A joint graph: per parameter i, all-gather -> wait -> view (the weight), tagged MUST_RECOMPUTE,
+    or with ``one_op`` the ``zcompile::gather_shards`` node stage 3 traces instead (param_gather);
     forward x = x @ w_i for the first params and x + w_last (a bias); backward reads every w_i
     except the bias (d(x + b)/dx needs no b)."""
     mode = FakeTensorMode()
@@ -32,13 +34,20 @@ def _joint_graph(shard_sizes=(8, 8, 8), world=2):
             shard.meta["val"] = torch.empty(size * n)
     weights = []
     for i, shard in enumerate(shards):
-        gather = graph.call_function(ALL_GATHER, (shard, world, "0"), name=f"gather{i}")
-        wait = graph.call_function(WAIT, (gather,), name=f"wait{i}")
-        weight = graph.call_function(aten.view.default, (wait, [n, -1]), name=f"w{i}")
+        shape = [n, world * shard_sizes[i]]
+        if one_op:
+            chain = [graph.call_function(GATHER_SHARDS, (shard, n * shape[1], shape, world, "0", torch.float32),
+                                         name=f"w{i}")]
+        else:
+            gather = graph.call_function(ALL_GATHER, (shard, world, "0"), name=f"gather{i}")
+            wait = graph.call_function(WAIT, (gather,), name=f"wait{i}")
+            chain = [gather, wait, graph.call_function(aten.view.default, (wait, [n, -1]), name=f"w{i}")]
+            with mode:
+                gather.meta["val"] = wait.meta["val"] = torch.empty(world * shard_sizes[i] * n)
+        weight = chain[-1]
         with mode:
-            gather.meta["val"] = wait.meta["val"] = torch.empty(world * shard_sizes[i] * n)
-            weight.meta["val"] = torch.empty(n, world * shard_sizes[i])
-        for node in (gather, wait, weight):
+            weight.meta["val"] = torch.empty(shape)
+        for node in chain:
             node.meta[metadata.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
             metadata.tag(node, role=metadata.ROLE_GATHER, param=f"p{i}")
         weights.append(weight)
@@ -59,8 +68,9 @@ def _joint_graph(shard_sizes=(8, 8, 8), world=2):
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
-def test_plan_keeps_what_backward_reads_last_layers_first():
-    gm = _joint_graph()
+@pytest.mark.parametrize("one_op", [False, True], ids=["all_gather", "gather_shards"])
+def test_plan_keeps_what_backward_reads_last_layers_first(one_op):
+    gm = _joint_graph(one_op=one_op)
     weight_bytes = 2 * 8 * 16 * 4  # world x shard x rows x fp32
     plan = plan_keep_gathered(gm, budget_bytes=10 * weight_bytes)
     # the bias (p2) is never re-gathered, so it is no candidate; p1 is later in forward than p0
@@ -80,8 +90,9 @@ def test_plan_prefers_more_saved_per_kept_byte():
     assert plan.kept_params == ["p0"]  # saves 3/4 of its bytes, p1 only 1/2
 
 
-def test_pass_lifts_only_the_kept_tags():
-    gm = _joint_graph()
+@pytest.mark.parametrize("one_op", [False, True], ids=["all_gather", "gather_shards"])
+def test_pass_lifts_only_the_kept_tags(one_op):
+    gm = _joint_graph(one_op=one_op)
     plan = plan_keep_gathered(gm, budget_bytes=2 * 8 * 16 * 4)
     keep_gathered_pass(gm, plan)
     tagged = {metadata.tags(n)[metadata.PARAM] for n in gm.graph.nodes

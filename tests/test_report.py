@@ -143,13 +143,14 @@ def test_dump_layout(reported):
         assert graph_dirs == ["0_0"]
         graph_dir = os.path.join(rank_dir, "0_0")
         passes = json.load(open(os.path.join(graph_dir, "passes.json")))
-        post_partition = ["remove_unused_gathers", "drop_identity_views", "bucket_collectives", "schedule"]
+        post_partition = (["expand_param_gathers"] if stage == 3 else []) + [
+            "remove_unused_gathers", "drop_identity_views", "bucket_collectives", "schedule"]
         assert [(p["pass"], p["graph"]) for p in passes] == (  # (autocast is off: no param_dtype)
             [("insert_param_collectives", "dynamo")]
             + ([("regather_through_regions", "joint")] if stage == 3 else [])
             + [(name, "forward") for name in post_partition]
-            + [(name, "backward") for name in ["expand_grad_reductions"] + post_partition[:2]
-               + ["fuse_cross_entropy_backward"] + post_partition[2:]]
+            + [(name, "backward") for name in ["expand_grad_reductions"] + post_partition[:-2]
+               + ["fuse_cross_entropy_backward"] + post_partition[-2:]]
             + [("reduce_scatter_as_all_to_all", "backward")]  # gloo (the option reduce_scatter="auto")
         )
         for kind in ("forward", "backward"):

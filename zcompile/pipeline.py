@@ -39,6 +39,7 @@ from zcompile.passes.keep_gathered import keep_gathered_pass, plan_keep_gathered
 from zcompile.passes.loss_backward import fuse_cross_entropy_backward_pass
 from zcompile.passes.mixed_precision import autocast_pass, custom_ops_in_traced_dtypes_pass, norm_params_in_fp32_pass
 from zcompile.passes.param_collectives import insert_param_collectives_pass
+from zcompile.passes.param_gather import expand_param_gathers_pass
 from zcompile.passes.quantize_grads import quantize_grads_pass
 from zcompile.passes.quantize_weights import quantize_weights_pass
 from zcompile.passes.regions import regather_through_regions_pass
@@ -114,7 +115,10 @@ PIPELINE: tuple[PassRow, ...] = (
             after=("insert_param_collectives", "hpz", "regather_through_regions")),
     # the gradient reductions traced as one op each, written out before any pass reads a backward
     PassRow("expand_grad_reductions", BACKWARD, expand_grad_reductions_pass),
-    PassRow("remove_unused_gathers", PARTITIONED, remove_unused_gathers_pass),
+    # the stage-3 gathers, likewise one op each through the trace and the partition (forward and recomputed)
+    PassRow("expand_param_gathers", PARTITIONED, expand_param_gathers_pass,
+            enabled=lambda c: c.sharding.stage == 3 and bool(c.sharding.params)),
+    PassRow("remove_unused_gathers", PARTITIONED, remove_unused_gathers_pass, after=("expand_param_gathers",)),
     # a view of each parameter to its own shape at stages 2 and 3 (graph_ops' autograd functions)
     PassRow("drop_identity_views", PARTITIONED, drop_identity_views_pass),
     # compute, not communication: independent of every other row; first, so the schedule's memory
@@ -129,7 +133,7 @@ PIPELINE: tuple[PassRow, ...] = (
             enabled=lambda c: c.config.bucket_mb > 0,
             planner=plan_buckets, plan_name="buckets",
             options=lambda c, g: {"bucket_bytes": int(c.config.bucket_mb * MIB), "graph": g},
-            after=("expand_grad_reductions", "remove_unused_gathers", "hpz_forward_shortcut")),
+            after=("expand_grad_reductions", "expand_param_gathers", "remove_unused_gathers", "hpz_forward_shortcut")),
     # qwZ and qgZ quantize whole (bucketed) collectives: after bucketing, before the schedule moves them
     PassRow("quantize_weights", FORWARD, quantize_weights_pass,
             enabled=lambda c: c.zeropp.quantize_weights,
