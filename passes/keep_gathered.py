@@ -22,7 +22,9 @@ the same on every rank: it reads only the graph.
 
 ``keep_gathered_pass`` lifts the ``MUST_RECOMPUTE`` (and hpZ's ``MUST_SAVE`` on the secondary)
 from the forward nodes of the chosen parameters' gathers. The partitioner then saves the gathered
-weight (collectives are never recomputed) and the backward graph has no all-gather for it.
+weight (collectives are never recomputed, nor is an untagged op of zcompile's: a stage-3 gather
+reaches the joint graph as one ``zcompile::gather_shards`` node, ``param_gather``) and the backward
+graph has no all-gather for it.
 
 With qwZ the kept weight is the forward's int8-dequantized one, so backward uses it for the input
 gradients of the kept layers (re-gathered weights are full precision).
