@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from zcompile.passes.collectives import REDUCE_SCATTER, WAIT, reduce_scatter_in_graph
-from zcompile.passes.inline import graph_fake_mode
+from zcompile.passes.inline import AddNode, write_out_calls
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -70,36 +70,23 @@ def _reduce_grad_to_shard_fake(grad: torch.Tensor, numel: int, world_size: int, 
 REDUCE_GRAD_TO_SHARD = torch.ops.zcompile.reduce_grad_to_shard.default
 
 
-def _expand(graph: torch.fx.Graph, node: torch.fx.Node, fake_mode) -> None:
-    grad, numel, world_size, group_name, reduce_dtype, shard_dtype = node.args
-    # zcompile's tags, the stack trace, seq_nr, the partitioner's tag; not what describes the op's own output
-    meta = {key: value for key, value in node.meta.items() if key not in ("val", "tensor_meta", "original_aten")}
-
-    def add(target, args, kwargs=None) -> torch.fx.Node:
-        made = graph.call_function(target, tuple(args), kwargs or {})
-        made.meta.update(meta)
-        values = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
-        with fake_mode:
-            made.meta["val"] = target(*values, **(kwargs or {}))
-        return made
-
-    with graph.inserting_before(node):
-        flat, value = grad, grad.meta["val"]
-        if not value.is_contiguous():  # what reshape traces to for a tensor no view can flatten
-            flat = add(aten.clone.default, [flat], {"memory_format": torch.contiguous_format})
-        if value.dim() != 1:
-            flat = add(aten.view.default, [flat, [numel]])
-        padding = padded_numel(numel, world_size) - numel
-        if padding:
-            flat = add(aten.constant_pad_nd.default, [flat, [0, padding], 0.0])
-        if reduce_dtype is not None and value.dtype != reduce_dtype:
-            flat = add(prims.convert_element_type.default, [flat, reduce_dtype])
-        reduced = add(WAIT, [add(REDUCE_SCATTER, [flat, "sum", world_size, group_name])])
-        shard = add(aten.div.Tensor, [reduced, world_size])
-        if shard.meta["val"].dtype != shard_dtype:
-            shard = add(prims.convert_element_type.default, [shard, shard_dtype])
-    node.replace_all_uses_with(shard)
-    graph.erase_node(node)
+def _write_out(add: AddNode, grad: torch.fx.Node, numel: int, world_size: int, group_name: str,
+               reduce_dtype: torch.dtype | None, shard_dtype: torch.dtype) -> torch.fx.Node:
+    flat, value = grad, grad.meta["val"]
+    if not value.is_contiguous():  # what reshape traces to for a tensor no view can flatten
+        flat = add(aten.clone.default, [flat], {"memory_format": torch.contiguous_format})
+    if value.dim() != 1:
+        flat = add(aten.view.default, [flat, [numel]])
+    padding = padded_numel(numel, world_size) - numel
+    if padding:
+        flat = add(aten.constant_pad_nd.default, [flat, [0, padding], 0.0])
+    if reduce_dtype is not None and value.dtype != reduce_dtype:
+        flat = add(prims.convert_element_type.default, [flat, reduce_dtype])
+    reduced = add(WAIT, [add(REDUCE_SCATTER, [flat, "sum", world_size, group_name])])
+    shard = add(aten.div.Tensor, [reduced, world_size])
+    if shard.meta["val"].dtype != shard_dtype:
+        shard = add(prims.convert_element_type.default, [shard, shard_dtype])
+    return shard
 
 
 def expand_grad_reductions_pass(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -107,13 +94,7 @@ def expand_grad_reductions_pass(gm: torch.fx.GraphModule) -> torch.fx.GraphModul
     [clone] [view] [pad] [cast] reduce-scatter, wait, divide [cast], in place, with the op's metadata
     (zcompile's role and parameter tags) on each. Reads ``meta["val"]`` of the gradients; writes
     ``meta["val"]`` on every inserted node, from the graph's fake mode."""
-    reductions = gm.graph.find_nodes(op="call_function", target=REDUCE_GRAD_TO_SHARD)
-    if not reductions:
-        return gm
-    fake_mode = graph_fake_mode(gm)
-    for node in reductions:
-        _expand(gm.graph, node, fake_mode)
-    log.info("expand_grad_reductions: %d gradient reductions written out as reduce-scatters", len(reductions))
-    gm.graph.lint()
-    gm.recompile()
+    written = write_out_calls(gm, REDUCE_GRAD_TO_SHARD, _write_out)
+    if written:
+        log.info("expand_grad_reductions: %d gradient reductions written out as reduce-scatters", written)
     return gm

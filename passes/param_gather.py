@@ -28,7 +28,7 @@ import torch
 
 from zcompile.passes.collectives import ALL_GATHER, WAIT, all_gather_in_graph
 from zcompile.passes.grad_reduction import padded_numel
-from zcompile.passes.inline import graph_fake_mode
+from zcompile.passes.inline import AddNode, write_out_calls
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -62,31 +62,18 @@ def gather_shards_bytes(node: torch.fx.Node) -> tuple[int, int]:
     return padded_numel(numel, world_size) * gather_dtype.itemsize, world_size
 
 
-def _expand(graph: torch.fx.Graph, node: torch.fx.Node, fake_mode) -> None:
-    shard, numel, shape, world_size, group_name, gather_dtype = node.args
-    # zcompile's tags, the stack trace, seq_nr, the partitioner's tag; not what describes the op's own output
-    meta = {key: value for key, value in node.meta.items() if key not in ("val", "tensor_meta", "original_aten")}
-
-    def add(target, args) -> torch.fx.Node:
-        made = graph.call_function(target, tuple(args))
-        made.meta.update(meta)
-        values = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
-        with fake_mode:
-            made.meta["val"] = target(*values)
-        return made
-
-    with graph.inserting_before(node):
-        flat = shard
-        if shard.meta["val"].dtype != gather_dtype:
-            flat = add(prims.convert_element_type.default, [flat, gather_dtype])
-        full = add(WAIT, [add(ALL_GATHER, [flat, world_size, group_name])])
-        if padded_numel(numel, world_size) != numel:
-            full = add(aten.slice.Tensor, [full, 0, 0, numel])
-        # a 1-D parameter is the flat piece itself: no identity view for drop_identity_views to remove
-        if tuple(shape) != (numel,):
-            full = add(aten.view.default, [full, list(shape)])
-    node.replace_all_uses_with(full)
-    graph.erase_node(node)
+def _write_out(add: AddNode, shard: torch.fx.Node, numel: int, shape: Sequence[int], world_size: int,
+               group_name: str, gather_dtype: torch.dtype) -> torch.fx.Node:
+    flat = shard
+    if shard.meta["val"].dtype != gather_dtype:
+        flat = add(prims.convert_element_type.default, [flat, gather_dtype])
+    full = add(WAIT, [add(ALL_GATHER, [flat, world_size, group_name])])
+    if padded_numel(numel, world_size) != numel:
+        full = add(aten.slice.Tensor, [full, 0, 0, numel])
+    # a 1-D parameter is the flat piece itself: no identity view for drop_identity_views to remove
+    if tuple(shape) != (numel,):
+        full = add(aten.view.default, [full, list(shape)])
+    return full
 
 
 def expand_param_gathers_pass(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -94,13 +81,7 @@ def expand_param_gathers_pass(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     [cast] all-gather, wait [slice] [view], in place, with the op's metadata (zcompile's role and
     parameter tags, the recompute tag) on each. Reads ``meta["val"]`` of the shards; writes
     ``meta["val"]`` on every inserted node, from the graph's fake mode."""
-    gathers = gm.graph.find_nodes(op="call_function", target=GATHER_SHARDS)
-    if not gathers:
-        return gm
-    fake_mode = graph_fake_mode(gm)
-    for node in gathers:
-        _expand(gm.graph, node, fake_mode)
-    log.info("expand_param_gathers: %d parameter gathers written out as all-gathers", len(gathers))
-    gm.graph.lint()
-    gm.recompile()
+    written = write_out_calls(gm, GATHER_SHARDS, _write_out)
+    if written:
+        log.info("expand_param_gathers: %d parameter gathers written out as all-gathers", written)
     return gm
