@@ -329,6 +329,19 @@ def test_bf16_mixed_precision_is_applied(tmp_path):
         assert abs(a - b) <= 5e-5 * abs(b), (zero_bf16, plain_bf16)
 
 
+def test_the_model_is_traced_once_with_dynamic_shapes(tmp_path):
+    """ZeroTrainer compiles with dynamic=True, where Dynamo made the Llama's float attributes (its
+    RMSNorms' eps, the rotary scaling) symbolic, specialized them, and after AOTAutograd's joint trace
+    traced the whole model again (two compile attempts: twice the first step's time). Its compiles
+    trace floats as constants: one attempt."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    compilation_time_metrics.clear()
+    _losses_after_3_steps(tmp_path, zero=True, bf16=False)
+    attempts = sorted(name for name in compilation_time_metrics if name.startswith("compile_attempt_"))
+    assert attempts == ["compile_attempt_0"], attempts
+
+
 # ---- batches padded per rank to their own longest sequence ----
 
 class VariedLengthDataset(torch.utils.data.Dataset):

@@ -20,11 +20,13 @@ with Dynamo's own hint, from ``torch._dynamo.utils.counters``).
 Functions that must only ever be traced inline are kept from being compiled as frames of their own
 (``never_compiled_as_frames``). A compile error is read for what Dynamo does next: trace the frame
 again (``restarts_analysis``), or run it eagerly, with the op that failed and the setting that
-compiles it (``eager_fallback_cause``).
+compiles it (``eager_fallback_cause``). ``floats_specialized`` compiles with Python floats as
+constants, which spares a frame compiled with ``dynamic=True`` a second trace.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -245,6 +247,16 @@ def graph_break_reasons(shown: int = SHOWN_CAUSES) -> list[str]:
         if reason and reason not in reasons:
             reasons.append(reason)
     return reasons[:shown]
+
+
+def floats_specialized() -> contextlib.AbstractContextManager:
+    """Compiles under it trace Python floats as constants (``torch._dynamo.config.specialize_float``,
+    guarded on their values). With ``dynamic=True`` Dynamo otherwise makes a model's float attributes
+    (an RMSNorm's ``variance_epsilon``, a rotary embedding's ``attention_scaling``) symbolic; an op
+    that needs the number specializes it, and AOTAutograd, after tracing the joint graph, asks Dynamo
+    to trace the whole frame again (``TensorifyScalarRestartAnalysis``): a transformers Llama's first
+    compile took 21 s against 10-11 s under this (one process, ``aot_eager`` as well as zero)."""
+    return torch._dynamo.config.patch(specialize_float=True)
 
 
 def restarts_analysis(error: BaseException) -> bool:

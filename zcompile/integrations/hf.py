@@ -9,7 +9,8 @@ What it changes in ``Trainer``, and why:
 - the model is compiled with ``torch.compile(model, backend="zero", options=zero_options)`` where
   Trainer would wrap it in DistributedDataParallel (zcompile reduces the gradients itself; DDP on
   top would all-reduce them a second time). ``TrainingArguments(torch_compile_backend="zero")``
-  is accepted and means the same (accelerate itself refuses the name);
+  is accepted and means the same (accelerate itself refuses the name). Its compiles trace Python
+  floats as constants: with ``dynamic=True`` Dynamo would otherwise trace a transformers model twice;
 - the optimizer is ``zcompile.optim.AdamW`` (or ``SGD`` for ``optim="sgd"``) over Trainer's own
   decay / no-decay parameter groups, learning rate, betas and epsilon; Trainer's LR scheduler
   drives it unchanged;
@@ -44,6 +45,7 @@ import zcompile.checkpoint
 import zcompile.optim
 from zcompile.checkpoint_layout import unwrap
 from zcompile.consolidate import full_state_dict
+from zcompile.dynamo_frame import floats_specialized
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,18 @@ class ZeroTrainer(transformers.Trainer):
             self._zero_compiled = torch.compile(prepared, backend="zero", options=self.zero_options,
                                                 dynamic=self.dynamic)
         return self._zero_compiled
+
+    # The model's calls: the compile they trigger sees Python floats as constants. With dynamic=True
+    # Dynamo would make the model's float attributes symbolic and then trace the whole model twice
+    # (zcompile.dynamo_frame.floats_specialized): twice the first step's time for nothing.
+
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with floats_specialized():
+            return super().training_step(*args, **kwargs)
+
+    def prediction_step(self, *args: Any, **kwargs: Any) -> tuple:
+        with floats_specialized():
+            return super().prediction_step(*args, **kwargs)
 
     # ---- the optimizer: zcompile's, from Trainer's arguments ----
 
