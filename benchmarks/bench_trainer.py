@@ -3,12 +3,13 @@
     torchrun --nproc-per-node 2 benchmarks/bench_trainer.py
     torchrun --nproc-per-node 2 benchmarks/bench_trainer.py --steps 20 --rounds 3
 
-A tiny transformers Llama (2 layers, hidden 32, sequences padded per rank to their own longest:
-``dynamic=True``'s case), ``--steps`` optimizer steps of 8 sequences with an evaluation every
+A tiny transformers Llama (2 layers, hidden 32) on ``examples/hf_trainer.py``'s data (arithmetic
+progressions of 16 tokens), ``--steps`` optimizer steps of 8 sequences with an evaluation every
 ``--eval-every``: the time of ``trainer.train()`` (compiles included: on a model this small they are
 nearly all of it) for the DDP Trainer (eager), the DDP Trainer compiled (``torch_compile=True``,
-``torch_compile_backend="aot_eager"``: Dynamo's default shapes, so a recompile for the first new
-length, then dynamic ones), ``ZeroTrainer`` at stages 2 and 3, and the same
+``torch_compile_backend="aot_eager"``: Dynamo's default, static shapes), ``ZeroTrainer`` (which
+compiles with ``dynamic=True``) at stages 2 and 3, ``zero3+static`` with ``ZeroTrainer(dynamic=None)``
+(Dynamo's default shapes, as the compiled DDP Trainer has them), and the same
 ``ZeroTrainer`` with its compiles under Dynamo's default float handling (``+float_inputs``: Python
 floats symbolic under ``dynamic=True``, what ``ZeroTrainer`` did before it traced them as
 constants). Rounds take the configurations in turn; each run reports the most attempts one of its
@@ -29,11 +30,12 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 from common import print_table, start_gloo_benchmark  # noqa: E402
 
-CONFIGS = ("ddp", "ddp+compile", "zero2", "zero3", "zero2+float_inputs", "zero3+float_inputs")
-VOCAB = 128
+CONFIGS = ("ddp", "ddp+compile", "zero2", "zero3", "zero3+static", "zero2+float_inputs", "zero3+float_inputs")
+VOCAB, SEQ = 128, 16
 
 
 def _llama():
@@ -44,36 +46,6 @@ def _llama():
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     return transformers.LlamaForCausalLM(config)
-
-
-class VariedLengths:
-    """Token sequences of 6 to 16 tokens (a map-style dataset)."""
-
-    def __init__(self, count: int, seed: int):
-        import torch
-
-        generator = torch.Generator().manual_seed(seed)
-        lengths = torch.randint(6, 17, (count,), generator=generator)
-        self.items = [torch.randint(1, VOCAB, (int(n),), generator=generator) for n in lengths]
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> dict:
-        return {"input_ids": self.items[index]}
-
-
-def pad_to_longest(batch: list[dict]) -> dict:
-    """Each batch (so each rank's) as long as its longest sequence, padding masked out."""
-    import torch
-
-    length = max(len(item["input_ids"]) for item in batch)
-    ids = torch.zeros(len(batch), length, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, item in enumerate(batch):
-        ids[row, :len(item["input_ids"])] = item["input_ids"]
-        mask[row, :len(item["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 def run(config: str, steps: int, eval_every: int, world: int, out_dir: str) -> dict:
@@ -92,11 +64,14 @@ def run(config: str, steps: int, eval_every: int, world: int, out_dir: str) -> d
         learning_rate=3e-3, max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
         disable_tqdm=True, eval_strategy="steps", eval_steps=eval_every, seed=0, data_seed=0,
         **({"torch_compile": True, "torch_compile_backend": "aot_eager"} if config == "ddp+compile" else {}))
-    common = dict(model=_llama(), args=args, train_dataset=VariedLengths(8 * steps, 0),
-                  eval_dataset=VariedLengths(16, 1), data_collator=pad_to_longest)
+    from hf_trainer import Progressions  # the example's data (examples/hf_trainer.py)
+
+    common = dict(model=_llama(), args=args, train_dataset=Progressions(8 * steps, SEQ, VOCAB, seed=0),
+                  eval_dataset=Progressions(16, SEQ, VOCAB, seed=1))
     stage = int(config[len("zero")]) if config.startswith("zero") else None
     trainer = (transformers.Trainer(**common) if stage is None
-               else hf.ZeroTrainer(**common, zero_options={"stage": stage}))
+               else hf.ZeroTrainer(**common, zero_options={"stage": stage},
+                                   dynamic=None if config.endswith("+static") else True))
     trainer.remove_callback(transformers.PrinterCallback)  # its log lines on stdout
     # "+float_inputs": the compiles without ZeroTrainer's float specialization (torch's default)
     unspecialized = contextlib.nullcontext if config.endswith("+float_inputs") else hf.floats_specialized
