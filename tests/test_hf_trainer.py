@@ -155,6 +155,10 @@ def test_accelerate_wrapping_a_zero_model_in_ddp_is_refused_with_the_pattern(eac
 # ---- checkpoints: resume at the same and at another number of ranks ----
 
 RESUME_STEPS, SAVE_EVERY = 8, 4
+# Checkpoint tests train on fixed-length data: static shapes (torch.compile's own default) compile a
+# Llama in about a third of dynamic=True's time here; ZeroTrainer's default, dynamic=True, is what
+# the first fixture and the padded-batch test train with.
+STATIC = {"dynamic": None}
 
 
 def _resume_args(out_dir: str, world: int) -> transformers.TrainingArguments:
@@ -167,7 +171,7 @@ def _trainer(out_dir: str, world: int):
 
     torch._dynamo.reset()
     return ZeroTrainer(model=_llama(), args=_resume_args(out_dir, world),
-                       train_dataset=TokenDataset(RESUME_STEPS * 8, seed=0), zero_options={"stage": 3})
+                       train_dataset=TokenDataset(RESUME_STEPS * 8, seed=0), zero_options={"stage": 3}, **STATIC)
 
 
 def _train_then_resume(rank: int, world: int, out_dir: str) -> tuple[dict, dict]:
@@ -218,7 +222,7 @@ def _peft_train_then_resume(rank: int, world: int, out_dir: str) -> dict:
     def trainer():
         torch._dynamo.reset()
         return ZeroTrainer(model=_peft_llama(), args=_resume_args(out_dir, world),
-                           train_dataset=TokenDataset(RESUME_STEPS * 8, seed=0), zero_options={"stage": 3})
+                           train_dataset=TokenDataset(RESUME_STEPS * 8, seed=0), zero_options={"stage": 3}, **STATIC)
 
     uninterrupted = trainer()
     uninterrupted.train()
@@ -266,7 +270,7 @@ def _best_at_end(rank: int, world: int, out_dir: str) -> dict:
     args = _args(out_dir, world, max_steps=12, gradient_accumulation_steps=1, eval_steps=3, save_strategy="steps",
                  save_steps=3, load_best_model_at_end=True, metric_for_best_model="eval_loss", learning_rate=3e-2)
     trainer = ZeroTrainer(model=_llama(), args=args, train_dataset=TokenDataset(12 * 8, seed=0),
-                          eval_dataset=TokenDataset(16, seed=1), zero_options={"stage": 3})
+                          eval_dataset=TokenDataset(16, seed=1), zero_options={"stage": 3}, **STATIC)
     trainer.train()
     weights = full_state_dict(trainer.model, rank=0)
     if rank != 0:
