@@ -14,6 +14,9 @@ What it changes in ``Trainer``, and why:
 - the optimizer is ``zcompile.optim.AdamW`` (or ``SGD`` for ``optim="sgd"``) over Trainer's own
   decay / no-decay parameter groups, learning rate, betas and epsilon; Trainer's LR scheduler
   drives it unchanged;
+- with ``label_smoothing_factor``, Trainer's own loss shifts a causal LM's labels as with DDP: Trainer
+  recognises the model by the class ``accelerator.unwrap_model`` returns, which would be torch.compile's
+  wrapper (labels unshifted, a silently wrong loss);
 - ``max_grad_norm`` clips by the global norm over every rank's gradient shards
   (``optimizer.clip_grad_norm_``), and the logged ``grad_norm`` is that norm;
 - ``save_model()`` writes a normal Hugging Face folder (``config.json`` + safetensors) of the
@@ -33,6 +36,7 @@ another ``torch_compile_backend``, and an ``optim`` zcompile has no optimizer fo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -112,6 +116,17 @@ class ZeroTrainer(transformers.Trainer):
     def prediction_step(self, *args: Any, **kwargs: Any) -> tuple:
         with floats_specialized():
             return super().prediction_step(*args, **kwargs)
+
+    def compute_loss(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # With label_smoothing_factor, Trainer computes the loss itself and shifts a causal LM's labels
+        # only if the class of accelerator.unwrap_model(model) is a causal LM's. That unwrap keeps
+        # torch.compile's wrapper (OptimizedModule, no causal LM), so the labels went unshifted: each
+        # token scored against itself, a loss that trained silently wrong (first loss 5.18 where the
+        # DDP Trainer's was 4.87). The class is read here through the wrapper, as Trainer's DDP path reads it.
+        if self.label_smoother is None or model is not self._zero_compiled:
+            return super().compute_loss(model, *args, **kwargs)
+        with _unwrapping_through_compile(self.accelerator):
+            return super().compute_loss(model, *args, **kwargs)
 
     # ---- the optimizer: zcompile's, from Trainer's arguments ----
 
@@ -201,6 +216,26 @@ def _trains_an_adapter(model: torch.nn.Module) -> bool:
 def _unwrapped(optimizer: torch.optim.Optimizer) -> Any:
     """accelerate wraps the optimizer (``AcceleratedOptimizer``); zcompile's is inside."""
     return getattr(optimizer, "optimizer", optimizer)
+
+
+@contextlib.contextmanager
+def _unwrapping_through_compile(accelerator: Any):
+    """``accelerator.unwrap_model`` also removes torch.compile's wrapper while inside (an attribute of
+    this accelerator only, put back on exit)."""
+    own = accelerator.__dict__.get("unwrap_model")
+    unwrap = accelerator.unwrap_model
+
+    def through_compile(model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        return unwrap(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=False)
+
+    accelerator.unwrap_model = through_compile
+    try:
+        yield
+    finally:
+        if own is None:
+            del accelerator.unwrap_model
+        else:
+            accelerator.unwrap_model = own
 
 
 def _zero_checkpoint(checkpoint: str) -> str | None:
