@@ -334,6 +334,29 @@ def test_label_smoothing_shifts_a_causal_lms_labels_as_the_plain_trainer_does(tm
     _assert_close_lists(zero["evals"], plain["evals"], "eval_loss")
 
 
+def test_model_init_trains_a_fresh_model_at_each_train_call(tmp_path):
+    """``Trainer(model_init=...)`` builds a fresh model at each ``train()`` (a hyperparameter search's
+    trials). ZeroTrainer kept its first compile, so the second call trained the first model on:
+    losses 4.62, 4.71, ... where a fresh model starts at 4.87, and nothing said so. Each call must log
+    the plain Trainer's losses, through a compile of its own: the last model's graphs are dropped
+    first (with recompile_limit 1 here, as with 8 from a ninth trial, the new model would otherwise
+    run eagerly, unsharded)."""
+    from zcompile.integrations.hf import ZeroTrainer
+
+    torch._dynamo.reset()
+    args = _args(str(tmp_path), 1, eval_strategy="no", max_steps=3, gradient_accumulation_steps=1)
+    kwargs = dict(model_init=_llama, args=args, train_dataset=TokenDataset(24, seed=0))
+    plain = transformers.Trainer(**kwargs)
+    plain.train()
+    compiles = []
+    trainer = ZeroTrainer(**kwargs, zero_options={"stage": 3, "on_compile": compiles.append}, **STATIC)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for trial in range(2):
+            trainer.train()
+            _assert_close_lists(_history(trainer)["losses"], _history(plain)["losses"], f"loss, trial {trial}")
+            assert len(compiles) == trial + 1, len(compiles)
+
+
 def _losses_after_3_steps(tmp_path, zero: bool, bf16: bool) -> list[float]:
     from zcompile.integrations.hf import ZeroTrainer
 

@@ -14,6 +14,8 @@ What it changes in ``Trainer``, and why:
 - the optimizer is ``zcompile.optim.AdamW`` (or ``SGD`` for ``optim="sgd"``) over Trainer's own
   decay / no-decay parameter groups, learning rate, betas and epsilon; Trainer's LR scheduler
   drives it unchanged;
+- ``model_init``: each new model Trainer builds (at each ``train()``) is compiled anew, after
+  ``torch.compiler.reset()`` drops the last one's graphs;
 - with ``label_smoothing_factor``, Trainer's own loss shifts a causal LM's labels as with DDP: Trainer
   recognises the model by the class ``accelerator.unwrap_model`` returns, which would be torch.compile's
   wrapper (labels unshifted, a silently wrong loss);
@@ -86,6 +88,7 @@ class ZeroTrainer(transformers.Trainer):
         self.dynamic = dynamic
         self.optimizer_options = dict(optimizer_options or {})
         self._zero_compiled: torch.nn.Module | None = None
+        self._zero_compiled_from: torch.nn.Module | None = None  # the model it compiled
         super().__init__(*args, **kwargs)
         _refuse_unsupported(self.args)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
@@ -96,8 +99,17 @@ class ZeroTrainer(transformers.Trainer):
 
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader=None) -> torch.nn.Module:
         """The zero-compiled model, for training and evaluation alike (at stage 3 the plain model's
-        weights are shards: it cannot run outside the compiled graphs)."""
-        if self._zero_compiled is None:
+        weights are shards: it cannot run outside the compiled graphs). Compiled again when Trainer
+        has a new model: ``model_init`` builds a fresh one at each ``train()`` (a hyperparameter
+        search's trials), which the first compile's wrapper would not have trained."""
+        if self._zero_compiled is None or self._zero_compiled_from is not self.model:
+            if self._zero_compiled is not None:
+                # Dynamo would keep the last model's graphs, each guarded on its model: one more
+                # compile per trial, and from the ninth (recompile_limit) the new model ran eagerly,
+                # its weights unsharded (zcompile's warning named them). Trainer replaced that model.
+                log.info("ZeroTrainer: a new model (model_init); torch.compiler.reset() before compiling it")
+                torch.compiler.reset()
+            self._zero_compiled_from = self.model
             # accelerate's preparation without its DDP wrap (evaluation_mode): device placement and,
             # with bf16=True, the autocast around forward that Trainer's mixed precision is
             prepared = self.accelerator.prepare_model(self.model, evaluation_mode=True)
