@@ -149,7 +149,7 @@ def test_save_model_is_a_folder_from_pretrained_loads(each_way, stage):
 def test_accelerate_wrapping_a_zero_model_in_ddp_is_refused_with_the_pattern(each_way):
     runs, _ = each_way
     message = runs["accelerate"]
-    assert "runs inside DistributedDataParallel" in message and "prepare the data loaders only" in message, message
+    assert "runs inside DistributedDataParallel" in message and "prepare everything but the model" in message, message
 
 
 # ---- checkpoints: resume at the same and at another number of ranks ----

@@ -443,9 +443,9 @@ def _refuse_outer_data_parallel() -> None:
     if wrapper is not None:
         raise ValueError(
             f"zero backend: the compiled model runs inside {wrapper}, which reduces the gradients that zcompile "
-            "reduces itself. Do not wrap a zero-compiled model: with accelerate, prepare the data loaders only "
-            "(not the model or the optimizer) and clip with optimizer.clip_grad_norm_; with Hugging Face Trainer "
-            "use zcompile.integrations.hf.ZeroTrainer")
+            "reduces itself. Do not wrap a zero-compiled model: with accelerate, prepare everything but the model "
+            "(the data loaders, the optimizer, the LR scheduler); with Hugging Face Trainer use "
+            "zcompile.integrations.hf.ZeroTrainer")
 
 
 def _refuse_regions_with_inductor(gm: torch.fx.GraphModule, config: ZeroConfig) -> None:
