@@ -311,13 +311,16 @@ def test_refusals_name_the_fix(tmp_path):
     assert not trainer.args.torch_compile
 
 
-def _label_smoothed_run(out_dir: str, zero: bool) -> dict:
+def _three_steps(out_dir, zero: bool, dynamic: bool | None = True, **overrides) -> dict:
+    """Three steps of 8 sequences in one process, by the plain Trainer or ZeroTrainer at stage 3
+    (``dynamic``: ZeroTrainer's), with TrainingArguments ``overrides``; the logged history."""
     from zcompile.integrations.hf import ZeroTrainer
 
     torch._dynamo.reset()
-    args = _args(out_dir, 1, max_steps=3, gradient_accumulation_steps=1, eval_steps=3, label_smoothing_factor=0.1)
+    args = _args(str(out_dir), 1, **{"eval_strategy": "no", "max_steps": 3, "gradient_accumulation_steps": 1,
+                                     **overrides})
     kwargs = dict(model=_llama(), args=args, train_dataset=TokenDataset(24, seed=0), eval_dataset=TokenDataset(8, seed=1))
-    trainer = ZeroTrainer(**kwargs, zero_options={"stage": 3}, **STATIC) if zero else transformers.Trainer(**kwargs)
+    trainer = ZeroTrainer(**kwargs, zero_options={"stage": 3}, dynamic=dynamic) if zero else transformers.Trainer(**kwargs)
     trainer.train()
     return _history(trainer)
 
@@ -328,8 +331,9 @@ def test_label_smoothing_shifts_a_causal_lms_labels_as_the_plain_trainer_does(tm
     unshifted, each token scored against itself (first loss 5.18 where the DDP Trainer's was 4.87 on 2
     ranks), and nothing said so. The plain Trainer in the same process is the reference, in training
     and in evaluation."""
-    plain = _label_smoothed_run(str(tmp_path / "plain"), zero=False)
-    zero = _label_smoothed_run(str(tmp_path / "zero"), zero=True)
+    smoothed = dict(eval_strategy="steps", eval_steps=3, label_smoothing_factor=0.1)
+    plain = _three_steps(tmp_path / "plain", zero=False, **smoothed)
+    zero = _three_steps(tmp_path / "zero", zero=True, **STATIC, **smoothed)
     _assert_close_lists(zero["losses"], plain["losses"], "loss")
     _assert_close_lists(zero["evals"], plain["evals"], "eval_loss")
 
@@ -357,15 +361,6 @@ def test_model_init_trains_a_fresh_model_at_each_train_call(tmp_path):
             assert len(compiles) == trial + 1, len(compiles)
 
 
-def _losses_after_3_steps(tmp_path, zero: bool, bf16: bool) -> list[float]:
-    from zcompile.integrations.hf import ZeroTrainer
-
-    torch._dynamo.reset()
-    args = _args(str(tmp_path), 1, eval_strategy="no", max_steps=3, gradient_accumulation_steps=1, bf16=bf16)
-    kwargs = dict(model=_llama(), args=args, train_dataset=TokenDataset(24, seed=0))
-    trainer = ZeroTrainer(**kwargs, zero_options={"stage": 3}) if zero else transformers.Trainer(**kwargs)
-    trainer.train()
-    return _history(trainer)["losses"]
 
 
 @pytest.fixture(scope="module")
@@ -374,7 +369,7 @@ def fp32_zero_run(tmp_path_factory) -> tuple[list[float], list[str]]:
     from torch._dynamo.utils import compilation_time_metrics
 
     compilation_time_metrics.clear()
-    losses = _losses_after_3_steps(tmp_path_factory.mktemp("fp32"), zero=True, bf16=False)
+    losses = _three_steps(tmp_path_factory.mktemp("fp32"), zero=True)["losses"]
     return losses, sorted(name for name in compilation_time_metrics if name.startswith("compile_attempt_"))
 
 
@@ -391,8 +386,8 @@ def test_bf16_mixed_precision_is_applied(tmp_path, fp32_zero_run):
     """bf16=True is accelerate's autocast around forward: ZeroTrainer keeps it (it was silently
     dropped with the DDP wrap it replaces). One process: the plain Trainer is the reference."""
     fp32, _ = fp32_zero_run
-    zero_bf16 = _losses_after_3_steps(tmp_path, zero=True, bf16=True)
-    plain_bf16 = _losses_after_3_steps(tmp_path, zero=False, bf16=True)
+    zero_bf16 = _three_steps(tmp_path, zero=True, bf16=True)["losses"]
+    plain_bf16 = _three_steps(tmp_path, zero=False, bf16=True)["losses"]
     # the first loss comes from the same weights through bf16 autocast: as the plain Trainer's, and
     # 1e-5 relative away from fp32 (later steps: the weights drift apart by bf16 rounding)
     assert abs(zero_bf16[0] - plain_bf16[0]) <= 1e-6 * abs(plain_bf16[0]), (zero_bf16, plain_bf16)

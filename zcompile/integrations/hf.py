@@ -134,9 +134,8 @@ class ZeroTrainer(transformers.Trainer):
         # only if the class of accelerator.unwrap_model(model) is a causal LM's. That unwrap keeps
         # torch.compile's wrapper (OptimizedModule, no causal LM), so the labels went unshifted: each
         # token scored against itself, a loss that trained silently wrong (first loss 5.18 where the
-        # DDP Trainer's was 4.87). The class is read here through the wrapper, as Trainer's DDP path reads it.
-        if self.label_smoother is None or model is not self._zero_compiled:
-            return super().compute_loss(model, *args, **kwargs)
+        # DDP Trainer's was 4.87). The class is read here through the wrapper, as Trainer's DDP path
+        # reads it; Trainer's loss unwraps the model for nothing else.
         with _unwrapping_through_compile(self.accelerator):
             return super().compute_loss(model, *args, **kwargs)
 
