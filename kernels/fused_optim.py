@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from zcompile.kernels.dispatch import triton_available, use_triton
-from zcompile.kernels.lowp_cast import cast_rtne
 from zcompile.kernels.optim_reference import adamw_reference, sgd_reference
 
 log = logging.getLogger(__name__)
@@ -30,6 +29,8 @@ TABLE_COLUMNS = 6  # a shard's row in the multi-tensor table: param, grad, exp_a
 if triton_available():
     import triton
     import triton.language as tl
+
+    from zcompile.kernels.lowp_cast import cast_rtne  # a @triton.jit helper: there only with triton
 
     _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 

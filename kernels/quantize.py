@@ -24,7 +24,6 @@ import logging
 import torch
 
 from zcompile.kernels.dispatch import triton_available, use_triton
-from zcompile.kernels.lowp_cast import cast_rtne
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +34,8 @@ MAX_BLOCK = 2**16  # a block lives in one program's registers
 if triton_available():
     import triton
     import triton.language as tl
+
+    from zcompile.kernels.lowp_cast import cast_rtne  # a @triton.jit helper: there only with triton
 
     @triton.jit
     def _block_offsets(pid, BLOCK: tl.constexpr, BITS: tl.constexpr):
