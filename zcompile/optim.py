@@ -290,15 +290,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 zero_tensor_grad(param, set_to_none)
 
     def _warn_if_not_zeroed(self, members: list[ShardedParam]) -> None:
-        """Said once per optimizer: a step found the last step's gradient shards, added onto."""
+        """Said once per optimizer: a step found the last step's gradient shards (added onto, or used again)."""
         stale = stale_grad_members(members)
         if stale and not self._warned_stale_grads:
             self._warned_stale_grads = True
             log.warning(
                 "zcompile: optimizer step %d: the gradients of %d parameters (%s, ...) were not zeroed since the last "
-                "step, so this step's gradients were added onto the last one's (torch's behaviour when nothing "
-                "zeroes them). zcompile's gradients live on shards that optimizer.zero_grad() and model.zero_grad() "
-                "clear, but `p.grad = None` does not: zero through one of those two.",
+                "step, so this step's gradients were added onto the last one's, or, with no backward since, the last "
+                "step's were applied again (torch's behaviour when nothing zeroes them). zcompile's gradients live "
+                "on shards that optimizer.zero_grad() and model.zero_grad() clear, but `p.grad = None` does not: "
+                "zero through one of those two.",
                 self.step_calls, len(stale), stale[0].name)
 
     def _skip_nonfinite_enabled(self) -> bool:
