@@ -111,7 +111,7 @@ def _no_result(exitcode: int | None, fault_path: str) -> str:
 # Tried 2026-11-29 and not kept: a warm-up in the server (a stage-1 and a stage-3 step of the GPT on a
 # world of one, then gc.freeze()) so that each rank inherits what a first compile fills. Six 2-rank
 # launches of one compile each took 19.2 / 18.4 s without it and 20.7 / 20.7 s with it, and the
-# server started 4 s later: a rank's first compile is slow for what it does with its process group.
+# server started 4 s later (a rank's first compile was 0.4-0.6 s shorter with it; the launches were not).
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot_autograd",
             "torch._functorch.partitioners", "functorch.compile", "torch._dynamo.backends.common",
             "torch._dynamo.backends.distributed", "torch._dynamo.backends.inductor",
