@@ -11,7 +11,12 @@ optimizer's 4 MiB buckets, the median over ``--repeats`` rounds (each phase afte
 slowest rank's time; phases interleaved by round):
 
 - ``forward``: a training forward (autograd recording), eager;
-- ``gather``: the step's all-gathers of every parameter, one per bucket, waited;
+- ``gather``: the step's all-gathers of every parameter, one per bucket into a flat buffer, waited;
+- ``gather_landed``: the same as the optimizer runs it (``process_group.all_gather_coalesced_into``,
+  each bucket's all-gather started once the one before it is waited): into each parameter's own
+  padded storage, so gloo copies every member's piece out of its flat buffer. Less ``gather``, it is what
+  landing costs: what a flat-parameter layout (parameters as views of the gathered buffer, FSDP1's)
+  would save, where every shard is a slice of a flat bucket instead of each parameter's own 1/N;
 - ``serial``: the gathers waited, then the forward (today's order);
 - ``overlapped``: the gathers started, the forward, then their waits (the best a deferral could do:
   no bucket waited before the forward ends).
@@ -37,8 +42,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 from common import print_table, slowest_ms, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+from zcompile.process_group import DataParallelGroup, all_gather_coalesced_into  # noqa: E402
 
-PHASES = ("forward", "gather", "serial", "overlapped", "all_reduce", "reduce_scatter")
+PHASES = ("forward", "gather", "gather_landed", "serial", "overlapped", "all_reduce", "reduce_scatter")
 BUCKET_BYTES = 4 * 2**20  # zcompile.optim's default bucket_mb
 
 
@@ -54,6 +60,29 @@ def phases(layers: int, world: int) -> dict:
     inputs = [torch.randn(size // world) for size in sizes]
     grads, received = torch.randn(sum(sizes)), torch.empty(sum(sizes))
     shard = torch.empty(sum(sizes) // world)
+
+    # gather_landed: the optimizer's buckets over each parameter's padded storage ([N * s_i], this
+    # rank's s_i its shard), consecutive parameters up to BUCKET_BYTES of full parameter
+    group = DataParallelGroup.resolve()
+    shard_numels = [-(-p.numel() // world) for p in model.parameters()]
+    landed_buckets, size = [[]], 0
+    for shard_numel in shard_numels:
+        if landed_buckets[-1] and size + shard_numel * world * 4 > BUCKET_BYTES:
+            landed_buckets.append([])
+            size = 0
+        landed_buckets[-1].append(torch.empty(shard_numel * world))
+        size += shard_numel * world * 4
+    rank = dist.get_rank()
+
+    def gather_landed():
+        in_flight = None
+        for storages in landed_buckets:
+            shards = [storage.view(world, -1)[rank] for storage in storages]
+            work = all_gather_coalesced_into(storages, shards, group)
+            if in_flight is not None:
+                in_flight.wait()
+            in_flight = work
+        in_flight.wait()
 
     def forward():
         model(tokens, targets)
@@ -71,7 +100,7 @@ def phases(layers: int, world: int) -> dict:
         dist.all_to_all_single(received, grads)
         torch.sum(received.view(world, -1), 0, out=shard)
 
-    return {"forward": forward, "gather": gather, "serial": lambda: (gather(), forward()),
+    return {"forward": forward, "gather": gather, "gather_landed": gather_landed, "serial": lambda: (gather(), forward()),
             "overlapped": overlapped, "all_reduce": lambda: dist.all_reduce(grads),
             "reduce_scatter": reduce_scatter, "_numel": numel, "_buckets": len(sizes)}
 
