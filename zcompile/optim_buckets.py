@@ -190,12 +190,24 @@ class BucketedGradReduce:
         group, dtype = bucket[0].group, bucket[0].grad_reduce_dtype
         width = sum(m.shard_numel for m in bucket)
         rows = torch.empty(group.world_size, width, dtype=dtype, device=bucket[0].shard.device)
+        # members with no padding (each row of theirs whole) in one foreach copy: one call from Python where
+        # a copy per member took twice the time (196 gradients of the 16-layer example GPT, 13 MB: 6.4-7.2
+        # against 3.3 ms, one thread); unless each full gradient goes once copied, which must wait for its copy
+        whole_rows, whole_grads = [], []
         offset = 0
         for m in bucket:
-            _write_rows(rows[:, offset: offset + m.shard_numel], m.full_grad.detach().reshape(-1), m.numel)
+            columns, flat = rows[:, offset: offset + m.shard_numel], m.full_grad.detach().reshape(-1)
+            if m.numel == rows.shape[0] * m.shard_numel and not self.free_full_grads:
+                whole_rows.append(columns)
+                whole_grads.append(flat.view(rows.shape[0], m.shard_numel))
+            else:
+                _write_rows(columns, flat, m.numel)
             offset += m.shard_numel
             if self.free_full_grads:
                 m.clear_full_grad()
+        if whole_rows:
+            torch._foreach_copy_(whole_rows, whole_grads)  # cast in the copy, as copy_ does
+        del whole_grads, columns, flat  # no gradient kept alive by a name of ours while the bucket moves
         if reduce_scatter_by_all_to_all("auto", group):  # gloo: as the graphs run it (option reduce_scatter)
             received = torch.empty_like(rows)
             work, out, held = all_to_all_eager(received, rows, group, async_op=True), None, 0
