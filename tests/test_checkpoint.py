@@ -77,6 +77,8 @@ def first_launch(rank: int, world: int, root: str) -> dict:
             out["gpt_params"] = _params(model)
             out["full_state_dict"] = ckpt.full_state_dict(compiled)
             ckpt.save(os.path.join(root, "gpt_end"), compiled, optimizer)
+            # a complete checkpoint where the background save below goes: that one replaces it whole
+            ckpt.save(os.path.join(root, "gpt_2r"), compiled, optimizer, extra={"rank": rank, "step": STEPS})
         model, compiled, optimizer, spec = _fresh(name, 3)
         train_steps(spec, compiled, optimizer, range(HALF), rank, world)
         written = ckpt.save(os.path.join(root, f"{name}_2r"), compiled, optimizer, extra={"rank": rank, "step": HALF},
@@ -84,6 +86,7 @@ def first_launch(rank: int, world: int, root: str) -> dict:
         if name == "gpt":
             train_steps(spec, compiled, optimizer, range(HALF, STEPS), rank, world)  # training goes on meanwhile
             written.result()
+            out["left_beside"] = sorted(f for f in os.listdir(root) if f.startswith("gpt_2r."))
     # resume at the same world size and stage: before compile, and into a model that has run a step
     model, compiled, optimizer, spec = _fresh("gpt", 3)
     out["extra"] = ckpt.load(os.path.join(root, "gpt_2r"), model, optimizer)
@@ -231,7 +234,91 @@ def test_resume_same_world_is_bitwise(launches):
         full = result["gpt_full"]
         assert result["resumed_before_compile"] == full[HALF:]
         assert result["resumed_after_compile"] == full[HALF:]
-        assert result["extra"] == {"rank": rank, "step": HALF}
+        assert result["extra"] == {"rank": rank, "step": HALF}  # the background save replaced the step-6 one
+        assert result["left_beside"] == []  # nor its staging directory nor the replaced one left
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def _moved(model, by: float) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(by)
+    return _weights(model)
+
+
+def _same(model, weights) -> bool:
+    return all(torch.equal(value, weights[name]) for name, value in model.state_dict().items())
+
+
+def test_a_save_stopped_part_way_leaves_the_last_checkpoint_whole(tmp_path, monkeypatch):
+    """A save over the last checkpoint that stops while DCP writes (a preemption): the last checkpoint
+    loads as it was saved. DCP writes in place, so before zcompile.checkpoint_commit it was cut (and with
+    one rank's file rewritten and another's not yet, a mix of two steps loaded without an error)."""
+    path = str(tmp_path / "latest")
+    model = build_model("gpt")
+    ckpt.save(path, model)
+    saved = _weights(model)
+    _moved(model, 1.0)
+    real_save = dcp.save
+
+    def stopped(state, checkpoint_id, **kwargs):  # the files written, then half of each gone, then the stop
+        real_save(state, checkpoint_id=checkpoint_id, **kwargs)
+        for file in os.listdir(checkpoint_id):
+            if file.endswith(".distcp"):
+                with open(os.path.join(checkpoint_id, file), "r+b") as handle:
+                    handle.truncate(os.path.getsize(os.path.join(checkpoint_id, file)) // 2)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.dcp, "save", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(path, model)
+    monkeypatch.undo()
+    ckpt.load(path, model)
+    assert _same(model, saved)
+    # the next save clears what the stopped one left and replaces the checkpoint
+    later = _moved(model, 2.0)
+    ckpt.save(path, model)
+    assert sorted(os.listdir(tmp_path)) == ["latest"]
+    _moved(model, 1.0)
+    ckpt.load(path, model)
+    assert _same(model, later)
+
+
+def test_a_save_stopped_while_it_is_swapped_in_is_read_where_it_was_written(tmp_path, monkeypatch, caplog):
+    """Stopped between the swap's two renames: no checkpoint at the path, the new one complete beside it.
+    ``load`` and ``consolidate`` read that one (with a warning); the next save moves it into place first."""
+    path = str(tmp_path / "latest")
+    model = build_model("gpt")
+    ckpt.save(path, model)
+    newer = _moved(model, 1.0)
+    real_rename = os.rename
+
+    def rename(source, destination):
+        if os.fspath(source).endswith(".zcompile-saving"):
+            raise KeyboardInterrupt
+        real_rename(source, destination)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(path, model)
+    monkeypatch.undo()
+    assert not os.path.exists(path)
+    _moved(model, 5.0)
+    with caplog.at_level("WARNING", logger="zcompile.checkpoint_commit"):
+        ckpt.load(path, model)
+    assert _same(model, newer) and "a save stopped while it swapped them in" in caplog.text
+    consolidate(path, str(tmp_path / "full.pt"))
+    assert torch.equal(torch.load(tmp_path / "full.pt")["wte.weight"], newer["wte.weight"])
+    later = _moved(model, 2.0)
+    ckpt.save(path, model)
+    assert sorted(os.listdir(tmp_path)) == ["full.pt", "latest"]
+    ckpt.load(path, build_model("gpt"))  # a model of its own: loads the latest
+    _moved(model, 1.0)
+    ckpt.load(path, model)
+    assert _same(model, later)
 
 
 def test_resume_on_another_world_size_and_stage(launches):

@@ -24,6 +24,7 @@ once DCP has read all of them on every rank. A failure is a ``CheckpointError`` 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -34,6 +35,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from zcompile.checkpoint_commit import (commit_save, incomplete_save_note, prepare_save, readable_checkpoint,
+                                        replaced_whole, staging_dir)
 from zcompile.checkpoint_layout import (FORMAT, META_KEY, PARAM_GROUPS_KEY, CheckpointError, agree_on_call,
                                         as_flat_piece, buffer_key, extra_key, flat_mesh, from_bytes, group_of, named_unique_params, optim_key,
                                         param_aliases, param_key, persistent_buffers, to_bytes, unwrap)
@@ -46,6 +49,7 @@ from zcompile.rank_check import names_digest
 log = logging.getLogger(__name__)
 
 ASYNC_GROUP_ATTR = "_zcompile_async_checkpoint_group"  # on the user's module: the group of its background saves
+PENDING_SAVE_ATTR = "_zcompile_pending_checkpoint_save"  # on the user's module: its background save not yet waited
 
 __all__ = ["CheckpointError", "save", "load", "full_state_dict"]
 
@@ -104,13 +108,27 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     A rank that does not make the same call within ``timeout_s`` is an error on the others.
     ``exclude_frozen_parameters``: the parameters with ``requires_grad`` False are left out, their
     digests kept (module docstring); ``load`` then takes them from the model it loads into.
+
+    A checkpoint already at ``path`` is replaced whole or not at all: the save is written into
+    ``<path>.zcompile-saving`` and swapped in once every rank's files are written
+    (``zcompile.checkpoint_commit``), so a save stopped part way leaves the last checkpoint readable.
     """
+    path = os.fspath(path)
+    _wait_for_background_save(model)  # its swap, and its writes into the same staging directory, come first
     params = named_unique_params(model)
     group = group_of([p for _, p in params])
     frozen = [(name, p) for name, p in params if not p.requires_grad] if exclude_frozen_parameters else []
-    agree_on_call("save", path, group, timeout_s, optimizer=optimizer is not None, async_save=async_save,
+    whole = replaced_whole(path)
+    problem = None
+    if whole and group.rank == 0:  # DCP's coordinating rank, which writes the metadata, owns the directories
+        try:
+            prepare_save(path)
+        except OSError as error:
+            problem = f"clearing what an earlier save left beside {path} failed ({error})"
+    agree_on_call("save", path, group, timeout_s, problem, optimizer=optimizer is not None, async_save=async_save,
                   exclude_frozen_parameters=exclude_frozen_parameters,
                   frozen=names_digest(name for name, _ in frozen))  # else each writes other entries
+    target = staging_dir(path) if whole else path
     excluded = {name: {"shape": list(p.shape), "dtype": str(p.dtype), "digest": digest}
                 for (name, p), digest in zip(frozen, _full_value_digests(frozen, group))}
     trained = [(name, p) for name, p in params if name not in excluded]
@@ -126,16 +144,62 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     state[META_KEY] = json.dumps(_meta(model, trained, optimizer, group) | {"excluded_frozen": excluded})
     state[extra_key(group.rank)] = to_bytes(extra or {})
     if async_save:
-        result = dcp.async_save(state, checkpoint_id=os.fspath(path), process_group=_async_group(model, group),
+        result = dcp.async_save(state, checkpoint_id=target, process_group=_async_group(model, group),
                                 no_dist=group.world_size == 1)
         result = getattr(result, "upload_completion", result)  # (other checkpointer types: a response)
+        if whole:
+            result = _committed_when_written(result, path, group, timeout_s)
+        unwrap(model).__dict__[PENDING_SAVE_ATTR] = result
     else:
-        result = dcp.save(state, checkpoint_id=os.fspath(path), process_group=group.process_group,
+        result = dcp.save(state, checkpoint_id=target, process_group=group.process_group,
                           no_dist=group.world_size == 1)
+        if whole:
+            _commit(path, group, timeout_s)
     log.info("checkpoint: %s %d parameters to %s (rank %d of %d)%s", "saving" if async_save else "saved",
              len(trained), path, group.rank, group.world_size,
              f", {len(excluded)} frozen ones left out" if excluded else "")
     return result
+
+
+def _commit(path: str, group: DataParallelGroup, timeout_s: float, problem: str | None = None) -> None:
+    """The written save swapped in at ``path`` by the coordinating rank; every rank returns once it is
+    (or raises, on every rank, when writing or the swap failed on any)."""
+    if problem is None and group.rank == 0:
+        try:
+            commit_save(path)
+        except (OSError, RuntimeError) as error:
+            problem = f"moving the finished save into place failed ({error}); {path} is left as it was"
+    agree_on_call("save", path, group, timeout_s, problem)
+
+
+def _committed_when_written(written: concurrent.futures.Future, path: str, group: DataParallelGroup,
+                            timeout_s: float) -> concurrent.futures.Future:
+    """A future of a background save that completes once it is swapped in at ``path`` on every rank: the
+    swap runs on DCP's thread when the files are written (its exchange through the store too, numbered
+    apart from the training thread's as every rank's saves complete in the order they started)."""
+    committed: concurrent.futures.Future = concurrent.futures.Future()
+
+    def swap(done: concurrent.futures.Future) -> None:
+        try:
+            value, problem = done.result(), None
+        except BaseException as error:  # reported on every rank through the commit's agreement
+            value, problem = None, f"writing it failed ({type(error).__name__}: {_first_line(error)})"
+        try:
+            _commit(path, group, timeout_s, problem)
+        except BaseException as error:
+            committed.set_exception(error)
+        else:
+            committed.set_result(value)
+
+    written.add_done_callback(swap)
+    return committed
+
+
+def _wait_for_background_save(model: torch.nn.Module) -> None:
+    """Waits for ``model``'s last background save (and raises its error) before another save or a load."""
+    pending = unwrap(model).__dict__.pop(PENDING_SAVE_ATTR, None)
+    if pending is not None:
+        pending.result()
 
 
 def _async_group(model: torch.nn.Module, group: DataParallelGroup) -> dist.ProcessGroup | None:
@@ -199,23 +263,26 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     it had at the save). A rank that does not make the same call within ``timeout_s`` is an error on
     the others.
     """
+    _wait_for_background_save(model)  # a save of this path must be swapped in before it is read
     params = named_unique_params(model)
     group = group_of([p for _, p in params])
     path = os.fspath(path)
+    directory = readable_checkpoint(path)  # path, or a complete save stopped while it was swapped in
     problem, meta = None, {}
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = dcp.FileSystemReader(directory).read_metadata()
         if META_KEY in metadata.state_dict_metadata:  # read first: it says which parameters were left out
-            meta = read_meta(path)
+            meta = read_meta(directory)
         _check(metadata.state_dict_metadata, params, model, optimizer, strict, meta.get("excluded_frozen", {}))
     except (Exception, CheckpointException) as error:  # reported on every rank below, never alone (no hang)
         problem = f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
+        problem += incomplete_save_note(path)
     agree_on_call("load", path, group, timeout_s, problem, optimizer=optimizer is not None, strict=strict)
     keys, excluded = metadata.state_dict_metadata, meta.get("excluded_frozen", {})
     kept = [(name, p) for name, p in params if name in excluded]  # the same on every rank: one checkpoint
     dest, optimizer_shards = _destination(keys, params, model, optimizer, group)
     try:
-        dcp.load(dest, checkpoint_id=path, process_group=group.process_group, no_dist=group.world_size == 1)
+        dcp.load(dest, checkpoint_id=directory, process_group=group.process_group, no_dist=group.world_size == 1)
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException; it reaches every rank
         raise CheckpointError(f"zcompile.checkpoint.load: reading {path} failed ({type(error).__name__}: "
                               f"{_first_line(error)}); the model and optimizer are unchanged") from error

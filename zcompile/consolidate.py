@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from zcompile.checkpoint_commit import readable_checkpoint
 from zcompile.checkpoint_layout import META_KEY, agree_on_call, buffer_key, param_key, unwrap
 from zcompile.param_shards import shard_of
 from zcompile.full_params import gather_into_full
@@ -121,7 +122,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, An
     the format has no aliases), anything else with ``torch.save``. Runs without a process group,
     reading one tensor at a time.
     """
-    path = os.fspath(path)
+    path = readable_checkpoint(os.fspath(path))  # or a complete save stopped while it was swapped in
     meta = read_meta(path)
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     result: dict[str, torch.Tensor] = {}
