@@ -169,14 +169,15 @@ def _commit(path: str, group: DataParallelGroup, timeout_s: float, problem: str 
             commit_save(path)
         except (OSError, RuntimeError) as error:
             problem = f"moving the finished save into place failed ({error}); {path} is left as it was"
-    agree_on_call("save", path, group, timeout_s, problem)
+    # counted apart from the training thread's checkpoint calls, per path: a background save swaps on
+    # DCP's thread, and two models' background saves may finish in another order on each rank
+    agree_on_call("save", path, group, timeout_s, problem, purpose=f"checkpoint-swap:{os.path.abspath(path)}")
 
 
 def _committed_when_written(written: concurrent.futures.Future, path: str, group: DataParallelGroup,
                             timeout_s: float) -> concurrent.futures.Future:
     """A future of a background save that completes once it is swapped in at ``path`` on every rank: the
-    swap runs on DCP's thread when the files are written (its exchange through the store too, numbered
-    apart from the training thread's as every rank's saves complete in the order they started)."""
+    swap runs on DCP's thread when the files are written, and so does its exchange through the store."""
     committed: concurrent.futures.Future = concurrent.futures.Future()
 
     def swap(done: concurrent.futures.Future) -> None:
@@ -196,10 +197,11 @@ def _committed_when_written(written: concurrent.futures.Future, path: str, group
 
 
 def _wait_for_background_save(model: torch.nn.Module) -> None:
-    """Waits for ``model``'s last background save (and raises its error) before another save or a load."""
+    """Waits for ``model``'s last background save before another save or a load (its error, if any, is
+    its own future's: the caller may have handled it already)."""
     pending = unwrap(model).__dict__.pop(PENDING_SAVE_ATTR, None)
     if pending is not None:
-        pending.result()
+        concurrent.futures.wait([pending])
 
 
 def _async_group(model: torch.nn.Module, group: DataParallelGroup) -> dist.ProcessGroup | None:

@@ -67,18 +67,20 @@ _DIFFERENT_FIXES = {
 
 
 def agree_on_call(call: str, path: str | os.PathLike | None, group: DataParallelGroup, timeout_s: float,
-                  problem: str | None = None, **same: Any) -> None:
+                  problem: str | None = None, purpose: str = "checkpoint", **same: Any) -> None:
     """Every rank of ``group`` made the same checkpoint ``call`` with the same ``path`` and ``same``
     arguments, and no rank found a ``problem``; otherwise an error on every rank that came.
 
     Saving and loading are collective: a rank that skips the call (``if rank == 0: save(...)``)
     would leave the others waiting in DCP's collectives until the process group's timeout, and a
     path made per rank (a time stamp) would write one directory per rank and no readable checkpoint.
+    ``purpose``: what the store counts these calls under (``rank_check.exchange_on_store``); calls made on
+    another thread need one of their own.
     """
     mine = {"call": call, "path": None if path is None else os.path.abspath(os.fspath(path)), "problem": problem,
             **same}
     everyone = exchange_on_store(
-        mine, group, timeout_s, "checkpoint", f"zcompile.checkpoint.{call}",
+        mine, group, timeout_s, purpose, f"zcompile.checkpoint.{call}",
         "Every rank of the group must make the same checkpoint calls: they read and write together, so a "
         "call under `if rank == 0:` waits forever for the others. Call it on every rank (the files are written "
         "once), or raise timeout_s if a rank is only slow.")
