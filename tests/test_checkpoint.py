@@ -287,6 +287,19 @@ def test_a_save_stopped_part_way_leaves_the_last_checkpoint_whole(tmp_path, monk
     assert _same(model, later)
 
 
+def test_a_save_into_a_directory_holding_other_files_is_refused_and_deletes_nothing(tmp_path):
+    """The swap replaces the whole directory: a run's logs there (or a file at the path) would go with it."""
+    model = build_model("gpt")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "log.txt").write_text("step 1")
+    (tmp_path / "model.pt").write_text("weights")
+    for path in (tmp_path / "run", tmp_path / "model.pt"):
+        with pytest.raises(ckpt.CheckpointError, match="save into a directory of its own"):
+            ckpt.save(path, model)
+    assert (tmp_path / "run" / "log.txt").read_text() == "step 1" and (tmp_path / "model.pt").read_text() == "weights"
+    assert sorted(os.listdir(tmp_path / "run")) == ["log.txt"]
+
+
 def test_a_save_stopped_while_it_is_swapped_in_is_read_where_it_was_written(tmp_path, monkeypatch, caplog):
     """Stopped between the swap's two renames: no checkpoint at the path, the new one complete beside it.
     ``load`` and ``consolidate`` read that one (with a warning); the next save moves it into place first."""

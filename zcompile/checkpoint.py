@@ -123,6 +123,8 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     if whole and group.rank == 0:  # DCP's coordinating rank, which writes the metadata, owns the directories
         try:
             prepare_save(path)
+        except CheckpointError as error:
+            problem = str(error)
         except OSError as error:
             problem = f"clearing what an earlier save left beside {path} failed ({error})"
     agree_on_call("save", path, group, timeout_s, problem, optimizer=optimizer is not None, async_save=async_save,

@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
+
+from zcompile.checkpoint_layout import CheckpointError
 
 log = logging.getLogger(__name__)
 
 STAGING_SUFFIX = ".zcompile-saving"
 PREVIOUS_SUFFIX = ".zcompile-old"
 _METADATA_FILE = ".metadata"  # DCP's, renamed into place last when a save finishes
+# what DCP's file system writer puts in a checkpoint directory: the metadata (global, or per rank without
+# collectives), its temporary name while written, and the ranks' data files
+_DCP_FILE = re.compile(r"(__\d+)?\.metadata(\.tmp)?|__\d+_\d+\.distcp")
 
 
 def replaced_whole(path: str) -> bool:
@@ -51,10 +57,17 @@ def is_complete(directory: str) -> bool:
 
 def prepare_save(path: str) -> str:
     """The coordinator's clean-up before a save of ``path``; returns the directory to write into.
+    ``CheckpointError`` when ``path`` holds anything but a checkpoint (a file, a run's logs): the swap
+    would delete it.
 
     A save stopped between the swap's renames left the new checkpoint complete in the staging
     directory and none at ``path``: it is moved into place first. Then whatever an earlier stopped
     save left beside ``path`` (a staging directory without metadata, an old one not yet removed) goes."""
+    foreign = not_a_checkpoints(path)
+    if foreign:  # the swap replaces the whole directory: never someone's other files with it
+        raise CheckpointError(f"{path} holds what no checkpoint holds ({', '.join(foreign[:3])}"
+                      f"{', ...' if len(foreign) > 3 else ''}), which replacing it would delete: save into a "
+                      "directory of its own")
     staging, previous = staging_dir(path), previous_dir(path)
     if not is_complete(path) and is_complete(staging):
         _remove(path)
@@ -64,6 +77,16 @@ def prepare_save(path: str) -> str:
     _remove(staging)
     _remove(previous)
     return staging
+
+
+def not_a_checkpoints(path: str) -> list[str]:
+    """What ``path`` holds that DCP does not write (``[path]`` itself when it is a file): empty for a
+    checkpoint directory, an empty one, or none."""
+    if not os.path.lexists(path):
+        return []
+    if not os.path.isdir(path) or os.path.islink(path):
+        return [path]
+    return sorted(name for name in os.listdir(path) if not _DCP_FILE.fullmatch(name))
 
 
 def commit_save(path: str) -> None:
