@@ -155,8 +155,9 @@ class Heartbeat:
     @contextlib.contextmanager
     def blocked(self, what: str, exchange_group: str | None = None):
         """The training thread waits in ``what`` (zcompile's; ``exchange_group``: an exchange of that
-        group's ranks) until the block ends; nested blocks keep the outer."""
-        if self.blocked_in is not None:
+        group's ranks) until the block ends; nested blocks keep the outer. A wait on another thread (a
+        background checkpoint save's swap) says nothing: marking it would hide the training thread's own."""
+        if self.blocked_in is not None or threading.get_ident() != self.thread_id:
             yield
             return
         with self._lock:
