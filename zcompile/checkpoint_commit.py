@@ -55,15 +55,15 @@ def is_complete(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, _METADATA_FILE))
 
 
-def prepare_save(path: str) -> str:
-    """The coordinator's clean-up before a save of ``path``; returns the directory to write into.
+def prepare_save(path: str) -> None:
+    """The coordinator's clean-up before a save of ``path`` (into ``staging_dir(path)``).
     ``CheckpointError`` when ``path`` holds anything but a checkpoint (a file, a run's logs): the swap
     would delete it.
 
     A save stopped between the swap's renames left the new checkpoint complete in the staging
     directory and none at ``path``: it is moved into place first. Then whatever an earlier stopped
     save left beside ``path`` (a staging directory without metadata, an old one not yet removed) goes."""
-    foreign = not_a_checkpoints(path)
+    foreign = foreign_files(path)
     if foreign:  # the swap replaces the whole directory: never someone's other files with it
         raise CheckpointError(f"{path} holds what no checkpoint holds ({', '.join(foreign[:3])}"
                       f"{', ...' if len(foreign) > 3 else ''}), which replacing it would delete: save into a "
@@ -76,10 +76,9 @@ def prepare_save(path: str) -> str:
                     "them); moved now", staging)
     _remove(staging)
     _remove(previous)
-    return staging
 
 
-def not_a_checkpoints(path: str) -> list[str]:
+def foreign_files(path: str) -> list[str]:
     """What ``path`` holds that DCP does not write (``[path]`` itself when it is a file): empty for a
     checkpoint directory, an empty one, or none."""
     if not os.path.lexists(path):
