@@ -173,6 +173,17 @@ def _divergent_calls(rank, world, root, model, optimizer) -> dict[str, str | Non
     out["frozen_on_one_rank"] = outcome(lambda: ckpt.save(os.path.join(root, "frozen_one"), model, optimizer,
                                                            exclude_frozen_parameters=True))
     frozen_here.requires_grad_(True)
+    # rank 1 alone finding another checkpoint at the path (what a filesystem not shared by the ranks shows after
+    # a save stopped while it swapped in): each rank would read its own checkpoint; refused on both
+    real_readable = ckpt.readable_checkpoint
+    if rank == 1:
+        ckpt.readable_checkpoint = lambda path: os.path.join(root, "gpt_end")
+    before = _params(model)
+    try:
+        out["read_differs"] = outcome(lambda: ckpt.load(os.path.join(root, "gpt_2r"), model, optimizer))
+    finally:
+        ckpt.readable_checkpoint = real_readable
+    out["read_differs_untouched"] = all(torch.equal(before[k], v) for k, v in _params(model).items())
     # the last calls on this group: after a lone call the ranks' call counts differ (the job would stop)
     start = time.perf_counter()
     if rank == 0:  # `if rank == 0: save(...)`, the torch.save habit
@@ -386,6 +397,8 @@ def test_rank_divergent_calls_are_errors_not_hangs(launches):
         assert not divergent["per_rank_path_wrote"]
         assert "different 'frozen'" in divergent["frozen_on_one_rank"]
         assert "freeze the same parameters on every rank" in divergent["frozen_on_one_rank"]
+        assert "different 'read'" in divergent["read_differs"] and "every rank shares" in divergent["read_differs"]
+        assert divergent["read_differs_untouched"]
     lone = first[0]["divergent"]
     assert lone["lone_save"].startswith("RankDivergenceError") and "ranks [1] did not within 3s" in lone["lone_save"]
     assert "if rank == 0" in lone["lone_save"] and lone["seconds"] < 30

@@ -281,7 +281,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     except (Exception, CheckpointException) as error:  # reported on every rank below, never alone (no hang)
         problem = f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
         problem += incomplete_save_note(path)
-    agree_on_call("load", path, group, timeout_s, problem, optimizer=optimizer is not None, strict=strict)
+    # the directory too: ranks that resolve the path differently would each read another checkpoint
+    agree_on_call("load", path, group, timeout_s, problem, optimizer=optimizer is not None, strict=strict,
+                  read=os.path.abspath(directory))
     keys, excluded = metadata.state_dict_metadata, meta.get("excluded_frozen", {})
     kept = [(name, p) for name, p in params if name in excluded]  # the same on every rank: one checkpoint
     dest, optimizer_shards = _destination(keys, params, model, optimizer, group)

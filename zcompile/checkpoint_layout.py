@@ -61,6 +61,8 @@ _DIFFERENT_FIXES = {
     "path": " A path made per rank (the rank, a time stamp) gives each rank a directory of its own and no readable "
             "checkpoint: make it the same everywhere (a step number, or rank 0's path sent with "
             "dist.broadcast_object_list).",
+    "read": " The ranks found different checkpoints at the path (a save stopped while it swapped its directory in, "
+            "seen by some ranks only): the path must be on a filesystem every rank shares, as DCP's loads need.",
     "frozen": " These are digests of the names of the parameters with requires_grad False, which "
               "exclude_frozen_parameters leaves out: freeze the same parameters on every rank.",
 }
