@@ -3,6 +3,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# `python -m pytest` from the repository root puts the root on sys.path, where `kernels/` (installed as
+# zcompile.kernels) shadows the `kernels` package transformers imports when it builds a model
+# (ImportError: cannot import name 'CUDAProperties' from 'kernels'). The suite imports the project
+# through the installed package only; the ranks it spawns inherit this path.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
+
 # Triton picks the interpreter when a kernel is decorated, i.e. when its module is first
 # imported; set it before any test module imports zcompile so that, without a GPU, the Triton
 # kernels run on CPU tensors through the interpreter.

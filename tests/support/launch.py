@@ -133,7 +133,22 @@ def _rank_context() -> mp.context.BaseContext:
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)
+    _start_forkserver_outside_the_repository()
     return context
+
+
+def _start_forkserver_outside_the_repository() -> None:
+    """Starts the fork server (once) from the temporary directory: it imports ``_PRELOAD`` with the
+    directory it starts in on its path, and from the repository root ``kernels/`` would shadow the
+    ``kernels`` package transformers imports (``conftest.py`` drops the root from this process's path)."""
+    import multiprocessing.forkserver
+
+    here = os.getcwd()
+    os.chdir(tempfile.gettempdir())
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.chdir(here)
 
 
 def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 300, env: dict[str, str] | None = None,
