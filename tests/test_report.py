@@ -146,7 +146,7 @@ def test_dump_layout(reported):
         post_partition = (["expand_param_gathers"] if stage == 3 else []) + [
             "remove_unused_gathers", "drop_identity_views", "bucket_collectives", "schedule"]
         assert [(p["pass"], p["graph"]) for p in passes] == (  # (autocast is off: no param_dtype)
-            [("insert_param_collectives", "dynamo")]
+            [("insert_param_collectives", "dynamo"), ("save_random_draws", "joint")]
             + ([("regather_through_regions", "joint")] if stage == 3 else [])
             + [(name, "forward") for name in post_partition]
             + [(name, "backward") for name in ["expand_grad_reductions"] + post_partition[:-2]

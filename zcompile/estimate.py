@@ -225,6 +225,7 @@ def _saved_activations(model: torch.nn.Module, batch: Any, config: ZeroConfig,
 
     from zcompile.inner import activation_budget, activation_budget_fraction
     from zcompile.passes.liveness import saved_activation_bytes
+    from zcompile.passes.random_draws import save_random_draws_pass
 
     saved: dict[int, int] = {}  # per Dynamo graph: its partition's (a block subgraph's is made first)
     calls: dict[int, int] = {}  # per Dynamo graph: its forward's calls
@@ -237,6 +238,7 @@ def _saved_activations(model: torch.nn.Module, batch: Any, config: ZeroConfig,
         params = {f"primals_{i + 1}" for i, v in enumerate(example_inputs) if isinstance(v, torch.nn.Parameter)}
 
         def partition(joint, joint_inputs, **kwargs):
+            save_random_draws_pass(joint)  # as the backend's joint passes do: a dropout's mask is saved
             fraction = activation_budget_fraction(config.activation_memory_budget, joint, joint_inputs, kwargs)
             with activation_budget(fraction):
                 forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)

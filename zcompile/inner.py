@@ -19,6 +19,7 @@ from zcompile.passes.all_gather_lowering import all_gathers_into_buffers, gather
 from zcompile.passes.call_prologue import (CallSplit, dynamo_index, issued_example, shard_placeholder_names,
                                            split_first_gather)
 from zcompile.passes.liveness import saved_activation_bytes
+from zcompile.passes.random_draws import recomputed_random_draws
 from zcompile.call_prefetch import CallChain, prefetching_call
 from zcompile.compile_gc import full_collections_deferred
 from zcompile.compiled import CompiledGraphs
@@ -85,6 +86,8 @@ def _post_partition(graph_module: torch.fx.GraphModule, kind: str,
     discriminator's two graphs): a false ``RankDivergenceError``. Every rank calls the backward at
     the same point of the step, whenever it was compiled."""
     context = graphs.context
+    if kind == "backward" and graphs.forward is not None:
+        _refuse_recomputed_random_draws(graphs.forward, graph_module, context.config.activation_memory_budget)
     graph_module = run_passes(context, kind, codegen_on_demand(graph_module))
     setattr(graphs, kind, graph_module)
     context.runner.dump.write_json(collectives_file(kind),
@@ -94,6 +97,21 @@ def _post_partition(graph_module: torch.fx.GraphModule, kind: str,
         check()
         check = None
     return graph_module, check
+
+
+def _refuse_recomputed_random_draws(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
+                                    budget: float | str | None) -> None:
+    """Raises where the partition left the backward drawing again random numbers the forward drew
+    (``passes/random_draws.py`` tags them to be saved; this holds whatever the partitioner did):
+    the same on every rank, which compile the same graph."""
+    redrawn = recomputed_random_draws(forward, backward)
+    if redrawn:
+        raise RuntimeError(
+            f"zero backend: the backward would draw new random numbers for {', '.join(redrawn)}, which the forward "
+            f"drew (a dropout recomputed with a fresh mask), so every gradient through them would be wrong. "
+            f"torch's partitioner placed them there (activation_memory_budget={budget!r}, or "
+            f"torch._functorch.config.activation_memory_budget). Leave activation_memory_budget unset, put the random "
+            f"ops under torch.utils.checkpoint (which replays the forward's RNG state), or turn the dropout off")
 
 
 def _issue_order_check(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs) -> Callable[[], None] | None:
@@ -383,13 +401,19 @@ def mutated_input_indices() -> tuple[int, ...]:
     return tuple(index for index, info in enumerate(meta.input_info) if info.mutates_data)
 
 
+# torch's partitioner at a budget of exactly 0 saves the graph's inputs alone and skips every
+# MUST_SAVE tag (random draws', hpZ's secondary slices); the least positive budget recomputes all
+# else as 0 does and honours them
+_LEAST_BUDGET = 1e-9
+
+
 def activation_budget(fraction: float | None):
     """AOTAutograd's memory-budget partitioner for the partitions made inside (its config, read by
     ``min_cut_rematerialization_partition``: 1 saves what the default min-cut saves, 0 recomputes
-    everything it may); ``None`` changes nothing."""
+    everything but what is tagged ``MUST_SAVE``); ``None`` changes nothing."""
     if fraction is None:
         return contextlib.nullcontext()
-    return torch._functorch.config.patch(activation_memory_budget=float(fraction))
+    return torch._functorch.config.patch(activation_memory_budget=float(fraction) or _LEAST_BUDGET)
 
 
 def activation_budget_fraction(budget: float | str | None, joint: torch.fx.GraphModule, joint_inputs,

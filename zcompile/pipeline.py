@@ -42,6 +42,7 @@ from zcompile.passes.param_collectives import insert_param_collectives_pass
 from zcompile.passes.param_gather import expand_param_gathers_pass
 from zcompile.passes.quantize_grads import quantize_grads_pass
 from zcompile.passes.quantize_weights import quantize_weights_pass
+from zcompile.passes.random_draws import save_random_draws_pass
 from zcompile.passes.regions import regather_through_regions_pass
 from zcompile.passes.reduce_scatter_lowering import reduce_scatter_as_all_to_all_pass
 from zcompile.passes.schedule import plan_schedule, schedule_pass
@@ -104,6 +105,9 @@ PIPELINE: tuple[PassRow, ...] = (
             options=lambda c, g: {"hpz_size": c.zeropp.hpz_size, "hpz_rank": c.zeropp.hpz_rank,
                                   "hpz_group_name": c.zeropp.hpz_group_name},
             after=("insert_param_collectives",)),
+    # always: any budget torch's partitioner is given (zcompile's option or torch's own config) may
+    # otherwise recompute a dropout in the backward with a fresh mask
+    PassRow("save_random_draws", JOINT, save_random_draws_pass),
     # before keep_gathered: it then sees the blocks' weights read by the backward and may keep them
     PassRow("regather_through_regions", JOINT, regather_through_regions_pass,
             enabled=lambda c: c.sharding.stage == 3 and bool(c.sharding.params),

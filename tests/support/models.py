@@ -53,6 +53,23 @@ class GPTCheckpointed(GPT):
         return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class GPTDropout(GPT):
+    """The GPT with dropout (p=0.25) after the embeddings and after each block: random draws that a
+    backward must never make again. Its runs are deterministic when the RNG is seeded before each
+    forward (``RunSpec.seed_each_forward``)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__(config)
+        self.drop = torch.nn.Dropout(0.25)
+
+    def forward(self, idx, targets):
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(idx.shape[1])))
+        for block in self.blocks:
+            x = self.drop(block(x))
+        logits = self.head(self.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 class GPTContrastive(GPT):
     """The GPT plus a contrastive term over every rank's sequence embeddings, CLIP's habit: in the
     compiled forward, each rank all-gathers the others' embeddings (two views: a sequence's first
@@ -84,7 +101,8 @@ class GPTContrastive(GPT):
 
 
 def build_model(name: str) -> torch.nn.Module:
-    """The models the tests train, each deterministic (seeded, no dropout)."""
+    """The models the tests train, each deterministic (seeded; those with dropout when the RNG is
+    seeded before each forward)."""
     torch.manual_seed(0)
     small = GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32)
     if name == "gpt_breaks":
@@ -94,6 +112,8 @@ def build_model(name: str) -> torch.nn.Module:
                                        tie_weights=False), in_loop=True)
     if name == "gpt_checkpointed":
         return GPTCheckpointed(small)
+    if name == "gpt_dropout":
+        return GPTDropout(small)
     if name == "gpt_contrastive":
         return GPTContrastive(small)
     if name == "gpt_frozen":  # position embedding and first block's norm frozen
@@ -121,6 +141,12 @@ def build_model(name: str) -> torch.nn.Module:
         # logger.warning_once in every forward: a graph break there (Dynamo traces the model twice
         # over, 6 s of a 10 s two-rank run). Graph breaks have tests of their own (test_features.py).
         model.loss_type = "ForCausalLM"
+        return model
+    if name == "hf_gpt2_dropout":  # transformers' defaults: dropout 0.1 on embeddings, attention, residuals
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16))
+        model.loss_type = "ForCausalLM"  # as hf_gpt2's
         return model
     if name == "hf_llama":
         from transformers import LlamaConfig, LlamaForCausalLM

@@ -65,6 +65,9 @@ class RunSpec:
     recompile_limit: int | None = None  # torch._dynamo.config.recompile_limit during the zero run (None: torch's)
     regional: bool = False  # zcompile.mark_repeated_blocks(model) before compiling
     blocks: bool = False  # each block compiled on its own (block.compile), the rest of the model eager
+    # the RNG seeded before each forward by (step, micro-batch, rank): a model with dropout draws the
+    # same masks for a rank's slice as the reference does for that slice (microbatch_like_ranks)
+    seed_each_forward: bool = False
 
 
 @dataclass
@@ -94,6 +97,11 @@ def _optimizer(spec: RunSpec, params, zero: bool):
     # key third of an attention qkv bias): with eps=1e-8 Adam would normalize that noise to
     # +-lr steps and two correct runs would differ by lr per element.
     return module.AdamW(params, lr=spec.lr, weight_decay=0.01, eps=1e-6, **extra)
+
+
+def _seed_forward(spec: RunSpec, step: int, micro: int, rank: int) -> None:
+    if spec.seed_each_forward:
+        torch.manual_seed(1000 * step + 10 * micro + rank)
 
 
 def micro_batches(spec: RunSpec, step: int, rank: int, world: int):
@@ -187,7 +195,8 @@ def _train_zero_step(spec: RunSpec, compiled, model, optimizer, step: int, rank:
     """One step of ``train_zero`` (its micro-batches, clip, update); returns the optimizer (made at the
     first backward with ``optimizer_after_forward``)."""
     step_loss = 0.0
-    for tokens, targets in micro_batches(spec, step, rank, world):
+    for micro, (tokens, targets) in enumerate(micro_batches(spec, step, rank, world)):
+        _seed_forward(spec, step, micro, rank)
         loss = model_loss(spec.model, compiled, tokens, targets) / spec.grad_accum
         loss.backward()
         step_loss += loss.detach()
@@ -224,6 +233,7 @@ def train_reference(spec: RunSpec, world: int = 1, microbatch_like_ranks: bool =
             tokens, targets = tokens[chunk], targets[chunk]
             for part in range(slices):
                 local = slice(part * spec.batch_size // slices, (part + 1) * spec.batch_size // slices)
+                _seed_forward(spec, step, micro, part)
                 with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
                     loss = model_loss(spec.model, model, tokens[local], targets[local]) / (spec.grad_accum * slices)
                 loss.backward()
