@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.graph_builders import calls, trace
+from support.graph_builders import calls, trace
 from zcompile.passes import metadata
 from zcompile.passes.collectives import REDUCE_SCATTER, WAIT, CollectiveNode
 from zcompile.passes.grad_reduction import REDUCE_GRAD_TO_SHARD, expand_grad_reductions_pass, reduce_grad_to_shard

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from tests.support.graph_builders import calls, trace
+from support.graph_builders import calls, trace
 from zcompile.passes import metadata
 from zcompile.passes.collectives import ALL_GATHER, WAIT, CollectiveNode
 from zcompile.passes.param_gather import GATHER_SHARDS, expand_param_gathers_pass, gather_shards, gather_shards_bytes

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.testing import FileCheck
 
-from tests.support.graph_builders import as_zero_collectives, calls, reduce_scatter_graph, trace
+from support.graph_builders import as_zero_collectives, calls, reduce_scatter_graph, trace
 from zcompile.config import ZeroConfig
 from zcompile.passes import metadata
 from zcompile.passes.collectives import ALL_TO_ALL, REDUCE_SCATTER, WAIT, CollectiveNode, collective_nodes
