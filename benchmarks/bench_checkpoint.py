@@ -79,7 +79,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
 import zcompile  # noqa: E402
-import zcompile.checkpoint as ckpt  # noqa: E402
+import zcompile.checkpoint.dcp as ckpt  # noqa: E402
 from common import print_table, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 

@@ -4,7 +4,7 @@
 
 For each number of layers and ``overlap`` on and off: the example GPT trained with
 ``backend="zero"`` (stage 3, eager inner compiler, small buckets so that each block gathers its
-own), a few warm-up steps, then the prediction of ``zcompile.cost_model.predict_step`` over the
+own), a few warm-up steps, then the prediction of ``zcompile.predict.cost_model.predict_step`` over the
 forward and backward graphs, from collective and compute costs measured once at the start
 (agreed across ranks). Measured, medians over ``--steps`` steps: forward + backward under
 ``zcompile.timeline.record_step`` (time inside the compiled graphs, and in ``wait_tensor`` = the
@@ -30,9 +30,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import zcompile  # noqa: E402
 from common import print_table  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
-from zcompile.cost_model import measure_collective_costs, measure_compute_costs, predict_step  # noqa: E402
+from zcompile.predict.cost_model import measure_collective_costs, measure_compute_costs, predict_step  # noqa: E402
 from zcompile.passes.collectives import ALL_GATHER, COLLECTIVE_KINDS, REDUCE_SCATTER  # noqa: E402
-from zcompile.timeline import record_step  # noqa: E402
+from zcompile.reports.timeline import record_step  # noqa: E402
 
 
 PRINTED_KINDS = (COLLECTIVE_KINDS[ALL_GATHER], COLLECTIVE_KINDS[REDUCE_SCATTER])  # the measured costs printed

@@ -278,7 +278,7 @@ def shape_change_on_one_rank(rank, world, clock_path):
 
 def uneven_epoch_then_barrier(rank, world, clock_path, stage):
     """Rank 0 has one batch fewer (data of uneven length), then every rank calls ``dist.barrier()``.
-    Rank 0's process may end (``zcompile.mismatch_watch``): each rank's outcome is also written to a
+    Rank 0's process may end (``zcompile.agreement.mismatch_watch``): each rank's outcome is also written to a
     file, which ``run_fault`` reads when a rank left no result."""
     import torch.distributed as dist
 

@@ -27,7 +27,7 @@ import zcompile  # noqa: E402
 import zcompile.optim  # noqa: E402
 from common import depth_sweep_arguments, print_table, slowest_ms, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
-from zcompile.checkpoint import full_state_dict  # noqa: E402
+from zcompile.checkpoint.dcp import full_state_dict  # noqa: E402
 
 
 def _enter_and_leave(model: torch.nn.Module, **arguments) -> None:

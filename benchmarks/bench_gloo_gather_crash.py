@@ -17,7 +17,7 @@ one. Nothing of zcompile runs: only torch's collectives, in four forms:
   ``all_gather_into_tensor``), 8 in flight;
 - ``functional_one_at_a_time``: the functional op, each waited before the next is issued;
 - ``coalesced_with_all_to_all``: what the sharded optimizer's step ran at stage 1 on gloo
-  (``zcompile.optim_buckets``): the process group's coalesced all-gather into given outputs
+  (``zcompile.optim.buckets``): the process group's coalesced all-gather into given outputs
   (``process_group.all_gather_coalesced_into``) in flight beside an ``all_to_all_single(async_op=True)``;
 - ``flat_with_all_to_all``: the same with ``all_gather_single(async_op=True)`` per output.
 """

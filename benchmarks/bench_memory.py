@@ -19,7 +19,7 @@ the backend's here: the stage 1/2 optimizer holds a few of its buckets at once, 
   optimizer's bucket buffers (``step_report().memory``) + 10%, each part reported (``peak_vs_parts_without_staging``: the ratio without gloo's part, which
   NCCL does not have: gloo gathers into a flat buffer of its own, then copies out);
 - **fwd+bwd**: forward and backward recorded as one from the model states, against the walk over
-  the compiled graphs (``zcompile.step_peak``, with gloo's second buffer of each all-gather in flight);
+  the compiled graphs (``zcompile.predict.step_peak``, with gloo's second buffer of each all-gather in flight);
 - **estimate**: ``zcompile.estimate_memory`` made before the model was compiled, against the
   measurement (model states exactly; the compiled parts from the compiled graphs);
 - **opt ms**: ``optimizer.step()`` alone, unprofiled, the median over ``TIMED_STEPS`` steps of the
@@ -47,8 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table, start_gloo_benchmark  # noqa: E402
 
 import zcompile  # noqa: E402
-from zcompile.step_peak import step_peak  # noqa: E402
-from zcompile.timeline import record_step  # noqa: E402
+from zcompile.predict.step_peak import step_peak  # noqa: E402
+from zcompile.reports.timeline import record_step  # noqa: E402
 
 SEQ, BATCH_PER_RANK, VOCAB = 64, 2, 4096
 MIB = 2**20
@@ -96,7 +96,7 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int, optim_bucket
     estimate = zcompile.estimate_memory(model, world, options, batch={"input_ids": batch(0, rank, world),
                                                                      "labels": batch(0, rank, world)})
     optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-3, bucket_mb=optim_bucket_mb)
-    graphs = []  # the compiled graphs, for the walk (zcompile.step_peak)
+    graphs = []  # the compiled graphs, for the walk (zcompile.predict.step_peak)
     compiled = torch.compile(model, backend="zero", options={**options, "on_compile": graphs.append})
     losses = []
     for step in range(2):

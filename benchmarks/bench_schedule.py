@@ -62,8 +62,8 @@ from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 from zcompile.passes.collectives import ALL_GATHER, ALL_REDUCE, COLLECTIVE_KINDS, REDUCE_SCATTER  # noqa: E402
 from zcompile.passes.liveness import (  # noqa: E402
     dependency_graph, gathered_peak_bytes, node_bytes, peak_bytes, storages)
-from zcompile.report import compiled_graphs_of  # noqa: E402
-from zcompile.timeline import record_step  # noqa: E402
+from zcompile.reports.step_report import compiled_graphs_of  # noqa: E402
+from zcompile.reports.timeline import record_step  # noqa: E402
 
 LR, WEIGHT_DECAY = 3e-4, 0.01
 KINDS = tuple(COLLECTIVE_KINDS[op] for op in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE))  # the kinds ZeRO issues

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import print_table  # noqa: E402
 
-from zcompile.simulate import simulate  # noqa: E402
+from zcompile.predict.simulate import simulate  # noqa: E402
 
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

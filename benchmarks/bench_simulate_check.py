@@ -22,7 +22,7 @@ ranks, then
   process group there: ``simulate`` makes its own fake one) that runs ``zcompile.simulate`` with
   ``hardware="cpu-local"`` (or ``--profile``) on the same model, one rank's batch, options and world
   size, and predicts the forward and backward graphs separately with the same costs; and its step
-  peak (``result.step_peak_bytes``, a walk over the compiled graphs: ``zcompile.step_peak``) against
+  peak (``result.step_peak_bytes``, a walk over the compiled graphs: ``zcompile.predict.step_peak``) against
   the allocator's.
 
 Goals (the issue's): memory parts within 5%, collectives identical in count and bytes, step time
@@ -53,9 +53,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 from common import print_table  # noqa: E402
 
 import zcompile  # noqa: E402
-from zcompile.compute_efficiency import measure_compute_efficiency  # noqa: E402
-from zcompile.hardware import load_profile  # noqa: E402
-from zcompile.timeline import record_step  # noqa: E402
+from zcompile.predict.compute_efficiency import measure_compute_efficiency  # noqa: E402
+from zcompile.predict.hardware import load_profile  # noqa: E402
+from zcompile.reports.timeline import record_step  # noqa: E402
 
 BATCH_PER_RANK, SEQ, VOCAB = 4, 128, 2048
 OPTIONS = {"bucket_mb": 0.5}  # several buckets on both models (about 1.1M parameters, 4.4 MB fp32)
@@ -154,7 +154,7 @@ def measure(name: str, stage: int, steps: int, rank: int, world: int, profile: s
         "step_s_min": min(p[3] for p in phases),
         "step_s_all": [p[3] for p in phases],
         "num_params": report.num_params,
-        # zcompile.compute_efficiency on the reference workload, around the timed steps: the machine's
+        # zcompile.predict.compute_efficiency on the reference workload, around the timed steps: the machine's
         # state while they ran, which simulate's "alongside" prediction uses in place of the profile's
         "compute_efficiency_alongside": statistics.mean(efficiencies),
     }
@@ -164,8 +164,8 @@ def measure(name: str, stage: int, steps: int, rank: int, world: int, profile: s
 def simulated(name: str, stage: int, world: int, profile: str, compute_efficiency: float | None = None) -> dict:
     """``zcompile.simulate`` of one case, and its forward and backward graphs predicted apart;
     ``compute_efficiency``: in place of the profile's (the one measured alongside the steps)."""
-    from zcompile.cost_model import predict
-    from zcompile.simulate import simulate
+    from zcompile.predict.cost_model import predict
+    from zcompile.predict.simulate import simulate
 
     graphs = []
     hardware = load_profile(profile)
@@ -181,7 +181,7 @@ def simulated(name: str, stage: int, world: int, profile: str, compute_efficienc
     data = result.to_dict()
     return {
         "memory": data["memory"], "per_rank_bytes": data["per_rank_bytes"],
-        # the peak of a step from a walk over the compiled graphs (zcompile.step_peak)
+        # the peak of a step from a walk over the compiled graphs (zcompile.predict.step_peak)
         "step_peak_bytes": result.step_peak_bytes,
         "collectives": {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in data["collectives"].items()},
         "step_s": result.step_s, "forward_s": split["forward"], "backward_s": split["backward"],

@@ -10,7 +10,7 @@ world size and stage, each in one process on torch's fake process group
 - **zcompile, simulated**: ``zcompile.simulate(..., options={"stage": s})``: the memory parts
   (model states, gathered peak, kept weights, saved activations, what ``step_report`` measures), their
   sum, and the step's peak from a walk over the compiled graphs (``result.step_peak_bytes``,
-  ``zcompile.step_peak``) with the phase that holds it;
+  ``zcompile.predict.step_peak``) with the phase that holds it;
 - **torch, the same program** (the issue's check, like for like): zcompile's own compiled step (the
   model built under ``FakeTensorMode``, ``backend="zero"`` at stage s in the same fake world,
   ``zcompile.optim.AdamW``) run once to compile and make the optimizer state, then once under
@@ -127,7 +127,7 @@ def zcompile_simulated(world: int, layers: int, stage: int) -> dict:
     """``zcompile.simulate``'s memory parts, their sum and its step peak (module doc)."""
     from transformers import LlamaForCausalLM
 
-    from zcompile.simulate import simulate
+    from zcompile.predict.simulate import simulate
 
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
     result = simulate(lambda: LlamaForCausalLM(llama_config(layers)), {"input_ids": ids, "labels": ids},

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_simulate import SEQ, SHAPES  # noqa: E402
 
-from zcompile.tune_simulate import simulate_tune  # noqa: E402
+from zcompile.tune.simulated import simulate_tune  # noqa: E402
 
 WORLD = 64
 SPACE = {"stage": [2, 3], "bucket_mb": [16, 64], "hpz_size": [None, "node"]}

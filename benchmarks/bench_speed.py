@@ -186,7 +186,7 @@ def interleaved_steps(configs: list[str], layers: int, compiler: str, steps: int
     torch._dynamo.reset()
     # each zero model on a process group of its own (the same ranks): on one group, every model's step
     # agreement would be the latest for the others, and a forward after another model's step pays an
-    # agreement of its own (zcompile.step_agreement.take_free_call, the safe rule for a GAN's two models).
+    # agreement of its own (zcompile.agreement.step_agreement.take_free_call, the safe rule for a GAN's two models).
     # Alone, as each configuration is meant to be measured here, the forward after its own step is free
     # (checked: 1 agreement in 21 forwards of stage 2 beside stage 1, against 21 on one group). It is not
     # what puts stage 2's forward here 10-18 ms above stage 1's (4 runs; 12 ms with groups of their own;

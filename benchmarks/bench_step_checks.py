@@ -4,7 +4,7 @@
 
 For each stage, the example GPT (``examples/gpt.py`` defaults: 4 layers, n_embd 128, the
 ``train_gpt.py`` global batch of 16) trains ``--steps`` AdamW steps with the defaults: the ranks
-agree through the store before every ``optimizer.step()`` (``zcompile.step_agreement``) and, at
+agree through the store before every ``optimizer.step()`` (``zcompile.agreement.step_agreement``) and, at
 stage 3, before every compiled call; ``skip_nonfinite=True`` adds each rank's finiteness check of
 its gradients (the flags ride on the step's exchange). One compiled model trains with the checks
 off (``check_timeout_s=None``, ``skip_nonfinite=False``, no per-call agreement), on (defaults) and
@@ -64,9 +64,9 @@ class CheckTimer:
 
     def install(self) -> None:
         zcompile.backend.agree_on_call = self.timed(zcompile.backend.agree_on_call, switchable=True)
-        zcompile.optim.agree_before_step = self.timed(zcompile.optim.agree_before_step)
-        zcompile.optim.nonfinite_flag = self.timed(zcompile.optim.nonfinite_flag)
-        zcompile.optim.local_grads_finite = self.timed(zcompile.optim.local_grads_finite)
+        zcompile.optim.sharded.agree_before_step = self.timed(zcompile.optim.sharded.agree_before_step)
+        zcompile.optim.sharded.nonfinite_flag = self.timed(zcompile.optim.sharded.nonfinite_flag)
+        zcompile.optim.sharded.local_grads_finite = self.timed(zcompile.optim.sharded.local_grads_finite)
 
 
 def _train_step(compiled, optimizer, step: int, config, rank: int, world: int) -> float:
@@ -123,8 +123,8 @@ def run_stage(stage: int, steps: int, warmup: int, rank: int, world: int, timer:
 
 def exchange_cost_ms(calls: int = 200) -> float:
     """One store agreement when the ranks are in step (no waiting for a slower rank), median ms."""
-    from zcompile.process_group import DataParallelGroup
-    from zcompile.rank_check import exchange_on_store
+    from zcompile.common.process_group import DataParallelGroup
+    from zcompile.agreement.rank_check import exchange_on_store
 
     group = DataParallelGroup.resolve(None)
     times = []

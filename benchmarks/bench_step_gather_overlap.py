@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 from common import print_table, slowest_ms, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
-from zcompile.process_group import DataParallelGroup, all_gather_coalesced_into  # noqa: E402
+from zcompile.common.process_group import DataParallelGroup, all_gather_coalesced_into  # noqa: E402
 
 PHASES = ("forward", "gather", "gather_landed", "serial", "overlapped", "all_reduce", "reduce_scatter")
 BUCKET_BYTES = 4 * 2**20  # zcompile.optim's default bucket_mb

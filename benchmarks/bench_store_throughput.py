@@ -2,7 +2,7 @@
 
     for n in 1 4 16; do torchrun --nproc-per-node $n benchmarks/bench_store_throughput.py --out benchmarks/results/store_throughput_$n.json; done
 
-Every agreement (``zcompile.rank_check.exchange_through``) waits for 5 answers from the store per
+Every agreement (``zcompile.agreement.rank_check.exchange_through``) waits for 5 answers from the store per
 rank, and one process (torchrun's agent, or rank 0's) serves every rank's. Each rank here sends
 ``--requests`` answered requests (``store.add`` on a key of its own) back to back, from a barrier;
 requests served a second = ranks x requests / the slowest rank's time. On a machine where the
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rank, world, cores = start_gloo_benchmark()
-    from zcompile.process_group import default_store  # the one place zcompile reads torch's default store
+    from zcompile.common.process_group import default_store  # the one place zcompile reads torch's default store
 
     store = default_store()
 

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
 from common import print_table, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
-from zcompile.tune import tune  # noqa: E402
+from zcompile.tune.tuner import tune  # noqa: E402
 
 SPACE = {"bucket_mb": [0, 0.25, 1.0, 4.0], "prefetch": [0, 1, 2]}
 VOCAB, SEQ = 512, 64

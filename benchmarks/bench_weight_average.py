@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zcompile  # noqa: E402
 from common import depth_sweep_arguments, print_table, slowest_ms, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
-from zcompile.timeline import record_step  # noqa: E402
+from zcompile.reports.timeline import record_step  # noqa: E402
 
 MOMENTUM = 0.01
 

@@ -31,11 +31,11 @@ runs them; the overlap slowdown is the contention factor that reproduces an all-
 with compute (``cost_model._overlap_slowdown``). Then the host's time per compiled graph call,
 and per parameter, which no op's price holds (``graph_call_overhead_s``, ``parameter_overhead_s``:
 guards, wrappers, the autograd engine, per-parameter arguments, the optimizer's Python):
-``zcompile.compute_efficiency``'s reference model at a tiny size (``OVERHEAD_SHAPE``: its compute
+``zcompile.predict.compute_efficiency``'s reference model at a tiny size (``OVERHEAD_SHAPE``: its compute
 negligible) with 1 and 4 layers, trained with ``backend="zero"`` at stages 1-3, each step's
 measured time less ``simulate``'s prediction, fitted by least squares on graph calls and parameters. Last, with those
 figures, ``compute_efficiency``: the fraction of the compute figures a compiled step reaches
-(``zcompile.compute_efficiency``: two of torch's ``TransformerEncoderLayer`` compiled at stage 1,
+(``zcompile.predict.compute_efficiency``: two of torch's ``TransformerEncoderLayer`` compiled at stage 1,
 forward and backward on every rank at once, against their predicted time; the median of ``--fits``
 measurements). ``--out``: write there instead of the shipped profile.
 """
@@ -61,9 +61,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import start_gloo_benchmark  # noqa: E402
 
-from zcompile.compute_efficiency import measure_compute_efficiency, reference_loss, reference_model  # noqa: E402
-from zcompile.cost_model import measure_collective_costs, measure_compute_costs  # noqa: E402
-from zcompile.hardware import PROFILE_DIR, load_profile, profile_from_dict  # noqa: E402
+from zcompile.predict.compute_efficiency import measure_compute_efficiency, reference_loss, reference_model  # noqa: E402
+from zcompile.predict.cost_model import measure_collective_costs, measure_compute_costs  # noqa: E402
+from zcompile.predict.hardware import PROFILE_DIR, load_profile, profile_from_dict  # noqa: E402
 
 SIZES = tuple(2**k for k in range(12, 25, 2))  # bytes: 4 KiB to 16 MiB
 # the figure kept from several fits: the median (module docstring); a link's bandwidth and latency are
@@ -165,7 +165,7 @@ def simulate_overhead_runs(rows: list[dict], profile: dict, world: int) -> None:
 
 
 def _simulate_rows(spec_path: str, out_path: str) -> None:
-    from zcompile.simulate import simulate
+    from zcompile.predict.simulate import simulate
 
     with open(spec_path) as f:
         spec = json.load(f)
@@ -226,7 +226,7 @@ def main() -> None:
         "name": "cpu-local",
         "description": f"this development machine: {cores} CPU cores, {world} gloo ranks on one host",
         "sources": {
-            "peak_flops_per_s": "zcompile.cost_model.measure_compute_costs: 512x512 matmul, fp32 and bf16, "
+            "peak_flops_per_s": "zcompile.predict.cost_model.measure_compute_costs: 512x512 matmul, fp32 and bf16, "
                                 "every rank at once",
             "memory_bytes_per_s": "measure_compute_costs: clone of 4 MiB",
             "memory_bytes": "24 GiB, the machine's memory (shared by the ranks)",
@@ -242,7 +242,7 @@ def main() -> None:
                                 "against each alone (cost_model._overlap_slowdown)",
             "fits": f"each figure the median of {args.fits} fits (benchmarks/measure_cpu_profile.py, TYPICAL); "
                     "'measured' holds every fit and the reduce-scatter's own fit",
-            "compute_efficiency": "zcompile.compute_efficiency.measure_compute_efficiency: two of torch's "
+            "compute_efficiency": "zcompile.predict.compute_efficiency.measure_compute_efficiency: two of torch's "
                                   "TransformerEncoderLayer (d_model 96, sequence 128, batch 4) compiled with "
                                   "backend='zero' at stage 1, forward and backward on every rank at once, predicted "
                                   "over measured time less the graph calls' overhead, median of the fits",

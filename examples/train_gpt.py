@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import zcompile  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
-from zcompile.comm_volume import step_collectives, summarize  # noqa: E402
-from zcompile.dumps import report_path  # noqa: E402
+from zcompile.common.comm_volume import step_collectives, summarize  # noqa: E402
+from zcompile.common.dumps import report_path  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

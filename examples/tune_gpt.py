@@ -20,7 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 from zcompile.tune import tune  # noqa: E402
-from zcompile.tune_result import jsonable_options  # noqa: E402
+from zcompile.tune.result import jsonable_options  # noqa: E402
 
 SPACE = {"bucket_mb": [0.25, 1.0, 4.0], "prefetch": [1, 2], "schedule_policy": ["greedy", "cost_guided"]}
 

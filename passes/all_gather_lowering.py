@@ -24,7 +24,7 @@ the buffer allocated where the gather is issued, as the functional op allocates 
 same bytes, alive over the same span. It applies to the graph a compiled function runs, not to the
 pipeline's graphs that reports, dumps, the rank checks and the memory walks read (those speak of
 all-gathers, and an out= collective's result aliases an argument that is not its first); the front
-end applies it (``zcompile.inner``) when ``zcompile.process_group.gathers_into_buffers`` says so.
+end applies it (``zcompile.backend.aot``) when ``zcompile.common.process_group.gathers_into_buffers`` says so.
 
 Under inductor, a second rewrite (``gather_inputs_into_out_buffers``) writes each gather's input that
 the graph computes into the last row of the buffer it gathers into (a forward input, a shard, stays

@@ -10,7 +10,7 @@ that gather if the gather is a function of the call's parameter shards alone::
                                             quantize, the buffer it runs into), issued, not waited
     body(*inputs, issued) -> outputs        the graph, that gather taken as its last input
 
-``zcompile.call_prefetch`` runs them: a call takes the gather the call before issued for it, or
+``zcompile.backend.call_prefetch`` runs them: a call takes the gather the call before issued for it, or
 runs its own prologue, and issues the next call's. The split is of the graph a compiled function
 runs (after ``all_gather_lowering``); the pipeline's graphs, which reports and walks read, keep
 the gather where it was.
@@ -56,7 +56,7 @@ def issued_input_name(collective: str, group_name: str) -> str:
     """The body's input for the gather issued by the call before, named after that collective and its
     group (hex: a group's name need not be an identifier). fx's code and inductor's keep an input's
     name, so the line where the body waits for it still says what it waits for, as ``issued_by``
-    reads it back (``zcompile.heartbeat`` tells the other ranks a rank waits there)."""
+    reads it back (``zcompile.agreement.heartbeat`` tells the other ranks a rank waits there)."""
     return f"{_ISSUED_PREFIX}{collective}__group_{group_name.encode().hex()}"
 
 

@@ -12,7 +12,7 @@
 - ``aliases(node)`` / ``storage_of(gm, node)``: which values allocate nothing (views, a
   collective's wait, ops whose schema returns an alias) and the storage a value lives in.
 - ``live_peak_bytes(gm, preloaded)``: the most bytes a graph holds at once as its generated code
-  runs it, every value freed after its last reader (``zcompile.step_peak`` sums a step from it).
+  runs it, every value freed after its last reader (``zcompile.predict.step_peak`` sums a step from it).
 
 The planner predicts with these rules and the report measures the final graph with the same ones,
 so a plan and its report agree by construction.
@@ -254,7 +254,7 @@ def live_peak_bytes(gm: torch.fx.GraphModule, preloaded: dict[torch.fx.Node, tup
     ``preloaded`` placeholders (placeholder -> (storage key, bytes); placeholders with one key are one
     storage), from the start to their last reader, or to the end with ``hold_inputs`` (a caller that
     keeps its arguments until the graph returns, as ``make_boxed_func`` does; zcompile's compilers do
-    not: ``zcompile.inner.boxed_graph_function``, inductor's code). A block subgraph call
+    not: ``zcompile.backend.aot.boxed_graph_function``, inductor's code). A block subgraph call
     adds, while it runs, what its subgraph holds at once (this walk of it) beyond the outputs it
     returns. Another higher-order op's inside is not counted: logged as a warning naming it.
 

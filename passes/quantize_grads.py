@@ -1,6 +1,6 @@
 """ZeRO++ qgZ: each gradient reduce-scatter becomes a hierarchical, int4 all-to-all.
 
-For N ranks as M nodes of K (``zcompile.topology``), rank ``r = node * K + local`` must end with
+For N ranks as M nodes of K (``zcompile.common.topology``), rank ``r = node * K + local`` must end with
 the sum over ranks of row ``r`` of the ``[N, s]`` gradient input. Instead of a reduce-scatter over
 all N ranks:
 

@@ -5,7 +5,7 @@ with another mask than the forward did, and every gradient through it is wrong, 
 torch's min-cut partitioner bans recomputing random ops by default, but its memory-budget
 partitioner (``activation_memory_budget`` below 1) may place them in the backward, and at a
 budget of 0 it recomputes everything. ``MUST_SAVE`` is the one tag every partitioner path honours
-(``zcompile.inner.activation_budget`` passes 0 as the least positive budget, where it does too).
+(``zcompile.backend.aot.activation_budget`` passes 0 as the least positive budget, where it does too).
 
 A random draw is an op with torch's ``nondeterministic_seeded`` tag, or a call of a subgraph (a
 block marked by ``mark_repeated_blocks``) whose graph holds one: the partitioner would recompute the

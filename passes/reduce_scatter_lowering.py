@@ -29,7 +29,7 @@ more the more distinct bucket sizes a model has), and to inductor the op is one 
 rows are added one after another (``add`` then ``add_``), 2.6x faster than aten's ``sum`` over the
 outer dimension at 2 ranks (0.063 against 0.164 ms for 1.9 MiB on one thread) and equal at 4.
 
-Which compiles get it is the front end's choice (``zcompile.process_group.reduce_scatter_by_all_to_all``:
+Which compiles get it is the front end's choice (``zcompile.common.process_group.reduce_scatter_by_all_to_all``:
 the option ``reduce_scatter``, by default gloo groups of more than one rank).
 """
 

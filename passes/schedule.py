@@ -25,7 +25,7 @@ A policy is any callable ``policy(problem: ScheduleProblem) -> Sequence[int]``: 
 of each of ``problem.gathers`` (in order of first use; depth ``d`` issues gather ``j`` just before
 the first use of gather ``j - d``, so ``0 <= d <= j``). ``greedy_prefetch`` (the default) takes
 the deepest depth up to ``problem.prefetch`` that fits ``problem.memory_budget``;
-``zcompile.tune_policies.CostGuidedPrefetch`` picks per bucket the least depth whose compute hides
+``zcompile.tune.policies.CostGuidedPrefetch`` picks per bucket the least depth whose compute hides
 the transfer. Reduce-scatters are placed by the pass itself (issued early, waited late). A policy
 must decide from the problem alone (and constants agreed across ranks): every rank must plan the
 same schedule (passes/README.md, invariant 1).

@@ -50,7 +50,7 @@ def test_the_rewritten_graph_computes_what_the_graph_did():
 def test_the_front_end_rewrites_the_graph_it_runs_and_keeps_the_one_reports_read():
     """``boxed_graph_function(gm, rewrite)`` runs a rewritten copy: ``gm`` (dumps, step_report, the
     memory walks) keeps its all-gathers; the copy that runs gathers into buffers."""
-    from zcompile.inner import boxed_graph_function
+    from zcompile.backend.aot import boxed_graph_function
 
     with fake_process_group(world_size=2) as group:
         gm = trace(lambda shard: WAIT(ALL_GATHER(shard, 2, group)) * 2, torch.zeros(4))

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import zcompile
 import zcompile.optim
-from zcompile.sharded_parameter import ShardedParameterError
+from zcompile.sharding.sharded_parameter import ShardedParameterError
 
 STEPS = 3
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from support.graph_builders import fake_process_group, trace
-from zcompile.call_prefetch import CallChain, RunPhase, prefetching_call
-from zcompile.inner import boxed_graph_function
+from zcompile.backend.call_prefetch import CallChain, RunPhase, prefetching_call
+from zcompile.backend.aot import boxed_graph_function
 from zcompile.passes.all_gather_lowering import ALL_GATHER_OUT, all_gathers_into_buffers
 from zcompile.passes.call_prologue import issued_by, issued_input_name, shard_placeholder_names, split_first_gather
 from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
@@ -45,7 +45,7 @@ def _layer_inputs(seed: int) -> list[torch.Tensor]:
 def test_the_prologue_issues_the_first_gather_of_the_shards_and_the_body_computes_the_rest(lowered):
     with fake_process_group(world_size=2) as group:
         gm = _layer_graph(group)
-        if lowered:  # gloo's form, what the split is made of when it runs (zcompile.inner.executed_form)
+        if lowered:  # gloo's form, what the split is made of when it runs (zcompile.backend.aot.executed_form)
             gm = all_gathers_into_buffers(gm)
         before = [n.name for n in gm.graph.nodes]
         split = split_first_gather(gm, SHARDS)
@@ -219,11 +219,11 @@ def test_a_call_that_agreed_to_take_and_then_would_not_is_an_error_not_a_collect
 
 
 def test_the_body_still_names_the_collective_and_group_its_first_wait_is_for():
-    """What a rank waits in, as the other ranks are told (zcompile.heartbeat reads it from the code's
+    """What a rank waits in, as the other ranks are told (zcompile.agreement.heartbeat reads it from the code's
     lines): the prefetched gather's wait names the all-gather and its group, as before the split."""
     import re
 
-    from zcompile.heartbeat import _launch_of
+    from zcompile.agreement.heartbeat import _launch_of
 
     with fake_process_group(world_size=2) as group:
         split = split_first_gather(all_gathers_into_buffers(_layer_graph(group)), SHARDS)
@@ -238,12 +238,12 @@ def test_the_body_still_names_the_collective_and_group_its_first_wait_is_for():
 
 
 def test_cross_call_prefetch_applies_to_stage3_training_graphs_and_within_a_memory_budget():
-    """``zcompile.inner.cross_call_split``: where the split is made, and where not (a budget that the
+    """``zcompile.backend.aot.cross_call_split``: where the split is made, and where not (a budget that the
     schedule's gathered peak plus the held gather would pass, the option off, an inference graph)."""
     from types import SimpleNamespace
 
     from zcompile.config import ZeroConfig
-    from zcompile.inner import cross_call_split
+    from zcompile.backend.aot import cross_call_split
 
     def graphs(peak: int = 1000, **options):
         params = [SimpleNamespace(index=0), SimpleNamespace(index=2)]

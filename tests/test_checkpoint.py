@@ -21,13 +21,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import zcompile
-import zcompile.checkpoint as ckpt
+import zcompile.checkpoint.dcp as ckpt
 from support.launch import run_ranks
 from support.models import build_model
 from support.training import LOSS_RTOL, RunSpec, _optimizer, train_reference, train_steps
-from zcompile.cli import main as cli_main
-from zcompile.consolidate import consolidate
-from zcompile.rank_check import RankDivergenceError
+from zcompile.cli.commands import main as cli_main
+from zcompile.checkpoint.consolidate import consolidate
+from zcompile.agreement.rank_check import RankDivergenceError
 
 STEPS = 6
 HALF = STEPS // 2
@@ -266,7 +266,7 @@ def _same(model, weights) -> bool:
 
 def test_a_save_stopped_part_way_leaves_the_last_checkpoint_whole(tmp_path, monkeypatch):
     """A save over the last checkpoint that stops while DCP writes (a preemption): the last checkpoint
-    loads as it was saved. DCP writes in place, so before zcompile.checkpoint_commit it was cut (and with
+    loads as it was saved. DCP writes in place, so before zcompile.checkpoint.commit it was cut (and with
     one rank's file rewritten and another's not yet, a mix of two steps loaded without an error)."""
     path = str(tmp_path / "latest")
     model = build_model("gpt")
@@ -331,7 +331,7 @@ def test_a_save_stopped_while_it_is_swapped_in_is_read_where_it_was_written(tmp_
     monkeypatch.undo()
     assert not os.path.exists(path)
     _moved(model, 5.0)
-    with caplog.at_level("WARNING", logger="zcompile.checkpoint_commit"):
+    with caplog.at_level("WARNING", logger="zcompile.checkpoint.commit"):
         ckpt.load(path, model)
     assert _same(model, newer) and "a save stopped while it swapped them in" in caplog.text
     consolidate(path, str(tmp_path / "full.pt"))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from zcompile.cli import main
+from zcompile.cli.commands import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

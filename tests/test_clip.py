@@ -1,4 +1,4 @@
-"""Gradient clipping (``zcompile.clip``): the global norm of the averaged gradient at every stage,
+"""Gradient clipping (``zcompile.optim.clip``): the global norm of the averaged gradient at every stage,
 through ``optimizer.clip_grad_norm_``, ``max_grad_norm=`` and ``torch.nn.utils.clip_grad_norm_``,
 against one process clipping its global-batch gradient with ``torch.nn.utils.clip_grad_norm_``.
 
@@ -15,9 +15,9 @@ import zcompile
 from support.launch import run_ranks
 from support.models import build_model, global_batch
 from support.training import RunSpec, assert_same_training, train_reference, train_zero, zero_run_on_rank
-from zcompile.clip import ORIGINAL_ATTR, clip_grad_norm_of_shards, global_grad_norm, install_torch_clip_patch
-from zcompile.param_shards import shard_parameter
-from zcompile.process_group import DataParallelGroup
+from zcompile.optim.clip import ORIGINAL_ATTR, clip_grad_norm_of_shards, global_grad_norm, install_torch_clip_patch
+from zcompile.sharding.shards import shard_parameter
+from zcompile.common.process_group import DataParallelGroup
 
 NORM_RTOL = 1e-6
 
@@ -213,7 +213,7 @@ def test_a_weight_trained_eagerly_is_warned_of_only_where_it_holds_more_than_the
     scale = torch.nn.Parameter(torch.tensor(2.0))
     compiled = torch.compile(tower, backend="zero", options={"stage": stage})
     opt = zcompile.optim.AdamW([*tower.parameters(), scale], lr=1e-2)
-    with caplog.at_level("INFO", logger="zcompile.param_shards"):
+    with caplog.at_level("INFO", logger="zcompile.sharding.shards"):
         (compiled(torch.randn(4, 8)) * scale.exp()).square().mean().backward()
         torch.nn.utils.clip_grad_norm_([*tower.parameters(), scale], 1.0)
         opt.step()

@@ -8,8 +8,8 @@ import gc
 import pytest
 import torch
 
-import zcompile.inner
-from zcompile.compile_gc import DEFERRED_THRESHOLD, full_collections_deferred
+import zcompile.backend.aot
+from zcompile.backend.compile_gc import DEFERRED_THRESHOLD, full_collections_deferred
 
 
 def test_the_threshold_is_raised_inside_and_restored_after_also_on_an_error_and_when_nested():
@@ -38,13 +38,13 @@ def test_a_disabled_collector_is_left_alone():
 
 def test_forward_and_backward_compile_with_full_collections_deferred(monkeypatch):
     seen = []
-    run_passes = zcompile.inner.run_passes
+    run_passes = zcompile.backend.aot.run_passes
 
     def recording(context, graph, gm, *args, **kwargs):
         seen.append((graph, gc.get_threshold()[2]))
         return run_passes(context, graph, gm, *args, **kwargs)
 
-    monkeypatch.setattr(zcompile.inner, "run_passes", recording)
+    monkeypatch.setattr(zcompile.backend.aot, "run_passes", recording)
     before = gc.get_threshold()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))

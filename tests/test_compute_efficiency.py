@@ -1,4 +1,4 @@
-"""``zcompile.compute_efficiency``: the reference workload's compiled graphs are priced for the FLOPs
+"""``zcompile.predict.compute_efficiency``: the reference workload's compiled graphs are priced for the FLOPs
 torch counts on the same step, and the efficiency is predicted over measured time, capped at 1 (a
 profile's ``compute_efficiency`` slowing every op is ``test_hardware``'s)."""
 
@@ -9,9 +9,9 @@ import torch
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
-from zcompile.compute_efficiency import (REFERENCE_LAYERS, REFERENCE_SHAPE, measure_compute_efficiency,
+from zcompile.predict.compute_efficiency import (REFERENCE_LAYERS, REFERENCE_SHAPE, measure_compute_efficiency,
                                          reference_loss, reference_model)
-from zcompile.cost_model import CollectiveCosts, ComputeCosts, predict_step
+from zcompile.predict.cost_model import CollectiveCosts, ComputeCosts, predict_step
 
 
 def _step_flops() -> int:

@@ -12,12 +12,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from support.hand_built import layered_graph
 from support.launch import run_ranks
-from zcompile.process_group import DataParallelGroup, all_gather_eager
-from zcompile.cost_model import (
+from zcompile.common.process_group import DataParallelGroup, all_gather_eager
+from zcompile.predict.cost_model import (
     MAX_OVERLAP_SLOWDOWN, CollectiveCost, CollectiveCosts, ComputeCosts, fit_linear, measure_collective_costs,
     measure_compute_costs, node_bytes, node_flops, node_seconds, predict, predict_step,
 )
-from zcompile.compiled import CompiledGraphs
+from zcompile.backend.compiled import CompiledGraphs
 from zcompile.passes.schedule import plan_schedule, schedule_pass
 
 aten = torch.ops.aten
@@ -286,7 +286,7 @@ def test_a_block_traced_once_is_priced_at_every_call():
     model's (without it, the blocks' compute would count as nothing)."""
     import zcompile
     from support.models import GPT, GPTConfig, synthetic_batch
-    from zcompile.cost_model import predict_step
+    from zcompile.predict.cost_model import predict_step
 
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
     compute = ComputeCosts(flops_per_s=1e9, bytes_per_s=1e9, op_overhead_s=1e-6)
@@ -328,7 +328,7 @@ def test_op_classes_have_their_own_rates():
 def _fits_in_turn(monkeypatch, fits_by_kind: dict) -> list[str]:
     """``_measure_kind`` replaced by the given fits, each kind's in turn (its last one repeated);
     returns the kinds as measured, in order."""
-    import zcompile.cost_model as cost_model
+    import zcompile.predict.cost_model as cost_model
 
     measured = []
 
@@ -345,7 +345,7 @@ def test_a_collective_whose_time_did_not_grow_with_its_size_is_measured_again(mo
     """A burst of load at the larger sizes makes a fit flat (once, in CI, for one kind): it is measured
     again, not kept as free bandwidth; still flat after ``MEASURE_AGAIN`` more, a warning names it."""
     from support.graph_builders import fake_process_group
-    from zcompile.cost_model import MEASURE_AGAIN
+    from zcompile.predict.cost_model import MEASURE_AGAIN
 
     steady = [1e-4, 1e-10, 1e-5, 0.0]
     flat_then_steady = {kind: [list(steady)] for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")}
@@ -360,7 +360,7 @@ def test_a_collective_whose_time_did_not_grow_with_its_size_is_measured_again(mo
     always_flat = {kind: [list(steady)] for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")}
     always_flat["all_to_all"] = [[2e-3, 0.0, 1e-5, 0.0]]
     measured = _fits_in_turn(monkeypatch, always_flat)
-    with fake_process_group(world_size=2), caplog.at_level("WARNING", logger="zcompile.cost_model"):
+    with fake_process_group(world_size=2), caplog.at_level("WARNING", logger="zcompile.predict.cost_model"):
         costs = measure_collective_costs(measure_overlap=False)
     assert measured.count("all_to_all") == 1 + MEASURE_AGAIN and costs.costs["all_to_all"].seconds_per_byte == 0.0
     assert any("the time of all_to_all did not grow with its size" in r.getMessage() for r in caplog.records)

@@ -1,4 +1,4 @@
-"""``zcompile.dynamo_frame.modules_of_compiled_frame``: the model is found when a decorator's
+"""``zcompile.common.dynamo_frame.modules_of_compiled_frame``: the model is found when a decorator's
 ``wrapped(*args, **kwargs)`` is the frame Dynamo compiles (transformers' ``deprecate_kwarg`` on
 ``LlamaForCausalLM.forward``), as it is when ``forward(self, ...)`` is. A backend that records
 what it finds stands in for the zero backend (which attaches the state-dict hooks to them)."""
@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from zcompile.dynamo_frame import (
+from zcompile.common.dynamo_frame import (
     _fallback_reason, eager_fallback_cause, modules_of_compiled_frame, recompile_causes, recompile_reason,
     restarts_analysis,
 )
@@ -151,7 +151,7 @@ def test_weights_trained_outside_every_graph_are_warned_of_with_dynamos_reason_a
     model = RecurrentLM()
     compiled = torch.compile(model, backend="zero", options={"stage": 3})
     opt = zcompile.optim.AdamW(model.named_parameters(), lr=1e-2)
-    with caplog.at_level("WARNING", logger="zcompile.param_shards"):
+    with caplog.at_level("WARNING", logger="zcompile.sharding.shards"):
         compiled(torch.randint(0, 16, (2, 5))).backward()
         opt.step()
     said = [r.getMessage() for r in caplog.records if "got a gradient outside the compiled graphs" in r.getMessage()]

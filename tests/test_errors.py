@@ -6,8 +6,8 @@ import torch
 import zcompile
 from support.launch import run_ranks
 from support.models import build_model, global_batch, model_loss
-from zcompile.backend import _check_devices
-from zcompile.process_group import DataParallelGroup
+from zcompile.backend.entry_point import _check_devices
+from zcompile.common.process_group import DataParallelGroup
 from zcompile.passes.param_collectives import ParamInput, ShardingPlan
 
 
@@ -53,8 +53,8 @@ def test_recompile_with_another_stage_is_an_error():
 def test_a_weight_trained_eagerly_first_then_compiled_at_stage3_names_the_eager_training():
     """A weight with a stage-1 shard from eager training (``shard_eager_parameter``) that a stage-3 graph
     takes later: the user gave one config, so "use one ZeroConfig" alone misled."""
-    from zcompile.param_shards import shard_eager_parameter, shard_parameter
-    from zcompile.process_group import DataParallelGroup
+    from zcompile.sharding.shards import shard_eager_parameter, shard_parameter
+    from zcompile.common.process_group import DataParallelGroup
 
     weight, group = torch.nn.Parameter(torch.randn(4, 4)), DataParallelGroup.resolve()
     shard_eager_parameter(weight, "param_groups[0]['params'][0]", group)

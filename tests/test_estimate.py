@@ -139,7 +139,7 @@ def test_model_state_bytes_counts_fake_storages_apart():
     (it keyed on data_ptr and counted one parameter of the whole model)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from zcompile.memory import model_state_bytes
+    from zcompile.sharding.memory import model_state_bytes
 
     with FakeTensorMode():
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))

@@ -18,7 +18,7 @@ FEATURE_SPECS = [
     *[RunSpec(model="gpt", stage=s, optimizer="sgd", lr=0.1, grad_accum=2, zero_grad_to_none=False) for s in (1, 2, 3)],
     RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, optimizer_after_forward=True),
     # torch.compile(dynamic=True): Dynamo restarts its analysis from inside the first compile (scalar
-    # tensorification); the parameters' classes must be as it first traced them (zcompile.param_shards)
+    # tensorification); the parameters' classes must be as it first traced them (zcompile.sharding.shards)
     RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, seq_lens=(16, 8, 12), dynamic=True),
     # sparse embedding gradients, accumulated over micro-batches at stage 1 (torch's SGD takes them as they are)
     RunSpec(model="gpt_sparse_embedding", stage=1, optimizer="sgd", lr=0.1, grad_accum=2),
@@ -63,7 +63,7 @@ def test_simulation_counts_a_graph_break_inside_the_layer_loop_once_per_layer(fe
     the collectives the real 2-rank run did, kind by kind and byte for byte, each graph as often as
     it ran. Before, it counted each graph once: the forward's all-gathers moved one block of two."""
     from support.models import build_model, global_batch
-    from zcompile.simulate import simulate
+    from zcompile.predict.simulate import simulate
 
     spec, rank0, _ = feature_runs[2]
     assert spec.model == "gpt_loop_breaks"

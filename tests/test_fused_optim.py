@@ -114,13 +114,13 @@ def test_sharded_optimizer_through_the_multi_tensor_launch_steps_like_torch(monk
     steps, and write the bf16 replica at stages 1 and 2 (tolerance: the 10-step test's, module doc).
     The launch takes the whole param group however many refresh buckets it spans."""
     import zcompile.optim
-    from zcompile.param_shards import shard_of
+    from zcompile.sharding.shards import shard_of
 
     monkeypatch.setattr(zcompile.optim.ShardedOptimizer, "_multi_tensor_launch", staticmethod(lambda batch: True))
     launches = []
     launch_name = "fused_adamw_multi_triton" if optimizer == "AdamW" else "fused_sgd_multi_triton"
-    real = getattr(zcompile.optim, launch_name)
-    monkeypatch.setattr(zcompile.optim, launch_name, lambda *a: launches.append(len(a[0])) or real(*a))
+    real = getattr(zcompile.optim.sharded, launch_name)
+    monkeypatch.setattr(zcompile.optim.sharded, launch_name, lambda *a: launches.append(len(a[0])) or real(*a))
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(13, 17), torch.nn.GELU(), torch.nn.Linear(17, 5)).to(DEVICE)

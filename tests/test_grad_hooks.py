@@ -85,13 +85,13 @@ def _hooks_on_rank0_only(rank: int, world: int) -> list[str]:
     records = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("zcompile.rank_check").addHandler(handler)
+    logging.getLogger("zcompile.agreement.rank_check").addHandler(handler)
     try:
         compiled = torch.compile(model, backend="zero", options={"stage": 3})
         (tokens, targets), = micro_batches(RunSpec(), 0, rank, world)
         compiled(tokens, targets).backward()
     finally:
-        logging.getLogger("zcompile.rank_check").removeHandler(handler)
+        logging.getLogger("zcompile.agreement.rank_check").removeHandler(handler)
     return records
 
 

@@ -1,4 +1,4 @@
-"""``torch.amp.GradScaler`` over zcompile parameters (``zcompile.amp``): a user's unchanged
+"""``torch.amp.GradScaler`` over zcompile parameters (``zcompile.routes.grad_scaler``): a user's unchanged
 loss-scaling loop (scale, backward, ``unscale_``, clip, ``step``, ``update``) trains like one
 process running the same loop on the global batch, at every stage, including a step where one
 rank's gradient alone overflows: every rank skips it and halves its scale, as the reference does
@@ -20,7 +20,7 @@ import zcompile
 from support.launch import run_ranks
 from support.models import build_model, global_batch
 from support.training import PARAM_TOL
-from zcompile.rank_check import RankDivergenceError
+from zcompile.agreement.rank_check import RankDivergenceError
 
 STEPS, BATCH, OVERFLOW_STEP, INIT_SCALE = 4, 8, 1, 2.0**10
 NORM_RTOL = 1e-6

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from zcompile.hardware import HardwareProfileError, available_profiles, load_profile, profile_from_dict
+from zcompile.predict.hardware import HardwareProfileError, available_profiles, load_profile, profile_from_dict
 
 GIB = 2**30
 

@@ -263,7 +263,7 @@ def _best_at_end(rank: int, world: int, out_dir: str) -> dict:
     is wrapped in ``wrapped_func(*args, **kwargs)``, where the state-dict hooks were not attached)."""
     import safetensors.torch
 
-    from zcompile.consolidate import full_state_dict
+    from zcompile.checkpoint.consolidate import full_state_dict
     from zcompile.integrations.hf import ZeroTrainer
 
     torch._dynamo.reset()

@@ -15,7 +15,7 @@ def test_stage3_inductor_matches_single_process():
     keep = RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1,
                    options={"compiler": "inductor", "keep_gathered_mb": 100})
     # blocks compiled one by one (the FSDP2 habit, whose torch.compile is inductor's): each layer's
-    # call takes the first gather the call before issued, through inductor's code (zcompile.call_prefetch)
+    # call takes the first gather the call before issued, through inductor's code (zcompile.backend.call_prefetch)
     blocks = RunSpec(model="gpt", stage=3, blocks=True, grad_accum=2, optimizer="sgd", lr=0.1,
                      options={"compiler": "inductor"})
     (result, kept, in_blocks), (_, _, in_blocks1) = run_ranks(2, zero_run_on_rank, [spec, keep, blocks], timeout_s=900)

@@ -1,4 +1,4 @@
-"""``zcompile.inner``: the eager inner compiler runs its graphs in the boxed calling convention, so a
+"""``zcompile.backend.aot``: the eager inner compiler runs its graphs in the boxed calling convention, so a
 backward frees each saved activation and tangent after its last reader instead of holding them all
 until it returns (what ``functorch.compile.make_boxed_func`` did)."""
 
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import torch
 from functorch.compile import make_boxed_func
 
-from zcompile.compiled import CompiledGraphs
-from zcompile.inner import _quoting_abort_notes, boxed_graph_function
-from zcompile.process_group import DataParallelGroup
-from zcompile.timeline import record_step
+from zcompile.backend.compiled import CompiledGraphs
+from zcompile.backend.aot import _quoting_abort_notes, boxed_graph_function
+from zcompile.common.process_group import DataParallelGroup
+from zcompile.reports.timeline import record_step
 
 
 def _graph_with_probe(probe) -> torch.fx.GraphModule:
@@ -102,7 +102,7 @@ def test_pipeline_graphs_write_their_code_once_when_run_or_read_and_never_stale(
     """``codegen_on_demand``: the passes' ``recompile()`` calls write no code (each wrote and exec'd
     the whole graph's, about 50 ms a pass on the 16-layer GPT's backward); calling the module or
     reading its code writes it once, from the graph as it is then, so nothing runs a stale graph."""
-    from zcompile.inner import codegen_on_demand
+    from zcompile.backend.aot import codegen_on_demand
 
     written = []
     real = torch.fx.GraphModule.recompile
@@ -128,7 +128,7 @@ def test_inductors_compiled_backward_quotes_abort_notes_as_the_eager_one_does(mo
     """inductor's backward runs through the wrapper that marks the heartbeat and quotes another rank's
     abort note when a collective fails (before: gloo's "connection closed by peer" alone on the rank
     that waited in it). A spy on the wrapper counts the backward's calls through it."""
-    import zcompile.inner as inner
+    import zcompile.backend.aot as inner
 
     calls, real = [], inner._quoting_abort_notes
 
@@ -163,7 +163,7 @@ def test_a_split_graph_inductor_cannot_compile_is_compiled_whole_with_a_warning(
 
     import torch._inductor.compile_fx as compile_fx
 
-    import zcompile.inner as inner
+    import zcompile.backend.aot as inner
 
     split = SimpleNamespace(body=torch.fx.symbolic_trace(torch.nn.Identity()))
     monkeypatch.setattr(inner, "cross_call_split", lambda graph_module, kind, graphs: split)
@@ -174,7 +174,7 @@ def test_a_split_graph_inductor_cannot_compile_is_compiled_whole_with_a_warning(
 
     monkeypatch.setattr(compile_fx, "compile_fx_inner", refuse)
     graphs = SimpleNamespace(call_chains={})
-    with caplog.at_level(logging.WARNING, logger="zcompile.inner"):
+    with caplog.at_level(logging.WARNING, logger="zcompile.backend.aot"):
         assert inner._inductor_prefetching_call(None, [], "forward", graphs, {}) is None
     assert graphs.call_chains == {}
     assert "NotImplementedError: no lowering for that" in caplog.text and "compiled whole" in caplog.text

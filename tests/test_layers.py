@@ -59,10 +59,10 @@ def test_imports_point_down(folder):
 def test_the_checker_sees_an_upward_import(tmp_path):
     """The check itself can fail: an upward import, absolute or relative, is found."""
     bad = tmp_path / "bad.py"
-    bad.write_text("from zcompile.process_group import DataParallelGroup\n"
-                   "def f():\n    from .. import report\n    import zcompile.optim\n")
+    bad.write_text("from zcompile.common.process_group import DataParallelGroup\n"
+                   "def f():\n    from .. import reports\n    import zcompile.optim\n")
     modules = [m for _, m in _imported_modules(bad, "zcompile.passes")]
-    assert modules == ["zcompile.process_group.DataParallelGroup", "zcompile.report", "zcompile.optim"]
+    assert modules == ["zcompile.common.process_group.DataParallelGroup", "zcompile.reports", "zcompile.optim"]
 
 
 def _run_fresh(code: str) -> str:

@@ -13,7 +13,7 @@ import zcompile.kernels.cross_entropy as cross_entropy
 from zcompile.kernels.cross_entropy import (CROSS_ENTROPY_BACKWARD, cross_entropy_backward,
                                             cross_entropy_backward_reference)
 from zcompile.passes.loss_backward import LOG_SOFTMAX_BACKWARD, NLL_LOSS_BACKWARD
-from zcompile.timeline import record_step
+from zcompile.reports.timeline import record_step
 
 aten = torch.ops.aten
 CLASSES, ROWS = 37, 50

@@ -106,8 +106,8 @@ def test_replicated_fp32_parameters_are_freed_and_say_so(stage):
     (the graphs read a bf16 replica): eager use raises naming the fix, ``gathered`` brings the fp32
     values back (equal to the masters, not to the bf16 replica), and a write inside it reaches the
     masters and the replica the next step reads. One process (a world of one)."""
-    from zcompile.param_shards import shard_of
-    from zcompile.sharded_parameter import ShardedParameterError
+    from zcompile.sharding.shards import shard_of
+    from zcompile.sharding.sharded_parameter import ShardedParameterError
 
     from support.models import build_model, global_batch, model_loss
     import zcompile
@@ -145,9 +145,9 @@ def test_checkpoint_of_bf16_replicas_resumes_at_another_stage(tmp_path):
     compiled: the loaded masters refresh the replica the graphs read, so the next loss is the same
     bits as the saving run's. One process."""
     import zcompile
-    import zcompile.checkpoint as ckpt
+    import zcompile.checkpoint.dcp as ckpt
     from support.models import build_model, global_batch, model_loss
-    from zcompile.param_shards import shard_of
+    from zcompile.sharding.shards import shard_of
 
     def fresh(stage):
         torch._dynamo.reset()
@@ -176,7 +176,7 @@ def _param_dtype_on_rank0_only(rank, world):
 
     import zcompile
     from support.models import build_model, global_batch, model_loss
-    from zcompile.rank_check import RankDivergenceError
+    from zcompile.agreement.rank_check import RankDivergenceError
 
     torch._dynamo.reset()
     model = build_model("gpt")

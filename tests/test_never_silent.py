@@ -17,9 +17,9 @@ import zcompile
 from support.launch import run_ranks
 from support.models import build_model, global_batch
 from support.training import RunSpec, assert_same_training, micro_batches, train_reference, train_zero
-from zcompile.rank_check import RankDivergenceError
-from zcompile.param_shards import shard_of
-from zcompile.sharded_parameter import ShardedParameterError
+from zcompile.agreement.rank_check import RankDivergenceError
+from zcompile.sharding.shards import shard_of
+from zcompile.sharding.sharded_parameter import ShardedParameterError
 
 # a new sequence length every step with static shapes: from the third step on, Dynamo is past its
 # recompile limit of 2 and runs the model's forward frame eagerly
@@ -84,7 +84,7 @@ def test_a_marked_weight_used_by_eager_code_under_a_compiled_call_is_not_compile
     of its own, whose graph took the weight (``L['kwargs']['weight']``): on BART at stage 3, a
     ``ValueError`` at the second step ("already sharded with stage 1"), its eager gradient having given
     it a stage-1 shard at the first."""
-    from zcompile.sharded_parameter import mark_sharded
+    from zcompile.sharding.sharded_parameter import mark_sharded
 
     torch._dynamo.reset()
     norm = torch.nn.LayerNorm(8)
@@ -113,7 +113,7 @@ def test_a_freed_weight_in_a_frame_dynamo_gave_up_on_names_that_frame():
     """A stage-3 weight used by a frame Dynamo runs eagerly under a compiled call (a graph break inside
     its loop: transformers' Whisper with LayerDrop, whose decoder embeds its tokens there). The error
     said "It runs outside torch.compile", which it does not: no frame on the way had compiled entries."""
-    from zcompile.sharded_parameter import mark_sharded
+    from zcompile.sharding.sharded_parameter import mark_sharded
 
     torch._dynamo.reset()
     norm = torch.nn.LayerNorm(8)
@@ -192,14 +192,14 @@ def test_a_failed_stage3_compile_leaves_parameters_that_refuse_eager_use(monkeyp
     """A compile that fails after sharding (a rank check, a pass, AOTAutograd, the inner compiler) left
     stage-3 parameters with freed storage and their plain class: printing one (the model in an except
     clause, pytest showing a failed test's locals) read freed memory and segfaulted."""
-    import zcompile.backend
+    import zcompile.backend.entry_point
 
     def failing_step(*args, **kwargs):
         raise RuntimeError(f"{failing} failed")
 
     torch._dynamo.reset()
     model = torch.nn.Linear(4, 4)
-    monkeypatch.setattr(zcompile.backend, failing, failing_step)
+    monkeypatch.setattr(zcompile.backend.entry_point, failing, failing_step)
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=f"{failing} failed"):
         torch.compile(model, backend="zero", options={"stage": 3})(torch.randn(2, 4))
     with pytest.raises(ShardedParameterError, match=r"'weight' \(4, 4\) is sharded"):
@@ -326,7 +326,7 @@ def _rank0_busy_between_steps(rank, world, busy_s):
 
 def test_a_rank_busy_with_its_own_work_past_the_timeout_is_waited_for():
     """Before, rank 1 raised RankDivergenceError after check_timeout_s and the run ended; rank 0's beat
-    (zcompile.heartbeat) says it is alive and blocked in nothing, so rank 1 waits, as DDP would."""
+    (zcompile.agreement.heartbeat) says it is alive and blocked in nothing, so rank 1 waits, as DDP would."""
     rank0, rank1 = run_ranks(2, _rank0_busy_between_steps, 8.0)
     assert len(rank0[0]) == len(rank1[0]) == 3
     # rank 1 waited past its 3 s timeout at the step after rank 0's work (about 8 s less its own forward and
@@ -457,7 +457,7 @@ def test_ranks_that_start_from_different_weights_fail_before_any_update():
     """Each rank's shard is cut from its own copy of a parameter: ranks that built (or loaded) the
     model differently trained a mix of their weights with no word (an MLP seeded by rank: 0.49 off
     DDP's weights at stages 1 and 3). DDP broadcasts rank 0's; here digests are compared
-    (``zcompile.initial_values``: at the first training compile, else at the first step) and
+    (``zcompile.agreement.initial_values``: at the first training compile, else at the first step) and
     ``sync_module_states`` takes rank 0's; called with different models, or on one rank alone, it
     is an error, not a mismatched or endless broadcast."""
     rank0, rank1 = run_ranks(2, _different_initial_weights)
@@ -647,7 +647,7 @@ def _gathered_in_buckets_equals_the_weights_before_sharding(rank):
     of a few hundred bytes, weights of odd sizes (padded shards), a bf16 one, and a stage-2 model's
     fp32 masters beside bf16 replicas, the weights it gives, on every rank and on rank 0 alone, are
     the values they had before the compile sharded them; and so is what ``full_state_dict`` exports."""
-    import zcompile.full_params as full_params
+    import zcompile.eager.gathered as full_params
 
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3), torch.nn.Linear(3, 9))
@@ -672,7 +672,7 @@ def _gathered_in_buckets_equals_the_weights_before_sharding(rank):
                     for name, p in gathered_model.named_parameters():
                         torch.testing.assert_close(p.detach(), values[name], rtol=0, atol=0, msg=name)
     # the export gathers the same buckets (the masters, to rank 1's CPU memory this time)
-    from zcompile.checkpoint import full_state_dict
+    from zcompile.checkpoint.dcp import full_state_dict
     for exported_model, values in ((model, before), (replicated, before_replicated)):
         exported = full_state_dict(exported_model, rank=1)
         assert (exported is None) == (rank != 1)
@@ -790,7 +790,7 @@ def test_a_weight_trained_outside_the_graphs_is_named_in_the_warning(named, capl
         model.blocks[i] = torch.compile(block, backend="zero", options={"stage": 2})
     params = model.named_parameters() if named else model.parameters()
     optimizer = zcompile.optim.SGD(params, lr=0.1)
-    with caplog.at_level("WARNING", logger="zcompile.param_shards"):
+    with caplog.at_level("WARNING", logger="zcompile.sharding.shards"):
         for step in range(2):
             model(*global_batch(step, 2)).backward()
             optimizer.step()

@@ -11,8 +11,8 @@ from support.models import build_model, global_batch
 from support.training import RunSpec, micro_batches
 
 import zcompile
-from zcompile.nonfinite import local_grads_finite, skip_nonfinite_by_default
-from zcompile.param_shards import shard_of
+from zcompile.optim.nonfinite import local_grads_finite, skip_nonfinite_by_default
+from zcompile.sharding.shards import shard_of
 
 NAN_STEP = 1
 STEPS = 3

@@ -9,10 +9,10 @@ import torch
 import zcompile
 from support.launch import run_ranks
 from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
-from zcompile.process_group import DataParallelGroup
-from zcompile.optim_buckets import copy_rows, _write_rows, plan_optimizer_buckets
-from zcompile.param_shards import shard_parameter
-from zcompile.timeline import record_step
+from zcompile.common.process_group import DataParallelGroup
+from zcompile.optim.buckets import copy_rows, _write_rows, plan_optimizer_buckets
+from zcompile.sharding.shards import shard_parameter
+from zcompile.reports.timeline import record_step
 
 
 def _sharded(numel, dtype=torch.float32, world=2, name="p"):

@@ -1,4 +1,4 @@
-"""A torch optimizer over zcompile parameters (``zcompile.optimizer_guard``): an error at its first
+"""A torch optimizer over zcompile parameters (``zcompile.routes.optimizer_guard``): an error at its first
 ``step()``, naming the parameter and ``zcompile.optim``, where it used to train nothing at stages 2
 and 3 (0 of 28 weights moved in 3 steps of this GPT, no word) and, on several ranks at stage 1,
 to apply each rank's own gradient. Optimizers of other models, and wrappers of a zcompile
@@ -9,7 +9,7 @@ import torch
 
 import zcompile
 from support.models import build_model, global_batch
-from zcompile.optimizer_guard import ForeignOptimizerError, is_zcompile_optimizer
+from zcompile.routes.optimizer_guard import ForeignOptimizerError, is_zcompile_optimizer
 
 
 def _compiled(stage: int):
@@ -63,7 +63,7 @@ def test_zcompile_optimizers_wrappers_and_other_models_step():
 def _one_rank_has_a_torch_optimizer(rank: int, world: int) -> str:
     import time
 
-    from zcompile.rank_check import RankDivergenceError
+    from zcompile.agreement.rank_check import RankDivergenceError
 
     model, compiled = _compiled(2)
     optimizer = (torch.optim.AdamW if rank == 0 else zcompile.optim.AdamW)(model.parameters(), lr=1e-2)

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 
 from support.hand_built import layered_graph
-from zcompile.compiled import CompileContext
+from zcompile.backend.compiled import CompileContext
 from zcompile.config import ZeroConfig
-from zcompile.dumps import GraphDumpWriter
-from zcompile.pass_runner import PassRunner
+from zcompile.common.dumps import GraphDumpWriter
+from zcompile.backend.pass_runner import PassRunner
 from zcompile.passes.collectives import ALL_GATHER, collective_nodes
 from zcompile.passes.param_collectives import ShardingPlan
-from zcompile.pipeline import PIPELINE, PassRow, check_table, run_passes
-from zcompile.process_group import DataParallelGroup
-from zcompile.zeropp import ZeroPPSettings
+from zcompile.backend.pipeline import PIPELINE, PassRow, check_table, run_passes
+from zcompile.common.process_group import DataParallelGroup
+from zcompile.backend.zeropp import ZeroPPSettings
 
 REPO = Path(__file__).resolve().parent.parent
 

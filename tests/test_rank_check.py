@@ -20,14 +20,14 @@ from support.hand_built import layered_graph
 from support.launch import run_ranks
 from support.models import build_model, global_batch, model_loss
 from support.training import RunSpec, train_zero
-from zcompile.heartbeat import alive_key
+from zcompile.agreement.heartbeat import alive_key
 from zcompile.passes import metadata
 from zcompile.passes.metadata import tag
 from zcompile.passes.param_collectives import ParamInput, ShardingPlan
 
 import zcompile
-from zcompile.process_group import DataParallelGroup
-from zcompile.rank_check import (
+from zcompile.common.process_group import DataParallelGroup
+from zcompile.agreement.rank_check import (
     RankDivergenceError,
     abort_note,
     collective_signature,
@@ -170,7 +170,7 @@ def test_a_stage3_graph_without_parameters_takes_no_turn_at_its_calls():
     ``IndexError`` naming the call by its first parameter."""
     from types import SimpleNamespace
 
-    from zcompile.backend import _agreed_call
+    from zcompile.backend.entry_point import _agreed_call
     from zcompile.config import ZeroConfig
 
     config, no_zeropp = ZeroConfig.from_options({"stage": 3}), SimpleNamespace(active=False)
@@ -223,7 +223,7 @@ def test_ranks_at_different_checks_are_told_where_each_was(monkeypatch):
     """Rank 0 checks a graph's plan while rank 1 checks a backward's issue order (their n-th checks
     met): each raises naming both places, not a comparison of two kinds of signature (which raised
     ``TypeError: unhashable type: 'slice'`` inside the differ)."""
-    from zcompile import rank_check
+    from zcompile.agreement import rank_check
 
     store, errors = dist.HashStore(), {}
     monkeypatch.setattr(rank_check, "default_store", lambda: store)
@@ -410,7 +410,7 @@ def _raises_within(store, timeout_s: float, message: str) -> float:
 
 
 def test_ranks_waiting_in_each_others_exchanges_fail_without_waiting_for_the_timeout():
-    """Rank 1 has waited 10 s in another exchange of the group (its beat says so, zcompile.heartbeat):
+    """Rank 1 has waited 10 s in another exchange of the group (its beat says so, zcompile.agreement.heartbeat):
     that exchange needs rank 0, which waits here for rank 1, so rank 0 raises within about two beats,
     not at its 30 s timeout. One of another group's exchanges may end without rank 0: it waits on."""
     with _Beating(store := dist.HashStore(), _IN_EXCHANGE):
@@ -479,7 +479,7 @@ def _read_while_waiting(code: str, filename: str):
     import linecache
     import types
 
-    from zcompile.heartbeat import collective_wait
+    from zcompile.agreement.heartbeat import collective_wait
 
     linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
     seen = []
@@ -513,7 +513,7 @@ def _read_while_waiting(code: str, filename: str):
 def test_a_torch_distributed_call_without_a_group_is_read_as_one_of_every_rank(line, default_group):
     import inspect
 
-    from zcompile.heartbeat import _on_default_group
+    from zcompile.agreement.heartbeat import _on_default_group
 
     name = line.split("(")[0].split(".")[-1]
     function = inspect.unwrap(getattr(dist, name)).__code__  # past torch's logging decorator
@@ -521,7 +521,7 @@ def test_a_torch_distributed_call_without_a_group_is_read_as_one_of_every_rank(l
 
 
 def test_the_beat_reads_which_collective_compiled_code_waits_for_and_its_group():
-    from zcompile.heartbeat import collective_wait
+    from zcompile.agreement.heartbeat import collective_wait
 
     assert _read_while_waiting(_FX_CODE, "<eval_with_key>.99") == \
         ("all_gather_into_tensor_out (<eval_with_key>.99:4)", "7")
@@ -534,7 +534,7 @@ def test_the_beat_reads_which_collective_compiled_code_waits_for_and_its_group()
 def test_a_busy_rank_is_waited_for_up_to_the_process_groups_timeout(monkeypatch):
     """Rank 1 beats and is blocked in nothing (its own work): rank 0 waits past its 1.5 s timeout, but
     not forever: at the process group's timeout (3 s here; gloo's default is 30 min) it raises."""
-    import zcompile.rank_check as rank_check
+    import zcompile.agreement.rank_check as rank_check
 
     monkeypatch.setattr(rank_check, "process_group_timeout_s", lambda group: 3.0)
     store, stop = dist.HashStore(), threading.Event()

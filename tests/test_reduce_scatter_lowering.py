@@ -16,7 +16,7 @@ from zcompile.config import ZeroConfig
 from zcompile.passes import metadata
 from zcompile.passes.collectives import ALL_TO_ALL, REDUCE_SCATTER, WAIT, CollectiveNode, collective_nodes
 from zcompile.passes.reduce_scatter_lowering import SUM_RECEIVED_ROWS, reduce_scatter_as_all_to_all_pass
-from zcompile.process_group import DataParallelGroup, reduce_scatter_by_all_to_all
+from zcompile.common.process_group import DataParallelGroup, reduce_scatter_by_all_to_all
 
 
 class _Ranks(torch.fx.Interpreter):

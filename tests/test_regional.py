@@ -9,7 +9,7 @@ import torch
 import zcompile
 from support.models import GPT, GPTConfig, synthetic_batch  # puts examples/ on the path
 from gpt import Block
-from zcompile.regional import marked_block_count
+from zcompile.backend.regional import marked_block_count
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
 
@@ -98,7 +98,7 @@ def test_a_block_is_traced_for_its_schema_once_per_compile_not_once_per_layer(mo
 
 
 def test_schema_table_is_per_subgraph_and_removed_on_the_way_out():
-    from zcompile.regional import schema_once_per_subgraph
+    from zcompile.backend.regional import schema_once_per_subgraph
 
     hop = torch.ops.higher_order.invoke_subgraph
     with pytest.raises(RuntimeError, match="inside"):
@@ -129,7 +129,7 @@ def test_named_classes_and_errors():
 
 
 def test_a_model_without_repeated_blocks_is_said_not_silent(caplog):
-    with caplog.at_level("WARNING", logger="zcompile.regional"):
+    with caplog.at_level("WARNING", logger="zcompile.backend.regional"):
         assert zcompile.mark_repeated_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())) == []
     assert "nothing marked" in caplog.text
 
@@ -143,7 +143,7 @@ def test_stage3_regathers_the_blocks_weights_instead_of_saving_them(options):
     forward to backward), and keep_gathered could not see them read by the backward. Simulated at
     8 ranks in nodes of 4: the marked model saves, keeps, gathers (inside and across nodes) and
     reduces exactly what the unmarked one does, and estimate_memory says the same before compiling."""
-    from zcompile.simulate import simulate
+    from zcompile.predict.simulate import simulate
 
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
     batch = synthetic_batch(0, 2, config)

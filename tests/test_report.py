@@ -9,8 +9,8 @@ import torch
 import zcompile
 from support.launch import run_ranks
 from support.models import build_model, global_batch
-from zcompile.pass_runner import PassError, PassRunner
-from zcompile.report import StepReport
+from zcompile.backend.pass_runner import PassError, PassRunner
+from zcompile.reports.step_report import StepReport
 
 
 def _profiled_collectives(prof) -> dict[str, list[int]]:

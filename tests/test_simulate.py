@@ -9,8 +9,8 @@ import torch
 
 import zcompile
 from support.models import build_model, global_batch
-from zcompile.hardware import load_profile, profile_from_dict
-from zcompile.simulate import simulate
+from zcompile.predict.hardware import load_profile, profile_from_dict
+from zcompile.predict.simulate import simulate
 
 WORLD = 64
 
@@ -159,7 +159,7 @@ def test_command_line_simulates_a_transformers_spec(tmp_path, capsys):
     bad option are errors (exit 2) with the reason, not tracebacks."""
     import json
 
-    from zcompile.cli import main
+    from zcompile.cli.commands import main
 
     spec = tmp_path / "llama.json"
     spec.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
@@ -257,7 +257,7 @@ def test_the_node_note_is_said_for_simulate_and_for_simulate_tune_alike():
     says so; an explicit --node-size or a GPU profile says nothing."""
     from argparse import Namespace
 
-    from zcompile.simulate_cli import _say_nodes
+    from zcompile.cli.simulate import _say_nodes
 
     class Lines(list):
         def line(self, text):

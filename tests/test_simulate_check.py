@@ -33,8 +33,8 @@ def _tokens(rank: int, world: int) -> torch.Tensor:
 
 def _store_exchanges_of(model: torch.nn.Module, step) -> int:
     """The ranks' agreements through the store that ``step()`` made on this rank (``rank_check``'s count)."""
-    from zcompile.param_shards import shard_of
-    from zcompile.rank_check import exchanges_made
+    from zcompile.sharding.shards import shard_of
+    from zcompile.agreement.rank_check import exchanges_made
 
     group = next(filter(None, map(shard_of, model.parameters()))).group
     before = exchanges_made(group, "step")
@@ -95,7 +95,7 @@ def llama_world2():
 
 @pytest.fixture(scope="module")
 def llama_simulated():
-    from zcompile.simulate import simulate
+    from zcompile.predict.simulate import simulate
 
     tokens = _tokens(0, WORLD)
     return {stage: simulate(lambda: build_model("hf_llama"), {"input_ids": tokens, "labels": tokens},
@@ -135,7 +135,7 @@ def test_simulated_store_exchanges_are_the_real_runs(llama_world2, llama_simulat
     are the exchanges the real 2-rank run made in a step, counted by the store's own sequence: the
     whole Llama's one (its forward is the step's free call), and with a graph break in the layer loop
     one more per compiled call after the first."""
-    from zcompile.simulate import simulate
+    from zcompile.predict.simulate import simulate
 
     for stage in SIM_STAGES:
         assert llama_simulated[stage].store_exchanges == llama_world2[stage]["store_exchanges"] == 1, stage
@@ -213,7 +213,7 @@ def test_simulated_memory_against_torch_fsdp2_mem_tracker():
     """
     from transformers import LlamaForCausalLM
 
-    from zcompile.simulate import simulate
+    from zcompile.predict.simulate import simulate
 
     peak, after_step, shapes = _fsdp2_tracked(FAKE_WORLD)
     ids = torch.zeros(2, 64, dtype=torch.long)

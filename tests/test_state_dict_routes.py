@@ -16,11 +16,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 import zcompile
-import zcompile.checkpoint as ckpt
+import zcompile.checkpoint.dcp as ckpt
 from support.launch import run_ranks
 from support.models import build_model
 from support.training import RunSpec, _optimizer, train_steps
-from zcompile.state_dict_hooks import ShardedStateDictError
+from zcompile.sharding.state_dict_hooks import ShardedStateDictError
 
 SPEC = RunSpec(model="gpt", steps=4)
 

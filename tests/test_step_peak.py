@@ -1,4 +1,4 @@
-"""``zcompile.step_peak`` (and ``passes.liveness.live_peak_bytes`` under it): a step's peak from a walk
+"""``zcompile.predict.step_peak`` (and ``passes.liveness.live_peak_bytes`` under it): a step's peak from a walk
 over the compiled graphs, checked against torch's own ``MemTracker`` over the same compiled step run
 under ``FakeTensorMode`` in the fake world ``simulate`` builds (``support.torch_peak``), and on a
 hand-built graph."""
@@ -13,13 +13,13 @@ import zcompile
 from support.models import build_model, global_batch
 from support.torch_peak import tracked_step
 from zcompile.passes.liveness import aliases, live_peak_bytes, storage_of
-from zcompile.step_peak import step_peak
+from zcompile.predict.step_peak import step_peak
 
 # Both sides count each storage's bytes once, on the same fake tensors. The walk leaves out what the
 # step holds outside the graphs: the batch, the model's buffers (the Llama's rotary table) and the
 # loss, 0.06% of the Llama's peak and 0.3% of the MLP stack's (its float batch). A wrong rule costs
 # far more than 1% on these models: holding the backward's inputs to its end (the eager compiler's
-# make_boxed_func before zcompile.inner.boxed_graph_function) gives 1.17-1.18x on the Llama,
+# make_boxed_func before zcompile.backend.aot.boxed_graph_function) gives 1.17-1.18x on the Llama,
 # leaving out the tangents (the zeros autograd makes for the logits) 0.91-0.92x, not walking into
 # block subgraph calls 0.97x. The Llama cases assert that holding the inputs would be off by more than RTOL: the
 # tracker sees the compiled backward free each input after its last reader, so they fail if it held them.
@@ -73,7 +73,7 @@ def _walk(tracked, make_model, world: int, stage: int, hold: bool = False):
 def test_simulate_step_peak_agrees_with_torch_memtracker_at_64_ranks():
     """``simulate``'s step peak of a tiny Llama at 64 fake ranks, stage 3, against MemTracker's peak of
     the step compiled the same way; its forward's peak against the tracker's up to the loss."""
-    from zcompile.simulate import simulate
+    from zcompile.predict.simulate import simulate
 
     make = lambda: build_model("hf_llama")  # noqa: E731
     tracked = tracked_step(make, _llama_batch(), 64, {"stage": 3}, lambda output: output.loss)

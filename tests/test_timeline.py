@@ -9,7 +9,7 @@ import torch
 from support.launch import run_ranks
 from support.models import build_model
 from support.training import RunSpec, micro_batches
-from zcompile.timeline import CollectiveEvent, TimelineResult, classify, plot_memory, read_trace
+from zcompile.reports.timeline import CollectiveEvent, TimelineResult, classify, plot_memory, read_trace
 
 
 # ----------------------------------------------------------------------------- names
@@ -90,8 +90,8 @@ def test_memory_series_prefers_gpu(tmp_path):
 def _profile_rank(rank, world, out_dir):
     """Stage 3, one warm-up step (compiles), then step 1 recorded; returns what the test checks."""
     import zcompile
-    from zcompile.comm_volume import step_collectives
-    from zcompile.timeline import record_step
+    from zcompile.common.comm_volume import step_collectives
+    from zcompile.reports.timeline import record_step
 
     torch._dynamo.reset()
     model = build_model("gpt")

@@ -30,7 +30,7 @@ WORLD2_SPECS = (
     + [RunSpec(model="hf_gpt2", stage=s, lr=3e-3) for s in (1, 3)]
     + [RunSpec(model="hf_llama", stage=s, lr=3e-3) for s in STAGES]
     # sizes odd and even in one bucket: at stage 1 the step writes a padded gradient and whole ones into
-    # the same reduce-scatter input (zcompile.optim_buckets), each its own way
+    # the same reduce-scatter input (zcompile.optim.buckets), each its own way
     + [RunSpec(model="gpt_untied_odd", stage=s) for s in STAGES]
     # regional compilation (zcompile.mark_repeated_blocks): one subgraph per block class
     + [RunSpec(model="gpt", stage=3, regional=True), RunSpec(model="hf_llama", stage=2, lr=3e-3, regional=True)]
@@ -137,7 +137,7 @@ def test_simulation_predicts_the_real_collectives_and_model_states(world2, world
     compiles the same model for the same world and stage: its graphs issue the same collectives,
     kind by kind and byte for byte, as the real 2- and 4-rank runs; the optimizer's all-gathers and
     reduce-scatters move the same bytes; its model states equal rank 0's measured bytes."""
-    from zcompile.simulate import simulate
+    from zcompile.predict.simulate import simulate
 
     for spec, *ranks in world2 + world4:
         if spec.model != "gpt" or spec.optimizer != "adamw" or spec.blocks:  # the whole model compiled, as simulate compiles it
@@ -214,7 +214,7 @@ def test_regional_runs_trace_each_block_class_once(world2):
 
 def test_blocks_compiled_apart_take_the_gather_the_call_before_issued(world2):
     """One graph called per layer (2 here): each layer's call after the first takes the first gather
-    the call before issued (zcompile.call_prefetch); the parity above is with those gathers. In
+    the call before issued (zcompile.backend.call_prefetch); the parity above is with those gathers. In
     backward from the first run (it is its forward's calls in reverse); in forward from the second run
     (the first learns the order), and only where the call before was agreed: a step's first call skips
     its agreement and so issues nothing, leaving, with 2 layers, each step's second micro-batch. A

@@ -11,7 +11,7 @@ shorter on the last rank (a data loader without ``drop_last``), with the batch d
 dynamic on every rank from the first call; the average of the ranks' mean gradients is then what
 DDP takes, and the reference's mean over its parts. Gradients are zeroed
 through the model (``model.zero_grad()``, what Hugging Face Trainer and accelerate call), which at
-stages 2 and 3 must clear the gradient shards (``zcompile.zero_grad_route``). Evaluation makes
+stages 2 and 3 must clear the gradient shards (``zcompile.routes.zero_grad``). Evaluation makes
 Dynamo compile other graphs (no autograd, ``training=False``) from the same sharded parameters,
 and training must go on from the same shards afterwards.
 

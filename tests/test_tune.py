@@ -11,9 +11,9 @@ import torch
 import zcompile
 from support.launch import run_ranks
 from support.models import build_model, global_batch
-from zcompile.memory import zero_formula_bytes
-from zcompile.tune import tune
-from zcompile.tune_result import TuneResult
+from zcompile.sharding.memory import zero_formula_bytes
+from zcompile.tune.tuner import tune
+from zcompile.tune.result import TuneResult
 
 # 0.001 MiB: one collective per parameter, so prefetch 1 and 2 differ; 4 MiB: one bucket holds the model, so
 # prefetch 2 compiles to the default's graphs (measured once)
@@ -46,19 +46,19 @@ def _tune_on_rank(rank, world, out_dir):
     # each prediction's graph code, in trial order: what tells why two digests differ when they should not
     # (seen once in CI: the default's digest differed from its twin's, not reproduced in 25 runs since)
     codes = []
-    digest = zcompile.tune_trial.graphs_digest
+    digest = zcompile.tune.trial.graphs_digest
 
     def recording_digest(graphs):
         codes.append([(g.forward.code if g.forward is not None else "",
                        g.backward.code if g.backward is not None else "") for g in graphs])
         return digest(graphs)
 
-    zcompile.tune_trial.graphs_digest = recording_digest
+    zcompile.tune.trial.graphs_digest = recording_digest
     try:
         result = tune(_make_model, _loss, batches, space=SPACE, optimizer=_sgd, steps=STEPS, warmup=WARMUP,
                       strategy="grid", out_dir=out_dir)
     finally:
-        zcompile.tune_trial.graphs_digest = digest
+        zcompile.tune.trial.graphs_digest = digest
     return {**result.to_dict(), "codes": codes}
 
 

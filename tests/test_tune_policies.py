@@ -5,9 +5,9 @@ cost-guided policy's depths against timelines worked out by hand."""
 import pytest
 
 from support.hand_built import layered_graph
-from zcompile.cost_model import CollectiveCost, CollectiveCosts, ComputeCosts, predict
+from zcompile.predict.cost_model import CollectiveCost, CollectiveCosts, ComputeCosts, predict
 from zcompile.passes.schedule import greedy_prefetch, plan_schedule, schedule_pass, schedule_problem
-from zcompile.tune_policies import CostGuidedPrefetch, policy_from_name
+from zcompile.tune.policies import CostGuidedPrefetch, policy_from_name
 
 # as in test_cost_model: a layer (mul of two 64-byte fp32 tensors) takes 3 s, an all-gather of
 # 64 bytes 1 + 64/64 = 2 s

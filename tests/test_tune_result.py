@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from zcompile.cli import main
-from zcompile.cost_model import CollectiveCost, CollectiveCosts, ComputeCosts
-from zcompile.tune_policies import CostGuidedPrefetch
-from zcompile.tune_result import TuneResult
-from zcompile.tune_search import Measured, Predicted, run_search
-from zcompile.tune_space import SearchSpace
+from zcompile.cli.commands import main
+from zcompile.predict.cost_model import CollectiveCost, CollectiveCosts, ComputeCosts
+from zcompile.tune.policies import CostGuidedPrefetch
+from zcompile.tune.result import TuneResult
+from zcompile.tune.search import Measured, Predicted, run_search
+from zcompile.tune.space import SearchSpace
 
 COSTS = CollectiveCosts(2, {"all_gather": CollectiveCost(1e-4, 1e-9, 2e-5)})
 COMPUTE = ComputeCosts(2e10, 5e9, 3e-6)

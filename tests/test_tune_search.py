@@ -4,9 +4,9 @@ ties, Spearman against scipy, the Pareto front."""
 
 import pytest
 
-from zcompile.tune_search import (FAILED, INVALID, MEASURED, PREDICTED, PRUNED, SAME, Measured, Predicted, Trial,
+from zcompile.tune.search import (FAILED, INVALID, MEASURED, PREDICTED, PRUNED, SAME, Measured, Predicted, Trial,
                                   best_trial, default_max_trials, measure_order, pareto_front, run_search, spearman)
-from zcompile.tune_space import Point
+from zcompile.tune.space import Point
 
 MIB = 2**20
 

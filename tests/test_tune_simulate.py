@@ -8,7 +8,7 @@ import pytest
 
 import zcompile
 from support.models import build_model, global_batch
-from zcompile.tune_simulate import GIB, SimulatedTuneResult
+from zcompile.tune.simulated import GIB, SimulatedTuneResult
 
 WORLD = 64
 SPACE = {"stage": [2, 3], "bucket_mb": [0, 4], "hpz_size": [None, "node"]}
@@ -116,7 +116,7 @@ def test_json_table_and_plot(result, tmp_path):
 
 
 def test_command_line_tunes_a_spec_by_simulation(tmp_path, capsys):
-    from zcompile.cli import main
+    from zcompile.cli.commands import main
 
     spec = tmp_path / "llama.json"
     spec.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,

@@ -4,8 +4,8 @@ combinations and the default point."""
 import pytest
 import torch
 
-from zcompile.tune import tune
-from zcompile.tune_space import SearchSpace
+from zcompile.tune.tuner import tune
+from zcompile.tune.space import SearchSpace
 
 
 def _never_called(*args):

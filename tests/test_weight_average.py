@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 import zcompile
 from support.launch import run_ranks
-from zcompile.param_shards import shard_of
-from zcompile.rank_check import RankDivergenceError
+from zcompile.sharding.shards import shard_of
+from zcompile.agreement.rank_check import RankDivergenceError
 
 STEPS, ROWS, MOMENTUM, EMA_WEIGHT = 4, 8, 0.2, 0.5
 ATOL = 1e-6
@@ -255,7 +255,7 @@ def test_a_bf16_model_at_stage_2_keeps_its_fp32_master_in_step_with_the_new_weig
     """A model cast to bf16 (no ``param_dtype``) keeps full bf16 weights at stage 2 and an fp32 master
     shard apart, which the optimizer steps from and checkpoints save: the update writes both, where
     updating the weights alone would be undone by the next step. One process (a world of one)."""
-    from zcompile.param_shards import shard_of
+    from zcompile.sharding.shards import shard_of
 
     torch._dynamo.reset()
     target, source = (_models()[0].to(torch.bfloat16) for _ in range(2))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from support.launch import run_ranks
 from support.models import build_model
 from support.training import RunSpec, micro_batches, train_reference
-from zcompile.comm_volume import graph_collectives
+from zcompile.common.comm_volume import graph_collectives
 from zcompile.passes.quantize_weights import effective_block
 
 WORLD, NODE = 4, 2
@@ -25,10 +25,10 @@ FUNCTIONAL = "_c10d_functional::"
 
 # ----------------------------------------------------------------------------- the collectives alone
 def _collectives_on_rank(rank, world):
-    from zcompile.process_group import DataParallelGroup
+    from zcompile.common.process_group import DataParallelGroup
     from zcompile.passes.quantize_grads import hierarchical_reduce_scatter
     from zcompile.passes.quantize_weights import quantized_all_gather
-    from zcompile.topology import node_groups
+    from zcompile.common.topology import node_groups
 
     group = DataParallelGroup.resolve()
     out = {"qgz": [], "qwz": []}
@@ -280,7 +280,7 @@ def test_world_of_one_ignores_zeropp(caplog):
 
     spec = RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=2,
                    options={"quantize_weights": True, "quantize_grads": True, "hpz_size": 2})
-    with caplog.at_level("WARNING", logger="zcompile.zeropp"):
+    with caplog.at_level("WARNING", logger="zcompile.backend.zeropp"):
         result = train_zero(spec)
     assert "world size 1" in caplog.text
     plain = train_zero(RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=2))

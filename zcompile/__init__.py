@@ -16,34 +16,34 @@ _LAZY = {
     "optim": "",
     "checkpoint": "",
     "ZeroConfig": "zcompile.config",
-    "gathered": "zcompile.full_params",
-    "lerp_weights_": "zcompile.weight_average",
-    "ModelStateBytes": "zcompile.memory",
-    "model_state_bytes": "zcompile.memory",
-    "zero_formula_bytes": "zcompile.memory",
-    "MemoryEstimate": "zcompile.estimate",
-    "estimate_memory": "zcompile.estimate",
-    "PassError": "zcompile.pass_runner",
-    "mark_repeated_blocks": "zcompile.regional",
-    "sync_module_states": "zcompile.initial_values",
-    "StepReport": "zcompile.report",
-    "step_report": "zcompile.report",
-    "simulate_tune": "zcompile.tune_simulate",
+    "gathered": "zcompile.eager.gathered",
+    "lerp_weights_": "zcompile.eager.weight_average",
+    "ModelStateBytes": "zcompile.sharding.memory",
+    "model_state_bytes": "zcompile.sharding.memory",
+    "zero_formula_bytes": "zcompile.sharding.memory",
+    "MemoryEstimate": "zcompile.predict.estimate",
+    "estimate_memory": "zcompile.predict.estimate",
+    "PassError": "zcompile.backend.pass_runner",
+    "mark_repeated_blocks": "zcompile.backend.regional",
+    "sync_module_states": "zcompile.agreement.initial_values",
+    "StepReport": "zcompile.reports.step_report",
+    "step_report": "zcompile.reports.step_report",
+    "simulate_tune": "zcompile.tune.simulated",
 }
 __all__ = list(_LAZY)
 
 if TYPE_CHECKING:
     from zcompile import checkpoint, optim
     from zcompile.config import ZeroConfig
-    from zcompile.estimate import MemoryEstimate, estimate_memory
-    from zcompile.full_params import gathered
-    from zcompile.weight_average import lerp_weights_
-    from zcompile.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
-    from zcompile.pass_runner import PassError
-    from zcompile.initial_values import sync_module_states
-    from zcompile.regional import mark_repeated_blocks
-    from zcompile.report import StepReport, step_report
-    from zcompile.tune_simulate import simulate_tune
+    from zcompile.predict.estimate import MemoryEstimate, estimate_memory
+    from zcompile.eager.gathered import gathered
+    from zcompile.eager.weight_average import lerp_weights_
+    from zcompile.sharding.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
+    from zcompile.backend.pass_runner import PassError
+    from zcompile.agreement.initial_values import sync_module_states
+    from zcompile.backend.regional import mark_repeated_blocks
+    from zcompile.reports.step_report import StepReport, step_report
+    from zcompile.tune.simulated import simulate_tune
 
 
 def __getattr__(name: str):

@@ -62,13 +62,13 @@ class ZeroConfig:
             schedule may use; prefetching is reduced to fit. ``None``: bounded by ``prefetch``.
         prefetch_calls: stage 3 (with ``overlap``, ``prefetch`` >= 1): a graph called several times
             in a row (blocks compiled one by one: one graph per layer) has each call issue the next
-            call's first all-gather while it computes (``zcompile.call_prefetch``; either inner
+            call's first all-gather while it computes (``zcompile.backend.call_prefetch``; either inner
             compiler), holding that gather's bytes one call early; off where ``memory_budget_mb``
             cannot hold them.
         schedule_policy: the function that chooses each all-gather's prefetch depth (with
             ``overlap``): ``policy(problem: zcompile.passes.schedule.ScheduleProblem) -> depths``.
             ``None`` is ``greedy_prefetch`` (as deep as ``prefetch``, within ``memory_budget_mb``);
-            ``zcompile.tune_policies.CostGuidedPrefetch`` picks per bucket the least depth that
+            ``zcompile.tune.policies.CostGuidedPrefetch`` picks per bucket the least depth that
             the cost model says hides the transfer. A policy must decide the same on every rank.
         keep_gathered_mb: stage 3: per-rank bytes (MiB) of gathered weights that each compiled
             graph may keep from forward to backward instead of re-gathering them; chosen by

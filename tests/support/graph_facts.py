@@ -11,7 +11,7 @@ from zcompile.passes.collectives import ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER, 
 from zcompile.passes.graph_ops import gather_param
 from zcompile.passes.metadata import params_of
 from zcompile.passes.op_sets import PREP_OPS
-from zcompile.report import collective_overlaps
+from zcompile.reports.step_report import collective_overlaps
 
 
 def _reads_gathered_param(node) -> bool:

@@ -119,8 +119,8 @@ _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot
             "torch._inductor.decomposition", "torch._inductor.pattern_matcher",
             "torch._functorch._aot_autograd.subclass_codegen", "torch._higher_order_ops.passes.inline_invoke_subgraph",
             "torch.distributed.tensor.experimental", "torch.fx.experimental.validator", "torch.export._trace",
-            "zcompile", "zcompile.backend", "zcompile.optim", "zcompile.clip", "zcompile.full_params",
-            "zcompile.estimate", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
+            "zcompile", "zcompile.backend.entry_point", "zcompile.optim", "zcompile.optim.clip", "zcompile.eager.gathered",
+            "zcompile.predict.estimate", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
 
 
 def _rank_context() -> mp.context.BaseContext:

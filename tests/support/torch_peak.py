@@ -1,6 +1,6 @@
 """torch's own measure of zcompile's compiled step: ``MemTracker`` over the step under ``FakeTensorMode``.
 
-The reference for ``zcompile.step_peak`` (tests/test_step_peak.py, benchmarks/bench_simulate_torch_peak.py):
+The reference for ``zcompile.predict.step_peak`` (tests/test_step_peak.py, benchmarks/bench_simulate_torch_peak.py):
 the model built under ``FakeTensorMode``, compiled with ``backend="zero"`` in the fake process group
 of ``world_size`` ranks that ``zcompile.simulate`` builds, trained with ``zcompile.optim.AdamW``: one
 step to compile and make the optimizer's state, then one step (forward, backward, ``step``,
@@ -27,9 +27,9 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import zcompile
-from zcompile.estimate import fake_call
-from zcompile.param_shards import shard_of
-from zcompile.simulate import fake_world
+from zcompile.predict.estimate import fake_call
+from zcompile.sharding.shards import shard_of
+from zcompile.predict.simulate import fake_world
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 

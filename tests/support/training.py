@@ -31,7 +31,7 @@ import torch.distributed as dist
 import zcompile
 from support.graph_facts import graph_facts
 from support.models import build_model, global_batch, model_loss
-from zcompile.comm_volume import step_collectives
+from zcompile.common.comm_volume import step_collectives
 
 LOSS_RTOL = 1e-6
 PARAM_TOL = 1e-6
@@ -159,7 +159,7 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     padded = sum(-(-p.numel() // world) * world for p in unique)
     graphs = [(g.forward.code if g.forward else "", g.backward.code if g.backward else "") for g in compiled_graphs]
     facts = graph_facts(compiled_graphs)
-    # cross-call prefetch (zcompile.call_prefetch): calls that took the gather the call before issued
+    # cross-call prefetch (zcompile.backend.call_prefetch): calls that took the gather the call before issued
     facts["prefetched_calls"] = {kind: sum(g.call_chains[kind].taken for g in compiled_graphs if kind in g.call_chains)
                                  for kind in ("forward", "backward")}
     if spec.blocks:

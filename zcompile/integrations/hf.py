@@ -32,7 +32,7 @@ What it changes in ``Trainer``, and why:
 
 Refused with the reason: DeepSpeed or FSDP arguments (another sharding), ``fp16=True``
 (accelerate's loss scaling runs on a GPU only, not yet run with zcompile: use ``bf16=True``; a loop
-of one's own may use ``torch.amp.GradScaler``, ``zcompile.amp``),
+of one's own may use ``torch.amp.GradScaler``, ``zcompile.routes.grad_scaler``),
 another ``torch_compile_backend``, and an ``optim`` zcompile has no optimizer for.
 """
 
@@ -49,9 +49,9 @@ import transformers
 
 import zcompile.checkpoint
 import zcompile.optim
-from zcompile.checkpoint_layout import unwrap
-from zcompile.consolidate import full_state_dict
-from zcompile.dynamo_frame import floats_specialized
+from zcompile.checkpoint.layout import unwrap
+from zcompile.checkpoint.consolidate import full_state_dict
+from zcompile.common.dynamo_frame import floats_specialized
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class ZeroTrainer(transformers.Trainer):
 
     # The model's calls: the compile they trigger sees Python floats as constants. With dynamic=True
     # Dynamo would make the model's float attributes symbolic and then trace the whole model twice
-    # (zcompile.dynamo_frame.floats_specialized): twice the first step's time for nothing.
+    # (zcompile.common.dynamo_frame.floats_specialized): twice the first step's time for nothing.
 
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         with floats_specialized():

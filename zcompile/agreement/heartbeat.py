@@ -1,0 +1,394 @@
+"""A heartbeat per process: which ranks are alive, and what each waits in: a rank busy with its own work is not a divergence.
+
+The ranks meet through the store with a timeout (``rank_check.exchange_on_store``), so a rank that
+never comes is an error in seconds, not a hang. But a rank can be late for a good reason: an
+evaluation, a checkpoint written or an upload made by rank 0 alone, minutes long, while the others
+wait at the next ``optimizer.step()``. DDP waits there (its next collective waits for the process
+group's timeout); zcompile raised ``RankDivergenceError`` after ``check_timeout_s`` (60 s), ending a
+run that was fine.
+
+So each process beats: a daemon thread writes, every ``BEAT_S``, its count of beats and what the
+training thread is blocked in, under ``zcompile/alive/{global rank}``: zcompile's own waits (an
+exchange of the ranks, a compiled graph: marked by ``blocked``), and what that thread's stack shows
+in two beats in a row: compiled code (fx's or inductor's) waiting for a functional collective, read
+from the code's lines with the global ranks of its group, or a call into ``torch.distributed`` (the
+user's ``dist.barrier()``, a checkpoint's collectives; of every rank where the calling line names no
+group).
+
+A rank whose wait times out reads the missing ranks' beats: one that beats and is blocked in
+nothing runs code of its own, and the wait goes on (with a warning each ``check_timeout_s``, up to
+the process group's timeout); one blocked in a wait of its own (a divergence), or that stopped
+beating (dead, or frozen), is the error as before. And once a beat, during the wait: a missing rank
+that waits in another exchange of this group, or in a collective whose group holds this rank, waits
+for this rank, which waits for it, so both raise at once, with no timeout to pass
+(``waiting_on_each_other``).
+"""
+
+from __future__ import annotations
+
+import ast
+import atexit
+import contextlib
+import dataclasses
+import json
+import linecache
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from zcompile.passes.call_prologue import issued_by
+from zcompile.common.process_group import default_store, group_ranks_by_name
+
+log = logging.getLogger(__name__)
+
+BEAT_S = 2.0  # a beat's period; a rank is alive when its count moved within a wait's timeout
+_DISTRIBUTED_DIR = os.path.join("torch", "distributed", "")
+THREAD_NAME = "zcompile-heartbeat"
+# a compiled graph's wait for a functional collective, in fx's code and in inductor's:
+# "wait_tensor_default = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_out_default)"
+_WAIT_LINE = re.compile(r"_c10d_functional\.wait_tensor(?:\.default)?\((\w+)\)")
+_COLLECTIVE_CALL = re.compile(r"_c10d_functional\.(\w+?)(?:\.default)?\((.*)\)")
+
+
+@dataclass(eq=False)
+class Heartbeat:
+    """This process's beat (one per process, found through its thread: no module-level registry)."""
+
+    store: dist.Store  # the beating thread's own client of the store (a clone: requests never interleave)
+    rank: int  # global rank
+    world_size: int  # of the default group
+    blocked_in: str | None = None  # what the training thread waits in, inside zcompile; None: its own code
+    blocked_since: float = 0.0
+    # blocked_in is an exchange of the ranks of this group (rank_check), which needs all of them; None: not one
+    exchange_group: str | None = None
+    beats: int = 0
+    thread_id: int = field(default_factory=threading.get_ident)  # the training thread: the one that made it
+    # called each beat with what the stack has waited in for a beat or more (mismatch_watch.MismatchWatch)
+    watch: Callable[[StackWait | None, float], None] | None = field(default=None, repr=False)
+    _waiting: StackWait | None = field(default=None, repr=False)  # what the stack waits in, since when
+    _group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # by group name
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _stopped: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def beat_forever(self) -> None:
+        while not self._stopped.is_set():
+            self.beats += 1
+            now = time.monotonic()
+            state = {"beat": self.beats, **self._state(now)}
+            try:
+                self.store.set(alive_key(self.rank), json.dumps(state))
+            except Exception:  # the store's host is gone: the job is ending, the training thread will say why
+                return
+            if self.watch is not None:
+                try:
+                    self.watch(self._seen(now), now)
+                except Exception:  # a beat unread (a rank leaving): the next look reads again
+                    log.debug("the mismatch watch could not look", exc_info=True)
+            self._stopped.wait(BEAT_S)
+
+    def _state(self, now: float) -> dict:
+        """What this beat says: what the training thread is blocked in, for how long, and (where known)
+        the exchange's group or the global ranks of the collective it waits for."""
+        try:
+            waiting = self._stack_wait(sys._current_frames().get(self.thread_id))
+        except Exception:  # a stack read while it changes (linecache, the group registry): next beat
+            log.debug("could not read the training thread's stack", exc_info=True)
+            waiting = None
+        if waiting is None or self._waiting is None or self._waiting.call != waiting.call:
+            self._waiting = None if waiting is None else dataclasses.replace(waiting, since=now)
+        seen = self._seen(now)
+        with self._lock:
+            mark, since, group = self.blocked_in, self.blocked_since, self.exchange_group
+        if seen is not None:
+            return {"blocked_in": seen.call if mark is None else f"{mark}, in {seen.call}",
+                    "for_s": round(now - seen.since, 1), "collective_ranks": seen.ranks,
+                    "compiled_collective": seen.compiled, "collective_group": seen.group_name,
+                    "exchange_group": group}
+        if mark is not None:
+            return {"blocked_in": mark, "for_s": round(now - since, 1), "exchange_group": group}
+        return {"blocked_in": None, "for_s": 0.0}
+
+    def _seen(self, now: float) -> StackWait | None:
+        """The stack's wait once seen in two beats (in one call seen once: a rank busy with its own
+        work passes through many)."""
+        return self._waiting if self._waiting is not None and now - self._waiting.since >= BEAT_S else None
+
+    def _stack_wait(self, frame) -> StackWait | None:
+        """What a stack waits in: a compiled graph's wait for a collective (with its group's global
+        ranks, where its code names the group), or else a call into ``torch.distributed``."""
+        collective = collective_wait(frame)
+        if collective is not None:
+            call, group_name = collective
+            if group_name is not None and group_name not in self._group_ranks:
+                self._group_ranks.update(group_ranks_by_name())  # a group made since the last look
+            ranks = self._group_ranks.get(group_name) if group_name is not None else None
+        else:
+            distributed = _distributed_call(frame)
+            if distributed is None:
+                return None
+            call, on_default_group = distributed
+            ranks = tuple(range(self.world_size)) if on_default_group else None
+            group_name = None
+        return StackWait(call if ranks is None else f"{call} over ranks {list(ranks)}", ranks, 0.0,
+                         compiled=collective is not None, group_name=group_name)
+
+    def stop(self, thread: threading.Thread) -> None:
+        """Ends the beat (at exit: a daemon thread inside a store call while the interpreter tears down
+        torch's objects could crash the process on its way out), and says so: a rank waiting for this
+        one at an exchange then raises at once instead of at its timeout (a rank whose loop ended early
+        while rank 0 saves a checkpoint: 300 s before, reading "alive, running its own code")."""
+        self._stopped.set()
+        thread.join(timeout=BEAT_S)
+        try:
+            self.store.set(alive_key(self.rank), json.dumps({"beat": self.beats + 1, "blocked_in": None,
+                                                             "for_s": 0.0, "ended": True}))
+        except Exception:  # the store went first (its host ended): nobody is left waiting on it
+            log.debug("could not leave the last beat", exc_info=True)
+
+    @contextlib.contextmanager
+    def blocked(self, what: str, exchange_group: str | None = None):
+        """The training thread waits in ``what`` (zcompile's; ``exchange_group``: an exchange of that
+        group's ranks) until the block ends; nested blocks keep the outer. A wait on another thread (a
+        background checkpoint save's swap) says nothing: marking it would hide the training thread's own."""
+        if self.blocked_in is not None or threading.get_ident() != self.thread_id:
+            yield
+            return
+        with self._lock:
+            self.blocked_in, self.blocked_since, self.exchange_group = what, time.monotonic(), exchange_group
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.blocked_in, self.exchange_group = None, None
+
+
+@dataclass(frozen=True)
+class StackWait:
+    """A wait seen on the training thread's stack."""
+
+    call: str  # what it waits in, for the messages
+    ranks: tuple[int, ...] | None  # the global ranks of the collective's group; None: not known
+    since: float  # when a beat first saw it
+    compiled: bool = False  # a compiled graph's collective (else a torch.distributed call)
+    group_name: str | None = None  # the compiled collective's group, as its code names it
+
+
+def collective_wait(frame) -> tuple[str, str | None] | None:
+    """The functional collective that compiled code (an fx graph's, or inductor's) on a thread's stack
+    waits for: ``(what, its group's name or None)``, or None.
+
+    Read from the code's lines (``linecache``: fx registers its generated code there, inductor's is a
+    file): the line of the frame waits (``wait_tensor(buf)``) and the line that launched ``buf`` names
+    the collective and, as its last string argument, its group; a gather the call before issued
+    (``passes/call_prologue.py``) is an input whose name says both."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        waited = _WAIT_LINE.search(linecache.getline(filename, frame.f_lineno))
+        if waited is not None:
+            where = f"{os.path.basename(filename)}:{frame.f_lineno}"
+            launch = _launch_of(linecache.getlines(filename), waited.group(1))
+            if launch is None:
+                return f"a collective's wait ({where})", None
+            kind, group_name = launch
+            return f"{kind} ({where})", group_name
+        frame = frame.f_back
+    return None
+
+
+def _launch_of(lines: list[str], tensor: str) -> tuple[str, str | None] | None:
+    """The collective that made ``tensor`` in generated code, and its group's name (its last string
+    argument), from the line that assigns it (``buf = ..._c10d_functional.all_to_all_single.default(...)``)
+    or writes it (``..._c10d_functional.all_gather_into_tensor_out.default(..., out=buf)``)."""
+    issued = issued_by(tensor)
+    if issued is not None:
+        return issued
+    assigns, writes = re.compile(rf"^\s*{re.escape(tensor)}\s*="), re.compile(rf"\bout\s*=\s*{re.escape(tensor)}\b")
+    for line in lines:
+        statement = line.split(";")[0]  # fx appends "; x = None" frees
+        call = _COLLECTIVE_CALL.search(statement)
+        if call is None or call.group(1).startswith("wait_tensor"):
+            continue
+        if assigns.search(statement) or writes.search(call.group(2)):
+            names = re.findall(r"'([^']*)'", call.group(2))
+            return call.group(1), names[-1] if names else None
+    return None
+
+
+def _distributed_call(frame) -> tuple[str, bool] | None:
+    """The outermost ``torch.distributed`` function on a thread's stack (past torch's logging
+    decorators) and the line that called it, and whether that call is on the default group, or None."""
+    found, inner = None, None
+    while frame is not None:
+        code = frame.f_code
+        if (_DISTRIBUTED_DIR in code.co_filename and frame.f_back is not None
+                and _DISTRIBUTED_DIR not in frame.f_back.f_code.co_filename):
+            decorated = code.co_filename.endswith("c10d_logger.py") and inner is not None
+            found = (inner if decorated else frame, frame.f_back)
+        inner, frame = frame, frame.f_back
+    if found is None:
+        return None
+    called, caller = found
+    where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+    line = linecache.getline(caller.f_code.co_filename, caller.f_lineno)
+    return f"torch.distributed's {called.f_code.co_name} (called at {where})", _on_default_group(called.f_code, line)
+
+
+def _on_default_group(function, line: str) -> bool:
+    """Whether ``line`` calls ``function`` (one of ``torch.distributed``'s collectives, whose ``group``
+    None is the default group) without a group: ``dist.barrier()``, ``dist.all_reduce(t)``. False
+    where that cannot be read from the line (a call over several lines, ``*args``, another API)."""
+    if not function.co_filename.endswith("distributed_c10d.py"):
+        return False
+    params = function.co_varnames[:function.co_argcount + function.co_kwonlyargcount]
+    if "group" not in params:
+        return False
+    try:
+        tree = ast.parse(line.strip())
+    except SyntaxError:
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == function.co_name:
+            if any(keyword.arg in ("group", None) for keyword in node.keywords) \
+                    or any(isinstance(arg, ast.Starred) for arg in node.args):
+                return False
+            position = params.index("group")
+            return position >= function.co_argcount or len(node.args) <= position
+    return False
+
+
+def alive_key(global_rank: int) -> str:
+    return f"zcompile/alive/{global_rank}"
+
+
+def heartbeat() -> Heartbeat | None:
+    """This process's beat, started on first use; None without a process group (nothing to tell)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    for thread in threading.enumerate():
+        if thread.name == THREAD_NAME and thread.is_alive():
+            return thread.heartbeat
+    try:
+        store = default_store().clone()  # a client of its own for the thread
+    except Exception:  # a store that cannot be cloned (torch's fake process group, zcompile.simulate): no beat
+        return None
+    from zcompile.agreement.mismatch_watch import MismatchWatch  # it reads beats: imported once a beat exists
+
+    beat = Heartbeat(store=store, rank=dist.get_rank(), world_size=dist.get_world_size())
+    beat.watch = MismatchWatch(store=store, rank=beat.rank).look
+    thread = threading.Thread(target=beat.beat_forever, name=THREAD_NAME, daemon=True)
+    thread.heartbeat = beat
+    thread.start()
+    atexit.register(beat.stop, thread)
+    return beat
+
+
+def blocked(what: str, exchange_group: str | None = None):
+    """``Heartbeat.blocked`` of this process's beat, or nothing without one."""
+    beat = heartbeat()
+    return beat.blocked(what, exchange_group) if beat is not None else contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What a rank's last beat said (``beat`` None: it never beat)."""
+
+    rank: int  # in the waiting group
+    beat: int | None
+    blocked_in: str | None
+    for_s: float
+    exchange_group: str | None = None
+    collective_ranks: tuple[int, ...] | None = None  # the global ranks of the collective it waits for
+    compiled_collective: bool = False  # that collective is a compiled graph's
+    collective_group: str | None = None  # its group's name, as the graph's code names it
+    ended: bool = False  # its process has ended (its last beat, written at exit)
+
+    @classmethod
+    def from_beat(cls, rank: int, value: dict) -> RankState:
+        ranks = value.get("collective_ranks")
+        return cls(rank, value["beat"], value["blocked_in"], value["for_s"], value.get("exchange_group"),
+                   tuple(ranks) if ranks is not None else None, bool(value.get("compiled_collective")),
+                   value.get("collective_group"), bool(value.get("ended")))
+
+    def beat_since(self, earlier: dict[int, int | None]) -> bool:
+        """Whether this beat was written after ``earlier`` (rank -> beat count, ``beat_counts``) was read."""
+        before = earlier.get(self.rank)
+        return self.beat is not None and before is not None and self.beat > before
+
+    def stuck(self) -> bool:
+        """Blocked in one wait for a beat or more (a rank busy with its own work passes through many)."""
+        return self.blocked_in is not None and self.for_s >= BEAT_S
+
+    def in_collective_of(self, global_rank: int) -> bool:
+        """Stuck in a collective whose group holds ``global_rank``: it cannot end while that rank waits
+        elsewhere."""
+        return self.stuck() and global_rank in (self.collective_ranks or ())
+
+    def describe(self) -> str:
+        if self.beat is None:
+            return f"rank {self.rank} has not started zcompile's beat"
+        if self.ended:
+            return f"rank {self.rank} has ended its process"
+        if self.blocked_in is None:
+            return f"rank {self.rank} is alive, running its own code"
+        return f"rank {self.rank} waits in {self.blocked_in} (for {self.for_s:.0f}s)"
+
+
+def rank_states(store: dist.Store, group, ranks: list[int]) -> list[RankState]:
+    """The last beat of each of ``ranks`` (ranks of ``group``, a ``DataParallelGroup``)."""
+    global_ranks = [dist.get_global_rank(group.process_group, r) if group.process_group is not None else r
+                    for r in ranks]
+    states = []
+    for rank, global_rank in zip(ranks, global_ranks):
+        key = alive_key(global_rank)
+        if not store.check([key]):
+            states.append(RankState(rank, None, None, 0.0))
+            continue
+        states.append(RankState.from_beat(rank, json.loads(store.get(key))))
+    return states
+
+
+def beat_counts(states: list[RankState]) -> dict[int, int | None]:
+    return {state.rank: state.beat for state in states}
+
+
+def describe_all(states: list[RankState]) -> str:
+    return "; ".join(state.describe() for state in states)
+
+
+def waiting_on_each_other(missing: list[RankState], first_look: list[RankState], group_name: str | None,
+                          global_rank: int) -> bool:
+    """Whether every missing rank waits for this one, which waits for it, so neither will ever come:
+    no timeout needs to pass. A missing rank waits for this one when it has waited, for a beat or more,
+    - in another exchange of this group's ranks than the one this rank waits in (it would be counted
+      as arrived in this one): ``if rank == 0: zcompile.checkpoint.save(...)`` while the others are at
+      stage 1's ``optimizer.step()``; an exchange of another group may end without this rank;
+    - or in a collective whose group holds this rank (``global_rank``), which this rank, waiting here,
+      has not joined: the same save at stages 2-3, where the others wait in the next backward's
+      reduce-scatters; ``gathered()`` or a stage-3 evaluation on one rank; the others' ``dist.barrier()``.
+    Only beats written after ``first_look`` (read while this rank already waited here) count: an
+    older one may show a wait that this rank ended just before it came here."""
+    earlier = beat_counts(first_look)
+
+    def waits_for_this_rank(state: RankState) -> bool:
+        if not state.beat_since(earlier):
+            return False
+        if state.collective_ranks is not None:
+            return state.in_collective_of(global_rank)
+        return state.stuck() and state.exchange_group is not None and state.exchange_group == str(group_name)
+
+    return bool(missing) and all(waits_for_this_rank(state) for state in missing)
+
+
+def busy_with_own_work(before: list[RankState], now: list[RankState]) -> bool:
+    """Whether every rank of ``now`` beat since ``before`` and is not stuck: blocked in nothing, or in
+    one call for less than a beat (a rank evaluating alone through the compiled model passes through
+    many short compiled calls; one stuck in a collective stays in the same one)."""
+    earlier = beat_counts(before)
+    return bool(now) and all(state.beat_since(earlier) and not state.stuck() for state in now)

@@ -1,0 +1,129 @@
+"""Every rank starts from the same weights: a digest of each parameter's values when it is sharded,
+compared at the first step, and ``sync_module_states`` to take rank 0's.
+
+Why: a rank's shard is cut from its own copy of the parameter. Ranks that built the model with
+different weights (no common seed, or a checkpoint loaded on rank 0 only, counting on DDP, which
+broadcasts rank 0's parameters when it wraps the model) then train a mix of their weights: rank 0's
+first slice, rank 1's second, with no word. Measured before this check on 2 ranks: a 3-layer MLP
+initialized with seed = rank trained to weights 0.49 away from DDP's at stages 1 and 3.
+
+How: ``value_digest`` is the sum of the values' bit patterns as integers, exact and independent of
+the order of the sum (so the same on any device and thread count); ``zcompile.sharding.shards`` takes
+it when it shards a parameter, before the full value is freed (and again after ``p.data = values``).
+The digests are compared through the store, no collective: by the compile that sharded them when
+every rank compiles it (a training graph, or one with collectives: stage 3), frozen parameters
+included, else by the next step's agreement (``zcompile.agreement.step_agreement``: the optimizer's
+parameters), before anything is updated. Different weights are a ``RankDivergenceError`` on every
+rank naming the parameters and the fixes. A graph compiled under ``no_grad`` without collectives
+(stages 1-2: evaluation, maybe on one rank alone) compares nothing; its parameters' digests wait
+for the next training compile or step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zcompile.common.process_group import DataParallelGroup, broadcast_from_first
+
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def value_digest(tensor: torch.Tensor) -> int:
+    """The sum of ``tensor``'s values' bit patterns, as a Python int (exact; module doc)."""
+    flat = tensor.detach().reshape(-1)
+    return int(flat.view(_BITS[flat.element_size()]).sum(dtype=torch.int64))
+
+
+def pending_digests(members: list, positions: list[int] | None = None) -> dict[str, int]:
+    """``digest_key`` -> digest of the members sharded since the ranks last compared them;
+    ``positions``: each member's place among the parameters the ranks list alike (default: among ``members``)."""
+    positions = range(len(members)) if positions is None else positions
+    return {digest_key(at, m): m.initial_digest for at, m in zip(positions, members) if m.initial_digest is not None}
+
+
+def digest_key(index: int, member) -> str:
+    """A member's key among ``members``: its position and name. The name alone is not unique: blocks
+    compiled one by one (``block.compile()``) name their weights from the block (``attn.qkv.weight``
+    for every layer), and a dict by name kept one layer's digest of all. The ranks list the same
+    members in the same order (the optimizer's parameters, or one graph's), so positions compare."""
+    return f"#{index} {member.name}"
+
+
+def differing_parameters(per_rank: list[dict[str, int]], rank: int) -> list[str]:
+    """The parameters every rank sharded whose digest on some rank differs from ``rank``'s. One that
+    some rank lacks is not a difference of weights but of graphs (a branch per rank), which the
+    collectives' and the step's other checks name."""
+    mine = per_rank[rank]
+    return [name for name in mine if all(name in digests for digests in per_rank)
+            and any(digests[name] != mine[name] for digests in per_rank)]
+
+
+def different_weights_message(what: str, names: list[str]) -> str:
+    """The error for ranks whose parameters were sharded from different values (module doc)."""
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    count = "1 parameter was" if len(names) == 1 else f"{len(names)} parameters were"
+    return (f"zcompile {what}: the ranks started from different weights: {count} sharded from "
+            f"values that differ between ranks ({shown}), and each rank's shard was cut from its own copy, so the "
+            "ranks would train a mix of their weights. Build the model the same way on every rank "
+            "(torch.manual_seed(same seed) before creating it) and load checkpoints on every rank, or take rank 0's: "
+            "zcompile.sync_module_states(model) before the first call of the compiled model (what DDP does when it "
+            "wraps a model). Weights that were equal can also differ here when code run eagerly before they were "
+            "sharded wrote them in place on each rank (a forward Dynamo fell back to eager, say with "
+            "torch._dynamo.config.suppress_errors, that renormalizes an nn.Embedding(max_norm=...)): the warnings "
+            "logged before this say why that frame was not compiled. Blocks compiled one by one (block.compile()) are "
+            "sharded at their first call: ranks whose first calls were different blocks (a layer skipped on some ranks "
+            "only, LayerDrop drawn from each rank's own random numbers) compared different layers here; draw such "
+            "decisions the same on every rank.")
+
+
+def check_same_initial_values(members: list, group: DataParallelGroup, timeout_s: float, what: str) -> None:
+    """At a compile every rank joins (module doc): the digests of its parameters not compared yet are
+    compared now, frozen ones included (a step compares only the optimizer's); raises
+    ``RankDivergenceError`` on every rank when they differ."""
+    from zcompile.agreement.rank_check import RankDivergenceError, exchange_on_store  # local: rank_check is heavier
+
+    pending = pending_digests(members)
+    if group.world_size == 1 or not pending:
+        return
+    per_rank = exchange_on_store(pending, group, timeout_s, "values", f"zero backend: {what}",
+                                 "Give every rank the same weights.")
+    if names := differing_parameters(per_rank, group.rank):
+        raise RankDivergenceError(different_weights_message(what, names))
+    for index, member in enumerate(members):
+        if all(digest_key(index, member) in digests for digests in per_rank):  # compared
+            member.initial_digest = None
+
+
+SYNC_BUCKET_BYTES = 256 * 2**20  # DDP's broadcast bucket at wrap time is 250 MiB
+
+
+def sync_module_states(module: torch.nn.Module, group: dist.ProcessGroup | None = None,
+                       timeout_s: float = 60.0) -> None:
+    """Every rank's parameters and buffers = rank 0's (of ``group``), as DDP does when it wraps a
+    model: call it before the first call of the compiled model when the ranks built or loaded the
+    model differently (a checkpoint loaded on rank 0 only). Flat broadcasts of up to 256 MiB.
+
+    Every rank must call it, with a model of the same shapes: the ranks first meet through the store
+    (no collective), so a rank that calls it alone, or with another model, gets a
+    ``RankDivergenceError`` within ``timeout_s`` on every rank that came, instead of a broadcast
+    that waits for the process group's timeout or pairs tensors of other sizes."""
+    from zcompile.sharding.shards import shard_of  # local: param_shards imports this module
+    from zcompile.agreement.rank_check import agree_on_store  # local: rank_check is heavier
+
+    sharded = [name for name, p in module.named_parameters() if shard_of(p) is not None]
+    if sharded:
+        raise ValueError(
+            f"zcompile.sync_module_states: parameters are already sharded ({', '.join(sharded[:3])}"
+            f"{', ...' if len(sharded) > 3 else ''}): call it before the first call of the compiled model")
+    resolved = DataParallelGroup.resolve(group)
+    if resolved.world_size == 1:
+        return
+    tensors = [*module.parameters(), *module.buffers()]
+    layout = [[list(t.shape), str(t.dtype)] for t in tensors]
+    agree_on_store(layout, resolved, timeout_s, "sync", "zcompile.sync_module_states",
+                   "Call zcompile.sync_module_states(model) on every rank, with the same model.",
+                   lambda per_rank: "zcompile.sync_module_states: the ranks' models differ (parameters and buffers per "
+                   f"rank: {', '.join(f'rank {rank} {len(other)}' for rank, other in enumerate(per_rank))}; or their "
+                   "shapes or dtypes), so rank 0's cannot be copied onto them. Build the same model on every rank.")
+    broadcast_from_first(tensors, resolved, SYNC_BUCKET_BYTES)

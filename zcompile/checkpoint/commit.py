@@ -1,0 +1,128 @@
+"""A checkpoint directory replaced whole or not at all: a save is written beside it, then swapped in.
+
+DCP writes each rank's data file in place (opened for writing, so emptied first) and the metadata
+last. A save into the directory of an earlier checkpoint (``train_gpt.py --save ckpt --save-every K``,
+any loop that keeps one "latest" checkpoint) that is stopped part way (a preemption, a node lost,
+Ctrl-C) destroyed the earlier checkpoint with nothing whole in its place. Measured on 2 ranks: with
+rank 0's file rewritten and rank 1's cut halfway, ``load`` failed with DCP's ``EOFError``; with rank
+0's rewritten and rank 1's not yet opened, ``load`` succeeded and trained on a mix, rank 0's shards
+from the new step and rank 1's from the old, and each rank got its own step back (4 and 2): no error.
+
+So ``zcompile.checkpoint.save`` writes into ``<path>.zcompile-saving`` and, once DCP has written every
+rank's files and the metadata, the coordinating rank swaps it in: ``<path>`` to ``<path>.zcompile-old``,
+the new one to ``<path>``, the old one removed. Stopped at any point, a complete checkpoint is left:
+``<path>`` until the swap, ``<path>.zcompile-saving`` (complete: its metadata is written) between the
+swap's two renames, which ``readable_checkpoint`` finds and ``load`` reads with a warning, and the
+next save moves into place before it starts. A path with a scheme (``s3://``) is written in place, as
+DCP writes it. The directory is on a filesystem every rank shares, as DCP's loads need (each rank
+reads other ranks' files when it reshards).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+
+from zcompile.checkpoint.layout import CheckpointError
+
+log = logging.getLogger(__name__)
+
+STAGING_SUFFIX = ".zcompile-saving"
+PREVIOUS_SUFFIX = ".zcompile-old"
+_METADATA_FILE = ".metadata"  # DCP's, renamed into place last when a save finishes
+# what DCP's file system writer puts in a checkpoint directory: the metadata (global, or per rank without
+# collectives), its temporary name while written, and the ranks' data files
+_DCP_FILE = re.compile(r"(__\d+)?\.metadata(\.tmp)?|__\d+_\d+\.distcp")
+
+
+def replaced_whole(path: str) -> bool:
+    """Whether a save of ``path`` goes through a staging directory (a local path: os.rename applies)."""
+    return "://" not in path
+
+
+def staging_dir(path: str) -> str:
+    return os.path.normpath(path) + STAGING_SUFFIX
+
+
+def previous_dir(path: str) -> str:
+    return os.path.normpath(path) + PREVIOUS_SUFFIX
+
+
+def is_complete(directory: str) -> bool:
+    """Whether DCP finished a save into ``directory`` (its metadata is the last thing written)."""
+    return os.path.isfile(os.path.join(directory, _METADATA_FILE))
+
+
+def prepare_save(path: str) -> None:
+    """The coordinator's clean-up before a save of ``path`` (into ``staging_dir(path)``).
+    ``CheckpointError`` when ``path`` holds anything but a checkpoint (a file, a run's logs): the swap
+    would delete it.
+
+    A save stopped between the swap's renames left the new checkpoint complete in the staging
+    directory and none at ``path``: it is moved into place first. Then whatever an earlier stopped
+    save left beside ``path`` (a staging directory without metadata, an old one not yet removed) goes."""
+    foreign = foreign_files(path)
+    if foreign:  # the swap replaces the whole directory: never someone's other files with it
+        raise CheckpointError(f"{path} holds what no checkpoint holds ({', '.join(foreign[:3])}"
+                      f"{', ...' if len(foreign) > 3 else ''}), which replacing it would delete: save into a "
+                      "directory of its own")
+    staging, previous = staging_dir(path), previous_dir(path)
+    if not is_complete(path) and is_complete(staging):
+        _remove(path)
+        os.rename(staging, path)
+        log.warning("checkpoint: %s was saved whole but not moved into place (a save stopped while it swapped "
+                    "them); moved now", staging)
+    _remove(staging)
+    _remove(previous)
+
+
+def foreign_files(path: str) -> list[str]:
+    """What ``path`` holds that DCP does not write (``[path]`` itself when it is a file): empty for a
+    checkpoint directory, an empty one, or none."""
+    if not os.path.lexists(path):
+        return []
+    if not os.path.isdir(path) or os.path.islink(path):
+        return [path]
+    return sorted(name for name in os.listdir(path) if not _DCP_FILE.fullmatch(name))
+
+
+def commit_save(path: str) -> None:
+    """The coordinator, once DCP has written the whole checkpoint into ``staging_dir(path)``: moves it to
+    ``path``, replacing the checkpoint there."""
+    staging, previous = staging_dir(path), previous_dir(path)
+    if not is_complete(staging):  # DCP returned without its metadata: never swap in a partial save
+        raise RuntimeError(f"the save into {staging} has no {_METADATA_FILE}; {path} is left as it was")
+    if os.path.lexists(path):
+        os.rename(path, previous)
+    os.rename(staging, path)
+    _remove(previous)
+
+
+def readable_checkpoint(path: str) -> str:
+    """The directory ``load`` reads for ``path``: ``path``, or its staging directory when a save was
+    stopped between the swap's two renames (``path`` gone or incomplete, the staging one complete)."""
+    if not replaced_whole(path) or is_complete(path):
+        return path
+    staging = staging_dir(path)
+    if is_complete(staging):
+        log.warning("checkpoint: %s is not a complete checkpoint and %s is (a save stopped while it swapped them "
+                    "in); reading %s", path, staging, staging)
+        return staging
+    return path
+
+
+def incomplete_save_note(path: str) -> str:
+    """A sentence for a load of ``path`` that failed: what a stopped save left beside it, if anything."""
+    if replaced_whole(path) and os.path.isdir(staging_dir(path)) and not is_complete(staging_dir(path)):
+        return (f" A save into {staging_dir(path)} was stopped before it finished (no {_METADATA_FILE}); "
+                "it is not a checkpoint, and the next save removes it.")
+    return ""
+
+
+def _remove(directory: str) -> None:
+    if os.path.isdir(directory) and not os.path.islink(directory):
+        shutil.rmtree(directory)
+    elif os.path.lexists(directory):
+        os.remove(directory)

@@ -1,0 +1,163 @@
+"""Full (unsharded) weights: ``full_state_dict`` from a live model, ``consolidate`` from a checkpoint directory.
+
+Both produce what a plain, non-distributed copy of the model reads with ``load_state_dict``: the
+user's own keys (no ``_orig_mod.`` prefix, every name of a tied weight, persistent buffers) and
+fp32 master values. Besides the result, ``full_state_dict`` holds one bucket of full weights at a
+time (gathered by one collective), ``consolidate`` one tensor (read without a process group).
+
+``exclude_frozen_parameters``: what a fine-tuning run changed (the parameters with
+``requires_grad``; a LoRA adapter), without the frozen base model: ``full_state_dict`` gathers only
+those, and ``consolidate`` of a checkpoint saved that way has only those (it says which it lacks).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from zcompile.checkpoint.commit import readable_checkpoint
+from zcompile.checkpoint.layout import META_KEY, agree_on_call, buffer_key, param_key, unwrap
+from zcompile.sharding.shards import shard_of
+from zcompile.eager.gathered import gather_into_full
+from zcompile.common.process_group import DataParallelGroup
+from zcompile.agreement.rank_check import names_digest
+
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def full_state_dict(model: torch.nn.Module, rank: int = 0, timeout_s: float = 300.0,
+                    exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+    """The model's full state dict (fp32 master weights, on the CPU) on ``rank``; ``None`` on the others.
+
+    Collective over the model's group: every rank calls it. Memory: the result on ``rank``, and on
+    every rank one bucket of full weights at a time (``full_params.GATHER_BUCKET_BYTES``, 4 MiB, or
+    one larger weight alone), gathered by one collective each: one per parameter made an export of
+    many small weights latency-bound. A rank that does not call it within ``timeout_s``
+    (``if rank == 0: full_state_dict(model)``) is an error on the others, not a hang.
+    ``exclude_frozen_parameters``: the parameters with ``requires_grad`` False are left out (buffers
+    stay): a LoRA adapter's weights without gathering the base model, e.g. for
+    ``peft_model.save_pretrained(out, state_dict=...)``.
+    """
+    refs = _state_refs(unwrap(model))
+    if exclude_frozen_parameters:
+        frozen = [name for name, value in refs.items() if isinstance(value, torch.nn.Parameter)
+                  and not value.requires_grad]
+        left_out = set(frozen)
+        refs = {name: value for name, value in refs.items() if name not in left_out}
+    else:
+        frozen = []
+    group = next((s.group for s in map(shard_of, refs.values()) if s is not None), None)
+    group = group or DataParallelGroup.resolve(None)
+    # (``rank`` may differ: every rank gathers); what is gathered may not
+    agree_on_call("full_state_dict", None, group, timeout_s, exclude_frozen_parameters=exclude_frozen_parameters,
+                  frozen=names_digest(frozen))
+    mine = group.rank == rank
+    # each sharded weight once (a tied one has several names), its master shards gathered a bucket at
+    # a time into the result's CPU tensors on ``rank`` (``full_params.gather_into_full``); the other
+    # ranks take part and keep nothing
+    masters = list({id(s): s for s in map(shard_of, refs.values()) if s is not None}.values())
+    for sharded in masters:
+        sharded.follow_replaced_storage()  # `param.data = loaded` since the last call: its values are the master
+    fulls = {id(s): torch.empty(s.numel, dtype=s.shard.dtype) if mine else None for s in masters}
+    gather_into_full([(fulls[id(s)], s.shard.detach(), s) for s in masters])
+    out: dict[str, torch.Tensor] | None = {} if mine else None
+    copied: dict[int, torch.Tensor] = {}  # a tied weight not sharded: one copy for its names
+    for name, value in refs.items():
+        if not mine:
+            break
+        if not isinstance(value, torch.Tensor):
+            out[name] = value  # extra state (``get_extra_state``) as the module returns it
+        elif (sharded := shard_of(value)) is not None:
+            out[name] = fulls[id(sharded)].view(sharded.shape)
+        else:
+            if id(value) not in copied:
+                copied[id(value)] = value.detach().to("cpu", copy=True)
+            out[name] = copied[id(value)]
+    return out
+
+
+def _state_refs(root: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What ``root.state_dict(keep_vars=True)`` holds, collected without calling it (a stage-3
+    ``state_dict`` refuses freed parameters): every name of every parameter, persistent buffers,
+    and each module's extra state."""
+    refs: dict[str, torch.Tensor] = {}
+    for prefix, module in root.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, param in module._parameters.items():
+            if param is not None:
+                refs[dot + name] = param
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                refs[dot + name] = buffer
+        if type(module).get_extra_state is not torch.nn.Module.get_extra_state:
+            refs[dot + "_extra_state"] = module.get_extra_state()
+    return refs
+
+
+def _read(state: dict, path: str) -> None:
+    """``dcp.load`` of ``state`` in this process alone (DCP warns that it assumes so: it is meant)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """The ``zcompile/meta`` entry of a checkpoint directory (no process group needed)."""
+    state = {META_KEY: ""}
+    _read(state, os.fspath(path))
+    return json.loads(state[META_KEY])
+
+
+def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
+    """Writes the full fp32 weights of checkpoint ``path`` to the file ``out`` and returns a summary.
+
+    ``out`` ending in ``.safetensors`` is written with safetensors (tied names get their own copy:
+    the format has no aliases), anything else with ``torch.save``. Runs without a process group,
+    reading one tensor at a time.
+    """
+    path = readable_checkpoint(os.fspath(path))  # or a complete save stopped while it was swapped in
+    meta = read_meta(path)
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    result: dict[str, torch.Tensor] = {}
+    for name, info in meta["params"].items():
+        flat = torch.empty(keys[param_key(name)].size)
+        _read({param_key(name): flat}, path)
+        full = flat.view(info["shape"])
+        for alias in meta["aliases"].get(name, [name]):
+            result[alias] = full
+    for name in meta.get("buffers", []):
+        entry = keys.get(buffer_key(name))
+        if entry is None:
+            continue
+        buffer = torch.empty(entry.size, dtype=entry.properties.dtype)
+        _read({buffer_key(name): buffer}, path)
+        result[name] = buffer
+    out = os.fspath(out)
+    if out.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        seen: set[int] = set()
+        unique = {}
+        for name, tensor in result.items():  # safetensors refuses tensors that share memory
+            unique[name] = tensor.clone() if id(tensor) in seen else tensor.contiguous()
+            seen.add(id(tensor))
+        save_file(unique, out)
+    else:
+        torch.save(result, out)
+    numel = sum(t.numel() for name, t in result.items() if name in meta["params"])
+    log.info("consolidate: %d tensors (%d parameters' elements) from %s to %s", len(result), numel, path, out)
+    excluded = sorted(meta.get("excluded_frozen", {}))
+    if excluded:
+        log.warning("consolidate: %s holds only what trained: %d frozen parameters (%s%s) were left out when it "
+                    "was saved (exclude_frozen_parameters=True), so %s lacks them; take them from the weights "
+                    "the run started from", path, len(excluded), ", ".join(excluded[:3]),
+                    ", ..." if len(excluded) > 3 else "", out)
+    return {"tensors": len(result), "parameters": len(meta["params"]), "elements": numel,
+            "saved_world_size": meta["world_size"], "out": out, "excluded_frozen": excluded}

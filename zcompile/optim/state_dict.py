@@ -1,0 +1,128 @@
+"""``optimizer.state_dict()`` / ``load_state_dict()`` of the sharded optimizers, safe with DCP.
+
+torch's format (``{"state": {index: {...}}, "param_groups": [...]}``) with one difference: a
+state tensor of a parameter's shard (Adam's moments, SGD's momentum) is returned as this rank's
+piece of a flat tensor of the parameter's ``numel`` elements, a DTensor ``Shard(0)`` in a group of
+several ranks (``zcompile.checkpoint.layout``). A plain tensor would look replicated to DCP, which
+keeps one rank's copy for all (each rank would load rank 1's moments); a DTensor says whose piece
+it is, so ``dcp.save`` / ``dcp.load`` of ``optimizer.state_dict()`` is right and reshards to
+another number of ranks. ``torch.save`` per rank works too (DTensors pickle).
+
+``load_state_dict`` takes such pieces (from this layout, or resharded by ``dcp.load`` into it),
+full flat tensors (a save on one rank) or shard-sized plain tensors, and keeps the state fp32 on
+the shard's device: torch's own loader would cast it to the parameter's dtype (bf16 models).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zcompile.checkpoint.layout import as_flat_piece, flat_mesh, group_of
+from zcompile.sharding.shards import FlatPiece, shard_of
+from zcompile.common.process_group import DataParallelGroup
+from zcompile.agreement.rank_check import leave_abort_note
+
+
+def _group(optimizer) -> DataParallelGroup:
+    return group_of(p for g in optimizer.param_groups for p in g["params"])
+
+
+# on each piece ``state_dict()`` returns: the rank whose piece it is. ``torch.save`` keeps a tensor's
+# attributes and a DTensor's mesh does not say whose piece it holds: rank 0's file loaded on every rank
+# (DDP's checkpoint habit) gave each rank rank 0's moments, silently. DCP loads into this rank's pieces.
+SAVED_BY_ATTR = "_zcompile_saved_by_rank"
+
+
+def sharded_state_dict(optimizer, torch_state_dict: dict) -> dict:
+    """``torch_state_dict`` (torch's ``Optimizer.state_dict()``) with shard tensors as flat pieces."""
+    group = _group(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    mesh = flat_mesh(group, params[0].device.type if params else "cpu")
+    state = {}
+    for index, entry in torch_state_dict["state"].items():
+        param = params[index]
+        piece = FlatPiece(param.numel(), group.world_size, group.rank)
+        state[index] = {key: _piece_of(value, param, piece, mesh) if piece.is_shard(value) else value
+                        for key, value in entry.items()}
+    return {"state": state, "param_groups": torch_state_dict["param_groups"]}
+
+
+def _piece_of(shard_value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, mesh) -> torch.Tensor:
+    value = as_flat_piece(shard_value.detach()[: piece.owned], param.numel(), mesh)
+    if mesh is not None:
+        setattr(value, SAVED_BY_ATTR, (piece.rank, piece.world))
+    return value
+
+
+def _my_shard(value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, key: str) -> torch.Tensor:
+    """This rank's padded fp32 shard of a saved state tensor, whatever form it was saved in."""
+    if hasattr(value, "to_local"):  # a flat piece in this rank's layout (saved so, or resharded by dcp.load)
+        _check_saved_by_this_rank(value, piece, key)
+        if tuple(value.shape) != (param.numel(),) or value.to_local().numel() != piece.owned:
+            raise ValueError(f"optimizer state {key!r} is a piece of a tensor of {tuple(value.shape)} laid out for "
+                             f"another number of ranks; load it with dcp.load into optimizer.state_dict() (which "
+                             "reshards) or with zcompile.checkpoint.load")
+        local = value.to_local()
+    elif value.numel() == param.numel():  # a full flat tensor (a save on one rank)
+        local = value.reshape(-1)[piece.offset: piece.offset + piece.owned]
+    elif value.numel() == piece.chunk:  # a shard saved by this rank in this layout
+        local = value.reshape(-1)[: piece.owned]
+    else:
+        raise ValueError(f"optimizer state {key!r} has {value.numel()} elements; a parameter of {param.numel()} "
+                         f"elements on {piece.world} ranks takes {param.numel()} (full) or {piece.chunk} (a shard)")
+    device = shard_of(param).shard.device if shard_of(param) is not None else param.device
+    return piece.padded(local.to(device), device)
+
+
+def _check_saved_by_this_rank(value: torch.Tensor, piece: FlatPiece, key: str) -> None:
+    saved_by = getattr(value, SAVED_BY_ATTR, None)
+    if saved_by is None or tuple(saved_by) == (piece.rank, piece.world):
+        return
+    rank, world = saved_by
+    raise ValueError(
+        f"optimizer state {key!r}: rank {piece.rank} is loading the piece rank {rank} of {world} saved. "
+        "optimizer.state_dict() holds only this rank's piece of the sharded optimizer state, so a file saved on "
+        "one rank (DDP's `if rank == 0: torch.save(...)`) and loaded on every rank would give every rank that "
+        "rank's moments. Save and load with zcompile.checkpoint.save/load (or dcp.save/dcp.load of "
+        "optimizer.state_dict()), or torch.save a file per rank (f'optim_rank{rank}.pt') and load each rank's own")
+
+
+def _merged_state(state: dict) -> dict[str, dict]:
+    """The per-parameter entries by ``str`` id. A ``dcp.load`` into ``optimizer.state_dict()`` fills the
+    tensors in place under the int ids but puts the values it read for non-tensors (``step``)
+    under string ids ``"0"``, ``"1"``...: those are the loaded ones, so they win."""
+    merged: dict[str, dict] = {}
+    for key in sorted(state, key=lambda k: isinstance(k, str)):  # int ids first, DCP's string ids after
+        merged.setdefault(str(key), {}).update(state[key])
+    return merged
+
+
+@torch.no_grad()
+def load_sharded_state_dict(optimizer, state_dict: dict) -> None:
+    """Restores ``optimizer`` from ``state_dict`` (see the module docstring); raises ``ValueError`` on a
+    mismatch (another number of parameter groups or parameters per group) before changing anything."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, optimizer.param_groups)):
+        raise ValueError(f"{type(optimizer).__name__}.load_state_dict: the state dict has groups of "
+                         f"{[len(g['params']) for g in saved_groups]} parameters, this optimizer "
+                         f"{[len(g['params']) for g in optimizer.param_groups]}")
+    group = _group(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    # ids as torch numbers them (0, 1, ...); a DCP round trip turns the state's keys into strings
+    saved_ids = [str(saved_id) for g in saved_groups for saved_id in g["params"]]
+    index_of = {saved_id: position for position, saved_id in enumerate(saved_ids)}
+    new_state = {}
+    try:
+        for saved_index, entry in _merged_state(state_dict["state"]).items():
+            param = params[index_of[saved_index]]
+            piece = FlatPiece(param.numel(), group.world_size, group.rank)
+            new_state[param] = {key: _my_shard(value, param, piece, key) if isinstance(value, torch.Tensor)
+                                and value.dim() == 1 else value for key, value in entry.items()}
+    except ValueError as error:  # maybe this rank alone: the others, waiting for it later, quote it
+        leave_abort_note(group, str(error))
+        raise
+    for saved, live in zip(saved_groups, optimizer.param_groups):
+        live.update({key: value for key, value in saved.items() if key != "params"})
+    optimizer.state.clear()
+    optimizer.state.update(new_state)

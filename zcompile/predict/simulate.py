@@ -1,0 +1,371 @@
+"""``simulate``: compile a model for a world of ranks this machine does not have, and predict its step.
+
+``simulate(make_model, example_batch, world_size=1024, options=..., hardware="h100-sxm")`` builds
+the model under a ``FakeTensorMode`` (parameters with shapes and dtypes, no storage), starts
+torch's fake process group of ``world_size`` ranks (``torch.testing._internal.distributed.fake_pg``:
+collectives return at once, nothing is sent) and runs one forward and backward through the real
+zero backend and its passes on fake inputs. Nothing is allocated at full size: shards of fake
+parameters are fake too (``param_shards``).
+
+This process plays rank 0. The choices that depend on the rank are the shard sizes (rank 0 holds
+a full chunk, the largest) and the hpZ/qgZ group layout (rank 0's node); the plans (buckets,
+schedule, kept weights) read only the graph and are the same on every rank. The compile-time rank
+check and the step agreement are off: there are no other ranks to ask. ``node_size`` is also the
+ZeRO++ option ``node_size`` (``hpz_size="node"``, qgZ's hierarchy) unless the options set it.
+
+From the compiled graphs it returns:
+
+- memory per rank: model states by ``estimate_memory``'s allocation rules (equal to ZeRO's
+  formulas up to padding), the gathered peak of the schedule, kept weights and saved activations by
+  ``passes.liveness``, as ``step_report`` counts them; and the step's peak from a walk over the
+  compiled graphs (``zcompile.predict.step_peak``: the parts plus backward's transients, forward's
+  intermediates and the gradients made so far), with the phase that holds it;
+- every collective of a step with its bytes, its group's size, whether its group's ranks stay
+  inside a node and its predicted transfer time, plus the optimizer's all-gather and
+  reduce-scatter of stages 1 and 2 (not in the graphs);
+- the predicted step time and exposed communication (``cost_model.predict_step`` with the hardware
+  profile's costs, each collective priced on its own group's link: ``HardwareProfile.link_costs``),
+  the optimizer's communication added as exposed and its update as compute (``zcompile.optim.AdamW``
+  over rank 0's shards: its fused kernel, one pass reading parameter, gradient and both moments
+  and writing three of them, on a GPU the Triton kernel, on a CPU torch's own, at the profile's
+  memory bandwidth: on this machine's CPU torch's kernel reaches about half of it, 23 GB/s, so the
+  CPU update is predicted at about half its time, 2 ms of a 16-layer GPT's 4), and
+  MFU: 6 x parameters x tokens per step over the step time and the profile's peak FLOP/s. A CPU
+  profile adds the host's time per graph call and per trained parameter (``host_overhead_s``,
+  ``HardwareProfile.host_overhead_seconds``), which a GPU's host spends ahead of the device. With
+  more ranks on a node than the profile's ``host_cores`` (4 ranks on this machine's 2 cores) every
+  figure of time is that ratio slower (``HardwareProfile.shared_by``): the ranks take turns.
+- the ranks' agreements through the store (``zcompile.agreement.step_agreement``, with the default
+  ``check_ranks=True``): the step's, and one before each training call of a graph whose calls are
+  agreed (``backend.agrees_on_each_call``: stages 2 and 3) but the first after the step. One server
+  answers every rank's requests, 5 per rank an exchange (``rank_check.ANSWERED_REQUESTS_PER_EXCHANGE``),
+  each waiting its round trip or the server's turn through the N ranks' (``HardwareProfile.store_seconds``):
+  0.27 ms at 2 ranks (measured: 0.30), 0.5 ms at 8 and 66 ms at 1,024 at this machine's store's
+  figures. Blocks compiled one by one, or a graph break in the layer loop, make one a layer. On a
+  CPU profile the host's waits add to the step; on a GPU's the host runs ahead of the device, and
+  they show where they outlast the device's step. A loop that clips gradients makes one more a step
+  (measured at stages 2 and 3), not counted: the simulation does not clip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from zcompile.backend.entry_point import agrees_on_each_call
+from zcompile.config import ZeroConfig
+from zcompile.predict.cost_model import ComputeCosts, predict_step, step_graphs
+from zcompile.predict.estimate import estimate_memory, fake_call
+from zcompile.predict.hardware import HardwareProfile, LinkCosts, load_profile
+from zcompile.optim.buckets import plan_optimizer_buckets, plan_reduce_buckets
+from zcompile.sharding.shards import shard_of
+from zcompile.passes.collectives import collective_nodes
+from zcompile.common.process_group import group_ranks_by_name
+from zcompile.agreement.rank_check import ANSWERED_REQUESTS_PER_EXCHANGE
+from zcompile.passes.liveness import gathered_peak_parts, saved_activation_bytes
+from zcompile.predict.step_peak import step_peak
+
+log = logging.getLogger(__name__)
+STORE_SHARE_WORTH_A_WARNING = 0.1  # of the predicted step
+OPTIMIZER_BUCKET_MB = 4.0  # zcompile.optim's default bucket_mb: the optimizer the simulation assumes
+
+
+@dataclass
+class SimulatedCollective:
+    where: str  # forward, backward or optimizer
+    kind: str
+    bytes: int
+    group_size: int
+    inside_node: bool  # its group's ranks are on one node: priced on the intra-node link
+    seconds: float = 0.0  # predicted transfer time
+    graph: str = ""  # forward0, backward0 (cost_model.StepGraph.name); "" for the optimizer's
+    node: str = ""  # the collective's node in that graph
+
+
+@dataclass
+class SimulationResult:
+    world_size: int
+    node_size: int
+    hardware: str
+    num_params: int
+    tokens_per_rank: int
+    memory: dict[str, int]  # bytes per rank, the parts of step_report().memory
+    collectives: list[SimulatedCollective] = field(default_factory=list)
+    step_s: float = 0.0
+    compute_s: float = 0.0  # the graphs' compute and the optimizer's update
+    exposed_comm_s: float = 0.0
+    optimizer_update_s: float = 0.0  # the optimizer's update of this rank's shards
+    # the host's time per graph call and trained parameter (the profile's; 0 on a GPU profile)
+    host_overhead_s: float = 0.0
+    graph_calls: int = 0  # compiled graph calls per step (forward and backward graphs)
+    store_exchanges: int = 0  # the ranks' agreements through the store per step (module docstring)
+    store_s: float = 0.0  # their time on the store (HardwareProfile.store_seconds: round trip or the server's turn)
+    mfu: float = 0.0
+    simulate_s: float = 0.0  # wall time of the simulation itself
+    step_peak_bytes: int = 0  # the most bytes per rank during a step (zcompile.predict.step_peak), model states included
+    step_peak_phase: str = ""  # the phase that holds it: forward<i>, backward<i> or optimizer
+    time_sharing: float = 1.0  # HardwareProfile.time_sharing: ranks over the host's cores, where more
+
+    @property
+    def per_rank_bytes(self) -> int:
+        return sum(self.memory[k] for k in ("model_states_bytes", "peak_gathered_bytes", "gather_staging_bytes",
+                                            "kept_gathered_bytes", "saved_activation_bytes"))
+
+    def bytes_by(self, where: str | None = None, inside_node: bool | None = None) -> int:
+        return sum(c.bytes for c in self.collectives if (where is None or c.where == where)
+                   and (inside_node is None or c.inside_node == inside_node))
+
+    def to_dict(self) -> dict:
+        """The result as JSON data, the collectives summed per kind and where they run."""
+        totals: dict[str, dict] = {}
+        for c in self.collectives:
+            entry = totals.setdefault(f"{c.where} {c.kind}", {"count": 0, "bytes": 0, "across_nodes_bytes": 0,
+                                                              "seconds": 0.0})
+            entry["count"] += 1
+            entry["bytes"] += c.bytes
+            entry["across_nodes_bytes"] += 0 if c.inside_node else c.bytes
+            entry["seconds"] += c.seconds
+        return {**{k: v for k, v in asdict(self).items() if k != "collectives"}, "collectives": totals,
+                "per_rank_bytes": self.per_rank_bytes}
+
+
+def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, world_size: int,
+             node_size: int | None = None, options: ZeroConfig | dict | None = None,
+             hardware: str | HardwareProfile = "h100-sxm",
+             loss_fn: Callable[[Any], torch.Tensor] | None = None) -> SimulationResult:
+    """Compiles ``make_model()`` for ``world_size`` ranks without them and predicts memory and time (module doc).
+
+    ``example_batch``: one rank's inputs (a tensor, a tuple of positional or a dict of keyword
+    arguments); ``loss_fn(output)`` makes the scalar to differentiate (default: the output if it is
+    a tensor, else its ``loss``); ``node_size``: ranks per node (default the profile's).
+    """
+    check_world(world_size, node_size)
+    profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+    config = ZeroConfig.from_options(options)
+    checks_ranks = config.check_ranks  # the user's: priced, though there are no ranks here to check
+    config = config.replace(check_ranks=False)
+    on_gloo = profile.device_type == "cpu"  # the fake group has no backend: the profile's device says which
+    if config.reduce_scatter == "auto":
+        config = config.replace(reduce_scatter="all_to_all" if on_gloo else "native")
+    node_size = _node_size(node_size, config, profile)
+    config = config.replace(node_size=node_size)
+    # more ranks on a node than its host has cores (a CPU profile): each rank's figures, time-shared
+    time_sharing = profile.time_sharing(world_size, node_size)
+    profile = profile.shared_by(world_size, node_size)
+    start = time.perf_counter()
+    graphs: list = []
+    user_hook = config.on_compile
+    config = config.replace(on_compile=lambda g: (graphs.append(g), user_hook and user_hook(g)))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_world(world_size, node_size):
+        with fake_mode:
+            model = make_model()
+        args, kwargs = fake_call(example_batch, fake_mode)
+        torch._dynamo.reset()
+        try:
+            output = torch.compile(model, backend="zero", options=config)(*args, **kwargs)
+            _loss(output, loss_fn).backward()
+        finally:
+            torch._dynamo.reset()
+        states = estimate_memory(model, world_size, config)
+        pricing = profile.link_costs(world_size, node_size, group_ranks_by_name())
+    num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    tokens = _tokens(args, kwargs)
+    gathered, staging = gathered_peak_parts([gm for g in graphs for gm in (g.forward, g.backward)],
+                                            on_gloo and world_size > 1)
+    # each graph as often as the step ran it, as step_report counts it: a graph break inside the layer
+    # loop compiles one graph for a layer's frame, called once per layer (counted once until 2026-11-28)
+    stepped = [g for g in graphs for _ in range(max(1, g.calls_since_step))]
+    result = SimulationResult(world_size, node_size, profile.name, num_params, tokens, memory={
+        "model_states_bytes": states.model_states_bytes,
+        "peak_gathered_bytes": gathered,
+        "gather_staging_bytes": staging,  # gloo's copies of the gathers in flight (step_report's part)
+        "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in stepped if g.keep_gathered),
+        "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) for g in stepped),
+    })
+    peak = step_peak(stepped, states.params_bytes, states.grads_bytes, states.optimizer_bytes,
+                     gather_staging=on_gloo and world_size > 1)
+    result.step_peak_bytes, result.step_peak_phase = peak.peak_bytes, peak.where
+    result.collectives = _graph_collectives(stepped, pricing) + _optimizer_collectives(
+        model, pricing, by_all_to_all=on_gloo)
+    compute = profile.compute_costs(config.param_dtype or torch.float32)
+    result.optimizer_update_s = _optimizer_update_seconds(model, profile, compute)
+    result.time_sharing = time_sharing
+    result.store_exchanges = _store_exchanges(graphs, world_size) if checks_ranks else 0
+    _predict(result, stepped, pricing, compute, sum(p.requires_grad for p in dict.fromkeys(model.parameters())))
+    result.simulate_s = time.perf_counter() - start
+    log.info("simulate: %d parameters on %d ranks (%s): %.1f MiB per rank, step %.3f s, MFU %.1f%%", num_params,
+             world_size, profile.name, result.per_rank_bytes / 2**20, result.step_s, 100 * result.mfu)
+    return result
+
+
+def check_world(world_size: int, node_size: int | None) -> None:
+    """Refuses a world size or node size that is not a positive int, naming it."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"zcompile.simulate: world_size must be an int >= 1, got {world_size!r}")
+    if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1):
+        raise ValueError(f"zcompile.simulate: node_size must be an int >= 1 or None (the profile's), got {node_size!r}")
+
+
+def _node_size(node_size: int | None, config: ZeroConfig, profile: HardwareProfile) -> int:
+    """Ranks per node: the argument, else the ``node_size`` option, else the profile's; the two must agree."""
+    if node_size is not None and config.node_size is not None and node_size != config.node_size:
+        raise ValueError(f"zcompile.simulate: node_size={node_size} and the option node_size={config.node_size} "
+                         "disagree; give one of them")
+    return node_size or config.node_size or profile.node_size
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, node_size: int):
+    """torch's fake process group of ``world_size`` ranks, this process rank 0, for the block."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("zcompile.simulate runs without a process group of its own: call it in a process "
+                           "that has not called init_process_group (not under torchrun)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss(output: Any, loss_fn: Callable | None) -> torch.Tensor:
+    if loss_fn is not None:
+        return loss_fn(output)
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() == 0 else output.float().sum()
+    loss = getattr(output, "loss", None)
+    if loss is None:
+        raise ValueError("zcompile.simulate: the model's output is neither a tensor nor has a .loss; "
+                         "pass loss_fn=lambda output: ... to make the scalar to differentiate")
+    return loss
+
+
+def _tokens(args: tuple, kwargs: dict) -> int:
+    """Tokens per rank and step: the element count of the first integer input (the token ids)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and not value.is_floating_point():
+            return value.numel()
+    return 0
+
+
+def _graph_collectives(graphs: list, pricing: LinkCosts) -> list[SimulatedCollective]:
+    """The graphs' collectives in the order a step runs them (``step_graphs``)."""
+    out = []
+    for graph in step_graphs(graphs):
+        for collective in collective_nodes(graph.gm):
+            size = pricing.group_size(collective)
+            inside = not pricing.across_nodes(collective.group_name, size)
+            out.append(SimulatedCollective(graph.where, collective.kind, collective.bytes, size, inside,
+                                           graph=graph.name, node=collective.node.name))
+    return out
+
+
+def _optimizer_collectives(model: torch.nn.Module, pricing: LinkCosts, by_all_to_all: bool,
+                           bucket_mb: float = OPTIMIZER_BUCKET_MB) -> list[SimulatedCollective]:
+    """Stages 1 and 2: what ``zcompile.optim``'s step moves, read from the shards the backend made and
+    bucketed as the step buckets them (``optim_buckets``, its default 4 MiB of full parameter): at
+    stage 1 the full gradients reduce-scattered in their reduce dtype (``plan_reduce_buckets``: half
+    buckets where, as on the profile's CPU (gloo), they are exchanged by all-to-all), then the updated
+    parameters all-gathered in the replicated dtype; one collective per bucket, padded."""
+    members = [s for s in filter(None, map(shard_of, dict.fromkeys(model.parameters())))
+               if s.stage in (1, 2) and s.group.world_size > 1 and s.param.requires_grad]
+    bucket_bytes = int(bucket_mb * 2**20)
+    moves = [("reduce_scatter", lambda s: s.grad_reduce_dtype,
+              plan_reduce_buckets([s for s in members if s.stage == 1], bucket_bytes, by_all_to_all)),
+             ("all_gather", lambda s: s.replicated_dtype,
+              plan_optimizer_buckets(members, lambda s: s.replicated_dtype, bucket_bytes))]
+    out = []
+    for kind, dtype_of, buckets in moves:
+        for bucket in buckets:
+            group = bucket[0].group
+            across = pricing.across_nodes(group.name, group.world_size)
+            nbytes = sum(s.padded_numel * dtype_of(s).itemsize for s in bucket)
+            seconds = pricing.profile.group_cost(kind, group.world_size, across).seconds(nbytes)
+            out.append(SimulatedCollective("optimizer", kind, nbytes, group.world_size, not across, seconds))
+    return out
+
+
+def _store_exchanges(graphs: list, world_size: int) -> int:
+    """The step's agreements through the store with the ranks checked: the step's own, and one before
+    each training call of a graph that agrees on its calls, but the first after the step (every rank
+    goes there from the step's agreement: ``ShardSwap.first_call_since_agreed_step``)."""
+    if world_size == 1:
+        return 0
+    agreed_calls = sum(max(1, g.calls_since_step) for g in graphs if g.context is not None and agrees_on_each_call(
+        g.context.config.replace(check_ranks=True), world_size, g.context.sharding, g.context.zeropp.active,
+        grad_enabled=True))
+    return 1 + max(0, agreed_calls - 1)
+
+
+def _store_note(result: SimulationResult, profile: HardwareProfile) -> str:
+    """What the store's share of the step is, why, and what lowers it."""
+    each = result.store_s / result.store_exchanges
+    said = (f"at {result.world_size} ranks the ranks' {result.store_exchanges} agreement(s) a step through the store "
+            f"take {result.store_s * 1e3:.1f} ms of the {result.step_s * 1e3:.1f} ms step ({each * 1e3:.2f} ms each: "
+            f"one store server answers {ANSWERED_REQUESTS_PER_EXCHANGE * result.world_size} requests an exchange at "
+            f"{profile.store_requests_per_s:,.0f} requests/s, the profile's store_requests_per_s, "
+            f"{ANSWERED_REQUESTS_PER_EXCHANGE} of them one after another on each rank). ")
+    if result.store_exchanges > 1:
+        return said + ("Graphs called once per layer (blocks compiled one by one, a graph break in the layer loop) "
+                       "agree on every call: compile the whole model, whose forward needs none, or mark its blocks "
+                       "with zcompile.mark_repeated_blocks")
+    return said + ("That is the step's own agreement, once a step: more tokens per step (gradient accumulation) "
+                   "spread it; check_ranks=False removes it, and with it the error a rank that skips a step or a "
+                   "layer alone would raise (a hang instead)")
+
+
+def _optimizer_update_seconds(model: torch.nn.Module, profile: HardwareProfile, compute: ComputeCosts) -> float:
+    """``zcompile.optim.AdamW``'s update of rank 0's shards: the fused AdamW kernel's one pass over
+    each shard (the module docstring), one op's overhead per shard, plus on a CPU the passes torch's
+    kernel needs beside it (``kernels.cpu_adamw``): stage 1's gradient scale into a copy (reads and
+    writes 4 bytes an element) and the copy of the update into the low-precision replica (reads 4,
+    writes its dtype's bytes), which the GPU kernel does in its one pass."""
+    members = [s for s in filter(None, map(shard_of, dict.fromkeys(model.parameters()))) if s.param.requires_grad]
+    total = 0.0
+    for s in members:
+        lowp = s.replicated_dtype.itemsize if s.replicated_dtype != s.shard.dtype else 0
+        per_element = 7 * 4  # reads parameter, gradient and both moments; writes parameter and moments
+        if profile.device_type == "cuda":
+            per_element += lowp
+        else:
+            per_element += (8 if s.stage == 1 and s.group.world_size > 1 else 0) + (4 + lowp if lowp else 0)
+        total += compute.op_seconds(0.0, per_element * s.shard.numel())
+    return total
+
+
+def _predict(result: SimulationResult, graphs: list, pricing: LinkCosts, compute: ComputeCosts,
+             trained_parameters: int) -> None:
+    """Step, exposed communication and MFU from ``predict_step``; each graph collective's predicted
+    seconds; the host's overhead for the step's graph calls and ``trained_parameters`` parameters."""
+    prediction = predict_step(graphs, pricing, compute)
+    seconds = {(c.graph, c.name): c.seconds for c in prediction.collectives}
+    for c in result.collectives:
+        c.seconds = seconds.get((c.graph, c.node), c.seconds)
+    optimizer_comm = sum(c.seconds for c in result.collectives if c.where == "optimizer")
+    result.graph_calls = len(step_graphs(graphs))
+    result.host_overhead_s = pricing.profile.host_overhead_seconds(result.graph_calls, trained_parameters)
+    result.compute_s = prediction.compute_s + result.optimizer_update_s
+    result.exposed_comm_s = prediction.exposed_comm_s + optimizer_comm
+    result.step_s = prediction.step_s + optimizer_comm + result.optimizer_update_s + result.host_overhead_s
+    profile = pricing.profile
+    result.store_s = result.store_exchanges * profile.store_seconds(ANSWERED_REQUESTS_PER_EXCHANGE, result.world_size)
+    if profile.device_type == "cpu":  # the host runs the ops: its waits are the step's
+        result.step_s += result.store_s
+    else:  # the host runs ahead of the device: its waits show where they outlast the device's step
+        result.step_s = max(result.step_s, result.store_s)
+    if result.store_s > STORE_SHARE_WORTH_A_WARNING * result.step_s:
+        log.warning("zcompile.simulate: %s", _store_note(result, profile))
+    if result.step_s > 0:
+        # against a rank's own peak, not its time-shared one
+        peak = compute.flops_per_s * result.time_sharing
+        result.mfu = 6 * result.num_params * result.tokens_per_rank / result.step_s / peak
