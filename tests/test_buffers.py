@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import zcompile
 from support.launch import run_ranks
-from zcompile.agreement.rank_check import RankDivergenceError
+from zcompile.agreement.abort_note import RankDivergenceError
 
 STEPS, BATCH = 3, 8
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")

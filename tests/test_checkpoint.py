@@ -27,7 +27,7 @@ from support.models import build_model
 from support.training import LOSS_RTOL, RunSpec, _optimizer, train_reference, train_steps
 from zcompile.cli.commands import main as cli_main
 from zcompile.checkpoint.consolidate import consolidate
-from zcompile.agreement.rank_check import RankDivergenceError
+from zcompile.agreement.abort_note import RankDivergenceError
 
 STEPS = 6
 HALF = STEPS // 2

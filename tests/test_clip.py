@@ -15,7 +15,10 @@ import zcompile
 from support.launch import run_ranks
 from support.models import build_model, global_batch
 from support.training import RunSpec, assert_same_training, train_reference, train_zero, zero_run_on_rank
-from zcompile.optim.clip import ORIGINAL_ATTR, clip_grad_norm_of_shards, global_grad_norm, install_torch_clip_patch
+from zcompile.optim.clip import clip_grad_norm_of_shards, global_grad_norm
+from zcompile.routes.patched import ORIGINAL_ATTR
+from zcompile.routes import install as install_routes
+from zcompile.routes.clip_grad import install_torch_clip_patch
 from zcompile.sharding.shards import shard_parameter
 from zcompile.common.process_group import DataParallelGroup
 
@@ -81,6 +84,8 @@ def test_stage1_clipping_moves_the_same_gradients_plus_one_scalar(clip_runs):
 # --- without processes: hand-built shards and a world of one -------------------------------------------
 
 def _shards(shapes, stage, world=1, rank=0, seed=0):
+    """Parameters sharded as the backend shards them: the torch routes installed first."""
+    install_routes()
     group = DataParallelGroup(rank=rank, world_size=world, name=None if world == 1 else "g", process_group=None)
     generator = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
@@ -121,7 +126,7 @@ def test_padded_shards_of_two_ranks_give_the_full_norm(norm_type):
 
 def test_torch_clip_is_routed_and_the_unrouted_one_raises():
     params, members = _shards([(4, 3)], stage=3)
-    assert hasattr(torch.nn.utils.clip_grad_norm_, ORIGINAL_ATTR)  # installed by shard_parameter
+    assert hasattr(torch.nn.utils.clip_grad_norm_, ORIGINAL_ATTR)  # installed before the first shard
     routed = torch.nn.utils.clip_grad_norm_
     install_torch_clip_patch()
     assert torch.nn.utils.clip_grad_norm_ is routed is torch.nn.utils.clip_grad.clip_grad_norm_  # idempotent

@@ -127,7 +127,7 @@ def _one_rank_switches(rank: int, world: int) -> dict:
     from zcompile.backend.entry_point import ShardSwap, StaleGraphError
     from zcompile.passes.param_collectives import ParamInput, ShardingPlan
     from zcompile.common.process_group import DataParallelGroup, default_store
-    from zcompile.agreement.rank_check import RankDivergenceError, raise_if_aborted
+    from zcompile.agreement.abort_note import RankDivergenceError, raise_if_aborted
 
     group = DataParallelGroup.resolve()
     plan = ShardingPlan(stage=1, world_size=world, group_name=group.name, param_dtype=None, reduce_dtype=None,

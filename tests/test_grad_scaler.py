@@ -20,7 +20,7 @@ import zcompile
 from support.launch import run_ranks
 from support.models import build_model, global_batch
 from support.training import PARAM_TOL
-from zcompile.agreement.rank_check import RankDivergenceError
+from zcompile.agreement.abort_note import RankDivergenceError
 
 STEPS, BATCH, OVERFLOW_STEP, INIT_SCALE = 4, 8, 1, 2.0**10
 NORM_RTOL = 1e-6

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,11 +24,16 @@ ALLOWED = {
 PACKAGE_OF_FOLDER = {"passes": "zcompile.passes", "kernels": "zcompile.kernels"}
 
 
-def _imported_modules(path: Path, package: str) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in ``path``; ``from X import y`` gives ``X.y``
-    too, since ``y`` may be a module (``from zcompile import optim``)."""
+def _imported_modules(path: Path, package: str, run_only: bool = False) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``path`` (``run_only``: but those under
+    ``if TYPE_CHECKING:``); ``from X import y`` gives ``X.y``, since ``y`` may be a module
+    (``from zcompile import optim``)."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = _type_checking_only(tree) if run_only else set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -63,6 +69,66 @@ def test_the_checker_sees_an_upward_import(tmp_path):
                    "def f():\n    from .. import reports\n    import zcompile.optim\n")
     modules = [m for _, m in _imported_modules(bad, "zcompile.passes")]
     assert modules == ["zcompile.common.process_group.DataParallelGroup", "zcompile.reports", "zcompile.optim"]
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """Ids of the nodes under ``if TYPE_CHECKING:``: those imports never run."""
+    return {id(node) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+            for statement in block.body for node in ast.walk(statement)}
+
+
+def _import_graph(root: Path) -> nx.DiGraph:
+    """Module -> the zcompile modules it imports (function-local imports included, ``TYPE_CHECKING`` ones
+    not), plus the packages whose ``__init__`` such an import runs on the way."""
+    files = {_module_name(path, root): path for path in root.rglob("*.py")}
+    graph = nx.DiGraph()
+    for name, path in files.items():
+        graph.add_node(name)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for line, imported in _imported_modules(path, package, run_only=True):
+            while imported and imported not in files:  # ``from m import name``: m
+                imported = imported.rpartition(".")[0]
+            while imported and imported != "zcompile":  # the module, and every package above it
+                if imported != name and not name.startswith(imported + "."):
+                    graph.add_edge(name, imported, line=line)
+                imported = imported.rpartition(".")[0]
+    return graph
+
+
+def _circles(root: Path) -> list[str]:
+    graph = _import_graph(root)
+    found = []
+    for component in nx.strongly_connected_components(graph):
+        if len(component) > 1:
+            cycle = nx.find_cycle(graph.subgraph(component))
+            found.append(" -> ".join(f"{a} (line {graph.edges[a, b]['line']})" for a, b in cycle) + f" -> {cycle[0][0]}")
+    return found
+
+
+def test_no_import_circle_inside_zcompile():
+    """Imports inside ``zcompile/`` form no circle, function-local ones included: a circle works only
+    for the import order that happens to run first, and hides which module is the lower one."""
+    assert _circles(REPO / "zcompile") == []
+
+
+def test_the_circle_check_sees_a_circle(tmp_path):
+    """The check itself can fail: a function-local import that closes a circle through a package's
+    ``__init__`` is found; one under ``TYPE_CHECKING`` is not."""
+    package = tmp_path / "zcompile"
+    (package / "a").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a" / "__init__.py").write_text("from zcompile.a.low import thing\n")
+    (package / "a" / "low.py").write_text("def thing():\n    from zcompile.high import other\n")
+    (package / "high.py").write_text("from zcompile.a.low import thing\nother = thing\n")
+    (package / "typed.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from zcompile.high import other\n")
+    circles = _circles(package)
+    assert len(circles) == 1 and "zcompile.high" in circles[0] and "zcompile.a.low" in circles[0], circles
+    assert "typed" not in circles[0]
 
 
 def _run_fresh(code: str) -> str:

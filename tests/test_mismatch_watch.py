@@ -10,10 +10,10 @@ import json
 import pytest
 import torch.distributed as dist
 
-from zcompile.agreement.heartbeat import StackWait, alive_key
+from zcompile.agreement.rank_state import StackWait, alive_key
 from zcompile.agreement.mismatch_watch import MismatchWatch
 from zcompile.common.process_group import DataParallelGroup
-from zcompile.agreement.rank_check import abort_note
+from zcompile.agreement.abort_note import abort_note
 
 BARRIER = StackWait("torch.distributed's barrier (called at train.py:9) over ranks [0, 1]", (0, 1), since=100.0)
 IN_GRAPH = {"blocked_in": "a compiled backward, in all_to_all_single (<eval_with_key>.5:275) over ranks [0, 1]",

@@ -176,7 +176,7 @@ def _param_dtype_on_rank0_only(rank, world):
 
     import zcompile
     from support.models import build_model, global_batch, model_loss
-    from zcompile.agreement.rank_check import RankDivergenceError
+    from zcompile.agreement.abort_note import RankDivergenceError
 
     torch._dynamo.reset()
     model = build_model("gpt")

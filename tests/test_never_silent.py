@@ -17,7 +17,7 @@ import zcompile
 from support.launch import run_ranks
 from support.models import build_model, global_batch
 from support.training import RunSpec, assert_same_training, micro_batches, train_reference, train_zero
-from zcompile.agreement.rank_check import RankDivergenceError
+from zcompile.agreement.abort_note import RankDivergenceError
 from zcompile.sharding.shards import shard_of
 from zcompile.sharding.sharded_parameter import ShardedParameterError
 

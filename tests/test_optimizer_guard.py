@@ -63,7 +63,7 @@ def test_zcompile_optimizers_wrappers_and_other_models_step():
 def _one_rank_has_a_torch_optimizer(rank: int, world: int) -> str:
     import time
 
-    from zcompile.agreement.rank_check import RankDivergenceError
+    from zcompile.agreement.abort_note import RankDivergenceError
 
     model, compiled = _compiled(2)
     optimizer = (torch.optim.AdamW if rank == 0 else zcompile.optim.AdamW)(model.parameters(), lr=1e-2)

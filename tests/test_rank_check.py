@@ -20,26 +20,15 @@ from support.hand_built import layered_graph
 from support.launch import run_ranks
 from support.models import build_model, global_batch, model_loss
 from support.training import RunSpec, train_zero
-from zcompile.agreement.heartbeat import alive_key
+from zcompile.agreement.rank_state import alive_key
 from zcompile.passes import metadata
 from zcompile.passes.metadata import tag
 from zcompile.passes.param_collectives import ParamInput, ShardingPlan
 
 import zcompile
 from zcompile.common.process_group import DataParallelGroup
-from zcompile.agreement.rank_check import (
-    RankDivergenceError,
-    abort_note,
-    collective_signature,
-    describe_differences,
-    entry_difference,
-    exchange_through,
-    issues_collectives,
-    models_own_note,
-    plan_difference,
-    sequence_difference,
-    sequence_signature,
-)
+from zcompile.agreement.rank_check import collective_signature, describe_differences, entry_difference, exchange_through, issues_collectives, models_own_note, plan_difference, sequence_difference, sequence_signature
+from zcompile.agreement.abort_note import RankDivergenceError, abort_note
 
 
 def _plan(stage=3, params=(("h.0.attn.weight", (32, 96)), ("h.0.attn.bias", (96,))), requires_grad=True,

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import zcompile
 from support.launch import run_ranks
 from zcompile.sharding.shards import shard_of
-from zcompile.agreement.rank_check import RankDivergenceError
+from zcompile.agreement.abort_note import RankDivergenceError
 
 STEPS, ROWS, MOMENTUM, EMA_WEIGHT = 4, 8, 0.2, 0.5
 ATOL = 1e-6

@@ -25,7 +25,7 @@ _LAZY = {
     "estimate_memory": "zcompile.predict.estimate",
     "PassError": "zcompile.backend.pass_runner",
     "mark_repeated_blocks": "zcompile.backend.regional",
-    "sync_module_states": "zcompile.agreement.initial_values",
+    "sync_module_states": "zcompile.eager.sync",
     "StepReport": "zcompile.reports.step_report",
     "step_report": "zcompile.reports.step_report",
     "simulate_tune": "zcompile.tune.simulated",
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from zcompile.eager.weight_average import lerp_weights_
     from zcompile.sharding.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
     from zcompile.backend.pass_runner import PassError
-    from zcompile.agreement.initial_values import sync_module_states
+    from zcompile.eager.sync import sync_module_states
     from zcompile.backend.regional import mark_repeated_blocks
     from zcompile.reports.step_report import StepReport, step_report
     from zcompile.tune.simulated import simulate_tune

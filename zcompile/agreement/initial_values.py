@@ -1,5 +1,5 @@
 """Every rank starts from the same weights: a digest of each parameter's values when it is sharded,
-compared at the first step, and ``sync_module_states`` to take rank 0's.
+compared at the first step (``zcompile.eager.sync.sync_module_states`` takes rank 0's).
 
 Why: a rank's shard is cut from its own copy of the parameter. Ranks that built the model with
 different weights (no common seed, or a checkpoint loaded on rank 0 only, counting on DDP, which
@@ -22,9 +22,10 @@ for the next training compile or step.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from zcompile.common.process_group import DataParallelGroup, broadcast_from_first
+from zcompile.agreement.rank_check import exchange_on_store
+from zcompile.agreement.abort_note import RankDivergenceError
+from zcompile.common.process_group import DataParallelGroup
 
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
@@ -81,8 +82,6 @@ def check_same_initial_values(members: list, group: DataParallelGroup, timeout_s
     """At a compile every rank joins (module doc): the digests of its parameters not compared yet are
     compared now, frozen ones included (a step compares only the optimizer's); raises
     ``RankDivergenceError`` on every rank when they differ."""
-    from zcompile.agreement.rank_check import RankDivergenceError, exchange_on_store  # local: rank_check is heavier
-
     pending = pending_digests(members)
     if group.world_size == 1 or not pending:
         return
@@ -93,37 +92,3 @@ def check_same_initial_values(members: list, group: DataParallelGroup, timeout_s
     for index, member in enumerate(members):
         if all(digest_key(index, member) in digests for digests in per_rank):  # compared
             member.initial_digest = None
-
-
-SYNC_BUCKET_BYTES = 256 * 2**20  # DDP's broadcast bucket at wrap time is 250 MiB
-
-
-def sync_module_states(module: torch.nn.Module, group: dist.ProcessGroup | None = None,
-                       timeout_s: float = 60.0) -> None:
-    """Every rank's parameters and buffers = rank 0's (of ``group``), as DDP does when it wraps a
-    model: call it before the first call of the compiled model when the ranks built or loaded the
-    model differently (a checkpoint loaded on rank 0 only). Flat broadcasts of up to 256 MiB.
-
-    Every rank must call it, with a model of the same shapes: the ranks first meet through the store
-    (no collective), so a rank that calls it alone, or with another model, gets a
-    ``RankDivergenceError`` within ``timeout_s`` on every rank that came, instead of a broadcast
-    that waits for the process group's timeout or pairs tensors of other sizes."""
-    from zcompile.sharding.shards import shard_of  # local: param_shards imports this module
-    from zcompile.agreement.rank_check import agree_on_store  # local: rank_check is heavier
-
-    sharded = [name for name, p in module.named_parameters() if shard_of(p) is not None]
-    if sharded:
-        raise ValueError(
-            f"zcompile.sync_module_states: parameters are already sharded ({', '.join(sharded[:3])}"
-            f"{', ...' if len(sharded) > 3 else ''}): call it before the first call of the compiled model")
-    resolved = DataParallelGroup.resolve(group)
-    if resolved.world_size == 1:
-        return
-    tensors = [*module.parameters(), *module.buffers()]
-    layout = [[list(t.shape), str(t.dtype)] for t in tensors]
-    agree_on_store(layout, resolved, timeout_s, "sync", "zcompile.sync_module_states",
-                   "Call zcompile.sync_module_states(model) on every rank, with the same model.",
-                   lambda per_rank: "zcompile.sync_module_states: the ranks' models differ (parameters and buffers per "
-                   f"rank: {', '.join(f'rank {rank} {len(other)}' for rank, other in enumerate(per_rank))}; or their "
-                   "shapes or dtypes), so rank 0's cannot be copied onto them. Build the same model on every rank.")
-    broadcast_from_first(tensors, resolved, SYNC_BUCKET_BYTES)

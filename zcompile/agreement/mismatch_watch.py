@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from zcompile.agreement.heartbeat import BEAT_S, RankState, StackWait, alive_key, beat_counts
+from zcompile.agreement.rank_state import BEAT_S, RankState, StackWait, alive_key, beat_counts
 from zcompile.common.process_group import DataParallelGroup
-from zcompile.agreement.rank_check import leave_abort_note
+from zcompile.agreement.abort_note import leave_abort_note
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,9 @@ import torch.distributed as dist
 from zcompile.passes.collectives import COLLECTIVE_KINDS, collective_nodes
 from zcompile.passes.metadata import params_of
 from zcompile.passes.regions import subgraph_calls
-from zcompile.agreement.heartbeat import BEAT_S, blocked, busy_with_own_work, describe_all, rank_states, waiting_on_each_other
+from zcompile.agreement.abort_note import RankDivergenceError, abort_note, tell_others_and_raise
+from zcompile.agreement.heartbeat import blocked
+from zcompile.agreement.rank_state import BEAT_S, busy_with_own_work, describe_all, rank_states, waiting_on_each_other
 from zcompile.common.dynamo_frame import compile_mode, recompile_reason
 from zcompile.common.process_group import DataParallelGroup, default_store, process_group_timeout_s
 
@@ -57,10 +59,6 @@ CHECK_FIX = ("The ranks took different compile paths (different models, modes, c
              "check_timeout_s if a rank is only slow. Evaluating on one "
              "rank only works at stages 1 and 2 under torch.no_grad(); at stage 3 the forward gathers parameters from "
              "every rank, so evaluate on every rank.")
-
-
-class RankDivergenceError(RuntimeError):
-    """The ranks would issue different collectives (and deadlock) if the job went on."""
 
 
 # ---- signatures and where two of them differ (pure functions) ----
@@ -312,11 +310,11 @@ def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s
     if any(kind != difference.__name__ for kind in kinds):  # the ranks met at different checks
         at = "; ".join(f"rank {rank} at {label}" for rank, (_, label) in enumerate(exchanged)
                        if kinds[rank] != kinds[0] or rank == 0)
-        _tell_others_and_raise(None, group, (
+        tell_others_and_raise(None, group, (
             f"zero backend: the ranks reached different compile steps at the same point ({at}): they compiled "
             "different graphs, or in another order. " + CHECK_FIX))
     if any(other != signatures[group.rank] for other in signatures):
-        _tell_others_and_raise(None, group, (
+        tell_others_and_raise(None, group, (
             f"zero backend: {what} would issue different collectives on different ranks "
             f"({describe_differences(signatures, difference)}). Every rank must compile the same model with "
             "the same options."))
@@ -477,34 +475,6 @@ def _slot_value(raw: bytes, sequence: int) -> str:
     return value
 
 
-def raise_if_aborted(group: DataParallelGroup, error: BaseException | None = None) -> None:
-    """Raises ``RankDivergenceError`` (from ``error``) when a rank of ``group`` left an abort note.
-
-    For code that caught a failed collective: the other rank probably left because it found the
-    ranks diverged, and its reason is more useful than "connection closed". Does nothing when there
-    is no note or the store cannot be read (the rank holding it may be gone).
-    """
-    if group.world_size == 1 or not dist.is_initialized():
-        return
-    note = abort_note(default_store(), group)
-    if note is not None and note[0] != group.rank:  # this rank's own note: its own error says it
-        rank, message = note
-        raise RankDivergenceError(f"zcompile: rank {group.rank} stopped because rank {rank} reported: {message}") \
-            from error
-
-
-def abort_note(store: dist.Store, group: DataParallelGroup) -> tuple[int, str] | None:
-    """``(rank, message)`` of the abort note of ``group``, or None (no note, or no store to read it from)."""
-    try:
-        if not store.check([_abort_key(group)]):
-            return None
-        rank, message = json.loads(store.get(_abort_key(group)))
-    except Exception:  # the store may be gone with the rank that held it
-        log.debug("could not read the abort note of group %s", group.name, exc_info=True)
-        return None
-    return rank, message
-
-
 def exchanges_made(group: DataParallelGroup, purpose: str) -> int:
     """How many exchanges for ``purpose`` this rank has made in ``group`` (``exchange_on_store``'s
     counter, read without moving it: one store request); 0 on one rank, where none is made."""
@@ -526,10 +496,6 @@ def _value_slot(purpose: str, group: DataParallelGroup, sequence: int, rank: int
 
 def _label_key(key: str) -> str:
     return f"{key}/label"
-
-
-def _abort_key(group: DataParallelGroup) -> str:
-    return f"zcompile/abort/{group.name}"
 
 
 def _fix_for(fix: str, missing: list) -> str:
@@ -571,11 +537,11 @@ def _wait_for_ranks(store: dist.Store, everyone: str, missing: Callable[[], list
                 if time.monotonic() - looked >= BEAT_S:  # once a beat: do the missing ranks wait for this one?
                     looked, now = time.monotonic(), rank_states(store, group, missing())
                     if any(state.ended for state in now):
-                        _tell_others_and_raise(store, group, f"{where} got there but ranks {missing()} "
+                        tell_others_and_raise(store, group, f"{where} got there but ranks {missing()} "
                                                              f"did not, and will not ({describe_all(now)}). "
                                                              f"{_fix_for(fix, now)}")
                     if waiting_on_each_other(now, first_look, group.name, global_rank):
-                        _tell_others_and_raise(store, group, f"{where} got there but ranks {missing()} "
+                        tell_others_and_raise(store, group, f"{where} got there but ranks {missing()} "
                                                              f"wait elsewhere ({describe_all(now)}): each waits for "
                                                              f"the other. {_fix_for(fix, now)}")
                 time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
@@ -585,7 +551,7 @@ def _wait_for_ranks(store: dist.Store, everyone: str, missing: Callable[[], list
             if not busy_with_own_work(before, now):
                 break
             if waited >= patience_s:
-                _tell_others_and_raise(store, group, f"{where} got there but ranks {missing()} did not "
+                tell_others_and_raise(store, group, f"{where} got there but ranks {missing()} did not "
                                                      f"within {waited:.0f}s, the process group's timeout "
                                                      f"({describe_all(now)}: busy, or stuck in code of their own). "
                                                      f"{_fix_for(fix, now)}")
@@ -593,7 +559,7 @@ def _wait_for_ranks(store: dist.Store, everyone: str, missing: Callable[[], list
                         "(an evaluation or a checkpoint on some ranks only?), so this rank waits on, up to the "
                         "process group's timeout (%.0fs)", where, [state.rank for state in now], waited, patience_s)
             before, deadline = now, time.monotonic() + min(timeout_s, max(patience_s - waited, 0.0))
-        _tell_others_and_raise(store, group, f"{where} got there but ranks {missing()} did not within "
+        tell_others_and_raise(store, group, f"{where} got there but ranks {missing()} did not within "
                                              f"{timeout_s:.0f}s ({describe_all(now)}). {_fix_for(fix, now)}")
 
 
@@ -605,20 +571,3 @@ def _missing(store: dist.Store, purpose: str, group: DataParallelGroup, sequence
     return [rank for rank in range(group.world_size) if not arrived(_value_slot(purpose, group, sequence, rank))]
 
 
-def _tell_others_and_raise(store: dist.Store | None, group: DataParallelGroup, message: str) -> NoReturn:
-    """Leaves the abort note (the first one stays: it names the cause), then raises ``message``."""
-    leave_abort_note(group, message, store)
-    raise RankDivergenceError(message)
-
-
-def leave_abort_note(group: DataParallelGroup, message: str, store: dist.Store | None = None) -> None:
-    """Tells the other ranks of ``group`` why this one stops (the first note stays: it names the cause):
-    a rank waiting on the store, or whose collective failed as this rank left, raises quoting it
-    (``raise_if_aborted``) instead of "connection closed". For an error this rank raises that the others
-    do not, before a collective they are already in."""
-    if group.world_size == 1 or (store is None and not dist.is_initialized()):
-        return
-    try:
-        (store or default_store()).compare_set(_abort_key(group), "", json.dumps([group.rank, message]))
-    except Exception:  # the store may be gone with the rank that held it; this rank's own error still tells
-        log.debug("could not leave the abort note for group %s", group.name, exc_info=True)

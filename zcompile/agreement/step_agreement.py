@@ -40,7 +40,8 @@ from zcompile.sharding.buffer_sync import changed_buffers_summary
 from zcompile.agreement.initial_values import different_weights_message, differing_parameters, pending_digests
 from zcompile.sharding.shards import ShardedParam, shard_of
 from zcompile.common.process_group import DataParallelGroup
-from zcompile.agreement.rank_check import RankDivergenceError, exchange_on_store, exchanges_made
+from zcompile.agreement.rank_check import exchange_on_store, exchanges_made
+from zcompile.agreement.abort_note import RankDivergenceError
 
 DEFAULT_TIMEOUT_S = 60.0
 

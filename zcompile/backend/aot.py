@@ -28,13 +28,8 @@ from zcompile.passes.regions import subgraph_calls
 from zcompile.backend.pipeline import JOINT, PIPELINE, run_passes
 from zcompile.common.process_group import gathers_into_buffers
 from zcompile.agreement.step_agreement import FIX as STEP_FIX
-from zcompile.agreement.rank_check import (
-    check_same_on_all_ranks,
-    raise_if_aborted,
-    models_own_note,
-    sequence_difference,
-    sequence_signature,
-)
+from zcompile.agreement.rank_check import check_same_on_all_ranks, models_own_note, sequence_difference, sequence_signature
+from zcompile.agreement.abort_note import raise_if_aborted
 from zcompile.agreement.heartbeat import heartbeat
 from zcompile.backend.regional import schema_once_per_subgraph
 
@@ -273,7 +268,7 @@ def _inductor_prefetching_call(graph_module: torch.fx.GraphModule, inputs: list,
 def _quoting_abort_notes(run: Callable[[list], object], graphs: CompiledGraphs,
                          first_call_check: Callable[[], None] | None = None) -> Callable[[list], object]:
     """A compiled backward whose failed collective says why the other rank left, when it did so
-    on purpose (its abort note, ``rank_check.raise_if_aborted``), rather than gloo's "connection
+    on purpose (its abort note, ``abort_note.raise_if_aborted``), rather than gloo's "connection
     closed by peer": autograd runs the backward, outside the forward's wrapper that does the same.
     ``first_call_check`` (the rank check of its issue order, ``_post_partition``) runs before its
     first call's collectives. Boxed like ``run``: it hands the argument list on and keeps no input of

@@ -42,19 +42,15 @@ from zcompile.agreement.heartbeat import heartbeat
 from zcompile.sharding.shards import (ShardedParam, mark_like_siblings, mark_refusing_parameter, shard_of,
                                    shard_parameter)
 from zcompile.backend.pass_runner import PassRunner
+from zcompile.routes import install as install_routes
 from zcompile.passes.grad_hooks import hooked_params
 from zcompile.passes.param_collectives import ShardingPlan, gradient_leaves_parameter, plan_sharding
 from zcompile.passes.param_writes import parameter_writes
 from zcompile.passes.regions import subgraph_calls
 from zcompile.backend.pipeline import run_passes
 from zcompile.common.process_group import DataParallelGroup, reduce_scatter_by_all_to_all
-from zcompile.agreement.rank_check import (
-    call_identity,
-    check_same_collectives,
-    issues_collectives,
-    leave_abort_note,
-    raise_if_aborted,
-)
+from zcompile.agreement.rank_check import call_identity, check_same_collectives, issues_collectives
+from zcompile.agreement.abort_note import leave_abort_note, raise_if_aborted
 from zcompile.sharding.sharded_parameter import ShardedParameterError
 from zcompile.sharding.state_dict_hooks import attach_state_dict_hooks
 from zcompile.agreement.step_agreement import agree_on_call, take_free_call
@@ -170,6 +166,7 @@ class ShardSwap:
             existing.follow_replaced_storage()
             return existing
         # new, or sharded for another stage or group: shard_parameter raises with the fix
+        install_routes()  # before the first shard: torch's functions must route zcompile parameters
         return shard_parameter(param, name, self.plan.stage, self.group, self.plan.reduce_dtype, self.plan.param_dtype,
                                mark=mark)
 

@@ -1,5 +1,28 @@
 """The ``zcompile`` command (``zcompile.cli:main``): inspect, diff, consolidate, tune-report, simulate."""
 
-from zcompile.cli.commands import main
+from __future__ import annotations
 
-__all__ = ["main"]
+import importlib
+from typing import TYPE_CHECKING
+
+# public name -> the module that defines it, imported on first use (PEP 562): importing one module
+# of this package does not run the others
+_LAZY = {
+    "main": "zcompile.cli.commands",
+}
+__all__ = list(_LAZY)
+
+if TYPE_CHECKING:
+    from zcompile.cli.commands import main
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

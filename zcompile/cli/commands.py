@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_tune_report(args: argparse.Namespace, out: Output, warnings: list[str]) -> int:
     import json
 
-    from zcompile.tune.result import TuneResult
+    from zcompile.tune.result import TuneResult  # local: the dump commands load no torch.compile machinery
 
     try:
         result = TuneResult.from_json(args.result)
@@ -354,7 +354,7 @@ def cmd_tune_report(args: argparse.Namespace, out: Output, warnings: list[str]) 
 
 
 def cmd_consolidate(args: argparse.Namespace, out: Output, warnings: list[str]) -> int:
-    from zcompile.checkpoint.consolidate import consolidate
+    from zcompile.checkpoint.consolidate import consolidate  # local: import cost, as above
 
     if not os.path.isdir(args.checkpoint):
         raise DumpError(f"{args.checkpoint}: no such checkpoint directory")

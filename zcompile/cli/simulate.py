@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from zcompile.common.dumps import DumpError  # the CLI's "exit 2 with a message" error
+
 GIB = 2**30
 
 
@@ -70,12 +72,10 @@ def parse_space(pairs: list[str]) -> dict:
 
 
 def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
-    import torch
+    import torch  # local, with what follows: `zcompile inspect` loads none of it (import cost)
     import transformers
 
     from zcompile.predict.simulate import simulate
-
-    from zcompile.common.dumps import DumpError  # the CLI's "exit 2 with a message" error
 
     try:
         with open(args.spec) as f:
@@ -126,7 +126,7 @@ def _say_nodes(args: argparse.Namespace, out) -> None:
     where a user on this one machine has 4 ranks taking turns on its 2 cores (about twice the step)."""
     if args.node_size is not None:
         return
-    from zcompile.predict.hardware import load_profile
+    from zcompile.predict.hardware import load_profile  # local: import cost (cmd_simulate)
 
     profile = load_profile(args.hardware)
     if profile.host_cores and args.world > profile.node_size:
@@ -137,8 +137,7 @@ def _say_nodes(args: argparse.Namespace, out) -> None:
 
 
 def _tune(args: argparse.Namespace, out, make_model, batch: dict, space: dict, options: dict) -> int:
-    from zcompile.common.dumps import DumpError
-    from zcompile.tune.simulated import simulate_tune
+    from zcompile.tune.simulated import simulate_tune  # local: import cost (cmd_simulate)
     from zcompile.tune.simulated_report import COLUMNS, LEFT, point_rows, summary_lines
 
     try:

@@ -50,6 +50,7 @@ from zcompile.eager.gathered import DEFAULT_TIMEOUT_S, gather_into_full
 from zcompile.agreement.initial_values import value_digest
 from zcompile.sharding.shards import ShardedParam, shard_of, shard_parameter
 from zcompile.common.process_group import DataParallelGroup
+from zcompile.routes import install as install_routes
 from zcompile.agreement.rank_check import agree_on_store, names_digest, next_number
 
 _FIX = ("compile both models with the same options and call each once before the first update (a teacher's "
@@ -126,6 +127,7 @@ def _pieces(pair: _Pair) -> tuple[torch.Tensor, torch.Tensor]:
         piece = source.piece
         return pair.target.detach().view(-1)[piece.offset: piece.offset + piece.owned], source.shard.detach()[: piece.owned]
     if pair.way == SHARD_TARGET:  # as a compile of the target with the source's options would
+        install_routes()
         shard_parameter(pair.target, f"{source.name} (averaged)", stage=3, group=source.group)
     return shard_of(pair.target).shard.detach(), source.shard.detach()
 

@@ -55,6 +55,8 @@ from zcompile.optim.buckets import (BucketedGradReduce, BucketedParamRefresh, Bu
 from zcompile.sharding.shards import ShardedParam, shard_eager_parameter, shard_of, warn_eager_sharded
 from zcompile.sharding.sharded_parameter import grad_of
 from zcompile.agreement.step_agreement import DEFAULT_TIMEOUT_S, agree_before_step, hyperparameters_of
+from zcompile.routes import install as install_routes
+from zcompile.routes.optimizer_guard import SHARDED_OPTIMIZER_ATTR
 from zcompile.optim.nonfinite import local_grads_finite, nonfinite_flag, skip_nonfinite_by_default
 from zcompile.routes.zero_grad import (clear_shard_grad, remember_stepped_grads, stale_grad_members,
                                       zero_tensor_grad)
@@ -80,6 +82,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, defaults: dict, bucket_mb: float = 4.0, max_grad_norm: float | None = None,
                  check_timeout_s: float | None = DEFAULT_TIMEOUT_S, skip_nonfinite: bool | None = None):
+        install_routes()  # before any shard exists: torch's clipping, GradScaler, zero_grad route to the shards
         if not finite_number(bucket_mb) or bucket_mb < 0:
             raise ValueError(f"{type(self).__name__}: bucket_mb must be a finite number >= 0 (MiB), got {bucket_mb!r}")
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
@@ -416,6 +419,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if sharded.stage != 1:
             return sharded.shard_grad.detach()
         return sharded.padded_flat(sharded.full_grad, torch.float32)
+
+
+setattr(ShardedOptimizer, SHARDED_OPTIMIZER_ATTR, True)  # what the foreign-optimizer guard recognises
 
 
 class AdamW(ShardedOptimizer):

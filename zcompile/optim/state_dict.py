@@ -20,7 +20,7 @@ import torch
 from zcompile.checkpoint.layout import as_flat_piece, flat_mesh, group_of
 from zcompile.sharding.shards import FlatPiece, shard_of
 from zcompile.common.process_group import DataParallelGroup
-from zcompile.agreement.rank_check import leave_abort_note
+from zcompile.agreement.abort_note import leave_abort_note
 
 
 def _group(optimizer) -> DataParallelGroup:

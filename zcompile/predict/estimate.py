@@ -40,7 +40,12 @@ from typing import Any
 
 import torch
 
-from zcompile.config import ZeroConfig, activation_budget_bytes
+from zcompile.agreement.abort_note import leave_abort_note
+from zcompile.backend.aot import activation_budget, activation_budget_fraction
+from zcompile.config import ZeroConfig
+from zcompile.passes.liveness import saved_activation_bytes, saved_storages
+from zcompile.passes.random_draws import save_random_draws_pass
+from zcompile.passes.regions import subgraph_output_origin
 from zcompile.sharding.shards import FlatPiece, shard_of
 
 log = logging.getLogger(__name__)
@@ -111,8 +116,6 @@ def estimate_memory(model: torch.nn.Module, world_size: int, options: ZeroConfig
     if batch is not None and sharded:
         # the estimate compiles a copy between two torch._dynamo.reset(): this process would then compile
         # its graphs again alone (a RankDivergenceError on every rank, blaming the compile paths)
-        from zcompile.agreement.rank_check import leave_abort_note  # local: rank_check is heavier
-
         message = ("zcompile.estimate_memory(batch=...): the model has trained already (its parameters are "
                    "sharded); estimating saved activations resets Dynamo, and this rank would then recompile its "
                    "graphs without the others. Call it before the first step, or read the measured figures from "
@@ -223,9 +226,6 @@ def _saved_activations(model: torch.nn.Module, batch: Any, config: ZeroConfig,
     from torch._dynamo.backends.common import aot_autograd
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from zcompile.backend.aot import activation_budget, activation_budget_fraction
-    from zcompile.passes.liveness import saved_activation_bytes
-    from zcompile.passes.random_draws import save_random_draws_pass
 
     saved: dict[int, int] = {}  # per Dynamo graph: its partition's (a block subgraph's is made first)
     calls: dict[int, int] = {}  # per Dynamo graph: its forward's calls
@@ -280,9 +280,6 @@ def _saved_weight_bytes(forward: torch.fx.GraphModule, backward: torch.fx.GraphM
     """Saved values made from parameters alone (autocast's low-precision copies of the weights):
     zcompile's graphs do not save those (stage 3 re-gathers them in ``param_dtype``, stages 1 and
     2 read a replica already in it), and ``step_report`` does not count them as activations."""
-    from zcompile.passes.liveness import saved_storages
-    from zcompile.passes.regions import subgraph_output_origin
-
     total = 0
     for node, (_, nbytes) in saved_storages(forward, backward).items():  # each storage once, as liveness counts
         # a block's input handed back by its subgraph call (mark_repeated_blocks) is judged by the

@@ -37,7 +37,7 @@ import torch.autograd
 
 from zcompile.sharding.shards import ShardedParam, shard_of
 from zcompile.sharding.sharded_parameter import ShardedParameterError
-from zcompile.routes.zero_grad import ORIGINAL_ATTR
+from zcompile.routes.patched import ORIGINAL_ATTR
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,12 @@ import logging
 
 import torch
 
-from zcompile.optim.clip import ORIGINAL_ATTR, TORCH_ROUTE_BUCKET_BYTES, agree_before_route, averaged_grad_shards, \
-    keep_records_for_step, route_members
+from zcompile.optim.clip import TORCH_ROUTE_BUCKET_BYTES, averaged_grad_shards, keep_records_for_step
+from zcompile.routes.clip_grad import agree_before_route, route_members
+from zcompile.routes.patched import ORIGINAL_ATTR
 from zcompile.optim.nonfinite import any_rank_flag
 from zcompile.sharding.shards import ShardedParam, shard_of
-from zcompile.agreement.rank_check import RankDivergenceError
+from zcompile.agreement.abort_note import RankDivergenceError
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,12 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zcompile.sharding.shards import shard_of
-from zcompile.agreement.rank_check import leave_abort_note
+from zcompile.agreement.abort_note import leave_abort_note
 
 log = logging.getLogger(__name__)
 
 GUARD_ATTR = "_zcompile_foreign_optimizer_guard"  # on torch.optim.Optimizer: the hook's handle
+SHARDED_OPTIMIZER_ATTR = "_zcompile_sharded_optimizer"  # True on zcompile.optim's optimizer classes
 
 
 class ForeignOptimizerError(TypeError):
@@ -40,11 +41,9 @@ class ForeignOptimizerError(TypeError):
 
 def is_zcompile_optimizer(optimizer) -> bool:
     """``optimizer`` is a zcompile one, or wraps one through ``.optimizer`` attributes."""
-    from zcompile.optim.sharded import ShardedOptimizer  # local: zcompile.optim imports param_shards, which installs this
-
     seen = set()
     while optimizer is not None and id(optimizer) not in seen:
-        if isinstance(optimizer, ShardedOptimizer):
+        if getattr(type(optimizer), SHARDED_OPTIMIZER_ATTR, False):
             return True
         seen.add(id(optimizer))
         optimizer = getattr(optimizer, "optimizer", None)

@@ -23,11 +23,11 @@ import weakref
 import torch
 
 from zcompile.sharding.shards import ShardedParam, shard_of
+from zcompile.routes.patched import ORIGINAL_ATTR
 from zcompile.sharding.sharded_parameter import grad_of, set_grad
 
 log = logging.getLogger(__name__)
 
-ORIGINAL_ATTR = "__zcompile_original__"
 
 
 def clear_shard_grad(sharded: ShardedParam, set_to_none: bool) -> None:

@@ -17,11 +17,17 @@ parameter inside ``gathered`` (its storage is there, the op runs unchanged and r
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from zcompile.common.dynamo_frame import eager_fallback_reason, never_compiled_as_frames
 
+if TYPE_CHECKING:
+    from zcompile.sharding.shards import ShardedParam
+
+SHARD_ATTR = "_zcompile_shard"  # on a parameter: its ShardedParam (set by zcompile.sharding.shards)
 ALIASED_ATTR = "_zcompile_aliased"  # on a FreedTensor: the ShardedParam of the parameter it aliases
 
 # reading these never touches the (freed) elements
@@ -143,8 +149,6 @@ def _first_freed(args, kwargs) -> torch.Tensor | None:
 
 def _sharded(tensor: torch.Tensor):
     """The ``ShardedParam`` of ``tensor``: a parameter's own, or the one an alias of it carries."""
-    from zcompile.sharding.shards import shard_of  # local: param_shards imports this module
-
     sharded = shard_of(tensor)
     return sharded if sharded is not None else getattr(tensor, ALIASED_ATTR, None)
 
@@ -178,3 +182,8 @@ def _message(tensor: torch.Tensor, func) -> str:
         "(generate(), evaluation, export), every rank enters `with zcompile.gathered(model): ...` "
         "(`gathered(model, rank0_only=True)` gathers to rank 0 only); for checkpoints use zcompile.checkpoint."
     )
+
+
+def shard_of(param: torch.Tensor) -> ShardedParam | None:
+    """The ``ShardedParam`` of a zcompile parameter, else None."""
+    return getattr(param, SHARD_ATTR, None)

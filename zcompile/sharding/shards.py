@@ -29,11 +29,9 @@ from zcompile.passes.param_collectives import replica_dtype
 from zcompile.common.process_group import DataParallelGroup, all_gather_eager
 from zcompile.common.dynamo_frame import graph_break_reasons
 from zcompile.agreement.initial_values import value_digest
-from zcompile.sharding.sharded_parameter import grad_of, mark_sharded, set_grad
+from zcompile.sharding.sharded_parameter import SHARD_ATTR, grad_of, mark_sharded, set_grad, shard_of
 
 log = logging.getLogger(__name__)
-
-SHARD_ATTR = "_zcompile_shard"
 
 
 @dataclass(frozen=True)
@@ -320,10 +318,6 @@ class ShardedParam:
             self.replica.view(-1).copy_(gathered[: self.numel])
 
 
-def shard_of(param: torch.Tensor) -> ShardedParam | None:
-    return getattr(param, SHARD_ATTR, None)
-
-
 def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: DataParallelGroup,
                     reduce_dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None,
                     mark: bool = True) -> ShardedParam:
@@ -383,19 +377,6 @@ def _allocation_mode(param: torch.nn.Parameter):
 def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataParallelGroup,
                reduce_dtype: torch.dtype | None, lowp_dtype: torch.dtype | None, mark: bool) -> ShardedParam:
     _check_shardable(param, name)
-    # every shard is made here (by the backend, or by the optimizer for an eager parameter): from
-    # now on torch.nn.utils.clip_grad_norm_ (and a GradScaler) may see a zcompile parameter and must route it
-    from zcompile.routes.grad_scaler import install_grad_scaler_route  # local: these modules import this one
-    from zcompile.routes.autograd import install_autograd_route
-    from zcompile.optim.clip import install_torch_clip_patch
-    from zcompile.routes.optimizer_guard import install_foreign_optimizer_guard
-    from zcompile.routes.zero_grad import install_zero_grad_route
-
-    install_torch_clip_patch()
-    install_grad_scaler_route()  # and a GradScaler must unscale and check the shards, every rank together
-    install_zero_grad_route()  # and module.zero_grad() must clear the gradient shards
-    install_foreign_optimizer_guard()  # and a torch optimizer must not step what it cannot update
-    install_autograd_route()  # and backward(inputs=...) / autograd.grad must find where gradients accumulate
     piece = FlatPiece(param.numel(), group.world_size, group.rank)
     shard_numel = piece.chunk
     in_replicated_storage = stage in (1, 2) and param.dtype == torch.float32 and lowp_dtype is None

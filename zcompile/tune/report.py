@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zcompile.tune.search import MEASURED, Trial, pareto_front
+from zcompile.tune.serialization import jsonable_value
 
 if TYPE_CHECKING:
     from zcompile.tune.result import TuneResult
@@ -28,8 +29,6 @@ def _mib(nbytes: float | None) -> str:
 
 
 def _options_text(result: TuneResult, trial: Trial) -> str:
-    from zcompile.tune.result import jsonable_value
-
     return " ".join(f"{name}={jsonable_value(trial.options[name])}" for name in result.space if name in trial.options)
 
 

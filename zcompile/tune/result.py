@@ -14,11 +14,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
 
 from zcompile.predict.cost_model import CollectiveCosts, ComputeCosts
-from zcompile.passes.schedule import policy_name
 from zcompile.tune.calibration import StepCalibration
+from zcompile.tune.report import plot_result, print_result, render_result
+from zcompile.tune.serialization import jsonable_options, jsonable_value
 from zcompile.tune.policies import POLICY_NAMES, policy_from_name
 from zcompile.tune.search import MEASURED, Measured, Predicted, Trial, best_trial, spearman
 from zcompile.tune.space import POLICY_OPTION
@@ -136,34 +136,14 @@ class TuneResult:
     # ------------------------------------------------------------------ output (zcompile.tune.report)
     def print(self) -> None:
         """The trials as a table (rich when installed) and the summary: a user-facing call."""
-        from zcompile.tune.report import print_result
-
         print_result(self)
 
     def render(self) -> str:
-        from zcompile.tune.report import render_result
-
         return render_result(self)
 
     def plot(self, path: str) -> None:
         """Predicted against measured step time, and step time against memory with the Pareto front."""
-        from zcompile.tune.report import plot_result
-
         plot_result(self, path)
-
-
-def jsonable_value(value: Any) -> Any:
-    """A value as JSON holds it: dtypes by name (``"bfloat16"``, which ZeroConfig reads), a policy by name."""
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    if callable(value):
-        return policy_name(value)
-    return value
-
-
-def jsonable_options(options: dict[str, Any]) -> dict[str, Any]:
-    """Options as JSON holds them; the process group (not a value) is left out."""
-    return {name: jsonable_value(value) for name, value in options.items() if name != "group"}
 
 
 def _trial_dict(trial: Trial) -> dict[str, Any]:

@@ -37,7 +37,8 @@ from zcompile.config import ZeroConfig
 from zcompile.predict.hardware import HardwareProfile, load_profile
 from zcompile.predict.simulate import check_world, simulate
 from zcompile.tune.policies import policy_from_name
-from zcompile.tune.result import jsonable_options, jsonable_value
+from zcompile.tune.serialization import jsonable_options, jsonable_value
+from zcompile.tune.simulated_report import plot_simulated, print_simulated, render_simulated
 from zcompile.tune.search import FAILED, INVALID, PREDICTED, PRUNED, pareto_front
 from zcompile.tune.space import POLICY_OPTION, Point, SearchSpace
 
@@ -145,19 +146,13 @@ class SimulatedTuneResult:
 
     def print(self) -> None:
         """The points as a table (rich when installed) and the choices: a user-facing call."""
-        from zcompile.tune.simulated_report import print_simulated
-
         print_simulated(self)
 
     def render(self) -> str:
-        from zcompile.tune.simulated_report import render_simulated
-
         return render_simulated(self)
 
     def plot(self, path: str, title: str | None = None) -> None:
         """Step time against memory per GPU, the Pareto front highlighted (matplotlib)."""
-        from zcompile.tune.simulated_report import plot_simulated
-
         plot_simulated(self, path, title)
 
 

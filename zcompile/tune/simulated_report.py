@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zcompile.tune.report import draw_front, print_table, render_table
-from zcompile.tune.result import jsonable_value
+from zcompile.tune.serialization import jsonable_value
 
 if TYPE_CHECKING:
     from zcompile.tune.simulated import SimulatedPoint, SimulatedTuneResult

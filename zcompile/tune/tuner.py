@@ -32,6 +32,7 @@ import torch
 
 from zcompile.predict.cost_model import measure_collective_costs, measure_compute_costs
 from zcompile.common.process_group import DataParallelGroup
+from zcompile.optim.sharded import AdamW
 from zcompile.tune.result import TuneResult
 from zcompile.tune.search import STRATEGIES, Measured, Trial, default_max_trials, run_search
 from zcompile.tune.space import Point, SearchSpace
@@ -49,8 +50,6 @@ def load_result(path: str) -> TuneResult:
 
 def default_optimizer(params):
     """``zcompile.optim.AdamW(params, lr=1e-3)``: the optimizer a trial trains with unless given one."""
-    from zcompile.optim.sharded import AdamW
-
     return AdamW(params, lr=1e-3)
 
 

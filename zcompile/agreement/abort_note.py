@@ -1,0 +1,69 @@
+"""The abort note: a rank that raises a ``RankDivergenceError`` leaves its message in the store, so
+every other rank, waiting in an exchange or a collective, raises the same error within seconds."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import NoReturn
+
+import torch.distributed as dist
+
+from zcompile.common.process_group import DataParallelGroup, default_store
+
+log = logging.getLogger(__name__)
+
+
+class RankDivergenceError(RuntimeError):
+    """The ranks would issue different collectives (and deadlock) if the job went on."""
+
+
+def raise_if_aborted(group: DataParallelGroup, error: BaseException | None = None) -> None:
+    """Raises ``RankDivergenceError`` (from ``error``) when a rank of ``group`` left an abort note.
+
+    For code that caught a failed collective: the other rank probably left because it found the
+    ranks diverged, and its reason is more useful than "connection closed". Does nothing when there
+    is no note or the store cannot be read (the rank holding it may be gone).
+    """
+    if group.world_size == 1 or not dist.is_initialized():
+        return
+    note = abort_note(default_store(), group)
+    if note is not None and note[0] != group.rank:  # this rank's own note: its own error says it
+        rank, message = note
+        raise RankDivergenceError(f"zcompile: rank {group.rank} stopped because rank {rank} reported: {message}") \
+            from error
+
+
+def abort_note(store: dist.Store, group: DataParallelGroup) -> tuple[int, str] | None:
+    """``(rank, message)`` of the abort note of ``group``, or None (no note, or no store to read it from)."""
+    try:
+        if not store.check([abort_key(group)]):
+            return None
+        rank, message = json.loads(store.get(abort_key(group)))
+    except Exception:  # the store may be gone with the rank that held it
+        log.debug("could not read the abort note of group %s", group.name, exc_info=True)
+        return None
+    return rank, message
+
+
+def abort_key(group: DataParallelGroup) -> str:
+    return f"zcompile/abort/{group.name}"
+
+
+def tell_others_and_raise(store: dist.Store | None, group: DataParallelGroup, message: str) -> NoReturn:
+    """Leaves the abort note (the first one stays: it names the cause), then raises ``message``."""
+    leave_abort_note(group, message, store)
+    raise RankDivergenceError(message)
+
+
+def leave_abort_note(group: DataParallelGroup, message: str, store: dist.Store | None = None) -> None:
+    """Tells the other ranks of ``group`` why this one stops (the first note stays: it names the cause):
+    a rank waiting on the store, or whose collective failed as this rank left, raises quoting it
+    (``raise_if_aborted``) instead of "connection closed". For an error this rank raises that the others
+    do not, before a collective they are already in."""
+    if group.world_size == 1 or (store is None and not dist.is_initialized()):
+        return
+    try:
+        (store or default_store()).compare_set(abort_key(group), "", json.dumps([group.rank, message]))
+    except Exception:  # the store may be gone with the rank that held it; this rank's own error still tells
+        log.debug("could not leave the abort note for group %s", group.name, exc_info=True)

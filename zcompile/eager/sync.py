@@ -1,0 +1,41 @@
+"""``sync_module_states``: every rank's parameters and buffers made rank 0's, as DDP does when it
+wraps a model."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zcompile.agreement.rank_check import agree_on_store
+from zcompile.common.process_group import DataParallelGroup, broadcast_from_first
+from zcompile.sharding.sharded_parameter import shard_of
+
+SYNC_BUCKET_BYTES = 256 * 2**20  # DDP's broadcast bucket at wrap time is 250 MiB
+
+
+def sync_module_states(module: torch.nn.Module, group: dist.ProcessGroup | None = None,
+                       timeout_s: float = 60.0) -> None:
+    """Every rank's parameters and buffers = rank 0's (of ``group``), as DDP does when it wraps a
+    model: call it before the first call of the compiled model when the ranks built or loaded the
+    model differently (a checkpoint loaded on rank 0 only). Flat broadcasts of up to 256 MiB.
+
+    Every rank must call it, with a model of the same shapes: the ranks first meet through the store
+    (no collective), so a rank that calls it alone, or with another model, gets a
+    ``RankDivergenceError`` within ``timeout_s`` on every rank that came, instead of a broadcast
+    that waits for the process group's timeout or pairs tensors of other sizes."""
+    sharded = [name for name, p in module.named_parameters() if shard_of(p) is not None]
+    if sharded:
+        raise ValueError(
+            f"zcompile.sync_module_states: parameters are already sharded ({', '.join(sharded[:3])}"
+            f"{', ...' if len(sharded) > 3 else ''}): call it before the first call of the compiled model")
+    resolved = DataParallelGroup.resolve(group)
+    if resolved.world_size == 1:
+        return
+    tensors = [*module.parameters(), *module.buffers()]
+    layout = [[list(t.shape), str(t.dtype)] for t in tensors]
+    agree_on_store(layout, resolved, timeout_s, "sync", "zcompile.sync_module_states",
+                   "Call zcompile.sync_module_states(model) on every rank, with the same model.",
+                   lambda per_rank: "zcompile.sync_module_states: the ranks' models differ (parameters and buffers per "
+                   f"rank: {', '.join(f'rank {rank} {len(other)}' for rank, other in enumerate(per_rank))}; or their "
+                   "shapes or dtypes), so rank 0's cannot be copied onto them. Build the same model on every rank.")
+    broadcast_from_first(tensors, resolved, SYNC_BUCKET_BYTES)

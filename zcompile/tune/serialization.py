@@ -1,0 +1,23 @@
+"""Option values as a tune result's JSON holds them: dtypes by name, schedule policies by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zcompile.passes.schedule import policy_name
+
+
+def jsonable_value(value: Any) -> Any:
+    """A value as JSON holds it: dtypes by name (``"bfloat16"``, which ZeroConfig reads), a policy by name."""
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if callable(value):
+        return policy_name(value)
+    return value
+
+
+def jsonable_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Options as JSON holds them; the process group (not a value) is left out."""
+    return {name: jsonable_value(value) for name, value in options.items() if name != "group"}
