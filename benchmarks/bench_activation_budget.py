@@ -24,10 +24,11 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "examples")]
 
-import zcompile  # noqa: E402
-import zcompile.optim  # noqa: E402
 from common import print_table, start_gloo_benchmark, timed_training_step  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
+import zcompile  # noqa: E402
+import zcompile.optim  # noqa: E402
 
 BUDGETS = (None, 0.75, 0.5, 0.25, 0.0)
 CONFIG = GPTConfig(n_layer=8, n_embd=128, block_size=256)
@@ -59,9 +60,16 @@ def run_stage(stage: int, steps: int, rank: int) -> list[dict]:
         memory = zcompile.step_report(model, optimizer).memory
         saved = memory["saved_activation_bytes"]
         default_saved = saved if budget is None else default_saved
-        rows.append({"stage": stage, "budget": budget, "saved_mib": saved / 2**20,
-                     "saved_vs_default": saved / default_saved, "step_ms": statistics.median(times) * 1e3,
-                     "peak_gathered_mib": memory["peak_gathered_bytes"] / 2**20})
+        rows.append(
+            {
+                "stage": stage,
+                "budget": budget,
+                "saved_mib": saved / 2**20,
+                "saved_vs_default": saved / default_saved,
+                "step_ms": statistics.median(times) * 1e3,
+                "peak_gathered_mib": memory["peak_gathered_bytes"] / 2**20,
+            }
+        )
     base = rows[0]["step_ms"]
     for row in rows:
         row["step_vs_default"] = row["step_ms"] / base
@@ -76,11 +84,22 @@ def main() -> None:
     rank, world, cores = start_gloo_benchmark()
     rows = [row for stage in (2, 3) for row in run_stage(stage, args.steps, rank)]
     if rank == 0:
-        print_table(f"activation_memory_budget, example GPT 8x128, seq 256, {world} gloo ranks, {cores} cores",
-                    ("stage", "budget", "saved MiB", "x default", "step ms", "x default step", "peak gathered MiB"),
-                    [(str(r["stage"]), str(r["budget"]), f"{r['saved_mib']:.2f}", f"{r['saved_vs_default']:.2f}",
-                      f"{r['step_ms']:.0f}", f"{r['step_vs_default']:.2f}", f"{r['peak_gathered_mib']:.2f}")
-                     for r in rows])
+        print_table(
+            f"activation_memory_budget, example GPT 8x128, seq 256, {world} gloo ranks, {cores} cores",
+            ("stage", "budget", "saved MiB", "x default", "step ms", "x default step", "peak gathered MiB"),
+            [
+                (
+                    str(r["stage"]),
+                    str(r["budget"]),
+                    f"{r['saved_mib']:.2f}",
+                    f"{r['saved_vs_default']:.2f}",
+                    f"{r['step_ms']:.0f}",
+                    f"{r['step_vs_default']:.2f}",
+                    f"{r['peak_gathered_mib']:.2f}",
+                )
+                for r in rows
+            ],
+        )
         if args.out:
             with open(args.out, "w") as handle:
                 json.dump({"world": world, "cores": cores, "torch": torch.__version__, "rows": rows}, handle, indent=1)

@@ -78,10 +78,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
-import zcompile  # noqa: E402
-import zcompile.checkpoint.dcp as ckpt  # noqa: E402
 from common import print_table, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
+import zcompile  # noqa: E402
+import zcompile.checkpoint.dcp as ckpt  # noqa: E402
 
 LR = 3e-4
 ZC, ZC_LIVE, GATHERED, FSDP = "zcompile", "zcompile, into compiled", "gathered + torch.save", "FSDP2 + DCP"
@@ -160,8 +161,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="saves and loads per route (median)")
     parser.add_argument("--train-steps", type=int, default=2, help="AdamW steps before the first save")
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank in those steps")
-    parser.add_argument("--routes", nargs="+", choices=ROUTES, default=list(ROUTES),
-                        help="zcompile: its checkpoints and gathered + torch.save; fsdp2; frozen: a frozen base")
+    parser.add_argument(
+        "--routes",
+        nargs="+",
+        choices=ROUTES,
+        default=list(ROUTES),
+        help="zcompile: its checkpoints and gathered + torch.save; fsdp2; frozen: a frozen base",
+    )
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
     parser.add_argument("--out", default=None, help="JSON results (default benchmarks/results/checkpoint_N.json)")
     return parser.parse_args()
@@ -213,8 +219,12 @@ def param_sums(model: torch.nn.Module, sharded: bool) -> list[float]:
 def optim_sums(optimizer) -> list[float]:
     """float64 sum of each state tensor (exp_avg, exp_avg_sq) over every rank's piece (padding is zero)."""
     states = [optimizer.state[p] for group in optimizer.param_groups for p in group["params"] if p in optimizer.state]
-    values = [_local(v).double().sum().item() for state in states
-              for k, v in sorted(state.items()) if isinstance(v, torch.Tensor) and k != "step"]
+    values = [
+        _local(v).double().sum().item()
+        for state in states
+        for k, v in sorted(state.items())
+        if isinstance(v, torch.Tensor) and k != "step"
+    ]
     sums = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(sums)
     return sums.tolist()
@@ -238,6 +248,7 @@ def disk_bytes(path: str) -> int:
 def summarize(name: str, size: str, numel: int, saves, loads, disk: int, world: int) -> dict:
     """Per-rank lists of (seconds, peak bytes, kept bytes) per repetition -> the row (slowest rank, largest
     memory)."""
+
     def times(samples):
         if not samples:
             return None, []
@@ -257,12 +268,22 @@ def summarize(name: str, size: str, numel: int, saves, loads, disk: int, world: 
     save_extra, save_extra_ranks = memory(saves)
     load_extra, load_extra_ranks = memory(loads)
     load_kept, load_kept_ranks = memory(loads, which=2)
-    return {"size": size, "params": numel, "method": name, "save_ms": save_ms, "load_ms": load_ms,
-            "save_ms_per_repeat": save_ms_reps, "load_ms_per_repeat": load_ms_reps,
-            "save_extra_bytes": save_extra, "load_extra_bytes": load_extra,
-            "save_extra_bytes_per_rank": save_extra_ranks, "load_extra_bytes_per_rank": load_extra_ranks,
-            "load_kept_bytes": load_kept, "load_kept_bytes_per_rank": load_kept_ranks,
-            "disk_bytes": disk}
+    return {
+        "size": size,
+        "params": numel,
+        "method": name,
+        "save_ms": save_ms,
+        "load_ms": load_ms,
+        "save_ms_per_repeat": save_ms_reps,
+        "load_ms_per_repeat": load_ms_reps,
+        "save_extra_bytes": save_extra,
+        "load_extra_bytes": load_extra,
+        "save_extra_bytes_per_rank": save_extra_ranks,
+        "load_extra_bytes_per_rank": load_extra_ranks,
+        "load_kept_bytes": load_kept,
+        "load_kept_bytes_per_rank": load_kept_ranks,
+        "disk_bytes": disk,
+    }
 
 
 def fresh_dir(root: str, name: str) -> str:
@@ -320,8 +341,10 @@ def bench_zcompile(config, size, args, rank, world, root, exact) -> list[dict]:
     live = [measure(lambda: ckpt.load(path, compiled, optimizer), exact) for _ in range(args.repeats)]
     with zcompile.gathered(model):
         assert param_sums(model, sharded=False) == expected, "load into the compiled model: parameters differ"
-    rows = [summarize(ZC, size, numel, saves, loads, disk, world),
-            summarize(ZC_LIVE, size, numel, saves, live, disk, world)]
+    rows = [
+        summarize(ZC, size, numel, saves, loads, disk, world),
+        summarize(ZC_LIVE, size, numel, saves, live, disk, world),
+    ]
 
     def torch_save(path):
         with zcompile.gathered(model), open(os.path.join(path, f"rank{rank}.pt"), "wb") as handle:
@@ -339,8 +362,11 @@ def bench_zcompile(config, size, args, rank, world, root, exact) -> list[dict]:
     for _ in range(args.repeats):
         plain = new_model(config)
         file = os.path.join(path, f"rank{rank}.pt")
-        loads.append(measure(lambda m=plain, f=file: m.load_state_dict(torch.load(f, map_location="cpu",
-                                                                                 weights_only=True)), exact))
+        loads.append(
+            measure(
+                lambda m=plain, f=file: m.load_state_dict(torch.load(f, map_location="cpu", weights_only=True)), exact
+            )
+        )
         assert param_sums(plain, sharded=False) == expected, "torch.load: parameters differ"
         del plain
     rows.append(summarize(GATHERED, size, numel, saves, loads, disk, world))
@@ -362,8 +388,17 @@ def bench_frozen(config, size, args, rank, world, root, exact) -> list[dict]:
     numel = sum(p.numel() for p in model.parameters())
     rows = []
     for method, exclude in ((ZC_FROZEN, False), (ZC_FROZEN_OUT, True)):
-        saves, loads, path = zcompile_saves_and_loads(f"frozen_{exclude}", compiled, optimizer, frozen_model, sums,
-                                                      args, root, exact, exclude_frozen_parameters=exclude)
+        saves, loads, path = zcompile_saves_and_loads(
+            f"frozen_{exclude}",
+            compiled,
+            optimizer,
+            frozen_model,
+            sums,
+            args,
+            root,
+            exact,
+            exclude_frozen_parameters=exclude,
+        )
         rows.append(summarize(method, size, numel, saves, loads, disk_bytes(path), world))
     return rows
 
@@ -416,24 +451,56 @@ def print_tables(rows: list[dict], setup: str) -> dict:
     out: to the same model saved whole)."""
     ratios, table = {}, []
     for row in rows:
-        base = next((r for r in rows if r["size"] == row["size"]
-                     and r["method"] == (ZC_FROZEN if row["method"] == ZC_FROZEN_OUT else ZC)), None)
+        base = next(
+            (
+                r
+                for r in rows
+                if r["size"] == row["size"] and r["method"] == (ZC_FROZEN if row["method"] == ZC_FROZEN_OUT else ZC)
+            ),
+            None,
+        )
         full = 4 * row["params"]
-        table.append((f"{row['size']} ({row['params'] / 1e6:.1f}M)", row["method"], ms(row["save_ms"]),
-                      ms(row["load_ms"]), mib(row["save_extra_bytes"]), mib(row["load_extra_bytes"]),
-                      mib(row["load_kept_bytes"]), mib(row["disk_bytes"]), f"{row['save_extra_bytes'] / full:.2f}",
-                      f"{row['load_extra_bytes'] / full:.2f}"))
+        table.append(
+            (
+                f"{row['size']} ({row['params'] / 1e6:.1f}M)",
+                row["method"],
+                ms(row["save_ms"]),
+                ms(row["load_ms"]),
+                mib(row["save_extra_bytes"]),
+                mib(row["load_extra_bytes"]),
+                mib(row["load_kept_bytes"]),
+                mib(row["disk_bytes"]),
+                f"{row['save_extra_bytes'] / full:.2f}",
+                f"{row['load_extra_bytes'] / full:.2f}",
+            )
+        )
         if base is not None and base is not row and row["method"] != ZC_FROZEN:
-            keys = ("load_ms", "load_extra_bytes", "load_kept_bytes") if row["method"] == ZC_LIVE else (
-                "save_ms", "load_ms", "save_extra_bytes", "load_extra_bytes", "load_kept_bytes", "disk_bytes")
+            keys = (
+                ("load_ms", "load_extra_bytes", "load_kept_bytes")
+                if row["method"] == ZC_LIVE
+                else ("save_ms", "load_ms", "save_extra_bytes", "load_extra_bytes", "load_kept_bytes", "disk_bytes")
+            )
             for key in keys:  # the into-compiled row repeats zcompile's save
                 if row[key] is not None and base[key]:
                     ratios[f"{row['size']} {key} {row['method']} / {base['method']}"] = row[key] / base[key]
-    print_table(f"Checkpoint save and load per rank (time: median of repeats, slowest rank; extra: peak RSS "
-                f"growth, largest rank; kept: RSS growth left after the load; disk: all ranks' files; x model: "
-                f"extra / fp32 model bytes), {setup}",
-                ("LxE (params)", "route", "save ms", "load ms", "save extra MiB", "load extra MiB", "load kept MiB",
-                 "disk MiB", "save x model", "load x model"), table)
+    print_table(
+        f"Checkpoint save and load per rank (time: median of repeats, slowest rank; extra: peak RSS "
+        f"growth, largest rank; kept: RSS growth left after the load; disk: all ranks' files; x model: "
+        f"extra / fp32 model bytes), {setup}",
+        (
+            "LxE (params)",
+            "route",
+            "save ms",
+            "load ms",
+            "save extra MiB",
+            "load extra MiB",
+            "load kept MiB",
+            "disk MiB",
+            "save x model",
+            "load x model",
+        ),
+        table,
+    )
     return ratios
 
 
@@ -448,9 +515,11 @@ def main() -> None:
     dist.broadcast_object_list(holder)
     root = holder[0]
     if rank == 0:
-        print(f"bench_checkpoint: {setup}; torch {torch.__version__}; sizes {args.sizes}; {args.repeats} repeats; "
-              f"memory by {'VmHWM reset' if exact else 'sampling statm'}; load average {load:.1f}; in {root}",
-              flush=True)
+        print(
+            f"bench_checkpoint: {setup}; torch {torch.__version__}; sizes {args.sizes}; {args.repeats} repeats; "
+            f"memory by {'VmHWM reset' if exact else 'sampling statm'}; load average {load:.1f}; in {root}",
+            flush=True,
+        )
     start, rows = time.perf_counter(), []
     for size in args.sizes:
         config = gpt_config(size)
@@ -470,12 +539,25 @@ def main() -> None:
         out = args.out or os.path.join(HERE, "results", f"checkpoint_{world}.json")
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as handle:
-            json.dump({"setup": setup, "world": world, "cpu_cores": cores, "torch": torch.__version__,
-                       "memory_measure": "VmHWM reset by clear_refs" if exact else "statm sampled every 1 ms",
-                       "load_average_start_end": [load, os.getloadavg()[0]], "args": vars(args),
-                       "ratios": ratios, "results": rows}, handle, indent=1)
-        print(f"wrote {out} ({time.perf_counter() - start:.0f}s, load average {os.getloadavg()[0]:.1f} at end)",
-              flush=True)
+            json.dump(
+                {
+                    "setup": setup,
+                    "world": world,
+                    "cpu_cores": cores,
+                    "torch": torch.__version__,
+                    "memory_measure": "VmHWM reset by clear_refs" if exact else "statm sampled every 1 ms",
+                    "load_average_start_end": [load, os.getloadavg()[0]],
+                    "args": vars(args),
+                    "ratios": ratios,
+                    "results": rows,
+                },
+                handle,
+                indent=1,
+            )
+        print(
+            f"wrote {out} ({time.perf_counter() - start:.0f}s, load average {os.getloadavg()[0]:.1f} at end)",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

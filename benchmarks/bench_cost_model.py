@@ -27,13 +27,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import zcompile  # noqa: E402
 from common import print_table  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
-from zcompile.predict.cost_model import measure_collective_costs, measure_compute_costs, predict_step  # noqa: E402
-from zcompile.passes.collectives import ALL_GATHER, COLLECTIVE_KINDS, REDUCE_SCATTER  # noqa: E402
-from zcompile.reports.timeline import record_step  # noqa: E402
 
+import zcompile  # noqa: E402
+from zcompile.passes.collectives import ALL_GATHER, COLLECTIVE_KINDS, REDUCE_SCATTER  # noqa: E402
+from zcompile.predict.cost_model import measure_collective_costs, measure_compute_costs, predict_step  # noqa: E402
+from zcompile.reports.timeline import record_step  # noqa: E402
 
 PRINTED_KINDS = (COLLECTIVE_KINDS[ALL_GATHER], COLLECTIVE_KINDS[REDUCE_SCATTER])  # the measured costs printed
 GRAPH_EVENTS = ("CompiledFunction", "CompiledFunctionBackward")  # AOTAutograd's forward and backward graphs
@@ -48,8 +48,9 @@ def graph_seconds(trace_path: str) -> float:
     return sum(e.get("dur", 0.0) for e in events if e.get("ph") == "X" and e.get("name") in GRAPH_EVENTS) / 1e6
 
 
-def measure_config(args, layers: int, overlap: bool, collective_costs, compute_costs, trace_dir: str,
-                   device: torch.device):
+def measure_config(
+    args, layers: int, overlap: bool, collective_costs, compute_costs, trace_dir: str, device: torch.device
+):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -89,8 +90,10 @@ def measure_config(args, layers: int, overlap: bool, collective_costs, compute_c
             torch.cuda.synchronize()
         wall.append(time.perf_counter() - start)
         optimizer_step()
-    measured = {name: statistics.median(values) for name, values in
-                (("in_graphs", in_graphs), ("waited", waited), ("wall", wall))}
+    measured = {
+        name: statistics.median(values)
+        for name, values in (("in_graphs", in_graphs), ("waited", waited), ("wall", wall))
+    }
     every_rank = [None] * world
     dist.all_gather_object(every_rank, measured)  # waits differ by rank: a rank also waits for a slower peer
     return prediction, every_rank
@@ -102,10 +105,23 @@ def row(layers: int, overlap: bool, p, every_rank: list[dict]) -> tuple[str, ...
     m = every_rank[0]
     predicted_busy = p.compute_s + p.issue_s  # the compute stream's own work, waits left out
     busy = m["in_graphs"] - m["waited"]
-    return (str(layers), "on" if overlap else "off", str(len(p.collectives)), ms(predicted_busy), ms(busy),
-            error(predicted_busy, busy), ms(p.comm_s), ms(p.exposed_comm_s),
-            " / ".join(ms(r["waited"]) for r in every_rank), error(p.exposed_comm_s, m["waited"]), ms(p.step_s),
-            ms(m["wall"]), error(p.step_s, m["wall"]), ms(m["in_graphs"]), error(p.step_s, m["in_graphs"]))
+    return (
+        str(layers),
+        "on" if overlap else "off",
+        str(len(p.collectives)),
+        ms(predicted_busy),
+        ms(busy),
+        error(predicted_busy, busy),
+        ms(p.comm_s),
+        ms(p.exposed_comm_s),
+        " / ".join(ms(r["waited"]) for r in every_rank),
+        error(p.exposed_comm_s, m["waited"]),
+        ms(p.step_s),
+        ms(m["wall"]),
+        error(p.step_s, m["wall"]),
+        ms(m["in_graphs"]),
+        error(p.step_s, m["in_graphs"]),
+    )
 
 
 def error(predicted: float, measured: float) -> str:
@@ -134,22 +150,51 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for layers in args.layers:
             for overlap in (True, False):
-                prediction, every_rank = measure_config(args, layers, overlap, collective_costs, compute_costs,
-                                                        args.trace_dir or tmp, device)
+                prediction, every_rank = measure_config(
+                    args, layers, overlap, collective_costs, compute_costs, args.trace_dir or tmp, device
+                )
                 rows.append(row(layers, overlap, prediction, every_rank))
     if rank == 0:
-        print(f"costs agreed over {world} ranks: " + ", ".join(
-            f"{kind} {c.latency_s * 1e6:.0f} us + {c.seconds_per_byte * 1e9:.2f} ns/B (issue {c.issue_latency_s * 1e6:.0f} us"
-            f" + {c.issue_seconds_per_byte * 1e9:.2f} ns/B)" for kind, c in collective_costs.costs.items()
-            if kind in PRINTED_KINDS) + f"; compute {compute_costs.flops_per_s / 1e9:.1f} GFLOP/s, "
-            f"{compute_costs.bytes_per_s / 1e9:.1f} GB/s, {compute_costs.op_overhead_s * 1e6:.1f} us/op", flush=True)
-        title = (f"{device.type}: GPT stage 3, embd {args.embd}, batch {args.batch_size} over {world} ranks, bucket "
-                 f"{args.bucket_mb} MiB; forward+backward in ms, median of {args.steps} steps. P: predicted; "
-                 f"graphs, waited: under record_step (rank 0; waited for each rank); wall: unprofiled; "
-                 f"err: P against the measured column before it")
+        print(
+            f"costs agreed over {world} ranks: "
+            + ", ".join(
+                f"{kind} {c.latency_s * 1e6:.0f} us + {c.seconds_per_byte * 1e9:.2f} ns/B (issue {c.issue_latency_s * 1e6:.0f} us"
+                f" + {c.issue_seconds_per_byte * 1e9:.2f} ns/B)"
+                for kind, c in collective_costs.costs.items()
+                if kind in PRINTED_KINDS
+            )
+            + f"; compute {compute_costs.flops_per_s / 1e9:.1f} GFLOP/s, "
+            f"{compute_costs.bytes_per_s / 1e9:.1f} GB/s, {compute_costs.op_overhead_s * 1e6:.1f} us/op",
+            flush=True,
+        )
+        title = (
+            f"{device.type}: GPT stage 3, embd {args.embd}, batch {args.batch_size} over {world} ranks, bucket "
+            f"{args.bucket_mb} MiB; forward+backward in ms, median of {args.steps} steps. P: predicted; "
+            f"graphs, waited: under record_step (rank 0; waited for each rank); wall: unprofiled; "
+            f"err: P against the measured column before it"
+        )
         os.environ.setdefault("COLUMNS", "220")  # rich: one line per row even when not on a terminal
-        print_table(title, ("layers", "overlap", "colls", "P compute+issue", "graphs-waited", "err", "P comm",
-                            "P exposed", "waited", "err", "P step", "wall", "err", "graphs", "err"), rows)
+        print_table(
+            title,
+            (
+                "layers",
+                "overlap",
+                "colls",
+                "P compute+issue",
+                "graphs-waited",
+                "err",
+                "P comm",
+                "P exposed",
+                "waited",
+                "err",
+                "P step",
+                "wall",
+                "err",
+                "graphs",
+                "err",
+            ),
+            rows,
+        )
     dist.destroy_process_group()
 
 

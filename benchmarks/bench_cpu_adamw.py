@@ -47,8 +47,21 @@ def measure(layers: int, repeats: int) -> dict:
     for scale in (1.0, 0.5):
         for name, update in (("fused", adamw_cpu_fused), ("foreach", adamw_reference_foreach)):
             row[f"{name}_ms_scale_{scale}"] = time_ms(
-                lambda: update(params, grads, *moments, 3, HYPER["lr"], HYPER["beta1"], HYPER["beta2"],
-                               HYPER["eps"], HYPER["weight_decay"], scale), False, repeats)
+                lambda: update(
+                    params,
+                    grads,
+                    *moments,
+                    3,
+                    HYPER["lr"],
+                    HYPER["beta1"],
+                    HYPER["beta2"],
+                    HYPER["eps"],
+                    HYPER["weight_decay"],
+                    scale,
+                ),
+                False,
+                repeats,
+            )
     tensors = [torch.nn.Parameter(p.clone()) for p in params]
     for t, g in zip(tensors, grads):
         t.grad = g
@@ -65,13 +78,24 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = [measure(layers, args.repeats) for layers in args.layers]
-    print_table("AdamW over the example GPT's parameters, one CPU thread (median ms)",
-                ["layers", "params", "fused", "foreach", "x", "fused 1/2", "foreach 1/2", "x", "torch default"],
-                [[str(r["layers"]), f"{r['parameters'] / 1e6:.2f}M", f"{r['fused_ms_scale_1.0']:.2f}",
-                  f"{r['foreach_ms_scale_1.0']:.2f}", f"{r['foreach_ms_scale_1.0'] / r['fused_ms_scale_1.0']:.1f}",
-                  f"{r['fused_ms_scale_0.5']:.2f}", f"{r['foreach_ms_scale_0.5']:.2f}",
-                  f"{r['foreach_ms_scale_0.5'] / r['fused_ms_scale_0.5']:.1f}", f"{r['torch_default_ms']:.2f}"]
-                 for r in rows])
+    print_table(
+        "AdamW over the example GPT's parameters, one CPU thread (median ms)",
+        ["layers", "params", "fused", "foreach", "x", "fused 1/2", "foreach 1/2", "x", "torch default"],
+        [
+            [
+                str(r["layers"]),
+                f"{r['parameters'] / 1e6:.2f}M",
+                f"{r['fused_ms_scale_1.0']:.2f}",
+                f"{r['foreach_ms_scale_1.0']:.2f}",
+                f"{r['foreach_ms_scale_1.0'] / r['fused_ms_scale_1.0']:.1f}",
+                f"{r['fused_ms_scale_0.5']:.2f}",
+                f"{r['foreach_ms_scale_0.5']:.2f}",
+                f"{r['foreach_ms_scale_0.5'] / r['fused_ms_scale_0.5']:.1f}",
+                f"{r['torch_default_ms']:.2f}",
+            ]
+            for r in rows
+        ],
+    )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"torch": torch.__version__, "threads": 1, "rows": rows}, f, indent=1)

@@ -31,14 +31,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests"), os.path.join(HERE, "..", "examples")]
 
 from common import print_table  # noqa: E402
+
 from support.launch import run_ranks  # noqa: E402
 
 SEQ = 32
 
 
 def _model_and_batches(stage: int, options: dict | None = None, dynamic=None, lr: float = 1e-2):
-    import zcompile
     from gpt import GPT, GPTConfig
+
+    import zcompile
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -94,6 +96,7 @@ def _outcome(body, clock: Clock):
 
 
 # -- the faults: each runs on every rank, returns this rank's outcome --------------------------------
+
 
 def recompile_limit(rank, world, clock_path, stage):
     clock = Clock(clock_path)
@@ -186,8 +189,9 @@ def teacher_update_skipped_on_one_rank(rank, world, clock_path, stage, other_mod
 def layerdrop_per_rank(rank, world, clock_path, stage, keep_at_step_1):
     """Blocks compiled one by one (the FSDP2 habit), LayerDrop drawn per rank: at step 1 rank r runs
     the layers ``keep_at_step_1[r]``, every layer at the other steps."""
-    import zcompile
     from gpt import GPT, GPTConfig
+
+    import zcompile
 
     clock = Clock(clock_path)
     torch._dynamo.reset()
@@ -328,12 +332,21 @@ FAULTS = {
     "step skipped on one rank, stage 1": (step_skipped_on_one_rank, 1),
     "step skipped on one rank, stage 2": (step_skipped_on_one_rank, 2),
     "step skipped on one rank, stage 3": (step_skipped_on_one_rank, 3),
-    "LayerDrop per rank (layer 0 on rank 0, layer 1 on rank 1), blocks compiled apart, stage 1":
-        (layerdrop_per_rank, 1, [[True, False], [False, True]]),
-    "LayerDrop per rank (layer 0 on rank 0, layer 1 on rank 1), blocks compiled apart, stage 3":
-        (layerdrop_per_rank, 3, [[True, False], [False, True]]),
-    "LayerDrop per rank (a layer fewer on rank 1), blocks compiled apart, stage 3":
-        (layerdrop_per_rank, 3, [[True, True], [True, False]]),
+    "LayerDrop per rank (layer 0 on rank 0, layer 1 on rank 1), blocks compiled apart, stage 1": (
+        layerdrop_per_rank,
+        1,
+        [[True, False], [False, True]],
+    ),
+    "LayerDrop per rank (layer 0 on rank 0, layer 1 on rank 1), blocks compiled apart, stage 3": (
+        layerdrop_per_rank,
+        3,
+        [[True, False], [False, True]],
+    ),
+    "LayerDrop per rank (a layer fewer on rank 1), blocks compiled apart, stage 3": (
+        layerdrop_per_rank,
+        3,
+        [[True, True], [True, False]],
+    ),
     "eval on rank 0 only (no_grad), stage 2": (eval_on_rank0_only, 2),
     "eval on rank 0 only (no_grad), stage 3": (eval_on_rank0_only, 3),
     "input shape changes on one rank, stage 2": (shape_change_on_one_rank,),
@@ -387,13 +400,22 @@ def main() -> None:
             results[name] = run_fault(name, out_dir)
             if args.out:  # after each fault: a later crash keeps what was measured
                 with open(args.out, "w") as handle:
-                    json.dump({"torch": torch.__version__, "cores": os.cpu_count(), "faults": results}, handle,
-                              indent=1)
+                    json.dump(
+                        {"torch": torch.__version__, "cores": os.cpu_count(), "faults": results}, handle, indent=1
+                    )
     rows = []
     for name, ranks in results.items():
         for rank, outcome in enumerate(ranks):
             seconds = "" if outcome["seconds"] is None else f"{outcome['seconds']:.1f}"
-            rows.append((name if rank == 0 else "", str(rank), outcome["result"], seconds, outcome["detail"][:110].replace("[", "(")))
+            rows.append(
+                (
+                    name if rank == 0 else "",
+                    str(rank),
+                    outcome["result"],
+                    seconds,
+                    outcome["detail"][:110].replace("[", "("),
+                )
+            )
     print_table("faults, 2 gloo ranks, default timeouts", ("fault", "rank", "ends with", "s", "first line"), rows)
 
 

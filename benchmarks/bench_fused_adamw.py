@@ -39,7 +39,7 @@ def run(sizes, cuda: bool, repeats: int):
 
         def ours():
             state["step"] += 1
-            ours_fn(master, grad, exp_avg, exp_avg_sq, state["step"], grad_scale=0.5, lowp_out=lowp, **HYPER)
+            ours_fn(master, grad, exp_avg, exp_avg_sq, state["step"], grad_scale=0.5, lowp_out=lowp, **HYPER)  # noqa: F821 (the del below frees them after the last call)
 
         param = torch.nn.Parameter(torch.randn(n, device=device))
         param.grad = torch.randn(n, device=device)
@@ -48,16 +48,25 @@ def run(sizes, cuda: bool, repeats: int):
         torch_lowp = torch.empty(n, device=device, dtype=torch.bfloat16)
 
         def theirs_and_cast():
-            torch_opt.step()
-            torch_lowp.copy_(param.detach())
+            torch_opt.step()  # noqa: F821
+            torch_lowp.copy_(param.detach())  # noqa: F821
 
         ours_ms = time_ms(ours, cuda, repeats)
         theirs_ms = time_ms(torch_opt.step, cuda, repeats)
         theirs_cast_ms = time_ms(theirs_and_cast, cuda, repeats)
         # bytes of the sharded update: read grad (2) + p, m, v (12), write p, m, v (12) + bf16 copy (2)
         gbs = 28 * n / ours_ms / 1e6
-        rows.append((f"{n // M}M", f"{ours_ms:.3f}", f"{gbs:.1f}", f"{theirs_ms:.3f}", f"{theirs_cast_ms:.3f}",
-                     f"{theirs_ms / ours_ms:.2f}x", f"{theirs_cast_ms / ours_ms:.2f}x"))
+        rows.append(
+            (
+                f"{n // M}M",
+                f"{ours_ms:.3f}",
+                f"{gbs:.1f}",
+                f"{theirs_ms:.3f}",
+                f"{theirs_cast_ms:.3f}",
+                f"{theirs_ms / ours_ms:.2f}x",
+                f"{theirs_cast_ms / ours_ms:.2f}x",
+            )
+        )
         del master, grad, exp_avg, exp_avg_sq, lowp, param, torch_opt
     return rows
 
@@ -74,8 +83,11 @@ def main() -> None:
         sizes = [1 * M, 16 * M]
         where = "CPU, no CUDA: pure-torch reference vs torch.optim.AdamW(foreach=False)"
     rows = run(sizes, cuda, args.repeats)
-    print_table(f"{where}; torch {torch.__version__}", (
-        "elements", "ours ms", "ours GB/s", "torch ms", "torch + cast ms", "speedup", "speedup vs + cast"), rows)
+    print_table(
+        f"{where}; torch {torch.__version__}",
+        ("elements", "ours ms", "ours GB/s", "torch ms", "torch + cast ms", "speedup", "speedup vs + cast"),
+        rows,
+    )
 
 
 if __name__ == "__main__":

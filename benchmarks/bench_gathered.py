@@ -23,10 +23,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import zcompile  # noqa: E402
-import zcompile.optim  # noqa: E402
 from common import depth_sweep_arguments, print_table, slowest_ms, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+
+import zcompile  # noqa: E402
+import zcompile.optim  # noqa: E402
 from zcompile.checkpoint.dcp import full_state_dict  # noqa: E402
 
 
@@ -35,8 +36,12 @@ def _enter_and_leave(model: torch.nn.Module, **arguments) -> None:
         pass
 
 
-WAYS = {"gathered": _enter_and_leave, "writeback=False": lambda model: _enter_and_leave(model, writeback=False),
-        "rank0_only": lambda model: _enter_and_leave(model, rank0_only=True), "full_state_dict": full_state_dict}
+WAYS = {
+    "gathered": _enter_and_leave,
+    "writeback=False": lambda model: _enter_and_leave(model, writeback=False),
+    "rank0_only": lambda model: _enter_and_leave(model, rank0_only=True),
+    "full_state_dict": full_state_dict,
+}
 
 
 CONFIGS = {"stage 3": {"stage": 3}, "stage 2, param_dtype bf16": {"stage": 2, "param_dtype": "bf16"}}
@@ -57,8 +62,12 @@ def measure(layers: int, rounds: int, config: str) -> dict:
     for _ in range(rounds):
         for name, way in WAYS.items():
             times[name].append(slowest_ms(lambda: way(model)))
-    row = {"config": config, "layers": layers, "parameters": sum(1 for _ in model.parameters()),
-           "model_MiB": sum(p.numel() * 4 for p in model.parameters()) / 2**20}
+    row = {
+        "config": config,
+        "layers": layers,
+        "parameters": sum(1 for _ in model.parameters()),
+        "model_MiB": sum(p.numel() * 4 for p in model.parameters()) / 2**20,
+    }
     row.update({f"{name}_ms": statistics.median(values) for name, values in times.items()})
     return row
 
@@ -68,10 +77,20 @@ def main() -> None:
     rank, world, cores = start_gloo_benchmark()
     rows = [measure(layers, args.rounds, config) for config in CONFIGS for layers in args.layers]
     if rank == 0:
-        print_table(f"zcompile.gathered(model), {world} ranks ({cores} cores): median ms, enter and leave",
-                    ["config", "layers", "parameters", "model MiB", *WAYS],
-                    [[r["config"], str(r["layers"]), str(r["parameters"]), f"{r['model_MiB']:.2f}",
-                      *(f"{r[f'{name}_ms']:.2f}" for name in WAYS)] for r in rows])
+        print_table(
+            f"zcompile.gathered(model), {world} ranks ({cores} cores): median ms, enter and leave",
+            ["config", "layers", "parameters", "model MiB", *WAYS],
+            [
+                [
+                    r["config"],
+                    str(r["layers"]),
+                    str(r["parameters"]),
+                    f"{r['model_MiB']:.2f}",
+                    *(f"{r[f'{name}_ms']:.2f}" for name in WAYS),
+                ]
+                for r in rows
+            ],
+        )
         with open(args.out, "w") as handle:
             json.dump({"world_size": world, "cores": cores, "rounds": args.rounds, "rows": rows}, handle, indent=1)
 

@@ -46,11 +46,12 @@ def calls(numel: int, world: int) -> dict:
     return {
         "reduce_scatter": lambda: _reduce_scatter(out, full),
         "all_reduce": lambda: dist.all_reduce(full),
-        "all_to_all_sum": lambda: (dist.all_to_all_single(received, full),
-                                   torch.sum(received.view(world, -1), 0, out=out)),
+        "all_to_all_sum": lambda: (
+            dist.all_to_all_single(received, full),
+            torch.sum(received.view(world, -1), 0, out=out),
+        ),
         "all_gather": lambda: _all_gather(gathered, out),
-        "all_gather_by_all_to_all": lambda: (sent.copy_(out.expand(world, -1)),
-                                             dist.all_to_all_single(gathered, sent)),
+        "all_gather_by_all_to_all": lambda: (sent.copy_(out.expand(world, -1)), dist.all_to_all_single(gathered, sent)),
     }
 
 
@@ -72,14 +73,31 @@ def main() -> None:
                 times[way].append(slowest_ms(ways[way]))
         rows.append({"mib": mib, **{f"{way}_ms": statistics.median(times[way]) for way in WAYS}})
     if rank == 0:
-        print_table(f"gloo, {world} ranks on {cores} cores, fp32: median ms of the slowest rank",
-                    ["MiB", *WAYS, "reduce_scatter / all_to_all_sum"],
-                    [[f"{r['mib']:g}", *(f"{r[f'{w}_ms']:.2f}" for w in WAYS),
-                      f"{r['reduce_scatter_ms'] / r['all_to_all_sum_ms']:.2f}"] for r in rows])
+        print_table(
+            f"gloo, {world} ranks on {cores} cores, fp32: median ms of the slowest rank",
+            ["MiB", *WAYS, "reduce_scatter / all_to_all_sum"],
+            [
+                [
+                    f"{r['mib']:g}",
+                    *(f"{r[f'{w}_ms']:.2f}" for w in WAYS),
+                    f"{r['reduce_scatter_ms'] / r['all_to_all_sum_ms']:.2f}",
+                ]
+                for r in rows
+            ],
+        )
         out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"gloo_collectives_{world}.json")
         with open(out, "w") as handle:
-            json.dump({"world_size": world, "cores": cores, "repeats": args.repeats,
-                       "load_average_at_end": os.getloadavg(), "rows": rows}, handle, indent=1)
+            json.dump(
+                {
+                    "world_size": world,
+                    "cores": cores,
+                    "repeats": args.repeats,
+                    "load_average_at_end": os.getloadavg(),
+                    "rows": rows,
+                },
+                handle,
+                indent=1,
+            )
         print(f"wrote {out}")
     dist.destroy_process_group()
 

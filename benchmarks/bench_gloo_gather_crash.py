@@ -37,12 +37,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 
 from common import print_table  # noqa: E402
+
 from support.launch import run_ranks  # noqa: E402
 
 # torch 2.13's name for the flat all-gather; 2.11's
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-FORMS = ("functional", "functional_out", "dist_async", "functional_one_at_a_time", "coalesced_with_all_to_all",
-         "flat_with_all_to_all")
+FORMS = (
+    "functional",
+    "functional_out",
+    "dist_async",
+    "functional_one_at_a_time",
+    "coalesced_with_all_to_all",
+    "flat_with_all_to_all",
+)
 NUMEL, IN_FLIGHT = 4096, 8
 
 
@@ -51,8 +58,9 @@ def _gather_rounds(rank: int, world: int, form: str, rounds: int) -> bool:
     name = dist.group.WORLD.group_name
     shards = [torch.randn(NUMEL) for _ in range(IN_FLIGHT)]
     process_group = dist.group.WORLD
-    coalesced = (getattr(process_group, "all_gather_single_coalesced", None)
-                 or getattr(process_group, "allgather_into_tensor_coalesced", None))
+    coalesced = getattr(process_group, "all_gather_single_coalesced", None) or getattr(
+        process_group, "allgather_into_tensor_coalesced", None
+    )
     for _ in range(rounds):
         pending, works = [], []
         if form in ("coalesced_with_all_to_all", "flat_with_all_to_all"):
@@ -96,14 +104,30 @@ def main() -> None:
             except (RuntimeError, TimeoutError) as error:
                 crashed += 1
                 first_error = first_error or str(error).splitlines()[0][:200]
-        results[form] = {"launches": args.launches, "crashed": crashed, "seconds": round(time.perf_counter() - start, 1),
-                         "first_error": first_error}
+        results[form] = {
+            "launches": args.launches,
+            "crashed": crashed,
+            "seconds": round(time.perf_counter() - start, 1),
+            "first_error": first_error,
+        }
     with open(args.out, "w") as f:
-        json.dump({"torch": torch.__version__, "rounds": args.rounds, "in_flight": IN_FLIGHT, "numel": NUMEL,
-                   "forms": results}, f, indent=1)
-    print_table(f"2 gloo ranks, {IN_FLIGHT} all-gathers of {NUMEL} fp32 per round, {args.rounds} rounds per launch "
-                f"(torch {torch.__version__})", ["form", "launches", "crashed"],
-                [[form, str(r["launches"]), str(r["crashed"])] for form, r in results.items()])
+        json.dump(
+            {
+                "torch": torch.__version__,
+                "rounds": args.rounds,
+                "in_flight": IN_FLIGHT,
+                "numel": NUMEL,
+                "forms": results,
+            },
+            f,
+            indent=1,
+        )
+    print_table(
+        f"2 gloo ranks, {IN_FLIGHT} all-gathers of {NUMEL} fp32 per round, {args.rounds} rounds per launch "
+        f"(torch {torch.__version__})",
+        ["form", "launches", "crashed"],
+        [[form, str(r["launches"]), str(r["crashed"])] for form, r in results.items()],
+    )
 
 
 if __name__ == "__main__":

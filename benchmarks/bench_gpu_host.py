@@ -28,14 +28,19 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "examples")]
 
-import zcompile.optim  # noqa: E402
 from common import print_table  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
-CONFIGS = {"s1fp32": {"stage": 1}, "s2bf16": {"stage": 2, "param_dtype": "bf16"},
-           "s3bf16": {"stage": 3, "param_dtype": "bf16"}, "s3fp32": {"stage": 3},
-           "s2bf16_inductor": {"stage": 2, "param_dtype": "bf16", "compiler": "inductor"},
-           "s3bf16_inductor": {"stage": 3, "param_dtype": "bf16", "compiler": "inductor"}}
+import zcompile.optim  # noqa: E402
+
+CONFIGS = {
+    "s1fp32": {"stage": 1},
+    "s2bf16": {"stage": 2, "param_dtype": "bf16"},
+    "s3bf16": {"stage": 3, "param_dtype": "bf16"},
+    "s3fp32": {"stage": 3},
+    "s2bf16_inductor": {"stage": 2, "param_dtype": "bf16", "compiler": "inductor"},
+    "s3bf16_inductor": {"stage": 3, "param_dtype": "bf16", "compiler": "inductor"},
+}
 
 
 def measure(name: str, options: dict, device: str, per_shard: bool, steps: int, profile_dir: str | None) -> dict:
@@ -51,8 +56,11 @@ def measure(name: str, options: dict, device: str, per_shard: bool, steps: int, 
 
 def _measure(name: str, options: dict, device: str, steps: int, profile_dir: str | None) -> dict:
     cuda = device == "cuda"
-    config = (GPTConfig(vocab_size=50304, n_layer=12, n_head=12, n_embd=768, block_size=512) if cuda
-              else GPTConfig(n_layer=2, n_embd=64, block_size=64))
+    config = (
+        GPTConfig(vocab_size=50304, n_layer=12, n_head=12, n_embd=768, block_size=512)
+        if cuda
+        else GPTConfig(n_layer=2, n_embd=64, block_size=64)
+    )
     batch = 8 if cuda else 2
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -80,8 +88,12 @@ def _measure(name: str, options: dict, device: str, steps: int, profile_dir: str
         if i >= 2:
             wall.append(time.perf_counter() - start)
             enqueue.append(enqueued - start)
-    row = {"config": name, "options": options, "median_step_ms": statistics.median(wall) * 1e3,
-           "median_enqueue_ms": statistics.median(enqueue) * 1e3}
+    row = {
+        "config": name,
+        "options": options,
+        "median_step_ms": statistics.median(wall) * 1e3,
+        "median_enqueue_ms": statistics.median(enqueue) * 1e3,
+    }
     row["host_bound"] = row["median_enqueue_ms"] > 0.9 * row["median_step_ms"]
     if profile_dir is not None:
         from torch.profiler import ProfilerActivity, profile
@@ -123,19 +135,43 @@ def main() -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     rows = []
     for name in args.configs:
-        for per_shard in ([False, True] if args.per_shard else [False]):
+        for per_shard in [False, True] if args.per_shard else [False]:
             label = name + (" per shard" if per_shard else "")
-            row = measure(label.replace(" ", "_"), CONFIGS[name], device, per_shard, args.steps,
-                          os.path.dirname(os.path.abspath(args.out)) if args.profile and not per_shard else None)
+            row = measure(
+                label.replace(" ", "_"),
+                CONFIGS[name],
+                device,
+                per_shard,
+                args.steps,
+                os.path.dirname(os.path.abspath(args.out)) if args.profile and not per_shard else None,
+            )
             row["config"], row["optimizer_launch"] = name, "per shard" if per_shard else "multi-tensor"
             rows.append(row)
             print(json.dumps(row), flush=True)
     with open(args.out, "w") as handle:
-        json.dump({"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
-                   "rows": rows}, handle, indent=1)
-    print_table("bench_gpu_host", ("config", "optimizer launch", "median step ms", "enqueue ms", "host-bound"),
-                [(r["config"], r["optimizer_launch"], f"{r['median_step_ms']:.1f}", f"{r['median_enqueue_ms']:.1f}",
-                  "yes" if r["host_bound"] else "no") for r in rows])
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                "torch": torch.__version__,
+                "rows": rows,
+            },
+            handle,
+            indent=1,
+        )
+    print_table(
+        "bench_gpu_host",
+        ("config", "optimizer launch", "median step ms", "enqueue ms", "host-bound"),
+        [
+            (
+                r["config"],
+                r["optimizer_launch"],
+                f"{r['median_step_ms']:.1f}",
+                f"{r['median_enqueue_ms']:.1f}",
+                "yes" if r["host_bound"] else "no",
+            )
+            for r in rows
+        ],
+    )
     return 0
 
 

@@ -59,15 +59,24 @@ def build_gpt2() -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=4, n_embd=192, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
-                        attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, use_cache=False)
+    config = GPT2Config(
+        n_layer=4,
+        n_embd=192,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        attn_pdrop=0.0,
+        embd_pdrop=0.0,
+        resid_pdrop=0.0,
+        use_cache=False,
+    )
     return GPT2LMHeadModel(config)
 
 
 def batch(step: int, rank: int, world: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, VOCAB, (BATCH_PER_RANK * world, SEQ), generator=generator)
-    return tokens[rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK]
+    return tokens[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK]
 
 
 def loss_of(model, tokens) -> torch.Tensor:
@@ -93,8 +102,9 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int, optim_bucket
     torch._dynamo.reset()
     options = {"stage": stage, "param_dtype": param_dtype, "bucket_mb": 0.5}
     model = build_gpt2()
-    estimate = zcompile.estimate_memory(model, world, options, batch={"input_ids": batch(0, rank, world),
-                                                                     "labels": batch(0, rank, world)})
+    estimate = zcompile.estimate_memory(
+        model, world, options, batch={"input_ids": batch(0, rank, world), "labels": batch(0, rank, world)}
+    )
     optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-3, bucket_mb=optim_bucket_mb)
     graphs = []  # the compiled graphs, for the walk (zcompile.predict.step_peak)
     compiled = torch.compile(model, backend="zero", options={**options, "on_compile": graphs.append})
@@ -112,16 +122,20 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int, optim_bucket
     before_step = zcompile.model_state_bytes(model, optimizer).total
     phases, held, rises = {}, {}, {}
     with tempfile.TemporaryDirectory() as trace_dir:
+
         def step():
             loss_of(compiled, batch(2, rank, world)).backward()
             optimizer.step()
+
         timeline = record_step(step, trace_dir, rank)
         optimizer.zero_grad()
         # the same step again, one phase at a time: where the peak is (each phase from what is live
         # when it starts: forward from the states, backward from states + what forward left)
-        for phase, run_phase in (("forward", lambda: held.__setitem__("loss", loss_of(compiled, batch(3, rank, world)))),
-                                 ("backward", lambda: held.pop("loss").backward()),
-                                 ("optimizer", optimizer.step)):
+        for phase, run_phase in (
+            ("forward", lambda: held.__setitem__("loss", loss_of(compiled, batch(3, rank, world)))),
+            ("backward", lambda: held.pop("loss").backward()),
+            ("optimizer", optimizer.step),
+        ):
             start = zcompile.model_state_bytes(model, optimizer).total + (held.get("forward_left", 0))
             rises[phase] = record_step(run_phase, trace_dir, rank).peak_bytes
             phases[phase] = start + rises[phase]
@@ -132,27 +146,44 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int, optim_bucket
         # forward and backward as one, from the states: what the graph walk predicts
         optimizer.zero_grad()
         start = zcompile.model_state_bytes(model, optimizer).total
-        forward_backward = start + record_step(lambda: loss_of(compiled, batch(4, rank, world)).backward(),
-                                               trace_dir, rank).peak_bytes
+        forward_backward = (
+            start + record_step(lambda: loss_of(compiled, batch(4, rank, world)).backward(), trace_dir, rank).peak_bytes
+        )
     optimizer.zero_grad()
     walk = step_peak(graphs, live.params, live.grads, live.optimizer, gather_staging=world > 1)  # gloo's copies
     report = zcompile.step_report(model, optimizer).memory
     step_ms = optimizer_step_ms(compiled, optimizer, rank, world, first_batch=5)  # last: it trains on
     num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
-    formula = zcompile.zero_formula_bytes(num_params, world, stage, zcompile.ZeroConfig(param_dtype=param_dtype).param_dtype)
+    formula = zcompile.zero_formula_bytes(
+        num_params, world, stage, zcompile.ZeroConfig(param_dtype=param_dtype).param_dtype
+    )
     peak = before_step + timeline.peak_bytes
     # the parts: the states, the schedule's gathered peak with gloo's copies of the gathers in flight
     # (its own part of step_report; NCCL has none), the saved activations, the optimizer's bucket buffers
-    parts = {k: report[k] for k in ("model_states_bytes", "peak_gathered_bytes", "gather_staging_bytes",
-                                    "saved_activation_bytes", "optimizer_buffers_bytes")}
+    parts = {
+        k: report[k]
+        for k in (
+            "model_states_bytes",
+            "peak_gathered_bytes",
+            "gather_staging_bytes",
+            "saved_activation_bytes",
+            "optimizer_buffers_bytes",
+        )
+    }
     bound = sum(parts.values())
     bound_without_staging = bound - parts["gather_staging_bytes"]
     return {
-        "stage": stage, "dtype": param_dtype or "fp32", "optim_bucket_mb": optim_bucket_mb,
-        "num_params": num_params, "losses": losses,
-        "live_bytes": live.total, "live_parts": {"params": live.params, "grads": live.grads, "optimizer": live.optimizer},
-        "formula_bytes": formula, "live_vs_formula": live.total / formula,
-        "peak_bytes": peak, "parts": parts,
+        "stage": stage,
+        "dtype": param_dtype or "fp32",
+        "optim_bucket_mb": optim_bucket_mb,
+        "num_params": num_params,
+        "losses": losses,
+        "live_bytes": live.total,
+        "live_parts": {"params": live.params, "grads": live.grads, "optimizer": live.optimizer},
+        "formula_bytes": formula,
+        "live_vs_formula": live.total / formula,
+        "peak_bytes": peak,
+        "parts": parts,
         "peak_vs_parts": peak / bound,
         "peak_vs_parts_without_staging": peak / bound_without_staging,
         # before the optimizer's buffers were a part of their own (2026-11-27)
@@ -168,7 +199,8 @@ def run(stage: int, param_dtype: str | None, rank: int, world: int, optim_bucket
         "optimizer_step_ms": step_ms,
         "estimate_vs_measured": {
             "gathered_peak": estimate.gathered_peak_bytes / max(1, report["peak_gathered_bytes"]),
-            "saved_activations": estimate.saved_activation_bytes / max(1, report["saved_activation_bytes"])},
+            "saved_activations": estimate.saved_activation_bytes / max(1, report["saved_activation_bytes"]),
+        },
     }
 
 
@@ -190,36 +222,64 @@ def reference_losses(param_dtype: str | None, world: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--optim-bucket-mb", type=float, nargs="+", default=[4.0, 0.5],
-                        help="the optimizer's bucket_mb, one run per value (stage 3's optimizer has no buckets: "
-                             "run once, with the first)")
+    parser.add_argument(
+        "--optim-bucket-mb",
+        type=float,
+        nargs="+",
+        default=[4.0, 0.5],
+        help="the optimizer's bucket_mb, one run per value (stage 3's optimizer has no buckets: "
+        "run once, with the first)",
+    )
     args = parser.parse_args()
     rank, world, _ = start_gloo_benchmark()
     rows, results = [], []
     for param_dtype in (None, "bf16"):
         reference = reference_losses(param_dtype, world)
-        for stage, optim_bucket_mb in [(s, b) for s in (1, 2, 3) for b in args.optim_bucket_mb[:1 if s == 3 else None]]:
+        for stage, optim_bucket_mb in [
+            (s, b) for s in (1, 2, 3) for b in args.optim_bucket_mb[: 1 if s == 3 else None]
+        ]:
             result = run(stage, param_dtype, rank, world, optim_bucket_mb)
             result["reference_losses"] = reference
             results.append(result)
             label = f"stage {stage} {result['dtype']}" + (f" opt {optim_bucket_mb:g}" if stage < 3 else "")
-            rows.append((label, f"{result['live_bytes'] / MIB:.2f}",
-                         f"{result['formula_bytes'] / MIB:.2f}", f"{result['live_vs_formula']:.3f}",
-                         f"{result['peak_bytes'] / MIB:.2f}",
-                         " + ".join(f"{v / MIB:.2f}" for v in result["parts"].values()),
-                         f"{result['peak_vs_parts']:.2f}",
-                         " / ".join(f"{v / MIB:.1f}" for v in result["phase_peaks"].values()),
-                         f"{result['forward_backward_peak_bytes'] / MIB:.2f} / "
-                         f"{result['walk_forward_backward_bytes'] / MIB:.2f}",
-                         f"{result['optimizer_step_ms']:.1f}",
-                         f"{result['estimate_model_states_vs_live']:.3f}",
-                         " / ".join(f"{v:.2f}" for v in result["estimate_vs_measured"].values()),
-                         " ".join(f"{a:.4f}/{b:.4f}" for a, b in zip(result["losses"], reference))))
+            rows.append(
+                (
+                    label,
+                    f"{result['live_bytes'] / MIB:.2f}",
+                    f"{result['formula_bytes'] / MIB:.2f}",
+                    f"{result['live_vs_formula']:.3f}",
+                    f"{result['peak_bytes'] / MIB:.2f}",
+                    " + ".join(f"{v / MIB:.2f}" for v in result["parts"].values()),
+                    f"{result['peak_vs_parts']:.2f}",
+                    " / ".join(f"{v / MIB:.1f}" for v in result["phase_peaks"].values()),
+                    f"{result['forward_backward_peak_bytes'] / MIB:.2f} / "
+                    f"{result['walk_forward_backward_bytes'] / MIB:.2f}",
+                    f"{result['optimizer_step_ms']:.1f}",
+                    f"{result['estimate_model_states_vs_live']:.3f}",
+                    " / ".join(f"{v:.2f}" for v in result["estimate_vs_measured"].values()),
+                    " ".join(f"{a:.4f}/{b:.4f}" for a, b in zip(result["losses"], reference)),
+                )
+            )
     if rank == 0:
-        print_table(f"GPT-2 (4 layers, n_embd 192), {world} ranks, AdamW: MiB per rank",
-                    ["run", "live", "ZeRO formula", "ratio", "step peak", "states + gathered + gloo staging + activations + optimizer buffers",
-                     "peak/parts", "fwd / bwd / opt peak", "fwd+bwd: peak / walk", "opt ms", "estimate/live", "estimate/measured gathered / activations",
-                     "losses zero/reference"], rows)
+        print_table(
+            f"GPT-2 (4 layers, n_embd 192), {world} ranks, AdamW: MiB per rank",
+            [
+                "run",
+                "live",
+                "ZeRO formula",
+                "ratio",
+                "step peak",
+                "states + gathered + gloo staging + activations + optimizer buffers",
+                "peak/parts",
+                "fwd / bwd / opt peak",
+                "fwd+bwd: peak / walk",
+                "opt ms",
+                "estimate/live",
+                "estimate/measured gathered / activations",
+                "losses zero/reference",
+            ],
+            rows,
+        )
         out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"memory_{world}.json")
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

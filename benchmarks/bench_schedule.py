@@ -56,12 +56,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
-import zcompile  # noqa: E402
 from common import print_table, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
+import zcompile  # noqa: E402
 from zcompile.passes.collectives import ALL_GATHER, ALL_REDUCE, COLLECTIVE_KINDS, REDUCE_SCATTER  # noqa: E402
-from zcompile.passes.liveness import (  # noqa: E402
-    dependency_graph, gathered_peak_bytes, node_bytes, peak_bytes, storages)
+from zcompile.passes.liveness import dependency_graph, gathered_peak_bytes, node_bytes, peak_bytes, storages  # noqa: E402
 from zcompile.reports.step_report import compiled_graphs_of  # noqa: E402
 from zcompile.reports.timeline import record_step  # noqa: E402
 
@@ -99,13 +99,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--steps", type=int, default=10, help="measured steps per configuration (median)")
     parser.add_argument("--warmup", type=int, default=3, help="steps before measuring (the first compiles)")
-    parser.add_argument("--profile-steps", type=int, default=5,
-                        help="profiled steps of the configurations whose wait is compared (median)")
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=5,
+        help="profiled steps of the configurations whose wait is compared (median)",
+    )
     parser.add_argument("--embd", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
     parser.add_argument("--out", default=None, help="JSON results (default benchmarks/results/schedule_N.json)")
-    parser.add_argument("--configs", nargs="+", default=None, metavar="NAME",
-                        help=f"run only these configurations (no tables then): {[c.name for c in CONFIGS]}")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help=f"run only these configurations (no tables then): {[c.name for c in CONFIGS]}",
+    )
     parser.add_argument("--trace-dir", default=os.path.join(tempfile.gettempdir(), "zcompile_bench_schedule"))
     return parser.parse_args()
 
@@ -158,8 +167,10 @@ def baselines(config: GPTConfig, world: int) -> dict:
     for block in fsdp.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(fsdp, mesh=mesh)
-    return {name: (model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY))
-            for name, model in (("DDP", ddp), ("FSDP2", fsdp))}
+    return {
+        name: (model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY))
+        for name, model in (("DDP", ddp), ("FSDP2", fsdp))
+    }
 
 
 @contextlib.contextmanager
@@ -225,7 +236,8 @@ def run_config(cfg: Config, config: GPTConfig, args, rank: int, world: int, othe
     steppers = {"zero": lambda i: train_step(compiled, optimizer, local_batch(i, config, args, rank, world))}
     for other, (other_model, other_opt) in others.items():
         steppers[other] = (lambda m, o: lambda i: train_step(m, o, local_batch(i, config, args, rank, world)))(
-            other_model, other_opt)
+            other_model, other_opt
+        )
 
     compile_s = timed(lambda: steppers["zero"](0))  # the first step compiles
     for i in range(1, args.warmup):
@@ -234,8 +246,9 @@ def run_config(cfg: Config, config: GPTConfig, args, rank: int, world: int, othe
     counted = {kind: sum(c["kind"] == kind for c in report.collectives) for kind in KINDS}
     graphs = compiled_graphs_of(model)
     held = max(held_gathered_bytes(getattr(g, where)) for g in graphs for where in ("forward", "backward"))
-    held_storage = max(held_gathered_bytes(getattr(g, where), by_storage=True)
-                       for g in graphs for where in ("forward", "backward"))
+    held_storage = max(
+        held_gathered_bytes(getattr(g, where), by_storage=True) for g in graphs for where in ("forward", "backward")
+    )
 
     slug = cfg.name.replace(" ", "_").replace(",", "")
     trace_dir = os.path.join(args.trace_dir, f"n{world}", f"L{config.n_layer}_{slug}")
@@ -265,25 +278,37 @@ def run_config(cfg: Config, config: GPTConfig, args, rank: int, world: int, othe
         step_ratio = {n: statistics.median(z / b for z, b in zip(times["zero"], times[n])) for n in others}
     waits = [p.wait_us / 1e3 for p in profiled]
     return {
-        "name": cfg.name, "stage": cfg.stage, "options": cfg.options, "layers": config.n_layer, "rank": rank,
-        "compile_and_first_step_s": compile_s, "graphs": len(graphs),
+        "name": cfg.name,
+        "stage": cfg.stage,
+        "options": cfg.options,
+        "layers": config.n_layer,
+        "rank": rank,
+        "compile_and_first_step_s": compile_s,
+        "graphs": len(graphs),
         "report_counts": counted,
         "timeline_counts": {kind: last.count(kind) for kind in (*KINDS, "wait")},
         "timeline_counts_stable": all(p.count(kind) == last.count(kind) for p in profiled for kind in KINDS),
-        "wait_ms": statistics.median(waits), "wait_ms_min": min(waits), "wait_ms_steps": waits,
+        "wait_ms": statistics.median(waits),
+        "wait_ms_min": min(waits),
+        "wait_ms_steps": waits,
         "transfer_ms": statistics.median(union_ms(p.transfers) for p in profiled),
         "profiled_step_ms": statistics.median(p.step_us for p in profiled) / 1e3,
         "exposed_in_graph": sum(s.overlapped_ops == 0 for s in report.schedule),
         "collectives_in_graph": len(report.schedule),
         "report_peak_gathered_bytes": report.memory["peak_gathered_bytes"],
-        "held_gathered_bytes": held, "held_gathered_storage_bytes": held_storage,
+        "held_gathered_bytes": held,
+        "held_gathered_storage_bytes": held_storage,
         "largest_gather_bytes": max((c["bytes"] for c in report.collectives if c["kind"] == "all_gather"), default=0),
         "model_states_bytes": report.memory["model_states_bytes"],
-        "elements_per_step": report.totals.get("total", 0), "num_params": report.num_params,
-        "backward_gathered_params": sum(len(c["params"]) for c in report.collectives
-                                        if c["kind"] == "all_gather" and c["where"] == "backward"),
+        "elements_per_step": report.totals.get("total", 0),
+        "num_params": report.num_params,
+        "backward_gathered_params": sum(
+            len(c["params"]) for c in report.collectives if c["kind"] == "all_gather" and c["where"] == "backward"
+        ),
         "kept_gathered_bytes": report.memory["kept_gathered_bytes"],
-        "step_ms": step_ms, "step_ratio": step_ratio, "trace": last.trace_path,
+        "step_ms": step_ms,
+        "step_ratio": step_ratio,
+        "trace": last.trace_path,
     }
 
 
@@ -300,17 +325,29 @@ def print_tables(results: list[dict], setup: str) -> dict:
     rows = []
     for layers in depths:
         base_total = sum(by[(layers, "s3 bucket 0, no overlap")]["report_counts"].values())
-        for name, label in (("s3 bucket 0, no overlap", "0"), ("s3 bucket 0.01", "0.01"),
-                            ("s3 default", "4.0 (default)")):
+        for name, label in (
+            ("s3 bucket 0, no overlap", "0"),
+            ("s3 bucket 0.01", "0.01"),
+            ("s3 default", "4.0 (default)"),
+        ):
             r = by[(layers, name)]
             total = sum(r["report_counts"].values())
             ratios[f"L{layers} collectives bucket_mb 0 / bucket_mb {label.split()[0]}"] = base_total / total
-            rows.append((f"{layers}", label,
-                         f"{r['report_counts']['all_gather']} / {r['timeline_counts']['all_gather']}",
-                         f"{r['report_counts']['reduce_scatter']} / {r['timeline_counts']['reduce_scatter']}",
-                         f"{total}", f"{base_total / total:.1f}x"))
-    print_table(f"1. Collectives per step, stage 3 (report / profiler), {setup}",
-                ("layers", "bucket_mb", "all_gather", "reduce_scatter", "total", "bucket 0 / this"), rows)
+            rows.append(
+                (
+                    f"{layers}",
+                    label,
+                    f"{r['report_counts']['all_gather']} / {r['timeline_counts']['all_gather']}",
+                    f"{r['report_counts']['reduce_scatter']} / {r['timeline_counts']['reduce_scatter']}",
+                    f"{total}",
+                    f"{base_total / total:.1f}x",
+                )
+            )
+    print_table(
+        f"1. Collectives per step, stage 3 (report / profiler), {setup}",
+        ("layers", "bucket_mb", "all_gather", "reduce_scatter", "total", "bucket 0 / this"),
+        rows,
+    )
 
     rows = []
     for layers in depths:
@@ -319,27 +356,61 @@ def print_tables(results: list[dict], setup: str) -> dict:
         ratios[f"L{layers} wait default / bucket 0 no overlap"] = on["wait_ms"] / none["wait_ms"]
         ratios[f"L{layers} step overlap=True / overlap=False"] = on["step_ms"]["zero"] / off["step_ms"]["zero"]
         for r in (none, off, on):
-            rows.append((f"{layers}", r["name"], f"{r['wait_ms']:.0f}", f"{r['wait_ms_min']:.0f}",
-                         f"{r['transfer_ms']:.0f}", f"{r['profiled_step_ms']:.0f}",
-                         f"{r['exposed_in_graph']}/{r['collectives_in_graph']}", f"{r['step_ms']['zero']:.0f}",
-                         f"{r['wait_ms'] / off['wait_ms']:.2f}"))
-    print_table(f"2. Exposed communication per step: wait_tensor ms (median and min of profiled steps, mean of "
-                f"ranks), gloo transfer ms, {setup}",
-                ("layers", "config", "wait", "wait min", "transfer", "step (prof.)", "exposed in graph",
-                 "step (timed)", "wait / no overlap"), rows)
+            rows.append(
+                (
+                    f"{layers}",
+                    r["name"],
+                    f"{r['wait_ms']:.0f}",
+                    f"{r['wait_ms_min']:.0f}",
+                    f"{r['transfer_ms']:.0f}",
+                    f"{r['profiled_step_ms']:.0f}",
+                    f"{r['exposed_in_graph']}/{r['collectives_in_graph']}",
+                    f"{r['step_ms']['zero']:.0f}",
+                    f"{r['wait_ms'] / off['wait_ms']:.2f}",
+                )
+            )
+    print_table(
+        f"2. Exposed communication per step: wait_tensor ms (median and min of profiled steps, mean of "
+        f"ranks), gloo transfer ms, {setup}",
+        (
+            "layers",
+            "config",
+            "wait",
+            "wait min",
+            "transfer",
+            "step (prof.)",
+            "exposed in graph",
+            "step (timed)",
+            "wait / no overlap",
+        ),
+        rows,
+    )
 
     rows = []
     for layers in depths:
         for name in ("s3 prefetch 0", "s3 default", "s3 prefetch 2"):
             r = by[(layers, name)]
             depth = r["options"].get("prefetch", 1)
-            ratios[f"L{layers} wait prefetch {depth} / prefetch 1"] = r["wait_ms"] / by[(layers, "s3 default")]["wait_ms"]
+            ratios[f"L{layers} wait prefetch {depth} / prefetch 1"] = (
+                r["wait_ms"] / by[(layers, "s3 default")]["wait_ms"]
+            )
             ratios[f"L{layers} step prefetch {depth} / prefetch 1"] = (
-                r["step_ms"]["zero"] / by[(layers, "s3 default")]["step_ms"]["zero"])
-            rows.append((f"{layers}", f"{depth}", f"{r['wait_ms']:.0f}", f"{r['step_ms']['zero']:.0f}",
-                         mib(r["report_peak_gathered_bytes"])))
-    print_table(f"2b. Prefetch depth (stage 3, 4 MiB buckets): wait ms, step ms, peak gathered MiB, {setup}",
-                ("layers", "prefetch", "wait", "step (timed)", "peak gathered"), rows)
+                r["step_ms"]["zero"] / by[(layers, "s3 default")]["step_ms"]["zero"]
+            )
+            rows.append(
+                (
+                    f"{layers}",
+                    f"{depth}",
+                    f"{r['wait_ms']:.0f}",
+                    f"{r['step_ms']['zero']:.0f}",
+                    mib(r["report_peak_gathered_bytes"]),
+                )
+            )
+    print_table(
+        f"2b. Prefetch depth (stage 3, 4 MiB buckets): wait ms, step ms, peak gathered MiB, {setup}",
+        ("layers", "prefetch", "wait", "step (timed)", "peak gathered"),
+        rows,
+    )
 
     rows = []
     for layers in depths:
@@ -348,41 +419,83 @@ def print_tables(results: list[dict], setup: str) -> dict:
             ms, per_step = r["step_ms"], r["step_ratio"]
             ratios[f"L{layers} {name} / DDP"] = per_step["DDP"]
             ratios[f"L{layers} {name} / FSDP2"] = per_step["FSDP2"]
-            rows.append((f"{layers}", name, f"{ms['zero']:.0f}", f"{ms['DDP']:.0f}", f"{ms['FSDP2']:.0f}",
-                         f"{per_step['DDP']:.2f}", f"{per_step['FSDP2']:.2f}", f"{r['backward_gathered_params']}",
-                         mib(r["kept_gathered_bytes"])))
-    print_table(f"3. Step time, median ms of the slowest rank, zero vs eager DDP and FSDP2 stepped in turn; ratios: "
-                f"median over rounds of zero / baseline; parameters re-gathered in backward, {setup}",
-                ("layers", "zero", "zero ms", "DDP ms", "FSDP2 ms", "zero/DDP", "zero/FSDP2", "bw re-gathered",
-                 "kept MiB"), rows)
+            rows.append(
+                (
+                    f"{layers}",
+                    name,
+                    f"{ms['zero']:.0f}",
+                    f"{ms['DDP']:.0f}",
+                    f"{ms['FSDP2']:.0f}",
+                    f"{per_step['DDP']:.2f}",
+                    f"{per_step['FSDP2']:.2f}",
+                    f"{r['backward_gathered_params']}",
+                    mib(r["kept_gathered_bytes"]),
+                )
+            )
+    print_table(
+        f"3. Step time, median ms of the slowest rank, zero vs eager DDP and FSDP2 stepped in turn; ratios: "
+        f"median over rounds of zero / baseline; parameters re-gathered in backward, {setup}",
+        ("layers", "zero", "zero ms", "DDP ms", "FSDP2 ms", "zero/DDP", "zero/FSDP2", "bw re-gathered", "kept MiB"),
+        rows,
+    )
 
     rows = []
     for layers in depths:
-        for name in ("s3 bucket 0, no overlap", "s3 default", f"s3 prefetch 2, budget {BUDGET_MB:g} MiB",
-                     f"s3 keep {KEEP_MB:g} MiB"):
+        for name in (
+            "s3 bucket 0, no overlap",
+            "s3 default",
+            f"s3 prefetch 2, budget {BUDGET_MB:g} MiB",
+            f"s3 keep {KEEP_MB:g} MiB",
+        ):
             r = by[(layers, name)]
             budget = r["options"].get("memory_budget_mb")
             ratios[f"L{layers} {name} held gathered MiB"] = r["held_gathered_bytes"] / 2**20
-            rows.append((f"{layers}", name, f"{r['options'].get('prefetch', 1)}",
-                         "-" if budget is None else f"{budget:g}", mib(r["largest_gather_bytes"]),
-                         mib(r["report_peak_gathered_bytes"]), mib(r["held_gathered_bytes"]),
-                         mib(r["held_gathered_storage_bytes"]), mib(r["model_states_bytes"])))
-    print_table(f"4. Gathered parameters per rank (MiB, read from the compiled graphs), {setup}",
-                ("layers", "config", "prefetch", "budget", "largest gather", "report peak", "held (whole bucket)",
-                 "held (per storage)", "model states"), rows)
+            rows.append(
+                (
+                    f"{layers}",
+                    name,
+                    f"{r['options'].get('prefetch', 1)}",
+                    "-" if budget is None else f"{budget:g}",
+                    mib(r["largest_gather_bytes"]),
+                    mib(r["report_peak_gathered_bytes"]),
+                    mib(r["held_gathered_bytes"]),
+                    mib(r["held_gathered_storage_bytes"]),
+                    mib(r["model_states_bytes"]),
+                )
+            )
+    print_table(
+        f"4. Gathered parameters per rank (MiB, read from the compiled graphs), {setup}",
+        (
+            "layers",
+            "config",
+            "prefetch",
+            "budget",
+            "largest gather",
+            "report peak",
+            "held (whole bucket)",
+            "held (per storage)",
+            "model states",
+        ),
+        rows,
+    )
     return ratios
 
 
 def main() -> None:
     args = parse_args()
     rank, world, cores = start_gloo_benchmark()
-    setup = (f"{world} gloo ranks on {cores} CPU cores{' (oversubscribed)' if world > cores else ''}, "
-             f"1 thread/rank, batch {args.batch}/rank, n_embd {args.embd}, block 64")
+    setup = (
+        f"{world} gloo ranks on {cores} CPU cores{' (oversubscribed)' if world > cores else ''}, "
+        f"1 thread/rank, batch {args.batch}/rank, n_embd {args.embd}, block 64"
+    )
     load = os.getloadavg()[0]
     if rank == 0:
-        print(f"bench_schedule: {setup}; torch {torch.__version__}; {args.steps} timed steps after "
-              f"{args.warmup} warm-up, {args.profile_steps} profiled; load average {load:.1f} at start; "
-              f"traces in {args.trace_dir}", flush=True)
+        print(
+            f"bench_schedule: {setup}; torch {torch.__version__}; {args.steps} timed steps after "
+            f"{args.warmup} warm-up, {args.profile_steps} profiled; load average {load:.1f} at start; "
+            f"traces in {args.trace_dir}",
+            flush=True,
+        )
     start = time.perf_counter()
     results = []
     for layers in args.layers:
@@ -394,26 +507,44 @@ def main() -> None:
             dist.all_gather_object(everyone, mine)
             if rank == 0:
                 per_rank = ("wait_ms", "wait_ms_min", "transfer_ms", "profiled_step_ms")
-                merged = dict(everyone[0], **{key: statistics.mean(r[key] for r in everyone) for key in per_rank},
-                              **{f"{key}_per_rank": [r[key] for r in everyone] for key in per_rank},
-                              counts_same_on_ranks=all(r["timeline_counts"] == mine["timeline_counts"]
-                                                       for r in everyone))
+                merged = dict(
+                    everyone[0],
+                    **{key: statistics.mean(r[key] for r in everyone) for key in per_rank},
+                    **{f"{key}_per_rank": [r[key] for r in everyone] for key in per_rank},
+                    counts_same_on_ranks=all(r["timeline_counts"] == mine["timeline_counts"] for r in everyone),
+                )
                 results.append(merged)
                 step = merged["step_ms"].get("zero")
-                print(f"  L{layers} {cfg.name}: compile+first step {mine['compile_and_first_step_s']:.1f}s, "
-                      f"step {'-' if step is None else f'{step:.0f}'} ms, wait {merged['wait_ms']:.0f} ms "
-                      f"[{time.perf_counter() - start:.0f}s]", flush=True)
+                print(
+                    f"  L{layers} {cfg.name}: compile+first step {mine['compile_and_first_step_s']:.1f}s, "
+                    f"step {'-' if step is None else f'{step:.0f}'} ms, wait {merged['wait_ms']:.0f} ms "
+                    f"[{time.perf_counter() - start:.0f}s]",
+                    flush=True,
+                )
         del others
     if rank == 0:
         ratios = print_tables(results, setup) if args.configs is None else {}
         out = args.out or os.path.join(HERE, "results", f"schedule_{world}.json")
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as handle:
-            json.dump({"setup": setup, "world": world, "cpu_cores": cores, "torch": torch.__version__,
-                       "load_average_start_end": [load, os.getloadavg()[0]],
-                       "args": vars(args), "ratios": ratios, "results": results}, handle, indent=1)
-        print(f"wrote {out} ({time.perf_counter() - start:.0f}s, load average {os.getloadavg()[0]:.1f} at end)",
-              flush=True)
+            json.dump(
+                {
+                    "setup": setup,
+                    "world": world,
+                    "cpu_cores": cores,
+                    "torch": torch.__version__,
+                    "load_average_start_end": [load, os.getloadavg()[0]],
+                    "args": vars(args),
+                    "ratios": ratios,
+                    "results": results,
+                },
+                handle,
+                indent=1,
+            )
+        print(
+            f"wrote {out} ({time.perf_counter() - start:.0f}s, load average {os.getloadavg()[0]:.1f} at end)",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

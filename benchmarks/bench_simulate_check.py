@@ -40,7 +40,6 @@ import subprocess
 import sys
 import tempfile
 import time
-
 from dataclasses import replace
 
 import torch
@@ -60,8 +59,13 @@ from zcompile.reports.timeline import record_step  # noqa: E402
 BATCH_PER_RANK, SEQ, VOCAB = 4, 128, 2048
 OPTIONS = {"bucket_mb": 0.5}  # several buckets on both models (about 1.1M parameters, 4.4 MB fp32)
 MIB = 2**20
-PARTS = ("model_states_bytes", "peak_gathered_bytes", "gather_staging_bytes", "kept_gathered_bytes",
-         "saved_activation_bytes")
+PARTS = (
+    "model_states_bytes",
+    "peak_gathered_bytes",
+    "gather_staging_bytes",
+    "kept_gathered_bytes",
+    "saved_activation_bytes",
+)
 
 
 def build(name: str) -> torch.nn.Module:
@@ -73,9 +77,18 @@ def build(name: str) -> torch.nn.Module:
     if name == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        return LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                            max_position_embeddings=SEQ, use_cache=False))
+        return LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=128,
+                intermediate_size=352,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=VOCAB,
+                max_position_embeddings=SEQ,
+                use_cache=False,
+            )
+        )
     raise ValueError(name)
 
 
@@ -129,21 +142,25 @@ def measure(name: str, stage: int, steps: int, rank: int, world: int, profile: s
         if step >= 2:  # the first compiles, the second makes the optimizer's state
             phases.append(times.tolist())
         if step in (1, steps + 1):  # the machine's compute efficiency just before and just after the timed steps
-            efficiencies.append(measure_compute_efficiency(raw_compute,
-                                                           graph_call_overhead_s=hardware.graph_call_overhead_s))
+            efficiencies.append(
+                measure_compute_efficiency(raw_compute, graph_call_overhead_s=hardware.graph_call_overhead_s)
+            )
     report = zcompile.step_report(model, optimizer)
     states_before = zcompile.model_state_bytes(model, optimizer).total
     with tempfile.TemporaryDirectory() as trace_dir:
+
         def one_step():
             loss_of(compiled, rank_batch(name, steps + 2, rank)).backward()
             optimizer.step()
+
         peak = states_before + record_step(one_step, trace_dir, rank).peak_bytes
         optimizer.zero_grad()
     memory = {k: report.memory[k] for k in PARTS}
     every_rank = [None] * world
     dist.all_gather_object(every_rank, {"model_states_bytes": memory["model_states_bytes"], "step_peak_bytes": peak})
     return {
-        "memory": memory, "per_rank_bytes": sum(memory.values()),
+        "memory": memory,
+        "per_rank_bytes": sum(memory.values()),
         "model_states_bytes_per_rank": [r["model_states_bytes"] for r in every_rank],
         "step_peak_bytes_per_rank": [r["step_peak_bytes"] for r in every_rank],
         "collectives": collective_table((w, k, c, b) for w, k, c, _, b in report.collective_rows()),
@@ -172,23 +189,36 @@ def simulated(name: str, stage: int, world: int, profile: str, compute_efficienc
     if compute_efficiency is not None:
         hardware = replace(hardware, compute_efficiency=compute_efficiency)
     options = {"stage": stage, **OPTIONS, "on_compile": graphs.append}
-    result = simulate(lambda: build(name), rank_batch(name, 0, 0), world_size=world, node_size=world,
-                      options=options, hardware=hardware)
+    result = simulate(
+        lambda: build(name),
+        rank_batch(name, 0, 0),
+        world_size=world,
+        node_size=world,
+        options=options,
+        hardware=hardware,
+    )
     hardware = hardware.shared_by(world, world)  # more ranks than cores: as simulate prices them
     costs, compute = hardware.collective_costs(world, world), hardware.compute_costs(torch.float32)
-    split = {where: sum(predict(getattr(g, where), costs, compute).step_s for g in graphs)
-             for where in ("forward", "backward")}
+    split = {
+        where: sum(predict(getattr(g, where), costs, compute).step_s for g in graphs)
+        for where in ("forward", "backward")
+    }
     data = result.to_dict()
     return {
-        "memory": data["memory"], "per_rank_bytes": data["per_rank_bytes"],
+        "memory": data["memory"],
+        "per_rank_bytes": data["per_rank_bytes"],
         # the peak of a step from a walk over the compiled graphs (zcompile.predict.step_peak)
         "step_peak_bytes": result.step_peak_bytes,
         "collectives": {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in data["collectives"].items()},
-        "step_s": result.step_s, "forward_s": split["forward"], "backward_s": split["backward"],
+        "step_s": result.step_s,
+        "forward_s": split["forward"],
+        "backward_s": split["backward"],
         # the host's time per graph call and collective (the profile's) is in the step, not in a phase
         "optimizer_s": result.step_s - split["forward"] - split["backward"] - result.host_overhead_s,
         "host_overhead_s": result.host_overhead_s,
-        "compute_s": result.compute_s, "exposed_comm_s": result.exposed_comm_s, "simulate_s": result.simulate_s,
+        "compute_s": result.compute_s,
+        "exposed_comm_s": result.exposed_comm_s,
+        "simulate_s": result.simulate_s,
         "num_params": result.num_params,
     }
 
@@ -199,8 +229,11 @@ def simulate_cases(cases: list[dict]) -> list[dict]:
         spec, out = os.path.join(tmp, "cases.json"), os.path.join(tmp, "out.json")
         with open(spec, "w") as f:
             json.dump(cases, f)
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                                "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+        }
         subprocess.run([sys.executable, os.path.abspath(__file__), "--simulate", spec, out], check=True, env=env)
         with open(out) as f:
             return json.load(f)
@@ -210,23 +243,33 @@ def simulate_cases(cases: list[dict]) -> list[dict]:
 def compare(measured: dict, sim: dict) -> dict:
     memory = {k: _ratio(sim["memory"][k], measured["memory"][k]) for k in PARTS}
     memory["per_rank_bytes"] = _ratio(sim["per_rank_bytes"], measured["per_rank_bytes"])
-    step_peak = {"parts_sum": _ratio(sim["per_rank_bytes"], measured["step_peak_bytes_per_rank"][0]),
-                 "graph_walk": _ratio(sim["step_peak_bytes"], measured["step_peak_bytes_per_rank"][0])}
+    step_peak = {
+        "parts_sum": _ratio(sim["per_rank_bytes"], measured["step_peak_bytes_per_rank"][0]),
+        "graph_walk": _ratio(sim["step_peak_bytes"], measured["step_peak_bytes_per_rank"][0]),
+    }
     kinds = sorted(set(measured["collectives"]) | set(sim["collectives"]))
-    collectives = {k: {"measured": measured["collectives"].get(k), "simulated": sim["collectives"].get(k),
-                       "count_equal": (measured["collectives"].get(k) or {}).get("count")
-                       == (sim["collectives"].get(k) or {}).get("count"),
-                       "bytes_equal": (measured["collectives"].get(k) or {}).get("bytes")
-                       == (sim["collectives"].get(k) or {}).get("bytes")} for k in kinds}
+    collectives = {
+        k: {
+            "measured": measured["collectives"].get(k),
+            "simulated": sim["collectives"].get(k),
+            "count_equal": (measured["collectives"].get(k) or {}).get("count")
+            == (sim["collectives"].get(k) or {}).get("count"),
+            "bytes_equal": (measured["collectives"].get(k) or {}).get("bytes")
+            == (sim["collectives"].get(k) or {}).get("bytes"),
+        }
+        for k in kinds
+    }
     times = {k: _ratio(sim[k], measured[k]) for k in ("step_s", "forward_s", "backward_s", "optimizer_s")}
     times["step_s_min"] = _ratio(sim["step_s"], min(measured["step_s_all"]))
     return {
-        "memory_ratio": memory, "memory_within_5pct": all(abs(r - 1) <= 0.05 for r in memory.values() if r is not None),
+        "memory_ratio": memory,
+        "memory_within_5pct": all(abs(r - 1) <= 0.05 for r in memory.values() if r is not None),
         "step_peak_ratio": step_peak,  # simulated over the allocator's peak of a real step (rank 0)
         "collectives": collectives,
         "collectives_identical": all(c["count_equal"] and c["bytes_equal"] for c in collectives.values()),
         "collective_bytes_identical": all(c["bytes_equal"] for c in collectives.values()),
-        "time_ratio": times, "step_within_25pct": abs(times["step_s"] - 1) <= 0.25,
+        "time_ratio": times,
+        "step_within_25pct": abs(times["step_s"] - 1) <= 0.25,
     }
 
 
@@ -259,8 +302,10 @@ class OtherLoad:
     def cores(self) -> float:
         own = torch.tensor([time.process_time() - self.own], dtype=torch.float64)
         dist.all_reduce(own)
-        cores = torch.tensor([max(machine_busy_s() - self.busy - own.item(), 0.0) / (time.perf_counter() - self.start)],
-                             dtype=torch.float64)
+        cores = torch.tensor(
+            [max(machine_busy_s() - self.busy - own.item(), 0.0) / (time.perf_counter() - self.start)],
+            dtype=torch.float64,
+        )
         dist.all_reduce(cores, op=dist.ReduceOp.MAX)  # one figure on every rank: decisions are taken on it
         return cores.item()
 
@@ -271,20 +316,34 @@ def main() -> None:
     parser.add_argument("--stages", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--profile", default="cpu-local", help="hardware profile name or path for simulate")
-    parser.add_argument("--quiet", type=float, default=0.25, help="cores other processes may hold while a "
-                        "configuration is measured; above it, it is measured again (--retries), the quietest kept")
+    parser.add_argument(
+        "--quiet",
+        type=float,
+        default=0.25,
+        help="cores other processes may hold while a "
+        "configuration is measured; above it, it is measured again (--retries), the quietest kept",
+    )
     parser.add_argument("--retries", type=int, default=2)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--from-measured", metavar="JSON", help="no training: simulate again against the "
-                        "measurements in this earlier result (python, not torchrun), e.g. with another --profile")
+    parser.add_argument(
+        "--from-measured",
+        metavar="JSON",
+        help="no training: simulate again against the "
+        "measurements in this earlier result (python, not torchrun), e.g. with another --profile",
+    )
     parser.add_argument("--simulate", nargs=2, metavar=("CASES", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.simulate:  # the subprocess: no process group
         with open(args.simulate[0]) as f:
             cases = json.load(f)
         with open(args.simulate[1], "w") as f:
-            json.dump([simulated(c["model"], c["stage"], c["world"], c["profile"], c.get("compute_efficiency"))
-                       for c in cases], f)
+            json.dump(
+                [
+                    simulated(c["model"], c["stage"], c["world"], c["profile"], c.get("compute_efficiency"))
+                    for c in cases
+                ],
+                f,
+            )
         return
 
     os.environ.setdefault("COLUMNS", "200")
@@ -292,8 +351,10 @@ def main() -> None:
         with open(args.from_measured) as f:
             earlier = json.load(f)
         world, runs = earlier["world"], [{**r, "profile": args.profile} for r in earlier["runs"]]
-        load_before, load_after, measure_s, others_cores = (earlier[k] for k in (
-            "load_average_before", "load_average_after_measuring", "measure_s", "other_processes_cores"))
+        load_before, load_after, measure_s, others_cores = (
+            earlier[k]
+            for k in ("load_average_before", "load_average_after_measuring", "measure_s", "other_processes_cores")
+        )
     else:
         torch.set_num_threads(1)
         dist.init_process_group("gloo")
@@ -312,12 +373,16 @@ def main() -> None:
                         break
                 measured = min(tries, key=lambda m: m["other_processes_cores"])
                 measured["tries"] = len(tries)
-                runs.append({"model": name, "stage": stage, "world": world, "profile": args.profile,
-                             "measured": measured})
+                runs.append(
+                    {"model": name, "stage": stage, "world": world, "profile": args.profile, "measured": measured}
+                )
                 if rank == 0:
-                    print(f"measured {name} stage {stage}: step {measured['step_s'] * 1e3:.1f} ms, "
-                          f"{measured['per_rank_bytes'] / MIB:.2f} MiB, other processes "
-                          f"{measured['other_processes_cores']:.2f} cores", flush=True)
+                    print(
+                        f"measured {name} stage {stage}: step {measured['step_s'] * 1e3:.1f} ms, "
+                        f"{measured['per_rank_bytes'] / MIB:.2f} MiB, other processes "
+                        f"{measured['other_processes_cores']:.2f} cores",
+                        flush=True,
+                    )
         measure_s, load_after = time.perf_counter() - start, os.getloadavg()
         others_cores = everything.cores()
         dist.destroy_process_group()
@@ -325,9 +390,11 @@ def main() -> None:
             return
     cases = [{k: r[k] for k in ("model", "stage", "world", "profile")} for r in runs]
     alongside = [i for i, r in enumerate(runs) if "compute_efficiency_alongside" in r["measured"]]
-    sims = simulate_cases(cases + [{**cases[i], "compute_efficiency": runs[i]["measured"]["compute_efficiency_alongside"]}
-                                   for i in alongside])
-    sims_alongside = dict(zip(alongside, sims[len(runs):]))
+    sims = simulate_cases(
+        cases
+        + [{**cases[i], "compute_efficiency": runs[i]["measured"]["compute_efficiency_alongside"]} for i in alongside]
+    )
+    sims_alongside = dict(zip(alongside, sims[len(runs) :]))
     rows = []
     for index, (run, sim) in enumerate(zip(runs, sims)):
         run["simulated"] = sim
@@ -337,41 +404,77 @@ def main() -> None:
             run["simulated_alongside"] = sims_alongside[index]
             check["time_ratio_alongside"] = _ratio(sims_alongside[index]["step_s"], m["step_s"])
             check["step_within_25pct_alongside"] = abs(check["time_ratio_alongside"] - 1) <= 0.25
-        alongside_text = (f"{check['time_ratio_alongside']:.2f} (eff. {m['compute_efficiency_alongside']:.2f})"
-                          if index in sims_alongside else "-")
-        rows.append((f"{run['model']} stage {run['stage']}",
-                     " + ".join(f"{m['memory'][k] / MIB:.2f}" for k in PARTS),
-                     " + ".join(f"{sim['memory'][k] / MIB:.2f}" for k in PARTS),
-                     f"{check['memory_ratio']['per_rank_bytes']:.3f}",
-                     f"{m['step_peak_bytes_per_rank'][0] / MIB:.2f} / {sim['step_peak_bytes'] / MIB:.2f}",
-                     "same" if check["collectives_identical"] else
-                     ("bytes same" if check["collective_bytes_identical"] else "DIFFER"),
-                     f"{m['step_s'] * 1e3:.0f} ({m['forward_s'] * 1e3:.0f}/{m['backward_s'] * 1e3:.0f}/"
-                     f"{m['optimizer_s'] * 1e3:.0f})",
-                     f"{sim['step_s'] * 1e3:.0f} ({sim['forward_s'] * 1e3:.0f}/{sim['backward_s'] * 1e3:.0f}/"
-                     f"{sim['optimizer_s'] * 1e3:.0f})",
-                     f"{check['time_ratio']['step_s']:.2f} ({check['time_ratio']['step_s_min']:.2f})",
-                     alongside_text, f"{m.get('other_processes_cores', float('nan')):.2f}"))
-    print_table(f"measured vs simulated ({args.profile}), {world} gloo ranks, MiB per rank "
-                "(states + gathered + kept + activations), ms (forward/backward/optimizer)",
-                ["run", "measured parts", "simulated parts", "sim/meas", "step peak: measured / walk", "collectives",
-                 "measured step", "simulated step", "sim/meas (vs fastest step)",
-                 "sim/meas, efficiency measured alongside", "others' cores"], rows)
+        alongside_text = (
+            f"{check['time_ratio_alongside']:.2f} (eff. {m['compute_efficiency_alongside']:.2f})"
+            if index in sims_alongside
+            else "-"
+        )
+        rows.append(
+            (
+                f"{run['model']} stage {run['stage']}",
+                " + ".join(f"{m['memory'][k] / MIB:.2f}" for k in PARTS),
+                " + ".join(f"{sim['memory'][k] / MIB:.2f}" for k in PARTS),
+                f"{check['memory_ratio']['per_rank_bytes']:.3f}",
+                f"{m['step_peak_bytes_per_rank'][0] / MIB:.2f} / {sim['step_peak_bytes'] / MIB:.2f}",
+                "same"
+                if check["collectives_identical"]
+                else ("bytes same" if check["collective_bytes_identical"] else "DIFFER"),
+                f"{m['step_s'] * 1e3:.0f} ({m['forward_s'] * 1e3:.0f}/{m['backward_s'] * 1e3:.0f}/"
+                f"{m['optimizer_s'] * 1e3:.0f})",
+                f"{sim['step_s'] * 1e3:.0f} ({sim['forward_s'] * 1e3:.0f}/{sim['backward_s'] * 1e3:.0f}/"
+                f"{sim['optimizer_s'] * 1e3:.0f})",
+                f"{check['time_ratio']['step_s']:.2f} ({check['time_ratio']['step_s_min']:.2f})",
+                alongside_text,
+                f"{m.get('other_processes_cores', float('nan')):.2f}",
+            )
+        )
+    print_table(
+        f"measured vs simulated ({args.profile}), {world} gloo ranks, MiB per rank "
+        "(states + gathered + kept + activations), ms (forward/backward/optimizer)",
+        [
+            "run",
+            "measured parts",
+            "simulated parts",
+            "sim/meas",
+            "step peak: measured / walk",
+            "collectives",
+            "measured step",
+            "simulated step",
+            "sim/meas (vs fastest step)",
+            "sim/meas, efficiency measured alongside",
+            "others' cores",
+        ],
+        rows,
+    )
     for run in runs:
         for key, c in run["check"]["collectives"].items():
             if not (c["count_equal"] and c["bytes_equal"]):
-                print(f"  {run['model']} stage {run['stage']} {key}: measured {c['measured']}, "
-                      f"simulated {c['simulated']}")
-    result = {"world": world, "profile": args.profile, "batch_per_rank": BATCH_PER_RANK, "seq": SEQ,
-              "options": OPTIONS, "steps": earlier["steps"] if args.from_measured else args.steps,
-              "cpu_cores": os.cpu_count(),
-              "load_average_before": load_before, "load_average_after_measuring": load_after,
-              "measure_s": measure_s, "other_processes_cores": others_cores, "runs": runs}
+                print(
+                    f"  {run['model']} stage {run['stage']} {key}: measured {c['measured']}, simulated {c['simulated']}"
+                )
+    result = {
+        "world": world,
+        "profile": args.profile,
+        "batch_per_rank": BATCH_PER_RANK,
+        "seq": SEQ,
+        "options": OPTIONS,
+        "steps": earlier["steps"] if args.from_measured else args.steps,
+        "cpu_cores": os.cpu_count(),
+        "load_average_before": load_before,
+        "load_average_after_measuring": load_after,
+        "measure_s": measure_s,
+        "other_processes_cores": others_cores,
+        "runs": runs,
+    }
     out = args.out or os.path.join(HERE, "results", f"simulate_check_{world}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    print("wrote", out, f"(load average {load_before[0]:.2f} before, {load_after[0]:.2f} after measuring; other "
-          f"processes used {others_cores:.2f} of {os.cpu_count()} cores while measuring)")
+    print(
+        "wrote",
+        out,
+        f"(load average {load_before[0]:.2f} before, {load_after[0]:.2f} after measuring; other "
+        f"processes used {others_cores:.2f} of {os.cpu_count()} cores while measuring)",
+    )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 
 from common import print_table  # noqa: E402
 
-
 SHAPE = dict(hidden_size=256, intermediate_size=688, num_attention_heads=4, num_key_value_heads=2, vocab_size=4096)
 BATCH, SEQ = 2, 256
 MIB = 2**20
@@ -130,24 +129,44 @@ def zcompile_simulated(world: int, layers: int, stage: int) -> dict:
     from zcompile.predict.simulate import simulate
 
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
-    result = simulate(lambda: LlamaForCausalLM(llama_config(layers)), {"input_ids": ids, "labels": ids},
-                      world_size=world, options={"stage": stage}, hardware="cpu-local")
-    return {**result.memory, "per_rank_bytes": result.per_rank_bytes, "num_params": result.num_params,
-            "step_peak_bytes": result.step_peak_bytes, "step_peak_phase": result.step_peak_phase,
-            "seconds": result.simulate_s}
+    result = simulate(
+        lambda: LlamaForCausalLM(llama_config(layers)),
+        {"input_ids": ids, "labels": ids},
+        world_size=world,
+        options={"stage": stage},
+        hardware="cpu-local",
+    )
+    return {
+        **result.memory,
+        "per_rank_bytes": result.per_rank_bytes,
+        "num_params": result.num_params,
+        "step_peak_bytes": result.step_peak_bytes,
+        "step_peak_phase": result.step_peak_phase,
+        "seconds": result.simulate_s,
+    }
 
 
 def zcompile_tracked(world: int, layers: int, stage: int) -> dict:
     """torch's MemTracker over zcompile's own compiled step in the same fake world (module doc)."""
-    from support.torch_peak import tracked_step
     from transformers import LlamaForCausalLM
+
+    from support.torch_peak import tracked_step
 
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
     start = time.perf_counter()
-    tracked = tracked_step(lambda: LlamaForCausalLM(llama_config(layers)), {"input_ids": ids, "labels": ids},
-                           world, {"stage": stage}, lambda output: output.loss)
-    return {"peak_bytes": tracked.peak_bytes, "forward_peak_bytes": tracked.forward_peak_bytes,
-            "peak_parts": tracked.peak_parts, "seconds": time.perf_counter() - start}
+    tracked = tracked_step(
+        lambda: LlamaForCausalLM(llama_config(layers)),
+        {"input_ids": ids, "labels": ids},
+        world,
+        {"stage": stage},
+        lambda output: output.loss,
+    )
+    return {
+        "peak_bytes": tracked.peak_bytes,
+        "forward_peak_bytes": tracked.forward_peak_bytes,
+        "peak_parts": tracked.peak_parts,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def compare_fsdp2(torch_run: dict, ours: dict, eager_saved: int) -> dict:
@@ -162,13 +181,16 @@ def compare_fsdp2(torch_run: dict, ours: dict, eager_saved: int) -> dict:
         "other": peak["Buffer"] + peak["Inputs"],
     }
     return {
-        "torch_peak_bytes": peak["Total"], "zcompile_parts_bytes": ours["per_rank_bytes"],
+        "torch_peak_bytes": peak["Total"],
+        "zcompile_parts_bytes": ours["per_rank_bytes"],
         "zcompile_over_torch_peak": ours["per_rank_bytes"] / peak["Total"],
         "zcompile_step_peak_over_torch_peak": ours["step_peak_bytes"] / peak["Total"],
         "torch_parts": torch_parts,
-        "ratios": {"model_states (after step)": ours["model_states_bytes"] / torch_parts["model_states_after_step"],
-                   "gathered": ours["peak_gathered_bytes"] / max(1, torch_parts["gathered"]),
-                   "activations": ours["saved_activation_bytes"] / max(1, torch_parts["activations"])},
+        "ratios": {
+            "model_states (after step)": ours["model_states_bytes"] / torch_parts["model_states_after_step"],
+            "gathered": ours["peak_gathered_bytes"] / max(1, torch_parts["gathered"]),
+            "activations": ours["saved_activation_bytes"] / max(1, torch_parts["activations"]),
+        },
         "torch_peak_without_temporaries": peak["Total"] - torch_parts["temporaries"],
         "eager_saved_activation_bytes": eager_saved,
         "zcompile_saved_over_eager_saved": ours["saved_activation_bytes"] / eager_saved,
@@ -189,13 +211,21 @@ def main() -> None:
         entry = {"world": world, "layers": args.layers, "shape": SHAPE, "batch": BATCH, "seq": SEQ, "stages": {}}
         for stage in args.stages:
             ours, tracked = zcompile_simulated(world, args.layers, stage), zcompile_tracked(world, args.layers, stage)
-            check = {"step_peak_over_tracked": ours["step_peak_bytes"] / tracked["peak_bytes"],
-                     "parts_over_tracked": ours["per_rank_bytes"] / tracked["peak_bytes"]}
+            check = {
+                "step_peak_over_tracked": ours["step_peak_bytes"] / tracked["peak_bytes"],
+                "parts_over_tracked": ours["per_rank_bytes"] / tracked["peak_bytes"],
+            }
             entry["stages"][stage] = {"zcompile": ours, "torch_memtracker": tracked, "check": check}
-            rows.append((str(world), str(stage), f"{tracked['peak_bytes'] / MIB:.2f}",
-                         f"{ours['step_peak_bytes'] / MIB:.2f} ({check['step_peak_over_tracked']:.3f})",
-                         ours["step_peak_phase"],
-                         f"{ours['per_rank_bytes'] / MIB:.2f} ({check['parts_over_tracked']:.2f})"))
+            rows.append(
+                (
+                    str(world),
+                    str(stage),
+                    f"{tracked['peak_bytes'] / MIB:.2f}",
+                    f"{ours['step_peak_bytes'] / MIB:.2f} ({check['step_peak_over_tracked']:.3f})",
+                    ours["step_peak_phase"],
+                    f"{ours['per_rank_bytes'] / MIB:.2f} ({check['parts_over_tracked']:.2f})",
+                )
+            )
             print(rows[-1], flush=True)
         if 3 in args.stages:
             torch_run = torch_fsdp2_peak(world, args.layers)
@@ -203,22 +233,38 @@ def main() -> None:
             check = compare_fsdp2(torch_run, ours, eager_saved)
             entry["torch_fsdp2"], entry["fsdp2_check"] = torch_run, check
             t = check["torch_parts"]
-            fsdp_rows.append((str(world), f"{check['torch_peak_bytes'] / MIB:.2f}",
-                              f"{t['model_states_at_peak'] / MIB:.2f} + {t['gathered'] / MIB:.2f} + "
-                              f"{t['activations'] / MIB:.2f} + {t['temporaries'] / MIB:.2f}",
-                              f"{ours['step_peak_bytes'] / MIB:.2f} ({check['zcompile_step_peak_over_torch_peak']:.2f})",
-                              f"{ours['per_rank_bytes'] / MIB:.2f} ({check['zcompile_over_torch_peak']:.2f})",
-                              f"{eager_saved / MIB:.2f} / {ours['saved_activation_bytes'] / MIB:.2f}"))
+            fsdp_rows.append(
+                (
+                    str(world),
+                    f"{check['torch_peak_bytes'] / MIB:.2f}",
+                    f"{t['model_states_at_peak'] / MIB:.2f} + {t['gathered'] / MIB:.2f} + "
+                    f"{t['activations'] / MIB:.2f} + {t['temporaries'] / MIB:.2f}",
+                    f"{ours['step_peak_bytes'] / MIB:.2f} ({check['zcompile_step_peak_over_torch_peak']:.2f})",
+                    f"{ours['per_rank_bytes'] / MIB:.2f} ({check['zcompile_over_torch_peak']:.2f})",
+                    f"{eager_saved / MIB:.2f} / {ours['saved_activation_bytes'] / MIB:.2f}",
+                )
+            )
             print(fsdp_rows[-1], flush=True)
         results.append(entry)
     title = f"Llama {args.layers} layers {SHAPE}, batch {BATCH}x{SEQ}, fp32 AdamW: MiB per rank"
-    print_table(title + "; torch's MemTracker over zcompile's compiled step",
-                ["world", "stage", "MemTracker peak", "simulate step peak (/torch)", "phase",
-                 "parts sum (/torch)"], rows)
+    print_table(
+        title + "; torch's MemTracker over zcompile's compiled step",
+        ["world", "stage", "MemTracker peak", "simulate step peak (/torch)", "phase", "parts sum (/torch)"],
+        rows,
+    )
     if fsdp_rows:
-        print_table(title + "; FSDP2 eager (context), stage 3",
-                    ["world", "FSDP2 peak", "states + gathered + activations + temp", "step peak (/FSDP2)",
-                     "parts sum (/FSDP2)", "saved: eager / compiled"], fsdp_rows)
+        print_table(
+            title + "; FSDP2 eager (context), stage 3",
+            [
+                "world",
+                "FSDP2 peak",
+                "states + gathered + activations + temp",
+                "step peak (/FSDP2)",
+                "parts sum (/FSDP2)",
+                "saved: eager / compiled",
+            ],
+            fsdp_rows,
+        )
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print("wrote", args.out)

@@ -32,15 +32,24 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("zcompile").setLevel(logging.INFO)
-    config = transformers.LlamaConfig(vocab_size=128256, max_position_embeddings=SEQ, use_cache=False,
-                                      **SHAPES["llama3-8b"])
+    config = transformers.LlamaConfig(
+        vocab_size=128256, max_position_embeddings=SEQ, use_cache=False, **SHAPES["llama3-8b"]
+    )
     ids = torch.zeros(1, SEQ, dtype=torch.long)
-    result = simulate_tune(lambda: transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids},
-                           space=SPACE, world_size=WORLD, base_options={"param_dtype": "bf16"}, hardware="h100-sxm")
+    result = simulate_tune(
+        lambda: transformers.LlamaForCausalLM(config),
+        {"input_ids": ids, "labels": ids},
+        space=SPACE,
+        world_size=WORLD,
+        base_options={"param_dtype": "bf16"},
+        hardware="h100-sxm",
+    )
     result.print()
     result.to_json(os.path.join(RESULTS, "simulate_tune_8b_64.json"))
-    result.plot(os.path.join(RESULTS, "simulate_pareto.png"),
-                title=f"Llama-3-8B shape, {WORLD} H100s, seq {SEQ}: simulated step time against memory")
+    result.plot(
+        os.path.join(RESULTS, "simulate_pareto.png"),
+        title=f"Llama-3-8B shape, {WORLD} H100s, seq {SEQ}: simulated step time against memory",
+    )
 
 
 if __name__ == "__main__":

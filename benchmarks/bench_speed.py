@@ -48,9 +48,9 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -70,10 +70,34 @@ FUSED = "+fused"  # a torch configuration's suffix: torch.optim.AdamW(fused=True
 SERIAL = "+serial"  # a zero configuration's suffix: overlap=False, every collective where the graph first had it
 UNCHECKED = "+unchecked"  # a zero configuration's suffix: check_ranks=False, no agreement before a compiled call
 NO_CALL_PREFETCH = "+nocallprefetch"  # a zero configuration's suffix: prefetch_calls=False
-CONFIGS = ("ddp", "ddp+fused", "compile", "ddp+compile", "ddp+compile+fused", "fsdp2", "fsdp2+compile", "zero1", "zero2", "zero3", "zero3+regional", "zero3+blocks", "zero3+keep",
-           "zero2+serial", "zero3+serial", "zero3+blocks+serial", "zero3+blockbuckets", "zero3+blockbuckets+serial",
-           "zero3+unchecked", "zero3+blocks+unchecked", "zero3+blocks+nocallprefetch",
-           "compile+inductor", "ddp+compile+inductor", "zero1+inductor", "zero2+inductor", "zero3+inductor")
+CONFIGS = (
+    "ddp",
+    "ddp+fused",
+    "compile",
+    "ddp+compile",
+    "ddp+compile+fused",
+    "fsdp2",
+    "fsdp2+compile",
+    "zero1",
+    "zero2",
+    "zero3",
+    "zero3+regional",
+    "zero3+blocks",
+    "zero3+keep",
+    "zero2+serial",
+    "zero3+serial",
+    "zero3+blocks+serial",
+    "zero3+blockbuckets",
+    "zero3+blockbuckets+serial",
+    "zero3+unchecked",
+    "zero3+blocks+unchecked",
+    "zero3+blocks+nocallprefetch",
+    "compile+inductor",
+    "ddp+compile+inductor",
+    "zero1+inductor",
+    "zero2+inductor",
+    "zero3+inductor",
+)
 DEFAULT_CONFIGS = ("ddp", "ddp+compile", "fsdp2", "zero1", "zero2", "zero3", "zero3+regional")
 SEQ, PER_RANK, EMBD = 128, 4, 128
 
@@ -171,8 +195,13 @@ def run_config(config: str, layers: int, compiler: str, steps: int, rank: int, w
     first = timed_training_step(module, optimizer, *batches[0])
     timed_training_step(module, optimizer, *batches[1])  # warm-up (stage 3's backward on its second call, caches)
     times = [timed_training_step(module, optimizer, *batch) for batch in batches[2:]]
-    row = {"config": config, "layers": layers, "first_step_s": first, "median_step_s": statistics.median(times),
-           "steps_s": times}
+    row = {
+        "config": config,
+        "layers": layers,
+        "first_step_s": first,
+        "median_step_s": statistics.median(times),
+        "steps_s": times,
+    }
     if config != "ddp" and config != "fsdp2":
         row.update(compile_parts(compiled_graphs))
     return row
@@ -191,9 +220,16 @@ def interleaved_steps(configs: list[str], layers: int, compiler: str, steps: int
     # (checked: 1 agreement in 21 forwards of stage 2 beside stage 1, against 21 on one group). It is not
     # what puts stage 2's forward here 10-18 ms above stage 1's (4 runs; 12 ms with groups of their own;
     # no full garbage collection in them; 2-7 ms in probes of the two models alone, run the same way)
-    built = {config: build(config, layers, compiler, [],
-                           dist.new_group(list(range(world))) if config.startswith("zero") and world > 1 else None)
-             for config in configs}
+    built = {
+        config: build(
+            config,
+            layers,
+            compiler,
+            [],
+            dist.new_group(list(range(world))) if config.startswith("zero") and world > 1 else None,
+        )
+        for config in configs
+    }
     cfg = GPTConfig(vocab_size=512, block_size=SEQ)
     batches = []
     for step in range(4):
@@ -212,9 +248,14 @@ def interleaved_steps(configs: list[str], layers: int, compiler: str, steps: int
     for config, measured in phases.items():
         times = [m["step"] for m in measured]
         # each phase's median apart (they need not add up to the step's): where a difference is
-        out[config] = {"median_step_s": statistics.median(times), "steps_s": times,
-                       **{f"median_{phase}_s": statistics.median(m[phase] for m in measured)
-                          for phase in ("forward", "backward", "optimizer")}}
+        out[config] = {
+            "median_step_s": statistics.median(times),
+            "steps_s": times,
+            **{
+                f"median_{phase}_s": statistics.median(m[phase] for m in measured)
+                for phase in ("forward", "backward", "optimizer")
+            },
+        }
     return out
 
 
@@ -224,11 +265,20 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=CONFIGS)
     parser.add_argument("--compiler", default="eager", choices=("eager", "inductor"))
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run the configurations this many times, interleaved; the table shows each one's best round")
-    parser.add_argument("--interleave", type=int, default=0, metavar="STEPS",
-                        help="also alternate the configurations' steps STEPS times, all models built side by side "
-                             "(interleaved_steps): the per-step ratios, free of the machine's drift")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the configurations this many times, interleaved; the table shows each one's best round",
+    )
+    parser.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also alternate the configurations' steps STEPS times, all models built side by side "
+        "(interleaved_steps): the per-step ratios, free of the machine's drift",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("--from-json", default=None, help="print the table of a results file again (no run)")
     args = parser.parse_args()
@@ -302,7 +352,11 @@ def _best_rounds(rows: list[dict]) -> list[dict]:
     best: dict[tuple, dict] = {}
     for r in rows:
         key = (r["config"], r["layers"])
-        if key not in best or ("error" in best[key]) or ("error" not in r and r["median_step_s"] < best[key]["median_step_s"]):
+        if (
+            key not in best
+            or ("error" in best[key])
+            or ("error" not in r and r["median_step_s"] < best[key]["median_step_s"])
+        ):
             best[key] = dict(r)
     for r in rows:
         shown = best[(r["config"], r["layers"])]
@@ -314,7 +368,9 @@ def _best_rounds(rows: list[dict]) -> list[dict]:
 
 def _report(rows: list[dict], args, world: int, cores: int, interleaved: list[dict] | None = None) -> None:
     shown = _best_rounds(rows)
-    reference = {r["layers"]: r for r in shown if r["config"] == ("ddp" if world > 1 else "compile") and "error" not in r}
+    reference = {
+        r["layers"]: r for r in shown if r["config"] == ("ddp" if world > 1 else "compile") and "error" not in r
+    }
     table = []
     for r in shown:
         if "error" in r:
@@ -324,30 +380,65 @@ def _report(rows: list[dict], args, world: int, cores: int, interleaved: list[di
         ratio = f"{r['median_step_s'] / ref['median_step_s']:.2f}" if ref else "-"
         own = r.get("zero_outside_aot_s", 0) + r.get("zero_passes_s", 0)
         share = f"{own / r['first_step_s']:.0%}" if r["config"].startswith("zero") else ""
-        table.append([r["config"], str(r["layers"]), f"{r['first_step_s']:.2f}", f"{r['median_step_s'] * 1e3:.1f}",
-                      ratio, share])
-    print_table(f"GPT n_embd {EMBD}, seq {SEQ}, {PER_RANK} sequences per rank, {world} ranks, {args.compiler}",
-                ["config", "layers", "first step s", "median step ms", f"x {'ddp' if world > 1 else 'compile'}",
-                 "zcompile's own share of the first step"], table)
+        table.append(
+            [r["config"], str(r["layers"]), f"{r['first_step_s']:.2f}", f"{r['median_step_s'] * 1e3:.1f}", ratio, share]
+        )
+    print_table(
+        f"GPT n_embd {EMBD}, seq {SEQ}, {PER_RANK} sequences per rank, {world} ranks, {args.compiler}",
+        [
+            "config",
+            "layers",
+            "first step s",
+            "median step ms",
+            f"x {'ddp' if world > 1 else 'compile'}",
+            "zcompile's own share of the first step",
+        ],
+        table,
+    )
     reference_name = "ddp" if world > 1 else "compile"
     steps = {(r["config"], r["layers"]): r["median_step_s"] for r in interleaved or ()}
     if interleaved:
-        print_table(f"the same, steps interleaved ({args.interleave} of each configuration in turn)",
-                    ["config", "layers", "median step ms", f"x {reference_name}", "forward ms", "backward ms",
-                     "optimizer ms"],
-                    [[r["config"], str(r["layers"]), f"{r['median_step_s'] * 1e3:.1f}",
-                      f"{r['median_step_s'] / steps[(reference_name, r['layers'])]:.3f}"
-                      if (reference_name, r["layers"]) in steps else "-",
-                      *(f"{r[f'median_{phase}_s'] * 1e3:.1f}" if f"median_{phase}_s" in r else "-"
-                        for phase in ("forward", "backward", "optimizer"))] for r in interleaved])
+        print_table(
+            f"the same, steps interleaved ({args.interleave} of each configuration in turn)",
+            ["config", "layers", "median step ms", f"x {reference_name}", "forward ms", "backward ms", "optimizer ms"],
+            [
+                [
+                    r["config"],
+                    str(r["layers"]),
+                    f"{r['median_step_s'] * 1e3:.1f}",
+                    f"{r['median_step_s'] / steps[(reference_name, r['layers'])]:.3f}"
+                    if (reference_name, r["layers"]) in steps
+                    else "-",
+                    *(
+                        f"{r[f'median_{phase}_s'] * 1e3:.1f}" if f"median_{phase}_s" in r else "-"
+                        for phase in ("forward", "backward", "optimizer")
+                    ),
+                ]
+                for r in interleaved
+            ],
+        )
     suffix = "" if args.compiler == "eager" else f"_{args.compiler}"
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"speed_{world}{suffix}.json")
     load = os.getloadavg()
     with open(out, "w") as handle:
-        json.dump({"world_size": world, "cores": cores, "compiler": args.compiler, "seq": SEQ, "per_rank": PER_RANK,
-                   "n_embd": EMBD, "rounds": args.rounds, "load_average_at_end": load, "best_rounds": shown,
-                   "rows": rows, "interleaved": interleaved or [], "interleave_steps": args.interleave}, handle,
-                  indent=1)
+        json.dump(
+            {
+                "world_size": world,
+                "cores": cores,
+                "compiler": args.compiler,
+                "seq": SEQ,
+                "per_rank": PER_RANK,
+                "n_embd": EMBD,
+                "rounds": args.rounds,
+                "load_average_at_end": load,
+                "best_rounds": shown,
+                "rows": rows,
+                "interleaved": interleaved or [],
+                "interleave_steps": args.interleave,
+            },
+            handle,
+            indent=1,
+        )
     print(f"wrote {out}")
 
 

@@ -34,11 +34,12 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "examples")]
 
+from common import print_table, start_gloo_benchmark, timed_training_step  # noqa: E402
+from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
 import zcompile  # noqa: E402
 import zcompile.backend  # noqa: E402
 import zcompile.optim  # noqa: E402
-from common import print_table, start_gloo_benchmark, timed_training_step  # noqa: E402
-from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 
 class CheckTimer:
@@ -112,19 +113,21 @@ def run_stage(stage: int, steps: int, warmup: int, rank: int, world: int, timer:
     medians = {mode: statistics.median(times[mode]) * 1e3 for mode in MODES}
     checked = MODES[1:]
     return {
-        "stage": stage, "step_ms": medians,
+        "stage": stage,
+        "step_ms": medians,
         "overhead_percent": {mode: 100 * (medians[mode] / medians["off"] - 1) for mode in checked},
         "inside_checks_ms": {mode: statistics.median(most for most, _ in inside[mode]) * 1e3 for mode in checked},
         "critical_path_ms": {mode: statistics.median(least for _, least in inside[mode]) * 1e3 for mode in checked},
-        "critical_path_percent": {mode: 100 * statistics.median(least for _, least in inside[mode]) * 1e3
-                                  / medians["off"] for mode in checked},
+        "critical_path_percent": {
+            mode: 100 * statistics.median(least for _, least in inside[mode]) * 1e3 / medians["off"] for mode in checked
+        },
     }
 
 
 def exchange_cost_ms(calls: int = 200) -> float:
     """One store agreement when the ranks are in step (no waiting for a slower rank), median ms."""
-    from zcompile.common.process_group import DataParallelGroup
     from zcompile.agreement.rank_check import exchange_on_store
+    from zcompile.common.process_group import DataParallelGroup
 
     group = DataParallelGroup.resolve(None)
     times = []
@@ -148,18 +151,40 @@ def main() -> None:
     rows = [run_stage(stage, args.steps, args.warmup, rank, world, timer) for stage in (1, 2, 3)]
     exchange_ms = exchange_cost_ms()
     if rank == 0:
-        print_table(f"runtime checks per step, example GPT, {world} gloo ranks, {cores} cores",
-                    ("stage", "step ms, off", *(f"{m}: step ms (A/B %), critical path ms (% of step), "
-                                                "slowest rank inside ms" for m in MODES[1:])),
-                    [(str(r["stage"]), f"{r['step_ms']['off']:.1f}",
-                      *(f"{r['step_ms'][m]:.1f} ({r['overhead_percent'][m]:+.1f}), {r['critical_path_ms'][m]:.2f} "
+        print_table(
+            f"runtime checks per step, example GPT, {world} gloo ranks, {cores} cores",
+            (
+                "stage",
+                "step ms, off",
+                *(f"{m}: step ms (A/B %), critical path ms (% of step), slowest rank inside ms" for m in MODES[1:]),
+            ),
+            [
+                (
+                    str(r["stage"]),
+                    f"{r['step_ms']['off']:.1f}",
+                    *(
+                        f"{r['step_ms'][m]:.1f} ({r['overhead_percent'][m]:+.1f}), {r['critical_path_ms'][m]:.2f} "
                         f"({r['critical_path_percent'][m]:.2f}), {r['inside_checks_ms'][m]:.2f}"
-                        for m in MODES[1:])) for r in rows])
+                        for m in MODES[1:]
+                    ),
+                )
+                for r in rows
+            ],
+        )
         print(f"one store agreement with the ranks in step: {exchange_ms:.3f} ms (median of 200)")
         if args.out:
             with open(args.out, "w") as handle:
-                json.dump({"world": world, "cores": cores, "torch": torch.__version__, "rows": rows,
-                           "exchange_ms": exchange_ms}, handle, indent=1)
+                json.dump(
+                    {
+                        "world": world,
+                        "cores": cores,
+                        "torch": torch.__version__,
+                        "rows": rows,
+                        "exchange_ms": exchange_ms,
+                    },
+                    handle,
+                    indent=1,
+                )
     dist.destroy_process_group()
 
 

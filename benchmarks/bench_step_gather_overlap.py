@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 from common import print_table, slowest_ms, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+
 from zcompile.common.process_group import DataParallelGroup, all_gather_coalesced_into  # noqa: E402
 
 PHASES = ("forward", "gather", "gather_landed", "serial", "overlapped", "all_reduce", "reduce_scatter")
@@ -100,9 +101,17 @@ def phases(layers: int, world: int) -> dict:
         dist.all_to_all_single(received, grads)
         torch.sum(received.view(world, -1), 0, out=shard)
 
-    return {"forward": forward, "gather": gather, "gather_landed": gather_landed, "serial": lambda: (gather(), forward()),
-            "overlapped": overlapped, "all_reduce": lambda: dist.all_reduce(grads),
-            "reduce_scatter": reduce_scatter, "_numel": numel, "_buckets": len(sizes)}
+    return {
+        "forward": forward,
+        "gather": gather,
+        "gather_landed": gather_landed,
+        "serial": lambda: (gather(), forward()),
+        "overlapped": overlapped,
+        "all_reduce": lambda: dist.all_reduce(grads),
+        "reduce_scatter": reduce_scatter,
+        "_numel": numel,
+        "_buckets": len(sizes),
+    }
 
 
 def main() -> None:
@@ -122,18 +131,45 @@ def main() -> None:
                 times[phase].append(slowest_ms(ways[phase]))
         medians = {phase: statistics.median(times[phase]) for phase in PHASES}
         hidden = (medians["serial"] - medians["overlapped"]) / medians["gather"]
-        rows.append({"layers": layers, "params": ways["_numel"], "buckets": ways["_buckets"],
-                     **{f"{phase}_ms": medians[phase] for phase in PHASES}, "gather_hidden_fraction": hidden,
-                     "zero_comm_over_ddp": (medians["reduce_scatter"] + medians["gather"]) / medians["all_reduce"]})
+        rows.append(
+            {
+                "layers": layers,
+                "params": ways["_numel"],
+                "buckets": ways["_buckets"],
+                **{f"{phase}_ms": medians[phase] for phase in PHASES},
+                "gather_hidden_fraction": hidden,
+                "zero_comm_over_ddp": (medians["reduce_scatter"] + medians["gather"]) / medians["all_reduce"],
+            }
+        )
     if rank == 0:
-        print_table(f"gloo, {world} ranks on {cores} cores, fp32: median ms of the slowest rank",
-                    ["layers", "params", *PHASES, "gather hidden", "(RS + AG) / AR"],
-                    [[str(r["layers"]), f"{r['params'] / 1e6:.2f}M", *(f"{r[f'{p}_ms']:.1f}" for p in PHASES),
-                      f"{r['gather_hidden_fraction']:.0%}", f"{r['zero_comm_over_ddp']:.2f}"] for r in rows])
+        print_table(
+            f"gloo, {world} ranks on {cores} cores, fp32: median ms of the slowest rank",
+            ["layers", "params", *PHASES, "gather hidden", "(RS + AG) / AR"],
+            [
+                [
+                    str(r["layers"]),
+                    f"{r['params'] / 1e6:.2f}M",
+                    *(f"{r[f'{p}_ms']:.1f}" for p in PHASES),
+                    f"{r['gather_hidden_fraction']:.0%}",
+                    f"{r['zero_comm_over_ddp']:.2f}",
+                ]
+                for r in rows
+            ],
+        )
         out = os.path.join(HERE, "results", f"step_gather_overlap_{world}.json")
         with open(out, "w") as handle:
-            json.dump({"world_size": world, "cores": cores, "torch": torch.__version__, "repeats": args.repeats,
-                       "load_average_at_end": os.getloadavg(), "rows": rows}, handle, indent=1)
+            json.dump(
+                {
+                    "world_size": world,
+                    "cores": cores,
+                    "torch": torch.__version__,
+                    "repeats": args.repeats,
+                    "load_average_at_end": os.getloadavg(),
+                    "rows": rows,
+                },
+                handle,
+                indent=1,
+            )
         print(f"wrote {out}")
     dist.destroy_process_group()
 

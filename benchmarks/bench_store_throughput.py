@@ -40,12 +40,19 @@ def main() -> None:
     slowest_s = slowest_ms(requests) / 1e3
     served = world * args.requests / slowest_s
     if rank == 0:
-        row = {"ranks": world, "cores": cores, "requests_per_rank": args.requests, "served_per_s": served,
-               "us_per_request_per_rank": 1e6 * slowest_s / args.requests,
-               "exchange_ms_at_1024_ranks": 1e3 * 5 * 1024 / served}
-        print(f"{world} ranks x {args.requests} requests: {served:.0f} served a second, "
-              f"{row['us_per_request_per_rank']:.0f} us a request per rank; at this rate one agreement at "
-              f"1,024 ranks (5 answered requests each) takes {row['exchange_ms_at_1024_ranks']:.0f} ms")
+        row = {
+            "ranks": world,
+            "cores": cores,
+            "requests_per_rank": args.requests,
+            "served_per_s": served,
+            "us_per_request_per_rank": 1e6 * slowest_s / args.requests,
+            "exchange_ms_at_1024_ranks": 1e3 * 5 * 1024 / served,
+        }
+        print(
+            f"{world} ranks x {args.requests} requests: {served:.0f} served a second, "
+            f"{row['us_per_request_per_rank']:.0f} us a request per rank; at this rate one agreement at "
+            f"1,024 ranks (5 answered requests each) takes {row['exchange_ms_at_1024_ranks']:.0f} ms"
+        )
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(row, f, indent=1)

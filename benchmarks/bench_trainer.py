@@ -43,8 +43,15 @@ def _llama():
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -60,18 +67,39 @@ def run(config: str, steps: int, eval_every: int, world: int, out_dir: str) -> d
     torch._dynamo.reset()
     compilation_time_metrics.clear()
     args = transformers.TrainingArguments(
-        output_dir=out_dir, per_device_train_batch_size=8 // world, per_device_eval_batch_size=4, max_steps=steps,
-        learning_rate=3e-3, max_grad_norm=1.0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-        disable_tqdm=True, eval_strategy="steps", eval_steps=eval_every, seed=0, data_seed=0,
-        **({"torch_compile": True, "torch_compile_backend": "aot_eager"} if config == "ddp+compile" else {}))
+        output_dir=out_dir,
+        per_device_train_batch_size=8 // world,
+        per_device_eval_batch_size=4,
+        max_steps=steps,
+        learning_rate=3e-3,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        eval_strategy="steps",
+        eval_steps=eval_every,
+        seed=0,
+        data_seed=0,
+        **({"torch_compile": True, "torch_compile_backend": "aot_eager"} if config == "ddp+compile" else {}),
+    )
     from hf_trainer import Progressions  # the example's data (examples/hf_trainer.py)
 
-    common = dict(model=_llama(), args=args, train_dataset=Progressions(8 * steps, SEQ, VOCAB, seed=0),
-                  eval_dataset=Progressions(16, SEQ, VOCAB, seed=1))
+    common = dict(
+        model=_llama(),
+        args=args,
+        train_dataset=Progressions(8 * steps, SEQ, VOCAB, seed=0),
+        eval_dataset=Progressions(16, SEQ, VOCAB, seed=1),
+    )
     stage = int(config[len("zero")]) if config.startswith("zero") else None
-    trainer = (transformers.Trainer(**common) if stage is None
-               else hf.ZeroTrainer(**common, zero_options={"stage": stage},
-                                   dynamic=None if config.endswith("+static") else True))
+    trainer = (
+        transformers.Trainer(**common)
+        if stage is None
+        else hf.ZeroTrainer(
+            **common, zero_options={"stage": stage}, dynamic=None if config.endswith("+static") else True
+        )
+    )
     trainer.remove_callback(transformers.PrinterCallback)  # its log lines on stdout
     # "+float_inputs": the compiles without ZeroTrainer's float specialization (torch's default)
     unspecialized = contextlib.nullcontext if config.endswith("+float_inputs") else hf.floats_specialized
@@ -108,8 +136,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out_dir:
         for _ in range(options.rounds):
             for config in options.configs:
-                results[config].append(run(config, options.steps, options.eval_every, world,
-                                           os.path.join(out_dir, config)))
+                results[config].append(
+                    run(config, options.steps, options.eval_every, world, os.path.join(out_dir, config))
+                )
     if rank != 0:
         return
     reference = statistics.median(r["seconds"] for r in results[options.configs[0]])
@@ -117,18 +146,41 @@ def main() -> None:
     for config, runs in results.items():
         median = statistics.median(r["seconds"] for r in runs)
         losses = runs[0]["losses"]
-        summary[config] = {"seconds": [round(r["seconds"], 2) for r in runs], "median_s": round(median, 2),
-                           "compile_attempts": [r["compile_attempts"] for r in runs],
-                           "first_loss": losses[0], "last_loss": losses[-1]}
-        rows.append([config, " / ".join(f"{r['seconds']:.1f}" for r in runs), f"{median:.1f}",
-                     f"{median / reference:.1f}x", ",".join(str(r["compile_attempts"]) for r in runs),
-                     f"{losses[0]:.4f} .. {losses[-1]:.4f}"])
-    print_table(f"Trainer.train(), {options.steps} steps, {world} ranks, {cores} cores (seconds, slowest rank)",
-                ["config", "runs", "median", f"x {options.configs[0]}", "most compile attempts", "losses"], rows)
+        summary[config] = {
+            "seconds": [round(r["seconds"], 2) for r in runs],
+            "median_s": round(median, 2),
+            "compile_attempts": [r["compile_attempts"] for r in runs],
+            "first_loss": losses[0],
+            "last_loss": losses[-1],
+        }
+        rows.append(
+            [
+                config,
+                " / ".join(f"{r['seconds']:.1f}" for r in runs),
+                f"{median:.1f}",
+                f"{median / reference:.1f}x",
+                ",".join(str(r["compile_attempts"]) for r in runs),
+                f"{losses[0]:.4f} .. {losses[-1]:.4f}",
+            ]
+        )
+    print_table(
+        f"Trainer.train(), {options.steps} steps, {world} ranks, {cores} cores (seconds, slowest rank)",
+        ["config", "runs", "median", f"x {options.configs[0]}", "most compile attempts", "losses"],
+        rows,
+    )
     out = options.out or os.path.join(HERE, "results", f"trainer_{world}.json")
     with open(out, "w") as handle:
-        json.dump({"world": world, "cores": cores, "steps": options.steps, "eval_every": options.eval_every,
-                   "configs": summary}, handle, indent=1)
+        json.dump(
+            {
+                "world": world,
+                "cores": cores,
+                "steps": options.steps,
+                "eval_every": options.eval_every,
+                "configs": summary,
+            },
+            handle,
+            indent=1,
+        )
     print(f"wrote {out}")
 
 

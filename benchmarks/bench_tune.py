@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
 from common import print_table, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
 from zcompile.tune.tuner import tune  # noqa: E402
 
 SPACE = {"bucket_mb": [0, 0.25, 1.0, 4.0], "prefetch": [0, 1, 2]}
@@ -74,8 +75,15 @@ def make_factory(name: str, args):
         return make_gpt, lambda model, batch: model(*batch)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=args.llama_layers,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ)
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=args.llama_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+    )
 
     def make_llama():
         torch.manual_seed(0)
@@ -89,7 +97,7 @@ def local_batches(rank: int, world: int, batch: int) -> list:
     out = []
     for step in range(4):
         tokens, targets = synthetic_batch(step, batch * world, config)
-        out.append((tokens[rank * batch:(rank + 1) * batch], targets[rank * batch:(rank + 1) * batch]))
+        out.append((tokens[rank * batch : (rank + 1) * batch], targets[rank * batch : (rank + 1) * batch]))
     return out
 
 
@@ -107,22 +115,33 @@ def summarize(grid, model) -> dict:
     out = {}
     if grid is not None:
         best = grid.best_trial
-        out["grid"] = {"best_index": best.index, "best_ms": best.measured.step_s * 1e3,
-                       "default_ms": grid.default.measured.step_s * 1e3,
-                       "measured": len(grid.measured), "points": len(grid.trials),
-                       "spearman": grid.rank_correlation, "wall_s": grid.wall_s, "timings": grid.timings,
-                       "predict_s_per_point": grid.timings["predict_s"] / len(grid.trials),
-                       "measure_s_per_trial": (grid.timings["measure_s"] + grid.timings["calibrate_s"])
-                       / max(len(grid.measured), 1),
-                       "calibration": None if grid.calibration is None else vars(grid.calibration)}
+        out["grid"] = {
+            "best_index": best.index,
+            "best_ms": best.measured.step_s * 1e3,
+            "default_ms": grid.default.measured.step_s * 1e3,
+            "measured": len(grid.measured),
+            "points": len(grid.trials),
+            "spearman": grid.rank_correlation,
+            "wall_s": grid.wall_s,
+            "timings": grid.timings,
+            "predict_s_per_point": grid.timings["predict_s"] / len(grid.trials),
+            "measure_s_per_trial": (grid.timings["measure_s"] + grid.timings["calibrate_s"])
+            / max(len(grid.measured), 1),
+            "calibration": None if grid.calibration is None else vars(grid.calibration),
+        }
     if model is not None:
         pick = model.best_trial
-        out["model"] = {"pick_index": pick.index, "pick_ms": pick.measured.step_s * 1e3,
-                        "default_ms": model.default.measured.step_s * 1e3,
-                        "speedup_over_default": model.speedup_over_default,
-                        "measured": len(model.measured), "points": len(model.trials),
-                        "spearman_measured": model.rank_correlation, "wall_s": model.wall_s,
-                        "timings": model.timings}
+        out["model"] = {
+            "pick_index": pick.index,
+            "pick_ms": pick.measured.step_s * 1e3,
+            "default_ms": model.default.measured.step_s * 1e3,
+            "speedup_over_default": model.speedup_over_default,
+            "measured": len(model.measured),
+            "points": len(model.trials),
+            "spearman_measured": model.rank_correlation,
+            "wall_s": model.wall_s,
+            "timings": model.timings,
+        }
     if grid is not None and model is not None:
         grid_of_pick = measured_program(grid, pick.index)
         out["pick_over_grid_best"] = pick.measured.step_s / best.measured.step_s
@@ -130,9 +149,14 @@ def summarize(grid, model) -> dict:
         out["pick_is_grid_best_program"] = grid_of_pick.index == best.index
         out["trials_fraction"] = len(model.measured) / len(grid.trials)  # of the space
         # the same program measured once by each run: how far two measurements of one point differ here
-        out["repeat_ratios"] = {t.index: t.measured.step_s / measured_program(grid, t.index).measured.step_s
-                                for t in model.measured if measured_program(grid, t.index) is not None}
-        predicted_best = min((t for t in grid.trials if t.predicted is not None), key=lambda t: (t.predicted.step_s, t.index))
+        out["repeat_ratios"] = {
+            t.index: t.measured.step_s / measured_program(grid, t.index).measured.step_s
+            for t in model.measured
+            if measured_program(grid, t.index) is not None
+        }
+        predicted_best = min(
+            (t for t in grid.trials if t.predicted is not None), key=lambda t: (t.predicted.step_s, t.index)
+        )
         ranked = sorted(grid.measured, key=lambda t: t.measured.step_s)
         out["grid_rank_of_predicted_best"] = ranked.index(measured_program(grid, predicted_best.index)) + 1
     return out
@@ -142,24 +166,41 @@ def rows(name: str, summary: dict, grid, model) -> list[tuple[str, ...]]:
     ms = lambda v: f"{v:.1f}"  # noqa: E731
     g, m = summary.get("grid", {}), summary.get("model", {})
     options = lambda result, i: " ".join(f"{k}={v}" for k, v in result.trials[i].options.items())  # noqa: E731
-    return [(name,
-             f"#{g['best_index']} {options(grid, g['best_index'])}: {ms(g['best_ms'])}" if g else "-",
-             f"#{m['pick_index']} {options(model, m['pick_index'])}: {ms(m['pick_ms'])}" if m else "-",
-             f"{summary['pick_over_grid_best']:.3f} / {summary['pick_over_grid_best_same_run']:.3f}"
-             if "pick_over_grid_best" in summary else "-",
-             f"{m['measured']} of {m['points']}" if m else "-",
-             f"{ms(m['default_ms'])} ({m['speedup_over_default']:.3f}x)" if m else "-",
-             f"{g['spearman']:.2f}" if g and g["spearman"] is not None else "-",
-             f"{g['wall_s']:.0f}" if g else "-", f"{m['wall_s']:.0f}" if m else "-")]
+    return [
+        (
+            name,
+            f"#{g['best_index']} {options(grid, g['best_index'])}: {ms(g['best_ms'])}" if g else "-",
+            f"#{m['pick_index']} {options(model, m['pick_index'])}: {ms(m['pick_ms'])}" if m else "-",
+            f"{summary['pick_over_grid_best']:.3f} / {summary['pick_over_grid_best_same_run']:.3f}"
+            if "pick_over_grid_best" in summary
+            else "-",
+            f"{m['measured']} of {m['points']}" if m else "-",
+            f"{ms(m['default_ms'])} ({m['speedup_over_default']:.3f}x)" if m else "-",
+            f"{g['spearman']:.2f}" if g and g["spearman"] is not None else "-",
+            f"{g['wall_s']:.0f}" if g else "-",
+            f"{m['wall_s']:.0f}" if m else "-",
+        )
+    ]
 
 
 def write(args, world: int, cores: int, load_start, results: dict) -> None:
     """The JSON of the models measured so far (``--out``; one file per model with ``--models`` alone)."""
     out = args.out or os.path.join(HERE, "results", f"tune_{'_'.join(args.models)}_{world}.json")
     with open(out, "w") as handle:
-        json.dump({"world_size": world, "cores": cores, "space": SPACE, "steps": args.steps, "warmup": args.warmup,
-                   "load_average": {"start": load_start, "end": os.getloadavg()}, "torch": torch.__version__,
-                   "models": results}, handle, indent=1)
+        json.dump(
+            {
+                "world_size": world,
+                "cores": cores,
+                "space": SPACE,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "load_average": {"start": load_start, "end": os.getloadavg()},
+                "torch": torch.__version__,
+                "models": results,
+            },
+            handle,
+            indent=1,
+        )
     print(f"wrote {out}", flush=True)
 
 
@@ -175,8 +216,16 @@ def main() -> None:
         for strategy in args.strategies:
             torch._dynamo.reset()
             started = time.perf_counter()
-            runs[strategy] = tune(make_model, loss_fn, batches, space=SPACE, steps=args.steps, warmup=args.warmup,
-                                  strategy=strategy, progress=rank == 0)
+            runs[strategy] = tune(
+                make_model,
+                loss_fn,
+                batches,
+                space=SPACE,
+                steps=args.steps,
+                warmup=args.warmup,
+                strategy=strategy,
+                progress=rank == 0,
+            )
             if rank == 0:
                 print(f"{name} {strategy}: {time.perf_counter() - started:.0f} s", flush=True)
                 runs[strategy].print()
@@ -190,10 +239,22 @@ def main() -> None:
             write(args, world, cores, load_start, results)
     if rank == 0:
         load_end = os.getloadavg()
-        print_table(f"zcompile.tune on {world} gloo ranks ({cores} cores; load average {load_start[0]:.1f} at the "
-                    f"start, {load_end[0]:.1f} at the end); step times in ms, median of {args.steps} steps",
-                    ("model", "grid best", "model pick", "pick / grid best (own / grid's)", "measured",
-                     "default (pick's speedup)", "Spearman (grid)", "grid s", "model s"), table)
+        print_table(
+            f"zcompile.tune on {world} gloo ranks ({cores} cores; load average {load_start[0]:.1f} at the "
+            f"start, {load_end[0]:.1f} at the end); step times in ms, median of {args.steps} steps",
+            (
+                "model",
+                "grid best",
+                "model pick",
+                "pick / grid best (own / grid's)",
+                "measured",
+                "default (pick's speedup)",
+                "Spearman (grid)",
+                "grid s",
+                "model s",
+            ),
+            table,
+        )
     dist.destroy_process_group()
 
 

@@ -37,9 +37,8 @@ MARK = "WARM_COMPILE_RESULT "
 def worker(config: str, layers: int) -> None:
     """One job (under torchrun): the configuration's first training step and the compile's phases."""
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-    import torch.distributed as dist
-
     import bench_speed
+    import torch.distributed as dist
     from common import start_gloo_benchmark, timed_training_step
     from gpt import GPTConfig, synthetic_batch
 
@@ -62,12 +61,19 @@ def worker(config: str, layers: int) -> None:
 
 def run_job(config: str, layers: int, world: int, cache_dir: str, port: int) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
-    command = ["torchrun", f"--nproc-per-node={world}", f"--master-port={port}", os.path.abspath(__file__),
-               "--worker", config, str(layers)]
+    command = [
+        "torchrun",
+        f"--nproc-per-node={world}",
+        f"--master-port={port}",
+        os.path.abspath(__file__),
+        "--worker",
+        config,
+        str(layers),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
     for line in done.stdout.splitlines():
         if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
+            return json.loads(line[len(MARK) :])
     raise RuntimeError(f"{config} ({layers} layers) failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
 
 
@@ -75,7 +81,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", default=["ddp+compile", "zero1", "zero2", "zero3"])
     parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--runs", type=int, default=3, help="warm runs of each configuration, after the one that fills its cache")
+    parser.add_argument(
+        "--runs", type=int, default=3, help="warm runs of each configuration, after the one that fills its cache"
+    )
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--port", type=int, default=29741)
     parser.add_argument("--out", default=None)
@@ -94,9 +102,14 @@ def main() -> None:
     try:
         for round_ in range(args.runs + 1):
             for config in args.configs:
-                result = run_job(config, args.layers, args.world, os.path.join(root, config.replace("+", "_")), args.port)
+                result = run_job(
+                    config, args.layers, args.world, os.path.join(root, config.replace("+", "_")), args.port
+                )
                 runs[config].append(result)
-                print(f"{'fill' if round_ == 0 else f'warm {round_}'} {config}: {result['first_step_s']:.2f} s", flush=True)
+                print(
+                    f"{'fill' if round_ == 0 else f'warm {round_}'} {config}: {result['first_step_s']:.2f} s",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     base = statistics.median(r["first_step_s"] for r in runs[args.configs[0]][1:])
@@ -104,16 +117,36 @@ def main() -> None:
     for config, results in runs.items():
         warm = [r["first_step_s"] for r in results[1:]]
         median = statistics.median(warm)
-        rows.append({"config": config, "layers": args.layers, "cold_first_step_s": results[0]["first_step_s"],
-                     "warm_first_steps_s": warm, "warm_median_s": median, "ratio": median / base,
-                     "warm_runs": results[1:]})
-        table.append((config, f"{results[0]['first_step_s']:.2f}", " / ".join(f"{t:.2f}" for t in warm),
-                      f"{median:.2f}", f"{median / base:.2f}x"))
-    print_table(f"first training step, {args.layers} layers, {args.world} ranks, inductor (s)",
-                ("config", "cache-filling run", "warm runs", "warm median", f"x {args.configs[0]}"), table)
+        rows.append(
+            {
+                "config": config,
+                "layers": args.layers,
+                "cold_first_step_s": results[0]["first_step_s"],
+                "warm_first_steps_s": warm,
+                "warm_median_s": median,
+                "ratio": median / base,
+                "warm_runs": results[1:],
+            }
+        )
+        table.append(
+            (
+                config,
+                f"{results[0]['first_step_s']:.2f}",
+                " / ".join(f"{t:.2f}" for t in warm),
+                f"{median:.2f}",
+                f"{median / base:.2f}x",
+            )
+        )
+    print_table(
+        f"first training step, {args.layers} layers, {args.world} ranks, inductor (s)",
+        ("config", "cache-filling run", "warm runs", "warm median", f"x {args.configs[0]}"),
+        table,
+    )
     out = args.out or os.path.join(HERE, "results", f"warm_compile_{args.world}.json")
     with open(out, "w") as handle:
-        json.dump({"world_size": args.world, "cores": os.cpu_count(), "layers": args.layers, "rows": rows}, handle, indent=1)
+        json.dump(
+            {"world_size": args.world, "cores": os.cpu_count(), "layers": args.layers, "rows": rows}, handle, indent=1
+        )
     print(f"wrote {out}")
 
 

@@ -23,9 +23,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import zcompile  # noqa: E402
 from common import depth_sweep_arguments, print_table, slowest_ms, start_gloo_benchmark  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+
+import zcompile  # noqa: E402
 from zcompile.reports.timeline import record_step  # noqa: E402
 
 MOMENTUM = 0.01
@@ -69,10 +70,21 @@ def main() -> None:
     trace_dir = os.path.join("/tmp", f"bench_weight_average_{os.getpid()}")
     rows = [measure(layers, args.rounds, rank, trace_dir) for layers in args.layers]
     if rank == 0:
-        print_table(f"teacher update at stage 3, {world} ranks ({cores} cores): median ms / peak MiB added",
-                    ["layers", "model MiB", "gathered ms", "lerp_weights_ ms", "gathered peak", "lerp_weights_ peak"],
-                    [[str(r["layers"]), f"{r['model_MiB']:.2f}", f"{r['gathered_ms']:.2f}", f"{r['lerp_weights__ms']:.2f}",
-                      f"{r['gathered_peak_MiB']:.2f}", f"{r['lerp_weights__peak_MiB']:.2f}"] for r in rows])
+        print_table(
+            f"teacher update at stage 3, {world} ranks ({cores} cores): median ms / peak MiB added",
+            ["layers", "model MiB", "gathered ms", "lerp_weights_ ms", "gathered peak", "lerp_weights_ peak"],
+            [
+                [
+                    str(r["layers"]),
+                    f"{r['model_MiB']:.2f}",
+                    f"{r['gathered_ms']:.2f}",
+                    f"{r['lerp_weights__ms']:.2f}",
+                    f"{r['gathered_peak_MiB']:.2f}",
+                    f"{r['lerp_weights__peak_MiB']:.2f}",
+                ]
+                for r in rows
+            ],
+        )
         with open(args.out, "w") as handle:
             json.dump({"world_size": world, "cores": cores, "rounds": args.rounds, "rows": rows}, handle, indent=1)
 

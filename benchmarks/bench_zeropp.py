@@ -22,8 +22,9 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
-import zcompile  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
+import zcompile  # noqa: E402
 
 CONFIGS = {
     "stage 3": {},
@@ -74,11 +75,15 @@ def main() -> None:
         (base_name, base), (plus_name, plus) = curves.items()
         tail = 10
         end_base, end_plus = sum(base[-tail:]) / tail, sum(plus[-tail:]) / tail
-        print(f"{world} ranks as {world // args.node_size} nodes of {args.node_size}, GPT {args.layers} layers "
-              f"n_embd {args.embd}, {args.steps} steps, AdamW lr {args.lr}, bf16 gathers, quantize_block {args.block}")
+        print(
+            f"{world} ranks as {world // args.node_size} nodes of {args.node_size}, GPT {args.layers} layers "
+            f"n_embd {args.embd}, {args.steps} steps, AdamW lr {args.lr}, bf16 gathers, quantize_block {args.block}"
+        )
         for name in curves:
-            print(f"  {name:28s} first loss {curves[name][0]:.4f}  last-{tail} mean {sum(curves[name][-tail:]) / tail:.4f}"
-                  f"  ({seconds[name]:.0f} s)")
+            print(
+                f"  {name:28s} first loss {curves[name][0]:.4f}  last-{tail} mean {sum(curves[name][-tail:]) / tail:.4f}"
+                f"  ({seconds[name]:.0f} s)"
+            )
         print(f"  relative difference at the end: {(end_plus - end_base) / end_base:+.2%} (target: within 2%)")
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:

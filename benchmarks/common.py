@@ -97,5 +97,7 @@ def depth_sweep_arguments(doc: str, result_name: str):
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", result_name))
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", result_name)
+    )
     return parser.parse_args()

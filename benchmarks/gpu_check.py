@@ -47,8 +47,12 @@ from common import print_table, time_ms  # noqa: E402
 
 M = 2**20
 # the kernel tests, and a one-rank training loop (clip, checkpoint and resume, eval, gathered) on CUDA tensors
-KERNEL_TESTS = ("tests/test_quantize.py", "tests/test_fused_optim.py", "tests/test_cross_entropy_kernel.py",
-                "tests/test_device_loop.py")
+KERNEL_TESTS = (
+    "tests/test_quantize.py",
+    "tests/test_fused_optim.py",
+    "tests/test_cross_entropy_kernel.py",
+    "tests/test_device_loop.py",
+)
 
 
 def environment(device: str) -> dict:
@@ -61,8 +65,9 @@ def environment(device: str) -> dict:
         info["triton"] = None
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
-        info.update(name=props.name, memory_gib=round(props.total_memory / 2**30, 1),
-                    capability=f"{props.major}.{props.minor}")
+        info.update(
+            name=props.name, memory_gib=round(props.total_memory / 2**30, 1), capability=f"{props.major}.{props.minor}"
+        )
     return info
 
 
@@ -74,10 +79,14 @@ def kernel_tests(device: str) -> dict:
         command += ["-n", "4"]  # Triton compiles each kernel specialization once per process: spread them
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     lines = done.stdout.strip().splitlines()
-    return {"command": " ".join(command), "interpreted": device != "cuda", "returncode": done.returncode,
-            "summary": lines[-1] if lines else done.stderr[-500:],
-            "failed": [line.split()[1] for line in lines if line.startswith("FAILED")],
-            "output_tail": (done.stdout + done.stderr)[-6000:] if done.returncode else ""}
+    return {
+        "command": " ".join(command),
+        "interpreted": device != "cuda",
+        "returncode": done.returncode,
+        "summary": lines[-1] if lines else done.stderr[-500:],
+        "failed": [line.split()[1] for line in lines if line.startswith("FAILED")],
+        "output_tail": (done.stdout + done.stderr)[-6000:] if done.returncode else "",
+    }
 
 
 def bandwidth_gbs(device: str, elements: int) -> float:
@@ -94,17 +103,36 @@ def kernel_benchmarks(device: str, quick: bool, copy_gbs: float) -> dict:
 
     cuda = device == "cuda"
     sizes = [1 * M, 16 * M] if quick else [1 * M, 16 * M, 64 * M, 256 * M]
-    quantize = [dict(zip(("op", "elements", "ms", "gbs", "of_copy_same_size"), row))
-                for row in bench_quantize.run(sizes, torch.float32, 2048, cuda, repeats=3)]
+    quantize = [
+        dict(zip(("op", "elements", "ms", "gbs", "of_copy_same_size"), row))
+        for row in bench_quantize.run(sizes, torch.float32, 2048, cuda, repeats=3)
+    ]
     for row in quantize:
         row["of_bandwidth"] = round(float(row["gbs"]) / copy_gbs, 3)
-    adamw = [dict(zip(("elements", "ours_ms", "ours_gbs", "torch_fused_ms", "torch_fused_plus_cast_ms",
-                       "speedup", "speedup_vs_plus_cast"), row))
-             for row in bench_fused_adamw.run(sizes, cuda, repeats=3)]
+    adamw = [
+        dict(
+            zip(
+                (
+                    "elements",
+                    "ours_ms",
+                    "ours_gbs",
+                    "torch_fused_ms",
+                    "torch_fused_plus_cast_ms",
+                    "speedup",
+                    "speedup_vs_plus_cast",
+                ),
+                row,
+            )
+        )
+        for row in bench_fused_adamw.run(sizes, cuda, repeats=3)
+    ]
     for row in adamw:
         row["of_bandwidth"] = round(float(row["ours_gbs"]) / copy_gbs, 3)
-    return {"quantize": quantize, "fused_adamw": adamw,
-            "cross_entropy_backward": cross_entropy_backward_rows(device, quick, copy_gbs)}
+    return {
+        "quantize": quantize,
+        "fused_adamw": adamw,
+        "cross_entropy_backward": cross_entropy_backward_rows(device, quick, copy_gbs),
+    }
 
 
 def cross_entropy_backward_rows(device: str, quick: bool, copy_gbs: float) -> list[dict]:
@@ -124,19 +152,31 @@ def cross_entropy_backward_rows(device: str, quick: bool, copy_gbs: float) -> li
         ours = time_ms(lambda: cross_entropy_backward(*args, torch.float32), cuda, repeats=3)  # out dtype
         aten_ms = time_ms(lambda: cross_entropy_backward_reference(*args), cuda, repeats=3)
         gbs = 2 * log_probs.numel() * 4 / ours / 1e6
-        out.append({"rows": rows, "classes": classes, "ours_ms": round(ours, 3), "aten_two_ops_ms": round(aten_ms, 3),
-                    "speedup": round(aten_ms / ours, 2), "ours_gbs": round(gbs, 1),
-                    "of_bandwidth": round(gbs / copy_gbs, 3)})
+        out.append(
+            {
+                "rows": rows,
+                "classes": classes,
+                "ours_ms": round(ours, 3),
+                "aten_two_ops_ms": round(aten_ms, 3),
+                "speedup": round(aten_ms / ours, 2),
+                "ours_gbs": round(gbs, 1),
+                "of_bandwidth": round(gbs / copy_gbs, 3),
+            }
+        )
     return out
 
 
 def training_steps(device: str, quick: bool, steps: int) -> list[dict]:
     """World-1 steps of the example GPT: zero backend (eager, inductor) against plain torch.compile."""
-    import zcompile.optim
     from gpt import GPT, GPTConfig, synthetic_batch
 
-    config = (GPTConfig(n_layer=2, n_embd=64, block_size=64) if quick
-              else GPTConfig(vocab_size=50304, n_layer=12, n_head=12, n_embd=768, block_size=512))
+    import zcompile.optim
+
+    config = (
+        GPTConfig(n_layer=2, n_embd=64, block_size=64)
+        if quick
+        else GPTConfig(vocab_size=50304, n_layer=12, n_head=12, n_embd=768, block_size=512)
+    )
     batch = 2 if quick else 8
     ways = {
         "torch.compile aot_eager": ("aot_eager", None),
@@ -179,9 +219,16 @@ def training_steps(device: str, quick: bool, steps: int) -> list[dict]:
             _sync(device)
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
-        rows.append({"way": name, "first_step_s": times[0], "median_step_ms": statistics.median(times[1:]) * 1e3,
-                     "median_enqueue_ms": statistics.median(enqueued[1:]) * 1e3, "losses": losses,
-                     "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None})
+        rows.append(
+            {
+                "way": name,
+                "first_step_s": times[0],
+                "median_step_ms": statistics.median(times[1:]) * 1e3,
+                "median_enqueue_ms": statistics.median(enqueued[1:]) * 1e3,
+                "losses": losses,
+                "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+            }
+        )
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         del model, compiled, optimizer
@@ -219,8 +266,11 @@ def main() -> int:
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.allow_cpu:
-        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine, "
-              "or pass --allow-cpu --quick to check the script itself", file=sys.stderr)
+        print(
+            "gpu_check: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine, "
+            "or pass --allow-cpu --quick to check the script itself",
+            file=sys.stderr,
+        )
         return 2
     results: dict = {}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -240,8 +290,12 @@ def main() -> int:
     save()
     _print_summary(results)
     print(f"[gpu_check] results in {args.out}")
-    return 1 if any(isinstance(v, dict) and "error" in v for v in results.values()) or \
-        results.get("kernel_tests", {}).get("returncode") else 0
+    return (
+        1
+        if any(isinstance(v, dict) and "error" in v for v in results.values())
+        or results.get("kernel_tests", {}).get("returncode")
+        else 0
+    )
 
 
 def _print_summary(results: dict) -> None:
@@ -249,24 +303,42 @@ def _print_summary(results: dict) -> None:
     env = results.get("environment", {})
     rows.append(("environment", ", ".join(f"{k} {v}" for k, v in env.items() if k != "error") or str(env)))
     tests = results.get("kernel_tests", {})
-    rows.append(("kernel tests" + (" (interpreted)" if tests.get("interpreted") else ""),
-                 tests.get("summary", tests.get("error", ""))))
+    rows.append(
+        (
+            "kernel tests" + (" (interpreted)" if tests.get("interpreted") else ""),
+            tests.get("summary", tests.get("error", "")),
+        )
+    )
     if isinstance(results.get("bandwidth_gbs"), float):
         rows.append(("copy bandwidth", f"{results['bandwidth_gbs']:.1f} GB/s"))
     kernels = results.get("kernels", {})
     for row in kernels.get("quantize", []):
         rows.append((f"{row['op']} {row['elements']}", f"{row['gbs']} GB/s = {row['of_bandwidth']:.2f} of bandwidth"))
     for row in kernels.get("cross_entropy_backward", []):
-        rows.append((f"cross-entropy backward {row['rows']}x{row['classes']}",
-                     f"{row['ours_gbs']} GB/s = {row['of_bandwidth']:.2f} of bandwidth; {row['speedup']}x ATen's two ops"))
+        rows.append(
+            (
+                f"cross-entropy backward {row['rows']}x{row['classes']}",
+                f"{row['ours_gbs']} GB/s = {row['of_bandwidth']:.2f} of bandwidth; {row['speedup']}x ATen's two ops",
+            )
+        )
     for row in kernels.get("fused_adamw", []):
-        rows.append((f"fused AdamW {row['elements']}", f"{row['ours_gbs']} GB/s = {row['of_bandwidth']:.2f} of "
-                     f"bandwidth; {row['speedup']} torch fused, {row['speedup_vs_plus_cast']} torch fused + cast"))
+        rows.append(
+            (
+                f"fused AdamW {row['elements']}",
+                f"{row['ours_gbs']} GB/s = {row['of_bandwidth']:.2f} of "
+                f"bandwidth; {row['speedup']} torch fused, {row['speedup_vs_plus_cast']} torch fused + cast",
+            )
+        )
     steps = results.get("training_step")
     for row in steps if isinstance(steps, list) else []:
-        rows.append((row["way"], f"first step {row['first_step_s']:.1f}s, median {row['median_step_ms']:.1f} ms "
-                     f"({row['x_aot_eager']:.2f}x aot_eager; host {row['median_enqueue_ms']:.1f} ms); losses {row['losses'][0]:.4f} -> "
-                     f"{row['losses'][-1]:.4f}, at most {row['max_loss_diff_vs_aot_eager']:.1e} off aot_eager's"))
+        rows.append(
+            (
+                row["way"],
+                f"first step {row['first_step_s']:.1f}s, median {row['median_step_ms']:.1f} ms "
+                f"({row['x_aot_eager']:.2f}x aot_eager; host {row['median_enqueue_ms']:.1f} ms); losses {row['losses'][0]:.4f} -> "
+                f"{row['losses'][-1]:.4f}, at most {row['max_loss_diff_vs_aot_eager']:.1e} off aot_eager's",
+            )
+        )
     for name, value in results.items():
         if isinstance(value, dict) and "error" in value:
             rows.append((f"{name} FAILED", value["error"][:200]))

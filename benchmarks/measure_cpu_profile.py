@@ -51,8 +51,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -68,9 +68,18 @@ from zcompile.predict.hardware import PROFILE_DIR, load_profile, profile_from_di
 SIZES = tuple(2**k for k in range(12, 25, 2))  # bytes: 4 KiB to 16 MiB
 # the figure kept from several fits: the median (module docstring); a link's bandwidth and latency are
 # one fitted line, kept together from the fit whose time to move ``LINK_PROBE_BYTES`` is the median
-TYPICAL = {key: statistics.median for key in (
-    "fp32", "bf16", "memory_bytes_per_s", "op_overhead_s", "attention_efficiency", "transcendental_bytes_per_s",
-    "overlap_slowdown")}
+TYPICAL = {
+    key: statistics.median
+    for key in (
+        "fp32",
+        "bf16",
+        "memory_bytes_per_s",
+        "op_overhead_s",
+        "attention_efficiency",
+        "transcendental_bytes_per_s",
+        "overlap_slowdown",
+    )
+}
 LINK_PROBE_BYTES = 2**20
 # the host overheads' fit: the reference model at a tiny size, where its compute is negligible and a
 # step is what no op's price holds, with 1 and 4 layers (12 and 48 parameters, 2 graph calls), stages
@@ -86,15 +95,22 @@ def median_fit(fits: list[dict], seconds: Callable[[dict], float]) -> dict:
 
 def typical_link(fits: list[dict], prefix: str, world: int) -> dict:
     """The (bus bandwidth, latency) pair of the fit that moves ``LINK_PROBE_BYTES`` in the median time."""
-    typical = median_fit(fits, lambda f: f[f"{prefix}latency_s"] * math.ceil(math.log2(world))
-                         + LINK_PROBE_BYTES * (world - 1) / world / f[f"{prefix}bus_bytes_per_s"])
+    typical = median_fit(
+        fits,
+        lambda f: (
+            f[f"{prefix}latency_s"] * math.ceil(math.log2(world))
+            + LINK_PROBE_BYTES * (world - 1) / world / f[f"{prefix}bus_bytes_per_s"]
+        ),
+    )
     return {"bus_bytes_per_s": typical[f"{prefix}bus_bytes_per_s"], "latency_s": typical[f"{prefix}latency_s"]}
 
 
 def as_link(cost, world: int) -> dict:
     """A fitted ``CollectiveCost`` in the profile's link form (bus bandwidth, latency per log2 N step)."""
-    return {"bus_bytes_per_s": (world - 1) / world / cost.seconds_per_byte,
-            "latency_s": cost.latency_s / math.ceil(math.log2(world))}
+    return {
+        "bus_bytes_per_s": (world - 1) / world / cost.seconds_per_byte,
+        "latency_s": cost.latency_s / math.ceil(math.log2(world)),
+    }
 
 
 def fit_once(world: int, repeats: int, compute_repeats: int) -> dict:
@@ -110,14 +126,21 @@ def fit_once(world: int, repeats: int, compute_repeats: int) -> dict:
     costs = measure_collective_costs(kinds=("all_gather", "reduce_scatter"), sizes=SIZES, repeats=repeats)
     gather, scatter = as_link(costs.cost("all_gather"), world), as_link(costs.cost("reduce_scatter"), world)
     issue = costs.cost("all_gather")
-    return {"fp32": fp32.flops_per_s, "bf16": bf16.flops_per_s, "memory_bytes_per_s": fp32.bytes_per_s,
-            "op_overhead_s": fp32.op_overhead_s, "attention_efficiency": fp32.attention_flops_per_s / fp32.flops_per_s,
-            "transcendental_bytes_per_s": fp32.transcendental_bytes_per_s,
-            "bus_bytes_per_s": gather["bus_bytes_per_s"], "latency_s": gather["latency_s"],
-            "issue_latency_s": issue.issue_latency_s,
-            "issue_bytes_per_s": 1.0 / issue.issue_seconds_per_byte if issue.issue_seconds_per_byte > 0 else 0.0,
-            "reduce_scatter_bus_bytes_per_s": scatter["bus_bytes_per_s"],
-            "reduce_scatter_latency_s": scatter["latency_s"], "overlap_slowdown": costs.overlap_slowdown}
+    return {
+        "fp32": fp32.flops_per_s,
+        "bf16": bf16.flops_per_s,
+        "memory_bytes_per_s": fp32.bytes_per_s,
+        "op_overhead_s": fp32.op_overhead_s,
+        "attention_efficiency": fp32.attention_flops_per_s / fp32.flops_per_s,
+        "transcendental_bytes_per_s": fp32.transcendental_bytes_per_s,
+        "bus_bytes_per_s": gather["bus_bytes_per_s"],
+        "latency_s": gather["latency_s"],
+        "issue_latency_s": issue.issue_latency_s,
+        "issue_bytes_per_s": 1.0 / issue.issue_seconds_per_byte if issue.issue_seconds_per_byte > 0 else 0.0,
+        "reduce_scatter_bus_bytes_per_s": scatter["bus_bytes_per_s"],
+        "reduce_scatter_latency_s": scatter["latency_s"],
+        "overlap_slowdown": costs.overlap_slowdown,
+    }
 
 
 def measure_overhead_steps() -> list[dict]:
@@ -144,8 +167,15 @@ def measure_overhead_steps() -> list[dict]:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if step >= 3:
                 times.append(elapsed.item())
-        rows.append({"shape": list(OVERHEAD_SHAPE), "layers": layers, "stage": stage,
-                     "parameters": sum(1 for _ in model.parameters()), "measured_s": statistics.median(times)})
+        rows.append(
+            {
+                "shape": list(OVERHEAD_SHAPE),
+                "layers": layers,
+                "stage": stage,
+                "parameters": sum(1 for _ in model.parameters()),
+                "measured_s": statistics.median(times),
+            }
+        )
     torch._dynamo.reset()
     return rows
 
@@ -157,8 +187,11 @@ def simulate_overhead_runs(rows: list[dict], profile: dict, world: int) -> None:
         spec, out = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
         with open(spec, "w") as f:
             json.dump({"rows": rows, "profile": profile, "world": world}, f)
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                                "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+        }
         subprocess.run([sys.executable, os.path.abspath(__file__), "--simulate-runs", spec, out], check=True, env=env)
         with open(out) as f:
             rows[:] = json.load(f)
@@ -171,9 +204,15 @@ def _simulate_rows(spec_path: str, out_path: str) -> None:
         spec = json.load(f)
     profile = profile_from_dict(spec["profile"])
     for row in spec["rows"]:
-        result = simulate(lambda: reference_model(tuple(row["shape"]), row["layers"]), torch.randn(row["shape"]),
-                          world_size=spec["world"], node_size=spec["world"], options={"stage": row["stage"]},
-                          hardware=profile, loss_fn=reference_loss)
+        result = simulate(
+            lambda: reference_model(tuple(row["shape"]), row["layers"]),
+            torch.randn(row["shape"]),
+            world_size=spec["world"],
+            node_size=spec["world"],
+            options={"stage": row["stage"]},
+            hardware=profile,
+            loss_fn=reference_loss,
+        )
         row.update(simulated_s=result.step_s, graph_calls=result.graph_calls)  # the profile has no overheads yet
     with open(out_path, "w") as f:
         json.dump(spec["rows"], f)
@@ -211,8 +250,12 @@ def main() -> None:
     fits = [fit_once(world, args.repeats, args.compute_repeats) for _ in range(args.fits)]
     fit = {key: typical(f[key] for f in fits) for key, typical in TYPICAL.items()}
     link = typical_link(fits, "", world)
-    issue = median_fit(fits, lambda f: f["issue_latency_s"] + (LINK_PROBE_BYTES / f["issue_bytes_per_s"]
-                                                              if f["issue_bytes_per_s"] > 0 else 0.0))
+    issue = median_fit(
+        fits,
+        lambda f: (
+            f["issue_latency_s"] + (LINK_PROBE_BYTES / f["issue_bytes_per_s"] if f["issue_bytes_per_s"] > 0 else 0.0)
+        ),
+    )
     link["issue_latency_s"] = issue["issue_latency_s"]
     if issue["issue_bytes_per_s"] > 0:
         link["issue_bytes_per_s"] = issue["issue_bytes_per_s"]
@@ -227,33 +270,33 @@ def main() -> None:
         "description": f"this development machine: {cores} CPU cores, {world} gloo ranks on one host",
         "sources": {
             "peak_flops_per_s": "zcompile.predict.cost_model.measure_compute_costs: 512x512 matmul, fp32 and bf16, "
-                                "every rank at once",
+            "every rank at once",
             "memory_bytes_per_s": "measure_compute_costs: clone of 4 MiB",
             "memory_bytes": "24 GiB, the machine's memory (shared by the ranks)",
             "op_overhead_s": "measure_compute_costs: aten.add of one element, per call",
             "attention_efficiency": "measure_compute_costs: causal scaled_dot_product_attention (4, 4, 128, 32) "
-                                    "FLOP/s over the matmul's, fp32",
+            "FLOP/s over the matmul's, fp32",
             "transcendental_bytes_per_s": "measure_compute_costs: median of GELU, exp, softmax, layer norm of 4 MiB",
             "links": f"measure_collective_costs: gloo all-gather, {world} ranks, 4 KiB-16 MiB, {args.repeats} rounds, "
-                     "bus bandwidth by nccl-tests' rule; issue: the time until the call returns, same fit; "
-                     "bus_factor and latency_factor: the reduce-scatter's bus bandwidth and latency so measured, "
-                     "over the all-gather's",
+            "bus bandwidth by nccl-tests' rule; issue: the time until the call returns, same fit; "
+            "bus_factor and latency_factor: the reduce-scatter's bus bandwidth and latency so measured, "
+            "over the all-gather's",
             "overlap_slowdown": "measure_collective_costs: an all-gather of 4 MiB with a matmul loop of its length, "
-                                "against each alone (cost_model._overlap_slowdown)",
+            "against each alone (cost_model._overlap_slowdown)",
             "fits": f"each figure the median of {args.fits} fits (benchmarks/measure_cpu_profile.py, TYPICAL); "
-                    "'measured' holds every fit and the reduce-scatter's own fit",
+            "'measured' holds every fit and the reduce-scatter's own fit",
             "compute_efficiency": "zcompile.predict.compute_efficiency.measure_compute_efficiency: two of torch's "
-                                  "TransformerEncoderLayer (d_model 96, sequence 128, batch 4) compiled with "
-                                  "backend='zero' at stage 1, forward and backward on every rank at once, predicted "
-                                  "over measured time less the graph calls' overhead, median of the fits",
+            "TransformerEncoderLayer (d_model 96, sequence 128, batch 4) compiled with "
+            "backend='zero' at stage 1, forward and backward on every rank at once, predicted "
+            "over measured time less the graph calls' overhead, median of the fits",
             "graph_call_overhead_s": "benchmarks/measure_cpu_profile.py: the compute-efficiency reference model "
-                                     "at (1, 8, 8), 1 and 4 layers, trained with backend='zero' and "
-                                     "zcompile.optim.AdamW, stages 1-3: measured step less simulate's, least squares "
-                                     "on graph calls and parameters ('measured.host_overhead')",
+            "at (1, 8, 8), 1 and 4 layers, trained with backend='zero' and "
+            "zcompile.optim.AdamW, stages 1-3: measured step less simulate's, least squares "
+            "on graph calls and parameters ('measured.host_overhead')",
             "parameter_overhead_s": "the same fit",
             "load": f"load average {os.getloadavg()[0]:.2f} when the fit ended",
             "host_cores": "os.cpu_count() of the host; left 0 when the fit ran more ranks "
-                          "than cores (its figures then already hold the ranks' time-sharing)",
+            "than cores (its figures then already hold the ranks' time-sharing)",
         },
         "device_type": "cpu",
         "peak_flops_per_s": {"fp32": fit["fp32"], "bf16": fit["bf16"]},

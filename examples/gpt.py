@@ -85,7 +85,9 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def synthetic_batch(step: int, batch_size: int, config: GPTConfig, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(
+    step: int, batch_size: int, config: GPTConfig, seed: int = 1234
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A learnable token stream (a noisy repeating pattern), identical on every rank for a step.
 
     Each rank takes its slice of this global batch, so a run on N ranks sees exactly the data of

@@ -50,28 +50,59 @@ def main() -> None:
     parser.add_argument("--out", default="runs/hf_trainer")
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
-    parser.add_argument("--param-dtype", default=None, help="e.g. bf16: ZeRO's mixed precision (bf16 weights and "
-                        "gradients, fp32 masters and moments on the shards)")
+    parser.add_argument(
+        "--param-dtype",
+        default=None,
+        help="e.g. bf16: ZeRO's mixed precision (bf16 weights and gradients, fp32 masters and moments on the shards)",
+    )
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_device = args.global_batch // (world * args.grad_accum)
     if per_device * world * args.grad_accum != args.global_batch:
-        parser.error(f"--global-batch {args.global_batch} is not a multiple of ranks x --grad-accum "
-                     f"({world} x {args.grad_accum})")
+        parser.error(
+            f"--global-batch {args.global_batch} is not a multiple of ranks x --grad-accum "
+            f"({world} x {args.grad_accum})"
+        )
     torch.manual_seed(0)  # the same initial weights on every rank
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     model = transformers.LlamaForCausalLM(config)
     training_args = transformers.TrainingArguments(
-        output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=per_device,
-        gradient_accumulation_steps=args.grad_accum, learning_rate=1e-2, weight_decay=0.1, warmup_steps=5,
-        lr_scheduler_type="cosine", max_grad_norm=1.0, logging_steps=5, eval_strategy="steps", eval_steps=10,
-        per_device_eval_batch_size=8, save_strategy="steps", save_steps=args.save_every, use_cpu=True, seed=0,
-        report_to=[], disable_tqdm=True)
-    trainer = ZeroTrainer(model=model, args=training_args, zero_options={"stage": args.stage, "param_dtype": args.param_dtype},
-                          train_dataset=Progressions(256, 64, config.vocab_size, seed=0),
-                          eval_dataset=Progressions(32, 64, config.vocab_size, seed=1))
+        output_dir=args.out,
+        max_steps=args.steps,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        warmup_steps=5,
+        lr_scheduler_type="cosine",
+        max_grad_norm=1.0,
+        logging_steps=5,
+        eval_strategy="steps",
+        eval_steps=10,
+        per_device_eval_batch_size=8,
+        save_strategy="steps",
+        save_steps=args.save_every,
+        use_cpu=True,
+        seed=0,
+        report_to=[],
+        disable_tqdm=True,
+    )
+    trainer = ZeroTrainer(
+        model=model,
+        args=training_args,
+        zero_options={"stage": args.stage, "param_dtype": args.param_dtype},
+        train_dataset=Progressions(256, 64, config.vocab_size, seed=0),
+        eval_dataset=Progressions(32, 64, config.vocab_size, seed=1),
+    )
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     trainer.save_model(os.path.join(args.out, "final"))
 

@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import zcompile  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
+import zcompile  # noqa: E402
 from zcompile.common.comm_volume import step_collectives, summarize  # noqa: E402
 from zcompile.common.dumps import report_path  # noqa: E402
 
@@ -37,24 +38,41 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16, help="global batch, split across ranks")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--compiler", default="eager", choices=("eager", "inductor"))
-    parser.add_argument("--bucket-mb", type=float, default=1.0,
-                        help="bucket size of the graphs' collectives: 1 MiB gives about one layer per bucket here, so "
-                        "gathers are prefetched under the previous layer's compute and the gathered peak stays a few "
-                        "layers")
-    parser.add_argument("--dump", default=None, help="directory for graph dumps and report.json (see `python -m zcompile inspect`)")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=1.0,
+        help="bucket size of the graphs' collectives: 1 MiB gives about one layer per bucket here, so "
+        "gathers are prefetched under the previous layer's compute and the gathered peak stays a few "
+        "layers",
+    )
+    parser.add_argument(
+        "--dump", default=None, help="directory for graph dumps and report.json (see `python -m zcompile inspect`)"
+    )
     parser.add_argument("--param-dtype", default=None, help="e.g. bf16 (compute and gather dtype)")
-    parser.add_argument("--keep-gathered-mb", type=float, default=0.0,
-                        help="stage 3: MiB of gathered weights kept from forward to backward instead of re-gathered")
+    parser.add_argument(
+        "--keep-gathered-mb",
+        type=float,
+        default=0.0,
+        help="stage 3: MiB of gathered weights kept from forward to backward instead of re-gathered",
+    )
     parser.add_argument("--save", default=None, help="checkpoint directory (zcompile.checkpoint, DCP format)")
     parser.add_argument("--save-every", type=int, default=0, help="save every K steps (and at the end); 0: at the end")
-    parser.add_argument("--resume", default=None, help="checkpoint directory to resume from (any number of ranks, "
-                        "any stage)")
+    parser.add_argument(
+        "--resume", default=None, help="checkpoint directory to resume from (any number of ranks, any stage)"
+    )
     parser.add_argument("--clip", type=float, default=None, help="clip the global gradient 2-norm to this value")
-    parser.add_argument("--regional", action="store_true",
-                        help="trace the repeated block once (zcompile.mark_repeated_blocks): compile time for deep models")
-    parser.add_argument("--compile-blocks", action="store_true",
-                        help="compile each block on its own, the rest eager: compile time flat in depth, steps slower "
-                        "(each layer's call prefetches the next layer's first gather; the embeddings and head replicated)")
+    parser.add_argument(
+        "--regional",
+        action="store_true",
+        help="trace the repeated block once (zcompile.mark_repeated_blocks): compile time for deep models",
+    )
+    parser.add_argument(
+        "--compile-blocks",
+        action="store_true",
+        help="compile each block on its own, the rest eager: compile time flat in depth, steps slower "
+        "(each layer's call prefetches the next layer's first gather; the embeddings and head replicated)",
+    )
     parser.add_argument("--eval-every", type=int, default=0, help="evaluate on a held-out batch every K steps")
     args = parser.parse_args()
     if args.regional and args.compile_blocks:
@@ -70,14 +88,23 @@ def peak_line(memory: dict, ddp_bytes: int) -> str:
     """This rank's peak by the report's parts, next to DDP's (its model states and the same activations)."""
     staging = memory.get("gather_staging_bytes", 0)  # gloo's copies of the gathers in flight (none on NCCL)
     buckets = memory.get("optimizer_buffers_bytes", 0)  # stages 1 and 2: the optimizer's bucketed collectives
-    ours = (memory["model_states_bytes"] + memory["peak_gathered_bytes"] + staging + memory["saved_activation_bytes"]
-            + buckets)
+    ours = (
+        memory["model_states_bytes"]
+        + memory["peak_gathered_bytes"]
+        + staging
+        + memory["saved_activation_bytes"]
+        + buckets
+    )
     ddp = ddp_bytes + memory["saved_activation_bytes"]
-    return (f"per-rank peak: model states {mib(memory['model_states_bytes'])} + gathered parameters "
-            f"{mib(memory['peak_gathered_bytes'])}" + (f" + gloo's copies of them {mib(staging)}" if staging else "")
-            + f" + saved activations {mib(memory['saved_activation_bytes'])}"
-            + (f" + the optimizer's bucket buffers {mib(buckets)}" if buckets else "") + " = "
-            f"{mib(ours)}; DDP: {mib(ddp_bytes)} + the same activations = {mib(ddp)} ({ddp / ours:.2f}x ours)")
+    return (
+        f"per-rank peak: model states {mib(memory['model_states_bytes'])} + gathered parameters "
+        f"{mib(memory['peak_gathered_bytes'])}"
+        + (f" + gloo's copies of them {mib(staging)}" if staging else "")
+        + f" + saved activations {mib(memory['saved_activation_bytes'])}"
+        + (f" + the optimizer's bucket buffers {mib(buckets)}" if buckets else "")
+        + " = "
+        f"{mib(ours)}; DDP: {mib(ddp_bytes)} + the same activations = {mib(ddp)} ({ddp / ours:.2f}x ours)"
+    )
 
 
 def evaluate(compiled, batch, rank: int, world: int, device, step: int) -> None:
@@ -101,7 +128,9 @@ def main() -> None:
     if distributed:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if args.batch_size % world:
@@ -114,8 +143,15 @@ def main() -> None:
     if args.regional:
         zcompile.mark_repeated_blocks(model)
     graphs = []
-    options = {"stage": args.stage, "compiler": args.compiler, "param_dtype": args.param_dtype, "on_compile": graphs.append,
-               "dump": args.dump, "keep_gathered_mb": args.keep_gathered_mb, "bucket_mb": args.bucket_mb}
+    options = {
+        "stage": args.stage,
+        "compiler": args.compiler,
+        "param_dtype": args.param_dtype,
+        "on_compile": graphs.append,
+        "dump": args.dump,
+        "keep_gathered_mb": args.keep_gathered_mb,
+        "bucket_mb": args.bucket_mb,
+    }
     if args.compile_blocks:  # one graph for every block; the code around them runs eagerly
         for block in model.blocks:
             block.compile(backend="zero", options=options)
@@ -131,8 +167,11 @@ def main() -> None:
     held_out = synthetic_batch(-1, args.batch_size, config)  # a batch no step trains on
     ddp_bytes = zcompile.zero_formula_bytes(num_params, world, stage=None)
     if rank == 0:
-        print(f"GPT {args.layers} layers, Ψ = {num_params:,} parameters, ZeRO stage {args.stage}, {world} rank(s), "
-              f"{args.compiler} compiler, device {device.type}", flush=True)
+        print(
+            f"GPT {args.layers} layers, Ψ = {num_params:,} parameters, ZeRO stage {args.stage}, {world} rank(s), "
+            f"{args.compiler} compiler, device {device.type}",
+            flush=True,
+        )
 
     start = time.perf_counter()
     for step in range(first_step, args.steps):
@@ -150,9 +189,12 @@ def main() -> None:
         comm = summarize(step_collectives(graphs, optimizer)).get("total", 0)
         clipped = "" if optimizer.last_grad_norm is None else f" | grad norm {optimizer.last_grad_norm:.3f}"
         if rank == 0:
-            print(f"step {step:3d} | loss {mean_loss.item():.4f}{clipped} | model states {mib(states.total)}/rank "
-                  f"(DDP {mib(ddp_bytes)}, {ddp_bytes / states.total:.1f}x less) | "
-                  f"comm {comm / 1e6:.2f}M elements/rank = {comm / num_params:.2f} Ψ", flush=True)
+            print(
+                f"step {step:3d} | loss {mean_loss.item():.4f}{clipped} | model states {mib(states.total)}/rank "
+                f"(DDP {mib(ddp_bytes)}, {ddp_bytes / states.total:.1f}x less) | "
+                f"comm {comm / 1e6:.2f}M elements/rank = {comm / num_params:.2f} Ψ",
+                flush=True,
+            )
         if args.eval_every and (step + 1) % args.eval_every == 0:
             evaluate(compiled, held_out, rank, world, device, step)
         last = step + 1 == args.steps

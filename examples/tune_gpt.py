@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
 from zcompile.tune import tune  # noqa: E402
-from zcompile.tune.result import jsonable_options  # noqa: E402
+from zcompile.tune.serialization import jsonable_options  # noqa: E402
 
 SPACE = {"bucket_mb": [0.25, 1.0, 4.0], "prefetch": [1, 2], "schedule_policy": ["greedy", "cost_guided"]}
 
@@ -66,9 +67,20 @@ def main() -> None:
         batches.append((tokens[local], targets[local]))
     if rank == 0:
         print(f"tuning GPT {args.layers} layers (embd {args.embd}) on {world} rank(s): {SPACE}", flush=True)
-    result = tune(make_model, loss_fn, batches, space=SPACE, base_options={"stage": args.stage},
-                  steps=args.steps, warmup=args.warmup, memory_limit_mb=args.memory_limit_mb,
-                  strategy=args.strategy, max_trials=args.max_trials, out_dir=args.out, progress=True)
+    result = tune(
+        make_model,
+        loss_fn,
+        batches,
+        space=SPACE,
+        base_options={"stage": args.stage},
+        steps=args.steps,
+        warmup=args.warmup,
+        memory_limit_mb=args.memory_limit_mb,
+        strategy=args.strategy,
+        max_trials=args.max_trials,
+        out_dir=args.out,
+        progress=True,
+    )
     if rank == 0:
         result.print()
         print(f"\nwrote {os.path.join(args.out, 'tune.json')} and {os.path.join(args.out, 'tune.png')}")

@@ -47,9 +47,23 @@ def adamw_cpu_fused(
     elif grad_scale != 1.0:
         grads = torch._foreach_mul(grads, grad_scale)  # tensors of our own: the kernel reads them only
     steps = [torch.tensor(float(step))] * len(params)  # read, not advanced: the optimizer counts steps
-    torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
-                        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=None,
-                        found_inf=None)
+    torch._fused_adamw_(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
+        grad_scale=None,
+        found_inf=None,
+    )
 
 
 def _check_layout(*lists: list[torch.Tensor]) -> None:
@@ -59,14 +73,21 @@ def _check_layout(*lists: list[torch.Tensor]) -> None:
     step's path: a list's sizes compared at once and its strides read by ``map`` (0.5 ms a step for
     200 shards, one generator a shard, before); the loop below only names what is wrong."""
     sizes = [t.numel() for t in lists[0]]
-    if all([t.numel() for t in tensors] == sizes and all(map(torch.Tensor.is_contiguous, tensors)) for tensors in lists):
+    if all(
+        [t.numel() for t in tensors] == sizes and all(map(torch.Tensor.is_contiguous, tensors)) for tensors in lists
+    ):
         return
     for index, tensors in enumerate(zip(*lists)):
         numel = tensors[0].numel()
         if all(t.numel() == numel and t.is_contiguous() for t in tensors):
             continue
-        name, bad = next((n, t) for n, t in zip(("param", "grad", "exp_avg", "exp_avg_sq"), tensors)
-                         if t.numel() != numel or not t.is_contiguous())
-        raise ValueError(f"adamw_cpu_fused: shard {index}: {name} has {bad.numel()} elements (contiguous: "
-                         f"{bad.is_contiguous()}) where the parameter has {numel}; the fused kernel needs dense "
-                         "tensors of the parameter's size")
+        name, bad = next(
+            (n, t)
+            for n, t in zip(("param", "grad", "exp_avg", "exp_avg_sq"), tensors)
+            if t.numel() != numel or not t.is_contiguous()
+        )
+        raise ValueError(
+            f"adamw_cpu_fused: shard {index}: {name} has {bad.numel()} elements (contiguous: "
+            f"{bad.is_contiguous()}) where the parameter has {numel}; the fused kernel needs dense "
+            "tensors of the parameter's size"
+        )

@@ -28,8 +28,6 @@ often the step's peak.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from zcompile.kernels.dispatch import triton_available
@@ -37,8 +35,14 @@ from zcompile.kernels.dispatch import triton_available
 CHUNK_ELEMENTS = 1 << 20
 
 
-def row_scales(grad_loss: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], reduction: int,
-               ignore_index: int, total_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_scales(
+    grad_loss: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    reduction: int,
+    ignore_index: int,
+    total_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, target)``: per row, ``s`` such that ``nll_loss_backward`` writes ``-s`` at the row's
     target (in ATen's order of operations), and the target with ignored rows pointed at class 0
     (their ``s`` is 0)."""
@@ -52,9 +56,17 @@ def row_scales(grad_loss: torch.Tensor, target: torch.Tensor, weight: Optional[t
 
 
 @torch.library.custom_op("zcompile::cross_entropy_backward", mutates_args=())
-def cross_entropy_backward(grad_loss: torch.Tensor, log_probs: torch.Tensor, target: torch.Tensor,
-                           weight: Optional[torch.Tensor], reduction: int, ignore_index: int, total_weight: torch.Tensor,
-                           input_dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
+def cross_entropy_backward(
+    grad_loss: torch.Tensor,
+    log_probs: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    reduction: int,
+    ignore_index: int,
+    total_weight: torch.Tensor,
+    input_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """``_log_softmax_backward_data(nll_loss_backward(grad_loss, log_probs, target, weight, reduction,
     ignore_index, total_weight), log_probs, dim=-1, input_dtype)``, holding one logits-sized buffer
     (module doc). ``log_probs``: ``[rows, classes]`` or ``[classes]``; the class dimension is the last.
@@ -62,14 +74,17 @@ def cross_entropy_backward(grad_loss: torch.Tensor, log_probs: torch.Tensor, tar
     ``out_dtype``: the dtype the replaced op returns, which depends on the device where it differs
     from ``log_probs``'s (``input_dtype`` half: CUDA returns it, CPU returns fp32)."""
     if log_probs.device.type == "cuda" and log_probs.dtype in TRITON_DTYPES and triton_available():
-        return cross_entropy_backward_triton(grad_loss, log_probs, target, weight, reduction, ignore_index,
-                                             total_weight, input_dtype, out_dtype)
-    return cross_entropy_backward_torch(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight,
-                                        input_dtype, out_dtype)
+        return cross_entropy_backward_triton(
+            grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight, input_dtype, out_dtype
+        )
+    return cross_entropy_backward_torch(
+        grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight, input_dtype, out_dtype
+    )
 
 
-def cross_entropy_backward_torch(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight,
-                                 input_dtype, out_dtype) -> torch.Tensor:
+def cross_entropy_backward_torch(
+    grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight, input_dtype, out_dtype
+) -> torch.Tensor:
     """The torch path (module doc): ATen's two ops over blocks of rows, into one output."""
     aten = torch.ops.aten
     rows = log_probs if log_probs.dim() == 2 else log_probs.unsqueeze(0)
@@ -82,8 +97,9 @@ def cross_entropy_backward_torch(grad_loss, log_probs, target, weight, reduction
         part = slice(start, start + step)
         count = rows[part].shape[0]
         grad = grad_loss.reshape(-1)[part] if per_row else grad_loss
-        nll = aten.nll_loss_backward.grad_input(grad, rows[part], targets[part], weight, reduction, ignore_index,
-                                                total_weight, grad_input=buffer[:count])
+        nll = aten.nll_loss_backward.grad_input(
+            grad, rows[part], targets[part], weight, reduction, ignore_index, total_weight, grad_input=buffer[:count]
+        )
         aten._log_softmax_backward_data.out(nll, rows[part], 1, input_dtype, out=out[part])
     return out.view(log_probs.shape)
 
@@ -98,12 +114,15 @@ TRITON_BLOCK = 8192  # classes per program (a row has cdiv(classes, TRITON_BLOCK
 # H200's copy bandwidth at 8192 x 32768 fp32, against 0.84 with 2048 (1024 rows: 0.86 at either)
 
 
-def cross_entropy_backward_triton(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight,
-                                  input_dtype, out_dtype) -> torch.Tensor:
+def cross_entropy_backward_triton(
+    grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight, input_dtype, out_dtype
+) -> torch.Tensor:
     """The Triton kernel (module doc): one read and one write of the logits."""
     if log_probs.dtype not in TRITON_DTYPES or out_dtype not in TRITON_DTYPES:
-        raise ValueError(f"cross_entropy_backward_triton: log-probabilities and output must be one of "
-                         f"{TRITON_DTYPES}, got {log_probs.dtype} -> {out_dtype}")
+        raise ValueError(
+            f"cross_entropy_backward_triton: log-probabilities and output must be one of "
+            f"{TRITON_DTYPES}, got {log_probs.dtype} -> {out_dtype}"
+        )
     rows = log_probs if log_probs.dim() == 2 else log_probs.unsqueeze(0)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
@@ -116,19 +135,28 @@ def cross_entropy_backward_triton(grad_loss, log_probs, target, weight, reductio
         from zcompile.kernels.cross_entropy_triton import cross_entropy_backward_kernel
 
         cross_entropy_backward_kernel[(rows.shape[0], triton.cdiv(rows.shape[1], TRITON_BLOCK))](
-            rows, scale, safe_target.contiguous(), out, rows.shape[1], rows.stride(0),
-            BLOCK=TRITON_BLOCK, enable_fp_fusion=False)  # exp * s + -s rounded twice, as the torch path
+            rows,
+            scale,
+            safe_target.contiguous(),
+            out,
+            rows.shape[1],
+            rows.stride(0),
+            BLOCK=TRITON_BLOCK,
+            enable_fp_fusion=False,
+        )  # exp * s + -s rounded twice, as the torch path
     return out.view(log_probs.shape)
 
 
 @cross_entropy_backward.register_fake
-def _cross_entropy_backward_fake(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight,
-                                 input_dtype, out_dtype):
+def _cross_entropy_backward_fake(
+    grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight, input_dtype, out_dtype
+):
     return log_probs.new_empty(log_probs.shape, dtype=out_dtype)
 
 
-def cross_entropy_backward_reference(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight,
-                                     input_dtype) -> torch.Tensor:
+def cross_entropy_backward_reference(
+    grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight, input_dtype
+) -> torch.Tensor:
     """The two ATen ops the custom op replaces, for the tests."""
     aten = torch.ops.aten
     grad = aten.nll_loss_backward(grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight)

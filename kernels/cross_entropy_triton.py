@@ -11,8 +11,9 @@ from zcompile.kernels.lowp_cast import cast_rtne
 
 
 @triton.jit
-def cross_entropy_backward_kernel(log_probs_ptr, scale_ptr, target_ptr, out_ptr, classes, in_row_stride,
-                                  BLOCK: tl.constexpr):
+def cross_entropy_backward_kernel(
+    log_probs_ptr, scale_ptr, target_ptr, out_ptr, classes, in_row_stride, BLOCK: tl.constexpr
+):
     """Row ``program_id(0)``, classes block ``program_id(1)``: ``out = exp(log_probs) * s``, ``- s`` added
     at the target, in fp32, rounded once into ``out``'s dtype (``s``: the row's fp32 scale; an ignored
     row has ``s = 0``). Elementwise given the row's scale and target, so the grid covers rows and blocks

@@ -46,47 +46,123 @@ if triton_available():
 
     @triton.jit
     def _adamw_kernel(
-        param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, lowp_ptr, numel,
-        decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, grad_scale,
-        BLOCK: tl.constexpr, WRITE_LOWP: tl.constexpr, SCALE_GRAD: tl.constexpr,
+        param_ptr,
+        grad_ptr,
+        exp_avg_ptr,
+        exp_avg_sq_ptr,
+        lowp_ptr,
+        numel,
+        decay,
+        one_minus_beta1,
+        beta2,
+        one_minus_beta2,
+        step_size,
+        bias_correction2_sqrt,
+        eps,
+        grad_scale,
+        BLOCK: tl.constexpr,
+        WRITE_LOWP: tl.constexpr,
+        SCALE_GRAD: tl.constexpr,
     ):
-        offsets, mask, grad = _block_and_grad(grad_ptr, tl.program_id(0).to(tl.int64), numel, grad_scale, BLOCK, SCALE_GRAD)
-        _adamw_block(param_ptr, grad, exp_avg_ptr, exp_avg_sq_ptr, lowp_ptr, offsets, mask, decay, one_minus_beta1,
-                     beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, WRITE_LOWP)
+        offsets, mask, grad = _block_and_grad(
+            grad_ptr, tl.program_id(0).to(tl.int64), numel, grad_scale, BLOCK, SCALE_GRAD
+        )
+        _adamw_block(
+            param_ptr,
+            grad,
+            exp_avg_ptr,
+            exp_avg_sq_ptr,
+            lowp_ptr,
+            offsets,
+            mask,
+            decay,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            step_size,
+            bias_correction2_sqrt,
+            eps,
+            WRITE_LOWP,
+        )
 
     @triton.jit
     def _adamw_multi_kernel(
-        table_ptr, chunk_ptr,
-        decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, grad_scale,
-        GRAD_DTYPE: tl.constexpr, LOWP_DTYPE: tl.constexpr, COLUMNS: tl.constexpr,
-        BLOCK: tl.constexpr, WRITE_LOWP: tl.constexpr, SCALE_GRAD: tl.constexpr,
+        table_ptr,
+        chunk_ptr,
+        decay,
+        one_minus_beta1,
+        beta2,
+        one_minus_beta2,
+        step_size,
+        bias_correction2_sqrt,
+        eps,
+        grad_scale,
+        GRAD_DTYPE: tl.constexpr,
+        LOWP_DTYPE: tl.constexpr,
+        COLUMNS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        WRITE_LOWP: tl.constexpr,
+        SCALE_GRAD: tl.constexpr,
     ):
         """``_adamw_kernel`` over many shards in one launch. ``table`` holds per shard the addresses of
         its param, grad, exp_avg, exp_avg_sq and lowp tensors and its numel (int64, ``COLUMNS`` a row);
         ``chunk`` holds per program its shard's row and its block within the shard."""
         param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, lowp_ptr, block, numel = _table_entry(
-            table_ptr, chunk_ptr, GRAD_DTYPE, LOWP_DTYPE, COLUMNS)
+            table_ptr, chunk_ptr, GRAD_DTYPE, LOWP_DTYPE, COLUMNS
+        )
         offsets, mask, grad = _block_and_grad(grad_ptr, block, numel, grad_scale, BLOCK, SCALE_GRAD)
-        _adamw_block(param_ptr, grad, exp_avg_ptr, exp_avg_sq_ptr, lowp_ptr, offsets, mask, decay, one_minus_beta1,
-                     beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, WRITE_LOWP)
+        _adamw_block(
+            param_ptr,
+            grad,
+            exp_avg_ptr,
+            exp_avg_sq_ptr,
+            lowp_ptr,
+            offsets,
+            mask,
+            decay,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            step_size,
+            bias_correction2_sqrt,
+            eps,
+            WRITE_LOWP,
+        )
 
     @triton.jit
-    def _table_entry(table_ptr, chunk_ptr, GRAD_DTYPE: tl.constexpr, LOWP_DTYPE: tl.constexpr,
-                     COLUMNS: tl.constexpr):
+    def _table_entry(table_ptr, chunk_ptr, GRAD_DTYPE: tl.constexpr, LOWP_DTYPE: tl.constexpr, COLUMNS: tl.constexpr):
         """This program's shard in a multi-tensor launch: the pointers of its row of ``table`` (param,
         grad, two state tensors, lowp), the block ``chunk`` gives it, and the shard's numel."""
         row = tl.load(chunk_ptr + 2 * tl.program_id(0)) * COLUMNS
         block = tl.load(chunk_ptr + 2 * tl.program_id(0) + 1)
-        return (tl.load(table_ptr + row).to(tl.pointer_type(tl.float32)),
-                tl.load(table_ptr + row + 1).to(tl.pointer_type(GRAD_DTYPE)),
-                tl.load(table_ptr + row + 2).to(tl.pointer_type(tl.float32)),
-                tl.load(table_ptr + row + 3).to(tl.pointer_type(tl.float32)),
-                tl.load(table_ptr + row + 4).to(tl.pointer_type(LOWP_DTYPE)),
-                block, tl.load(table_ptr + row + 5))
+        return (
+            tl.load(table_ptr + row).to(tl.pointer_type(tl.float32)),
+            tl.load(table_ptr + row + 1).to(tl.pointer_type(GRAD_DTYPE)),
+            tl.load(table_ptr + row + 2).to(tl.pointer_type(tl.float32)),
+            tl.load(table_ptr + row + 3).to(tl.pointer_type(tl.float32)),
+            tl.load(table_ptr + row + 4).to(tl.pointer_type(LOWP_DTYPE)),
+            block,
+            tl.load(table_ptr + row + 5),
+        )
 
     @triton.jit
-    def _adamw_block(param_ptr, grad, exp_avg_ptr, exp_avg_sq_ptr, lowp_ptr, offsets, mask, decay, one_minus_beta1,
-                     beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps, WRITE_LOWP: tl.constexpr):
+    def _adamw_block(
+        param_ptr,
+        grad,
+        exp_avg_ptr,
+        exp_avg_sq_ptr,
+        lowp_ptr,
+        offsets,
+        mask,
+        decay,
+        one_minus_beta1,
+        beta2,
+        one_minus_beta2,
+        step_size,
+        bias_correction2_sqrt,
+        eps,
+        WRITE_LOWP: tl.constexpr,
+    ):
         """The AdamW update of one block of a shard, given its fp32 (scaled) gradient."""
         param = tl.load(param_ptr + offsets, mask=mask)
         exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask)
@@ -105,34 +181,107 @@ if triton_available():
 
     @triton.jit
     def _sgd_kernel(
-        param_ptr, grad_ptr, momentum_ptr, lowp_ptr, numel,
-        lr, momentum, one_minus_dampening, weight_decay, grad_scale,
-        BLOCK: tl.constexpr, USE_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
-        WRITE_LOWP: tl.constexpr, SCALE_GRAD: tl.constexpr, DECAY: tl.constexpr,
+        param_ptr,
+        grad_ptr,
+        momentum_ptr,
+        lowp_ptr,
+        numel,
+        lr,
+        momentum,
+        one_minus_dampening,
+        weight_decay,
+        grad_scale,
+        BLOCK: tl.constexpr,
+        USE_MOMENTUM: tl.constexpr,
+        FIRST_STEP: tl.constexpr,
+        NESTEROV: tl.constexpr,
+        WRITE_LOWP: tl.constexpr,
+        SCALE_GRAD: tl.constexpr,
+        DECAY: tl.constexpr,
     ):
-        offsets, mask, grad = _block_and_grad(grad_ptr, tl.program_id(0).to(tl.int64), numel, grad_scale, BLOCK, SCALE_GRAD)
-        _sgd_block(param_ptr, grad, momentum_ptr, lowp_ptr, offsets, mask, lr, momentum, one_minus_dampening,
-                   weight_decay, USE_MOMENTUM, FIRST_STEP, NESTEROV, WRITE_LOWP, DECAY)
+        offsets, mask, grad = _block_and_grad(
+            grad_ptr, tl.program_id(0).to(tl.int64), numel, grad_scale, BLOCK, SCALE_GRAD
+        )
+        _sgd_block(
+            param_ptr,
+            grad,
+            momentum_ptr,
+            lowp_ptr,
+            offsets,
+            mask,
+            lr,
+            momentum,
+            one_minus_dampening,
+            weight_decay,
+            USE_MOMENTUM,
+            FIRST_STEP,
+            NESTEROV,
+            WRITE_LOWP,
+            DECAY,
+        )
 
     @triton.jit
     def _sgd_multi_kernel(
-        table_ptr, chunk_ptr, lr, momentum, one_minus_dampening, weight_decay, grad_scale,
-        GRAD_DTYPE: tl.constexpr, LOWP_DTYPE: tl.constexpr, COLUMNS: tl.constexpr,
-        BLOCK: tl.constexpr, USE_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
-        WRITE_LOWP: tl.constexpr, SCALE_GRAD: tl.constexpr, DECAY: tl.constexpr,
+        table_ptr,
+        chunk_ptr,
+        lr,
+        momentum,
+        one_minus_dampening,
+        weight_decay,
+        grad_scale,
+        GRAD_DTYPE: tl.constexpr,
+        LOWP_DTYPE: tl.constexpr,
+        COLUMNS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        USE_MOMENTUM: tl.constexpr,
+        FIRST_STEP: tl.constexpr,
+        NESTEROV: tl.constexpr,
+        WRITE_LOWP: tl.constexpr,
+        SCALE_GRAD: tl.constexpr,
+        DECAY: tl.constexpr,
     ):
         """``_sgd_kernel`` over many shards in one launch (the table of ``_adamw_multi_kernel``, its
         first state column the momentum buffer)."""
         param_ptr, grad_ptr, momentum_ptr, _, lowp_ptr, block, numel = _table_entry(
-            table_ptr, chunk_ptr, GRAD_DTYPE, LOWP_DTYPE, COLUMNS)
+            table_ptr, chunk_ptr, GRAD_DTYPE, LOWP_DTYPE, COLUMNS
+        )
         offsets, mask, grad = _block_and_grad(grad_ptr, block, numel, grad_scale, BLOCK, SCALE_GRAD)
-        _sgd_block(param_ptr, grad, momentum_ptr, lowp_ptr, offsets, mask, lr, momentum, one_minus_dampening,
-                   weight_decay, USE_MOMENTUM, FIRST_STEP, NESTEROV, WRITE_LOWP, DECAY)
+        _sgd_block(
+            param_ptr,
+            grad,
+            momentum_ptr,
+            lowp_ptr,
+            offsets,
+            mask,
+            lr,
+            momentum,
+            one_minus_dampening,
+            weight_decay,
+            USE_MOMENTUM,
+            FIRST_STEP,
+            NESTEROV,
+            WRITE_LOWP,
+            DECAY,
+        )
 
     @triton.jit
-    def _sgd_block(param_ptr, grad, momentum_ptr, lowp_ptr, offsets, mask, lr, momentum, one_minus_dampening,
-                   weight_decay, USE_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
-                   WRITE_LOWP: tl.constexpr, DECAY: tl.constexpr):
+    def _sgd_block(
+        param_ptr,
+        grad,
+        momentum_ptr,
+        lowp_ptr,
+        offsets,
+        mask,
+        lr,
+        momentum,
+        one_minus_dampening,
+        weight_decay,
+        USE_MOMENTUM: tl.constexpr,
+        FIRST_STEP: tl.constexpr,
+        NESTEROV: tl.constexpr,
+        WRITE_LOWP: tl.constexpr,
+        DECAY: tl.constexpr,
+    ):
         """The SGD update of one block of a shard, given its fp32 (scaled) gradient."""
         param = tl.load(param_ptr + offsets, mask=mask)
         if DECAY:
@@ -175,8 +324,17 @@ def _check_common(param, grad, lowp_out) -> None:
 
 
 def fused_adamw_triton(
-    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
-    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: float = 1.0,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
     lowp_out: torch.Tensor | None = None,
 ) -> None:
     """The Triton AdamW step (same signature and semantics as ``adamw_reference``)."""
@@ -188,10 +346,23 @@ def fused_adamw_triton(
     numel = param.numel()
     grid = (triton.cdiv(numel, BLOCK_SIZE),)
     _adamw_kernel[grid](
-        param, grad, exp_avg, exp_avg_sq, lowp_out if lowp_out is not None else param, numel,
-        1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**step),
-        math.sqrt(1 - beta2**step), eps, grad_scale,
-        BLOCK=BLOCK_SIZE, WRITE_LOWP=lowp_out is not None, SCALE_GRAD=grad_scale != 1.0,
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        lowp_out if lowp_out is not None else param,
+        numel,
+        1 - lr * weight_decay,
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        lr / (1 - beta1**step),
+        math.sqrt(1 - beta2**step),
+        eps,
+        grad_scale,
+        BLOCK=BLOCK_SIZE,
+        WRITE_LOWP=lowp_out is not None,
+        SCALE_GRAD=grad_scale != 1.0,
     )
 
 
@@ -216,9 +387,18 @@ class MultiTensorTables:
 
 
 def fused_adamw_multi_triton(
-    params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor], lowps: list[torch.Tensor | None], step: int, lr: float, beta1: float,
-    beta2: float, eps: float, weight_decay: float, grad_scale: float = 1.0,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    lowps: list[torch.Tensor | None],
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
     tables: dict[tuple, MultiTensorTables] | None = None,
 ) -> None:
     """``fused_adamw_triton`` over many shards at the same step and hyper-parameters: one launch per
@@ -229,26 +409,49 @@ def fused_adamw_multi_triton(
     bf16 step waited on the host. ``tables`` (a dict the caller keeps) holds each launch's device
     tables (``MultiTensorTables``) for the next step."""
     if not (len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(lowps)):
-        raise ValueError("fused_adamw_multi: params, grads, exp_avgs, exp_avg_sqs and lowps must have one "
-                         f"entry per shard, got {len(params)}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)}, "
-                         f"{len(lowps)}")
+        raise ValueError(
+            "fused_adamw_multi: params, grads, exp_avgs, exp_avg_sqs and lowps must have one "
+            f"entry per shard, got {len(params)}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)}, "
+            f"{len(lowps)}"
+        )
     if step < 1:
         raise ValueError(f"fused_adamw: step counts from 1, got {step}")
-    scalars = (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**step),
-               math.sqrt(1 - beta2**step), eps, grad_scale)
+    scalars = (
+        1 - lr * weight_decay,
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        lr / (1 - beta1**step),
+        math.sqrt(1 - beta2**step),
+        eps,
+        grad_scale,
+    )
     for launch, (grad_dtype, lowp_dtype) in _multi_launches(params, grads, exp_avgs, exp_avg_sqs, lowps, tables):
         _adamw_multi_kernel[(launch.chunks.shape[0],)](
-            launch.table, launch.chunks, *scalars,
-            GRAD_DTYPE=_TL_DTYPE[grad_dtype], LOWP_DTYPE=_TL_DTYPE[lowp_dtype or torch.float32],
-            COLUMNS=TABLE_COLUMNS, BLOCK=BLOCK_SIZE, WRITE_LOWP=lowp_dtype is not None,
+            launch.table,
+            launch.chunks,
+            *scalars,
+            GRAD_DTYPE=_TL_DTYPE[grad_dtype],
+            LOWP_DTYPE=_TL_DTYPE[lowp_dtype or torch.float32],
+            COLUMNS=TABLE_COLUMNS,
+            BLOCK=BLOCK_SIZE,
+            WRITE_LOWP=lowp_dtype is not None,
             SCALE_GRAD=grad_scale != 1.0,
         )
 
 
 def fused_sgd_multi_triton(
-    params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor] | None,
-    lowps: list[torch.Tensor | None], first_step: bool, lr: float, momentum: float, dampening: float,
-    weight_decay: float, nesterov: bool, grad_scale: float = 1.0,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    momentum_buffers: list[torch.Tensor] | None,
+    lowps: list[torch.Tensor | None],
+    first_step: bool,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    grad_scale: float = 1.0,
     tables: dict[tuple, MultiTensorTables] | None = None,
 ) -> None:
     """``fused_sgd_triton`` over many shards at the same hyper-parameters and ``first_step``: one
@@ -256,16 +459,31 @@ def fused_sgd_multi_triton(
     ``fused_adamw_multi_triton``). ``momentum_buffers`` is None when ``momentum`` is 0."""
     if momentum != 0 and momentum_buffers is None:
         raise ValueError("fused_sgd_multi: momentum != 0 needs momentum_buffers (one torch.empty_like(param) each)")
-    if len(params) != len(grads) or len(params) != len(lowps) or (
-            momentum_buffers is not None and len(momentum_buffers) != len(params)):
+    if (
+        len(params) != len(grads)
+        or len(params) != len(lowps)
+        or (momentum_buffers is not None and len(momentum_buffers) != len(params))
+    ):
         raise ValueError("fused_sgd_multi: params, grads, momentum_buffers and lowps must have one entry per shard")
     states = momentum_buffers if momentum != 0 else params  # a column the kernel does not read without momentum
     for launch, (grad_dtype, lowp_dtype) in _multi_launches(params, grads, states, params, lowps, tables):
         _sgd_multi_kernel[(launch.chunks.shape[0],)](
-            launch.table, launch.chunks, lr, momentum, 1 - dampening, weight_decay, grad_scale,
-            GRAD_DTYPE=_TL_DTYPE[grad_dtype], LOWP_DTYPE=_TL_DTYPE[lowp_dtype or torch.float32],
-            COLUMNS=TABLE_COLUMNS, BLOCK=BLOCK_SIZE, USE_MOMENTUM=momentum != 0, FIRST_STEP=first_step,
-            NESTEROV=nesterov, WRITE_LOWP=lowp_dtype is not None, SCALE_GRAD=grad_scale != 1.0,
+            launch.table,
+            launch.chunks,
+            lr,
+            momentum,
+            1 - dampening,
+            weight_decay,
+            grad_scale,
+            GRAD_DTYPE=_TL_DTYPE[grad_dtype],
+            LOWP_DTYPE=_TL_DTYPE[lowp_dtype or torch.float32],
+            COLUMNS=TABLE_COLUMNS,
+            BLOCK=BLOCK_SIZE,
+            USE_MOMENTUM=momentum != 0,
+            FIRST_STEP=first_step,
+            NESTEROV=nesterov,
+            WRITE_LOWP=lowp_dtype is not None,
+            SCALE_GRAD=grad_scale != 1.0,
             DECAY=weight_decay != 0,
         )
 
@@ -279,8 +497,14 @@ def _multi_launches(params, grads, states1, states2, lowps, tables):
     tables = {} if tables is None else tables
     for dtypes, members in launches.items():
         launch = tables.setdefault(dtypes, MultiTensorTables())
-        _multi_tables(launch, [params[i] for i in members], [grads[i] for i in members],
-                      [states1[i] for i in members], [states2[i] for i in members], [lowps[i] for i in members])
+        _multi_tables(
+            launch,
+            [params[i] for i in members],
+            [grads[i] for i in members],
+            [states1[i] for i in members],
+            [states2[i] for i in members],
+            [lowps[i] for i in members],
+        )
         if launch.chunks.shape[0]:
             yield launch, dtypes
 
@@ -288,8 +512,10 @@ def _multi_launches(params, grads, states1, states2, lowps, tables):
 def _multi_tables(launch: MultiTensorTables, params, grads, exp_avgs, exp_avg_sqs, lowps) -> None:
     """Brings ``launch``'s tables up to date for these shards (``MultiTensorTables``); the two state
     columns are AdamW's moments, or SGD's momentum buffer and an unread column."""
-    rows = tuple((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.data_ptr() if o is None else o.data_ptr(),
-                  p.numel()) for p, g, m, v, o in zip(params, grads, exp_avgs, exp_avg_sqs, lowps))
+    rows = tuple(
+        (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.data_ptr() if o is None else o.data_ptr(), p.numel())
+        for p, g, m, v, o in zip(params, grads, exp_avgs, exp_avg_sqs, lowps)
+    )
     _follow_stream(launch, params[0].device)
     if rows == launch.rows:
         return
@@ -342,30 +568,60 @@ def _follow_stream(launch: MultiTensorTables, device: torch.device) -> None:
 
 
 def fused_sgd_triton(
-    param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, first_step: bool, lr: float,
-    momentum: float, dampening: float, weight_decay: float, nesterov: bool, grad_scale: float = 1.0,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor | None,
+    first_step: bool,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    grad_scale: float = 1.0,
     lowp_out: torch.Tensor | None = None,
 ) -> None:
     """The Triton SGD step; ``momentum_buffer`` is updated in place (filled on ``first_step``)."""
     _check_common(param, grad, lowp_out)
     if momentum != 0:
         if momentum_buffer is None:
-            raise ValueError("fused_sgd: momentum != 0 needs a momentum_buffer (allocate it with torch.empty_like(param))")
+            raise ValueError(
+                "fused_sgd: momentum != 0 needs a momentum_buffer (allocate it with torch.empty_like(param))"
+            )
         _check_shard("momentum_buffer", momentum_buffer, param, (torch.float32,))
     numel = param.numel()
     grid = (triton.cdiv(numel, BLOCK_SIZE),)
     _sgd_kernel[grid](
-        param, grad, momentum_buffer if momentum_buffer is not None else param,
-        lowp_out if lowp_out is not None else param, numel,
-        lr, momentum, 1 - dampening, weight_decay, grad_scale,
-        BLOCK=BLOCK_SIZE, USE_MOMENTUM=momentum != 0, FIRST_STEP=first_step, NESTEROV=nesterov,
-        WRITE_LOWP=lowp_out is not None, SCALE_GRAD=grad_scale != 1.0, DECAY=weight_decay != 0,
+        param,
+        grad,
+        momentum_buffer if momentum_buffer is not None else param,
+        lowp_out if lowp_out is not None else param,
+        numel,
+        lr,
+        momentum,
+        1 - dampening,
+        weight_decay,
+        grad_scale,
+        BLOCK=BLOCK_SIZE,
+        USE_MOMENTUM=momentum != 0,
+        FIRST_STEP=first_step,
+        NESTEROV=nesterov,
+        WRITE_LOWP=lowp_out is not None,
+        SCALE_GRAD=grad_scale != 1.0,
+        DECAY=weight_decay != 0,
     )
 
 
 def fused_sgd_reference(
-    param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, first_step: bool, lr: float,
-    momentum: float, dampening: float, weight_decay: float, nesterov: bool, grad_scale: float = 1.0,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor | None,
+    first_step: bool,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    grad_scale: float = 1.0,
     lowp_out: torch.Tensor | None = None,
 ) -> None:
     """``sgd_reference`` with the fused kernel's signature (buffer updated in place)."""
@@ -378,8 +634,17 @@ def fused_sgd_reference(
 
 
 def fused_adamw_reference(
-    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
-    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: float = 1.0,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
     lowp_out: torch.Tensor | None = None,
 ) -> None:
     """``adamw_reference`` with the fused kernel's signature (writes ``lowp_out`` too)."""
@@ -396,38 +661,66 @@ def fused_adamw_reference(
 
 
 def fused_adamw(
-    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
-    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: float = 1.0,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
     lowp_out: torch.Tensor | None = None,
 ) -> None:
     """One AdamW step over a flat fp32 shard, in place (``zcompile::fused_adamw``)."""
-    _fused_adamw_op(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
-                    lowp_out)
+    _fused_adamw_op(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale, lowp_out)
 
 
 def fused_sgd(
-    param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, first_step: bool, lr: float,
-    momentum: float, dampening: float, weight_decay: float, nesterov: bool, grad_scale: float = 1.0,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor | None,
+    first_step: bool,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    grad_scale: float = 1.0,
     lowp_out: torch.Tensor | None = None,
 ) -> None:
     """One SGD step over a flat fp32 shard, in place (``zcompile::fused_sgd``)."""
-    _fused_sgd_op(param, grad, momentum_buffer, first_step, lr, momentum, dampening, weight_decay, nesterov,
-                  grad_scale, lowp_out)
+    _fused_sgd_op(
+        param, grad, momentum_buffer, first_step, lr, momentum, dampening, weight_decay, nesterov, grad_scale, lowp_out
+    )
 
 
 @torch.library.custom_op("zcompile::fused_adamw", mutates_args=("param", "exp_avg", "exp_avg_sq", "lowp_out"))
 def _fused_adamw_op(
-    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
-    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: float,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float,
     lowp_out: torch.Tensor | None,
 ) -> None:
     """One AdamW step over a flat fp32 shard, in place: Triton where it runs, else the reference."""
     if use_triton(param):
-        fused_adamw_triton(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
-                           grad_scale, lowp_out)
+        fused_adamw_triton(
+            param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale, lowp_out
+        )
     else:
-        fused_adamw_reference(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
-                              grad_scale, lowp_out)
+        fused_adamw_reference(
+            param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale, lowp_out
+        )
 
 
 @_fused_adamw_op.register_fake
@@ -437,20 +730,49 @@ def _(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_deca
 
 @torch.library.custom_op("zcompile::fused_sgd", mutates_args=("param", "momentum_buffer", "lowp_out"))
 def _fused_sgd_op(
-    param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor | None, first_step: bool, lr: float,
-    momentum: float, dampening: float, weight_decay: float, nesterov: bool, grad_scale: float,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor | None,
+    first_step: bool,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    grad_scale: float,
     lowp_out: torch.Tensor | None,
 ) -> None:
     """One SGD step over a flat fp32 shard, in place: Triton where it runs, else the reference."""
     if use_triton(param):
-        fused_sgd_triton(param, grad, momentum_buffer, first_step, lr, momentum, dampening, weight_decay,
-                         nesterov, grad_scale, lowp_out)
+        fused_sgd_triton(
+            param,
+            grad,
+            momentum_buffer,
+            first_step,
+            lr,
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+            grad_scale,
+            lowp_out,
+        )
     else:
-        fused_sgd_reference(param, grad, momentum_buffer, first_step, lr, momentum, dampening, weight_decay,
-                            nesterov, grad_scale, lowp_out)
+        fused_sgd_reference(
+            param,
+            grad,
+            momentum_buffer,
+            first_step,
+            lr,
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+            grad_scale,
+            lowp_out,
+        )
 
 
 @_fused_sgd_op.register_fake
-def _(param, grad, momentum_buffer, first_step, lr, momentum, dampening, weight_decay, nesterov, grad_scale,
-      lowp_out):
+def _(param, grad, momentum_buffer, first_step, lr, momentum, dampening, weight_decay, nesterov, grad_scale, lowp_out):
     return None

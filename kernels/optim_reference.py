@@ -9,7 +9,6 @@ reference it replaced is kept as ``benchmarks/bench_cpu_adamw.py``'s baseline.
 
 from __future__ import annotations
 
-
 import torch
 
 

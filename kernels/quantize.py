@@ -50,8 +50,7 @@ if triton_available():
         return offs_a, offs_b
 
     @triton.jit
-    def _quantize_store(q_ptr, scales_ptr, pid, a, b, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                        QMAX: tl.constexpr):
+    def _quantize_store(q_ptr, scales_ptr, pid, a, b, BLOCK: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr):
         """Quantizes the fp32 halves ``a``, ``b`` of block ``pid`` and stores its q and scale."""
         absmax = tl.maximum(tl.max(tl.abs(a), axis=0), tl.max(tl.abs(b), axis=0))
         inv = tl.where(absmax > 0, tl.math.div_rn(QMAX, tl.where(absmax > 0, absmax, 1.0)), 0.0)
@@ -115,8 +114,7 @@ if triton_available():
             _store_cast(out_ptr + offs, tl.reshape(tl.join(a, b), [BLOCK]), offs < numel)
 
     @triton.jit
-    def _quantize_kernel(x_ptr, q_ptr, scales_ptr, numel, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                         QMAX: tl.constexpr):
+    def _quantize_kernel(x_ptr, q_ptr, scales_ptr, numel, BLOCK: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         a, b = _load_halves(x_ptr, pid, numel, BLOCK, BITS)
         _quantize_store(q_ptr, scales_ptr, pid, a, b, BLOCK, BITS, QMAX)
@@ -128,10 +126,22 @@ if triton_available():
         _store_halves(out_ptr, pid, a, b, numel, BLOCK, BITS)
 
     @triton.jit
-    def _dequantize_reduce_kernel(q_ptr, scales_ptr, out_ptr, q_out_ptr, scales_out_ptr, numel,
-                                  q_stride, scales_stride, scale_by,
-                                  BLOCK: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
-                                  REQUANTIZE: tl.constexpr, NUM_PARTITIONS: tl.constexpr):
+    def _dequantize_reduce_kernel(
+        q_ptr,
+        scales_ptr,
+        out_ptr,
+        q_out_ptr,
+        scales_out_ptr,
+        numel,
+        q_stride,
+        scales_stride,
+        scale_by,
+        BLOCK: tl.constexpr,
+        BITS: tl.constexpr,
+        QMAX: tl.constexpr,
+        REQUANTIZE: tl.constexpr,
+        NUM_PARTITIONS: tl.constexpr,
+    ):
         # NUM_PARTITIONS (the ranks summed: a few values per job) is a constexpr: Triton 3.6's
         # interpreter cannot loop over a runtime scalar under NumPy 2.5 (int() of a 1-element array)
         pid = tl.program_id(0).to(tl.int64)
@@ -150,6 +160,7 @@ if triton_available():
             _quantize_store(q_out_ptr, scales_out_ptr, pid, acc_a, acc_b, BLOCK, BITS, QMAX)
         else:
             _store_halves(out_ptr, pid, acc_a, acc_b, numel, BLOCK, BITS)
+
 
 # ----------------------------------------------------------------------------- checks and shapes
 def num_blocks(numel: int, block: int) -> int:
@@ -305,8 +316,20 @@ def dequantize_reduce_triton(q, scales, numel, bits, block, scale_by=1.0, requan
         out = torch.empty(numel, dtype=torch.float32, device=q.device)
         q_out, scales_out = q, scales  # unused by the kernel
     _dequantize_reduce_kernel[(blocks,)](
-        q, scales, out, q_out, scales_out, numel, q.shape[1], blocks, float(scale_by),
-        BLOCK=block, BITS=bits, QMAX=float(QMAX[bits]), REQUANTIZE=requantize, NUM_PARTITIONS=parts,
+        q,
+        scales,
+        out,
+        q_out,
+        scales_out,
+        numel,
+        q.shape[1],
+        blocks,
+        float(scale_by),
+        BLOCK=block,
+        BITS=bits,
+        QMAX=float(QMAX[bits]),
+        REQUANTIZE=requantize,
+        NUM_PARTITIONS=parts,
         enable_fp_fusion=False,
     )
     return (q_out, scales_out) if requantize else out
@@ -334,8 +357,9 @@ def _(x, bits, block):
 
 
 @torch.library.custom_op("zcompile::dequantize_blockwise", mutates_args=())
-def _dequantize_op(q: torch.Tensor, scales: torch.Tensor, numel: int, bits: int, block: int,
-                   dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_op(
+    q: torch.Tensor, scales: torch.Tensor, numel: int, bits: int, block: int, dtype: torch.dtype
+) -> torch.Tensor:
     if _path("dequantize_blockwise", q):
         return dequantize_blockwise_triton(q, scales, numel, bits, block, dtype)
     return dequantize_blockwise_reference(q, scales, numel, bits, block, dtype)
@@ -348,8 +372,9 @@ def _(q, scales, numel, bits, block, dtype):
 
 
 @torch.library.custom_op("zcompile::dequantize_reduce", mutates_args=())
-def _reduce_op(q: torch.Tensor, scales: torch.Tensor, numel: int, bits: int, block: int,
-               scale_by: float) -> torch.Tensor:
+def _reduce_op(
+    q: torch.Tensor, scales: torch.Tensor, numel: int, bits: int, block: int, scale_by: float
+) -> torch.Tensor:
     if _path("dequantize_reduce", q):
         return dequantize_reduce_triton(q, scales, numel, bits, block, scale_by)
     return dequantize_reduce_reference(q, scales, numel, bits, block, scale_by)
@@ -362,8 +387,9 @@ def _(q, scales, numel, bits, block, scale_by):
 
 
 @torch.library.custom_op("zcompile::dequantize_reduce_requantize", mutates_args=())
-def _reduce_requantize_op(q: torch.Tensor, scales: torch.Tensor, numel: int, bits: int, block: int,
-                          scale_by: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _reduce_requantize_op(
+    q: torch.Tensor, scales: torch.Tensor, numel: int, bits: int, block: int, scale_by: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     if _path("dequantize_reduce_requantize", q):
         return dequantize_reduce_triton(q, scales, numel, bits, block, scale_by, requantize=True)
     return dequantize_reduce_reference(q, scales, numel, bits, block, scale_by, requantize=True)

@@ -93,8 +93,11 @@ def all_gathers_into_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if gathered is None:
             raise ValueError(f"all_gathers_into_buffers: {gather.name} has no meta['val'] (its output's shape)")
         with graph.inserting_before(gather):
-            buffer = graph.call_function(aten.empty.memory_format, (shape_arguments(graph, shard, group_size),),
-                                         {"dtype": gathered.dtype, "device": gathered.device})
+            buffer = graph.call_function(
+                aten.empty.memory_format,
+                (shape_arguments(graph, shard, group_size),),
+                {"dtype": gathered.dtype, "device": gathered.device},
+            )
             into = graph.call_function(ALL_GATHER_OUT, (shard, group_size, group_name), {"out": buffer})
         buffer.meta["val"] = into.meta["val"] = gathered
         into.meta.update({k: v for k, v in gather.meta.items() if k != "val"})
@@ -123,8 +126,10 @@ def gather_inputs_into_out_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphMo
             continue  # a shard the forward takes as input: memory inductor never reuses (not a donated buffer)
         out = gather.kwargs["out"]
         if out.target is not aten.empty.memory_format or len(out.users) != 1:
-            raise ValueError(f"gather_inputs_into_out_buffers: {gather.name} does not gather into a buffer of its own "
-                             f"(run all_gathers_into_buffers first)")
+            raise ValueError(
+                f"gather_inputs_into_out_buffers: {gather.name} does not gather into a buffer of its own "
+                f"(run all_gathers_into_buffers first)"
+            )
         gathered, shard = out.meta["val"], source.meta["val"]
         # the op makes the buffer (an extern allocation inductor cannot misplace: module docstring), a
         # bucket's pack where the schedule placed the pack, any other input as a bucket of one at the gather
@@ -138,8 +143,9 @@ def gather_inputs_into_out_buffers(gm: torch.fx.GraphModule) -> torch.fx.GraphMo
             head = graph.call_function(aten.slice.Tensor, (buffer, 0, 0, group_size))
             gathered_slot = graph.call_function(aten.view.default, (head, shape_arguments(graph, source, group_size)))
         with fake_mode:
-            buffer.meta["val"] = torch.empty([group_size + 1, *shard.shape], dtype=gathered.dtype,
-                                             device=gathered.device)
+            buffer.meta["val"] = torch.empty(
+                [group_size + 1, *shard.shape], dtype=gathered.dtype, device=gathered.device
+            )
             flat.meta["val"] = buffer.meta["val"].view(-1)
             read.meta["val"] = buffer.meta["val"][group_size]
             head.meta["val"] = buffer.meta["val"][:group_size]
@@ -160,6 +166,6 @@ def _packed_for_this_gather_alone(source: torch.fx.Node, gather: torch.fx.Node) 
     """Whether ``source`` is a bucket's pack that only ``gather`` reads, of a static size (the buffer's
     sizes are then no ``sym_size`` nodes of the pack, which is erased): then the pack is made as the
     last row of the gather's buffer (``pack_bucket_as_last_row``)."""
-    return (source.target is PACK_BUCKET and list(source.users) == [gather]
-            and isinstance(source.meta["val"].numel(), int))
-
+    return (
+        source.target is PACK_BUCKET and list(source.users) == [gather] and isinstance(source.meta["val"].numel(), int)
+    )

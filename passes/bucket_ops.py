@@ -43,7 +43,7 @@ def pack_bucket_as_last_row(members: list[torch.Tensor], rows: int, buffer_rows:
     last row (``all_gather_lowering.gather_inputs_into_out_buffers``), so the pack needs no copy there."""
     width = sum(member.numel() for member in members)
     buffer = members[0].new_empty(buffer_rows * width)
-    last_row = buffer[(buffer_rows - 1) * width:].view(rows, -1)
+    last_row = buffer[(buffer_rows - 1) * width :].view(rows, -1)
     torch.cat([member.reshape(rows, -1) for member in members], dim=1, out=last_row)
     return buffer
 

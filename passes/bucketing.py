@@ -81,8 +81,9 @@ def _bucketable(node: torch.fx.Node) -> CollectiveNode | None:
         return None
     if collective.input_val is None or collective.wait is None:
         return None
-    if collective.kind == "reduce_scatter" and (collective.reduce_op != "sum"
-                                                or collective.input_val.numel() % collective.group_size):
+    if collective.kind == "reduce_scatter" and (
+        collective.reduce_op != "sum" or collective.input_val.numel() % collective.group_size
+    ):
         return None
     return collective
 
@@ -102,11 +103,17 @@ def plan_buckets(gm: torch.fx.GraphModule, bucket_bytes: int, graph: str = "") -
         members = open_buckets.pop(key, [])
         if len(members) > 1:
             kind, group_name, group_size, dtype = key
-            plan.buckets.append(Bucket(
-                kind, tuple(n.name for n, _ in members),
-                tuple(metadata.tags(n).get(metadata.PARAM, "?") for n, _ in members),
-                tuple(size for _, size in members), str(dtype), group_size, group_name,
-            ))
+            plan.buckets.append(
+                Bucket(
+                    kind,
+                    tuple(n.name for n, _ in members),
+                    tuple(metadata.tags(n).get(metadata.PARAM, "?") for n, _ in members),
+                    tuple(size for _, size in members),
+                    str(dtype),
+                    group_size,
+                    group_name,
+                )
+            )
 
     for node in gm.graph.nodes:
         collective = _bucketable(node)
@@ -163,8 +170,12 @@ def bucket_collectives_pass(gm: torch.fx.GraphModule, plan: BucketPlan) -> torch
             if not member_input.users and member_input.target in SHAPE_VIEWS:  # read around (_unflattened)
                 graph.erase_node(member_input)
         for node in new_nodes:
-            metadata.tag(node, bucket=index, params=list(bucket.params),
-                         role=metadata.ROLE_GATHER if bucket.kind == "all_gather" else metadata.ROLE_REDUCE)
+            metadata.tag(
+                node,
+                bucket=index,
+                params=list(bucket.params),
+                role=metadata.ROLE_GATHER if bucket.kind == "all_gather" else metadata.ROLE_REDUCE,
+            )
             by_name[node.name] = node
             _set_val(node, fake_mode)
     apply_order(gm, topological_order(gm))
@@ -185,8 +196,10 @@ def _averages(waits: list[torch.fx.Node]) -> list[torch.fx.Node]:
     divided by the same number and read only so: then the bucket's ``unpack_bucket`` divides (the
     same values, element by element; one op where there were as many as members)."""
     averages = [next(iter(wait.users)) if len(wait.users) == 1 else None for wait in waits]
-    if any(a is None or a.target is not aten.div.Tensor or a.args[0] is not w or isinstance(a.args[1], torch.fx.Node)
-           for a, w in zip(averages, waits)):
+    if any(
+        a is None or a.target is not aten.div.Tensor or a.args[0] is not w or isinstance(a.args[1], torch.fx.Node)
+        for a, w in zip(averages, waits)
+    ):
         return []
     return averages if len({a.args[1] for a in averages}) == 1 else []
 
@@ -196,15 +209,21 @@ def _unflattened(gradient: torch.fx.Node) -> torch.fx.Node:
     reduce-scattered: ``pack_bucket`` reads each member as ``[N, numel / N]`` whatever its shape, so
     the flattening view is one node per parameter for the inner compiler and nothing for the data."""
     source = gradient.args[0] if gradient.op == "call_function" and gradient.target in SHAPE_VIEWS else None
-    if (source is None or len(gradient.users) != 1 or not isinstance(source, torch.fx.Node)
-            or not isinstance(source.meta.get("val"), torch.Tensor)
-            or not isinstance(gradient.meta.get("val"), torch.Tensor) or gradient.meta["val"].dim() != 1):
+    if (
+        source is None
+        or len(gradient.users) != 1
+        or not isinstance(source, torch.fx.Node)
+        or not isinstance(source.meta.get("val"), torch.Tensor)
+        or not isinstance(gradient.meta.get("val"), torch.Tensor)
+        or gradient.meta["val"].dim() != 1
+    ):
         return gradient
     return source
 
 
-def _reduce_bucket(graph: torch.fx.Graph, members: list[torch.fx.Node], bucket: Bucket,
-                   divisor: int | float | None) -> list[torch.fx.Node]:
+def _reduce_bucket(
+    graph: torch.fx.Graph, members: list[torch.fx.Node], bucket: Bucket, divisor: int | float | None
+) -> list[torch.fx.Node]:
     flat = graph.call_function(PACK_BUCKET, ([_unflattened(m.args[0]) for m in members], bucket.group_size))
     reduced = graph.call_function(REDUCE_SCATTER, (flat, "sum", bucket.group_size, bucket.group_name))
     waited = graph.call_function(WAIT, (reduced,))
@@ -214,6 +233,7 @@ def _reduce_bucket(graph: torch.fx.Graph, members: list[torch.fx.Node], bucket: 
 
 def _set_val(node: torch.fx.Node, fake_mode) -> None:
     """Fills ``meta["val"]`` of an inserted node by running it on its inputs' fake values."""
+
     def val(arg):
         if isinstance(arg, torch.fx.Node):
             return arg.meta["val"]

@@ -98,8 +98,9 @@ def split_first_gather(gm: torch.fx.GraphModule, shard_inputs: frozenset[str]) -
     ``shard_inputs`` or on a node with side effects. ``gm`` is left as it was."""
     graph = gm.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
-    first = next((n for n in graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS + (ALL_GATHER_OUT,)),
-                 None)
+    first = next(
+        (n for n in graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS + (ALL_GATHER_OUT,)), None
+    )
     if first is None or first.target not in GATHERS:
         return None
     reads = _ancestors(first)
@@ -114,8 +115,9 @@ def split_first_gather(gm: torch.fx.GraphModule, shard_inputs: frozenset[str]) -
     prologue = _prologue(gm, first, reads, inputs)
     body = _body(gm, first, reads, placeholders)
     indices = tuple(placeholders.index(n) for n in inputs)
-    return CallSplit(prologue, body, indices, gathered.numel() * gathered.element_size(),
-                     tuple(dynamo_index(n.name) for n in inputs))
+    return CallSplit(
+        prologue, body, indices, gathered.numel() * gathered.element_size(), tuple(dynamo_index(n.name) for n in inputs)
+    )
 
 
 def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:

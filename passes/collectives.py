@@ -33,8 +33,12 @@ REDUCE_SCATTER = _functional.reduce_scatter_tensor.default
 ALL_REDUCE = _functional.all_reduce.default
 ALL_TO_ALL = _functional.all_to_all_single.default
 WAIT = _functional.wait_tensor.default
-COLLECTIVE_KINDS = {ALL_GATHER: "all_gather", REDUCE_SCATTER: "reduce_scatter", ALL_REDUCE: "all_reduce",
-                    ALL_TO_ALL: "all_to_all"}  # op -> the name reports, plans, dumps and cost models use
+COLLECTIVE_KINDS = {
+    ALL_GATHER: "all_gather",
+    REDUCE_SCATTER: "reduce_scatter",
+    ALL_REDUCE: "all_reduce",
+    ALL_TO_ALL: "all_to_all",
+}  # op -> the name reports, plans, dumps and cost models use
 COLLECTIVE_OPS = tuple(COLLECTIVE_KINDS)
 KINDS = tuple(COLLECTIVE_KINDS.values())
 

@@ -60,12 +60,16 @@ def param_grad_hooks(grad: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         if returned is None:
             continue
         if not isinstance(returned, torch.Tensor) or returned.shape != result.shape or returned.dtype != result.dtype:
-            got = (f"{returned.dtype} {tuple(returned.shape)}" if isinstance(returned, torch.Tensor)
-                   else type(returned).__name__)
+            got = (
+                f"{returned.dtype} {tuple(returned.shape)}"
+                if isinstance(returned, torch.Tensor)
+                else type(returned).__name__
+            )
             raise RuntimeError(
                 f"zcompile: gradient hook {getattr(hook, '__name__', hook)!r} returned {got} for a gradient of "
                 f"{result.dtype} {tuple(result.shape)}; a hook must return a tensor of the gradient's shape and "
-                "dtype, or None")
+                "dtype, or None"
+            )
         result = returned
     return result.to(grad.dtype) if result is not grad else result.clone()
 
@@ -131,8 +135,11 @@ def route_grad_hooks_pass(gm: torch.fx.GraphModule, plan: ShardingPlan) -> torch
             user.replace_input_with(full, through)
     graph.lint()
     gm.recompile()
-    log.info("route_grad_hooks: the gradient hooks of %d parameters run on their local gradients (%s)",
-             len(hooked), ", ".join(p.name for p in hooked))
+    log.info(
+        "route_grad_hooks: the gradient hooks of %d parameters run on their local gradients (%s)",
+        len(hooked),
+        ", ".join(p.name for p in hooked),
+    )
     return gm
 
 

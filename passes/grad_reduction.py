@@ -37,8 +37,13 @@ def padded_numel(numel: int, world_size: int) -> int:
     return -(-numel // world_size) * world_size
 
 
-def reduce_padded_grad(flat: torch.Tensor, world_size: int, group_name: str | None,
-                       reduce_dtype: torch.dtype | None, shard_dtype: torch.dtype) -> torch.Tensor:
+def reduce_padded_grad(
+    flat: torch.Tensor,
+    world_size: int,
+    group_name: str | None,
+    reduce_dtype: torch.dtype | None,
+    shard_dtype: torch.dtype,
+) -> torch.Tensor:
     """Mean over ranks of a flat gradient already padded to a multiple of ``world_size``: this rank's
     shard (traceable; hpZ's flat parameters and one-rank groups trace it as it is)."""
     if reduce_dtype is not None and flat.dtype != reduce_dtype:
@@ -49,8 +54,14 @@ def reduce_padded_grad(flat: torch.Tensor, world_size: int, group_name: str | No
 
 
 @torch.library.custom_op("zcompile::reduce_grad_to_shard", mutates_args=())
-def reduce_grad_to_shard(grad: torch.Tensor, numel: int, world_size: int, group_name: str,
-                         reduce_dtype: torch.dtype | None, shard_dtype: torch.dtype) -> torch.Tensor:
+def reduce_grad_to_shard(
+    grad: torch.Tensor,
+    numel: int,
+    world_size: int,
+    group_name: str,
+    reduce_dtype: torch.dtype | None,
+    shard_dtype: torch.dtype,
+) -> torch.Tensor:
     """Mean over the ``world_size`` (> 1) ranks of ``grad`` (a parameter's whole, dense gradient), as this
     rank's flat shard of ``padded_numel / world_size`` elements in ``shard_dtype``, reduced in
     ``reduce_dtype`` (None: the gradient's own)."""
@@ -62,16 +73,29 @@ def reduce_grad_to_shard(grad: torch.Tensor, numel: int, world_size: int, group_
 
 
 @reduce_grad_to_shard.register_fake
-def _reduce_grad_to_shard_fake(grad: torch.Tensor, numel: int, world_size: int, group_name: str,
-                               reduce_dtype: torch.dtype | None, shard_dtype: torch.dtype) -> torch.Tensor:
+def _reduce_grad_to_shard_fake(
+    grad: torch.Tensor,
+    numel: int,
+    world_size: int,
+    group_name: str,
+    reduce_dtype: torch.dtype | None,
+    shard_dtype: torch.dtype,
+) -> torch.Tensor:
     return grad.new_empty(padded_numel(numel, world_size) // world_size, dtype=shard_dtype)
 
 
 REDUCE_GRAD_TO_SHARD = torch.ops.zcompile.reduce_grad_to_shard.default
 
 
-def _write_out(add: AddNode, grad: torch.fx.Node, numel: int, world_size: int, group_name: str,
-               reduce_dtype: torch.dtype | None, shard_dtype: torch.dtype) -> torch.fx.Node:
+def _write_out(
+    add: AddNode,
+    grad: torch.fx.Node,
+    numel: int,
+    world_size: int,
+    group_name: str,
+    reduce_dtype: torch.dtype | None,
+    shard_dtype: torch.dtype,
+) -> torch.fx.Node:
     flat, value = grad, grad.meta["val"]
     if not value.is_contiguous():  # what reshape traces to for a tensor no view can flatten
         flat = add(aten.clone.default, [flat], {"memory_format": torch.contiguous_format})

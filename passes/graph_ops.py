@@ -64,7 +64,13 @@ class _GatherFlat(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_padded):
         world_size, group_name, reduce_dtype, shard_dtype = ctx.static
-        return reduce_padded_grad(grad_padded, world_size, group_name, reduce_dtype, shard_dtype), None, None, None, None
+        return (
+            reduce_padded_grad(grad_padded, world_size, group_name, reduce_dtype, shard_dtype),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 class _HpzRegather(torch.autograd.Function):
@@ -135,8 +141,13 @@ def replicated_param(
     return _ReplicatedParam.apply(shard, full, numel, world_size, group_name, param_dtype, reduce_dtype)
 
 
-def gather_flat(shard: torch.Tensor, world_size: int, group_name: str | None, param_dtype: torch.dtype | None,
-                reduce_dtype: torch.dtype | None) -> torch.Tensor:
+def gather_flat(
+    shard: torch.Tensor,
+    world_size: int,
+    group_name: str | None,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> torch.Tensor:
     """hpZ: every rank's shard concatenated (padded, flat); backward reduce-scatters and averages."""
     return _GatherFlat.apply(shard, world_size, group_name, param_dtype, reduce_dtype)
 
@@ -146,7 +157,13 @@ def hpz_secondary(padded: torch.Tensor, hpz_size: int, hpz_rank: int) -> torch.T
     return padded.view(hpz_size, -1)[hpz_rank].clone()
 
 
-def hpz_regather(padded: torch.Tensor, secondary: torch.Tensor, numel: int, shape: tuple[int, ...], hpz_size: int,
-                 hpz_group_name: str | None) -> torch.Tensor:
+def hpz_regather(
+    padded: torch.Tensor,
+    secondary: torch.Tensor,
+    numel: int,
+    shape: tuple[int, ...],
+    hpz_size: int,
+    hpz_group_name: str | None,
+) -> torch.Tensor:
     """hpZ: the full parameter, gathered over the hpZ group from the secondary partitions."""
     return _HpzRegather.apply(padded, secondary, numel, tuple(shape), hpz_size, hpz_group_name)

@@ -37,7 +37,9 @@ def needed_by_priority(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, float]:
     return priority
 
 
-def topological_order(gm: torch.fx.GraphModule, priority: dict[torch.fx.Node, float] | None = None) -> list[torch.fx.Node]:
+def topological_order(
+    gm: torch.fx.GraphModule, priority: dict[torch.fx.Node, float] | None = None
+) -> list[torch.fx.Node]:
     """Nodes in an order that respects data dependencies, ties broken by (priority, position)."""
     nodes = list(gm.graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
@@ -56,8 +58,11 @@ def topological_order(gm: torch.fx.GraphModule, priority: dict[torch.fx.Node, fl
     if len(order) != len(nodes):
         raise RuntimeError("graph has a cycle: cannot order it topologically")
     # placeholders first, output last, as FX requires
-    return ([n for n in order if n.op == "placeholder"] + [n for n in order if n.op not in ("placeholder", "output")]
-            + [n for n in order if n.op == "output"])
+    return (
+        [n for n in order if n.op == "placeholder"]
+        + [n for n in order if n.op not in ("placeholder", "output")]
+        + [n for n in order if n.op == "output"]
+    )
 
 
 def apply_order(gm: torch.fx.GraphModule, order: list[torch.fx.Node]) -> torch.fx.GraphModule:

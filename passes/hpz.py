@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 _SLICING = SHAPE_VIEWS | SLICE_VIEWS | {torch.ops.aten.clone.default}
 
 
-def hpz_pass(gm: torch.fx.GraphModule, hpz_size: int, hpz_rank: int, hpz_group_name: str | None) -> torch.fx.GraphModule:
+def hpz_pass(
+    gm: torch.fx.GraphModule, hpz_size: int, hpz_rank: int, hpz_group_name: str | None
+) -> torch.fx.GraphModule:
     """Splits every ``gather_param`` into world gather, secondary slice and hpZ re-gather (module docstring)."""
     graph = gm.graph
     gathers = graph.find_nodes(op="call_function", target=gather_param)
@@ -73,7 +75,10 @@ def hpz_forward_shortcut_pass(gm: torch.fx.GraphModule, hpz_group_name: str) -> 
     graph = gm.graph
     replaced = 0
     for gather in map(CollectiveNode.of, list(graph.find_nodes(op="call_function", target=ALL_GATHER))):
-        if gather.group_name != hpz_group_name or metadata.tags(gather.node).get(metadata.ROLE) != metadata.ROLE_HPZ_REGATHER:
+        if (
+            gather.group_name != hpz_group_name
+            or metadata.tags(gather.node).get(metadata.ROLE) != metadata.ROLE_HPZ_REGATHER
+        ):
             continue
         wait = gather.wait
         source = _sliced_from(gather.input)

@@ -12,7 +12,8 @@ stands for, node by node, each with the op's metadata and a fake value.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -25,8 +26,9 @@ def graph_fake_mode(gm: torch.fx.GraphModule):
     return torch._guards.detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if "val" in n.meta])
 
 
-def inline_call(graph: torch.fx.Graph, fn: Callable[..., Any], args: list[torch.fx.Node], fake_mode,
-                tags: dict | None = None) -> Any:
+def inline_call(
+    graph: torch.fx.Graph, fn: Callable[..., Any], args: list[torch.fx.Node], fake_mode, tags: dict | None = None
+) -> Any:
     """Inserts ``fn(*args)`` (tensor args are nodes) before the current insertion point.
 
     Returns the node(s) standing for ``fn``'s result, in its structure (a node, or a tuple of

@@ -155,7 +155,9 @@ def plan_keep_gathered(gm: torch.fx.GraphModule, budget_bytes: int) -> KeepGathe
         gathered = sum(nbytes for nbytes, _ in sizes)
         saved = sum(nbytes * (group_size - 1) // group_size for nbytes, group_size in sizes)
         # the secondary slice is the last node traced from hpz_secondary (view, select, clone)
-        secondary = ([node_bytes(n) for n in chain if metadata.tags(n).get(metadata.ROLE) == metadata.ROLE_HPZ_SECONDARY] or [0])[-1]
+        secondary = (
+            [node_bytes(n) for n in chain if metadata.tags(n).get(metadata.ROLE) == metadata.ROLE_HPZ_SECONDARY] or [0]
+        )[-1]
         candidates.append(GatheredParam(param, max(0, gathered - secondary), saved, order[regathers[0]], secondary))
     plan = KeepGatheredPlan(budget_bytes)
     left = budget_bytes
@@ -182,6 +184,11 @@ def keep_gathered_pass(gm: torch.fx.GraphModule, plan: KeepGatheredPlan) -> torc
         for node in chains.get(param, []):
             if node.meta.pop(metadata.RECOMPUTE, None) is not None:
                 lifted += 1
-    log.info("keep_gathered: %d parameters (%d bytes) kept gathered for backward, %d re-gathered; %d tags lifted",
-             len(plan.kept), plan.kept_bytes, len(plan.regathered), lifted)
+    log.info(
+        "keep_gathered: %d parameters (%d bytes) kept gathered for backward, %d re-gathered; %d tags lifted",
+        len(plan.kept),
+        plan.kept_bytes,
+        len(plan.regathered),
+        lifted,
+    )
     return gm

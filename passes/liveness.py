@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Hashable
+from collections.abc import Hashable
 
 import networkx as nx
 import torch
 
 from zcompile.passes.collectives import ALL_GATHER, WAIT, CollectiveNode, is_zero_collective
-from zcompile.passes.sizes import traced_int
 from zcompile.passes.op_sets import PREP_OPS, VIEW_OPS, is_call_to, makes_copy
 from zcompile.passes.regions import INVOKE_SUBGRAPH, called_subgraph, subgraph_output_origin
+from zcompile.passes.sizes import traced_int
 
 log = logging.getLogger(__name__)
 SUBGRAPH_CALL = frozenset({INVOKE_SUBGRAPH})
@@ -97,8 +97,9 @@ def storages(dag: nx.DiGraph, position: dict, collective: torch.fx.Node) -> list
 
 def peak_bytes(intervals: list[tuple[float, float, int]]) -> int:
     """Most bytes alive at once over ``(from, last use, bytes)`` intervals (both ends included)."""
-    events = sorted([(start, nbytes) for start, _, nbytes in intervals]
-                    + [(end + 0.1, -nbytes) for _, end, nbytes in intervals])
+    events = sorted(
+        [(start, nbytes) for start, _, nbytes in intervals] + [(end + 0.1, -nbytes) for _, end, nbytes in intervals]
+    )
     peak = live = 0
     for _, delta in events:
         live += delta
@@ -142,7 +143,7 @@ def saved_for_backward(forward: torch.fx.GraphModule, backward: torch.fx.GraphMo
     the saved values, one per backward placeholder that is not a tangent."""
     saved_count = sum(1 for p in backward.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents"))
     outputs = list(torch.utils._pytree.tree_leaves(forward.graph.output_node().args))
-    return [node for node in outputs[len(outputs) - saved_count:] if isinstance(node, torch.fx.Node)]
+    return [node for node in outputs[len(outputs) - saved_count :] if isinstance(node, torch.fx.Node)]
 
 
 def saved_activation_bytes(forward: torch.fx.GraphModule | None, backward: torch.fx.GraphModule | None) -> int:
@@ -156,8 +157,9 @@ def saved_activation_bytes(forward: torch.fx.GraphModule | None, backward: torch
     return sum(nbytes for node, (_, nbytes) in storages_held.items() if is_saved_activation(forward, node, gathered))
 
 
-def saved_storages(forward: torch.fx.GraphModule,
-                   backward: torch.fx.GraphModule) -> dict[torch.fx.Node, tuple[Hashable, int]]:
+def saved_storages(
+    forward: torch.fx.GraphModule, backward: torch.fx.GraphModule
+) -> dict[torch.fx.Node, tuple[Hashable, int]]:
     """The storages the forward's saved values hold from forward to backward, activations and kept
     gathered weights alike: saved node -> (its storage's key, bytes), for the first saved node of each
     storage (``storage_of``); saved inputs and views of them (no storage of their own) left out."""
@@ -233,10 +235,11 @@ def _root(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node:
         node = origin[0]
 
 
-def _subgraph_output(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[torch.fx.GraphModule, torch.fx.Node] | None:
+def _subgraph_output(
+    gm: torch.fx.GraphModule, node: torch.fx.Node
+) -> tuple[torch.fx.GraphModule, torch.fx.Node] | None:
     """For ``getitem(call, k)`` of a block subgraph call: the subgraph and the node it returns at ``k``."""
-    if not (node.op == "call_function" and node.target is operator.getitem
-            and is_call_to(node.args[0], SUBGRAPH_CALL)):
+    if not (node.op == "call_function" and node.target is operator.getitem and is_call_to(node.args[0], SUBGRAPH_CALL)):
         return None
     subgraph = called_subgraph(gm, node.args[0])
     returned = None if subgraph is None else subgraph.graph.output_node().args[0]
@@ -246,8 +249,12 @@ def _subgraph_output(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[tor
     return (subgraph, returned[index]) if isinstance(returned[index], torch.fx.Node) else None
 
 
-def live_peak_bytes(gm: torch.fx.GraphModule, preloaded: dict[torch.fx.Node, tuple[Hashable, int]] | None = None,
-                    hold_inputs: bool = False, gather_staging: bool = False) -> int:
+def live_peak_bytes(
+    gm: torch.fx.GraphModule,
+    preloaded: dict[torch.fx.Node, tuple[Hashable, int]] | None = None,
+    hold_inputs: bool = False,
+    gather_staging: bool = False,
+) -> int:
     """Most bytes ``gm`` holds at once when its generated code runs it: every value it allocates from
     its node to the last reader of it or of an alias of it (``storage_of``; FX's code frees a value
     after its last reader), the values it returns to the end. Graph inputs are not counted except
@@ -277,11 +284,21 @@ def live_peak_bytes(gm: torch.fx.GraphModule, preloaded: dict[torch.fx.Node, tup
         if is_call_to(node, SUBGRAPH_CALL):
             transients.append((position[node], _subgraph_transient(gm, node, walked, gather_staging)))
     staging = _gather_staging(gm, position) if gather_staging else []
-    unwalked = sorted({str(n.target) for n in nodes if n.op == "call_function" and not is_call_to(n, SUBGRAPH_CALL)
-                       and isinstance(n.target, torch._ops.HigherOrderOperator)})
+    unwalked = sorted(
+        {
+            str(n.target)
+            for n in nodes
+            if n.op == "call_function"
+            and not is_call_to(n, SUBGRAPH_CALL)
+            and isinstance(n.target, torch._ops.HigherOrderOperator)
+        }
+    )
     if unwalked:
-        log.warning("live_peak_bytes: %s calls %s, whose inside is not walked: only their outputs are counted",
-                    type(gm).__name__, ", ".join(unwalked))
+        log.warning(
+            "live_peak_bytes: %s calls %s, whose inside is not walked: only their outputs are counted",
+            type(gm).__name__,
+            ", ".join(unwalked),
+        )
     for node in nodes:
         key = buffer_of.get(node)
         for reader in node.users if key is not None else ():
@@ -326,19 +343,27 @@ def _buffer(gm, node, preloaded, buffers, position, hold: bool) -> Hashable | No
 def _gather_staging(gm: torch.fx.GraphModule, position: dict, zero_only: bool = False) -> list[tuple[int, int, int]]:
     """(issue, wait, bytes) of each all-gather's second buffer (``live_peak_bytes``' ``gather_staging``);
     ``zero_only``: of the gathers of weights alone, not the model's own."""
-    return [(position[node], max((position[w] for w in CollectiveNode.of(node).waits), default=len(position)),
-             node_bytes(node)) for node in gm.graph.find_nodes(op="call_function", target=ALL_GATHER)
-            if not zero_only or is_zero_collective(node)]
+    return [
+        (
+            position[node],
+            max((position[w] for w in CollectiveNode.of(node).waits), default=len(position)),
+            node_bytes(node),
+        )
+        for node in gm.graph.find_nodes(op="call_function", target=ALL_GATHER)
+        if not zero_only or is_zero_collective(node)
+    ]
 
 
-def _subgraph_transient(gm: torch.fx.GraphModule, call: torch.fx.Node, walked: dict[int, int],
-                        gather_staging: bool = False) -> int:
+def _subgraph_transient(
+    gm: torch.fx.GraphModule, call: torch.fx.Node, walked: dict[int, int], gather_staging: bool = False
+) -> int:
     """Bytes a block subgraph call holds while it runs beyond the outputs it returns (``walked``:
     id of a subgraph -> this, for the calls of one walk)."""
     subgraph = called_subgraph(gm, call)
     if subgraph is None:
-        log.warning("live_peak_bytes: %s calls no subgraph found on its graph: what it holds inside is not "
-                    "counted", call.name)
+        log.warning(
+            "live_peak_bytes: %s calls no subgraph found on its graph: what it holds inside is not counted", call.name
+        )
         return 0
     if id(subgraph) not in walked:
         returned = [r for r in subgraph.graph.output_node().args[0] if isinstance(r, torch.fx.Node)]

@@ -77,9 +77,20 @@ def fuse_cross_entropy_backward_pass(gm: torch.fx.GraphModule) -> torch.fx.Graph
             continue
         grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight = nll.args
         with gm.graph.inserting_before(node):
-            call = gm.graph.call_function(CROSS_ENTROPY_BACKWARD, (
-                grad_loss, log_probs, target, weight, reduction, ignore_index, total_weight, node.args[3],
-                node.meta["val"].dtype))
+            call = gm.graph.call_function(
+                CROSS_ENTROPY_BACKWARD,
+                (
+                    grad_loss,
+                    log_probs,
+                    target,
+                    weight,
+                    reduction,
+                    ignore_index,
+                    total_weight,
+                    node.args[3],
+                    node.meta["val"].dtype,
+                ),
+            )
         call.meta.update(node.meta)
         node.replace_all_uses_with(call)
         read = node.args[1]

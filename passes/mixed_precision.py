@@ -24,8 +24,9 @@ from zcompile.passes import metadata
 log = logging.getLogger(__name__)
 
 
-def _cast_before(graph: torch.fx.Graph, anchor: torch.fx.Node, node: torch.fx.Node,
-                 dtype: torch.dtype) -> torch.fx.Node:
+def _cast_before(
+    graph: torch.fx.Graph, anchor: torch.fx.Node, node: torch.fx.Node, dtype: torch.dtype
+) -> torch.fx.Node:
     """``node.to(dtype)`` inserted before ``anchor``, with the traced value the next passes read (a cast
     to ``node``'s own dtype is ``node`` itself at run time: no copy)."""
     with graph.inserting_before(anchor):
@@ -63,8 +64,12 @@ def autocast_pass(gm: torch.fx.GraphModule, dtype: torch.dtype | None, device_ty
     restored = _outputs_in_traced_dtypes(graph, output)
     graph.lint()
     gm.recompile()
-    log.info("autocast: graph compute runs under autocast(%s, %s); %d outputs cast back to their traced dtype",
-             device_type, dtype, restored)
+    log.info(
+        "autocast: graph compute runs under autocast(%s, %s); %d outputs cast back to their traced dtype",
+        device_type,
+        dtype,
+        restored,
+    )
     return gm
 
 
@@ -82,8 +87,12 @@ def _outputs_in_traced_dtypes(graph: torch.fx.Graph, output: torch.fx.Node) -> i
     casts: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in returned:
         value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
-        if (node in casts or node.op == "placeholder" or not isinstance(value, torch.Tensor)
-                or not value.is_floating_point()):
+        if (
+            node in casts
+            or node.op == "placeholder"
+            or not isinstance(value, torch.Tensor)
+            or not value.is_floating_point()
+        ):
             continue
         casts[node] = _cast_before(graph, output, node, value.dtype)
     if casts:
@@ -141,8 +150,10 @@ _AUTOCAST_KNOWN_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c1
 
 def _is_custom_op(target) -> bool:
     # str: "aten.mm.default" for an overload, "transformers.grouped_mm_fallback" for a packet
-    return (isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
-            and str(target).split(".", 1)[0] not in _AUTOCAST_KNOWN_NAMESPACES)
+    return (
+        isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+        and str(target).split(".", 1)[0] not in _AUTOCAST_KNOWN_NAMESPACES
+    )
 
 
 def _traced_dtype(node: torch.fx.Node, param_dtypes: dict[str, torch.dtype]) -> torch.dtype | None:
@@ -194,4 +205,3 @@ def custom_ops_in_traced_dtypes_pass(gm: torch.fx.GraphModule, plan) -> torch.fx
         gm.recompile()
         log.info("custom_ops_in_traced_dtypes: %d custom-op inputs cast to their traced dtype", cast)
     return gm
-

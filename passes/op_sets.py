@@ -24,11 +24,13 @@ from zcompile.passes.collectives import WAIT
 
 aten = torch.ops.aten
 
-SHAPE_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default,
-                         aten.detach.default})
+SHAPE_VIEWS = frozenset(
+    {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default, aten.detach.default}
+)
 SLICE_VIEWS = frozenset({aten.slice.Tensor, aten.select.int})
-LAYOUT_VIEWS = frozenset({aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default,
-                          aten.as_strided.default})
+LAYOUT_VIEWS = frozenset(
+    {aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default, aten.as_strided.default}
+)
 VIEW_OPS = SHAPE_VIEWS | SLICE_VIEWS | LAYOUT_VIEWS
 
 CASTS = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.default})
@@ -38,8 +40,9 @@ PASS_THROUGH = frozenset({WAIT}) | VIEW_OPS | CASTS
 BUCKET_OPS = frozenset({PACK_BUCKET, UNPACK_BUCKET, aten.split_with_sizes.default, operator.getitem})
 PREP_OPS = PASS_THROUGH | COPIES | BUCKET_OPS
 
-SIZE_QUERIES = frozenset({aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int,
-                          aten.sym_storage_offset.default})
+SIZE_QUERIES = frozenset(
+    {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, aten.sym_storage_offset.default}
+)
 
 
 def is_call_to(node: torch.fx.Node, ops: frozenset) -> bool:

@@ -65,8 +65,9 @@ def param_name_from_source(source, fallback: str) -> str:
     return ".".join(parts) if parts else source.name
 
 
-def plan_sharding(gm: torch.fx.GraphModule, example_inputs, stage: int, world_size: int, group_name,
-                  param_dtype, reduce_dtype) -> ShardingPlan:
+def plan_sharding(
+    gm: torch.fx.GraphModule, example_inputs, stage: int, world_size: int, group_name, param_dtype, reduce_dtype
+) -> ShardingPlan:
     """Lists the parameter inputs of ``gm`` (those whose example value is an ``nn.Parameter``) and its
     registered module buffers (by Dynamo's source: an attribute tensor or a user input is not one)."""
     plan = ShardingPlan(stage, world_size, group_name, param_dtype, reduce_dtype)
@@ -75,8 +76,11 @@ def plan_sharding(gm: torch.fx.GraphModule, example_inputs, stage: int, world_si
         source = getattr(node, "_dynamo_source", None)
         if isinstance(example, torch.nn.Parameter):
             name = param_name_from_source(source, node.name)
-            plan.params.append(ParamInput(index, name, tuple(example.shape), example.requires_grad, example.dtype,
-                                          bool(tensor_hooks(example))))
+            plan.params.append(
+                ParamInput(
+                    index, name, tuple(example.shape), example.requires_grad, example.dtype, bool(tensor_hooks(example))
+                )
+            )
         elif isinstance(example, torch.Tensor) and source is not None and _BUFFER_SOURCE.search(source.name):
             plan.buffers.append((index, param_name_from_source(source, node.name)))
     return plan
@@ -85,8 +89,9 @@ def plan_sharding(gm: torch.fx.GraphModule, example_inputs, stage: int, world_si
 _BUFFER_SOURCE = re.compile(r"\._buffers\['[^']+'\]$")
 
 
-def replica_dtype(stage: int, param_dtype: torch.dtype | None, dtype: torch.dtype,
-                  requires_grad: bool) -> torch.dtype | None:
+def replica_dtype(
+    stage: int, param_dtype: torch.dtype | None, dtype: torch.dtype, requires_grad: bool
+) -> torch.dtype | None:
     """The dtype of a stage-1/2 parameter's low-precision replica, None for no replica: only trained
     parameters (a frozen one has no master weight to keep apart) wider than ``param_dtype``."""
     if stage not in (1, 2) or param_dtype is None or not requires_grad:
@@ -140,16 +145,30 @@ def insert_param_collectives_pass(gm: torch.fx.GraphModule, plan: ShardingPlan) 
             if plan.stage == 3:
                 use = graph.call_function(
                     gather_param,
-                    (shard, _numel(param.shape), param.shape, plan.world_size, plan.group_name,
-                     plan.param_dtype or param.dtype, plan.reduce_dtype),
+                    (
+                        shard,
+                        _numel(param.shape),
+                        param.shape,
+                        plan.world_size,
+                        plan.group_name,
+                        plan.param_dtype or param.dtype,
+                        plan.reduce_dtype,
+                    ),
                 )
                 use.meta[metadata.RECOMPUTE] = CheckpointPolicy.MUST_RECOMPUTE
                 metadata.tag(use, role=metadata.ROLE_GATHER, param=param.name)
             else:
                 use = graph.call_function(
                     replicated_param,
-                    (shard, old, _numel(param.shape), plan.world_size, plan.group_name, plan.param_dtype,
-                     plan.reduce_dtype),
+                    (
+                        shard,
+                        old,
+                        _numel(param.shape),
+                        plan.world_size,
+                        plan.group_name,
+                        plan.param_dtype,
+                        plan.reduce_dtype,
+                    ),
                 )
                 metadata.tag(use, role=metadata.ROLE_REPLICATED, param=param.name)
         for user in users:

@@ -36,8 +36,9 @@ prims = torch.ops.prims
 
 
 @torch.library.custom_op("zcompile::gather_shards", mutates_args=())
-def gather_shards(shard: torch.Tensor, numel: int, shape: Sequence[int], world_size: int, group_name: str,
-                  gather_dtype: torch.dtype) -> torch.Tensor:
+def gather_shards(
+    shard: torch.Tensor, numel: int, shape: Sequence[int], world_size: int, group_name: str, gather_dtype: torch.dtype
+) -> torch.Tensor:
     """The parameter of ``numel`` elements and ``shape`` in ``gather_dtype``, every one of the
     ``world_size`` (> 1) ranks' flat ``shard`` all-gathered and the padding cut off."""
     if shard.dtype != gather_dtype:
@@ -47,8 +48,9 @@ def gather_shards(shard: torch.Tensor, numel: int, shape: Sequence[int], world_s
 
 
 @gather_shards.register_fake
-def _gather_shards_fake(shard: torch.Tensor, numel: int, shape: Sequence[int], world_size: int, group_name: str,
-                        gather_dtype: torch.dtype) -> torch.Tensor:
+def _gather_shards_fake(
+    shard: torch.Tensor, numel: int, shape: Sequence[int], world_size: int, group_name: str, gather_dtype: torch.dtype
+) -> torch.Tensor:
     return shard.new_empty(tuple(shape), dtype=gather_dtype)
 
 
@@ -62,8 +64,15 @@ def gather_shards_bytes(node: torch.fx.Node) -> tuple[int, int]:
     return padded_numel(numel, world_size) * gather_dtype.itemsize, world_size
 
 
-def _write_out(add: AddNode, shard: torch.fx.Node, numel: int, shape: Sequence[int], world_size: int,
-               group_name: str, gather_dtype: torch.dtype) -> torch.fx.Node:
+def _write_out(
+    add: AddNode,
+    shard: torch.fx.Node,
+    numel: int,
+    shape: Sequence[int],
+    world_size: int,
+    group_name: str,
+    gather_dtype: torch.dtype,
+) -> torch.fx.Node:
     flat = shard
     if shard.meta["val"].dtype != gather_dtype:
         flat = add(prims.convert_element_type.default, [flat, gather_dtype])

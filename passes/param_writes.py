@@ -44,10 +44,17 @@ def parameter_writes(gm: torch.fx.GraphModule, param_names: dict[int, str]) -> l
             weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
             max_norm = node.args[_MAX_NORM_ARG] if len(node.args) > _MAX_NORM_ARG else node.kwargs.get("max_norm")
             if max_norm is not None and (name := param_of(weight)) is not None:
-                writes.append((name, f"nn.Embedding(max_norm={max_norm}) renormalizes the rows it looks up in the weight"))
+                writes.append(
+                    (name, f"nn.Embedding(max_norm={max_norm}) renormalizes the rows it looks up in the weight")
+                )
         elif node.op in ("call_method", "call_function") and node.args:
             target = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-            if (isinstance(target, str) and target.endswith("_") and not target.startswith("__")
-                    and target not in _WRITE_METHODS_EXCLUDED and (name := param_of(node.args[0])) is not None):
+            if (
+                isinstance(target, str)
+                and target.endswith("_")
+                and not target.startswith("__")
+                and target not in _WRITE_METHODS_EXCLUDED
+                and (name := param_of(node.args[0])) is not None
+            ):
                 writes.append((name, f"{target}() writes it"))
     return writes

@@ -48,8 +48,9 @@ def _exchange(q_rows: torch.Tensor, scale_rows: torch.Tensor, group_name: str):
     return received[:, :q_len].contiguous(), received[:, q_len:].contiguous().view(torch.float32)
 
 
-def hierarchical_reduce_scatter(flat: torch.Tensor, world: int, node_size: int, intra_name: str, inter_name: str,
-                                block: int) -> torch.Tensor:
+def hierarchical_reduce_scatter(
+    flat: torch.Tensor, world: int, node_size: int, intra_name: str, inter_name: str, block: int
+) -> torch.Tensor:
     """The sum over ranks of row ``rank`` of ``flat`` viewed ``[world, s]``, in ``flat``'s dtype."""
     shard = flat.numel() // world
     nodes = world // node_size
@@ -71,8 +72,9 @@ def hierarchical_reduce_scatter(flat: torch.Tensor, world: int, node_size: int, 
     return _zops.dequantize_reduce(q_in, scales_in, padded, BITS, block, 1.0)[:shard].to(flat.dtype)
 
 
-def quantize_grads_pass(gm: torch.fx.GraphModule, group_name: str, world: int, node_size: int, intra_name: str,
-                        inter_name: str, block: int) -> torch.fx.GraphModule:
+def quantize_grads_pass(
+    gm: torch.fx.GraphModule, group_name: str, world: int, node_size: int, intra_name: str, inter_name: str, block: int
+) -> torch.fx.GraphModule:
     """Replaces every floating-point sum reduce-scatter of gradients (not the model's own) over ``group_name`` by ``hierarchical_reduce_scatter``.
 
     The replacement sits where the reduce-scatter was issued (its all-to-alls wait at once: each
@@ -80,21 +82,36 @@ def quantize_grads_pass(gm: torch.fx.GraphModule, group_name: str, world: int, n
     """
     graph = gm.graph
     fake_mode = graph_fake_mode(gm)
-    reductions = [c for c in map(CollectiveNode.of, graph.find_nodes(op="call_function", target=REDUCE_SCATTER))
-                  if c.is_zero and c.reduce_op == "sum" and c.group_name == group_name and c.group_size == world
-                  and c.dtype.is_floating_point and c.wait is not None]
+    reductions = [
+        c
+        for c in map(CollectiveNode.of, graph.find_nodes(op="call_function", target=REDUCE_SCATTER))
+        if c.is_zero
+        and c.reduce_op == "sum"
+        and c.group_name == group_name
+        and c.group_size == world
+        and c.dtype.is_floating_point
+        and c.wait is not None
+    ]
     for reduction in reductions:
         wait = reduction.wait
         chosen = effective_block(reduction.shard_elements, block)
         with graph.inserting_before(reduction.node):
             result = inline_call(
-                graph, lambda x: hierarchical_reduce_scatter(x, world, node_size, intra_name, inter_name, chosen),
-                [reduction.input], fake_mode, tags=dict(metadata.tags(reduction.node), quantized="int4"))
+                graph,
+                lambda x: hierarchical_reduce_scatter(x, world, node_size, intra_name, inter_name, chosen),
+                [reduction.input],
+                fake_mode,
+                tags=dict(metadata.tags(reduction.node), quantized="int4"),
+            )
         wait.replace_all_uses_with(result)
         graph.erase_node(wait)
         graph.erase_node(reduction.node)
     graph.lint()
     gm.recompile()
-    log.info("qgZ: %d reduce-scatters -> hierarchical int4 all-to-all (%d nodes of %d)", len(reductions),
-             world // node_size, node_size)
+    log.info(
+        "qgZ: %d reduce-scatters -> hierarchical int4 all-to-all (%d nodes of %d)",
+        len(reductions),
+        world // node_size,
+        node_size,
+    )
     return gm

@@ -59,14 +59,22 @@ def quantize_weights_pass(gm: torch.fx.GraphModule, group_name: str, block: int)
     """
     graph = gm.graph
     fake_mode = graph_fake_mode(gm)
-    gathers = [c for c in map(CollectiveNode.of, graph.find_nodes(op="call_function", target=ALL_GATHER))
-               if c.is_zero and c.group_name == group_name and c.dtype in _FLOATS and c.wait is not None]
+    gathers = [
+        c
+        for c in map(CollectiveNode.of, graph.find_nodes(op="call_function", target=ALL_GATHER))
+        if c.is_zero and c.group_name == group_name and c.dtype in _FLOATS and c.wait is not None
+    ]
     for gather in gathers:
         wait, group_size = gather.wait, gather.group_size
         chosen = effective_block(gather.input_val.numel(), block)
         with graph.inserting_before(gather.node):
-            full = inline_call(graph, lambda s: quantized_all_gather(s, group_size, group_name, chosen), [gather.input],
-                               fake_mode, tags=dict(metadata.tags(gather.node), quantized="int8"))
+            full = inline_call(
+                graph,
+                lambda s: quantized_all_gather(s, group_size, group_name, chosen),
+                [gather.input],
+                fake_mode,
+                tags=dict(metadata.tags(gather.node), quantized="int8"),
+            )
         wait.replace_all_uses_with(full)
         graph.erase_node(wait)
         graph.erase_node(gather.node)

@@ -19,6 +19,7 @@ import logging
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
+
 from zcompile.passes.metadata import RECOMPUTE
 
 log = logging.getLogger(__name__)

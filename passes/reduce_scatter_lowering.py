@@ -66,8 +66,14 @@ SUM_RECEIVED_ROWS = torch.ops.zcompile.sum_received_rows.default
 
 
 def _lowerable(collective: CollectiveNode) -> bool:
-    return (collective.node.target is REDUCE_SCATTER and collective.is_zero and collective.reduce_op in ("sum", "avg")
-            and collective.wait is not None and collective.input_val is not None and collective.group_size > 1)
+    return (
+        collective.node.target is REDUCE_SCATTER
+        and collective.is_zero
+        and collective.reduce_op in ("sum", "avg")
+        and collective.wait is not None
+        and collective.input_val is not None
+        and collective.group_size > 1
+    )
 
 
 def _lower(gm: torch.fx.GraphModule, collective: CollectiveNode) -> None:

@@ -75,8 +75,12 @@ def subgraph_output_origin(gm: torch.fx.GraphModule, argument) -> tuple[torch.fx
     """For ``getitem(call, k)`` of a subgraph call whose subgraph returns at ``k`` one of its inputs,
     or views of it: the call's operand behind that input and the views to apply to it, in order.
     ``None`` for anything the subgraph computed."""
-    if not (isinstance(argument, torch.fx.Node) and argument.op == "call_function"
-            and argument.target is operator.getitem and _is_subgraph_call(argument.args[0])):
+    if not (
+        isinstance(argument, torch.fx.Node)
+        and argument.op == "call_function"
+        and argument.target is operator.getitem
+        and _is_subgraph_call(argument.args[0])
+    ):
         return None
     forward_call, index = argument.args
     subgraph = called_subgraph(gm, forward_call)

@@ -36,8 +36,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
 
 import networkx as nx
 import torch
@@ -158,8 +158,11 @@ def greedy_prefetch(problem: ScheduleProblem) -> list[int]:
     depths: list[int] = []
     for j in range(len(problem.gathers)):
         for depth in range(min(problem.prefetch, j), -1, -1):
-            if problem.memory_budget is None or depth == 0 or \
-                    problem.peak_bytes([*depths, depth]) <= problem.memory_budget:
+            if (
+                problem.memory_budget is None
+                or depth == 0
+                or problem.peak_bytes([*depths, depth]) <= problem.memory_budget
+            ):
                 break
         depths.append(depth)
     return depths
@@ -170,8 +173,9 @@ def policy_name(policy: SchedulePolicy) -> str:
     return str(getattr(policy, "name", None) or getattr(policy, "__name__", None) or type(policy).__name__)
 
 
-def schedule_problem(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int | None = None,
-                     graph: str = "") -> tuple[ScheduleProblem, list[ScheduledCollective]]:
+def schedule_problem(
+    gm: torch.fx.GraphModule, prefetch: int, memory_budget: int | None = None, graph: str = ""
+) -> tuple[ScheduleProblem, list[ScheduledCollective]]:
     """The all-gathers of ``gm`` as a ``ScheduleProblem``, and the reduce-scatters already placed."""
     dag = dependency_graph(gm)
     position = nx.get_node_attributes(dag, "position")
@@ -191,8 +195,10 @@ def schedule_problem(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int
             gathers.append((collective.node, uses[0]))
     # each waited just before the one REDUCE_SCATTERS_IN_FLIGHT later is issued ("": at the end)
     later = [c.node.name for c in reduce_scatters[REDUCE_SCATTERS_IN_FLIGHT:]]
-    reduces = [ScheduledCollective(c.node.name, c.kind, c.bytes, "", wait_before, 0)
-               for c, wait_before in zip(reduce_scatters, later + [""] * len(reduce_scatters))]
+    reduces = [
+        ScheduledCollective(c.node.name, c.kind, c.bytes, "", wait_before, 0)
+        for c, wait_before in zip(reduce_scatters, later + [""] * len(reduce_scatters))
+    ]
     gathers.sort(key=lambda g: position[g[1]])
     slots = []
     for node, first_use in gathers:
@@ -200,14 +206,20 @@ def schedule_problem(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int
         # pieces are copied out right after the wait, which the schedule puts just before the first use
         (_, _, buffer_last, _), *copies = storages(dag, position, node)
         pieces = tuple((max(copy_at, first - 0.5), copy_last, nbytes) for _, copy_at, copy_last, nbytes in copies)
-        slots.append(GatherSlot(node.name, node_bytes(node), first_use.name, first, max(buffer_last, first - 0.5),
-                                pieces))
+        slots.append(
+            GatherSlot(node.name, node_bytes(node), first_use.name, first, max(buffer_last, first - 0.5), pieces)
+        )
     problem = ScheduleProblem(graph, prefetch, memory_budget, tuple(slots), tuple(gm.graph.nodes))
     return problem, reduces
 
 
-def plan_schedule(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int | None = None,
-                  graph: str = "", policy: SchedulePolicy | None = None) -> SchedulePlan:
+def plan_schedule(
+    gm: torch.fx.GraphModule,
+    prefetch: int,
+    memory_budget: int | None = None,
+    graph: str = "",
+    policy: SchedulePolicy | None = None,
+) -> SchedulePlan:
     """Where each collective of ``gm`` is issued and waited, the depths chosen by ``policy``
     (``greedy_prefetch`` when None; see the module docstring)."""
     policy = greedy_prefetch if policy is None else policy
@@ -216,13 +228,19 @@ def plan_schedule(gm: torch.fx.GraphModule, prefetch: int, memory_budget: int | 
     plan = SchedulePlan(graph, prefetch, memory_budget, list(reduces), policy=policy_name(policy))
     for j, (slot, depth) in enumerate(zip(problem.gathers, depths)):
         issue_before = problem.gathers[j - depth].first_use
-        plan.collectives.append(ScheduledCollective(slot.name, "all_gather", slot.bytes, issue_before,
-                                                    slot.first_use, depth))
+        plan.collectives.append(
+            ScheduledCollective(slot.name, "all_gather", slot.bytes, issue_before, slot.first_use, depth)
+        )
     plan.peak_gathered_bytes = problem.peak_bytes(depths)
     if memory_budget is not None and plan.peak_gathered_bytes > memory_budget:
-        log.warning("schedule (%s): gathered parameters need %d bytes at peak with policy %s, over the budget of "
-                    "%d; raise memory_budget_mb or lower bucket_mb", graph, plan.peak_gathered_bytes, plan.policy,
-                    memory_budget)
+        log.warning(
+            "schedule (%s): gathered parameters need %d bytes at peak with policy %s, over the budget of "
+            "%d; raise memory_budget_mb or lower bucket_mb",
+            graph,
+            plan.peak_gathered_bytes,
+            plan.policy,
+            memory_budget,
+        )
     return plan
 
 
@@ -231,13 +249,17 @@ def _checked_depths(policy: SchedulePolicy, problem: ScheduleProblem) -> list[in
     depths = list(policy(problem))
     name = policy_name(policy)
     if len(depths) != len(problem.gathers):
-        raise ValueError(f"schedule_policy {name!r} returned {len(depths)} depths for the {len(problem.gathers)} "
-                         f"all-gathers of graph {problem.graph!r}; return one prefetch depth per problem.gathers")
+        raise ValueError(
+            f"schedule_policy {name!r} returned {len(depths)} depths for the {len(problem.gathers)} "
+            f"all-gathers of graph {problem.graph!r}; return one prefetch depth per problem.gathers"
+        )
     for j, depth in enumerate(depths):
         if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= j:
-            raise ValueError(f"schedule_policy {name!r}: depth {depth!r} for all-gather {j} "
-                             f"({problem.gathers[j].name}) of graph {problem.graph!r}; a depth is an int "
-                             f"0 <= depth <= {j} (gather j is issued before the first use of gather j - depth)")
+            raise ValueError(
+                f"schedule_policy {name!r}: depth {depth!r} for all-gather {j} "
+                f"({problem.gathers[j].name}) of graph {problem.graph!r}; a depth is an int "
+                f"0 <= depth <= {j} (gather j is issued before the first use of gather j - depth)"
+            )
     return depths
 
 
@@ -269,11 +291,18 @@ def schedule_pass(gm: torch.fx.GraphModule, plan: SchedulePlan) -> torch.fx.Grap
     for node in reversed(nodes):
         for source in node.all_input_nodes:
             if not _is_compute(source) or source.target in COLLECTIVE_OPS:
-                priority[source] = min(priority[source], priority[node]) if priority[source] != late else priority[source]
+                priority[source] = (
+                    min(priority[source], priority[node]) if priority[source] != late else priority[source]
+                )
     apply_order(gm, topological_order(gm, priority))
     _wait_reduces_in_turn(gm, plan)
-    log.info("schedule (%s): %d collectives placed, prefetch %d, predicted peak gathered %d bytes",
-             plan.graph, len(plan.collectives), plan.prefetch, plan.peak_gathered_bytes)
+    log.info(
+        "schedule (%s): %d collectives placed, prefetch %d, predicted peak gathered %d bytes",
+        plan.graph,
+        len(plan.collectives),
+        plan.prefetch,
+        plan.peak_gathered_bytes,
+    )
     return gm
 
 
@@ -290,7 +319,8 @@ def _wait_reduces_in_turn(gm: torch.fx.GraphModule, plan: SchedulePlan) -> None:
         collective, target = by_name[entry.name], by_name[entry.wait_before]
         wait = next(u for u in collective.users if u.target is WAIT)
         if position[collective] < position[target] < position[wait] and all(
-                position[user] > position[target] for user in wait.users):
+            position[user] > position[target] for user in wait.users
+        ):
             target.prepend(wait)
 
 

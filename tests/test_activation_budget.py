@@ -54,8 +54,11 @@ def _independent_saved_bytes(graphs) -> int:
     for g in graphs:
         inputs = {p.name for p in g.forward.graph.find_nodes(op="placeholder")}
         for view in (torch.ops.aten.t.default, torch.ops.aten.view.default):
-            inputs |= {n.name for n in g.forward.graph.find_nodes(op="call_function", target=view)
-                       if n.args[0].op == "placeholder"}
+            inputs |= {
+                n.name
+                for n in g.forward.graph.find_nodes(op="call_function", target=view)
+                if n.args[0].op == "placeholder"
+            }
         storages = {}
         for p in g.backward.graph.find_nodes(op="placeholder"):
             value = p.meta.get("val")
@@ -119,8 +122,10 @@ def _stage3_with_budget(rank, world):
     return [train_zero(spec, rank, world) for spec in SPECS]
 
 
-SPECS = (RunSpec(stage=3, options={"activation_memory_budget": 0.5}),
-         RunSpec(model="gpt_checkpointed", stage=3, options={"activation_memory_budget": 0.5}))
+SPECS = (
+    RunSpec(stage=3, options={"activation_memory_budget": 0.5}),
+    RunSpec(model="gpt_checkpointed", stage=3, options={"activation_memory_budget": 0.5}),
+)
 
 
 def test_stage3_with_a_budget_on_2_ranks_trains_like_one_process():
@@ -129,10 +134,16 @@ def test_stage3_with_a_budget_on_2_ranks_trains_like_one_process():
         assert_same_training(result, train_reference(spec), spec)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (1.5, "fraction 0..1"), (-0.1, "fraction 0..1"), (True, "fraction 0..1"), ("12", "like '256MiB'"),
-    ("lots MiB", "like '256MiB'"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (1.5, "fraction 0..1"),
+        (-0.1, "fraction 0..1"),
+        (True, "fraction 0..1"),
+        ("12", "like '256MiB'"),
+        ("lots MiB", "like '256MiB'"),
+    ],
+)
 def test_bad_budgets_name_the_option(bad, match):
     with pytest.raises(ValueError, match=f"activation_memory_budget.*{match}"):
         zcompile.ZeroConfig(activation_memory_budget=bad)
@@ -146,8 +157,15 @@ def test_mib_budget_on_a_model_with_tensor_constants():
     storage of a tensor on device meta"). The trial now copies the graph only. Reference: the plain
     model's loss and gradients on the same batch (one process, fp32)."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model, reference = transformers.LlamaForCausalLM(config), transformers.LlamaForCausalLM(config)
     reference.load_state_dict(model.state_dict())

@@ -31,7 +31,8 @@ def test_each_gather_runs_into_a_buffer_of_its_output_shape_allocated_where_it_w
         assert wait.target is WAIT and wait.name == f"wait{i}"
     # everything else where it was: the gathers' places taken by buffer + gather
     assert [n for n in order_before if not n.startswith("gather")] == [
-        n.name for n in nodes if n.target not in (ALL_GATHER_OUT, aten.empty.memory_format)]
+        n.name for n in nodes if n.target not in (ALL_GATHER_OUT, aten.empty.memory_format)
+    ]
 
 
 def test_the_rewritten_graph_computes_what_the_graph_did():
@@ -72,7 +73,7 @@ def _inductor_code_between_issue_and_wait(gm: torch.fx.GraphModule, inputs: list
     issue = next(i for i, line in enumerate(lines) if "all_gather_into_tensor_out.default(" in line)
     wait = next(i for i, line in enumerate(lines) if "wait_tensor.default(" in line and i > issue)
     read = re.search(r"all_gather_into_tensor_out\.default\((?:reinterpret_tensor\()?(\w+)", lines[issue]).group(1)
-    return read, lines[issue + 1:wait], outputs
+    return read, lines[issue + 1 : wait], outputs
 
 
 @pytest.mark.parametrize("shape", [(16,), (4, 4), ()], ids=["flat", "2d", "0d"])
@@ -80,6 +81,7 @@ def test_under_inductor_no_kernel_takes_the_gathers_input_before_its_wait(shape)
     """An input computed in the graph (a cast of a shard, a bucket's pack, an activation the model
     gathers), then a kernel whose output has its size while the gather is in flight: inductor hands
     that kernel the input's memory unless the input lives in the gathered buffer's tail."""
+
     def step(a, b):
         gathered = ALL_GATHER(a * 2, 2, group)
         busy = (b * 3).sin()  # a kernel between the issue and the wait, its output the input's size
@@ -103,6 +105,7 @@ def test_under_inductor_a_buckets_pack_is_written_into_its_gathers_buffer_withou
     """A bucket's pack (``zcompile::pack_bucket``, a fallback op to inductor) only the gather reads: the
     pack makes the gather's ``[N + 1, width]`` buffer itself and writes the last row, so inductor runs no
     copy of it (before: a copy of the pack into the row, one more pass over the bucket's shards)."""
+
     def step(a, c, b):
         gathered = ALL_GATHER(PACK_BUCKET([a, c], 1), 2, group)
         busy = (b * 3).sin()  # a kernel between the issue and the wait, its output the pack's size
@@ -148,10 +151,14 @@ def test_under_inductor_a_computed_input_is_written_into_its_gathers_buffer_by_t
     x, w = torch.randn(6, 16), torch.randn(16, 32, requires_grad=True)
     reference_w = w.detach().clone().requires_grad_(True)
     # caches off: a cached graph would skip `inner` (the AOTAutograd cache keys the graph before it)
-    with fake_process_group(world_size=2) as group, torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        compiled = torch.compile(contrastive, backend=lambda gm, inputs: compile_fx(gm, inputs, inner_compile=inner),
-                                 dynamic=dynamic)
+    with (
+        fake_process_group(world_size=2) as group,
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        compiled = torch.compile(
+            contrastive, backend=lambda gm, inputs: compile_fx(gm, inputs, inner_compile=inner), dynamic=dynamic
+        )
         loss, everyone = compiled(x, w)
         loss.backward()
         reference_loss, reference_everyone = contrastive(x, reference_w)  # eager, on the same fake group

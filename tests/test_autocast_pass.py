@@ -31,11 +31,11 @@ def test_enter_after_last_placeholder_and_exit_before_output():
     gm = torch.fx.symbolic_trace(_f)
     assert not gm.graph.find_nodes(op="call_function", target=_enter)
     gm = autocast_pass(gm, torch.bfloat16, "cpu")
-    FileCheck().check("def forward(self, x, w):") \
-        .check_next("_enter_autocast = torch.amp.autocast_mode._enter_autocast('cpu', torch.bfloat16, True, None)") \
-        .check_next("matmul = x @ w").check_next("softmax = torch.softmax(matmul") \
-        .check_next("torch.amp.autocast_mode._exit_autocast(_enter_autocast)").check_next("return softmax") \
-        .run(gm.code)
+    FileCheck().check("def forward(self, x, w):").check_next(
+        "_enter_autocast = torch.amp.autocast_mode._enter_autocast('cpu', torch.bfloat16, True, None)"
+    ).check_next("matmul = x @ w").check_next("softmax = torch.softmax(matmul").check_next(
+        "torch.amp.autocast_mode._exit_autocast(_enter_autocast)"
+    ).check_next("return softmax").run(gm.code)
     nodes = list(gm.graph.nodes)
     (enter,) = gm.graph.find_nodes(op="call_function", target=_enter)
     (leave,) = gm.graph.find_nodes(op="call_function", target=_exit)

@@ -8,10 +8,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from support.launch import run_ranks
 from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
-from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
 from zcompile.passes import metadata
 from zcompile.passes.bucket_ops import PACK_BUCKET, UNPACK_BUCKET, pack_bucket, unpack_bucket
 from zcompile.passes.bucketing import bucket_collectives_pass, plan_buckets
+from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
 
 aten = torch.ops.aten
 

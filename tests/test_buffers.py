@@ -25,8 +25,14 @@ BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 def _cnn() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 4),
+    )
 
 
 def _train(run, rank: int, world: int, optimizer) -> None:
@@ -48,8 +54,12 @@ def _state(model: torch.nn.Module) -> dict:
 
 def buffers_on_rank(rank: int, world: int) -> dict:
     out = {}
-    for name, options in {"stage 1": {"stage": 1}, "stage 2": {"stage": 2}, "stage 3": {"stage": 3},
-                          "stage 2, per rank": {"stage": 2, "broadcast_buffers": False}}.items():
+    for name, options in {
+        "stage 1": {"stage": 1},
+        "stage 2": {"stage": 2},
+        "stage 3": {"stage": 3},
+        "stage 2, per rank": {"stage": 2, "broadcast_buffers": False},
+    }.items():
         torch._dynamo.reset()
         model = _cnn()
         optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1)

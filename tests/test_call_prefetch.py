@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from support.graph_builders import fake_process_group, trace
-from zcompile.backend.call_prefetch import CallChain, RunPhase, prefetching_call
 from zcompile.backend.aot import boxed_graph_function
+from zcompile.backend.call_prefetch import CallChain, RunPhase, prefetching_call
 from zcompile.passes.all_gather_lowering import ALL_GATHER_OUT, all_gathers_into_buffers
 from zcompile.passes.call_prologue import issued_by, issued_input_name, shard_placeholder_names, split_first_gather
 from zcompile.passes.collectives import ALL_GATHER, REDUCE_SCATTER, WAIT
@@ -63,8 +63,10 @@ def test_the_prologue_issues_the_first_gather_of_the_shards_and_the_body_compute
         issued = split.prologue(inputs[0], inputs[2])
         torch.testing.assert_close(split.body(*inputs, issued), expected, rtol=0, atol=0)
         # the fake group's all-gather repeats this rank's shard: the value, independently
-        hidden = inputs[1] * torch.cat([inputs[0], inputs[2]]).repeat(2)[:8].sum() + \
-            torch.cat([inputs[0], inputs[2]]).repeat(2)[8:].mean()
+        hidden = (
+            inputs[1] * torch.cat([inputs[0], inputs[2]]).repeat(2)[:8].sum()
+            + torch.cat([inputs[0], inputs[2]]).repeat(2)[8:].mean()
+        )
         torch.testing.assert_close(expected, hidden * (inputs[2] * 2).repeat(2).sum())
 
 
@@ -72,11 +74,16 @@ def test_no_split_where_the_first_gather_reads_more_than_shards_or_the_first_col
     with fake_process_group(world_size=2) as group:
         gm = _layer_graph(group)
         assert split_first_gather(gm, shard_placeholder_names([0])) is None  # primals_3 is no shard
-        reads_activation = _as_aot_names(trace(lambda shard, x: WAIT(ALL_GATHER(shard * x, 2, group)).sum(),
-                                               torch.zeros(4), torch.zeros(4)))
+        reads_activation = _as_aot_names(
+            trace(lambda shard, x: WAIT(ALL_GATHER(shard * x, 2, group)).sum(), torch.zeros(4), torch.zeros(4))
+        )
         assert split_first_gather(reads_activation, shard_placeholder_names([0])) is None  # x: an activation
-        reduces_first = _as_aot_names(trace(lambda shard: WAIT(ALL_GATHER(WAIT(REDUCE_SCATTER(shard, "sum", 2, group)),
-                                                                          2, group)).sum(), torch.zeros(4)))
+        reduces_first = _as_aot_names(
+            trace(
+                lambda shard: WAIT(ALL_GATHER(WAIT(REDUCE_SCATTER(shard, "sum", 2, group)), 2, group)).sum(),
+                torch.zeros(4),
+            )
+        )
         assert split_first_gather(reduces_first, shard_placeholder_names([0])) is None
         assert split_first_gather(_as_aot_names(trace(lambda shard: shard * 2, torch.zeros(4))), SHARDS) is None
 
@@ -242,14 +249,17 @@ def test_cross_call_prefetch_applies_to_stage3_training_graphs_and_within_a_memo
     schedule's gathered peak plus the held gather would pass, the option off, an inference graph)."""
     from types import SimpleNamespace
 
-    from zcompile.config import ZeroConfig
     from zcompile.backend.aot import cross_call_split
+    from zcompile.config import ZeroConfig
 
     def graphs(peak: int = 1000, **options):
         params = [SimpleNamespace(index=0), SimpleNamespace(index=2)]
-        context = SimpleNamespace(config=ZeroConfig(stage=3, **options), sharding=SimpleNamespace(stage=3, params=params),
-                                  group=SimpleNamespace(world_size=2, process_group=None),
-                                  plans={"schedule.forward": SimpleNamespace(peak_gathered_bytes=peak)})
+        context = SimpleNamespace(
+            config=ZeroConfig(stage=3, **options),
+            sharding=SimpleNamespace(stage=3, params=params),
+            group=SimpleNamespace(world_size=2, process_group=None),
+            plans={"schedule.forward": SimpleNamespace(peak_gathered_bytes=peak)},
+        )
         return SimpleNamespace(context=context)
 
     with fake_process_group(world_size=2) as group:

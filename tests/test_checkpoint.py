@@ -25,9 +25,9 @@ import zcompile.checkpoint.dcp as ckpt
 from support.launch import run_ranks
 from support.models import build_model
 from support.training import LOSS_RTOL, RunSpec, _optimizer, train_reference, train_steps
-from zcompile.cli.commands import main as cli_main
-from zcompile.checkpoint.consolidate import consolidate
 from zcompile.agreement.abort_note import RankDivergenceError
+from zcompile.checkpoint.consolidate import consolidate
+from zcompile.cli.commands import main as cli_main
 
 STEPS = 6
 HALF = STEPS // 2
@@ -81,8 +81,13 @@ def first_launch(rank: int, world: int, root: str) -> dict:
             ckpt.save(os.path.join(root, "gpt_2r"), compiled, optimizer, extra={"rank": rank, "step": STEPS})
         model, compiled, optimizer, spec = _fresh(name, 3)
         train_steps(spec, compiled, optimizer, range(HALF), rank, world)
-        written = ckpt.save(os.path.join(root, f"{name}_2r"), compiled, optimizer, extra={"rank": rank, "step": HALF},
-                            async_save=name == "gpt")  # staged now, written in the background
+        written = ckpt.save(
+            os.path.join(root, f"{name}_2r"),
+            compiled,
+            optimizer,
+            extra={"rank": rank, "step": HALF},
+            async_save=name == "gpt",
+        )  # staged now, written in the background
         if name == "gpt":
             train_steps(spec, compiled, optimizer, range(HALF, STEPS), rank, world)  # training goes on meanwhile
             written.result()
@@ -129,8 +134,11 @@ def _frozen_runs(rank: int, world: int, root: str) -> dict:
     model, compiled, optimizer, spec = _fresh_frozen(3)
     train_steps(spec, compiled, optimizer, range(HALF), rank, world)
     ckpt.save(os.path.join(root, "frozen_2r"), compiled, optimizer, exclude_frozen_parameters=True)
-    out["frozen_saved"] = sorted(k for k in dcp.FileSystemReader(os.path.join(root, "frozen_2r")).read_metadata()
-                                 .state_dict_metadata if k.startswith("model/"))
+    out["frozen_saved"] = sorted(
+        k
+        for k in dcp.FileSystemReader(os.path.join(root, "frozen_2r")).read_metadata().state_dict_metadata
+        if k.startswith("model/")
+    )
     out["frozen_trained_only"] = ckpt.full_state_dict(compiled, exclude_frozen_parameters=True)
     out["frozen_params"] = _params(model)
     model, compiled, optimizer, spec = _fresh_frozen(3)
@@ -149,13 +157,15 @@ def _frozen_runs(rank: int, world: int, root: str) -> dict:
     if rank == 1:
         with torch.no_grad():
             model.ln_f.weight[0] += 1e-3
-    out["frozen_other_base_one_rank"] = _error_of(lambda: ckpt.load(os.path.join(root, "frozen_2r"), compiled,
-                                                                    optimizer))
+    out["frozen_other_base_one_rank"] = _error_of(
+        lambda: ckpt.load(os.path.join(root, "frozen_2r"), compiled, optimizer)
+    )
     return out
 
 
 def _divergent_calls(rank, world, root, model, optimizer) -> dict[str, str | None]:
     """Rank-divergent checkpoint calls: an error in seconds on the ranks that made them, never a wait."""
+
     def outcome(fn):
         try:
             fn()
@@ -165,13 +175,16 @@ def _divergent_calls(rank, world, root, model, optimizer) -> dict[str, str | Non
 
     # a path made per rank: one directory each and no checkpoint; refused on every rank
     out = {"per_rank_path": outcome(lambda: ckpt.save(os.path.join(root, f"mine_{rank}"), model, optimizer))}
-    out["per_rank_path_wrote"] = any(os.path.exists(os.path.join(root, f"mine_{r}")) and
-                                     os.listdir(os.path.join(root, f"mine_{r}")) for r in range(world))
+    out["per_rank_path_wrote"] = any(
+        os.path.exists(os.path.join(root, f"mine_{r}")) and os.listdir(os.path.join(root, f"mine_{r}"))
+        for r in range(world)
+    )
     # a parameter frozen on one rank only: the ranks would leave out different tensors; refused on both
     frozen_here = next(iter(model.parameters()))
     frozen_here.requires_grad_(rank != 1)
-    out["frozen_on_one_rank"] = outcome(lambda: ckpt.save(os.path.join(root, "frozen_one"), model, optimizer,
-                                                           exclude_frozen_parameters=True))
+    out["frozen_on_one_rank"] = outcome(
+        lambda: ckpt.save(os.path.join(root, "frozen_one"), model, optimizer, exclude_frozen_parameters=True)
+    )
     frozen_here.requires_grad_(True)
     # rank 1 alone finding another checkpoint at the path (what a filesystem not shared by the ranks shows after
     # a save stopped while it swapped in): each rank would read its own checkpoint; refused on both
@@ -370,6 +383,7 @@ def test_full_state_dict_and_consolidated_file_equal_the_trained_weights(launche
             state = torch.load(path)
         else:
             from safetensors.torch import load_file
+
             state = load_file(path)
         plain.load_state_dict(state)  # strict: every key, tied names and buffers included
         for name, param in plain.named_parameters():
@@ -393,7 +407,9 @@ def test_rank_divergent_calls_are_errors_not_hangs(launches):
     _, first, _, _ = launches
     for result in first:
         divergent = result["divergent"]
-        assert "different 'path'" in divergent["per_rank_path"] and "broadcast_object_list" in divergent["per_rank_path"]
+        assert (
+            "different 'path'" in divergent["per_rank_path"] and "broadcast_object_list" in divergent["per_rank_path"]
+        )
         assert not divergent["per_rank_path_wrote"]
         assert "different 'frozen'" in divergent["frozen_on_one_rank"]
         assert "freeze the same parameters on every rank" in divergent["frozen_on_one_rank"]

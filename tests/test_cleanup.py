@@ -2,8 +2,8 @@
 
 import torch
 
-from zcompile.passes.collectives import ALL_GATHER, WAIT
 from zcompile.passes.cleanup import remove_unused_gathers_pass
+from zcompile.passes.collectives import ALL_GATHER, WAIT
 
 aten = torch.ops.aten
 

@@ -15,37 +15,72 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _rec(kind, elements, where, param, itemsize=4):
-    return {"kind": kind, "elements": elements, "bytes": elements * itemsize, "dtype": "torch.float32",
-            "where": where, "params": [param]}
+    return {
+        "kind": kind,
+        "elements": elements,
+        "bytes": elements * itemsize,
+        "dtype": "torch.float32",
+        "where": where,
+        "params": [param],
+    }
 
 
 def _pass(index, name, graph, seconds, before, after):
-    return {"index": index, "pass": name, "graph": graph, "seconds": seconds, "nodes_before": before,
-            "nodes_after": after, "added": {}, "removed": {}}
+    return {
+        "index": index,
+        "pass": name,
+        "graph": graph,
+        "seconds": seconds,
+        "nodes_before": before,
+        "nodes_after": after,
+        "added": {},
+        "removed": {},
+    }
 
 
 def _graphs():
     """Two Dynamo graphs of a stage-3 run: what each file of the dump holds."""
-    params = [{"index": i, "name": n, "shape": s, "requires_grad": True, "dtype": "torch.float32"}
-              for i, (n, s) in enumerate([("wte.weight", [256, 32]), ("h.0.w", [32, 32]), ("h.0.b", [32])])]
+    params = [
+        {"index": i, "name": n, "shape": s, "requires_grad": True, "dtype": "torch.float32"}
+        for i, (n, s) in enumerate([("wte.weight", [256, 32]), ("h.0.w", [32, 32]), ("h.0.b", [32])])
+    ]
     return {
         "0_0": {
-            "plan": {"stage": 3, "world_size": 2, "group_name": "0", "param_dtype": "None", "reduce_dtype": "None",
-                     "params": params},
-            "passes": [_pass(0, "insert_param_collectives", "dynamo", 0.0012, 40, 95),
-                       _pass(1, "autocast", "dynamo", 0.0003, 95, 95),
-                       _pass(2, "remove_unused_gathers", "forward", 0.0021, 120, 118),
-                       _pass(3, "remove_unused_gathers", "backward", 0.0040, 300, 290)],
-            "forward": [_rec("all_gather", 8192, "forward", "wte.weight"), _rec("all_gather", 1024, "forward", "h.0.w"),
-                        _rec("all_gather", 32, "forward", "h.0.b")],
-            "backward": [_rec("all_gather", 8192, "backward", "wte.weight"),
-                         _rec("reduce_scatter", 8192, "backward", "wte.weight"),
-                         _rec("reduce_scatter", 1024, "backward", "h.0.w"),
-                         _rec("reduce_scatter", 32, "backward", "h.0.b")],
+            "plan": {
+                "stage": 3,
+                "world_size": 2,
+                "group_name": "0",
+                "param_dtype": "None",
+                "reduce_dtype": "None",
+                "params": params,
+            },
+            "passes": [
+                _pass(0, "insert_param_collectives", "dynamo", 0.0012, 40, 95),
+                _pass(1, "autocast", "dynamo", 0.0003, 95, 95),
+                _pass(2, "remove_unused_gathers", "forward", 0.0021, 120, 118),
+                _pass(3, "remove_unused_gathers", "backward", 0.0040, 300, 290),
+            ],
+            "forward": [
+                _rec("all_gather", 8192, "forward", "wte.weight"),
+                _rec("all_gather", 1024, "forward", "h.0.w"),
+                _rec("all_gather", 32, "forward", "h.0.b"),
+            ],
+            "backward": [
+                _rec("all_gather", 8192, "backward", "wte.weight"),
+                _rec("reduce_scatter", 8192, "backward", "wte.weight"),
+                _rec("reduce_scatter", 1024, "backward", "h.0.w"),
+                _rec("reduce_scatter", 32, "backward", "h.0.b"),
+            ],
         },
         "1_0": {
-            "plan": {"stage": 3, "world_size": 2, "group_name": "0", "param_dtype": "None", "reduce_dtype": "None",
-                     "params": params[:1]},
+            "plan": {
+                "stage": 3,
+                "world_size": 2,
+                "group_name": "0",
+                "param_dtype": "None",
+                "reduce_dtype": "None",
+                "params": params[:1],
+            },
             "passes": [_pass(0, "insert_param_collectives", "dynamo", 0.0005, 10, 21)],
             "forward": [_rec("all_gather", 8192, "forward", "wte.weight")],
             "backward": [_rec("reduce_scatter", 8192, "backward", "wte.weight")],
@@ -53,10 +88,15 @@ def _graphs():
     }
 
 
-REPORT = {"stage": 3, "world_size": 2, "num_params": 9248,
-          "collectives": [_rec("all_gather", 9248, "forward", "all")],
-          "totals": {"all_gather": 17440, "reduce_scatter": 9248, "total": 26688}, "formula_elements": 27744,
-          "memory": {"model_states_bytes": 74240, "formula_bytes": 73984, "peak_gathered_bytes": 36864}}
+REPORT = {
+    "stage": 3,
+    "world_size": 2,
+    "num_params": 9248,
+    "collectives": [_rec("all_gather", 9248, "forward", "all")],
+    "totals": {"all_gather": 17440, "reduce_scatter": 9248, "total": 26688},
+    "formula_elements": 27744,
+    "memory": {"model_states_bytes": 74240, "formula_bytes": 73984, "peak_gathered_bytes": 36864},
+}
 
 
 def write_dump(root, graphs=None, ranks=(0, 1), report=REPORT):
@@ -107,8 +147,12 @@ def test_inspect_shows_the_dump(tmp_path, capsys):
     assert row(out, "1_0")[:6] == ["1_0", "3", "2", "1", "1", "0.50"]
     # passes in order, with time and node delta
     passes = [line.split() for line in out.splitlines() if "_gathers" in line or "_collectives" in line]
-    assert [p[2] for p in passes] == ["insert_param_collectives", "remove_unused_gathers", "remove_unused_gathers",
-                                      "insert_param_collectives"]
+    assert [p[2] for p in passes] == [
+        "insert_param_collectives",
+        "remove_unused_gathers",
+        "remove_unused_gathers",
+        "insert_param_collectives",
+    ]
     assert ["0_0", "0", "insert_param_collectives", "dynamo", "1.20", "40", "->", "95", "+55"] in passes
     assert ["0_0", "3", "remove_unused_gathers", "backward", "4.00", "300", "->", "290", "-10"] in passes
     # per graph and where: forward of 0_0 gathers 3 tensors
@@ -185,11 +229,16 @@ def test_inspect_tolerates_missing_and_broken_files(tmp_path, capsys):
     assert row(out, "0_0")[:5] == ["0_0", "-", "-", "-", "4"]
     count, elements, nbytes = totals(graphs)
     # lost: 0_0's backward (broken file); 1_0's forward gather became one without elements or bytes
-    lost = totals({"0_0": {"forward": [], "backward": graphs["0_0"]["backward"]},
-                   "1_0": {"forward": [], "backward": []}})
+    lost = totals(
+        {"0_0": {"forward": [], "backward": graphs["0_0"]["backward"]}, "1_0": {"forward": [], "backward": []}}
+    )
     lost_1_0 = totals({"1_0": {"forward": graphs["1_0"]["forward"], "backward": []}})
-    assert row(out, "total") == ["total", str(count - lost[0]), f"{elements - lost[1] - lost_1_0[1]:,}",
-                                 f"{nbytes - lost[2] - lost_1_0[2]:,}"]
+    assert row(out, "total") == [
+        "total",
+        str(count - lost[0]),
+        f"{elements - lost[1] - lost_1_0[1]:,}",
+        f"{nbytes - lost[2] - lost_1_0[2]:,}",
+    ]
     assert "Step report" not in out
 
 
@@ -199,8 +248,10 @@ def test_diff(tmp_path, capsys):
     changed = _graphs()
     g = changed["0_0"]
     g["passes"].insert(2, _pass(2, "bucket_gathers", "forward", 0.001, 118, 112))
-    g["passes"][3:] = [_pass(3, "remove_unused_gathers", "forward", 0.0021, 112, 110),
-                       _pass(4, "remove_unused_gathers", "backward", 0.0040, 300, 290)]
+    g["passes"][3:] = [
+        _pass(3, "remove_unused_gathers", "forward", 0.0021, 112, 110),
+        _pass(4, "remove_unused_gathers", "backward", 0.0040, 300, 290),
+    ]
     g["forward"] = [_rec("all_gather", 8192 + 1024 + 32, "forward", "bucket")]  # 3 gathers bucketed into 1
     report = copy.deepcopy(REPORT)
     report["memory"]["peak_gathered_bytes"] = 2 * 36864
@@ -225,8 +276,11 @@ def test_diff_graphs_only_on_one_side(tmp_path, capsys):
     assert status == 0
     assert "graphs only in A: 1_0" in out
     assert ["1_0", "dynamo", "21", "-", "-"] in [line.split() for line in out.splitlines()]
-    assert row(out, "reduce_scatter")[5:] == [f"{(8192 + 1024 + 32 + 8192) * 4:,}", f"{(8192 + 1024 + 32) * 4:,}",
-                                              f"{(8192 + 1024 + 32) / (8192 + 1024 + 32 + 8192):.3f}"]
+    assert row(out, "reduce_scatter")[5:] == [
+        f"{(8192 + 1024 + 32 + 8192) * 4:,}",
+        f"{(8192 + 1024 + 32) * 4:,}",
+        f"{(8192 + 1024 + 32) / (8192 + 1024 + 32 + 8192):.3f}",
+    ]
     assert row(out, "memory.model_states_bytes") == ["memory.model_states_bytes", "74,240", "-", "-"]
 
 
@@ -253,13 +307,23 @@ def test_python_m_zcompile(tmp_path):
     graphs = _graphs()
     write_dump(tmp_path, graphs)
     env = {**os.environ, "PYTHONPATH": REPO}
-    done = subprocess.run([sys.executable, "-m", "zcompile", "inspect", "--plain", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "zcompile", "inspect", "--plain", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     count, elements, nbytes = totals(graphs)
     assert row(done.stdout, "total") == ["total", str(count), f"{elements:,}", f"{nbytes:,}"]
-    done = subprocess.run([sys.executable, "-m", "zcompile", "inspect", str(tmp_path / "nope")],
-                          capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "zcompile", "inspect", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 2 and "no such directory" in done.stderr
 
 

@@ -15,12 +15,12 @@ import zcompile
 from support.launch import run_ranks
 from support.models import build_model, global_batch
 from support.training import RunSpec, assert_same_training, train_reference, train_zero, zero_run_on_rank
+from zcompile.common.process_group import DataParallelGroup
 from zcompile.optim.clip import clip_grad_norm_of_shards, global_grad_norm
-from zcompile.routes.patched import ORIGINAL_ATTR
 from zcompile.routes import install as install_routes
 from zcompile.routes.clip_grad import install_torch_clip_patch
+from zcompile.routes.patched import ORIGINAL_ATTR
 from zcompile.sharding.shards import shard_parameter
-from zcompile.common.process_group import DataParallelGroup
 
 NORM_RTOL = 1e-6
 
@@ -31,11 +31,11 @@ CLIPPED = {
     "stage1_optimizer": RunSpec(stage=1, optimizer="sgd", lr=0.1, clip=0.5, clip_via="optimizer"),
     "stage2_torch": RunSpec(stage=2, optimizer="sgd", lr=0.1, clip=0.5, clip_via="torch"),
     "stage3_max_grad_norm": RunSpec(stage=3, optimizer="sgd", lr=0.1, clip=0.5, clip_via="option"),
-    "stage1_torch_inf": RunSpec(stage=1, optimizer="sgd", lr=0.1, clip=0.05, clip_norm_type=math.inf,
-                                clip_via="torch"),
+    "stage1_torch_inf": RunSpec(stage=1, optimizer="sgd", lr=0.1, clip=0.05, clip_norm_type=math.inf, clip_via="torch"),
     # embeddings and head train outside any graph: the torch route gives them stage-1 shards
-    "stage3_eager_params_torch": RunSpec(model="gpt_loop_breaks", stage=3, optimizer="sgd", lr=0.1, clip=0.5,
-                                         clip_via="torch"),
+    "stage3_eager_params_torch": RunSpec(
+        model="gpt_loop_breaks", stage=3, optimizer="sgd", lr=0.1, clip=0.5, clip_via="torch"
+    ),
 }
 UNCLIPPED = {
     "stage1_huge_max_norm": RunSpec(stage=1, optimizer="adamw", clip=1e9, clip_via="option"),
@@ -72,6 +72,7 @@ def test_huge_max_norm_is_bitwise_unclipped_training(clip_runs):
 
 def test_stage1_clipping_moves_the_same_gradients_plus_one_scalar(clip_runs):
     """The early reduce-scatter replaces the step's (same elements), plus the norm's all-reduce."""
+
     def optimizer_elements(result, kind):
         return sum(c.elements for c in result.collectives if c.where == "optimizer" and c.kind == kind)
 
@@ -82,6 +83,7 @@ def test_stage1_clipping_moves_the_same_gradients_plus_one_scalar(clip_runs):
 
 
 # --- without processes: hand-built shards and a world of one -------------------------------------------
+
 
 def _shards(shapes, stage, world=1, rank=0, seed=0):
     """Parameters sharded as the backend shards them: the torch routes installed first."""
@@ -117,7 +119,7 @@ def test_padded_shards_of_two_ranks_give_the_full_norm(norm_type):
     members = []
     for rank in range(2):
         _, (member,) = _shards([(7, 5)], stage=2, world=2, rank=rank)
-        member.shard.grad = torch.nn.functional.pad(grad.reshape(-1), (0, 1))[rank * 18:(rank + 1) * 18].clone()
+        member.shard.grad = torch.nn.functional.pad(grad.reshape(-1), (0, 1))[rank * 18 : (rank + 1) * 18].clone()
         members.append(member)
     norm, record = global_grad_norm(members, norm_type, None, torch.device("cpu"))
     assert record is None

@@ -9,8 +9,13 @@ import torch
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
-from zcompile.predict.compute_efficiency import (REFERENCE_LAYERS, REFERENCE_SHAPE, measure_compute_efficiency,
-                                         reference_loss, reference_model)
+from zcompile.predict.compute_efficiency import (
+    REFERENCE_LAYERS,
+    REFERENCE_SHAPE,
+    measure_compute_efficiency,
+    reference_loss,
+    reference_model,
+)
 from zcompile.predict.cost_model import CollectiveCosts, ComputeCosts, predict_step
 
 
@@ -22,7 +27,8 @@ def _step_flops() -> int:
     batch, seq, width = REFERENCE_SHAPE
     heads = (batch, 4, seq, width // 4)
     attention = flop_counter.sdpa_flop_count(heads, heads, heads) + flop_counter.sdpa_backward_flop_count(
-        heads, heads, heads, heads)
+        heads, heads, heads, heads
+    )
     return counter.get_total_flops() + REFERENCE_LAYERS * attention
 
 

@@ -12,13 +12,23 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from support.hand_built import layered_graph
 from support.launch import run_ranks
-from zcompile.common.process_group import DataParallelGroup, all_gather_eager
-from zcompile.predict.cost_model import (
-    MAX_OVERLAP_SLOWDOWN, CollectiveCost, CollectiveCosts, ComputeCosts, fit_linear, measure_collective_costs,
-    measure_compute_costs, node_bytes, node_flops, node_seconds, predict, predict_step,
-)
 from zcompile.backend.compiled import CompiledGraphs
+from zcompile.common.process_group import DataParallelGroup, all_gather_eager
 from zcompile.passes.schedule import plan_schedule, schedule_pass
+from zcompile.predict.cost_model import (
+    MAX_OVERLAP_SLOWDOWN,
+    CollectiveCost,
+    CollectiveCosts,
+    ComputeCosts,
+    fit_linear,
+    measure_collective_costs,
+    measure_compute_costs,
+    node_bytes,
+    node_flops,
+    node_seconds,
+    predict,
+    predict_step,
+)
 
 aten = torch.ops.aten
 
@@ -112,8 +122,9 @@ def test_views_and_getitem_cost_nothing():
 # 64 bytes: an all-gather takes 1 + 64/64 = 2 s; the reduce-scatter of x (64 bytes) 0.5 + 64/128
 # = 1 s. A layer (mul of two 64-byte tensors into a third) moves 192 bytes at 64 B/s = 3 s; the
 # tail (mul by a scalar) 128 bytes = 2 s. Compute is 3 x 3 + 2 = 11 s, communication 3 x 2 + 1 = 7 s.
-HAND_COLLECTIVES = CollectiveCosts(2, {"all_gather": CollectiveCost(1.0, 1 / 64),
-                                       "reduce_scatter": CollectiveCost(0.5, 1 / 128)})
+HAND_COLLECTIVES = CollectiveCosts(
+    2, {"all_gather": CollectiveCost(1.0, 1 / 64), "reduce_scatter": CollectiveCost(0.5, 1 / 128)}
+)
 HAND_COMPUTE = ComputeCosts(flops_per_s=1e9, bytes_per_s=64.0)
 
 
@@ -126,8 +137,12 @@ def test_predict_unscheduled_graph_exposes_all_communication():
     # wait 2 | layer2 12..15 | reduce [15,16] wait 1 | tail 16..18
     prediction = predict(layered_graph(), HAND_COLLECTIVES, HAND_COMPUTE)
     assert (prediction.step_s, prediction.compute_s, prediction.comm_s, prediction.exposed_comm_s) == (18, 11, 7, 7)
-    assert _timeline(prediction) == {"gather0": (0, 0, 2, 2), "gather1": (5, 5, 7, 2), "gather2": (10, 10, 12, 2),
-                                     "reduce": (15, 15, 16, 1)}
+    assert _timeline(prediction) == {
+        "gather0": (0, 0, 2, 2),
+        "gather1": (5, 5, 7, 2),
+        "gather2": (10, 10, 12, 2),
+        "reduce": (15, 15, 16, 1),
+    }
     assert [c.bytes for c in prediction.collectives] == [64, 64, 64, 64]
 
 
@@ -135,23 +150,40 @@ def test_predict_scheduled_graph_hides_communication():
     gm = layered_graph()
     gm = schedule_pass(gm, plan_schedule(gm, prefetch=1))
     order = [n.name for n in gm.graph.nodes if n.op == "call_function"]
-    assert order == ["gather0", "gather1", "wait0", "layer0", "gather2", "wait1", "layer1", "wait2", "layer2",
-                     "reduce", "tail", "reduce_wait"]
+    assert order == [
+        "gather0",
+        "gather1",
+        "wait0",
+        "layer0",
+        "gather2",
+        "wait1",
+        "layer1",
+        "wait2",
+        "layer2",
+        "reduce",
+        "tail",
+        "reduce_wait",
+    ]
     # gather0 [0,2]; gather1 issued at 0 but queued behind it: [2,4]; wait0 2 | layer0 2..5 |
     # gather2 [5,7]; wait1 free (4 <= 5) | layer1 5..8 | wait2 free (7 <= 8) | layer2 8..11 |
     # reduce [11,12] | tail 11..13 | reduce_wait free (12 <= 13)
     prediction = predict(gm, HAND_COLLECTIVES, HAND_COMPUTE)
     assert (prediction.step_s, prediction.compute_s, prediction.comm_s, prediction.exposed_comm_s) == (13, 11, 7, 2)
-    assert _timeline(prediction) == {"gather0": (0, 0, 2, 2), "gather1": (0, 2, 4, 0), "gather2": (5, 5, 7, 0),
-                                     "reduce": (11, 11, 12, 0)}
+    assert _timeline(prediction) == {
+        "gather0": (0, 0, 2, 2),
+        "gather1": (0, 2, 4, 0),
+        "gather2": (5, 5, 7, 0),
+        "reduce": (11, 11, 12, 0),
+    }
     unscheduled = predict(layered_graph(), HAND_COLLECTIVES, HAND_COMPUTE)
     assert prediction.exposed_comm_s < unscheduled.exposed_comm_s
 
 
 def test_issue_overhead_is_charged_to_compute():
     # issuing an all-gather holds compute 0.5 s, a reduce-scatter 0.25 s; the transfer starts at the call
-    costs = CollectiveCosts(2, {"all_gather": CollectiveCost(1.0, 1 / 64, 0.5),
-                                "reduce_scatter": CollectiveCost(0.5, 1 / 128, 0.25)})
+    costs = CollectiveCosts(
+        2, {"all_gather": CollectiveCost(1.0, 1 / 64, 0.5), "reduce_scatter": CollectiveCost(0.5, 1 / 128, 0.25)}
+    )
     # gather0 [0,2], compute busy to 0.5, wait 1.5 | layer0 2..5 | gather1 [5,7] wait 1.5 | layer1
     # 7..10 | gather2 [10,12] wait 1.5 | layer2 12..15 | reduce [15,16], busy to 15.25, wait 0.75 | tail 16..18
     unscheduled = predict(layered_graph(), costs, HAND_COMPUTE)
@@ -178,8 +210,12 @@ def test_transfers_slow_down_while_compute_runs():
     slow = CollectiveCosts(2, HAND_COLLECTIVES.costs, overlap_slowdown=2.0)
     prediction = predict(gm, slow, HAND_COMPUTE)
     assert (prediction.step_s, prediction.compute_s, prediction.comm_s, prediction.exposed_comm_s) == (14, 11, 7, 3)
-    assert _timeline(prediction) == {"gather0": (0, 0, 2, 2), "gather1": (0, 2, 5.5, 0.5), "gather2": (5, 5.5, 9, 0.5),
-                                     "reduce": (12, 12, 14, 0)}
+    assert _timeline(prediction) == {
+        "gather0": (0, 0, 2, 2),
+        "gather1": (0, 2, 5.5, 0.5),
+        "gather2": (5, 5.5, 9, 0.5),
+        "reduce": (12, 12, 14, 0),
+    }
     # unscheduled, every transfer is waited at once: contention changes nothing
     assert predict(layered_graph(), slow, HAND_COMPUTE).step_s == 18
     assert CollectiveCosts.from_json(slow.to_json()) == slow
@@ -200,8 +236,10 @@ def test_unwaited_transfer_extends_the_step_and_world_of_one_is_free():
 
 
 def test_predict_step_sums_forward_and_backward():
-    graphs = [CompiledGraphs(dynamo=None, forward=layered_graph(), backward=layered_graph(layers=2)),
-              CompiledGraphs(dynamo=None, forward=layered_graph(layers=1), backward=None)]
+    graphs = [
+        CompiledGraphs(dynamo=None, forward=layered_graph(), backward=layered_graph(layers=2)),
+        CompiledGraphs(dynamo=None, forward=layered_graph(layers=1), backward=None),
+    ]
     step = predict_step(graphs, HAND_COLLECTIVES, HAND_COMPUTE)
     # layered graph of L layers, unscheduled: L x (2 + 3) + 1 + 2 = 5L + 3 s, all communication exposed
     assert step.step_s == 18 + 13 + 8
@@ -261,7 +299,12 @@ def test_measured_costs_agree_across_ranks_and_predict_a_fresh_size():
     assert [c for c, _ in measured0] == [c for c, _ in measured1] and compute0 == compute1
     for costs_json, _ in measured0:
         costs = CollectiveCosts.from_json(costs_json)
-        assert costs.world_size == 2 and set(costs.costs) == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
+        assert costs.world_size == 2 and set(costs.costs) == {
+            "all_gather",
+            "reduce_scatter",
+            "all_reduce",
+            "all_to_all",
+        }
         for cost in costs.costs.values():
             assert cost.seconds_per_byte > 0 and cost.latency_s >= 0
         # the contention factor that reproduces the measured overlap: from 1 (fully hidden) to serial

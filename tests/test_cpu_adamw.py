@@ -32,10 +32,15 @@ def test_equals_torch_fused_adamw_bitwise_over_steps():
     params = [torch.randn(n) for n in SIZES]
     grads_per_step = [[torch.randn(n) for n in SIZES] for _ in range(3)]
     want, want_avg = _torch_fused_steps(params, grads_per_step)
-    got, exp_avgs, exp_avg_sqs = [p.clone() for p in params], [torch.zeros(n) for n in SIZES], [torch.zeros(n) for n in SIZES]
+    got, exp_avgs, exp_avg_sqs = (
+        [p.clone() for p in params],
+        [torch.zeros(n) for n in SIZES],
+        [torch.zeros(n) for n in SIZES],
+    )
     for step, grads in enumerate(grads_per_step, start=1):
-        adamw_cpu_fused(got, grads, exp_avgs, exp_avg_sqs, step, HYPER["lr"], *HYPER["betas"], HYPER["eps"],
-                        HYPER["weight_decay"])
+        adamw_cpu_fused(
+            got, grads, exp_avgs, exp_avg_sqs, step, HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]
+        )
     for a, b in zip(got + exp_avgs, want + want_avg):
         assert torch.equal(a, b)
     assert not all(torch.equal(a, b) for a, b in zip(got, params))  # it moved
@@ -47,7 +52,11 @@ def test_grad_scale_and_dtype_leave_the_callers_gradients_alone(grad_dtype):
     params = [torch.randn(n) for n in SIZES]
     grads = [torch.randn(n).to(grad_dtype) for n in SIZES]
     kept = [g.clone() for g in grads]
-    got, exp_avgs, exp_avg_sqs = [p.clone() for p in params], [torch.zeros(n) for n in SIZES], [torch.zeros(n) for n in SIZES]
+    got, exp_avgs, exp_avg_sqs = (
+        [p.clone() for p in params],
+        [torch.zeros(n) for n in SIZES],
+        [torch.zeros(n) for n in SIZES],
+    )
     adamw_cpu_fused(got, grads, exp_avgs, exp_avg_sqs, 1, 1e-2, 0.9, 0.999, 1e-8, 0.01, grad_scale=1 / 3)
     for g, k in zip(grads, kept):
         assert torch.equal(g, k)

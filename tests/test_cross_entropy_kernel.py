@@ -14,9 +14,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from zcompile.kernels.cross_entropy import (TRITON_BLOCK, cross_entropy_backward,  # noqa: E402
-                                            cross_entropy_backward_reference, cross_entropy_backward_torch,
-                                            cross_entropy_backward_triton)
+from zcompile.kernels.cross_entropy import (  # noqa: E402
+    TRITON_BLOCK,
+    cross_entropy_backward,
+    cross_entropy_backward_reference,
+    cross_entropy_backward_torch,
+    cross_entropy_backward_triton,
+)
 from zcompile.kernels.dispatch import use_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -48,9 +52,16 @@ def _assert_within_an_ulp(got, expected, scale_dtype):
     torch.testing.assert_close(got, expected, rtol=2 * torch.finfo(got.dtype).eps, atol=2 * ulp)
 
 
-@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                             (torch.float16, torch.float16), (torch.float32, torch.bfloat16)],
-                         ids=["fp32", "bf16", "fp16", "fp32-to-bf16"])
+@pytest.mark.parametrize(
+    "dtype,out_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.float32, torch.bfloat16),
+    ],
+    ids=["fp32", "bf16", "fp16", "fp32-to-bf16"],
+)
 @pytest.mark.parametrize("reduction", [0, 1, 2], ids=["none", "mean", "sum"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["", "weighted"])
 def test_kernel_equals_torch_path(dtype, out_dtype, reduction, weighted):
@@ -69,13 +80,19 @@ def test_kernel_equals_torch_path(dtype, out_dtype, reduction, weighted):
 def test_kernel_without_a_batch_dimension_and_on_a_strided_input():
     """``[classes]`` log-probabilities, and rows that are a strided view (every other row of a buffer)."""
     args = _case(torch.float32, 1, False, rows=0)
-    _assert_within_an_ulp(cross_entropy_backward_triton(*args, torch.float32, torch.float32),
-                          cross_entropy_backward_torch(*args, torch.float32, torch.float32), torch.float32)
+    _assert_within_an_ulp(
+        cross_entropy_backward_triton(*args, torch.float32, torch.float32),
+        cross_entropy_backward_torch(*args, torch.float32, torch.float32),
+        torch.float32,
+    )
     grad, log_probs, target, weight, reduction, ignore, total_weight = _case(torch.float32, 2, False, rows=8)
     strided = log_probs[::2]
     args = (grad, strided, target[::2], weight, reduction, ignore, total_weight)
-    _assert_within_an_ulp(cross_entropy_backward_triton(*args, torch.float32, torch.float32),
-                          cross_entropy_backward_torch(*args, torch.float32, torch.float32), torch.float32)
+    _assert_within_an_ulp(
+        cross_entropy_backward_triton(*args, torch.float32, torch.float32),
+        cross_entropy_backward_torch(*args, torch.float32, torch.float32),
+        torch.float32,
+    )
 
 
 def test_op_dispatches_to_the_kernel_on_cuda_only(monkeypatch):
@@ -84,8 +101,9 @@ def test_op_dispatches_to_the_kernel_on_cuda_only(monkeypatch):
     import zcompile.kernels.cross_entropy as cross_entropy
 
     calls = []
-    monkeypatch.setattr(cross_entropy, "cross_entropy_backward_triton", lambda *a: calls.append(a) or
-                        cross_entropy_backward_torch(*a))
+    monkeypatch.setattr(
+        cross_entropy, "cross_entropy_backward_triton", lambda *a: calls.append(a) or cross_entropy_backward_torch(*a)
+    )
     args = _case(torch.float32, 1, False, rows=2)
     cross_entropy_backward(*args, torch.float32, torch.float32)
     assert len(calls) == (1 if DEVICE == "cuda" else 0)

@@ -19,8 +19,6 @@ moments carry, so rtol 1e-5 on losses and norms and atol 1e-5 on weights of size
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -41,8 +39,10 @@ CONFIG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64
 
 def _groups(model):
     params = list(model.parameters())
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 5e-3}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 5e-3},
+    ]
 
 
 def _batch(index: int):
@@ -104,12 +104,13 @@ def test_loop_on_the_device_matches_eager_and_resumes(stage, reference, tmp_path
 
     assert max(reference["norms"]) > MAX_NORM  # the clip clips
     for key in ("losses", "norms", "eval"):
-        torch.testing.assert_close(first[key] + rest[key], reference[key], rtol=1e-5, atol=0, msg=lambda text: f"{key}: {text}")
+        torch.testing.assert_close(
+            first[key] + rest[key], reference[key], rtol=1e-5, atol=0, msg=lambda text: f"{key}: {text}"
+        )
     assert first["lrs"] + rest["lrs"] == reference["lrs"]
     for name, expected in reference["params"].items():
         assert params[name].device.type == DEVICE
-        torch.testing.assert_close(params[name], expected, rtol=0, atol=PARAM_ATOL,
-                                   msg=lambda text: f"{name}: {text}")
+        torch.testing.assert_close(params[name], expected, rtol=0, atol=PARAM_ATOL, msg=lambda text: f"{name}: {text}")
 
     # a fresh model and optimizer, resumed from the checkpoint, train the last steps the same
     torch._dynamo.reset()
@@ -121,4 +122,6 @@ def test_loop_on_the_device_matches_eager_and_resumes(stage, reference, tmp_path
     fresh_scheduler.load_state_dict(extra["scheduler"])
     resumed = _train(fresh, fresh_compiled, fresh_optimizer, fresh_scheduler, range(RESUME_AT, STEPS))
     for key in ("losses", "norms", "eval"):
-        torch.testing.assert_close(resumed[key], rest[key], rtol=1e-6, atol=0, msg=lambda text: f"resumed {key}: {text}")
+        torch.testing.assert_close(
+            resumed[key], rest[key], rtol=1e-6, atol=0, msg=lambda text: f"resumed {key}: {text}"
+        )

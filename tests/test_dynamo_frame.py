@@ -8,7 +8,11 @@ import functools
 import torch
 
 from zcompile.common.dynamo_frame import (
-    _fallback_reason, eager_fallback_cause, modules_of_compiled_frame, recompile_causes, recompile_reason,
+    _fallback_reason,
+    eager_fallback_cause,
+    modules_of_compiled_frame,
+    recompile_causes,
+    recompile_reason,
     restarts_analysis,
 )
 
@@ -143,8 +147,9 @@ def test_weights_trained_outside_every_graph_are_warned_of_with_dynamos_reason_a
     """Stage 3 of a model Dynamo cannot trace shards nothing: the warning names the weights and why
     Dynamo left them out, with its fix (before: only "eager code, a module left uncompiled, or a
     skipped frame")."""
-    import zcompile
     from torch._dynamo.utils import counters
+
+    import zcompile
 
     torch._dynamo.reset()
     counters.clear()
@@ -156,6 +161,8 @@ def test_weights_trained_outside_every_graph_are_warned_of_with_dynamos_reason_a
         opt.step()
     said = [r.getMessage() for r in caplog.records if "got a gradient outside the compiled graphs" in r.getMessage()]
     assert len(said) == 1 and "rnn.weight_ih_l0" in said[0]
-    assert said[0].endswith("Dynamo left code out of its graphs in this process for: Attempted to wrap RNN, GRU, "
-                            "or LSTM (Set torch._dynamo.config.allow_rnn=True to enable experimental support for "
-                            "RNN, GRU, and LSTM in Dynamo)")
+    assert said[0].endswith(
+        "Dynamo left code out of its graphs in this process for: Attempted to wrap RNN, GRU, "
+        "or LSTM (Set torch._dynamo.config.allow_rnn=True to enable experimental support for "
+        "RNN, GRU, and LSTM in Dynamo)"
+    )

@@ -12,8 +12,14 @@ from zcompile.passes.param_collectives import ParamInput, ShardingPlan
 
 
 def test_parameters_on_different_devices():
-    plan = ShardingPlan(stage=3, world_size=1, group_name=None, param_dtype=None, reduce_dtype=None,
-                        params=[ParamInput(0, "a.weight", (2,), True), ParamInput(1, "b.weight", (2,), True)])
+    plan = ShardingPlan(
+        stage=3,
+        world_size=1,
+        group_name=None,
+        param_dtype=None,
+        reduce_dtype=None,
+        params=[ParamInput(0, "a.weight", (2,), True), ParamInput(1, "b.weight", (2,), True)],
+    )
     inputs = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, device="meta"))]
     with pytest.raises(ValueError, match=r"different devices.*b\.weight.*model\.to\(device\)"):
         _check_devices(plan, inputs, DataParallelGroup.resolve(None))
@@ -21,7 +27,9 @@ def test_parameters_on_different_devices():
 
 @pytest.mark.parametrize("optimizer", [zcompile.optim.AdamW, zcompile.optim.SGD])
 def test_optimizer_given_plain_tensors(optimizer):
-    with pytest.raises(TypeError, match=r"item #1 \(Tensor of shape \(3,\)\) is not an nn.Parameter.*model.parameters\(\)"):
+    with pytest.raises(
+        TypeError, match=r"item #1 \(Tensor of shape \(3,\)\) is not an nn.Parameter.*model.parameters\(\)"
+    ):
         optimizer([torch.nn.Parameter(torch.zeros(2)), torch.zeros(3, requires_grad=True)], lr=0.1)
 
 
@@ -53,8 +61,8 @@ def test_recompile_with_another_stage_is_an_error():
 def test_a_weight_trained_eagerly_first_then_compiled_at_stage3_names_the_eager_training():
     """A weight with a stage-1 shard from eager training (``shard_eager_parameter``) that a stage-3 graph
     takes later: the user gave one config, so "use one ZeroConfig" alone misled."""
-    from zcompile.sharding.shards import shard_eager_parameter, shard_parameter
     from zcompile.common.process_group import DataParallelGroup
+    from zcompile.sharding.shards import shard_eager_parameter, shard_parameter
 
     weight, group = torch.nn.Parameter(torch.randn(4, 4)), DataParallelGroup.resolve()
     shard_eager_parameter(weight, "param_groups[0]['params'][0]", group)
@@ -102,7 +110,9 @@ def _train_divergent(rank, world, kind):
         if kind == "branch":  # at step 1 only rank 1's length changes, and takes the other branch
             for lengths in ((12, 12), (12, 14)):
                 length = lengths[rank]
-                model_loss("gpt", compiled, tokens[:, :length].contiguous(), targets[:, :length].contiguous()).backward()
+                model_loss(
+                    "gpt", compiled, tokens[:, :length].contiguous(), targets[:, :length].contiguous()
+                ).backward()
         model_loss("gpt", compiled, tokens, targets)
     except Exception as error:  # Dynamo wraps backend errors; the message is what users read
         return f"{type(error).__name__}: {error}"
@@ -123,8 +133,10 @@ def test_divergent_ranks_fail_fast(kind):
     if kind == "branch":  # rank 1 recompiled alone, to other collectives: both ranks name what changed
         # (a lone recompile to the collectives the ranks agreed on trains: tests/test_lone_recompile.py)
         for outcome in outcomes:
-            assert "graph 0/1 (a recompile: 0/0: tensor 'tokens' size mismatch at index 1. expected 12, actual 14)" \
-                in outcome, outcome
+            assert (
+                "graph 0/1 (a recompile: 0/0: tensor 'tokens' size mismatch at index 1. expected 12, actual 14)"
+                in outcome
+            ), outcome
             # the compile's fix, whichever rank raised first (rank 0 waits at stage 3's call agreement)
             assert "where it issues others (code that branches on a shape)" in outcome, outcome
         return
@@ -136,12 +148,12 @@ def test_divergent_ranks_fail_fast(kind):
     assert outcomes[0] == outcomes[1] and "would issue different collectives" in outcomes[0]
     assert {  # what differs, first: a parameter, a setting, a collective (of the forward graph, after its passes)
         "model": "(parameter #0: rank 0: parameter 'wte.weight' shape [256, 32] float32; "
-                 "rank 1: parameter 'wte.weight' shape [253, 21] float32)",
+        "rank 1: parameter 'wte.weight' shape [253, 21] float32)",
         "options": "(setting 'param_dtype': rank 0 None, rank 1 bfloat16)",
         "buckets": "forward graph of Dynamo graph 0_0 would issue different collectives on different ranks "
-                   "(collective #0: rank 0: all_gather of [17088] float32 moving 28 parameters: 'wte.weight', "
-                   "'wpe.weight', 'blocks.0.ln_1.weight', 'blocks.0.ln_1.bias', ...; "
-                   "rank 1: all_gather of [4096] float32 moving parameter 'wte.weight')",
+        "(collective #0: rank 0: all_gather of [17088] float32 moving 28 parameters: 'wte.weight', "
+        "'wpe.weight', 'blocks.0.ln_1.weight', 'blocks.0.ln_1.bias', ...; "
+        "rank 1: all_gather of [4096] float32 moving parameter 'wte.weight')",
     }[kind] in outcomes[0]
 
 
@@ -155,8 +167,11 @@ def test_channels_last_weights_name_the_layout_and_the_fix(stage):
     model(torch.zeros(1, 3, 5, 5))
     model = model.to(memory_format=torch.channels_last)
     x = torch.zeros(1, 3, 5, 5).to(memory_format=torch.channels_last)
-    with pytest.raises(Exception, match=r"'0\.weight' is in channels_last memory format.*"
-                                        r"model\.to\(memory_format=torch\.contiguous_format\).*x\.to\(memory_format"):
+    with pytest.raises(
+        Exception,
+        match=r"'0\.weight' is in channels_last memory format.*"
+        r"model\.to\(memory_format=torch\.contiguous_format\).*x\.to\(memory_format",
+    ):
         torch.compile(model, backend="zero", options={"stage": stage})(x)
     torch._dynamo.reset()
     # the fix: contiguous weights, channels_last inputs; the convolution's output keeps the layout
@@ -170,7 +185,9 @@ def test_a_transposed_weight_names_the_fix():
     torch._dynamo.reset()
     model = torch.nn.Linear(3, 2)
     model.weight = torch.nn.Parameter(torch.randn(3, 2).t())  # a view of another layout
-    with pytest.raises(Exception, match=r"'weight' is not a contiguous tensor that owns its storage.*contiguous\(\)\.clone\(\)"):
+    with pytest.raises(
+        Exception, match=r"'weight' is not a contiguous tensor that owns its storage.*contiguous\(\)\.clone\(\)"
+    ):
         torch.compile(model, backend="zero")(torch.zeros(1, 3))
     torch._dynamo.reset()
 

@@ -39,9 +39,11 @@ def _compiled_saved_bytes(options: dict, tokens, targets) -> int:
     return zcompile.step_report(model, optimizer).memory["saved_activation_bytes"]
 
 
-@pytest.mark.parametrize("options", [{"stage": 2}, {"stage": 3, "activation_memory_budget": 0.5},
-                                     {"stage": 3, "param_dtype": "bf16"}],
-                         ids=["stage2", "stage3-budget0.5", "stage3-bf16"])
+@pytest.mark.parametrize(
+    "options",
+    [{"stage": 2}, {"stage": 3, "activation_memory_budget": 0.5}, {"stage": 3, "param_dtype": "bf16"}],
+    ids=["stage2", "stage3-budget0.5", "stage3-bf16"],
+)
 def test_saved_activations_match_the_compiled_graphs(options):
     """Estimated on fake tensors (nothing allocated) against what the zero backend's compiled graphs
     save, in one process (measured: stage 2 exact, budget 0.5 -4.5%, bf16 +10.1%).
@@ -113,17 +115,21 @@ def test_estimate_parts_and_peak():
     assert estimate.kept_gathered_bytes == int(0.001 * 2**20)
     assert estimate.gathered_peak_bytes > 0
     parts = estimate.to_dict()
-    assert parts["peak_bytes"] == (estimate.model_states_bytes + estimate.gathered_peak_bytes
-                                   + estimate.kept_gathered_bytes)
+    assert parts["peak_bytes"] == (
+        estimate.model_states_bytes + estimate.gathered_peak_bytes + estimate.kept_gathered_bytes
+    )
     # stages 1 and 2 gather nothing in the graphs
     assert zcompile.estimate_memory(model, 4, {"stage": 2}).gathered_peak_bytes == 0
 
 
-@pytest.mark.parametrize("args, message", [
-    ((0, None), "world_size must be an int >= 1"),
-    ((2, {"stage": 5}), "stage"),
-    ((2, {"bucket": 1}), "bucket"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((0, None), "world_size must be an int >= 1"),
+        ((2, {"stage": 5}), "stage"),
+        ((2, {"bucket": 1}), "bucket"),
+    ],
+)
 def test_bad_input_names_the_problem(args, message):
     with pytest.raises(ValueError, match=message):
         zcompile.estimate_memory(build_model("gpt"), *args)

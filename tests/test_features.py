@@ -27,8 +27,11 @@ FEATURE_SPECS = [
 
 
 def _label(spec):
-    extras = [k for k in ("seq_lens", "grad_accum", "optimizer_after_forward", "dynamic")
-              if getattr(spec, k) not in ((), 1, False, None)]
+    extras = [
+        k
+        for k in ("seq_lens", "grad_accum", "optimizer_after_forward", "dynamic")
+        if getattr(spec, k) not in ((), 1, False, None)
+    ]
     return f"{spec.model}-stage{spec.stage}-" + "-".join(extras or ["plain"])
 
 
@@ -68,8 +71,13 @@ def test_simulation_counts_a_graph_break_inside_the_layer_loop_once_per_layer(fe
     spec, rank0, _ = feature_runs[2]
     assert spec.model == "gpt_loop_breaks"
     tokens, targets = global_batch(0, spec.batch_size // 2)
-    simulated = simulate(lambda: build_model(spec.model), (tokens, targets), world_size=2,
-                         options={"stage": spec.stage, **spec.options}, hardware="cpu-local")
+    simulated = simulate(
+        lambda: build_model(spec.model),
+        (tokens, targets),
+        world_size=2,
+        options={"stage": spec.stage, **spec.options},
+        hardware="cpu-local",
+    )
     for where in ("forward", "backward"):
         real = sorted((r.kind, r.bytes) for r in rank0.collectives if r.where == where)
         ours = sorted((c.kind, c.bytes) for c in simulated.collectives if c.where == where)
@@ -102,5 +110,8 @@ def test_estimate_memory_counts_frozen_parameters_and_graph_breaks(feature_runs)
         if spec.model == "gpt_loop_breaks":
             continue
         for result in (rank0, rank1):
-            assert result.estimated_state_bytes == result.state_bytes, (_label(spec), result.estimated_state_bytes,
-                                                                        result.state_bytes)
+            assert result.estimated_state_bytes == result.state_bytes, (
+                _label(spec),
+                result.estimated_state_bytes,
+                result.state_bytes,
+            )

@@ -110,28 +110,43 @@ def test_a_graph_traced_for_the_other_requires_grad_is_an_error():
     """A graph that Dynamo reuses although a parameter's ``requires_grad`` changed (torch 2.11 does
     not guard the flag) would train the parameter as it was traced: an error names the fix."""
     from zcompile.backend.entry_point import ShardSwap, StaleGraphError
-    from zcompile.passes.param_collectives import ParamInput, ShardingPlan
     from zcompile.common.process_group import DataParallelGroup
+    from zcompile.passes.param_collectives import ParamInput, ShardingPlan
 
-    plan = ShardingPlan(stage=3, world_size=1, group_name=None, param_dtype=None, reduce_dtype=None,
-                        params=[ParamInput(0, "head.weight", (2, 2), requires_grad=False)])
+    plan = ShardingPlan(
+        stage=3,
+        world_size=1,
+        group_name=None,
+        param_dtype=None,
+        reduce_dtype=None,
+        params=[ParamInput(0, "head.weight", (2, 2), requires_grad=False)],
+    )
     weight = torch.nn.Parameter(torch.ones(2, 2))  # requires grad: unfrozen since the graph was traced
-    with pytest.raises(StaleGraphError, match=r"'head\.weight' has requires_grad=True.*traced with "
-                                              r"requires_grad=False.*torch\.compiler\.reset\(\)"):
+    with pytest.raises(
+        StaleGraphError,
+        match=r"'head\.weight' has requires_grad=True.*traced with "
+        r"requires_grad=False.*torch\.compiler\.reset\(\)",
+    ):
         ShardSwap(plan, DataParallelGroup.resolve()).swap([weight, torch.ones(1)])
 
 
 def _one_rank_switches(rank: int, world: int) -> dict:
     """Rank 0 alone calls a graph with a parameter it unfroze (a user's per-rank branch); rank 1, which
     would be waiting in that graph's collectives, reads why once rank 0 has stopped."""
-    from zcompile.backend.entry_point import ShardSwap, StaleGraphError
-    from zcompile.passes.param_collectives import ParamInput, ShardingPlan
-    from zcompile.common.process_group import DataParallelGroup, default_store
     from zcompile.agreement.abort_note import RankDivergenceError, raise_if_aborted
+    from zcompile.backend.entry_point import ShardSwap, StaleGraphError
+    from zcompile.common.process_group import DataParallelGroup, default_store
+    from zcompile.passes.param_collectives import ParamInput, ShardingPlan
 
     group = DataParallelGroup.resolve()
-    plan = ShardingPlan(stage=1, world_size=world, group_name=group.name, param_dtype=None, reduce_dtype=None,
-                        params=[ParamInput(0, "head.weight", (2, 2), requires_grad=False)])
+    plan = ShardingPlan(
+        stage=1,
+        world_size=world,
+        group_name=group.name,
+        param_dtype=None,
+        reduce_dtype=None,
+        params=[ParamInput(0, "head.weight", (2, 2), requires_grad=False)],
+    )
     weight = torch.nn.Parameter(torch.ones(2, 2), requires_grad=rank == 0)
     store, out = default_store(), {}
     if rank == 0:
@@ -151,4 +166,6 @@ def _one_rank_switches(rank: int, world: int) -> dict:
 def test_a_stale_graph_on_one_rank_is_quoted_by_the_others():
     rank0, rank1 = run_ranks(2, _one_rank_switches)
     assert "'head.weight' has requires_grad=True" in rank0["own"]
-    assert rank1["other"].startswith("zcompile: rank 1 stopped because rank 0 reported: zcompile: parameter 'head.weight'")
+    assert rank1["other"].startswith(
+        "zcompile: rank 1 stopped because rank 0 reported: zcompile: parameter 'head.weight'"
+    )

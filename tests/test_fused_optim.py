@@ -20,8 +20,15 @@ triton = pytest.importorskip("triton")
 from zcompile.kernels import fused_optim  # noqa: E402
 from zcompile.kernels.dispatch import use_triton  # noqa: E402
 from zcompile.kernels.fused_optim import (  # noqa: E402
-    MultiTensorTables, fused_adamw, fused_adamw_multi_triton, fused_adamw_reference, fused_adamw_triton, fused_sgd,
-    fused_sgd_multi_triton, fused_sgd_reference, fused_sgd_triton,
+    MultiTensorTables,
+    fused_adamw,
+    fused_adamw_multi_triton,
+    fused_adamw_reference,
+    fused_adamw_triton,
+    fused_sgd,
+    fused_sgd_multi_triton,
+    fused_sgd_reference,
+    fused_sgd_triton,
 )
 
 # On a GPU (benchmarks/gpu_check.py runs this file with TRITON_INTERPRET=0) the kernels are compiled
@@ -74,8 +81,10 @@ def test_multi_tensor_adamw_equals_one_launch_per_shard():
     states = [_state(n, i) for i, n in enumerate(sizes)]
     ours = [[t.clone() for t in state] for state in states]
     theirs = [[t.clone() for t in state] for state in states]
-    lowps = [None if d is None else torch.full((n,), float("nan"), dtype=d, device=DEVICE)
-             for n, d in zip(sizes, lowp_dtypes)]
+    lowps = [
+        None if d is None else torch.full((n,), float("nan"), dtype=d, device=DEVICE)
+        for n, d in zip(sizes, lowp_dtypes)
+    ]
     lowps_ref = [None if o is None else o.clone() for o in lowps]
     tables: dict = {}
     grads = [torch.empty(n, dtype=d, device=DEVICE) for n, d in zip(sizes, grad_dtypes)]
@@ -84,8 +93,17 @@ def test_multi_tensor_adamw_equals_one_launch_per_shard():
             grad.copy_(torch.randn(grad.numel(), generator=torch.Generator().manual_seed(10 * step + i)))
         if step == 3:
             grads[0] = grads[0].clone()  # a gradient at a new address: its launch's tables are rebuilt
-        fused_adamw_multi_triton([s[0] for s in ours], grads, [s[1] for s in ours], [s[2] for s in ours], lowps,
-                                 step, grad_scale=0.5, tables=tables, **ADAM)
+        fused_adamw_multi_triton(
+            [s[0] for s in ours],
+            grads,
+            [s[1] for s in ours],
+            [s[2] for s in ours],
+            lowps,
+            step,
+            grad_scale=0.5,
+            tables=tables,
+            **ADAM,
+        )
         for state, grad, lowp in zip(theirs, grads, lowps_ref):
             fused_adamw_triton(state[0], grad, state[1], state[2], step, grad_scale=0.5, lowp_out=lowp, **ADAM)
         if step < 3:  # the same tensors as the step before on step 2: nothing built or copied again
@@ -98,16 +116,26 @@ def test_multi_tensor_adamw_equals_one_launch_per_shard():
     # one launch per (gradient dtype, low-precision dtype); only the one whose gradient moved uploaded again
     assert set(tables) == set(zip(grad_dtypes, lowp_dtypes))
     assert {k: (t.builds, t.uploads) for k, t in tables.items()} == {
-        (torch.float32, None): (1, 2), (torch.bfloat16, torch.bfloat16): (1, 1), (torch.float32, torch.bfloat16): (1, 1),
-        (torch.float16, None): (1, 1), (torch.bfloat16, torch.float16): (1, 1)}
+        (torch.float32, None): (1, 2),
+        (torch.bfloat16, torch.bfloat16): (1, 1),
+        (torch.float32, torch.bfloat16): (1, 1),
+        (torch.float16, None): (1, 1),
+        (torch.bfloat16, torch.float16): (1, 1),
+    }
     assert all(isinstance(t, MultiTensorTables) for t in tables.values())
 
 
-@pytest.mark.parametrize("optimizer, options, bucket_mb", [
-    ("AdamW", {"stage": 2, "param_dtype": "bf16"}, 4.0), ("AdamW", {"stage": 3}, 4.0),
-    ("SGD", {"stage": 2, "param_dtype": "bf16"}, 4.0),
-    # a refresh bucket per parameter (100 bytes): still one launch a step, for the whole param group
-    ("AdamW", {"stage": 1, "param_dtype": "bf16"}, 1e-4), ("SGD", {"stage": 2, "param_dtype": "bf16"}, 1e-4)])
+@pytest.mark.parametrize(
+    "optimizer, options, bucket_mb",
+    [
+        ("AdamW", {"stage": 2, "param_dtype": "bf16"}, 4.0),
+        ("AdamW", {"stage": 3}, 4.0),
+        ("SGD", {"stage": 2, "param_dtype": "bf16"}, 4.0),
+        # a refresh bucket per parameter (100 bytes): still one launch a step, for the whole param group
+        ("AdamW", {"stage": 1, "param_dtype": "bf16"}, 1e-4),
+        ("SGD", {"stage": 2, "param_dtype": "bf16"}, 1e-4),
+    ],
+)
 def test_sharded_optimizer_through_the_multi_tensor_launch_steps_like_torch(monkeypatch, optimizer, options, bucket_mb):
     """zcompile.optim.AdamW and SGD at world 1 with their GPU path (one multi-tensor launch per run;
     forced on a CPU, where it is interpreted) follow torch.optim's fed the same gradients over 3
@@ -149,9 +177,14 @@ def test_sharded_optimizer_through_the_multi_tensor_launch_steps_like_torch(monk
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("momentum, dampening, nesterov, weight_decay", [
-    (0.0, 0.0, False, 0.0), (0.9, 0.1, False, 0.01), (0.9, 0.0, True, 0.01),
-])
+@pytest.mark.parametrize(
+    "momentum, dampening, nesterov, weight_decay",
+    [
+        (0.0, 0.0, False, 0.0),
+        (0.9, 0.1, False, 0.01),
+        (0.9, 0.0, True, 0.01),
+    ],
+)
 def test_multi_tensor_sgd_equals_one_launch_per_shard(momentum, dampening, nesterov, weight_decay):
     sizes, grad_dtypes = [1, 1025, 4099], [torch.float32, torch.bfloat16, torch.float32]
     lowps = [None, torch.full((1025,), float("nan"), dtype=torch.bfloat16, device=DEVICE), None]
@@ -162,8 +195,10 @@ def test_multi_tensor_sgd_equals_one_launch_per_shard(momentum, dampening, neste
     buffers_ref = [torch.empty(n, device=DEVICE) for n in sizes]
     tables: dict = {}
     for step in range(3):
-        grads = [torch.randn(n, generator=torch.Generator().manual_seed(step)).to(d).to(DEVICE)
-                 for n, d in zip(sizes, grad_dtypes)]
+        grads = [
+            torch.randn(n, generator=torch.Generator().manual_seed(step)).to(d).to(DEVICE)
+            for n, d in zip(sizes, grad_dtypes)
+        ]
         args = (0.1, momentum, dampening, weight_decay, nesterov, 0.5)
         fused_sgd_multi_triton(ours, grads, buffers, lowps, step == 0, *args, tables=tables)
         for p, g, b, o in zip(theirs, grads, buffers_ref, lowps_ref):
@@ -180,16 +215,23 @@ def test_multi_tensor_sgd_equals_one_launch_per_shard(momentum, dampening, neste
 def test_multi_tensor_adamw_checks_each_shard():
     param = torch.zeros(10, device=DEVICE)
     with pytest.raises(ValueError, match="grad must be a contiguous tensor of 10 elements"):
-        fused_adamw_multi_triton([param], [torch.zeros(9, device=DEVICE)], [param.clone()], [param.clone()], [None],
-                                 1, **ADAM)
+        fused_adamw_multi_triton(
+            [param], [torch.zeros(9, device=DEVICE)], [param.clone()], [param.clone()], [None], 1, **ADAM
+        )
     with pytest.raises(ValueError, match="one entry per shard"):
         fused_adamw_multi_triton([param], [], [param.clone()], [param.clone()], [None], 1, **ADAM)
 
 
 @pytest.mark.parametrize("numel", SIZES)
-@pytest.mark.parametrize("momentum, dampening, nesterov, weight_decay", [
-    (0.0, 0.0, False, 0.0), (0.9, 0.0, False, 0.01), (0.9, 0.1, False, 0.0), (0.9, 0.0, True, 0.01),
-])
+@pytest.mark.parametrize(
+    "momentum, dampening, nesterov, weight_decay",
+    [
+        (0.0, 0.0, False, 0.0),
+        (0.9, 0.0, False, 0.01),
+        (0.9, 0.1, False, 0.0),
+        (0.9, 0.0, True, 0.01),
+    ],
+)
 def test_sgd_kernel_matches_reference(numel, momentum, dampening, nesterov, weight_decay):
     param = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(DEVICE)
     buffers = [torch.empty(numel, device=DEVICE), torch.empty(numel, device=DEVICE)]

@@ -60,7 +60,7 @@ def _train_with_hooks(rank: int, world: int) -> dict:
             compiled = torch.compile(model, backend="zero", options=options)
             optimizer = zcompile.optim.SGD(model.parameters(), lr=0.5)
         for step in range(STEPS):
-            (tokens, targets), = micro_batches(RunSpec(), step, rank, world)
+            ((tokens, targets),) = micro_batches(RunSpec(), step, rank, world)
             compiled(tokens, targets).backward()
             if clamp_mean:
                 model.blocks[0].mlp[0].weight.grad.clamp_(-CLAMP, CLAMP)
@@ -88,7 +88,7 @@ def _hooks_on_rank0_only(rank: int, world: int) -> list[str]:
     logging.getLogger("zcompile.agreement.rank_check").addHandler(handler)
     try:
         compiled = torch.compile(model, backend="zero", options={"stage": 3})
-        (tokens, targets), = micro_batches(RunSpec(), 0, rank, world)
+        ((tokens, targets),) = micro_batches(RunSpec(), 0, rank, world)
         compiled(tokens, targets).backward()
     finally:
         logging.getLogger("zcompile.agreement.rank_check").removeHandler(handler)

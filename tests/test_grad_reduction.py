@@ -52,15 +52,19 @@ def _grad_graph(example: torch.Tensor, numel: int, reduce_dtype, shard_dtype) ->
     return gm
 
 
-@pytest.mark.parametrize("shape, transposed, dtype, reduce_dtype, shard_dtype", [
-    ((8, 3), False, torch.float32, None, torch.float32),  # a weight: flattened by a view
-    ((3, 8), True, torch.float32, None, torch.float32),  # not contiguous: a copy, then the view
-    ((5,), False, torch.float32, None, torch.float32),  # a bias of odd length: padded to 6
-    ((4, 5), False, torch.bfloat16, torch.float32, torch.float32),  # bf16 gradient reduced in fp32
-    ((7,), False, torch.float32, torch.bfloat16, torch.float32),  # reduced in bf16, the shard fp32
-])
-def test_written_out_reduction_gives_each_rank_its_slice_of_the_mean(shape, transposed, dtype, reduce_dtype,
-                                                                      shard_dtype):
+@pytest.mark.parametrize(
+    "shape, transposed, dtype, reduce_dtype, shard_dtype",
+    [
+        ((8, 3), False, torch.float32, None, torch.float32),  # a weight: flattened by a view
+        ((3, 8), True, torch.float32, None, torch.float32),  # not contiguous: a copy, then the view
+        ((5,), False, torch.float32, None, torch.float32),  # a bias of odd length: padded to 6
+        ((4, 5), False, torch.bfloat16, torch.float32, torch.float32),  # bf16 gradient reduced in fp32
+        ((7,), False, torch.float32, torch.bfloat16, torch.float32),  # reduced in bf16, the shard fp32
+    ],
+)
+def test_written_out_reduction_gives_each_rank_its_slice_of_the_mean(
+    shape, transposed, dtype, reduce_dtype, shard_dtype
+):
     gen = torch.Generator().manual_seed(len(shape) * 10 + shape[0])
     grads = [torch.randn(shape, generator=gen).to(dtype) for _ in range(WORLD)]
     if transposed:

@@ -58,8 +58,9 @@ def scaled_runs_on_rank(rank: int, world: int) -> dict:
         model = build_model("gpt")
         compiled = torch.compile(model, backend="zero", options={"stage": stage})
         optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        run = _scaled_loop(model, lambda step: _loss(compiled, step, rank, world), optimizer,
-                           clip=form == "unscale_ then clip")
+        run = _scaled_loop(
+            model, lambda step: _loss(compiled, step, rank, world), optimizer, clip=form == "unscale_ then clip"
+        )
         with zcompile.gathered(model):
             run["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
         out[stage] = run
@@ -83,8 +84,9 @@ def reference(world: int, clip: bool) -> dict:
     """One process, torch's SGD and GradScaler, the global batch's loss (the ranks' mean losses averaged)."""
     model = build_model("gpt")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    run = _scaled_loop(model, lambda step: sum(_loss(model, step, r, world) for r in range(world)) / world,
-                       optimizer, clip)
+    run = _scaled_loop(
+        model, lambda step: sum(_loss(model, step, r, world) for r in range(world)) / world, optimizer, clip
+    )
     run["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
     return run
 
@@ -107,8 +109,9 @@ def test_grad_scaler_trains_like_one_process_and_skips_a_one_rank_overflow_on_ev
             if math.isfinite(theirs):
                 assert ours == pytest.approx(theirs, rel=NORM_RTOL)
         for name, value in expected["params"].items():
-            torch.testing.assert_close(run["params"][name], value, rtol=0,
-                                       atol=PARAM_TOL * max(1.0, value.abs().max().item()), msg=name)
+            torch.testing.assert_close(
+                run["params"][name], value, rtol=0, atol=PARAM_TOL * max(1.0, value.abs().max().item()), msg=name
+            )
     initial = build_model("gpt").state_dict()
     assert any(not torch.equal(initial[name], value) for name, value in expected["params"].items())
 
@@ -125,8 +128,9 @@ def test_world_of_one_unscales_the_shards_and_skips_an_overflow():
     with zcompile.gathered(model):
         for name, param in model.named_parameters():
             value = expected["params"][name]
-            torch.testing.assert_close(param.detach(), value, rtol=0,
-                                       atol=PARAM_TOL * max(1.0, value.abs().max().item()), msg=name)
+            torch.testing.assert_close(
+                param.detach(), value, rtol=0, atol=PARAM_TOL * max(1.0, value.abs().max().item()), msg=name
+            )
 
 
 def test_fp16_gradient_shards_are_refused_with_the_alternatives():

@@ -38,8 +38,9 @@ def test_a_group_across_nodes_runs_at_the_inter_node_link():
     across = h100.collective_costs(1024).seconds("reduce_scatter", GIB)
     assert across == pytest.approx(10 * 15e-6 + GIB * 1023 / 1024 / 42e9, rel=1e-12)
     # the same 16 ranks are one node when nodes hold 16 (node_size overrides the profile's)
-    assert h100.collective_costs(16, node_size=16).seconds("all_gather", GIB) < \
-        h100.collective_costs(16).seconds("all_gather", GIB)
+    assert h100.collective_costs(16, node_size=16).seconds("all_gather", GIB) < h100.collective_costs(16).seconds(
+        "all_gather", GIB
+    )
     assert h100.collective_costs(1).seconds("all_gather", GIB) == 0  # a world of one communicates nothing
 
 
@@ -70,8 +71,15 @@ def test_a_missing_field_is_named(path):
         profile_from_dict(data, "broken.json")
 
 
-@pytest.mark.parametrize("path, value", [("links.intra_node.bus_bytes_per_s", -1.0), ("peak_flops_per_s.bf16", 0),
-                                         ("links.inter_node.latency_s", float("nan")), ("memory_bytes", "80GB")])
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        ("links.intra_node.bus_bytes_per_s", -1.0),
+        ("peak_flops_per_s.bf16", 0),
+        ("links.inter_node.latency_s", float("nan")),
+        ("memory_bytes", "80GB"),
+    ],
+)
 def test_an_impossible_value_is_named(path, value):
     data = copy.deepcopy(_h100())
     *parents, last = path.split(".")
@@ -104,9 +112,11 @@ def test_a_group_is_priced_on_the_link_its_ranks_need():
     assert not costs.across_nodes("intra", 8) and costs.across_nodes("inter", 8)
     assert costs.across_nodes("unknown", 16) and not costs.across_nodes("unknown", 8)
     assert h100.group_cost("all_gather", 8, across_nodes=False).seconds(GIB) == pytest.approx(
-        3 * 8e-6 + GIB * 7 / 8 / 365e9, rel=1e-12)
+        3 * 8e-6 + GIB * 7 / 8 / 365e9, rel=1e-12
+    )
     assert h100.group_cost("all_to_all", 8, across_nodes=True).seconds(GIB) == pytest.approx(
-        3 * 15e-6 + GIB * 7 / 8 / 42e9, rel=1e-12)
+        3 * 15e-6 + GIB * 7 / 8 / 42e9, rel=1e-12
+    )
     # the whole-world costs are the same rule at the world's size
     assert h100.collective_costs(64).cost("reduce_scatter") == h100.group_cost("reduce_scatter", 64, True)
 
@@ -117,15 +127,21 @@ def test_optional_figures_reach_the_cost_model():
     factor; the GPU profiles leave them out and keep the plain rule."""
     data = _h100()
     data.update(attention_efficiency=0.5, transcendental_bytes_per_s=1e12, overlap_slowdown=3.0, device_type="cpu")
-    data["links"]["intra_node"].update(issue_latency_s=1e-4, issue_bytes_per_s=1e10, bus_factor={"reduce_scatter": 2.0},
-                                       latency_factor={"reduce_scatter": 3.0})
+    data["links"]["intra_node"].update(
+        issue_latency_s=1e-4,
+        issue_bytes_per_s=1e10,
+        bus_factor={"reduce_scatter": 2.0},
+        latency_factor={"reduce_scatter": 3.0},
+    )
     profile = profile_from_dict(data)
     compute = profile.compute_costs(torch.bfloat16)
     assert compute.attention_flops_per_s == 989e12 / 2 and compute.transcendental_bytes_per_s == 1e12
     costs = profile.collective_costs(8)
     assert costs.overlap_slowdown == 3.0 and profile.link_costs(8).overlap_slowdown == 3.0
     rs, ag = costs.cost("reduce_scatter"), costs.cost("all_gather")
-    assert rs.seconds_per_byte == pytest.approx(2 * 7 / 8 / 365e9) and ag.seconds_per_byte == pytest.approx(7 / 8 / 365e9)
+    assert rs.seconds_per_byte == pytest.approx(2 * 7 / 8 / 365e9) and ag.seconds_per_byte == pytest.approx(
+        7 / 8 / 365e9
+    )
     assert rs.latency_s == pytest.approx(3 * ag.latency_s) and ag.latency_s == pytest.approx(3 * 8e-6)  # log2(8) steps
     assert ag.issue_seconds(10**6) == pytest.approx(1e-4 + 10**6 / 1e10)
     plain = load_profile("h100-sxm")
@@ -144,16 +160,19 @@ def test_compute_efficiency_slows_every_op():
         assert slowed.op_seconds(flops, nbytes) == pytest.approx(2 * plain.op_seconds(flops, nbytes), rel=1e-12)
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("attention_efficiency", 1.5, "attention_efficiency is a fraction"),
-    ("compute_efficiency", 1.2, "compute_efficiency is a fraction"),
-    ("compute_efficiency", 0.0, "compute_efficiency must be a number > 0"),
-    ("overlap_slowdown", 0.5, "overlap_slowdown is a transfer's time"),
-    ("transcendental_bytes_per_s", -1.0, "transcendental_bytes_per_s must be a number > 0"),
-    ("device_type", "tpu", "device_type must be 'cuda' or 'cpu'"),
-    ("host_cores", -1, "host_cores must be an int >= 0"),
-    ("host_cores", 1.5, "host_cores must be an int >= 0"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("attention_efficiency", 1.5, "attention_efficiency is a fraction"),
+        ("compute_efficiency", 1.2, "compute_efficiency is a fraction"),
+        ("compute_efficiency", 0.0, "compute_efficiency must be a number > 0"),
+        ("overlap_slowdown", 0.5, "overlap_slowdown is a transfer's time"),
+        ("transcendental_bytes_per_s", -1.0, "transcendental_bytes_per_s must be a number > 0"),
+        ("device_type", "tpu", "device_type must be 'cuda' or 'cpu'"),
+        ("host_cores", -1, "host_cores must be an int >= 0"),
+        ("host_cores", 1.5, "host_cores must be an int >= 0"),
+    ],
+)
 def test_impossible_optional_figure_is_named(key, value, message):
     data = _h100()
     data[key] = value

@@ -43,24 +43,51 @@ class TokenDataset(torch.utils.data.Dataset):
 
 def _llama():
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
 def _args(output_dir: str, world: int, **overrides) -> transformers.TrainingArguments:
-    settings = dict(output_dir=output_dir, per_device_train_batch_size=8 // world, per_device_eval_batch_size=4,
-                    max_steps=STEPS, learning_rate=3e-3, max_grad_norm=MAX_GRAD_NORM, logging_steps=1,
-                    lr_scheduler_type="linear", warmup_steps=3, weight_decay=0.1, seed=0, data_seed=0,
-                    report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
-                    gradient_accumulation_steps=GRAD_ACCUM, eval_strategy="steps", eval_steps=EVAL_EVERY)
+    settings = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=8 // world,
+        per_device_eval_batch_size=4,
+        max_steps=STEPS,
+        learning_rate=3e-3,
+        max_grad_norm=MAX_GRAD_NORM,
+        logging_steps=1,
+        lr_scheduler_type="linear",
+        warmup_steps=3,
+        weight_decay=0.1,
+        seed=0,
+        data_seed=0,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        gradient_accumulation_steps=GRAD_ACCUM,
+        eval_strategy="steps",
+        eval_steps=EVAL_EVERY,
+    )
     return transformers.TrainingArguments(**{**settings, **overrides})
 
 
 def _history(trainer) -> dict:
     logs = trainer.state.log_history
-    return {"losses": [h["loss"] for h in logs if "loss" in h], "grad_norms": [h["grad_norm"] for h in logs if "loss" in h],
-            "lrs": [h["learning_rate"] for h in logs if "loss" in h], "evals": [h["eval_loss"] for h in logs if "eval_loss" in h]}
+    return {
+        "losses": [h["loss"] for h in logs if "loss" in h],
+        "grad_norms": [h["grad_norm"] for h in logs if "loss" in h],
+        "lrs": [h["learning_rate"] for h in logs if "loss" in h],
+        "evals": [h["eval_loss"] for h in logs if "eval_loss" in h],
+    }
 
 
 def _train_each_way(rank: int, world: int, out_dir: str) -> dict:
@@ -77,8 +104,9 @@ def _train_each_way(rank: int, world: int, out_dir: str) -> dict:
         if way == "ddp":
             trainer = transformers.Trainer(model=model, args=args, train_dataset=train, eval_dataset=held_out)
         else:
-            trainer = ZeroTrainer(model=model, args=args, train_dataset=train, eval_dataset=held_out,
-                                  zero_options={"stage": way})
+            trainer = ZeroTrainer(
+                model=model, args=args, train_dataset=train, eval_dataset=held_out, zero_options={"stage": way}
+            )
         trainer.train()
         runs[way] = _history(trainer)
         if way == "ddp":
@@ -132,8 +160,9 @@ def test_zero_trainer_trains_like_the_ddp_trainer(each_way, stage):
     _assert_close_lists(zero["evals"], ddp["evals"], "eval_loss")
     assert zero["lrs"] == ddp["lrs"]
     for name, value in ddp["params"].items():
-        torch.testing.assert_close(zero["params"][name], value, rtol=RTOL, atol=RTOL * value.abs().max().item(),
-                                   msg=name)
+        torch.testing.assert_close(
+            zero["params"][name], value, rtol=RTOL, atol=RTOL * value.abs().max().item(), msg=name
+        )
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -162,16 +191,28 @@ STATIC = {"dynamic": None}
 
 
 def _resume_args(out_dir: str, world: int) -> transformers.TrainingArguments:
-    return _args(out_dir, world, max_steps=RESUME_STEPS, save_strategy="steps", save_steps=SAVE_EVERY,
-                 gradient_accumulation_steps=1, eval_strategy="no")
+    return _args(
+        out_dir,
+        world,
+        max_steps=RESUME_STEPS,
+        save_strategy="steps",
+        save_steps=SAVE_EVERY,
+        gradient_accumulation_steps=1,
+        eval_strategy="no",
+    )
 
 
 def _trainer(out_dir: str, world: int):
     from zcompile.integrations.hf import ZeroTrainer
 
     torch._dynamo.reset()
-    return ZeroTrainer(model=_llama(), args=_resume_args(out_dir, world),
-                       train_dataset=TokenDataset(RESUME_STEPS * 8, seed=0), zero_options={"stage": 3}, **STATIC)
+    return ZeroTrainer(
+        model=_llama(),
+        args=_resume_args(out_dir, world),
+        train_dataset=TokenDataset(RESUME_STEPS * 8, seed=0),
+        zero_options={"stage": 3},
+        **STATIC,
+    )
 
 
 def _train_then_resume(rank: int, world: int, out_dir: str) -> tuple[dict, dict]:
@@ -208,8 +249,12 @@ def _peft_llama():
 
     base = _llama()
     torch.manual_seed(1)  # the adapter's own initial values (B is random too, so every step moves A)
-    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                                           init_lora_weights="gaussian"))
+    return get_peft_model(
+        base,
+        LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights="gaussian"
+        ),
+    )
 
 
 def _peft_train_then_resume(rank: int, world: int, out_dir: str) -> dict:
@@ -221,22 +266,35 @@ def _peft_train_then_resume(rank: int, world: int, out_dir: str) -> dict:
 
     def trainer():
         torch._dynamo.reset()
-        return ZeroTrainer(model=_peft_llama(), args=_resume_args(out_dir, world),
-                           train_dataset=TokenDataset(RESUME_STEPS * 8, seed=0), zero_options={"stage": 3}, **STATIC)
+        return ZeroTrainer(
+            model=_peft_llama(),
+            args=_resume_args(out_dir, world),
+            train_dataset=TokenDataset(RESUME_STEPS * 8, seed=0),
+            zero_options={"stage": 3},
+            **STATIC,
+        )
 
     uninterrupted = trainer()
     uninterrupted.train()
     uninterrupted.save_model(os.path.join(out_dir, "adapter"))
     model = uninterrupted.model
     with zcompile.gathered(model):  # the trained adapter, read from the model itself
-        adapter = {name.replace(".default", ""): p.detach().clone() for name, p in model.named_parameters()
-                   if p.requires_grad}
+        adapter = {
+            name.replace(".default", ""): p.detach().clone() for name, p in model.named_parameters() if p.requires_grad
+        }
     resumed = trainer()
     resumed.train(resume_from_checkpoint=os.path.join(out_dir, f"checkpoint-{SAVE_EVERY}"))
     saved = dcp.FileSystemReader(os.path.join(out_dir, f"checkpoint-{SAVE_EVERY}", "zcompile")).read_metadata()
-    return {"uninterrupted": _history(uninterrupted), "resumed": _history(resumed), "adapter": adapter,
-            "checkpointed": sorted(k.removeprefix("model/").replace(".default", "")
-                                   for k in saved.state_dict_metadata if k.startswith("model/"))}
+    return {
+        "uninterrupted": _history(uninterrupted),
+        "resumed": _history(resumed),
+        "adapter": adapter,
+        "checkpointed": sorted(
+            k.removeprefix("model/").replace(".default", "")
+            for k in saved.state_dict_metadata
+            if k.startswith("model/")
+        ),
+    }
 
 
 def test_a_peft_model_saves_its_adapter_and_resumes_from_checkpoints_without_its_base(tmp_path):
@@ -267,10 +325,26 @@ def _best_at_end(rank: int, world: int, out_dir: str) -> dict:
     from zcompile.integrations.hf import ZeroTrainer
 
     torch._dynamo.reset()
-    args = _args(out_dir, world, max_steps=12, gradient_accumulation_steps=1, eval_steps=3, save_strategy="steps",
-                 save_steps=3, load_best_model_at_end=True, metric_for_best_model="eval_loss", learning_rate=3e-2)
-    trainer = ZeroTrainer(model=_llama(), args=args, train_dataset=TokenDataset(12 * 8, seed=0),
-                          eval_dataset=TokenDataset(16, seed=1), zero_options={"stage": 3}, **STATIC)
+    args = _args(
+        out_dir,
+        world,
+        max_steps=12,
+        gradient_accumulation_steps=1,
+        eval_steps=3,
+        save_strategy="steps",
+        save_steps=3,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        learning_rate=3e-2,
+    )
+    trainer = ZeroTrainer(
+        model=_llama(),
+        args=args,
+        train_dataset=TokenDataset(12 * 8, seed=0),
+        eval_dataset=TokenDataset(16, seed=1),
+        zero_options={"stage": 3},
+        **STATIC,
+    )
     trainer.train()
     weights = full_state_dict(trainer.model, rank=0)
     if rank != 0:
@@ -278,9 +352,12 @@ def _best_at_end(rank: int, world: int, out_dir: str) -> dict:
     best = trainer.state.best_model_checkpoint
     saved = safetensors.torch.load_file(os.path.join(best, "model.safetensors"))
     last = safetensors.torch.load_file(os.path.join(out_dir, "checkpoint-12", "model.safetensors"))
-    return {"best": os.path.basename(best), "keys": sorted(saved) == sorted(k for k in weights if k in saved),
-            "from_best": max((weights[k] - saved[k]).abs().max().item() for k in saved),
-            "best_from_last": max((last[k] - saved[k]).abs().max().item() for k in saved)}
+    return {
+        "best": os.path.basename(best),
+        "keys": sorted(saved) == sorted(k for k in weights if k in saved),
+        "from_best": max((weights[k] - saved[k]).abs().max().item() for k in saved),
+        "best_from_last": max((last[k] - saved[k]).abs().max().item() for k in saved),
+    }
 
 
 def test_load_best_model_at_end_loads_the_best_checkpoints_weights_at_stage_3(tmp_path):
@@ -294,15 +371,28 @@ def test_refusals_name_the_fix(tmp_path):
 
     dataset = TokenDataset(8, seed=0)
     with pytest.raises(ValueError, match="fp16=True is not supported.*bf16=True"):
-        ZeroTrainer(model=_llama(), args=_args(str(tmp_path), 1, eval_strategy="no", fp16=True, use_cpu=False), train_dataset=dataset)
+        ZeroTrainer(
+            model=_llama(),
+            args=_args(str(tmp_path), 1, eval_strategy="no", fp16=True, use_cpu=False),
+            train_dataset=dataset,
+        )
     with pytest.raises(ValueError, match="torch_compile_backend='inductor'.*set torch_compile_backend='zero'"):
-        ZeroTrainer(model=_llama(), args=_args(str(tmp_path), 1, eval_strategy="no", torch_compile_backend="inductor"),
-                    train_dataset=dataset)
-    trainer = ZeroTrainer(model=_llama(), args=_args(str(tmp_path), 1, eval_strategy="no", optim="adafactor"), train_dataset=dataset)
+        ZeroTrainer(
+            model=_llama(),
+            args=_args(str(tmp_path), 1, eval_strategy="no", torch_compile_backend="inductor"),
+            train_dataset=dataset,
+        )
+    trainer = ZeroTrainer(
+        model=_llama(), args=_args(str(tmp_path), 1, eval_strategy="no", optim="adafactor"), train_dataset=dataset
+    )
     with pytest.raises(ValueError, match=r"optim='adafactor'\) has no zcompile optimizer"):
         trainer.create_optimizer()
-    trainer = ZeroTrainer(model=_llama(), args=_args(str(tmp_path), 1, eval_strategy="no"), train_dataset=dataset,
-                          optimizers=(torch.optim.AdamW(_llama().parameters()), None))
+    trainer = ZeroTrainer(
+        model=_llama(),
+        args=_args(str(tmp_path), 1, eval_strategy="no"),
+        train_dataset=dataset,
+        optimizers=(torch.optim.AdamW(_llama().parameters()), None),
+    )
     with pytest.raises(TypeError, match="not a zcompile.optim optimizer"):
         trainer.create_optimizer()
     # torch_compile_backend="zero" (which accelerate refuses by name) is ZeroTrainer's own compile
@@ -317,10 +407,15 @@ def _three_steps(out_dir, zero: bool, dynamic: bool | None = True, **overrides) 
     from zcompile.integrations.hf import ZeroTrainer
 
     torch._dynamo.reset()
-    args = _args(str(out_dir), 1, **{"eval_strategy": "no", "max_steps": 3, "gradient_accumulation_steps": 1,
-                                     **overrides})
-    kwargs = dict(model=_llama(), args=args, train_dataset=TokenDataset(24, seed=0), eval_dataset=TokenDataset(8, seed=1))
-    trainer = ZeroTrainer(**kwargs, zero_options={"stage": 3}, dynamic=dynamic) if zero else transformers.Trainer(**kwargs)
+    args = _args(
+        str(out_dir), 1, **{"eval_strategy": "no", "max_steps": 3, "gradient_accumulation_steps": 1, **overrides}
+    )
+    kwargs = dict(
+        model=_llama(), args=args, train_dataset=TokenDataset(24, seed=0), eval_dataset=TokenDataset(8, seed=1)
+    )
+    trainer = (
+        ZeroTrainer(**kwargs, zero_options={"stage": 3}, dynamic=dynamic) if zero else transformers.Trainer(**kwargs)
+    )
     trainer.train()
     return _history(trainer)
 
@@ -361,8 +456,6 @@ def test_model_init_trains_a_fresh_model_at_each_train_call(tmp_path):
             assert len(compiles) == trial + 1, len(compiles)
 
 
-
-
 @pytest.fixture(scope="module")
 def fp32_zero_run(tmp_path_factory) -> tuple[list[float], list[str]]:
     """ZeroTrainer's losses over 3 steps in fp32, one process, and Dynamo's compile attempts."""
@@ -398,6 +491,7 @@ def test_bf16_mixed_precision_is_applied(tmp_path, fp32_zero_run):
 
 # ---- batches padded per rank to their own longest sequence ----
 
+
 class VariedLengthDataset(torch.utils.data.Dataset):
     """Token sequences of 6 to 16 tokens, for a collator that pads each batch to its longest."""
 
@@ -420,8 +514,8 @@ def pad_to_longest(batch: list[dict]) -> dict:
     ids = torch.zeros(len(batch), length, dtype=torch.long)
     mask = torch.zeros(len(batch), length, dtype=torch.long)
     for row, item in enumerate(batch):
-        ids[row, :len(item["input_ids"])] = item["input_ids"]
-        mask[row, :len(item["input_ids"])] = 1
+        ids[row, : len(item["input_ids"])] = item["input_ids"]
+        mask[row, : len(item["input_ids"])] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
@@ -431,13 +525,22 @@ def _padded_each_way(rank: int, world: int, out_dir: str) -> dict:
     runs = {}
     for way in ("ddp", 3):
         torch._dynamo.reset()
-        args = _args(os.path.join(out_dir, f"padded_{way}"), world, max_steps=6, gradient_accumulation_steps=1,
-                     eval_strategy="no")
-        common = dict(model=_llama(), args=args, train_dataset=VariedLengthDataset(64, seed=0),
-                      data_collator=pad_to_longest)
+        args = _args(
+            os.path.join(out_dir, f"padded_{way}"),
+            world,
+            max_steps=6,
+            gradient_accumulation_steps=1,
+            eval_strategy="no",
+        )
+        common = dict(
+            model=_llama(), args=args, train_dataset=VariedLengthDataset(64, seed=0), data_collator=pad_to_longest
+        )
         graphs = []
-        trainer = (transformers.Trainer(**common) if way == "ddp" else
-                   ZeroTrainer(**common, zero_options={"stage": way, "on_compile": graphs.append}))
+        trainer = (
+            transformers.Trainer(**common)
+            if way == "ddp"
+            else ZeroTrainer(**common, zero_options={"stage": way, "on_compile": graphs.append})
+        )
         trainer.train()
         runs[way] = {**_history(trainer), "compiles": len(graphs)}
     return runs

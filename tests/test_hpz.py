@@ -41,21 +41,25 @@ def test_hpz_pass_replaces_each_gather_param_by_gather_secondary_regather():
     # per parameter, in order: world gather of the shard, this rank's 1/K slice of it, K-rank re-gather
     # of the slices (which also reads the world gather: its gradient goes there); compute reads the last.
     for shard, numel, shape, suffix in (("weight_shard", 15, "(3, 5)", ""), ("bias_shard", 3, "(3,)", "_1")):
-        FileCheck().check(f"gather_flat{suffix} = ") \
-            .check_same(f"gather_flat({shard}, 4, 'world', torch.float32, None)") \
-            .check_next(f"hpz_secondary{suffix} = ").check_same(f"hpz_secondary(gather_flat{suffix}, 2, 1)") \
-            .check_next(f"hpz_regather{suffix} = ") \
-            .check_same(f"hpz_regather(gather_flat{suffix}, hpz_secondary{suffix}, {numel}, {shape}, 2, 'hpz')") \
-            .run(gm.code)
-    FileCheck().check("linear(x, hpz_regather, hpz_regather_1)").check("sum(hpz_regather)").check_not("gather_param") \
-        .run(gm.code)
+        FileCheck().check(f"gather_flat{suffix} = ").check_same(
+            f"gather_flat({shard}, 4, 'world', torch.float32, None)"
+        ).check_next(f"hpz_secondary{suffix} = ").check_same(f"hpz_secondary(gather_flat{suffix}, 2, 1)").check_next(
+            f"hpz_regather{suffix} = "
+        ).check_same(f"hpz_regather(gather_flat{suffix}, hpz_secondary{suffix}, {numel}, {shape}, 2, 'hpz')").run(
+            gm.code
+        )
+    FileCheck().check("linear(x, hpz_regather, hpz_regather_1)").check("sum(hpz_regather)").check_not(
+        "gather_param"
+    ).run(gm.code)
 
 
 def test_hpz_pass_tags_roles_params_and_recompute_policies():
     gm = hpz_pass(_stage3()[0], HPZ, HPZ_RANK, "hpz")
-    expected = {gather_flat: (metadata.ROLE_GATHER, None),
-                hpz_secondary: (metadata.ROLE_HPZ_SECONDARY, CheckpointPolicy.MUST_SAVE),
-                hpz_regather: (metadata.ROLE_HPZ_REGATHER, CheckpointPolicy.MUST_RECOMPUTE)}
+    expected = {
+        gather_flat: (metadata.ROLE_GATHER, None),
+        hpz_secondary: (metadata.ROLE_HPZ_SECONDARY, CheckpointPolicy.MUST_SAVE),
+        hpz_regather: (metadata.ROLE_HPZ_REGATHER, CheckpointPolicy.MUST_RECOMPUTE),
+    }
     for target, (role, policy) in expected.items():
         nodes = calls(gm, target)
         assert [metadata.tags(n)[metadata.PARAM] for n in nodes] == ["weight", "bias"]
@@ -143,5 +147,6 @@ def test_passes_compose():
     fwd = hpz_forward_shortcut_pass(fwd, "hpz")
     assert [n.args[1:] for n in calls(fwd, ALL_GATHER)] == [(WORLD, "world")] * 2
     # weight: the compute reads the world gather, sliced to the 15 elements and viewed (3, 5)
-    FileCheck().check("wait_tensor = ").check_next("view = ").check("slice.Tensor(wait_tensor, 0, 0, 15)") \
-        .check_not("'hpz'").run(fwd.code)
+    FileCheck().check("wait_tensor = ").check_next("view = ").check("slice.Tensor(wait_tensor, 0, 0, 15)").check_not(
+        "'hpz'"
+    ).run(fwd.code)

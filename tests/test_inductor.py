@@ -12,12 +12,14 @@ from support.training import RunSpec, assert_same_training, train_reference, zer
 
 def test_stage3_inductor_matches_single_process():
     spec = RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, options={"compiler": "inductor"})
-    keep = RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1,
-                   options={"compiler": "inductor", "keep_gathered_mb": 100})
+    keep = RunSpec(
+        model="gpt", stage=3, optimizer="sgd", lr=0.1, options={"compiler": "inductor", "keep_gathered_mb": 100}
+    )
     # blocks compiled one by one (the FSDP2 habit, whose torch.compile is inductor's): each layer's
     # call takes the first gather the call before issued, through inductor's code (zcompile.backend.call_prefetch)
-    blocks = RunSpec(model="gpt", stage=3, blocks=True, grad_accum=2, optimizer="sgd", lr=0.1,
-                     options={"compiler": "inductor"})
+    blocks = RunSpec(
+        model="gpt", stage=3, blocks=True, grad_accum=2, optimizer="sgd", lr=0.1, options={"compiler": "inductor"}
+    )
     (result, kept, in_blocks), (_, _, in_blocks1) = run_ranks(2, zero_run_on_rank, [spec, keep, blocks], timeout_s=900)
     assert_same_training(result, train_reference(spec, world=2), spec)
     # keep-gathered reaches inductor's partitioner through its joint-graph hook: nothing re-gathered
@@ -31,8 +33,11 @@ def test_stage3_inductor_matches_single_process():
     assert_same_training(in_blocks, train_reference(blocks, world=2), blocks)
     # 2 layers: in backward every step's micro-batches, in forward the second micro-batch of each step
     # (a step's first call skips its agreement and issues nothing); test_training's count for eager
-    assert in_blocks.facts["prefetched_calls"] == in_blocks1.facts["prefetched_calls"] == {
-        "forward": blocks.steps * (blocks.grad_accum - 1), "backward": blocks.steps * blocks.grad_accum}
+    assert (
+        in_blocks.facts["prefetched_calls"]
+        == in_blocks1.facts["prefetched_calls"]
+        == {"forward": blocks.steps * (blocks.grad_accum - 1), "backward": blocks.steps * blocks.grad_accum}
+    )
 
 
 def test_a_graph_compiled_again_from_torchs_caches_still_goes_through_zcompile(tmp_path, monkeypatch):
@@ -42,14 +47,16 @@ def test_a_graph_compiled_again_from_torchs_caches_still_goes_through_zcompile(t
     BatchNorm changes, which then went unsynchronised across ranks, silently."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: the first compile fills it
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
-                                torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 1)
+    )
     x = torch.randn(32, 8)
     for attempt in range(2):
         torch._dynamo.reset()
         compiled_graphs = []
-        compiled = torch.compile(model, backend="zero",
-                                 options={"stage": 1, "compiler": "inductor", "on_compile": compiled_graphs.append})
+        compiled = torch.compile(
+            model, backend="zero", options={"stage": 1, "compiler": "inductor", "on_compile": compiled_graphs.append}
+        )
         compiled(x).pow(2).mean().backward()
         (graphs,) = compiled_graphs
         assert graphs.forward is not None and graphs.backward is not None, attempt

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import torch
 from functorch.compile import make_boxed_func
 
-from zcompile.backend.compiled import CompiledGraphs
 from zcompile.backend.aot import _quoting_abort_notes, boxed_graph_function
+from zcompile.backend.compiled import CompiledGraphs
 from zcompile.common.process_group import DataParallelGroup
 from zcompile.reports.timeline import record_step
 

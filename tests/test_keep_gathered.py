@@ -9,8 +9,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from support.launch import run_ranks
 from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
-from zcompile.passes.collectives import ALL_GATHER, WAIT
 from zcompile.passes import metadata
+from zcompile.passes.collectives import ALL_GATHER, WAIT
 from zcompile.passes.keep_gathered import keep_gathered_pass, plan_keep_gathered
 from zcompile.passes.param_gather import GATHER_SHARDS
 
@@ -36,8 +36,11 @@ def _joint_graph(shard_sizes=(8, 8, 8), world=2, one_op=False):
     for i, shard in enumerate(shards):
         shape = [n, world * shard_sizes[i]]
         if one_op:
-            chain = [graph.call_function(GATHER_SHARDS, (shard, n * shape[1], shape, world, "0", torch.float32),
-                                         name=f"w{i}")]
+            chain = [
+                graph.call_function(
+                    GATHER_SHARDS, (shard, n * shape[1], shape, world, "0", torch.float32), name=f"w{i}"
+                )
+            ]
         else:
             gather = graph.call_function(ALL_GATHER, (shard, world, "0"), name=f"gather{i}")
             wait = graph.call_function(WAIT, (gather,), name=f"wait{i}")
@@ -95,8 +98,11 @@ def test_pass_lifts_only_the_kept_tags(one_op):
     gm = _joint_graph(one_op=one_op)
     plan = plan_keep_gathered(gm, budget_bytes=2 * 8 * 16 * 4)
     keep_gathered_pass(gm, plan)
-    tagged = {metadata.tags(n)[metadata.PARAM] for n in gm.graph.nodes
-              if n.meta.get(metadata.RECOMPUTE) == CheckpointPolicy.MUST_RECOMPUTE}
+    tagged = {
+        metadata.tags(n)[metadata.PARAM]
+        for n in gm.graph.nodes
+        if n.meta.get(metadata.RECOMPUTE) == CheckpointPolicy.MUST_RECOMPUTE
+    }
     assert tagged == {"p0", "p2"}
 
 

@@ -65,8 +65,10 @@ def test_imports_point_down(folder):
 def test_the_checker_sees_an_upward_import(tmp_path):
     """The check itself can fail: an upward import, absolute or relative, is found."""
     bad = tmp_path / "bad.py"
-    bad.write_text("from zcompile.common.process_group import DataParallelGroup\n"
-                   "def f():\n    from .. import reports\n    import zcompile.optim\n")
+    bad.write_text(
+        "from zcompile.common.process_group import DataParallelGroup\n"
+        "def f():\n    from .. import reports\n    import zcompile.optim\n"
+    )
     modules = [m for _, m in _imported_modules(bad, "zcompile.passes")]
     assert modules == ["zcompile.common.process_group.DataParallelGroup", "zcompile.reports", "zcompile.optim"]
 
@@ -78,8 +80,13 @@ def _module_name(path: Path, root: Path) -> str:
 
 def _type_checking_only(tree: ast.AST) -> set[int]:
     """Ids of the nodes under ``if TYPE_CHECKING:``: those imports never run."""
-    return {id(node) for block in ast.walk(tree) if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
-            for statement in block.body for node in ast.walk(statement)}
+    return {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for statement in block.body
+        for node in ast.walk(statement)
+    }
 
 
 def _import_graph(root: Path) -> nx.DiGraph:
@@ -106,7 +113,9 @@ def _circles(root: Path) -> list[str]:
     for component in nx.strongly_connected_components(graph):
         if len(component) > 1:
             cycle = nx.find_cycle(graph.subgraph(component))
-            found.append(" -> ".join(f"{a} (line {graph.edges[a, b]['line']})" for a, b in cycle) + f" -> {cycle[0][0]}")
+            found.append(
+                " -> ".join(f"{a} (line {graph.edges[a, b]['line']})" for a, b in cycle) + f" -> {cycle[0][0]}"
+            )
     return found
 
 
@@ -125,7 +134,9 @@ def test_the_circle_check_sees_a_circle(tmp_path):
     (package / "a" / "__init__.py").write_text("from zcompile.a.low import thing\n")
     (package / "a" / "low.py").write_text("def thing():\n    from zcompile.high import other\n")
     (package / "high.py").write_text("from zcompile.a.low import thing\nother = thing\n")
-    (package / "typed.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from zcompile.high import other\n")
+    (package / "typed.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from zcompile.high import other\n"
+    )
     circles = _circles(package)
     assert len(circles) == 1 and "zcompile.high" in circles[0] and "zcompile.a.low" in circles[0], circles
     assert "typed" not in circles[0]
@@ -139,23 +150,28 @@ def _run_fresh(code: str) -> str:
 
 
 def test_importing_passes_loads_no_front_end_and_no_triton():
-    passes = [p.stem for p in (REPO / "passes").glob("*.py")
-              if p.stem != "__init__" and not p.stem.startswith("quantize_")]  # qwZ/qgZ need the kernels
-    code = ("import sys\n"
-            + "".join(f"import zcompile.passes.{name}\n" for name in passes)
-            + "loaded = sorted(m for m in sys.modules if m.startswith('zcompile'))\n"
-            + "below = ('zcompile.passes', 'zcompile.kernels')\n"
-            + "front = [m for m in loaded if m != 'zcompile' and not m.startswith(below)]\n"
-            + "print(front, 'triton' in sys.modules, 'matplotlib' in sys.modules)\n")
+    passes = [
+        p.stem for p in (REPO / "passes").glob("*.py") if p.stem != "__init__" and not p.stem.startswith("quantize_")
+    ]  # qwZ/qgZ need the kernels
+    code = (
+        "import sys\n"
+        + "".join(f"import zcompile.passes.{name}\n" for name in passes)
+        + "loaded = sorted(m for m in sys.modules if m.startswith('zcompile'))\n"
+        + "below = ('zcompile.passes', 'zcompile.kernels')\n"
+        + "front = [m for m in loaded if m != 'zcompile' and not m.startswith(below)]\n"
+        + "print(front, 'triton' in sys.modules, 'matplotlib' in sys.modules)\n"
+    )
     assert _run_fresh(code).strip() == "[] False False"
 
 
 def test_public_names_load_on_first_use():
-    code = ("import sys, zcompile\n"
-            "before = 'zcompile.optim' in sys.modules or 'triton' in sys.modules\n"
-            "names = [zcompile.optim.AdamW, zcompile.ZeroConfig, zcompile.gathered, zcompile.step_report,\n"
-            "         zcompile.PassError, zcompile.model_state_bytes, zcompile.zero_formula_bytes]\n"
-            "print(before, 'zcompile.optim' in sys.modules, set(zcompile.__all__) <= set(dir(zcompile)))\n")
+    code = (
+        "import sys, zcompile\n"
+        "before = 'zcompile.optim' in sys.modules or 'triton' in sys.modules\n"
+        "names = [zcompile.optim.AdamW, zcompile.ZeroConfig, zcompile.gathered, zcompile.step_report,\n"
+        "         zcompile.PassError, zcompile.model_state_bytes, zcompile.zero_formula_bytes]\n"
+        "print(before, 'zcompile.optim' in sys.modules, set(zcompile.__all__) <= set(dir(zcompile)))\n"
+    )
     assert _run_fresh(code).split() == ["False", "True", "True"]
 
 
@@ -164,15 +180,17 @@ def test_public_names_survive_importing_every_submodule_first():
     module had its name (``zcompile.gathered`` in ``zcompile/gathered.py``) became that module for
     anyone who imported the module first (``zcompile.gathered(model)``: "'module' object is not
     callable"). Each public name is checked to be its module's object after every submodule loaded."""
-    code = ("import importlib, pkgutil, zcompile\n"
-            "for info in pkgutil.iter_modules(zcompile.__path__):\n"
-            "    importlib.import_module('zcompile.' + info.name)\n"
-            "def defined(name, module):  # the submodule itself (\"\"), or the name in its module\n"
-            "    if not module:\n"
-            "        return importlib.import_module('zcompile.' + name)\n"
-            "    return getattr(importlib.import_module(module), name)\n"
-            "lazy = zcompile._LAZY.items()\n"
-            "print([name for name, module in lazy if getattr(zcompile, name) is not defined(name, module)])\n")
+    code = (
+        "import importlib, pkgutil, zcompile\n"
+        "for info in pkgutil.iter_modules(zcompile.__path__):\n"
+        "    importlib.import_module('zcompile.' + info.name)\n"
+        'def defined(name, module):  # the submodule itself (""), or the name in its module\n'
+        "    if not module:\n"
+        "        return importlib.import_module('zcompile.' + name)\n"
+        "    return getattr(importlib.import_module(module), name)\n"
+        "lazy = zcompile._LAZY.items()\n"
+        "print([name for name, module in lazy if getattr(zcompile, name) is not defined(name, module)])\n"
+    )
     assert _run_fresh(code).strip() == "[]"
 
 
@@ -183,21 +201,23 @@ def test_zcompile_imports_and_trains_where_triton_is_not_installed():
     ``ZeroTrainer``, after ``pip install -e '.[hf]'``) stopped in an ImportError. With triton hidden,
     every kernel module imports and a stage-3 step trains like ``torch.optim.AdamW``."""
     kernels = [p.stem for p in (REPO / "kernels").glob("*.py") if p.stem != "__init__"]
-    code = ("import sys\n"
-            "sys.modules['triton'] = None  # import triton raises ImportError, as where it is not installed\n"
-            + "".join(f"import zcompile.kernels.{name}\n" for name in kernels if name != "cross_entropy_triton")
-            + "import torch, zcompile\n"
-            "def run(zero):\n"
-            "    torch.manual_seed(0)\n"
-            "    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))\n"
-            "    optimizer = (zcompile.optim.AdamW if zero else torch.optim.AdamW)(model.parameters(), lr=1e-2)\n"
-            "    if zero:\n"
-            "        model = torch.compile(model, backend='zero', options={'stage': 3})\n"
-            "    x, losses = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), []\n"
-            "    for _ in range(3):\n"
-            "        loss = model(x).square().mean(); loss.backward(); optimizer.step(); optimizer.zero_grad()\n"
-            "        losses.append(loss.item())\n"
-            "    return losses\n"
-            "zero, plain = run(True), run(False)\n"
-            "print(max(abs(a - b) for a, b in zip(zero, plain)) <= 1e-6 * max(map(abs, plain)), zero[-1] < zero[0])\n")
+    code = (
+        "import sys\n"
+        "sys.modules['triton'] = None  # import triton raises ImportError, as where it is not installed\n"
+        + "".join(f"import zcompile.kernels.{name}\n" for name in kernels if name != "cross_entropy_triton")
+        + "import torch, zcompile\n"
+        "def run(zero):\n"
+        "    torch.manual_seed(0)\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))\n"
+        "    optimizer = (zcompile.optim.AdamW if zero else torch.optim.AdamW)(model.parameters(), lr=1e-2)\n"
+        "    if zero:\n"
+        "        model = torch.compile(model, backend='zero', options={'stage': 3})\n"
+        "    x, losses = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), []\n"
+        "    for _ in range(3):\n"
+        "        loss = model(x).square().mean(); loss.backward(); optimizer.step(); optimizer.zero_grad()\n"
+        "        losses.append(loss.item())\n"
+        "    return losses\n"
+        "zero, plain = run(True), run(False)\n"
+        "print(max(abs(a - b) for a, b in zip(zero, plain)) <= 1e-6 * max(map(abs, plain)), zero[-1] < zero[0])\n"
+    )
     assert _run_fresh(code).strip() == "True True"

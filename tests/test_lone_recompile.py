@@ -67,8 +67,18 @@ def test_a_rank_recompiling_alone_for_its_shapes_trains_like_ddp():
         reference = results[None]
         for stage in (2, 3):
             got = results[stage]
-            torch.testing.assert_close(got["losses"], reference["losses"], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, stage=stage: f"stage {stage} losses: {m}")
+            torch.testing.assert_close(
+                got["losses"],
+                reference["losses"],
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, stage=stage: f"stage {stage} losses: {m}",
+            )
             for name, weight in reference["weights"].items():
-                torch.testing.assert_close(got["weights"][name], weight, rtol=1e-4, atol=1e-5,
-                                           msg=lambda m, name=name, stage=stage: f"stage {stage} {name}: {m}")
+                torch.testing.assert_close(
+                    got["weights"][name],
+                    weight,
+                    rtol=1e-4,
+                    atol=1e-5,
+                    msg=lambda m, name=name, stage=stage: f"stage {stage} {name}: {m}",
+                )

@@ -10,8 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import zcompile.kernels.cross_entropy as cross_entropy
-from zcompile.kernels.cross_entropy import (CROSS_ENTROPY_BACKWARD, cross_entropy_backward,
-                                            cross_entropy_backward_reference)
+from zcompile.kernels.cross_entropy import (
+    CROSS_ENTROPY_BACKWARD,
+    cross_entropy_backward,
+    cross_entropy_backward_reference,
+)
 from zcompile.passes.loss_backward import LOG_SOFTMAX_BACKWARD, NLL_LOSS_BACKWARD
 from zcompile.reports.timeline import record_step
 
@@ -96,8 +99,9 @@ def _compiled(fuse: bool, graphs: list):
     return model, torch.compile(model, backend="zero", options=options)
 
 
-@pytest.mark.parametrize("loss_options", [{}, {"reduction": "sum"}, {"weight": "classes"}],
-                         ids=["mean", "sum", "weighted"])
+@pytest.mark.parametrize(
+    "loss_options", [{}, {"reduction": "sum"}, {"weight": "classes"}], ids=["mean", "sum", "weighted"]
+)
 def test_compiled_gradients_equal_eager_pytorch(loss_options):
     """A world of one: the zero backend's gradients with the fused backward against eager PyTorch's
     (the same ops: bit for bit but for the compiled graph's own reassociations); the backward graph
@@ -140,8 +144,9 @@ def test_fused_backward_holds_one_logits_buffer_less():
 def test_pair_with_another_reader_is_left_alone():
     """An ``nll_loss_backward`` whose result something else reads too is not the loss's plain backward:
     the pass leaves the graph as it is."""
-    from zcompile.passes.loss_backward import fuse_cross_entropy_backward_pass
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    from zcompile.passes.loss_backward import fuse_cross_entropy_backward_pass
 
     def backward(grad, log_probs, target, total_weight):
         g = aten.nll_loss_backward(grad, log_probs, target, None, 1, -100, total_weight)

@@ -10,14 +10,19 @@ import json
 import pytest
 import torch.distributed as dist
 
-from zcompile.agreement.rank_state import StackWait, alive_key
-from zcompile.agreement.mismatch_watch import MismatchWatch
-from zcompile.common.process_group import DataParallelGroup
 from zcompile.agreement.abort_note import abort_note
+from zcompile.agreement.mismatch_watch import MismatchWatch
+from zcompile.agreement.rank_state import StackWait, alive_key
+from zcompile.common.process_group import DataParallelGroup
 
 BARRIER = StackWait("torch.distributed's barrier (called at train.py:9) over ranks [0, 1]", (0, 1), since=100.0)
-IN_GRAPH = {"blocked_in": "a compiled backward, in all_to_all_single (<eval_with_key>.5:275) over ranks [0, 1]",
-            "for_s": 4.0, "collective_ranks": [0, 1], "compiled_collective": True, "collective_group": "0"}
+IN_GRAPH = {
+    "blocked_in": "a compiled backward, in all_to_all_single (<eval_with_key>.5:275) over ranks [0, 1]",
+    "for_s": 4.0,
+    "collective_ranks": [0, 1],
+    "compiled_collective": True,
+    "collective_group": "0",
+}
 
 
 def _beat(store, count: int, state: dict) -> None:
@@ -40,13 +45,23 @@ def test_a_barrier_against_a_compiled_collective_that_needs_it_ends_the_process_
     assert _watch_rank0(store, [IN_GRAPH] * 3) == [1]
     rank, message = abort_note(store, DataParallelGroup(rank=1, world_size=2, name="0", process_group=None))
     assert rank == 0
-    assert message.startswith("zcompile: rank 0 has waited 4s in torch.distributed's barrier (called at train.py:9) "
-                              "over ranks [0, 1], and rank 1 in a compiled backward, in all_to_all_single")
+    assert message.startswith(
+        "zcompile: rank 0 has waited 4s in torch.distributed's barrier (called at train.py:9) "
+        "over ranks [0, 1], and rank 1 in a compiled backward, in all_to_all_single"
+    )
     assert "different collectives, which never match" in message and "the same number of batches" in message
 
 
-@pytest.mark.parametrize("case", ["another torch.distributed call", "a collective without rank 0", "a stale beat",
-                                  "waited under a beat", "running its own code"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "another torch.distributed call",
+        "a collective without rank 0",
+        "a stale beat",
+        "waited under a beat",
+        "running its own code",
+    ],
+)
 def test_anything_short_of_a_proof_leaves_the_rank_waiting(case):
     state = {
         "another torch.distributed call": {**IN_GRAPH, "compiled_collective": False},

@@ -16,11 +16,11 @@ and fails. Losses average thousands of rounded terms: 1e-4 relative (measured <=
 
 import pytest
 import torch
-import zcompile
 
+import zcompile
 from support.launch import run_ranks
-from zcompile import zero_formula_bytes
 from support.training import RunSpec, train_reference, zero_run_on_rank
+from zcompile import zero_formula_bytes
 
 BF16 = {"param_dtype": "bf16"}
 SPECS = [
@@ -39,7 +39,9 @@ def results():
     return run_ranks(2, zero_run_on_rank, SPECS, timeout_s=600)[0]
 
 
-@pytest.mark.parametrize("index", range(len(SPECS)), ids=[f"{s.model}-stage{s.stage}-{s.options.get('reduce_dtype', 'bf16')}" for s in SPECS])
+@pytest.mark.parametrize(
+    "index", range(len(SPECS)), ids=[f"{s.model}-stage{s.stage}-{s.options.get('reduce_dtype', 'bf16')}" for s in SPECS]
+)
 def test_matches_autocast_reference(results, index):
     spec, result = SPECS[index], results[index]
     reference = train_reference(spec, world=2, microbatch_like_ranks=True, autocast_dtype=torch.bfloat16)
@@ -52,7 +54,9 @@ def test_matches_autocast_reference(results, index):
         assert error <= PARAM_RTOL[spec.stage], f"{name}: relative error {error:.2e}"
 
 
-@pytest.mark.parametrize("index", range(len(SPECS)), ids=[f"{s.model}-stage{s.stage}-{s.options.get('reduce_dtype', 'bf16')}" for s in SPECS])
+@pytest.mark.parametrize(
+    "index", range(len(SPECS)), ids=[f"{s.model}-stage{s.stage}-{s.options.get('reduce_dtype', 'bf16')}" for s in SPECS]
+)
 def test_collective_dtypes(results, index):
     """Gathers move param_dtype; gradient reductions move reduce_dtype (default: param_dtype)."""
     spec, result = SPECS[index], results[index]
@@ -70,7 +74,9 @@ def test_collective_dtypes(results, index):
         assert gathered == sum(c.elements for c in result.collectives if c.kind == "all_gather") * 2
 
 
-@pytest.mark.parametrize("index", range(len(SPECS)), ids=[f"{s.model}-stage{s.stage}-{s.options.get('reduce_dtype', 'bf16')}" for s in SPECS])
+@pytest.mark.parametrize(
+    "index", range(len(SPECS)), ids=[f"{s.model}-stage{s.stage}-{s.options.get('reduce_dtype', 'bf16')}" for s in SPECS]
+)
 def test_model_states_follow_zeros_mixed_precision_formula(results, index):
     """Per-rank bytes after a step against ZeRO's 2 + 2 + 12 accounting (``zero_formula_bytes`` with
     bf16): the replicated weights of stages 1 and 2 are bf16, the fp32 master only on the shards.
@@ -106,11 +112,10 @@ def test_replicated_fp32_parameters_are_freed_and_say_so(stage):
     (the graphs read a bf16 replica): eager use raises naming the fix, ``gathered`` brings the fp32
     values back (equal to the masters, not to the bf16 replica), and a write inside it reaches the
     masters and the replica the next step reads. One process (a world of one)."""
-    from zcompile.sharding.shards import shard_of
-    from zcompile.sharding.sharded_parameter import ShardedParameterError
-
-    from support.models import build_model, global_batch, model_loss
     import zcompile
+    from support.models import build_model, global_batch, model_loss
+    from zcompile.sharding.sharded_parameter import ShardedParameterError
+    from zcompile.sharding.shards import shard_of
 
     torch._dynamo.reset()
     model = build_model("gpt")
@@ -125,7 +130,7 @@ def test_replicated_fp32_parameters_are_freed_and_say_so(stage):
     with pytest.raises(ShardedParameterError, match=f"stage {stage} with param_dtype.*zcompile.gathered"):
         head.sum()
     # an alias (what an EMA's update reads: p.detach()) says the same, not "stage 3"
-    with pytest.raises(ShardedParameterError, match=fr"is sharded \(ZeRO stage {stage} with param_dtype"):
+    with pytest.raises(ShardedParameterError, match=rf"is sharded \(ZeRO stage {stage} with param_dtype"):
         head.detach().sum()
     with pytest.raises(RuntimeError, match="gathered"):
         model.state_dict()
@@ -264,7 +269,11 @@ class _ConvAfterABreak(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.proj, self.conv, self.head = torch.nn.Linear(8, 8), torch.nn.Conv1d(8, 8, 3, padding=1), torch.nn.Linear(8, 1)
+        self.proj, self.conv, self.head = (
+            torch.nn.Linear(8, 8),
+            torch.nn.Conv1d(8, 8, 3, padding=1),
+            torch.nn.Linear(8, 1),
+        )
         self.seen_dtypes = []
 
     def forward(self, x):
@@ -284,8 +293,9 @@ def test_activations_leave_a_graph_in_their_traced_dtype(stage):
     type (c10::BFloat16) and bias type (float) should be the same"), and eager code between the graphs
     read a dtype that Dynamo had baked in as fp32. Outputs are cast back to their traced dtype; the loss
     follows eager torch.autocast with the same bf16-rounded weights (2e-2, as above)."""
-    loss, model = _assert_follows_eager_autocast(_ConvAfterABreak, torch.randn(4, 6, 8), stage, calls=2,
-                                                 gradients=False)
+    loss, model = _assert_follows_eager_autocast(
+        _ConvAfterABreak, torch.randn(4, 6, 8), stage, calls=2, gradients=False
+    )
     assert model.seen_dtypes == [torch.float32, torch.float32]
     assert loss.dtype == torch.float32
 

@@ -49,24 +49,38 @@ def _graph_with_the_models_collectives() -> torch.fx.GraphModule:
     placeholders = {node.name: node for node in gm.graph.find_nodes(op="placeholder")}
     for collective in map(CollectiveNode.of, list(gm.graph.nodes)):
         if collective is not None and collective.input.name in ("shard_a_1", "shard_b_1", "flat_grad_1"):
-            metadata.tag(collective.node, role=metadata.ROLE_GATHER if collective.kind == "all_gather"
-                         else metadata.ROLE_REDUCE, param=collective.input.name)
+            metadata.tag(
+                collective.node,
+                role=metadata.ROLE_GATHER if collective.kind == "all_gather" else metadata.ROLE_REDUCE,
+                param=collective.input.name,
+            )
     assert {"shard_a_1", "x_1", "model_grad_1"} <= set(placeholders)
     return gm
 
 
 def _models_collectives(gm: torch.fx.GraphModule) -> list[tuple]:
     """The untagged collectives of ``gm``: (op, input, input shape, output shape, what follows the issue)."""
-    return [(node.target, node.args[0].name, tuple(node.args[0].meta["val"].shape), tuple(node.meta["val"].shape),
-             node.next.target, node.next.args[0] is node)
-            for node in calls(gm, ALL_GATHER) + calls(gm, REDUCE_SCATTER) if not CollectiveNode.of(node).is_zero]
+    return [
+        (
+            node.target,
+            node.args[0].name,
+            tuple(node.args[0].meta["val"].shape),
+            tuple(node.meta["val"].shape),
+            node.next.target,
+            node.next.args[0] is node,
+        )
+        for node in calls(gm, ALL_GATHER) + calls(gm, REDUCE_SCATTER)
+        if not CollectiveNode.of(node).is_zero
+    ]
 
 
 def test_the_passes_leave_the_models_own_collectives_as_it_wrote_them():
     gm = _graph_with_the_models_collectives()
     before = _models_collectives(gm)
-    assert before == [(ALL_GATHER, "mul", (4, 8), (8, 8), WAIT, True),
-                      (REDUCE_SCATTER, "model_grad_1", (8, 6), (4, 6), WAIT, True)]
+    assert before == [
+        (ALL_GATHER, "mul", (4, 8), (8, 8), WAIT, True),
+        (REDUCE_SCATTER, "model_grad_1", (8, 6), (4, 6), WAIT, True),
+    ]
     plan = plan_buckets(gm, bucket_bytes=10**6)
     assert [bucket.params for bucket in plan.buckets] == [("shard_a_1", "shard_b_1")]  # ZeRO's two gathers only
     gm = bucket_collectives_pass(gm, plan)
@@ -89,10 +103,13 @@ def test_a_contrastive_loss_gathering_every_ranks_embeddings_trains_like_one_pro
     # stage 3 with inductor: the schedule's prefetch around the model's gathers, and their batch
     # dimension symbolic (dynamic=True, as after a recompile for a shorter last batch): the rank
     # check's signature and the gathers' buffers speak of its size by expression
-    specs = [RunSpec(model="gpt_contrastive", stage=1, optimizer="sgd", lr=0.1),
-             RunSpec(model="gpt_contrastive", stage=2, optimizer="sgd", lr=0.1, options={"bucket_mb": 0.01}),
-             RunSpec(model="gpt_contrastive", stage=3, optimizer="sgd", lr=0.1, dynamic=True,
-                     options={"compiler": "inductor"})]
+    specs = [
+        RunSpec(model="gpt_contrastive", stage=1, optimizer="sgd", lr=0.1),
+        RunSpec(model="gpt_contrastive", stage=2, optimizer="sgd", lr=0.1, options={"bucket_mb": 0.01}),
+        RunSpec(
+            model="gpt_contrastive", stage=3, optimizer="sgd", lr=0.1, dynamic=True, options={"compiler": "inductor"}
+        ),
+    ]
     results = run_ranks(WORLD, zero_run_on_rank, specs, timeout_s=900)[0]
     reference = train_reference(specs[0], world=WORLD)  # one process: nothing to gather
     for spec, result in zip(specs, results):

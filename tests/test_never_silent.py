@@ -18,8 +18,8 @@ from support.launch import run_ranks
 from support.models import build_model, global_batch
 from support.training import RunSpec, assert_same_training, micro_batches, train_reference, train_zero
 from zcompile.agreement.abort_note import RankDivergenceError
-from zcompile.sharding.shards import shard_of
 from zcompile.sharding.sharded_parameter import ShardedParameterError
+from zcompile.sharding.shards import shard_of
 
 # a new sequence length every step with static shapes: from the third step on, Dynamo is past its
 # recompile limit of 2 and runs the model's forward frame eagerly
@@ -55,7 +55,9 @@ def test_eager_use_of_a_stage3_weight_names_gathered():
     with pytest.raises(ShardedParameterError):
         weight.sum()  # freed again after the block
     # gradients taken with torch.autograd.grad (meta-learning, gradient penalties): none exists in full
-    with pytest.raises(ShardedParameterError, match=r"torch.autograd.grad .*'wte.weight'.*gathered\(model, grads=True\)"):
+    with pytest.raises(
+        ShardedParameterError, match=r"torch.autograd.grad .*'wte.weight'.*gathered\(model, grads=True\)"
+    ):
         torch.autograd.grad(compiled(tokens, targets), list(model.parameters()))
 
 
@@ -104,8 +106,9 @@ def test_a_marked_weight_used_by_eager_code_under_a_compiled_call_is_not_compile
     x = torch.randn(2, 8)
     for dynamic in (None, True):  # dynamic=True (ZeroTrainer's): the helpers it calls made graphs of their own too
         torch._dynamo.reset()
-        torch.testing.assert_close(torch.compile(forward, backend=recording, dynamic=dynamic)(x), forward(x),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            torch.compile(forward, backend=recording, dynamic=dynamic)(x), forward(x), rtol=0, atol=0
+        )
     assert not any("l_kwargs_weight_" in inputs for inputs in graphs), graphs
 
 
@@ -127,8 +130,10 @@ def test_a_freed_weight_in_a_frame_dynamo_gave_up_on_names_that_frame():
                 x = x - 1
         return torch.nn.functional.layer_norm(x, (8,), norm.weight, norm.bias)
 
-    with pytest.raises(ShardedParameterError, match="Dynamo runs 'forward_with_a_loop_break' .* eagerly under the "
-                                                    "compiled call: it gave up on a frame there"):
+    with pytest.raises(
+        ShardedParameterError,
+        match="Dynamo runs 'forward_with_a_loop_break' .* eagerly under the compiled call: it gave up on a frame there",
+    ):
         torch.compile(forward_with_a_loop_break, backend="eager")(torch.randn(2, 8))
 
 
@@ -166,8 +171,10 @@ def test_an_op_whose_shape_depends_on_the_data_names_the_config_that_compiles_it
     torch.manual_seed(0)
     x, mask = torch.randn(4, 6, 8), torch.rand(4, 6) < 0.5
     model = _MaskedEmbedding()
-    expected = (r"ShardedParameterError: zcompile: graph 0/0 did not compile: aten\.nonzero\.default's output shape "
-                r"depends on the tensor's values.*'masked_embed'.*capture_dynamic_output_shape_ops = True")
+    expected = (
+        r"ShardedParameterError: zcompile: graph 0/0 did not compile: aten\.nonzero\.default's output shape "
+        r"depends on the tensor's values.*'masked_embed'.*capture_dynamic_output_shape_ops = True"
+    )
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=expected):
         torch.compile(model, backend="zero", options={"stage": 3})(x, mask)
 
@@ -225,8 +232,10 @@ def test_recompile_limit_at_stages_1_and_2_trains_like_one_process():
 
 # zeroing gradients through the model: clipped stage 1 (its shards hold the early-reduced gradient),
 # stage 2 in place (set_to_none=False); and `p.grad = None`, which misses the shards
-ZEROED_VIA_MODEL = (RunSpec(stage=1, clip=0.05, zero_grad_via="model"),
-                    RunSpec(stage=2, zero_grad_via="model", zero_grad_to_none=False))
+ZEROED_VIA_MODEL = (
+    RunSpec(stage=1, clip=0.05, zero_grad_via="model"),
+    RunSpec(stage=2, zero_grad_via="model", zero_grad_to_none=False),
+)
 NOT_ZEROED = RunSpec(stage=2, zero_grad_via="param")
 
 
@@ -264,7 +273,7 @@ def _skip_step_on_rank0(rank, world, stage, skipped=1):
     start = time.perf_counter()
     try:
         for step in range(4):
-            (tokens, targets), = micro_batches(spec, step, rank, world)
+            ((tokens, targets),) = micro_batches(spec, step, rank, world)
             loss = compiled(tokens, targets)
             if step == skipped and rank == 0:
                 continue
@@ -308,7 +317,7 @@ def _rank0_busy_between_steps(rank, world, busy_s):
     optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, check_timeout_s=3)
     spec, losses, waited = RunSpec(stage=1), [], 0.0
     for step in range(3):
-        (tokens, targets), = micro_batches(spec, step, rank, world)
+        ((tokens, targets),) = micro_batches(spec, step, rank, world)
         loss = compiled(tokens, targets)
         loss.backward()
         start = time.perf_counter()
@@ -392,7 +401,7 @@ def _different_initial_weights(rank, world):
             zcompile.sync_module_states(model)
         compiled = torch.compile(model, backend="zero", options={"stage": stage})
         optimizer = zcompile.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        (tokens, targets), = micro_batches(RunSpec(stage=stage), 0, rank, world)
+        ((tokens, targets),) = micro_batches(RunSpec(stage=stage), 0, rank, world)
         try:
             compiled(tokens, targets).backward()
             optimizer.step()
@@ -408,11 +417,14 @@ def _different_initial_weights(rank, world):
     torch.manual_seed(0)
     rank0s = _unseeded_gpt()
     with zcompile.gathered(model):  # rank 0's initial weights, updated once on every rank alike
-        out["synced"] = message, max((a - b).abs().max().item() for a, b in zip(model.parameters(), rank0s.parameters()))
+        out["synced"] = (
+            message,
+            max((a - b).abs().max().item() for a, b in zip(model.parameters(), rank0s.parameters())),
+        )
     message, model, compiled, optimizer = first_step(2, sync=True)
     weight = next(p for p in model.parameters() if p.dim() == 2)
     weight.data = torch.randn_like(weight)  # on every rank, from each rank's own generator
-    (tokens, targets), = micro_batches(RunSpec(stage=2), 1, rank, world)
+    ((tokens, targets),) = micro_batches(RunSpec(stage=2), 1, rank, world)
     compiled(tokens, targets).backward()
     try:
         optimizer.step()
@@ -448,6 +460,7 @@ def _divergence(error: BaseException) -> str:
 def _unseeded_gpt():
     """``build_model("gpt")`` without its seed: the caller's generator state decides the weights."""
     from gpt import GPT, GPTConfig
+
     from support.models import VOCAB
 
     return GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32))
@@ -462,8 +475,12 @@ def test_ranks_that_start_from_different_weights_fail_before_any_update():
     is an error, not a mismatched or endless broadcast."""
     rank0, rank1 = run_ranks(2, _different_initial_weights)
     for out in (rank0, rank1):
-        for case, name in ((1, "wte.weight"), (3, "wte.weight"), ("frozen", "wpe.weight"),
-                           ("frozen stage 1", "wpe.weight")):
+        for case, name in (
+            (1, "wte.weight"),
+            (3, "wte.weight"),
+            ("frozen", "wpe.weight"),
+            ("frozen stage 1", "wpe.weight"),
+        ):
             assert out[case] is not None, f"{case}: different initial weights went unnoticed"
             assert "started from different weights" in out[case] and name in out[case], out[case]
             assert "sync_module_states" in out[case]
@@ -487,7 +504,7 @@ def _plateau_on_each_rank_metric(rank, world):
     spec = RunSpec(stage=2)
     try:
         for step in range(6):
-            (tokens, targets), = micro_batches(spec, step, rank, world)
+            ((tokens, targets),) = micro_batches(spec, step, rank, world)
             loss = compiled(tokens, targets)
             loss.backward()
             optimizer.step()
@@ -673,6 +690,7 @@ def _gathered_in_buckets_equals_the_weights_before_sharding(rank):
                         torch.testing.assert_close(p.detach(), values[name], rtol=0, atol=0, msg=name)
     # the export gathers the same buckets (the masters, to rank 1's CPU memory this time)
     from zcompile.checkpoint.dcp import full_state_dict
+
     for exported_model, values in ((model, before), (replicated, before_replicated)):
         exported = full_state_dict(exported_model, rank=1)
         assert (exported is None) == (rank != 1)
@@ -751,7 +769,10 @@ def test_a_rank_in_a_barrier_while_another_trains_on_ends_in_seconds_not_at_the_
         rank1 = json.load(handle)
     assert rank1["message"].startswith("zcompile: rank 1 stopped because rank 0 reported: zcompile: rank 0 has waited")
     assert "in torch.distributed's barrier (called at test_never_silent.py:" in rank1["message"]
-    assert "and rank 1 in a compiled backward, in " in rank1["message"] and "the same number of batches" in rank1["message"]
+    assert (
+        "and rank 1 in a compiled backward, in " in rank1["message"]
+        and "the same number of batches" in rank1["message"]
+    )
     assert rank1["seconds"] < 30, rank1
 
 
@@ -799,8 +820,15 @@ def test_a_weight_trained_outside_the_graphs_is_named_in_the_warning(named, capl
     eager = [(n, p) for n, p in model.named_parameters() if not n.startswith("blocks.")]
     assert len(eager) > 3 and len(warned) == 1, warned  # once (the shards are kept), for all of them
     assert f"{len(eager)} parameters got a gradient" in warned[0] and f"and {len(eager) - 3} more" in warned[0]
-    first = [f"'{n}' of shape {tuple(p.shape)}" for n, p in eager[:3]] if named else \
-        [f"param_groups[0]['params'][{i}] " for i, (n, p) in enumerate(model.named_parameters()) if not n.startswith("blocks.")][:3]
+    first = (
+        [f"'{n}' of shape {tuple(p.shape)}" for n, p in eager[:3]]
+        if named
+        else [
+            f"param_groups[0]['params'][{i}] "
+            for i, (n, p) in enumerate(model.named_parameters())
+            if not n.startswith("blocks.")
+        ][:3]
+    )
     assert all(f in warned[0] for f in first), (first, warned)
 
 

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+
+import zcompile
 from support.launch import run_ranks
 from support.models import build_model, global_batch
 from support.training import RunSpec, micro_batches
-
-import zcompile
 from zcompile.optim.nonfinite import local_grads_finite, skip_nonfinite_by_default
 from zcompile.sharding.shards import shard_of
 
@@ -49,6 +49,7 @@ def _compiled(stage: int, **options):
 
 
 # --- one process, a world of one --------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_nan_step_leaves_params_and_state_bitwise_unchanged(stage, caplog):
@@ -152,15 +153,16 @@ def _poison_one_shard_element(model: torch.nn.Module) -> None:
     shard_of(next(model.parameters())).shard.grad.view(-1)[0] = float("nan")
 
 
-def _nan_run(rank: int, world: int, stage: int, bad_rank: int, clip_norm_type: float | None,
-             check_timeout_s: float | None):
+def _nan_run(
+    rank: int, world: int, stage: int, bad_rank: int, clip_norm_type: float | None, check_timeout_s: float | None
+):
     """(the steps skipped, the skipped step's optimizer collectives, the weights on this rank and on every rank)."""
     model, compiled = _compiled(stage)
     optimizer = zcompile.optim.SGD(model.parameters(), lr=LR, skip_nonfinite=True, check_timeout_s=check_timeout_s)
     spec = RunSpec(stage=stage, optimizer="sgd", lr=LR)
     skipped, skipped_records = [], None
     for step in range(STEPS):
-        (tokens, targets), = micro_batches(spec, step, rank, world)
+        ((tokens, targets),) = micro_batches(spec, step, rank, world)
         loss = compiled(tokens, targets)
         poisoned = step == NAN_STEP and rank == bad_rank
         (loss * float("nan") if poisoned and clip_norm_type is None else loss).backward()

@@ -10,9 +10,9 @@ import zcompile
 from support.launch import run_ranks
 from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
 from zcompile.common.process_group import DataParallelGroup
-from zcompile.optim.buckets import copy_rows, _write_rows, plan_optimizer_buckets
-from zcompile.sharding.shards import shard_parameter
+from zcompile.optim.buckets import _write_rows, copy_rows, plan_optimizer_buckets
 from zcompile.reports.timeline import record_step
+from zcompile.sharding.shards import shard_parameter
 
 
 def _sharded(numel, dtype=torch.float32, world=2, name="p"):

@@ -58,9 +58,19 @@ def test_foreach_adamw_reference_is_bitwise_the_per_shard_one():
         for step in (1, 2, 3):
             for (param, exp_avg, exp_avg_sq), grad in zip(one_by_one, grads):
                 adamw_reference(param, grad, exp_avg, exp_avg_sq, step, 1e-3, 0.9, 0.999, 1e-8, 0.01, grad_scale)
-            adamw_reference_foreach([state[0] for state in states], grads,
-                                    [state[1] for state in states], [state[2] for state in states], step,
-                                    1e-3, 0.9, 0.999, 1e-8, 0.01, grad_scale)
+            adamw_reference_foreach(
+                [state[0] for state in states],
+                grads,
+                [state[1] for state in states],
+                [state[2] for state in states],
+                step,
+                1e-3,
+                0.9,
+                0.999,
+                1e-8,
+                0.01,
+                grad_scale,
+            )
         for foreach, single in zip(states, one_by_one):
             for a, b in zip(foreach, single):
                 assert torch.equal(a, b)

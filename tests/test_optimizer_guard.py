@@ -25,8 +25,11 @@ def test_a_torch_optimizer_over_zcompile_parameters_refuses_to_step(stage):
     with zcompile.gathered(model):
         before = {name: p.detach().clone() for name, p in model.named_parameters()}
     compiled(*global_batch(0, 4)).backward()
-    with pytest.raises(ForeignOptimizerError, match=r"torch\.optim\.adamw\.AdamW\.step\(\).*'wte\.weight'.*"
-                                                    r"zcompile\.optim\.AdamW"):
+    with pytest.raises(
+        ForeignOptimizerError,
+        match=r"torch\.optim\.adamw\.AdamW\.step\(\).*'wte\.weight'.*"
+        r"zcompile\.optim\.AdamW",
+    ):
         optimizer.step()
     with zcompile.gathered(model):
         assert all(torch.equal(before[name], p) for name, p in model.named_parameters())

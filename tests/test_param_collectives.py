@@ -1,6 +1,5 @@
 """The sharding planner and rewrite on hand-built FX graphs (no processes)."""
 
-
 import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy

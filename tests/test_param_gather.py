@@ -43,12 +43,15 @@ def _run_ranks(gm: torch.fx.GraphModule, shards: list[torch.Tensor]) -> list[tor
     return [Gather(gm).run(shard) for shard in shards]
 
 
-@pytest.mark.parametrize("shape, shard_dtype, gather_dtype", [
-    ((8, 3), torch.float32, torch.float32),  # a weight: the gathered buffer viewed to its shape
-    ((5,), torch.float32, torch.float32),  # a bias of odd length: gathered padded to 6, then cut
-    ((3, 5), torch.float32, torch.bfloat16),  # an fp32 master gathered in bf16 (param_dtype), cut and viewed
-    ((6,), torch.float32, torch.float32),  # a 1-D parameter that needs neither a cut nor a view
-])
+@pytest.mark.parametrize(
+    "shape, shard_dtype, gather_dtype",
+    [
+        ((8, 3), torch.float32, torch.float32),  # a weight: the gathered buffer viewed to its shape
+        ((5,), torch.float32, torch.float32),  # a bias of odd length: gathered padded to 6, then cut
+        ((3, 5), torch.float32, torch.bfloat16),  # an fp32 master gathered in bf16 (param_dtype), cut and viewed
+        ((6,), torch.float32, torch.float32),  # a 1-D parameter that needs neither a cut nor a view
+    ],
+)
 def test_written_out_gather_gives_every_rank_the_parameter(shape, shard_dtype, gather_dtype):
     param = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))).to(shard_dtype)
     numel = param.numel()

@@ -16,14 +16,14 @@ import pytest
 
 from support.hand_built import layered_graph
 from zcompile.backend.compiled import CompileContext
-from zcompile.config import ZeroConfig
-from zcompile.common.dumps import GraphDumpWriter
 from zcompile.backend.pass_runner import PassRunner
+from zcompile.backend.pipeline import PIPELINE, PassRow, check_table, run_passes
+from zcompile.backend.zeropp import ZeroPPSettings
+from zcompile.common.dumps import GraphDumpWriter
+from zcompile.common.process_group import DataParallelGroup
+from zcompile.config import ZeroConfig
 from zcompile.passes.collectives import ALL_GATHER, collective_nodes
 from zcompile.passes.param_collectives import ShardingPlan
-from zcompile.backend.pipeline import PIPELINE, PassRow, check_table, run_passes
-from zcompile.common.process_group import DataParallelGroup
-from zcompile.backend.zeropp import ZeroPPSettings
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,8 +60,12 @@ def test_every_pass_in_passes_is_a_row():
 def test_rows_follow_the_options():
     everything = _context(bucket_mb=4.0, overlap=True)
     gm = run_passes(everything, "forward", layered_graph())
-    assert _ran(everything) == [("remove_unused_gathers", "forward"), ("drop_identity_views", "forward"),
-                                ("bucket_collectives", "forward"), ("schedule", "forward")]
+    assert _ran(everything) == [
+        ("remove_unused_gathers", "forward"),
+        ("drop_identity_views", "forward"),
+        ("bucket_collectives", "forward"),
+        ("schedule", "forward"),
+    ]
     assert sorted(everything.plans) == ["buckets.forward", "schedule.forward"]
     assert len([c for c in collective_nodes(gm) if c.kind == "all_gather"]) == 1  # 3 gathers, one bucket
 

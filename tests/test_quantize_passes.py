@@ -40,18 +40,19 @@ def test_effective_block_is_block_or_next_power_of_two(shard, block, want):
 
 
 # ----------------------------------------------------------------------------- qwZ
-@pytest.mark.parametrize("numel, block, dtype",
-                         [(100, 64, torch.float32), (6, 64, torch.bfloat16), (300, 128, torch.float16)])
+@pytest.mark.parametrize(
+    "numel, block, dtype", [(100, 64, torch.float32), (6, 64, torch.bfloat16), (300, 128, torch.float16)]
+)
 def test_qwz_gather_moves_int8_blocks_and_scales(numel, block, dtype):
     gm = all_gather_graph(numel, 4, "world", dtype)
     full_bytes = CollectiveNode.of(calls(gm, ALL_GATHER)[0]).bytes
     gm = quantize_weights_pass(gm, "world", block)
     chosen = effective_block(numel, block)
-    FileCheck().check(f"zcompile.quantize_blockwise.default(shard_1, 8, {chosen})") \
-        .check("all_gather_into_tensor.default(cat, 4, 'world')").check("wait_tensor.default") \
-        .check("zcompile.dequantize_blockwise.default(") \
-        .check_same(f"{4 * _blocks(numel, chosen) * chosen}, 8, {chosen}, {dtype})") \
-        .check("mul.Tensor").run(gm.code)
+    FileCheck().check(f"zcompile.quantize_blockwise.default(shard_1, 8, {chosen})").check(
+        "all_gather_into_tensor.default(cat, 4, 'world')"
+    ).check("wait_tensor.default").check("zcompile.dequantize_blockwise.default(").check_same(
+        f"{4 * _blocks(numel, chosen) * chosen}, 8, {chosen}, {dtype})"
+    ).check("mul.Tensor").run(gm.code)
     (gather,) = map(CollectiveNode.of, calls(gm, ALL_GATHER))
     assert gather.dtype == torch.int8
     # per rank: the int8 values padded to whole blocks, then 4 bytes of fp32 scale per block
@@ -75,8 +76,11 @@ def test_qwz_copies_tags_onto_every_inserted_node():
     gm = all_gather_graph(100, 4, "world")
     metadata.tag(calls(gm, ALL_GATHER)[0], role=metadata.ROLE_GATHER, param="w")
     gm = quantize_weights_pass(gm, "world", 64)
-    inserted = calls(gm, _zops.quantize_blockwise.default) + calls(gm, ALL_GATHER) + \
-        calls(gm, _zops.dequantize_blockwise.default)
+    inserted = (
+        calls(gm, _zops.quantize_blockwise.default)
+        + calls(gm, ALL_GATHER)
+        + calls(gm, _zops.dequantize_blockwise.default)
+    )
     assert len(inserted) == 3
     for node in inserted:
         assert metadata.tags(node) == {"role": metadata.ROLE_GATHER, "param": "w", "quantized": "int8"}
@@ -131,8 +135,9 @@ def test_qgz_reduce_scatter_becomes_int4_all_to_alls(node_size):
     assert out.meta["val"].shape == (shard,) and out.meta["val"].dtype == torch.float32
 
 
-@pytest.mark.parametrize("group, group_size, dtype", [("other", 4, torch.float32), ("world", 2, torch.float32),
-                                                     ("world", 4, torch.int32)])
+@pytest.mark.parametrize(
+    "group, group_size, dtype", [("other", 4, torch.float32), ("world", 2, torch.float32), ("world", 4, torch.int32)]
+)
 def test_qgz_leaves_other_groups_sizes_and_integer_reductions(group, group_size, dtype):
     gm = reduce_scatter_graph(40, group_size, group, dtype)
     before = gm.code
@@ -163,8 +168,9 @@ def test_qgz_two_level_graph_runs_on_real_tensors():
     # the shapes the fake impls promised (the pass traced it on fake tensors only).
     with fake_process_group(rank=1, world_size=4) as name:
         intra, inter = dist.new_group([0, 1]), dist.new_group([1, 3])
-        gm = quantize_grads_pass(reduce_scatter_graph(40, 4, name, torch.bfloat16), name, 4, 2, intra.group_name,
-                                 inter.group_name, 64)
+        gm = quantize_grads_pass(
+            reduce_scatter_graph(40, 4, name, torch.bfloat16), name, 4, 2, intra.group_name, inter.group_name, 64
+        )
         got = gm(torch.randn(40).bfloat16())
     assert len(calls(gm, ALL_TO_ALL)) == 2
     assert got.shape == (10,) and got.dtype == torch.bfloat16 and bool(got.float().isfinite().all())

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.launch import run_ranks
-from support.training import RunSpec, assert_same_training, train_reference, train_zero
 from torch.utils.checkpoint import CheckpointPolicy
-from zcompile.passes import random_draws
-from zcompile.passes.random_draws import recomputed_random_draws, save_random_draws_pass
 
 import zcompile
+from support.launch import run_ranks
+from support.training import RunSpec, assert_same_training, train_reference, train_zero
+from zcompile.passes import random_draws
+from zcompile.passes.random_draws import recomputed_random_draws, save_random_draws_pass
 
 BUDGETS = (None, 1.0, 0.5, 0.0)
 
@@ -138,8 +138,11 @@ def test_a_partition_that_redraws_is_refused(monkeypatch):
     """Without the pass's tags the partitioner redraws the masks; the backend's check refuses that."""
     monkeypatch.setattr(random_draws, "draws_random_numbers", lambda node: False)
     assert _gradients(1.0, 3).keys()  # the default min-cut bans recomputing random ops by itself
-    with pytest.raises(Exception, match=r"backward would draw new random numbers for native_dropout.*"
-                                        r"activation_memory_budget=0\.5.*torch\.utils\.checkpoint"):
+    with pytest.raises(
+        Exception,
+        match=r"backward would draw new random numbers for native_dropout.*"
+        r"activation_memory_budget=0\.5.*torch\.utils\.checkpoint",
+    ):
         _gradients(0.5, 3)
 
 
@@ -164,6 +167,7 @@ def test_saved_masks_are_counted_by_step_report_and_estimate():
 def test_the_pass_tags_random_ops_and_leaves_checkpointed_ones():
     """On a hand-built graph: dropout, rand_like and bernoulli are tagged MUST_SAVE; an op already
     tagged by torch.utils.checkpoint keeps its tag (replayed from the RNG state); others untouched."""
+
     def f(x):
         a = torch.ops.aten.native_dropout.default(x, 0.5, True)[0]
         b = torch.ops.aten.rand_like.default(x)
@@ -176,8 +180,11 @@ def test_the_pass_tags_random_ops_and_leaves_checkpointed_ones():
     checkpointed.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
     save_random_draws_pass(gm)
     tags = {node.target: node.meta.get("recompute") for node in gm.graph.nodes if node.op == "call_function"}
-    for op in (torch.ops.aten.native_dropout.default, torch.ops.aten.rand_like.default,
-               torch.ops.aten.bernoulli.default):
+    for op in (
+        torch.ops.aten.native_dropout.default,
+        torch.ops.aten.rand_like.default,
+        torch.ops.aten.bernoulli.default,
+    ):
         assert tags[op] == CheckpointPolicy.MUST_SAVE, op
     assert tags[torch.ops.aten.randn_like.default] == CheckpointPolicy.PREFER_RECOMPUTE
     assert tags[torch.ops.aten.sigmoid.default] is None
@@ -187,6 +194,7 @@ def test_the_pass_tags_random_ops_and_leaves_checkpointed_ones():
 def test_attention_draws_only_with_dropout(dropout_p, drawn):
     """SDPA's CPU kernel carries the random tag for the dropout it can do: at dropout_p 0 it draws
     nothing and is left to the partitioner (a GPT without dropout partitions as before)."""
+
     def f(q):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q, dropout_p)[0]
 
@@ -218,13 +226,22 @@ def _dropout_on_ranks(rank, world):
     return [train_zero(spec, rank, world) for spec in DROPOUT_SPECS]
 
 
-DROPOUT_SPECS = tuple(RunSpec(model=model, stage=stage, seed_each_forward=True, regional=regional,
-                              options={"activation_memory_budget": budget})
-                      for model, stage, budget, regional in (("gpt_dropout", 1, 0.5, False),
-                                                             ("gpt_dropout", 2, 0.0, False),
-                                                             ("gpt_dropout", 3, 0.0, False),
-                                                             ("gpt_dropout", 3, 0.5, True),
-                                                             ("hf_gpt2_dropout", 3, 0.0, False)))
+DROPOUT_SPECS = tuple(
+    RunSpec(
+        model=model,
+        stage=stage,
+        seed_each_forward=True,
+        regional=regional,
+        options={"activation_memory_budget": budget},
+    )
+    for model, stage, budget, regional in (
+        ("gpt_dropout", 1, 0.5, False),
+        ("gpt_dropout", 2, 0.0, False),
+        ("gpt_dropout", 3, 0.0, False),
+        ("gpt_dropout", 3, 0.5, True),
+        ("hf_gpt2_dropout", 3, 0.0, False),
+    )
+)
 
 
 def test_dropout_with_a_budget_on_2_ranks_trains_like_one_process():

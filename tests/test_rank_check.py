@@ -6,9 +6,9 @@ with one thread per rank; two gloo ranks evaluating on rank 0 only (stage 2: all
 stage 3: an error on both ranks in seconds), and training under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
 """
 
+import json
 import subprocess
 import sys
-import json
 import threading
 import time
 from datetime import timedelta
@@ -16,28 +16,40 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+
+import zcompile
 from support.hand_built import layered_graph
 from support.launch import run_ranks
 from support.models import build_model, global_batch, model_loss
 from support.training import RunSpec, train_zero
+from zcompile.agreement.abort_note import RankDivergenceError, abort_note
+from zcompile.agreement.rank_check import (
+    collective_signature,
+    describe_differences,
+    entry_difference,
+    exchange_through,
+    issues_collectives,
+    models_own_note,
+    plan_difference,
+    sequence_difference,
+    sequence_signature,
+)
 from zcompile.agreement.rank_state import alive_key
+from zcompile.common.process_group import DataParallelGroup
 from zcompile.passes import metadata
 from zcompile.passes.metadata import tag
 from zcompile.passes.param_collectives import ParamInput, ShardingPlan
 
-import zcompile
-from zcompile.common.process_group import DataParallelGroup
-from zcompile.agreement.rank_check import collective_signature, describe_differences, entry_difference, exchange_through, issues_collectives, models_own_note, plan_difference, sequence_difference, sequence_signature
-from zcompile.agreement.abort_note import RankDivergenceError, abort_note
 
-
-def _plan(stage=3, params=(("h.0.attn.weight", (32, 96)), ("h.0.attn.bias", (96,))), requires_grad=True,
-          param_dtype=None) -> ShardingPlan:
+def _plan(
+    stage=3, params=(("h.0.attn.weight", (32, 96)), ("h.0.attn.bias", (96,))), requires_grad=True, param_dtype=None
+) -> ShardingPlan:
     inputs = [ParamInput(i, name, shape, requires_grad) for i, (name, shape) in enumerate(params)]
     return ShardingPlan(stage, 2, "0", param_dtype, None, inputs)
 
 
 # ---- where two signatures differ (pure) ----
+
 
 def test_plan_difference_names_the_parameter_and_its_shapes():
     mine = collective_signature(_plan())
@@ -45,26 +57,32 @@ def test_plan_difference_names_the_parameter_and_its_shapes():
     assert plan_difference(mine, mine, 0, 1) is None
     assert plan_difference(mine, theirs, 0, 1) == (
         "parameter #0: rank 0: parameter 'h.0.attn.weight' shape [32, 96] float32; "
-        "rank 1: parameter 'h.0.attn.weight' shape [32, 64] float32")
+        "rank 1: parameter 'h.0.attn.weight' shape [32, 64] float32"
+    )
     frozen = collective_signature(_plan(requires_grad=False))
     assert plan_difference(mine, frozen, 0, 1).endswith("shape [32, 96] float32 (frozen)")
 
 
 def test_plan_difference_names_the_setting_before_the_parameters():
     bf16 = collective_signature(_plan(param_dtype=torch.bfloat16, params=()))
-    assert plan_difference(collective_signature(_plan()), bf16, 0, 1) == \
-        "setting 'param_dtype': rank 0 None, rank 1 bfloat16"
+    assert (
+        plan_difference(collective_signature(_plan()), bf16, 0, 1)
+        == "setting 'param_dtype': rank 0 None, rank 1 bfloat16"
+    )
     zeropp = collective_signature(_plan(), extra=["zero++", True, False, 128, 0, 2])
-    assert plan_difference(collective_signature(_plan()), zeropp, 0, 1) == \
-        "setting 'zero++': rank 0 null, rank 1 [\"zero++\", true, false, 128, 0, 2]"
+    assert (
+        plan_difference(collective_signature(_plan()), zeropp, 0, 1)
+        == "setting 'zero++': rank 0 null, rank 1 [\"zero++\", true, false, 128, 0, 2]"
+    )
 
 
 def test_plan_difference_counts_the_extra_parameters():
     more = [("h.0.attn.weight", (32, 96)), ("h.0.attn.bias", (96,))] + [(f"h.{i}.w", (4,)) for i in range(1, 7)]
     text = plan_difference(collective_signature(_plan()), collective_signature(_plan(params=more)), 0, 1)
     assert text == "rank 1 has 6 more parameters than rank 0: 'h.1.w', 'h.2.w', 'h.3.w', 'h.4.w', ..."
-    assert plan_difference(collective_signature(_plan(params=more)), collective_signature(_plan()), 0, 1) \
-        .startswith("rank 0 has 6 more parameters than rank 1")
+    assert plan_difference(collective_signature(_plan(params=more)), collective_signature(_plan()), 0, 1).startswith(
+        "rank 0 has 6 more parameters than rank 1"
+    )
 
 
 def _sequence(shard=8, layers=3, bucket=False) -> list:
@@ -77,25 +95,29 @@ def _sequence(shard=8, layers=3, bucket=False) -> list:
 
 
 def test_sequence_signature_reads_kind_shape_dtype_and_parameters():
-    assert _sequence(bucket=True) == [["all_gather", [8], "torch.float32", ["2"], ["h.0.weight"]],
-                                      ["all_gather", [8], "torch.float32", ["2"], ["h.1.weight"]],
-                                      ["all_gather", [8], "torch.float32", ["2"], ["h.2.weight"]],
-                                      ["reduce_scatter", [16], "torch.float32", ["sum", "2"],
-                                       ["h.0.weight", "h.1.weight", "h.2.weight"]]]
+    assert _sequence(bucket=True) == [
+        ["all_gather", [8], "torch.float32", ["2"], ["h.0.weight"]],
+        ["all_gather", [8], "torch.float32", ["2"], ["h.1.weight"]],
+        ["all_gather", [8], "torch.float32", ["2"], ["h.2.weight"]],
+        ["reduce_scatter", [16], "torch.float32", ["sum", "2"], ["h.0.weight", "h.1.weight", "h.2.weight"]],
+    ]
 
 
 def test_sequence_difference_names_the_first_differing_collective():
     assert sequence_difference(_sequence(), _sequence(), 0, 1) is None
     assert sequence_difference(_sequence(), _sequence(shard=4), 0, 1) == (
         "collective #0: rank 0: all_gather of [8] float32 moving parameter 'h.0.weight'; "
-        "rank 1: all_gather of [4] float32 moving parameter 'h.0.weight'")
+        "rank 1: all_gather of [4] float32 moving parameter 'h.0.weight'"
+    )
     assert sequence_difference(_sequence(layers=2), _sequence(layers=3), 0, 1) == (
         "collective #2: rank 0: reduce_scatter of [16] float32; "
-        "rank 1: all_gather of [8] float32 moving parameter 'h.2.weight'")
+        "rank 1: all_gather of [8] float32 moving parameter 'h.2.weight'"
+    )
     shorter = _sequence()[:2]
     assert sequence_difference(_sequence(), shorter, 0, 1) == (
         "rank 0 has 2 more collectives than rank 1: all_gather of [8] float32 moving parameter 'h.2.weight', "
-        "reduce_scatter of [16] float32")
+        "reduce_scatter of [16] float32"
+    )
 
 
 def test_sequence_difference_shows_arguments_and_bucket_members_where_they_differ():
@@ -103,12 +125,14 @@ def test_sequence_difference_shows_arguments_and_bucket_members_where_they_diffe
     theirs[0][3] = ["4"]  # another group size, same input
     assert sequence_difference(mine, theirs, 0, 1).startswith(
         "collective #0: rank 0: all_gather of [8] float32 with arguments ['2'] moving parameter 'h.0.weight'; "
-        "rank 1: all_gather of [8] float32 with arguments ['4']")
+        "rank 1: all_gather of [8] float32 with arguments ['4']"
+    )
     theirs = _sequence(bucket=True)
     theirs[3][4] = ["h.0.weight", "h.1.weight", "h.9.weight"]
     assert sequence_difference(mine, theirs, 0, 1) == (
         "collective #3: rank 0: reduce_scatter of [16] float32 moving 3 parameters, from #2: 'h.2.weight'; "
-        "rank 1: reduce_scatter of [16] float32 moving 3 parameters, from #2: 'h.9.weight'")
+        "rank 1: reduce_scatter of [16] float32 moving 3 parameters, from #2: 'h.9.weight'"
+    )
 
 
 def test_a_difference_in_the_models_own_collective_says_it_must_run_on_every_rank():
@@ -117,28 +141,33 @@ def test_a_difference_in_the_models_own_collective_says_it_must_run_on_every_ran
     with_it = sequence_signature(gm)
     assert with_it[2][0] == "reduce_scatter (the model's own)"
     text = sequence_difference(with_it, with_it[:2], 0, 1)
-    assert text.startswith("rank 0 has 1 more collectives than rank 1: reduce_scatter (the model's own) of [16] "
-                           "float32. A collective the model calls itself (in its forward, not one zcompile "
-                           "inserts) must run on every rank")
+    assert text.startswith(
+        "rank 0 has 1 more collectives than rank 1: reduce_scatter (the model's own) of [16] "
+        "float32. A collective the model calls itself (in its forward, not one zcompile "
+        "inserts) must run on every rank"
+    )
     other_shape = [list(entry) for entry in with_it]
     other_shape[2][1] = [12]  # another batch size on rank 1
     assert sequence_difference(with_it, other_shape, 0, 1) == (
         "collective #2: rank 0: reduce_scatter (the model's own) of [16] float32; rank 1: reduce_scatter (the "
         "model's own) of [12] float32. A collective the model calls itself (in its forward, not one zcompile "
         "inserts) must run on every rank, in the same order and with the same shapes: take it out of any branch "
-        "on the rank or on data that differs by rank")
+        "on the rank or on data that differs by rank"
+    )
     # ZeRO's collectives alone differing: the general fix, not this one
     assert "the model calls itself" not in sequence_difference(_sequence(layers=2), _sequence(layers=3), 0, 1)
     # a rank waiting at this graph's check names the collective too (a rank without it has nothing to check)
-    assert models_own_note(with_it) == (" (with the model's own reduce_scatter of [16] float32, which every rank "
-                                        "must run)")
+    assert models_own_note(with_it) == (
+        " (with the model's own reduce_scatter of [16] float32, which every rank must run)"
+    )
     assert models_own_note(_sequence(layers=2)) == ""
 
 
 def test_describe_differences_lists_each_rank_that_differs_from_rank_0():
     signatures = [[1, 2], [1, 2], [1, 3], [1, 2, 4]]
     assert describe_differences(signatures, entry_difference) == (
-        "entry #1: rank 0: 2; rank 2: 3; rank 3 has 1 more entries than rank 0: 4")
+        "entry #1: rank 0: 2; rank 2: 3; rank 3 has 1 more entries than rank 0: 4"
+    )
 
 
 def test_graphs_without_collectives_need_no_agreement():
@@ -170,6 +199,7 @@ def test_a_stage3_graph_without_parameters_takes_no_turn_at_its_calls():
 
 # ---- the exchange on a store: one thread per rank ----
 
+
 def _in_threads(rank_fn, world: int, timeout_s: float) -> None:
     """``rank_fn(rank)`` for every rank at once, each in a thread named ``rank{rank}``, as ranks run."""
     threads = [threading.Thread(target=rank_fn, args=(rank,), name=f"rank{rank}") for rank in range(world)]
@@ -187,8 +217,9 @@ def test_exchange_meets_every_call_and_keeps_the_store_small():
     store, results = dist.HashStore(), {}
 
     def rank_calls(rank):
-        results[rank] = [exchange_through(store, [rank, call], _group(rank), 10, "step", "step", "fix")
-                         for call in range(6)]
+        results[rank] = [
+            exchange_through(store, [rank, call], _group(rank), 10, "step", "step", "fix") for call in range(6)
+        ]
 
     _in_threads(rank_calls, 2, 30)
     assert results[0] == results[1] == [[[0, call], [1, call]] for call in range(6)]
@@ -198,8 +229,9 @@ def test_exchange_meets_every_call_and_keeps_the_store_small():
     agreeing = {}
 
     def rank_agrees(rank):
-        agreeing[rank] = [exchange_through(store, ["step", call], _group(rank), 10, "step", "step", "fix")
-                          for call in range(6)]
+        agreeing[rank] = [
+            exchange_through(store, ["step", call], _group(rank), 10, "step", "step", "fix") for call in range(6)
+        ]
 
     _in_threads(rank_agrees, 2, 30)
     assert agreeing[0] == agreeing[1] == [[["step", call]] * 2 for call in range(6)]
@@ -217,8 +249,10 @@ def test_ranks_at_different_checks_are_told_where_each_was(monkeypatch):
     store, errors = dist.HashStore(), {}
     monkeypatch.setattr(rank_check, "default_store", lambda: store)
     plan = collective_signature(_plan())
-    calls = {0: (plan, "graph 0/2", plan_difference),
-             1: (_sequence(), "the backward graph of Dynamo graph 0_1", sequence_difference)}
+    calls = {
+        0: (plan, "graph 0/2", plan_difference),
+        1: (_sequence(), "the backward graph of Dynamo graph 0_1", sequence_difference),
+    }
 
     def rank_checks(rank):
         signature, what, difference = calls[rank]
@@ -243,6 +277,7 @@ class _CountingStore:
             key = (threading.current_thread().name, method)
             self.requests[key] = self.requests.get(key, 0) + 1
             return getattr(self.store, method)(*args, **kwargs)
+
         return call
 
 
@@ -263,8 +298,10 @@ def test_agreeing_ranks_make_the_same_few_requests_at_any_world_size(world):
     # 6 requests a call, 9 for the last to arrive (its "everyone is here" and two slots reset)
     assert max(per_rank) <= 4 * 9 and min(per_rank) >= 4 * 6
     # of them answered (a store does not answer a set): 5 a call, whoever arrives last (4 at the first call)
-    answered = [sum(n for (thread, method), n in store.requests.items() if thread == f"rank{rank}" and method != "set")
-                for rank in range(world)]
+    answered = [
+        sum(n for (thread, method), n in store.requests.items() if thread == f"rank{rank}" and method != "set")
+        for rank in range(world)
+    ]
     assert all(4 * 5 - 1 <= n <= 4 * 5 for n in answered), answered
 
 
@@ -310,8 +347,9 @@ def test_exchange_on_a_tcp_store_keeps_every_call_exact_with_its_unanswered_sets
                     time.sleep(0.002)  # the ranks drift: a different one arrives last
                 value = ["v", call, int(differs(call, rank))]
                 label = f"rank {rank} call {call}" if call % 2 else None
-                got.append(exchange_through(client, value, group, 30, "lab" if label else "plain", "x", "fix",
-                                            label=label))
+                got.append(
+                    exchange_through(client, value, group, 30, "lab" if label else "plain", "x", "fix", label=label)
+                )
         except Exception as error:  # noqa: BLE001 - reported below, with the rank
             errors.append((rank, error))
         results[rank] = got
@@ -324,8 +362,11 @@ def test_exchange_on_a_tcp_store_keeps_every_call_exact_with_its_unanswered_sets
             if call % 2 == 0:
                 assert got == values, (rank, call, got)
             else:
-                labels = ([f"rank {other} call {call}" for other in range(world)] if call % 7 == 3
-                          else [f"rank {rank} call {call}"] * world)
+                labels = (
+                    [f"rank {other} call {call}" for other in range(world)]
+                    if call % 7 == 3
+                    else [f"rank {rank} call {call}"] * world
+                )
                 assert got == list(zip(values, labels)), (rank, call, got)
     # per purpose: each rank's counter and two value slots, and the two slots' first digest and arrival
     # count; the labels' two slots a rank for the labelled purpose; a purpose's last call's "everyone"
@@ -341,9 +382,12 @@ def test_labels_differing_between_agreeing_ranks_are_not_read():
     store, results = _CountingStore(dist.HashStore()), {}
 
     def rank_calls(rank):
-        results[rank] = [exchange_through(store, value, _group(rank), 10, "check", "check", "fix",
-                                          label=f"rank {rank}'s call {call}")
-                         for call, value in enumerate(["same", "same", "same", f"differs on {rank}"])]
+        results[rank] = [
+            exchange_through(
+                store, value, _group(rank), 10, "check", "check", "fix", label=f"rank {rank}'s call {call}"
+            )
+            for call, value in enumerate(["same", "same", "same", f"differs on {rank}"])
+        ]
 
     _in_threads(rank_calls, 2, 30)
     for rank in range(2):
@@ -356,8 +400,11 @@ def test_labels_differing_between_agreeing_ranks_are_not_read():
 def test_a_rank_alone_times_out_naming_the_missing_rank_and_leaves_a_note():
     store = dist.HashStore()
     start = time.perf_counter()
-    with pytest.raises(RankDivergenceError, match=r"doing: rank 0 \(its call #1\) got there but ranks \[1\] did "
-                                                  r"not within 2s \(rank 1 has not started zcompile's beat\)\. the fix"):
+    with pytest.raises(
+        RankDivergenceError,
+        match=r"doing: rank 0 \(its call #1\) got there but ranks \[1\] did "
+        r"not within 2s \(rank 1 has not started zcompile's beat\)\. the fix",
+    ):
         exchange_through(store, "x", _group(0), 1.5, "check", "doing", "the fix")
     assert time.perf_counter() - start < 5
     rank, message = abort_note(store, _group(1))
@@ -387,8 +434,11 @@ class _Beating:
 
 
 _IN_EXCHANGE = {"blocked_in": "zcompile.checkpoint.save: rank 1 (its call #1)", "for_s": 10.0, "exchange_group": "g"}
-_IN_COLLECTIVE = {"blocked_in": "a compiled backward, in reduce_scatter_tensor (c7f.py:12) over ranks [0, 1]",
-                  "for_s": 4.0, "collective_ranks": [0, 1]}
+_IN_COLLECTIVE = {
+    "blocked_in": "a compiled backward, in reduce_scatter_tensor (c7f.py:12) over ranks [0, 1]",
+    "for_s": 4.0,
+    "collective_ranks": [0, 1],
+}
 
 
 def _raises_within(store, timeout_s: float, message: str) -> float:
@@ -403,8 +453,12 @@ def test_ranks_waiting_in_each_others_exchanges_fail_without_waiting_for_the_tim
     that exchange needs rank 0, which waits here for rank 1, so rank 0 raises within about two beats,
     not at its 30 s timeout. One of another group's exchanges may end without rank 0: it waits on."""
     with _Beating(store := dist.HashStore(), _IN_EXCHANGE):
-        seconds = _raises_within(store, 30, r"ranks \[1\] wait elsewhere \(rank 1 waits in zcompile.checkpoint.save: "
-                                            r"rank 1 \(its call #1\) \(for 10s\)\): each waits for the other")
+        seconds = _raises_within(
+            store,
+            30,
+            r"ranks \[1\] wait elsewhere \(rank 1 waits in zcompile.checkpoint.save: "
+            r"rank 1 \(its call #1\) \(for 10s\)\): each waits for the other",
+        )
     assert seconds < 6
     with _Beating(store := dist.HashStore(), {**_IN_EXCHANGE, "exchange_group": "another group"}):
         assert _raises_within(store, 3.5, r"did not within 4s") > 3.4
@@ -415,8 +469,12 @@ def test_a_rank_waiting_in_a_collective_with_this_rank_fails_without_waiting_for
     process group), which waits here instead of joining it: the error within about two beats. A
     collective of ranks without rank 0 may end without it: rank 0 waits for its timeout."""
     with _Beating(store := dist.HashStore(), _IN_COLLECTIVE):
-        seconds = _raises_within(store, 30, r"ranks \[1\] wait elsewhere \(rank 1 waits in a compiled backward, in "
-                                            r"reduce_scatter_tensor \(c7f.py:12\) over ranks \[0, 1\] \(for 4s\)\)")
+        seconds = _raises_within(
+            store,
+            30,
+            r"ranks \[1\] wait elsewhere \(rank 1 waits in a compiled backward, in "
+            r"reduce_scatter_tensor \(c7f.py:12\) over ranks \[0, 1\] \(for 4s\)\)",
+        )
     assert seconds < 6
     with _Beating(store := dist.HashStore(), {**_IN_COLLECTIVE, "collective_ranks": [1, 2]}):
         assert _raises_within(store, 3.5, r"did not within 4s") > 3.4
@@ -480,12 +538,15 @@ def _read_while_waiting(code: str, filename: str):
         seen.append(collective_wait(sys._getframe()))
         return tensor
 
-    functional = types.SimpleNamespace(**{name: types.SimpleNamespace(default=launch)
-                                          for name in ("all_gather_into_tensor_out", "reduce_scatter_tensor")},
-                                       wait_tensor=types.SimpleNamespace(default=wait))
+    functional = types.SimpleNamespace(
+        **{
+            name: types.SimpleNamespace(default=launch)
+            for name in ("all_gather_into_tensor_out", "reduce_scatter_tensor")
+        },
+        wait_tensor=types.SimpleNamespace(default=wait),
+    )
     aten = types.SimpleNamespace(empty=types.SimpleNamespace(memory_format=lambda *a, **k: None))
-    fake_torch = types.SimpleNamespace(ops=types.SimpleNamespace(_c10d_functional=functional, aten=aten),
-                                       float32=None)
+    fake_torch = types.SimpleNamespace(ops=types.SimpleNamespace(_c10d_functional=functional, aten=aten), float32=None)
     namespace = {"torch": fake_torch}
     exec(compile(code, filename, "exec"), namespace)
     entry = namespace.get("forward") or namespace["call"]
@@ -493,12 +554,22 @@ def _read_while_waiting(code: str, filename: str):
     return seen[-1]
 
 
-@pytest.mark.parametrize("line, default_group", [
-    ("dist.barrier()", True), ("    torch.distributed.barrier()  # all", True), ("dist.all_reduce(t)", True),
-    ("x = dist.all_reduce(t, dist.ReduceOp.MAX)", True), ("dist.all_reduce(t, op, group)", False),
-    ("dist.all_reduce(t, group=pg)", False), ("dist.barrier(pg)", False), ("dist.all_reduce(*args)", False),
-    ("dist.all_reduce(**kwargs)", False), ("dist.all_reduce(", False), ("dist.broadcast(t, 0)", True),
-])
+@pytest.mark.parametrize(
+    "line, default_group",
+    [
+        ("dist.barrier()", True),
+        ("    torch.distributed.barrier()  # all", True),
+        ("dist.all_reduce(t)", True),
+        ("x = dist.all_reduce(t, dist.ReduceOp.MAX)", True),
+        ("dist.all_reduce(t, op, group)", False),
+        ("dist.all_reduce(t, group=pg)", False),
+        ("dist.barrier(pg)", False),
+        ("dist.all_reduce(*args)", False),
+        ("dist.all_reduce(**kwargs)", False),
+        ("dist.all_reduce(", False),
+        ("dist.broadcast(t, 0)", True),
+    ],
+)
 def test_a_torch_distributed_call_without_a_group_is_read_as_one_of_every_rank(line, default_group):
     import inspect
 
@@ -512,11 +583,18 @@ def test_a_torch_distributed_call_without_a_group_is_read_as_one_of_every_rank(l
 def test_the_beat_reads_which_collective_compiled_code_waits_for_and_its_group():
     from zcompile.agreement.heartbeat import collective_wait
 
-    assert _read_while_waiting(_FX_CODE, "<eval_with_key>.99") == \
-        ("all_gather_into_tensor_out (<eval_with_key>.99:4)", "7")
-    assert _read_while_waiting(_INDUCTOR_CODE, "/tmp/torchinductor_x/ab/cab.py") == ("reduce_scatter_tensor (cab.py:4)", "3")
-    assert _read_while_waiting(_INDUCTOR_BODY, "/tmp/torchinductor_x/cd/ecd.py") == \
-        ("all_gather_into_tensor_out (ecd.py:3)", "5")
+    assert _read_while_waiting(_FX_CODE, "<eval_with_key>.99") == (
+        "all_gather_into_tensor_out (<eval_with_key>.99:4)",
+        "7",
+    )
+    assert _read_while_waiting(_INDUCTOR_CODE, "/tmp/torchinductor_x/ab/cab.py") == (
+        "reduce_scatter_tensor (cab.py:4)",
+        "3",
+    )
+    assert _read_while_waiting(_INDUCTOR_BODY, "/tmp/torchinductor_x/cd/ecd.py") == (
+        "all_gather_into_tensor_out (ecd.py:3)",
+        "5",
+    )
     assert collective_wait(sys._getframe()) is None  # this test's own stack waits for nothing
 
 
@@ -539,8 +617,11 @@ def test_a_busy_rank_is_waited_for_up_to_the_process_groups_timeout(monkeypatch)
     beating.start()
     start = time.perf_counter()
     try:
-        with pytest.raises(RankDivergenceError, match=r"ranks \[1\] did not within [34]s, the process group's "
-                                                      r"timeout \(rank 1 is alive, running its own code: busy"):
+        with pytest.raises(
+            RankDivergenceError,
+            match=r"ranks \[1\] did not within [34]s, the process group's "
+            r"timeout \(rank 1 is alive, running its own code: busy",
+        ):
             exchange_through(store, "x", _group(0), 1.5, "check", "doing", "the fix")
     finally:
         stop.set()
@@ -551,13 +632,17 @@ def test_a_note_from_another_rank_ends_the_wait_at_once():
     store = dist.HashStore()
     store.set("zcompile/abort/g", '[0, "zero backend: graph 0/1: rank 0 gave up"]')
     start = time.perf_counter()
-    with pytest.raises(RankDivergenceError, match=r"rank 1 \(its call #1\) stopped waiting: rank 0 reported: "
-                                                  r"zero backend: graph 0/1: rank 0 gave up"):
+    with pytest.raises(
+        RankDivergenceError,
+        match=r"rank 1 \(its call #1\) stopped waiting: rank 0 reported: "
+        r"zero backend: graph 0/1: rank 0 gave up",
+    ):
         exchange_through(store, "x", _group(1), 60, "step", "zcompile optimizer.step()", "fix")
     assert time.perf_counter() - start < 5  # not the 60s timeout
 
 
 # ---- two gloo ranks: evaluation on rank 0 only ----
+
 
 def _train_step(compiled, optimizer):
     model_loss("gpt", compiled, *global_batch(0, 2)).backward()
@@ -605,8 +690,11 @@ def _eval_on_rank0_stage3(rank):
     except Exception as raised:  # noqa: BLE001 - any error goes back to the test (Dynamo wraps compile errors)
         error = raised
     divergence = next((e for e in _chain(error) if isinstance(e, RankDivergenceError)), None)
-    return {"error": f"{type(error).__name__}: {error}", "divergence": str(divergence) if divergence else None,
-            "seconds": time.perf_counter() - start}  # rank 0 now leaves, as a failing rank does
+    return {
+        "error": f"{type(error).__name__}: {error}",
+        "divergence": str(divergence) if divergence else None,
+        "seconds": time.perf_counter() - start,
+    }  # rank 0 now leaves, as a failing rank does
 
 
 def _chain(error):
@@ -616,8 +704,10 @@ def _chain(error):
 
 
 def _eval_on_rank0_only(rank, world):
-    return {**{f"stage{stage}": _eval_on_rank0_without_collectives(rank, stage) for stage in (1, 2)},
-            "stage3": _eval_on_rank0_stage3(rank)}
+    return {
+        **{f"stage{stage}": _eval_on_rank0_without_collectives(rank, stage) for stage in (1, 2)},
+        "stage3": _eval_on_rank0_stage3(rank),
+    }
 
 
 def test_eval_on_rank0_only_works_at_stages_1_2_and_fails_fast_on_both_ranks_at_stage3():
@@ -641,6 +731,7 @@ def test_eval_on_rank0_only_works_at_stages_1_2_and_fails_fast_on_both_ranks_at_
 
 # ---- torch's own runtime net ----
 
+
 def _train_two_steps(rank, world):
     """The losses of 2 stage-2 steps, and the class of the process group's CPU backend."""
     backend = type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__
@@ -661,19 +752,29 @@ def test_the_store_going_away_while_a_rank_waits_is_a_divergence_error_not_a_net
     """Without torchrun's agent, rank 0's process hosts the store and leaves as soon as it has raised
     what it found; a rank still polling then got c10d's "Failed to recv ... Did the remote server
     shutdown or crash?" (seen in CI, two ranks on a busy machine). It now says the store's host ended."""
-    host = subprocess.Popen([sys.executable, "-c",
-                             "import sys, time, torch.distributed as d\n"
-                             "s = d.TCPStore('127.0.0.1', 0, 2, is_master=True, wait_for_workers=False)\n"
-                             "print(s.port, flush=True); sys.stdin.readline(); time.sleep(1.5)\n"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    host = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time, torch.distributed as d\n"
+            "s = d.TCPStore('127.0.0.1', 0, 2, is_master=True, wait_for_workers=False)\n"
+            "print(s.port, flush=True); sys.stdin.readline(); time.sleep(1.5)\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(host.stdout.readline())
         client = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=10))
         host.stdin.write("go\n")
         host.stdin.flush()  # the host ends 1.5 s from now, past the exchange's first wait (FIRST_WAIT_S)
         start = time.perf_counter()
-        with pytest.raises(RankDivergenceError, match=r"rank 1 \(its call #1\) lost the store the ranks meet "
-                                                      r"through.*rank 0's.*the fix"):
+        with pytest.raises(
+            RankDivergenceError,
+            match=r"rank 1 \(its call #1\) lost the store the ranks meet "
+            r"through.*rank 0's.*the fix",
+        ):
             exchange_through(client, "x", _group(1), 30, "check", "doing", "the fix")
         assert time.perf_counter() - start < 10  # not the 30s timeout
     finally:

@@ -12,11 +12,11 @@ import torch
 from torch.testing import FileCheck
 
 from support.graph_builders import as_zero_collectives, calls, reduce_scatter_graph, trace
+from zcompile.common.process_group import DataParallelGroup, reduce_scatter_by_all_to_all
 from zcompile.config import ZeroConfig
 from zcompile.passes import metadata
-from zcompile.passes.collectives import ALL_TO_ALL, REDUCE_SCATTER, WAIT, CollectiveNode, collective_nodes
+from zcompile.passes.collectives import ALL_TO_ALL, REDUCE_SCATTER, WAIT, collective_nodes
 from zcompile.passes.reduce_scatter_lowering import SUM_RECEIVED_ROWS, reduce_scatter_as_all_to_all_pass
-from zcompile.common.process_group import DataParallelGroup, reduce_scatter_by_all_to_all
 
 
 class _Ranks(torch.fx.Interpreter):
@@ -37,12 +37,14 @@ class _Ranks(torch.fx.Interpreter):
 
 
 def _graph(reduce_op: str, shape: tuple[int, ...], world: int) -> torch.fx.GraphModule:
-    return as_zero_collectives(trace(lambda grad: WAIT(REDUCE_SCATTER(grad, reduce_op, world, "world")),
-                                     torch.zeros(shape)))
+    return as_zero_collectives(
+        trace(lambda grad: WAIT(REDUCE_SCATTER(grad, reduce_op, world, "world")), torch.zeros(shape))
+    )
 
 
-@pytest.mark.parametrize("reduce_op, shape, world", [("sum", (64,), 4), ("avg", (64,), 4), ("sum", (8, 3), 4),
-                                                     ("sum", (10,), 2)])
+@pytest.mark.parametrize(
+    "reduce_op, shape, world", [("sum", (64,), 4), ("avg", (64,), 4), ("sum", (8, 3), 4), ("sum", (10,), 2)]
+)
 def test_reduce_scatter_becomes_all_to_all_and_sum_of_the_rows_received(reduce_op, shape, world):
     gm = reduce_scatter_as_all_to_all_pass(_graph(reduce_op, shape, world))
     assert calls(gm, REDUCE_SCATTER) == []

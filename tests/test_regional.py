@@ -5,10 +5,10 @@ The multi-rank parity of regional runs is in test_training (``regional=True`` sp
 
 import pytest
 import torch
+from gpt import Block
 
 import zcompile
 from support.models import GPT, GPTConfig, synthetic_batch  # puts examples/ on the path
-from gpt import Block
 from zcompile.backend.regional import marked_block_count
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32)
@@ -112,8 +112,9 @@ def test_schema_table_is_per_subgraph_and_removed_on_the_way_out():
 
 
 def test_torch_layers_with_submodules_are_blocks():
-    encoder = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(32, 2, 64, batch_first=True), 2,
-                                          enable_nested_tensor=False)
+    encoder = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(32, 2, 64, batch_first=True), 2, enable_nested_tensor=False
+    )
     assert zcompile.mark_repeated_blocks(encoder) == [torch.nn.TransformerEncoderLayer]
     assert marked_block_count(encoder) == 2
 
@@ -135,8 +136,11 @@ def test_a_model_without_repeated_blocks_is_said_not_silent(caplog):
 
 
 # kept weights, hpZ and bf16 in one run (two simulations each: the suite's time), as test_zeropp.py trains them
-@pytest.mark.parametrize("options", [{}, {"keep_gathered_mb": 0.05, "hpz_size": "node", "param_dtype": "bf16"}],
-                         ids=["default", "kept_hpz_bf16"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"keep_gathered_mb": 0.05, "hpz_size": "node", "param_dtype": "bf16"}],
+    ids=["default", "kept_hpz_bf16"],
+)
 def test_stage3_regathers_the_blocks_weights_instead_of_saving_them(options):
     """A block's subgraph hands its weight inputs back for its backward; without
     passes/regions.py the outer partition saves them (every layer's gathered weights alive from
@@ -154,12 +158,15 @@ def test_stage3_regathers_the_blocks_weights_instead_of_saving_them(options):
             if regional:
                 zcompile.mark_repeated_blocks(model)
             return model
+
         return make_model
 
     # default buckets: a block's weights are all live at its call, so without buckets (bucket_mb=0)
     # the marked model's gathered peak is one block's weights, not one weight's
-    results = {r: simulate(make(r), batch, world_size=8, node_size=4, hardware="h100-sxm", options=options)
-               for r in (False, True)}
+    results = {
+        r: simulate(make(r), batch, world_size=8, node_size=4, hardware="h100-sxm", options=options)
+        for r in (False, True)
+    }
     plain, marked = results[False], results[True]
     assert marked.memory == plain.memory
     assert (plain.memory["kept_gathered_bytes"] > 0) == ("keep_gathered_mb" in options)
@@ -168,8 +175,9 @@ def test_stage3_regathers_the_blocks_weights_instead_of_saving_them(options):
     assert marked.bytes_by(inside_node=True) == plain.bytes_by(inside_node=True)
     if options:
         return
-    estimates = [zcompile.estimate_memory(make(r)(), 8, {"stage": 3}, batch=batch).saved_activation_bytes
-                 for r in (False, True)]
+    estimates = [
+        zcompile.estimate_memory(make(r)(), 8, {"stage": 3}, batch=batch).saved_activation_bytes for r in (False, True)
+    ]
     assert estimates[0] == estimates[1] == plain.memory["saved_activation_bytes"]
 
 
@@ -237,6 +245,7 @@ def test_blocks_marked_on_one_rank_only_is_an_error_on_every_rank_naming_it():
 
 # ---- one graph for every block when Dynamo compiles the block's forward on its own ----
 
+
 class _BreakingBlock(Block):
     """The example block with a graph break in its forward (a print, an ``.item()``): Dynamo then
     runs the model's loop over its blocks eagerly and compiles the block's forward on its own."""
@@ -281,8 +290,12 @@ def _train_blocks(how: str, stage: int | None) -> dict:
         losses.append(loss.item())
     block_weights = [p for block in model.blocks for p in block.parameters()]
     torch._dynamo.reset()
-    return {"losses": losses, "compiles": len(compiles),
-            "freed": sum(p.untyped_storage().nbytes() == 0 for p in block_weights), "block_weights": len(block_weights)}
+    return {
+        "losses": losses,
+        "compiles": len(compiles),
+        "freed": sum(p.untyped_storage().nbytes() == 0 for p in block_weights),
+        "block_weights": len(block_weights),
+    }
 
 
 @pytest.mark.parametrize("how", ["graph break", "block.compile"])

@@ -103,8 +103,10 @@ def test_report_says_how_gloo_ran_the_reduce_scatters(reported):
     report = StepReport(**{**results[0][0], "schedule": []})
     assert report.reduce_scatter_as_all_to_all  # gloo, reduce_scatter="auto"
     assert "reduce-scatters run as an all-to-all and a sum" in report.render()
-    assert "all-to-all" not in StepReport(**{**results[0][0], "schedule": [],
-                                             "reduce_scatter_as_all_to_all": False}).render()
+    assert (
+        "all-to-all"
+        not in StepReport(**{**results[0][0], "schedule": [], "reduce_scatter_as_all_to_all": False}).render()
+    )
 
 
 def test_report_against_zero_formulas(reported):
@@ -144,14 +146,26 @@ def test_dump_layout(reported):
         graph_dir = os.path.join(rank_dir, "0_0")
         passes = json.load(open(os.path.join(graph_dir, "passes.json")))
         post_partition = (["expand_param_gathers"] if stage == 3 else []) + [
-            "remove_unused_gathers", "drop_identity_views", "bucket_collectives", "schedule"]
-        assert [(p["pass"], p["graph"]) for p in passes] == (  # (autocast is off: no param_dtype)
-            [("insert_param_collectives", "dynamo"), ("save_random_draws", "joint")]
-            + ([("regather_through_regions", "joint")] if stage == 3 else [])
-            + [(name, "forward") for name in post_partition]
-            + [(name, "backward") for name in ["expand_grad_reductions"] + post_partition[:-2]
-               + ["fuse_cross_entropy_backward"] + post_partition[-2:]]
-            + [("reduce_scatter_as_all_to_all", "backward")]  # gloo (the option reduce_scatter="auto")
+            "remove_unused_gathers",
+            "drop_identity_views",
+            "bucket_collectives",
+            "schedule",
+        ]
+        assert (
+            [(p["pass"], p["graph"]) for p in passes]
+            == (  # (autocast is off: no param_dtype)
+                [("insert_param_collectives", "dynamo"), ("save_random_draws", "joint")]
+                + ([("regather_through_regions", "joint")] if stage == 3 else [])
+                + [(name, "forward") for name in post_partition]
+                + [
+                    (name, "backward")
+                    for name in ["expand_grad_reductions"]
+                    + post_partition[:-2]
+                    + ["fuse_cross_entropy_backward"]
+                    + post_partition[-2:]
+                ]
+                + [("reduce_scatter_as_all_to_all", "backward")]  # gloo (the option reduce_scatter="auto")
+            )
         )
         for kind in ("forward", "backward"):
             buckets = json.load(open(os.path.join(graph_dir, f"buckets.{kind}.json")))

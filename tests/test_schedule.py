@@ -18,7 +18,10 @@ def test_prefetch_issues_the_next_gather_before_the_current_layer():
     gm = layered_graph()
     plan = plan_schedule(gm, prefetch=1)
     assert [(c.name, c.issue_before, c.depth) for c in plan.collectives if c.kind == "all_gather"] == [
-        ("gather0", "layer0", 0), ("gather1", "layer0", 1), ("gather2", "layer1", 1)]
+        ("gather0", "layer0", 0),
+        ("gather1", "layer0", 1),
+        ("gather2", "layer1", 1),
+    ]
     assert json.loads(plan.to_json())["prefetch"] == 1
     order = _order(schedule_pass(gm, plan))
     # gather1 is in flight while layer0 computes; each wait sits right before its own layer
@@ -37,10 +40,26 @@ def test_reduce_scatters_are_waited_two_later():
     gm = reduce_chain_graph(buckets=4)
     plan = plan_schedule(gm, prefetch=1)
     assert [(c.name, c.wait_before) for c in plan.collectives] == [
-        ("reduce0", "reduce2"), ("reduce1", "reduce3"), ("reduce2", ""), ("reduce3", "")]
+        ("reduce0", "reduce2"),
+        ("reduce1", "reduce3"),
+        ("reduce2", ""),
+        ("reduce3", ""),
+    ]
     order = _order(schedule_pass(gm, plan))
-    assert order == ["grad0", "reduce0", "grad1", "reduce1", "grad2", "reduce_wait0", "reduce2", "grad3",
-                     "reduce_wait1", "reduce3", "reduce_wait2", "reduce_wait3"]
+    assert order == [
+        "grad0",
+        "reduce0",
+        "grad1",
+        "reduce1",
+        "grad2",
+        "reduce_wait0",
+        "reduce2",
+        "grad3",
+        "reduce_wait1",
+        "reduce3",
+        "reduce_wait2",
+        "reduce_wait3",
+    ]
 
 
 def test_memory_budget_lowers_prefetch_depth():

@@ -69,14 +69,28 @@ def test_cpu_profile_prices_torchs_fused_update_and_its_extra_passes():
     into a copy adds 8 bytes an element, and a bf16 replica the copy into it 4 + 2. The profile's host
     overheads add per graph call (one graph: its forward and its backward) and per trained parameter."""
     data = json.loads(open(load_profile("cpu-local").source).read())
-    data.update(op_overhead_s=1.0, memory_bytes_per_s=1.0, device_type="cpu", compute_efficiency=1.0,
-                graph_call_overhead_s=1000.0, parameter_overhead_s=1e6)
+    data.update(
+        op_overhead_s=1.0,
+        memory_bytes_per_s=1.0,
+        device_type="cpu",
+        compute_efficiency=1.0,
+        graph_call_overhead_s=1000.0,
+        parameter_overhead_s=1e6,
+    )
     tokens, targets = global_batch(0, 2)
     chunks = [-(-p.numel() // 4) for p in dict.fromkeys(build_model("gpt").parameters())]
-    for options, per_element in [({"stage": 3}, 28), ({"stage": 1}, 28 + 8),
-                                 ({"stage": 2, "param_dtype": "bf16"}, 28 + 4 + 2)]:
-        result = simulate(lambda: build_model("gpt"), (tokens, targets), world_size=4, options=options,
-                          hardware=profile_from_dict(data))
+    for options, per_element in [
+        ({"stage": 3}, 28),
+        ({"stage": 1}, 28 + 8),
+        ({"stage": 2, "param_dtype": "bf16"}, 28 + 4 + 2),
+    ]:
+        result = simulate(
+            lambda: build_model("gpt"),
+            (tokens, targets),
+            world_size=4,
+            options=options,
+            hardware=profile_from_dict(data),
+        )
         assert result.optimizer_update_s == pytest.approx(sum(1.0 + per_element * n for n in chunks), rel=1e-9), options
         assert result.graph_calls == 2
         assert result.host_overhead_s == pytest.approx(2 * 1000.0 + len(chunks) * 1e6, rel=1e-12)
@@ -91,8 +105,14 @@ def test_more_ranks_than_host_cores_take_turns_on_them():
     results = {}
     for cores in (0, 2):
         data["host_cores"] = cores
-        results[cores] = simulate(lambda: build_model("gpt"), global_batch(0, 2), world_size=4, node_size=4,
-                                  options={"stage": 3}, hardware=profile_from_dict(data))
+        results[cores] = simulate(
+            lambda: build_model("gpt"),
+            global_batch(0, 2),
+            world_size=4,
+            node_size=4,
+            options={"stage": 3},
+            hardware=profile_from_dict(data),
+        )
     own, shared = results[0], results[2]
     assert (own.time_sharing, shared.time_sharing) == (1.0, 2.0)
     assert shared.hardware == "cpu-local (4 ranks on 2 cores)"
@@ -119,14 +139,20 @@ def test_the_ranks_agreements_are_priced_at_the_profiles_store_rate(caplog):
         for rate in rates:
             data["store_requests_per_s"] = rate
             caplog.clear()
-            runs[rate] = simulate(lambda: build_model("gpt_loop_breaks"), (tokens, targets), world_size=WORLD,
-                                  options={"stage": 3}, hardware=profile_from_dict(data))
+            runs[rate] = simulate(
+                lambda: build_model("gpt_loop_breaks"),
+                (tokens, targets),
+                world_size=WORLD,
+                options={"stage": 3},
+                hardware=profile_from_dict(data),
+            )
         unpriced, slow = runs[0.0], runs[1e3]
         assert unpriced.store_s == 0.0  # 0: not priced
         assert unpriced.store_exchanges == slow.store_exchanges > 1  # the count itself: test_simulate_check
         # at 1,000 requests a second the server's turn through 64 ranks outlasts the round trip
-        assert slow.store_s == pytest.approx(slow.store_exchanges * 5 * max(data["store_latency_s"], WORLD / 1e3),
-                                             rel=1e-12)
+        assert slow.store_s == pytest.approx(
+            slow.store_exchanges * 5 * max(data["store_latency_s"], WORLD / 1e3), rel=1e-12
+        )
         assert "agree on every call" in caplog.text and "mark_repeated_blocks" in caplog.text
         if name == "cpu-local":
             assert slow.step_s == pytest.approx(unpriced.step_s + slow.store_s, rel=1e-9)
@@ -138,8 +164,13 @@ def test_the_ranks_agreements_are_priced_at_the_profiles_store_rate(caplog):
 
 def test_stage2_optimizer_gathers_the_parameters_in_bf16():
     tokens, targets = global_batch(0, 2)
-    result = simulate(lambda: build_model("gpt"), (tokens, targets), world_size=WORLD,
-                      options={"stage": 2, "param_dtype": "bf16"}, hardware="a100-80gb")
+    result = simulate(
+        lambda: build_model("gpt"),
+        (tokens, targets),
+        world_size=WORLD,
+        options={"stage": 2, "param_dtype": "bf16"},
+        hardware="a100-80gb",
+    )
     padded = _padded_bytes(build_model("gpt"), WORLD)
     assert result.bytes_by("optimizer") == padded // 2  # bf16 all-gather of the replicas
     assert result.bytes_by("backward") == padded // 2  # bf16 reduce-scatter of the gradients
@@ -162,11 +193,40 @@ def test_command_line_simulates_a_transformers_spec(tmp_path, capsys):
     from zcompile.cli.commands import main
 
     spec = tmp_path / "llama.json"
-    spec.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    spec.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 256,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+            }
+        )
+    )
     out_json = tmp_path / "sim.json"
-    assert main(["simulate", str(spec), "--world", "16", "--seq", "32", "--plain", "--option", "stage=3",
-                 "--option", "param_dtype=bf16", "--json", str(out_json)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                str(spec),
+                "--world",
+                "16",
+                "--seq",
+                "32",
+                "--plain",
+                "--option",
+                "stage=3",
+                "--option",
+                "param_dtype=bf16",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "16 ranks (8 per node)" in printed and "MFU" in printed
     assert "note:" not in printed  # a GPU profile's nodes are what its node_size says
@@ -175,8 +235,19 @@ def test_command_line_simulates_a_transformers_spec(tmp_path, capsys):
     spec.write_text(json.dumps({"hidden_size": 64}))
     assert main(["simulate", str(spec), "--world", "16"]) == 2
     assert "needs a model_type" in capsys.readouterr().err
-    spec.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-                                "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    spec.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 256,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+            }
+        )
+    )
     assert main(["simulate", str(spec), "--world", "16", "--option", "stage=5"]) == 2
     assert "stage" in capsys.readouterr().err
     # a CPU profile at more ranks than its node_size: said, with the flag that puts them on one host
@@ -196,8 +267,9 @@ def _link_seconds(link: dict, ranks: int, nbytes: int) -> float:
 
 def _simulate_gpt(options: dict, hardware="h100-sxm"):
     tokens, targets = global_batch(0, 2)
-    return simulate(lambda: build_model("gpt"), (tokens, targets), world_size=WORLD, node_size=8, options=options,
-                    hardware=hardware)
+    return simulate(
+        lambda: build_model("gpt"), (tokens, targets), world_size=WORLD, node_size=8, options=options, hardware=hardware
+    )
 
 
 @pytest.fixture(scope="module")
@@ -237,8 +309,10 @@ def test_hpz_exposes_less_communication_when_nodes_are_far_apart():
     keeps inside the node leaves less exposed than stage 3's re-gather across nodes; the difference
     is at least most of that gather's time at the inter-node bandwidth."""
     data = json.loads(open(load_profile("h100-sxm").source).read())
-    data["links"] = {"intra_node": {"bus_bytes_per_s": 1e12, "latency_s": 0.0},
-                     "inter_node": {"bus_bytes_per_s": 1e9, "latency_s": 0.0}}
+    data["links"] = {
+        "intra_node": {"bus_bytes_per_s": 1e12, "latency_s": 0.0},
+        "inter_node": {"bus_bytes_per_s": 1e9, "latency_s": 0.0},
+    }
     slow = profile_from_dict(data, "slow-inter.json")
     plain = _simulate_gpt({"stage": 3}, slow)
     hpz = _simulate_gpt({"stage": 3, "hpz_size": "node"}, slow)
@@ -265,10 +339,14 @@ def test_the_node_note_is_said_for_simulate_and_for_simulate_tune_alike():
 
     said = Lines()
     _say_nodes(Namespace(node_size=None, hardware="cpu-local", world=6), said)
-    assert said == ["note: 6 ranks priced as 3 hosts of 2 ranks (the profile's node_size); for all of them on one "
-                    "host of 2 cores, pass --node-size 6"]
-    for args in (Namespace(node_size=6, hardware="cpu-local", world=6),
-                 Namespace(node_size=None, hardware="cpu-local", world=2),
-                 Namespace(node_size=None, hardware="h100-sxm", world=64)):
+    assert said == [
+        "note: 6 ranks priced as 3 hosts of 2 ranks (the profile's node_size); for all of them on one "
+        "host of 2 cores, pass --node-size 6"
+    ]
+    for args in (
+        Namespace(node_size=6, hardware="cpu-local", world=6),
+        Namespace(node_size=None, hardware="cpu-local", world=2),
+        Namespace(node_size=None, hardware="h100-sxm", world=64),
+    ):
         _say_nodes(args, said)
     assert len(said) == 1

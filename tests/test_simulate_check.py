@@ -28,13 +28,13 @@ LAYER_LOOP_MODEL = "gpt_loop_breaks"  # a graph break in the layer loop: one gra
 
 def _tokens(rank: int, world: int) -> torch.Tensor:
     tokens, _ = global_batch(0, BATCH_PER_RANK * world)
-    return tokens[rank * BATCH_PER_RANK:(rank + 1) * BATCH_PER_RANK].contiguous()
+    return tokens[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK].contiguous()
 
 
 def _store_exchanges_of(model: torch.nn.Module, step) -> int:
     """The ranks' agreements through the store that ``step()`` made on this rank (``rank_check``'s count)."""
-    from zcompile.sharding.shards import shard_of
     from zcompile.agreement.rank_check import exchanges_made
+    from zcompile.sharding.shards import shard_of
 
     group = next(filter(None, map(shard_of, model.parameters()))).group
     before = exchanges_made(group, "step")
@@ -98,9 +98,16 @@ def llama_simulated():
     from zcompile.predict.simulate import simulate
 
     tokens = _tokens(0, WORLD)
-    return {stage: simulate(lambda: build_model("hf_llama"), {"input_ids": tokens, "labels": tokens},
-                            world_size=WORLD, options={"stage": stage, "bucket_mb": 0.01}, hardware="cpu-local")
-            for stage in SIM_STAGES}
+    return {
+        stage: simulate(
+            lambda: build_model("hf_llama"),
+            {"input_ids": tokens, "labels": tokens},
+            world_size=WORLD,
+            options={"stage": stage, "bucket_mb": 0.01},
+            hardware="cpu-local",
+        )
+        for stage in SIM_STAGES
+    }
 
 
 def _per_kind(rows) -> dict[str, list[int]]:
@@ -118,8 +125,13 @@ def test_simulated_llama_equals_the_real_2_rank_run(llama_world2, llama_simulate
     optimizer's included: one per bucket as ``zcompile.optim`` issues them (simulate listed them one
     per parameter, 39 against 2 on bench_simulate_check's Llama, and paid the latency 20 times)."""
     real, simulated = llama_world2[stage], llama_simulated[stage]
-    for part in ("model_states_bytes", "peak_gathered_bytes", "gather_staging_bytes", "kept_gathered_bytes",
-                 "saved_activation_bytes"):
+    for part in (
+        "model_states_bytes",
+        "peak_gathered_bytes",
+        "gather_staging_bytes",
+        "kept_gathered_bytes",
+        "saved_activation_bytes",
+    ):
         assert simulated.memory[part] == real["memory"][part], (stage, part, simulated.memory, real["memory"])
     if stage == 3:
         assert simulated.memory["peak_gathered_bytes"] > 0  # the gathered part was compared, not two zeros
@@ -139,8 +151,13 @@ def test_simulated_store_exchanges_are_the_real_runs(llama_world2, llama_simulat
 
     for stage in SIM_STAGES:
         assert llama_simulated[stage].store_exchanges == llama_world2[stage]["store_exchanges"] == 1, stage
-    looped = simulate(lambda: build_model(LAYER_LOOP_MODEL), _gpt_batch(0, WORLD), world_size=WORLD,
-                      options={"stage": 3}, hardware="cpu-local")
+    looped = simulate(
+        lambda: build_model(LAYER_LOOP_MODEL),
+        _gpt_batch(0, WORLD),
+        world_size=WORLD,
+        options={"stage": 3},
+        hardware="cpu-local",
+    )
     assert looped.store_exchanges == llama_world2[LAYER_LOOP_MODEL] > 1
     assert looped.store_s > 0
 
@@ -152,8 +169,16 @@ FAKE_WORLD = 8
 def _llama_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=64, use_cache=False)
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
 
 
 def _fsdp2_tracked(world: int) -> tuple[dict, dict, list[torch.Size]]:
@@ -217,8 +242,13 @@ def test_simulated_memory_against_torch_fsdp2_mem_tracker():
 
     peak, after_step, shapes = _fsdp2_tracked(FAKE_WORLD)
     ids = torch.zeros(2, 64, dtype=torch.long)
-    ours = simulate(lambda: LlamaForCausalLM(_llama_config()), {"input_ids": ids, "labels": ids},
-                    world_size=FAKE_WORLD, options={"stage": 3}, hardware="cpu-local").memory
+    ours = simulate(
+        lambda: LlamaForCausalLM(_llama_config()),
+        {"input_ids": ids, "labels": ids},
+        world_size=FAKE_WORLD,
+        options={"stage": 3},
+        hardware="cpu-local",
+    ).memory
 
     torch_states = after_step["Sharded Param"] + after_step["Sharded Grad"] + after_step["OptState"]
     one_row_each = 16 * sum(shape[1:].numel() for shape in shapes)

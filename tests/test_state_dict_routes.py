@@ -28,7 +28,11 @@ SPEC = RunSpec(model="gpt", steps=4)
 def _fresh(stage: int):
     torch._dynamo.reset()
     model = build_model("gpt")
-    return model, torch.compile(model, backend="zero", options={"stage": stage}), _optimizer(SPEC, model.parameters(), True)
+    return (
+        model,
+        torch.compile(model, backend="zero", options={"stage": stage}),
+        _optimizer(SPEC, model.parameters(), True),
+    )
 
 
 def _error(fn) -> str:
@@ -180,8 +184,9 @@ def test_one_ranks_optimizer_file_loaded_on_every_rank_is_refused(routes):
     have resumed with rank 0's moments on both ranks, silently (losses off the uninterrupted run's)."""
     rank0, rank1 = routes
     assert rank0["rank0_file_loaded"] == ""
-    assert rank1["rank0_file_loaded"].startswith("ValueError: optimizer state 'exp_avg': rank 1 is loading the "
-                                                 "piece rank 0 of 2 saved")
+    assert rank1["rank0_file_loaded"].startswith(
+        "ValueError: optimizer state 'exp_avg': rank 1 is loading the piece rank 0 of 2 saved"
+    )
     assert "zcompile.checkpoint.save/load" in rank1["rank0_file_loaded"]
 
 

@@ -66,8 +66,9 @@ def _walk(tracked, make_model, world: int, stage: int, hold: bool = False):
     ``hold``: as if each backward held its inputs to its end."""
     with torch.device("meta"):
         states = zcompile.estimate_memory(make_model(), world, {"stage": stage})
-    return step_peak(tracked.graphs, states.params_bytes, states.grads_bytes, states.optimizer_bytes,
-                     hold_backward_inputs=hold)
+    return step_peak(
+        tracked.graphs, states.params_bytes, states.grads_bytes, states.optimizer_bytes, hold_backward_inputs=hold
+    )
 
 
 def test_simulate_step_peak_agrees_with_torch_memtracker_at_64_ranks():
@@ -78,7 +79,9 @@ def test_simulate_step_peak_agrees_with_torch_memtracker_at_64_ranks():
     make = lambda: build_model("hf_llama")  # noqa: E731
     tracked = tracked_step(make, _llama_batch(), 64, {"stage": 3}, lambda output: output.loss)
     assert tracked.functional_collectives > 0  # the compiled graphs ran under the tracker, not eager code
-    result = simulate(make, _llama_batch(), world_size=64, options={"stage": 3}, hardware="h100-sxm")  # no gloo: the fake group stages nothing
+    result = simulate(
+        make, _llama_batch(), world_size=64, options={"stage": 3}, hardware="h100-sxm"
+    )  # no gloo: the fake group stages nothing
     assert result.step_peak_bytes == pytest.approx(tracked.peak_bytes, rel=RTOL)
     assert result.step_peak_phase == "backward0"
     walk = _walk(tracked, make, 64, 3)
@@ -116,6 +119,7 @@ def test_walk_frees_each_value_after_its_last_reader_and_views_allocate_nothing(
     """``a = x * 2`` (64 B), its view and transpose (nothing), ``c = a.t() + 1`` (64 B, while ``a`` is
     alive), ``c.sum()`` (4 B) returned: the peak is ``a`` and ``c`` together. ``x`` preloaded adds its
     64 B until its last reader, or to the end when the inputs are held."""
+
     def f(x):
         a = x * 2
         c = a.view(4, 4).t() + 1

@@ -13,24 +13,27 @@ from zcompile.reports.timeline import CollectiveEvent, TimelineResult, classify,
 
 
 # ----------------------------------------------------------------------------- names
-@pytest.mark.parametrize("name, expected", [
-    # what a stage-3 step on gloo records (torch 2.13), see the module docstring
-    ("_c10d_functional::all_gather_into_tensor", ("all_gather", "issue")),
-    ("_c10d_functional::reduce_scatter_tensor", ("reduce_scatter", "issue")),
-    ("_c10d_functional::all_reduce", ("all_reduce", "issue")),
-    ("_c10d_functional::wait_tensor", ("wait", "issue")),
-    ("c10d::allgather_into_tensor_coalesced_", ("all_gather", "issue")),
-    ("c10d::reduce_scatter_tensor_coalesced_", ("reduce_scatter", "issue")),
-    ("c10d::_allgather_base_", ("all_gather", "issue")),  # eager optimizer step, stages 1 and 2
-    ("c10d::_reduce_scatter_base_", ("reduce_scatter", "issue")),
-    ("c10d::allreduce_", ("all_reduce", "issue")),
-    ("gloo:all_gather", ("all_gather", "backend")),
-    ("gloo:all_reduce", ("all_reduce", "backend")),
-    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", ("reduce_scatter", "backend")),
-    ("aten::mm", None),
-    ("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", None),
-    ("c10d::barrier", None),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        # what a stage-3 step on gloo records (torch 2.13), see the module docstring
+        ("_c10d_functional::all_gather_into_tensor", ("all_gather", "issue")),
+        ("_c10d_functional::reduce_scatter_tensor", ("reduce_scatter", "issue")),
+        ("_c10d_functional::all_reduce", ("all_reduce", "issue")),
+        ("_c10d_functional::wait_tensor", ("wait", "issue")),
+        ("c10d::allgather_into_tensor_coalesced_", ("all_gather", "issue")),
+        ("c10d::reduce_scatter_tensor_coalesced_", ("reduce_scatter", "issue")),
+        ("c10d::_allgather_base_", ("all_gather", "issue")),  # eager optimizer step, stages 1 and 2
+        ("c10d::_reduce_scatter_base_", ("reduce_scatter", "issue")),
+        ("c10d::allreduce_", ("all_reduce", "issue")),
+        ("gloo:all_gather", ("all_gather", "backend")),
+        ("gloo:all_reduce", ("all_reduce", "backend")),
+        ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", ("reduce_scatter", "backend")),
+        ("aten::mm", None),
+        ("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", None),
+        ("c10d::barrier", None),
+    ],
+)
 def test_classify(name, expected):
     assert classify(name) == expected
 
@@ -46,8 +49,15 @@ def _span(name, ts, dur, tid=1):
 
 
 def _memory(ts, nbytes, device_type=0):
-    return {"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "pid": 1, "tid": 1, "ts": ts,
-            "args": {"Bytes": nbytes, "Device Type": device_type, "Total Allocated": 0}}
+    return {
+        "ph": "i",
+        "cat": "cpu_instant_event",
+        "name": "[memory]",
+        "pid": 1,
+        "tid": 1,
+        "ts": ts,
+        "args": {"Bytes": nbytes, "Device Type": device_type, "Total Allocated": 0},
+    }
 
 
 def test_read_trace_hand_built(tmp_path):
@@ -62,14 +72,21 @@ def test_read_trace_hand_built(tmp_path):
         _span("gloo:all_reduce", 1103, 50, tid=2),
         _span("_c10d_functional::wait_tensor", 1060, 40),  # overlaps the first wait: 1040..1100 covered once
         _span("aten::mm", 1200, 100),
-        _memory(1001, 100), _memory(1020, 400), _memory(1090, -300), _memory(1300, -200),
+        _memory(1001, 100),
+        _memory(1020, 400),
+        _memory(1090, -300),
+        _memory(1300, -200),
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     result = read_trace(path, rank=3)
     assert result.rank == 3 and result.step_us == 500
     assert [(e.kind, e.start_us) for e in result.collectives] == [
-        ("all_gather", 10), ("wait", 40), ("wait", 60), ("reduce_scatter", 100)]
+        ("all_gather", 10),
+        ("wait", 40),
+        ("wait", 60),
+        ("reduce_scatter", 100),
+    ]
     assert [e.name for e in result.transfers] == ["gloo:all_gather", "gloo:all_reduce"]
     assert result.count("all_gather") == 1 and result.count("wait") == 2
     assert result.wait_us == 60

@@ -59,9 +59,13 @@ def world4():
 
 
 def _label(spec):
-    return (f"{spec.model}-stage{spec.stage}-{spec.optimizer}" + ("-regional" if spec.regional else "")
-            + ("-blocks" if spec.blocks else "") + (f"-accum{spec.grad_accum}" if spec.grad_accum > 1 else "")
-            + "".join(f"-{k}={v}" for k, v in spec.options.items()))
+    return (
+        f"{spec.model}-stage{spec.stage}-{spec.optimizer}"
+        + ("-regional" if spec.regional else "")
+        + ("-blocks" if spec.blocks else "")
+        + (f"-accum{spec.grad_accum}" if spec.grad_accum > 1 else "")
+        + "".join(f"-{k}={v}" for k, v in spec.options.items())
+    )
 
 
 @pytest.mark.parametrize("index", range(len(WORLD2_SPECS)), ids=[_label(s) for s in WORLD2_SPECS])
@@ -106,8 +110,9 @@ def test_stage3_memory_is_16_psi_over_n(world_name, request):
             expected = zero_formula_bytes(result.num_params, world, stage=3)
             if spec.blocks:  # the weights outside the compiled blocks train as stage 1's (README)
                 blocks = sum(p.numel() for name, p in result.params.items() if name.startswith("blocks."))
-                expected = (zero_formula_bytes(blocks, world, stage=3)
-                            + zero_formula_bytes(result.num_params - blocks, world, stage=1))
+                expected = zero_formula_bytes(blocks, world, stage=3) + zero_formula_bytes(
+                    result.num_params - blocks, world, stage=1
+                )
             # padding: each parameter is cut into N equal chunks, so a rank holds at most N-1
             # elements more than numel/N per parameter; the small GPT has 5% of its elements there at N=4
             assert expected <= result.state_bytes <= 1.05 * expected, (spec.model, result.state_bytes, expected)
@@ -128,8 +133,12 @@ def test_estimate_memory_predicts_the_measured_model_states(world2, world4):
     for spec, *ranks in world2 + world4:
         # blocks compiled apart: the estimate made after their compiles, the rest estimated as stage 1 trains it
         for rank, result in enumerate(ranks):
-            assert result.estimated_state_bytes == result.state_bytes, (spec, rank, result.estimated_state_bytes,
-                                                                        result.state_bytes)
+            assert result.estimated_state_bytes == result.state_bytes, (
+                spec,
+                rank,
+                result.estimated_state_bytes,
+                result.state_bytes,
+            )
 
 
 def test_simulation_predicts_the_real_collectives_and_model_states(world2, world4):
@@ -140,12 +149,19 @@ def test_simulation_predicts_the_real_collectives_and_model_states(world2, world
     from zcompile.predict.simulate import simulate
 
     for spec, *ranks in world2 + world4:
-        if spec.model != "gpt" or spec.optimizer != "adamw" or spec.blocks:  # the whole model compiled, as simulate compiles it
+        if (
+            spec.model != "gpt" or spec.optimizer != "adamw" or spec.blocks
+        ):  # the whole model compiled, as simulate compiles it
             continue
         world, rank0 = len(ranks), ranks[0]
         tokens, targets = global_batch(0, spec.batch_size // world)
-        simulated = simulate(lambda: build_model(spec.model), (tokens, targets), world_size=world,
-                             options={"stage": spec.stage, **spec.options}, hardware="cpu-local")
+        simulated = simulate(
+            lambda: build_model(spec.model),
+            (tokens, targets),
+            world_size=world,
+            options={"stage": spec.stage, **spec.options},
+            hardware="cpu-local",
+        )
         for where in ("forward", "backward", "optimizer"):
             real = sorted((r.kind, r.bytes) for r in rank0.collectives if r.where == where)
             ours = sorted((c.kind, c.bytes) for c in simulated.collectives if c.where == where)
@@ -165,7 +181,12 @@ def _bytes_by_kind(pairs: list[tuple[str, int]]) -> dict[str, int]:
 def test_communication_volume_per_step(world2, world4):
     """Stages 1 and 2 move exactly 2Ψ (padded) elements per rank per step; stage 3 at most 3Ψ."""
     for spec, result, *_ in world2 + world4:
-        if spec.model.startswith("gpt") and spec.optimizer == "adamw" and "breaks" not in spec.model and not spec.blocks:
+        if (
+            spec.model.startswith("gpt")
+            and spec.optimizer == "adamw"
+            and "breaks" not in spec.model
+            and not spec.blocks
+        ):
             total = sum(r.elements for r in result.collectives)
             kinds = {r.kind for r in result.collectives}
             if spec.stage in (1, 2):
@@ -239,8 +260,13 @@ def test_blocks_compiled_apart_take_the_gather_the_call_before_issued(world2):
             # copy): a part of gloo's copies (a block's one-bucket graph adds none of its own)
             assert rank0.facts["report_gather_staging_bytes"] == rank0.facts["report_call_prefetch_bytes"], spec
             # the schedule's line counts each graph's first gather as issued by the call before, not exposed
-            assert rank0.facts["report_issued_by_call_before"] == [("forward", "all_gather"), ("backward", "all_gather")]
-            assert any("2 issued by the call before (cross-call prefetch" in line for line in rank0.facts["report_summary"])
+            assert rank0.facts["report_issued_by_call_before"] == [
+                ("forward", "all_gather"),
+                ("backward", "all_gather"),
+            ]
+            assert any(
+                "2 issued by the call before (cross-call prefetch" in line for line in rank0.facts["report_summary"]
+            )
             # a step's volume counts the block graph once per layer and micro-batch: each gathers the
             # block's weights in forward and reduce-scatters their gradients (the backward re-gathers
             # those it needs); the eager rest moves at the step, as stage 1's (even sizes: no padding)

@@ -53,9 +53,10 @@ DROPPED_GRAD = "ln_f.bias"
 def _groups(model: torch.nn.Module) -> list[dict]:
     """The usual split: decay on matrices and embeddings, none on biases and LayerNorm parameters."""
     params = list(model.parameters())  # each tied weight once
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0,
-             "lr": SPEC.lr * NO_DECAY_LR_SCALE}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": SPEC.lr * NO_DECAY_LR_SCALE},
+    ]
 
 
 def _scheduler(optimizer) -> SequentialLR:
@@ -133,7 +134,7 @@ def _train(rank: int, world: int, stage: int | None) -> dict:
     for step in range(STEPS):
         loss = torch.zeros(())
         for part in parts:
-            (tokens, targets), = micro_batches(SPEC, step, part, world)
+            ((tokens, targets),) = micro_batches(SPEC, step, part, world)
             if step == SHORT_BATCH_STEP and part == world - 1:
                 tokens, targets = tokens[:-1], targets[:-1]
             # the batch dimension dynamic from the first call on every rank: the rank with the short
@@ -156,8 +157,14 @@ def _train(rank: int, world: int, stage: int | None) -> dict:
         if (step + 1) % EVAL_EVERY == 0:
             out["evals"].append([_evaluate(run, model, parts, world, zero) for _ in range(2)])
     out["weight_decay"] = [group["weight_decay"] for group in optimizer.param_groups]
-    out["graphs"] = [{"training": g.backward is not None, "inference": g.inference is not None,
-                      "gathers": "all_gather" in getattr(g.inference, "code", "")} for g in graphs]
+    out["graphs"] = [
+        {
+            "training": g.backward is not None,
+            "inference": g.inference is not None,
+            "gathers": "all_gather" in getattr(g.inference, "code", ""),
+        }
+        for g in graphs
+    ]
     with zcompile.gathered(model):  # a no-op at stages 1 and 2 and for the reference
         out["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
     return out
@@ -177,8 +184,9 @@ def runs():
 def test_training_matches_single_process_reference(runs, stage):
     ranks, reference = runs
     result = ranks[0][stage]
-    assert_same_training(RunResult(result["losses"], result["params"]),
-                         RunResult(reference["losses"], reference["params"]), SPEC)
+    assert_same_training(
+        RunResult(result["losses"], result["params"]), RunResult(reference["losses"], reference["params"]), SPEC
+    )
     # every rank reports the same (all-reduced) losses and holds the same full weights
     assert ranks[1][stage]["losses"] == result["losses"]
     for name, value in result["params"].items():

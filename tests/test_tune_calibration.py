@@ -5,12 +5,14 @@ depends on how slow compute is."""
 import pytest
 
 from support.hand_built import layered_graph
-from zcompile.predict.cost_model import CollectiveCost, CollectiveCosts, ComputeCosts, predict
 from zcompile.passes.schedule import plan_schedule, schedule_pass
+from zcompile.predict.cost_model import CollectiveCost, CollectiveCosts, ComputeCosts, predict
 from zcompile.tune.calibration import SCALE_RANGE, calibrate
 
 # test_cost_model's hand costs: a layer takes 3 s, an all-gather 2 s, the reduce-scatter 1 s
-COLLECTIVES = CollectiveCosts(2, {"all_gather": CollectiveCost(1.0, 1 / 64), "reduce_scatter": CollectiveCost(0.5, 1 / 128)})
+COLLECTIVES = CollectiveCosts(
+    2, {"all_gather": CollectiveCost(1.0, 1 / 64), "reduce_scatter": CollectiveCost(0.5, 1 / 128)}
+)
 COMPUTE = ComputeCosts(flops_per_s=1e9, bytes_per_s=64.0, op_overhead_s=0.125)
 
 

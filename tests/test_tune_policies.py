@@ -5,8 +5,8 @@ cost-guided policy's depths against timelines worked out by hand."""
 import pytest
 
 from support.hand_built import layered_graph
-from zcompile.predict.cost_model import CollectiveCost, CollectiveCosts, ComputeCosts, predict
 from zcompile.passes.schedule import greedy_prefetch, plan_schedule, schedule_pass, schedule_problem
+from zcompile.predict.cost_model import CollectiveCost, CollectiveCosts, ComputeCosts, predict
 from zcompile.tune.policies import CostGuidedPrefetch, policy_from_name
 
 # as in test_cost_model: a layer (mul of two 64-byte fp32 tensors) takes 3 s, an all-gather of
@@ -23,7 +23,10 @@ def _depths(plan):
 def test_problem_lists_gathers_in_order_of_first_use():
     problem, reduces = schedule_problem(layered_graph(), prefetch=2)
     assert [(g.name, g.first_use, g.bytes) for g in problem.gathers] == [
-        ("gather0", "layer0", 64), ("gather1", "layer1", 64), ("gather2", "layer2", 64)]
+        ("gather0", "layer0", 64),
+        ("gather1", "layer1", 64),
+        ("gather2", "layer2", 64),
+    ]
     assert [r.name for r in reduces] == ["reduce"]
     assert problem.nodes[problem.gathers[1].position].name == "layer1"
     assert problem.peak_bytes([0, 1, 2]) == 3 * 64 and problem.peak_bytes([0, 0, 0]) == 64
@@ -43,12 +46,18 @@ def test_greedy_is_the_default_policy_and_a_custom_one_is_followed():
     assert order.index("gather1") < order.index("layer0") and order.index("layer1") < order.index("gather2")
 
 
-@pytest.mark.parametrize("depths, message", [
-    ([0, 1], r"returned 2 depths for the 3 all-gathers of graph 'g'; return one prefetch depth per problem.gathers"),
-    ([0, 2, 1], r"depth 2 for all-gather 1 \(gather1\) of graph 'g'; a depth is an int 0 <= depth <= 1"),
-    ([0, 1, -1], r"depth -1 for all-gather 2"),
-    ([0, 1.0, 1], r"depth 1.0 for all-gather 1"),
-])
+@pytest.mark.parametrize(
+    "depths, message",
+    [
+        (
+            [0, 1],
+            r"returned 2 depths for the 3 all-gathers of graph 'g'; return one prefetch depth per problem.gathers",
+        ),
+        ([0, 2, 1], r"depth 2 for all-gather 1 \(gather1\) of graph 'g'; a depth is an int 0 <= depth <= 1"),
+        ([0, 1, -1], r"depth -1 for all-gather 2"),
+        ([0, 1.0, 1], r"depth 1.0 for all-gather 1"),
+    ],
+)
 def test_bad_depths_are_refused_naming_the_policy_and_the_rule(depths, message):
     def broken(problem):
         return depths

@@ -21,13 +21,15 @@ MEASURED_MS = [40.0, 36.0, 25.0, 24.0]
 
 def _result(strategy="grid"):
     space = SearchSpace.build(SPACE, {"stage": 3})
-    trials = run_search(space.points,
-                        lambda p: Predicted(PREDICTED_MS[p.index] / 1e3, 1e-3, (10 + p.index) * 2**20,
-                                            {"model_states": 10 * 2**20}),
-                        lambda p: Measured(MEASURED_MS[p.index] / 1e3, 2e-3, (12 + p.index) * 2**20, (5.5, 5.4)),
-                        strategy=strategy)
-    return TuneResult(trials, space.base_options, space.space, strategy, 2, 5, 2, None, 12.5,
-                      {"costs_s": 1.0}, COSTS, COMPUTE)
+    trials = run_search(
+        space.points,
+        lambda p: Predicted(PREDICTED_MS[p.index] / 1e3, 1e-3, (10 + p.index) * 2**20, {"model_states": 10 * 2**20}),
+        lambda p: Measured(MEASURED_MS[p.index] / 1e3, 2e-3, (12 + p.index) * 2**20, (5.5, 5.4)),
+        strategy=strategy,
+    )
+    return TuneResult(
+        trials, space.base_options, space.space, strategy, 2, 5, 2, None, 12.5, {"costs_s": 1.0}, COSTS, COMPUTE
+    )
 
 
 def test_best_default_speedup_and_correlation():

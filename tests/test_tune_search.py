@@ -4,8 +4,23 @@ ties, Spearman against scipy, the Pareto front."""
 
 import pytest
 
-from zcompile.tune.search import (FAILED, INVALID, MEASURED, PREDICTED, PRUNED, SAME, Measured, Predicted, Trial,
-                                  best_trial, default_max_trials, measure_order, pareto_front, run_search, spearman)
+from zcompile.tune.search import (
+    FAILED,
+    INVALID,
+    MEASURED,
+    PREDICTED,
+    PRUNED,
+    SAME,
+    Measured,
+    Predicted,
+    Trial,
+    best_trial,
+    default_max_trials,
+    measure_order,
+    pareto_front,
+    run_search,
+    spearman,
+)
 from zcompile.tune.space import Point
 
 MIB = 2**20
@@ -29,7 +44,9 @@ class Fake:
         self.asked_predict.append(point.index)
         if point.index in self.fail_predict:
             raise RuntimeError("does not compile")
-        return Predicted(self.predicted[point.index], 0.0, self.memory[point.index], graphs_digest=self.digests[point.index])
+        return Predicted(
+            self.predicted[point.index], 0.0, self.memory[point.index], graphs_digest=self.digests[point.index]
+        )
 
     def measure(self, point):
         self.asked_measure.append(point.index)
@@ -84,14 +101,19 @@ def test_points_compiled_to_the_same_graphs_are_measured_once():
     fake = Fake(predicted=[1, 2, 3, 1, 1, 4, 4], measured=[5, 6, 7, 8, 9, 3, 3], digests=[7, 9, 9, 9, 7, 0, 0])
     trials = run_search(_points(7, default=2), fake.predict, fake.measure, strategy="grid")
     assert [t.status for t in trials] == [MEASURED, SAME, MEASURED, SAME, SAME, MEASURED, MEASURED]
-    assert [t.error for t in trials if t.status == SAME] == ["same compiled graphs as #2", "same compiled graphs as #2",
-                                                            "same compiled graphs as #0"]
+    assert [t.error for t in trials if t.status == SAME] == [
+        "same compiled graphs as #2",
+        "same compiled graphs as #2",
+        "same compiled graphs as #0",
+    ]
     assert fake.asked_measure == [0, 2, 5, 6]
 
 
 def test_ties_go_to_the_lower_index_whatever_the_order_of_measurement():
-    trials = [Trial(i, {}, i == 3, MEASURED, Predicted(1.0, 0, 0), Measured(step, 0, 0))
-              for i, step in enumerate([2.0, 1.0, 3.0, 1.0])]
+    trials = [
+        Trial(i, {}, i == 3, MEASURED, Predicted(1.0, 0, 0), Measured(step, 0, 0))
+        for i, step in enumerate([2.0, 1.0, 3.0, 1.0])
+    ]
     assert best_trial(trials).index == 1
     assert best_trial(list(reversed(trials))).index == 1
     predicted = [Trial(i, {}, False, PREDICTED, Predicted(step, 0, 0)) for i, step in enumerate([2.0, 1.0, 1.0, 0.5])]

@@ -15,8 +15,9 @@ SPACE = {"stage": [2, 3], "bucket_mb": [0, 4], "hpz_size": [None, "node"]}
 
 
 def _tune(**kwargs):
-    return zcompile.simulate_tune(lambda: build_model("gpt"), global_batch(0, 2), world_size=WORLD, node_size=8,
-                                  **kwargs)
+    return zcompile.simulate_tune(
+        lambda: build_model("gpt"), global_batch(0, 2), world_size=WORLD, node_size=8, **kwargs
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +49,10 @@ def test_every_valid_point_is_simulated_and_hpz_at_stage_2_is_invalid(result):
             assert point.memory_bytes >= parts["model_states_bytes"] + parts["saved_activation_bytes"] > 0
             assert 0 < point.exposed_comm_s < point.step_s and 0 < point.mfu < 1
     # stage 3 holds 16 bytes per parameter over 64 ranks; stage 2 the bf16 replica on top
-    assert by_options[(2, 4, None)].memory_parts["model_states_bytes"] > \
-        by_options[(3, 4, None)].memory_parts["model_states_bytes"]
+    assert (
+        by_options[(2, 4, None)].memory_parts["model_states_bytes"]
+        > by_options[(3, 4, None)].memory_parts["model_states_bytes"]
+    )
 
 
 def test_front_is_exactly_the_non_dominated_points(result):
@@ -64,13 +67,15 @@ def test_front_is_exactly_the_non_dominated_points(result):
 
 def test_memory_limit_prunes_points_from_the_front_and_the_choice(result):
     """A limit between stage 2's and stage 3's memory (bucket_mb=4): the larger is pruned, the smaller chosen."""
-    by_stage = {s: next(p for p in result.points if p.options == {"stage": s, "bucket_mb": 4, "hpz_size": None})
-                for s in (2, 3)}
+    by_stage = {
+        s: next(p for p in result.points if p.options == {"stage": s, "bucket_mb": 4, "hpz_size": None}) for s in (2, 3)
+    }
     small, large = sorted(by_stage, key=lambda s: by_stage[s].memory_bytes)
     assert by_stage[small].memory_bytes < by_stage[large].memory_bytes
     limit_gb = (by_stage[small].memory_bytes + by_stage[large].memory_bytes) / 2 / GIB
-    limited = _tune(space={"stage": [2, 3]}, base_options={"param_dtype": "bf16", "bucket_mb": 4},
-                    memory_limit_gb=limit_gb)
+    limited = _tune(
+        space={"stage": [2, 3]}, base_options={"param_dtype": "bf16", "bucket_mb": 4}, memory_limit_gb=limit_gb
+    )
     points = {p.options["stage"]: p for p in limited.points}
     assert points[large].status == "pruned" and "over memory_limit_gb" in points[large].error
     assert points[large].memory_bytes == by_stage[large].memory_bytes  # its numbers kept, for the table and plot
@@ -119,11 +124,40 @@ def test_command_line_tunes_a_spec_by_simulation(tmp_path, capsys):
     from zcompile.cli.commands import main
 
     spec = tmp_path / "llama.json"
-    spec.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-                                "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    spec.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 256,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+            }
+        )
+    )
     out_json = tmp_path / "tune.json"
-    assert main(["simulate", str(spec), "--world", "16", "--seq", "16", "--plain", "--space", "stage=2,3",
-                 "--option", "param_dtype=bf16", "--json", str(out_json)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                str(spec),
+                "--world",
+                "16",
+                "--seq",
+                "16",
+                "--plain",
+                "--space",
+                "stage=2,3",
+                "--option",
+                "param_dtype=bf16",
+                "--json",
+                str(out_json),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "2 points simulated at 16 ranks" in printed and "Pareto front" in printed
     assert [p["options"] for p in json.loads(out_json.read_text())["points"]] == [{"stage": 2}, {"stage": 3}]

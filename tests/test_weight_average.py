@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 import zcompile
 from support.launch import run_ranks
-from zcompile.sharding.shards import shard_of
 from zcompile.agreement.abort_note import RankDivergenceError
+from zcompile.sharding.shards import shard_of
 
 STEPS, ROWS, MOMENTUM, EMA_WEIGHT = 4, 8, 0.2, 0.5
 ATOL = 1e-6
@@ -46,8 +46,11 @@ def _views(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _byol_loss(online, predictor, teacher, a, b) -> torch.Tensor:
     with torch.no_grad():
         target_a, target_b = teacher(a), teacher(b)
-    return (4 - 2 * F.cosine_similarity(predictor(online(a)), target_b).mean()
-            - 2 * F.cosine_similarity(predictor(online(b)), target_a).mean())
+    return (
+        4
+        - 2 * F.cosine_similarity(predictor(online(a)), target_b).mean()
+        - 2 * F.cosine_similarity(predictor(online(b)), target_a).mean()
+    )
 
 
 def _reference() -> dict:
@@ -68,8 +71,12 @@ def _reference() -> dict:
         losses.append(loss.item())
     with torch.no_grad():
         evaluation = ema(_views(0)[0])
-    return {"losses": losses, "teacher": [p.clone() for p in teacher.parameters()],
-            "ema": [p.clone() for p in ema.parameters()], "evaluation": evaluation}
+    return {
+        "losses": losses,
+        "teacher": [p.clone() for p in teacher.parameters()],
+        "ema": [p.clone() for p in ema.parameters()],
+        "evaluation": evaluation,
+    }
 
 
 def _train_on_rank(rank: int, world: int, stages: list[int]) -> dict:
@@ -79,7 +86,9 @@ def _train_on_rank(rank: int, world: int, stages: list[int]) -> dict:
         student, teacher, predictor = _models()
         ema = copy.deepcopy(student).requires_grad_(False)
         options = {"stage": stage}
-        online, target, head = (torch.compile(m, backend="zero", options=options) for m in (student, teacher, predictor))
+        online, target, head = (
+            torch.compile(m, backend="zero", options=options) for m in (student, teacher, predictor)
+        )
         optimizer = zcompile.optim.AdamW([*student.parameters(), *predictor.parameters()], lr=1e-2)
         losses = []
         for step in range(STEPS):
@@ -97,9 +106,13 @@ def _train_on_rank(rank: int, world: int, stages: list[int]) -> dict:
         with torch.no_grad():  # the EMA copy's first compile, on every rank's full batch
             evaluation = torch.compile(ema, backend="zero", options=options)(_views(0)[0])
         with zcompile.gathered(teacher), zcompile.gathered(ema):
-            results[stage] = {"losses": losses, "teacher": [p.detach().clone() for p in teacher.parameters()],
-                              "ema": [p.detach().clone() for p in ema.parameters()], "evaluation": evaluation,
-                              "ema_sharded": ema_sharded}
+            results[stage] = {
+                "losses": losses,
+                "teacher": [p.detach().clone() for p in teacher.parameters()],
+                "ema": [p.detach().clone() for p in ema.parameters()],
+                "evaluation": evaluation,
+                "ema_sharded": ema_sharded,
+            }
         try:  # ranks that disagree on the weight: an error on each, no update
             zcompile.lerp_weights_(teacher, student, 0.1 if rank == 0 else 0.2, timeout_s=20)
         except RankDivergenceError as error:
@@ -141,9 +154,11 @@ def _replica_student(rank: int, world: int) -> dict:
             for copied, weight in zip(by_gathered, (MOMENTUM, EMA_WEIGHT)):
                 for t, s in zip(copied.parameters(), student.parameters()):
                     t.lerp_(s, weight)
-    return {"ours": [[p.detach().clone() for p in m.parameters()] for m in (teacher, ema)],
-            "by_gathered": [[p.detach().clone() for p in m.parameters()] for m in by_gathered],
-            "first": [p.detach().clone() for p in _models()[1].parameters()]}
+    return {
+        "ours": [[p.detach().clone() for p in m.parameters()] for m in (teacher, ema)],
+        "by_gathered": [[p.detach().clone() for p in m.parameters()] for m in by_gathered],
+        "first": [p.detach().clone() for p in _models()[1].parameters()],
+    }
 
 
 def _averaged_buffers(rank: int, world: int) -> dict:
@@ -165,8 +180,11 @@ def _averaged_buffers(rank: int, world: int) -> dict:
         with torch.no_grad():
             for t, s in zip(by_torch.buffers(), student.buffers()):
                 t.lerp_(s, EMA_WEIGHT) if t.is_floating_point() else t.copy_(s)
-    out = {"ours": [b.clone() for b in ema.buffers()], "by_torch": [b.clone() for b in by_torch.buffers()],
-           "start": start}
+    out = {
+        "ours": [b.clone() for b in ema.buffers()],
+        "by_torch": [b.clone() for b in by_torch.buffers()],
+        "start": start,
+    }
     compiled(_views(STEPS)[0].chunk(world)[rank]).square().mean().backward()  # each rank's own statistics now
     try:
         zcompile.lerp_weights_(ema, student, EMA_WEIGHT, buffers=True, timeout_s=20)
@@ -176,8 +194,11 @@ def _averaged_buffers(rank: int, world: int) -> dict:
 
 
 def _all_on_rank(rank: int, world: int) -> dict:
-    return {**_train_on_rank(rank, world, [2, 3]), "replica": _replica_student(rank, world),
-            "buffers": _averaged_buffers(rank, world)}
+    return {
+        **_train_on_rank(rank, world, [2, 3]),
+        "replica": _replica_student(rank, world),
+        "buffers": _averaged_buffers(rank, world),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -239,8 +260,11 @@ def test_pairs_held_differently_are_refused_before_any_weight_changes():
     compiled(torch.randn(2, 16)).sum().backward()
     with zcompile.gathered(target):
         before = [p.detach().clone() for p in target.parameters()]
-    with pytest.raises(ValueError, match=r"pair #0 \(32, 16\).*target: stage 3, 512 elements over 1 ranks; "
-                                         r"source: full, not sharded.*zcompile.gathered"):
+    with pytest.raises(
+        ValueError,
+        match=r"pair #0 \(32, 16\).*target: stage 3, 512 elements over 1 ranks; "
+        r"source: full, not sharded.*zcompile.gathered",
+    ):
         zcompile.lerp_weights_(target, source, 0.5)
     with zcompile.gathered(target):
         assert all(torch.equal(p, b) for p, b in zip(target.parameters(), before))
@@ -266,7 +290,9 @@ def test_a_bf16_model_at_stage_2_keeps_its_fp32_master_in_step_with_the_new_weig
         compiled = torch.compile(model, backend="zero", options={"stage": 2})
         compiled(torch.randn(2, 16, dtype=torch.bfloat16)).float().sum().backward()
         model.zero_grad()
-    expected = [t.float().lerp(s.float(), 0.25).to(torch.bfloat16) for t, s in zip(target.parameters(), source.parameters())]
+    expected = [
+        t.float().lerp(s.float(), 0.25).to(torch.bfloat16) for t, s in zip(target.parameters(), source.parameters())
+    ]
     zcompile.lerp_weights_(target, source, 0.25)
     for param, value in zip(target.parameters(), expected, strict=True):
         torch.testing.assert_close(param.detach(), value, atol=0.02, rtol=0.01)  # bf16 rounding
@@ -283,6 +309,9 @@ def test_a_target_with_a_replica_of_its_own_is_refused_naming_gathered():
     for model in (target, source):
         compiled = torch.compile(model, backend="zero", options={"stage": 2, "param_dtype": "bf16"})
         compiled(torch.randn(2, 16)).float().sum().backward()
-    with pytest.raises(ValueError, match=r"target: stage 2 with a torch.bfloat16 replica.*"
-                                         r"update inside `with zcompile.gathered\(target\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"target: stage 2 with a torch.bfloat16 replica.*"
+        r"update inside `with zcompile.gathered\(target\)",
+    ):
         zcompile.lerp_weights_(target, source, 0.5)

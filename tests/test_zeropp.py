@@ -26,9 +26,9 @@ FUNCTIONAL = "_c10d_functional::"
 # ----------------------------------------------------------------------------- the collectives alone
 def _collectives_on_rank(rank, world):
     from zcompile.common.process_group import DataParallelGroup
+    from zcompile.common.topology import node_groups
     from zcompile.passes.quantize_grads import hierarchical_reduce_scatter
     from zcompile.passes.quantize_weights import quantized_all_gather
-    from zcompile.common.topology import node_groups
 
     group = DataParallelGroup.resolve()
     out = {"qgz": [], "qwz": []}
@@ -43,8 +43,9 @@ def _collectives_on_rank(rank, world):
             dist.all_reduce(total)
             absmax = x.abs().max()
             dist.all_reduce(absmax, op=dist.ReduceOp.MAX)
-            out["qgz"].append((node_size, shard, (got - total.view(world, shard)[rank]).abs().max().item(),
-                               absmax.item(), got.dtype))
+            out["qgz"].append(
+                (node_size, shard, (got - total.view(world, shard)[rank]).abs().max().item(), absmax.item(), got.dtype)
+            )
     for numel in (1, 5, 300, 1000):
         torch.manual_seed(rank + numel)
         w = torch.randn(numel)
@@ -163,16 +164,28 @@ def _zeropp_on_rank(rank, world, specs):
             losses.append(loss.item() / world)
         with zcompile.gathered(model):
             params = {name: p.detach().float().clone() for name, p in model.named_parameters()}
-        kinds = sorted({(r["kind"], r["where"], r["group_size"], r["dtype"])
-                        for g in graphs for part in ("forward", "backward")
-                        for r in [c.to_json() for c in graph_collectives(getattr(g, part), part)]})
+        kinds = sorted(
+            {
+                (r["kind"], r["where"], r["group_size"], r["dtype"])
+                for g in graphs
+                for part in ("forward", "backward")
+                for r in [c.to_json() for c in graph_collectives(getattr(g, part), part)]
+            }
+        )
         node_size = spec.options.get("node_size", NODE)
         padded = sum(-(-p.numel() // world) * world for p in dict.fromkeys(model.parameters()))
-        results.append(dict(losses=losses, params=params, kinds=kinds, padded=padded,
-                            hpz_bytes=zcompile.step_report(model, optimizer).memory["hpz_secondary_bytes"],
-                            cross=_cross_node_bytes(prof, world, node_size),
-                            numel=sum(p.numel() for p in model.parameters()),
-                            kept=[p for g in graphs if g.keep_gathered for p in g.keep_gathered.kept]))
+        results.append(
+            dict(
+                losses=losses,
+                params=params,
+                kinds=kinds,
+                padded=padded,
+                hpz_bytes=zcompile.step_report(model, optimizer).memory["hpz_secondary_bytes"],
+                cross=_cross_node_bytes(prof, world, node_size),
+                numel=sum(p.numel() for p in model.parameters()),
+                kept=[p for g in graphs if g.keep_gathered for p in g.keep_gathered.kept],
+            )
+        )
     return results
 
 
@@ -180,12 +193,30 @@ BF16 = {"param_dtype": "bf16", "node_size": NODE, "bucket_mb": 0}
 SPECS = [
     RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=6, options=dict(BF16)),
     RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=6, options=dict(BF16, hpz_size="node")),
-    RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=6,
-            options=dict(BF16, hpz_size="node", quantize_weights=True, quantize_grads=True, quantize_block=256)),
-    RunSpec(model="gpt_untied_odd", stage=2, optimizer="sgd", lr=0.1, steps=4,
-            options={"quantize_grads": True, "node_size": NODE, "quantize_block": 64}),
-    RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=6,
-            options=dict(BF16, hpz_size="node", keep_gathered_mb=0.03)),
+    RunSpec(
+        model="gpt",
+        stage=3,
+        optimizer="sgd",
+        lr=0.1,
+        steps=6,
+        options=dict(BF16, hpz_size="node", quantize_weights=True, quantize_grads=True, quantize_block=256),
+    ),
+    RunSpec(
+        model="gpt_untied_odd",
+        stage=2,
+        optimizer="sgd",
+        lr=0.1,
+        steps=4,
+        options={"quantize_grads": True, "node_size": NODE, "quantize_block": 64},
+    ),
+    RunSpec(
+        model="gpt",
+        stage=3,
+        optimizer="sgd",
+        lr=0.1,
+        steps=6,
+        options=dict(BF16, hpz_size="node", keep_gathered_mb=0.03),
+    ),
 ]
 
 
@@ -204,7 +235,9 @@ def test_hpz_equals_stage3(trained):
         assert torch.equal(hpz["params"][name], value), name
     # the backward re-gathers run over the 2 ranks of the node, the forward gathers over all 4
     assert {k for k in hpz["kinds"] if k[0] == "all_gather"} == {
-        ("all_gather", "forward", WORLD, "torch.bfloat16"), ("all_gather", "backward", NODE, "torch.bfloat16")}
+        ("all_gather", "forward", WORLD, "torch.bfloat16"),
+        ("all_gather", "backward", NODE, "torch.bfloat16"),
+    }
     assert ("all_gather", "backward", WORLD, "torch.bfloat16") in baseline["kinds"]
     # the report's memory cost of the secondary partition: 2 bytes (bf16) x padded numel / 2 ranks
     assert hpz["hpz_bytes"] == 2 * hpz["padded"] // NODE and baseline["hpz_bytes"] == 0
@@ -259,11 +292,18 @@ def test_qgz_stage2_odd_sizes_trains_like_reference(trained):
 
 # ----------------------------------------------------------------------------- fallbacks
 def _fallback_on_rank(rank, world):
-    from support.training import RunSpec as Spec, zero_run_on_rank
+    from support.training import RunSpec as Spec
+    from support.training import zero_run_on_rank
 
     plain = Spec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=2)
-    odd = Spec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=2,
-               options={"node_size": 3, "hpz_size": 2, "quantize_grads": True})
+    odd = Spec(
+        model="gpt",
+        stage=3,
+        optimizer="sgd",
+        lr=0.1,
+        steps=2,
+        options={"node_size": 3, "hpz_size": 2, "quantize_grads": True},
+    )
     return zero_run_on_rank(rank, world, [plain, odd])
 
 
@@ -278,8 +318,14 @@ def test_world_of_one_ignores_zeropp(caplog):
     import zcompile
     from support.training import train_zero
 
-    spec = RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1, steps=2,
-                   options={"quantize_weights": True, "quantize_grads": True, "hpz_size": 2})
+    spec = RunSpec(
+        model="gpt",
+        stage=3,
+        optimizer="sgd",
+        lr=0.1,
+        steps=2,
+        options={"quantize_weights": True, "quantize_grads": True, "hpz_size": 2},
+    )
     with caplog.at_level("WARNING", logger="zcompile.backend.zeropp"):
         result = train_zero(spec)
     assert "world size 1" in caplog.text

@@ -34,15 +34,15 @@ __all__ = list(_LAZY)
 
 if TYPE_CHECKING:
     from zcompile import checkpoint, optim
-    from zcompile.config import ZeroConfig
-    from zcompile.predict.estimate import MemoryEstimate, estimate_memory
-    from zcompile.eager.gathered import gathered
-    from zcompile.eager.weight_average import lerp_weights_
-    from zcompile.sharding.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
     from zcompile.backend.pass_runner import PassError
-    from zcompile.eager.sync import sync_module_states
     from zcompile.backend.regional import mark_repeated_blocks
+    from zcompile.config import ZeroConfig
+    from zcompile.eager.gathered import gathered
+    from zcompile.eager.sync import sync_module_states
+    from zcompile.eager.weight_average import lerp_weights_
+    from zcompile.predict.estimate import MemoryEstimate, estimate_memory
     from zcompile.reports.step_report import StepReport, step_report
+    from zcompile.sharding.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
     from zcompile.tune.simulated import simulate_tune
 
 

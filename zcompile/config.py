@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -145,57 +146,78 @@ class ZeroConfig:
         for name in ("param_dtype", "reduce_dtype"):
             object.__setattr__(self, name, _parse_dtype(name, getattr(self, name)))
         if self.compiler not in _COMPILERS:
-            raise ValueError(
-                f"zero backend: option 'compiler' must be one of {_COMPILERS}, got {self.compiler!r}"
-            )
+            raise ValueError(f"zero backend: option 'compiler' must be one of {_COMPILERS}, got {self.compiler!r}")
         if self.reduce_scatter not in REDUCE_SCATTER_FORMS:
-            raise ValueError(f"zero backend: option 'reduce_scatter' must be one of {REDUCE_SCATTER_FORMS}, got "
-                             f"{self.reduce_scatter!r}")
+            raise ValueError(
+                f"zero backend: option 'reduce_scatter' must be one of {REDUCE_SCATTER_FORMS}, got "
+                f"{self.reduce_scatter!r}"
+            )
         if self.group is not None and not isinstance(self.group, torch.distributed.ProcessGroup):
             raise TypeError(
                 "zero backend: option 'group' must be a torch.distributed.ProcessGroup or None, "
                 f"got {type(self.group).__name__}"
             )
         if not finite_number(self.bucket_mb) or self.bucket_mb < 0:
-            raise ValueError(f"zero backend: option 'bucket_mb' must be a finite number >= 0 (MiB), got {self.bucket_mb!r}")
+            raise ValueError(
+                f"zero backend: option 'bucket_mb' must be a finite number >= 0 (MiB), got {self.bucket_mb!r}"
+            )
         if not isinstance(self.overlap, bool):
             raise TypeError(f"zero backend: option 'overlap' must be a bool, got {self.overlap!r}")
         if not isinstance(self.prefetch_calls, bool):
             raise TypeError(f"zero backend: option 'prefetch_calls' must be a bool, got {self.prefetch_calls!r}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"zero backend: option 'prefetch' must be an int >= 0, got {self.prefetch!r}")
-        if self.memory_budget_mb is not None and (not finite_number(self.memory_budget_mb) or self.memory_budget_mb <= 0):
+        if self.memory_budget_mb is not None and (
+            not finite_number(self.memory_budget_mb) or self.memory_budget_mb <= 0
+        ):
             raise ValueError(
-                f"zero backend: option 'memory_budget_mb' must be a positive finite number (MiB) or None, got {self.memory_budget_mb!r}")
+                f"zero backend: option 'memory_budget_mb' must be a positive finite number (MiB) or None, got {self.memory_budget_mb!r}"
+            )
         if self.schedule_policy is not None and not callable(self.schedule_policy):
-            raise TypeError(f"zero backend: option 'schedule_policy' must be a callable policy(problem) -> depths "
-                            f"(passes/README.md) or None for greedy prefetch, got {self.schedule_policy!r}")
+            raise TypeError(
+                f"zero backend: option 'schedule_policy' must be a callable policy(problem) -> depths "
+                f"(passes/README.md) or None for greedy prefetch, got {self.schedule_policy!r}"
+            )
         if not finite_number(self.keep_gathered_mb) or self.keep_gathered_mb < 0:
             raise ValueError(
-                f"zero backend: option 'keep_gathered_mb' must be a finite number >= 0 (MiB), got {self.keep_gathered_mb!r}")
+                f"zero backend: option 'keep_gathered_mb' must be a finite number >= 0 (MiB), got {self.keep_gathered_mb!r}"
+            )
         if self.stage != 3 and self.keep_gathered_mb:
-            raise ValueError(f"zero backend: keep_gathered_mb keeps stage-3 gathered weights for backward; stage "
-                             f"{self.stage} keeps every weight already. Use stage 3, or drop keep_gathered_mb")
+            raise ValueError(
+                f"zero backend: keep_gathered_mb keeps stage-3 gathered weights for backward; stage "
+                f"{self.stage} keeps every weight already. Use stage 3, or drop keep_gathered_mb"
+            )
         self._check_activation_memory_budget()
         for name in ("quantize_weights", "quantize_grads", "fuse_loss_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"zero backend: option {name!r} must be a bool, got {getattr(self, name)!r}")
         block = self.quantize_block
         if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block & (block - 1) or block > 2**16:
-            raise ValueError(f"zero backend: option 'quantize_block' must be a power of two in [2, 65536], got {block!r}")
-        if self.hpz_size is not None and self.hpz_size != "node" and (
-                isinstance(self.hpz_size, bool) or not isinstance(self.hpz_size, int) or self.hpz_size < 1):
-            raise ValueError(f"zero backend: option 'hpz_size' must be an int >= 1, \"node\" or None, got {self.hpz_size!r}")
+            raise ValueError(
+                f"zero backend: option 'quantize_block' must be a power of two in [2, 65536], got {block!r}"
+            )
+        if (
+            self.hpz_size is not None
+            and self.hpz_size != "node"
+            and (isinstance(self.hpz_size, bool) or not isinstance(self.hpz_size, int) or self.hpz_size < 1)
+        ):
+            raise ValueError(
+                f"zero backend: option 'hpz_size' must be an int >= 1, \"node\" or None, got {self.hpz_size!r}"
+            )
         if self.node_size is not None and (
-                isinstance(self.node_size, bool) or not isinstance(self.node_size, int) or self.node_size < 1):
+            isinstance(self.node_size, bool) or not isinstance(self.node_size, int) or self.node_size < 1
+        ):
             raise ValueError(f"zero backend: option 'node_size' must be an int >= 1 or None, got {self.node_size!r}")
         if self.stage != 3 and (self.quantize_weights or self.hpz_size is not None):
             raise ValueError(
                 f"zero backend: quantize_weights and hpz_size act on the stage-3 parameter all-gathers; "
-                f"stage {self.stage} has none. Use stage 3, or drop those options")
+                f"stage {self.stage} has none. Use stage 3, or drop those options"
+            )
         if self.stage == 1 and self.quantize_grads:
-            raise ValueError("zero backend: quantize_grads acts on the in-graph gradient reduce-scatter of stages 2 "
-                             "and 3; stage 1 reduces in the optimizer. Use stage 2 or 3")
+            raise ValueError(
+                "zero backend: quantize_grads acts on the in-graph gradient reduce-scatter of stages 2 "
+                "and 3; stage 1 reduces in the optimizer. Use stage 2 or 3"
+            )
         if not isinstance(self.broadcast_buffers, bool):
             raise TypeError(f"zero backend: option 'broadcast_buffers' must be a bool, got {self.broadcast_buffers!r}")
         if not isinstance(self.check_ranks, bool):
@@ -215,15 +237,21 @@ class ZeroConfig:
             return
         if isinstance(budget, str):
             if activation_budget_bytes(budget) is None:
-                raise ValueError(f"zero backend: option 'activation_memory_budget' as a string is MiB per rank, like "
-                                 f"'256MiB', got {budget!r}")
+                raise ValueError(
+                    f"zero backend: option 'activation_memory_budget' as a string is MiB per rank, like "
+                    f"'256MiB', got {budget!r}"
+                )
             if self.compiler != "eager":
-                raise ValueError("zero backend: option 'activation_memory_budget' in MiB needs compiler='eager' (a "
-                                 "trial partition turns it into a fraction); with inductor give a fraction 0..1")
+                raise ValueError(
+                    "zero backend: option 'activation_memory_budget' in MiB needs compiler='eager' (a "
+                    "trial partition turns it into a fraction); with inductor give a fraction 0..1"
+                )
             return
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
-            raise ValueError(f"zero backend: option 'activation_memory_budget' must be a fraction 0..1 of the saved "
-                             f"activations or a string like '256MiB', got {budget!r}")
+            raise ValueError(
+                f"zero backend: option 'activation_memory_budget' must be a fraction 0..1 of the saved "
+                f"activations or a string like '256MiB', got {budget!r}"
+            )
 
     @classmethod
     def from_options(cls, options: ZeroConfig | dict[str, Any] | None) -> ZeroConfig:
@@ -239,9 +267,7 @@ class ZeroConfig:
         valid = [f.name for f in fields(cls)]
         unknown = sorted(set(options) - set(valid))
         if unknown:
-            raise ValueError(
-                f"zero backend: unknown option(s) {unknown}; valid options are {valid}"
-            )
+            raise ValueError(f"zero backend: unknown option(s) {unknown}; valid options are {valid}")
         return cls(**options)
 
     def replace(self, **changes: Any) -> ZeroConfig:
@@ -272,6 +298,5 @@ def _parse_dtype(option: str, value: Any) -> torch.dtype | None:
     if isinstance(value, str) and value.lower() in _DTYPE_NAMES:
         return _DTYPE_NAMES[value.lower()]
     raise ValueError(
-        f"zero backend: option {option!r} must be a torch dtype or one of "
-        f"{sorted(_DTYPE_NAMES)}, got {value!r}"
+        f"zero backend: option {option!r} must be a torch dtype or one of {sorted(_DTYPE_NAMES)}, got {value!r}"
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -61,14 +61,16 @@ def as_zero_collectives(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def all_gather_graph(numel: int, group_size: int, group_name: str, dtype=torch.float32) -> torch.fx.GraphModule:
     """``wait(all_gather(shard))`` times 2 (a user of the gathered value, as a forward has), the
     gather tagged as ZeRO's."""
-    return as_zero_collectives(trace(lambda shard: WAIT(ALL_GATHER(shard, group_size, group_name)) * 2,
-                                     torch.zeros(numel, dtype=dtype)))
+    return as_zero_collectives(
+        trace(lambda shard: WAIT(ALL_GATHER(shard, group_size, group_name)) * 2, torch.zeros(numel, dtype=dtype))
+    )
 
 
 def reduce_scatter_graph(numel: int, group_size: int, group_name: str, dtype=torch.float32) -> torch.fx.GraphModule:
     """``wait(reduce_scatter(grad, "sum"))`` of a flat gradient of ``numel`` elements, tagged as ZeRO's."""
-    return as_zero_collectives(trace(lambda grad: WAIT(REDUCE_SCATTER(grad, "sum", group_size, group_name)),
-                                     torch.zeros(numel, dtype=dtype)))
+    return as_zero_collectives(
+        trace(lambda grad: WAIT(REDUCE_SCATTER(grad, "sum", group_size, group_name)), torch.zeros(numel, dtype=dtype))
+    )
 
 
 def calls(gm: torch.fx.GraphModule, target) -> list[torch.fx.Node]:
@@ -91,6 +93,9 @@ def linear_graph() -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
     graph.output((z,))
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     gen = torch.Generator().manual_seed(0)
-    inputs = [torch.nn.Parameter(torch.randn(3, 5, generator=gen)), torch.randn(2, 5, generator=gen),
-              torch.nn.Parameter(torch.randn(3, generator=gen))]
+    inputs = [
+        torch.nn.Parameter(torch.randn(3, 5, generator=gen)),
+        torch.randn(2, 5, generator=gen),
+        torch.nn.Parameter(torch.randn(3, generator=gen)),
+    ]
     return gm, inputs

@@ -31,10 +31,21 @@ def graph_facts(compiled_graphs) -> dict:
     """Counts read from the compiled graphs, per parameter (a bucketed collective counts each
     parameter it moves): gathers and reduce-scatters per graph, gathered weights saved for
     backward, parameters gathered twice in one graph, and the collective ops themselves."""
-    facts = dict(graphs=len(compiled_graphs), gather_nodes=0, fw_all_gathers=0, bw_all_gathers=0,
-                 bw_reduce_scatters=0, saved_gathered=0, gathered_twice=0, collective_ops=0,
-                 overlapped_collectives=0, kept_params=0, keep_plans=[], bw_all_to_all_ops=0,
-                 bw_reduce_scatter_ops=0)
+    facts = dict(
+        graphs=len(compiled_graphs),
+        gather_nodes=0,
+        fw_all_gathers=0,
+        bw_all_gathers=0,
+        bw_reduce_scatters=0,
+        saved_gathered=0,
+        gathered_twice=0,
+        collective_ops=0,
+        overlapped_collectives=0,
+        kept_params=0,
+        keep_plans=[],
+        bw_all_to_all_ops=0,
+        bw_reduce_scatter_ops=0,
+    )
 
     def params_moved(gm, kind):
         # by kind: a reduce-scatter counts also where gloo runs it as an all-to-all (reduce_scatter_lowering)

@@ -17,8 +17,9 @@ import signal
 import socket
 import tempfile
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,13 +61,21 @@ def _init_process_group(rank: int, world: int, port: int, store_in_parent: bool)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
 
-def _rank_entry(rank: int, world: int, port: int, fn, args, out_dir: str, env: dict[str, str],
-                store_in_parent: bool) -> None:
+def _rank_entry(
+    rank: int, world: int, port: int, fn, args, out_dir: str, env: dict[str, str], store_in_parent: bool
+) -> None:
     # the launching process's environment now (the fork server's is the one it had when the server
     # started: a variable a test set since, or unset, would be missed), then the launch's own
     os.environ.clear()
-    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        env,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     dist.set_debug_level_from_env()  # torch read TORCH_DISTRIBUTED_DEBUG when it was imported, before env
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.pt")
@@ -112,15 +121,35 @@ def _no_result(exitcode: int | None, fault_path: str) -> str:
 # world of one, then gc.freeze()) so that each rank inherits what a first compile fills. Six 2-rank
 # launches of one compile each took 19.2 / 18.4 s without it and 20.7 / 20.7 s with it, and the
 # server started 4 s later (a rank's first compile was 0.4-0.6 s shorter with it; the launches were not).
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._functorch.aot_autograd",
-            "torch._functorch.partitioners", "functorch.compile", "torch._dynamo.backends.common",
-            "torch._dynamo.backends.distributed", "torch._dynamo.backends.inductor",
-            "torch._dynamo.repro.after_aot", "torch._dynamo.repro.after_dynamo", "torch._inductor.lowering",
-            "torch._inductor.decomposition", "torch._inductor.pattern_matcher",
-            "torch._functorch._aot_autograd.subclass_codegen", "torch._higher_order_ops.passes.inline_invoke_subgraph",
-            "torch.distributed.tensor.experimental", "torch.fx.experimental.validator", "torch.export._trace",
-            "zcompile", "zcompile.backend.entry_point", "zcompile.optim", "zcompile.optim.clip", "zcompile.eager.gathered",
-            "zcompile.predict.estimate", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch._functorch.aot_autograd",
+    "torch._functorch.partitioners",
+    "functorch.compile",
+    "torch._dynamo.backends.common",
+    "torch._dynamo.backends.distributed",
+    "torch._dynamo.backends.inductor",
+    "torch._dynamo.repro.after_aot",
+    "torch._dynamo.repro.after_dynamo",
+    "torch._inductor.lowering",
+    "torch._inductor.decomposition",
+    "torch._inductor.pattern_matcher",
+    "torch._functorch._aot_autograd.subclass_codegen",
+    "torch._higher_order_ops.passes.inline_invoke_subgraph",
+    "torch.distributed.tensor.experimental",
+    "torch.fx.experimental.validator",
+    "torch.export._trace",
+    "zcompile",
+    "zcompile.backend.entry_point",
+    "zcompile.optim",
+    "zcompile.optim.clip",
+    "zcompile.eager.gathered",
+    "zcompile.predict.estimate",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama",
+]
 
 
 def _rank_context() -> mp.context.BaseContext:
@@ -151,8 +180,14 @@ def _start_forkserver_outside_the_repository() -> None:
         os.chdir(here)
 
 
-def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 300, env: dict[str, str] | None = None,
-              store_in_parent: bool = True) -> list:
+def run_ranks(
+    world: int,
+    fn: Callable,
+    *args: Any,
+    timeout_s: float = 300,
+    env: dict[str, str] | None = None,
+    store_in_parent: bool = True,
+) -> list:
     """Runs ``fn(rank, world, *args)`` on ``world`` fresh gloo processes; returns each rank's result.
 
     ``env``: variables set in each rank's environment before ``init_process_group`` (e.g.
@@ -170,10 +205,13 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 300, env:
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False) if store_in_parent else None
     port = store.port if store is not None else _free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [context.Process(target=_rank_entry,
-                                 args=(r, world, port, fn, args, out_dir, {**os.environ, **(env or {})},
-                                       store_in_parent))
-                 for r in range(world)]
+        procs = [
+            context.Process(
+                target=_rank_entry,
+                args=(r, world, port, fn, args, out_dir, {**os.environ, **(env or {})}, store_in_parent),
+            )
+            for r in range(world)
+        ]
         for proc in procs:
             proc.start()
         for proc in procs:
@@ -186,8 +224,11 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout_s: float = 300, env:
         results, errors = [], []
         for rank in range(world):
             path = os.path.join(out_dir, f"rank{rank}.pt")
-            payload = (torch.load(path, weights_only=False) if os.path.exists(path)
-                       else {"error": _no_result(procs[rank].exitcode, os.path.join(out_dir, f"rank{rank}.fault"))})
+            payload = (
+                torch.load(path, weights_only=False)
+                if os.path.exists(path)
+                else {"error": _no_result(procs[rank].exitcode, os.path.join(out_dir, f"rank{rank}.fault"))}
+            )
             if "error" in payload:
                 errors.append(f"rank {rank}: {payload['error']}")
             results.append(payload.get("ok"))

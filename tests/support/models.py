@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -87,8 +87,9 @@ class GPTContrastive(GPT):
         logits = self.head(x)
         lm = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
         half = idx.shape[1] // 2
-        views = [torch.nn.functional.normalize(x[:, part].mean(1), dim=-1)
-                 for part in (slice(None, half), slice(half, None))]
+        views = [
+            torch.nn.functional.normalize(x[:, part].mean(1), dim=-1) for part in (slice(None, half), slice(half, None))
+        ]
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             import torch.distributed._functional_collectives as funcol
 
@@ -108,8 +109,9 @@ def build_model(name: str) -> torch.nn.Module:
     if name == "gpt_breaks":
         return GPTWithBreaks(small)
     if name == "gpt_loop_breaks":  # untied: a stage-3 parameter must not be used both in and out of graphs
-        return GPTWithBreaks(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32,
-                                       tie_weights=False), in_loop=True)
+        return GPTWithBreaks(
+            GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=False), in_loop=True
+        )
     if name == "gpt_checkpointed":
         return GPTCheckpointed(small)
     if name == "gpt_dropout":
@@ -135,8 +137,18 @@ def build_model(name: str) -> torch.nn.Module:
     if name == "hf_gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
-                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                n_layer=2,
+                n_embd=32,
+                n_head=2,
+                vocab_size=VOCAB,
+                n_positions=16,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        )
         # Transformers derives the loss from the class name, finds none in "GPT2LMHeadModel" and calls
         # logger.warning_once in every forward: a graph break there (Dynamo traces the model twice
         # over, 6 s of a 10 s two-rank run). Graph breaks have tests of their own (test_features.py).
@@ -151,9 +163,17 @@ def build_model(name: str) -> torch.nn.Module:
     if name == "hf_llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                            max_position_embeddings=32))
+        return LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=VOCAB,
+                max_position_embeddings=32,
+            )
+        )
     raise ValueError(name)
 
 

@@ -20,16 +20,17 @@ Two things make torch's tracker see the compiled step rather than an eager one:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import zcompile
 from zcompile.predict.estimate import fake_call
-from zcompile.sharding.shards import shard_of
 from zcompile.predict.simulate import fake_world
+from zcompile.sharding.shards import shard_of
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
@@ -67,8 +68,13 @@ class TrackedStep:
     graphs: list = field(default_factory=list)  # the CompiledGraphs of the compile (on_compile)
 
 
-def tracked_step(make_model: Callable[[], torch.nn.Module], batch: Any, world_size: int, options: dict,
-                 loss_fn: Callable[[Any], torch.Tensor]) -> TrackedStep:
+def tracked_step(
+    make_model: Callable[[], torch.nn.Module],
+    batch: Any,
+    world_size: int,
+    options: dict,
+    loss_fn: Callable[[Any], torch.Tensor],
+) -> TrackedStep:
     """MemTracker's peak of one compiled step of ``make_model()`` on ``world_size`` fake ranks (module doc)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -81,8 +87,9 @@ def tracked_step(make_model: Callable[[], torch.nn.Module], batch: Any, world_si
         args, kwargs = fake_call(batch, fake_mode)
         torch._dynamo.reset()
         try:
-            compiled = torch.compile(model, backend="zero",
-                                     options={**options, "check_ranks": False, "on_compile": graphs.append})
+            compiled = torch.compile(
+                model, backend="zero", options={**options, "check_ranks": False, "on_compile": graphs.append}
+            )
 
             def forward():
                 return loss_fn(compiled(*args, **kwargs))
@@ -94,9 +101,13 @@ def tracked_step(make_model: Callable[[], torch.nn.Module], batch: Any, world_si
             optimizer.zero_grad()
             tracker = CompiledStepTracker()
             shards = [s for s in map(shard_of, dict.fromkeys(model.parameters())) if s is not None]
-            tracker.track_external(model, optimizer, *[s.shard for s in shards],
-                                   *[s.replica for s in shards if s.replica is not None],
-                                   *[v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)])
+            tracker.track_external(
+                model,
+                optimizer,
+                *[s.shard for s in shards],
+                *[s.replica for s in shards if s.replica is not None],
+                *[v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)],
+            )
             with torch._dynamo.config.patch(error_on_recompile=True), fake_mode, tracker, warnings.catch_warnings():
                 # the tracker's module hooks are global: torch warns that compiled modules fire them twice
                 warnings.filterwarnings("ignore", "Using `torch.compile.module.` when there are global hooks")

@@ -143,7 +143,9 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     else:
         compiled = torch.compile(model, backend="zero", options=options, dynamic=spec.dynamic)
     # before the first call (blocks compiled apart: after their compiles, which it reads)
-    estimate = zcompile.estimate_memory(model, world, options, optimizer="sgd_momentum" if spec.optimizer == "sgd" else "adamw")
+    estimate = zcompile.estimate_memory(
+        model, world, options, optimizer="sgd_momentum" if spec.optimizer == "sgd" else "adamw"
+    )
     optimizer = None if spec.optimizer_after_forward else _optimizer(spec, model.parameters(), zero=True)
     losses, state_bytes, grad_norms = [], 0, []
     limit = spec.recompile_limit or torch._dynamo.config.recompile_limit
@@ -160,8 +162,10 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
     graphs = [(g.forward.code if g.forward else "", g.backward.code if g.backward else "") for g in compiled_graphs]
     facts = graph_facts(compiled_graphs)
     # cross-call prefetch (zcompile.backend.call_prefetch): calls that took the gather the call before issued
-    facts["prefetched_calls"] = {kind: sum(g.call_chains[kind].taken for g in compiled_graphs if kind in g.call_chains)
-                                 for kind in ("forward", "backward")}
+    facts["prefetched_calls"] = {
+        kind: sum(g.call_chains[kind].taken for g in compiled_graphs if kind in g.call_chains)
+        for kind in ("forward", "backward")
+    }
     if spec.blocks:
         report = zcompile.step_report(model, optimizer)
         facts["report_call_prefetch_bytes"] = report.memory["call_prefetch_bytes"]
@@ -176,8 +180,18 @@ def train_zero(spec: RunSpec, rank: int = 0, world: int = 1) -> RunResult:
             facts["report_elements"][key] = facts["report_elements"].get(key, 0) + record["elements"]
     if facts["keep_plans"]:
         facts["report_kept_bytes"] = zcompile.step_report(model, optimizer).memory["kept_gathered_bytes"]
-    return RunResult(losses, params, state_bytes, sum(p.numel() for p in unique), padded, collectives, graphs,
-                     facts, grad_norms, estimate.model_states_bytes)
+    return RunResult(
+        losses,
+        params,
+        state_bytes,
+        sum(p.numel() for p in unique),
+        padded,
+        collectives,
+        graphs,
+        facts,
+        grad_norms,
+        estimate.model_states_bytes,
+    )
 
 
 def _zero_grad(spec: RunSpec, compiled, optimizer) -> None:
@@ -190,8 +204,9 @@ def _zero_grad(spec: RunSpec, compiled, optimizer) -> None:
             param.grad = None
 
 
-def _train_zero_step(spec: RunSpec, compiled, model, optimizer, step: int, rank: int, world: int, losses: list,
-                     grad_norms: list):
+def _train_zero_step(
+    spec: RunSpec, compiled, model, optimizer, step: int, rank: int, world: int, losses: list, grad_norms: list
+):
     """One step of ``train_zero`` (its micro-batches, clip, update); returns the optimizer (made at the
     first backward with ``optimizer_after_forward``)."""
     step_loss = 0.0
@@ -212,8 +227,9 @@ def _train_zero_step(spec: RunSpec, compiled, model, optimizer, step: int, rank:
     return optimizer
 
 
-def train_reference(spec: RunSpec, world: int = 1, microbatch_like_ranks: bool = False,
-                    autocast_dtype: torch.dtype | None = None) -> RunResult:
+def train_reference(
+    spec: RunSpec, world: int = 1, microbatch_like_ranks: bool = False, autocast_dtype: torch.dtype | None = None
+) -> RunResult:
     """Single process, plain torch: the global batch in one forward per micro-batch.
 
     With ``microbatch_like_ranks`` the global batch is split into ``world`` slices whose gradients
@@ -244,8 +260,7 @@ def train_reference(spec: RunSpec, world: int = 1, microbatch_like_ranks: bool =
         optimizer.step()
         optimizer.zero_grad()
         losses.append(step_loss)
-    return RunResult(losses, {name: p.detach().clone() for name, p in model.named_parameters()},
-                     grad_norms=grad_norms)
+    return RunResult(losses, {name: p.detach().clone() for name, p in model.named_parameters()}, grad_norms=grad_norms)
 
 
 def zero_run_on_rank(rank: int, world: int, specs: list[RunSpec]) -> list[RunResult]:
@@ -272,7 +287,7 @@ def train_steps(spec: RunSpec, compiled, optimizer, steps, rank: int, world: int
     """One optimizer step per step of ``steps`` (its global batch, this rank's slice); the mean losses."""
     losses = []
     for step in steps:
-        (tokens, targets), = micro_batches(spec, step, rank, world)
+        ((tokens, targets),) = micro_batches(spec, step, rank, world)
         loss = model_loss(spec.model, compiled, tokens, targets)
         loss.backward()
         optimizer.step()

@@ -30,8 +30,9 @@ def raise_if_aborted(group: DataParallelGroup, error: BaseException | None = Non
     note = abort_note(default_store(), group)
     if note is not None and note[0] != group.rank:  # this rank's own note: its own error says it
         rank, message = note
-        raise RankDivergenceError(f"zcompile: rank {group.rank} stopped because rank {rank} reported: {message}") \
-            from error
+        raise RankDivergenceError(
+            f"zcompile: rank {group.rank} stopped because rank {rank} reported: {message}"
+        ) from error
 
 
 def abort_note(store: dist.Store, group: DataParallelGroup) -> tuple[int, str] | None:

@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from zcompile.passes.call_prologue import issued_by
 from zcompile.agreement.mismatch_watch import MismatchWatch
 from zcompile.agreement.rank_state import BEAT_S, StackWait, alive_key
 from zcompile.common.process_group import default_store, group_ranks_by_name
+from zcompile.passes.call_prologue import issued_by
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +108,14 @@ class Heartbeat:
         with self._lock:
             mark, since, group = self.blocked_in, self.blocked_since, self.exchange_group
         if seen is not None:
-            return {"blocked_in": seen.call if mark is None else f"{mark}, in {seen.call}",
-                    "for_s": round(now - seen.since, 1), "collective_ranks": seen.ranks,
-                    "compiled_collective": seen.compiled, "collective_group": seen.group_name,
-                    "exchange_group": group}
+            return {
+                "blocked_in": seen.call if mark is None else f"{mark}, in {seen.call}",
+                "for_s": round(now - seen.since, 1),
+                "collective_ranks": seen.ranks,
+                "compiled_collective": seen.compiled,
+                "collective_group": seen.group_name,
+                "exchange_group": group,
+            }
         if mark is not None:
             return {"blocked_in": mark, "for_s": round(now - since, 1), "exchange_group": group}
         return {"blocked_in": None, "for_s": 0.0}
@@ -137,8 +141,13 @@ class Heartbeat:
             call, on_default_group = distributed
             ranks = tuple(range(self.world_size)) if on_default_group else None
             group_name = None
-        return StackWait(call if ranks is None else f"{call} over ranks {list(ranks)}", ranks, 0.0,
-                         compiled=collective is not None, group_name=group_name)
+        return StackWait(
+            call if ranks is None else f"{call} over ranks {list(ranks)}",
+            ranks,
+            0.0,
+            compiled=collective is not None,
+            group_name=group_name,
+        )
 
     def stop(self, thread: threading.Thread) -> None:
         """Ends the beat (at exit: a daemon thread inside a store call while the interpreter tears down
@@ -148,8 +157,10 @@ class Heartbeat:
         self._stopped.set()
         thread.join(timeout=BEAT_S)
         try:
-            self.store.set(alive_key(self.rank), json.dumps({"beat": self.beats + 1, "blocked_in": None,
-                                                             "for_s": 0.0, "ended": True}))
+            self.store.set(
+                alive_key(self.rank),
+                json.dumps({"beat": self.beats + 1, "blocked_in": None, "for_s": 0.0, "ended": True}),
+            )
         except Exception:  # the store went first (its host ended): nobody is left waiting on it
             log.debug("could not leave the last beat", exc_info=True)
 
@@ -217,8 +228,11 @@ def _distributed_call(frame) -> tuple[str, bool] | None:
     found, inner = None, None
     while frame is not None:
         code = frame.f_code
-        if (_DISTRIBUTED_DIR in code.co_filename and frame.f_back is not None
-                and _DISTRIBUTED_DIR not in frame.f_back.f_code.co_filename):
+        if (
+            _DISTRIBUTED_DIR in code.co_filename
+            and frame.f_back is not None
+            and _DISTRIBUTED_DIR not in frame.f_back.f_code.co_filename
+        ):
             decorated = code.co_filename.endswith("c10d_logger.py") and inner is not None
             found = (inner if decorated else frame, frame.f_back)
         inner, frame = frame, frame.f_back
@@ -236,7 +250,7 @@ def _on_default_group(function, line: str) -> bool:
     where that cannot be read from the line (a call over several lines, ``*args``, another API)."""
     if not function.co_filename.endswith("distributed_c10d.py"):
         return False
-    params = function.co_varnames[:function.co_argcount + function.co_kwonlyargcount]
+    params = function.co_varnames[: function.co_argcount + function.co_kwonlyargcount]
     if "group" not in params:
         return False
     try:
@@ -244,9 +258,13 @@ def _on_default_group(function, line: str) -> bool:
     except SyntaxError:
         return False
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == function.co_name:
-            if any(keyword.arg in ("group", None) for keyword in node.keywords) \
-                    or any(isinstance(arg, ast.Starred) for arg in node.args):
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == function.co_name
+        ):
+            if any(keyword.arg in ("group", None) for keyword in node.keywords) or any(
+                isinstance(arg, ast.Starred) for arg in node.args
+            ):
                 return False
             position = params.index("group")
             return position >= function.co_argcount or len(node.args) <= position
@@ -277,5 +295,3 @@ def blocked(what: str, exchange_group: str | None = None):
     """``Heartbeat.blocked`` of this process's beat, or nothing without one."""
     beat = heartbeat()
     return beat.blocked(what, exchange_group) if beat is not None else contextlib.nullcontext()
-
-

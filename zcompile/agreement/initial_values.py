@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from zcompile.agreement.rank_check import exchange_on_store
 from zcompile.agreement.abort_note import RankDivergenceError
+from zcompile.agreement.rank_check import exchange_on_store
 from zcompile.common.process_group import DataParallelGroup
 
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
@@ -56,26 +56,31 @@ def differing_parameters(per_rank: list[dict[str, int]], rank: int) -> list[str]
     some rank lacks is not a difference of weights but of graphs (a branch per rank), which the
     collectives' and the step's other checks name."""
     mine = per_rank[rank]
-    return [name for name in mine if all(name in digests for digests in per_rank)
-            and any(digests[name] != mine[name] for digests in per_rank)]
+    return [
+        name
+        for name in mine
+        if all(name in digests for digests in per_rank) and any(digests[name] != mine[name] for digests in per_rank)
+    ]
 
 
 def different_weights_message(what: str, names: list[str]) -> str:
     """The error for ranks whose parameters were sharded from different values (module doc)."""
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     count = "1 parameter was" if len(names) == 1 else f"{len(names)} parameters were"
-    return (f"zcompile {what}: the ranks started from different weights: {count} sharded from "
-            f"values that differ between ranks ({shown}), and each rank's shard was cut from its own copy, so the "
-            "ranks would train a mix of their weights. Build the model the same way on every rank "
-            "(torch.manual_seed(same seed) before creating it) and load checkpoints on every rank, or take rank 0's: "
-            "zcompile.sync_module_states(model) before the first call of the compiled model (what DDP does when it "
-            "wraps a model). Weights that were equal can also differ here when code run eagerly before they were "
-            "sharded wrote them in place on each rank (a forward Dynamo fell back to eager, say with "
-            "torch._dynamo.config.suppress_errors, that renormalizes an nn.Embedding(max_norm=...)): the warnings "
-            "logged before this say why that frame was not compiled. Blocks compiled one by one (block.compile()) are "
-            "sharded at their first call: ranks whose first calls were different blocks (a layer skipped on some ranks "
-            "only, LayerDrop drawn from each rank's own random numbers) compared different layers here; draw such "
-            "decisions the same on every rank.")
+    return (
+        f"zcompile {what}: the ranks started from different weights: {count} sharded from "
+        f"values that differ between ranks ({shown}), and each rank's shard was cut from its own copy, so the "
+        "ranks would train a mix of their weights. Build the model the same way on every rank "
+        "(torch.manual_seed(same seed) before creating it) and load checkpoints on every rank, or take rank 0's: "
+        "zcompile.sync_module_states(model) before the first call of the compiled model (what DDP does when it "
+        "wraps a model). Weights that were equal can also differ here when code run eagerly before they were "
+        "sharded wrote them in place on each rank (a forward Dynamo fell back to eager, say with "
+        "torch._dynamo.config.suppress_errors, that renormalizes an nn.Embedding(max_norm=...)): the warnings "
+        "logged before this say why that frame was not compiled. Blocks compiled one by one (block.compile()) are "
+        "sharded at their first call: ranks whose first calls were different blocks (a layer skipped on some ranks "
+        "only, LayerDrop drawn from each rank's own random numbers) compared different layers here; draw such "
+        "decisions the same on every rank."
+    )
 
 
 def check_same_initial_values(members: list, group: DataParallelGroup, timeout_s: float, what: str) -> None:
@@ -85,8 +90,9 @@ def check_same_initial_values(members: list, group: DataParallelGroup, timeout_s
     pending = pending_digests(members)
     if group.world_size == 1 or not pending:
         return
-    per_rank = exchange_on_store(pending, group, timeout_s, "values", f"zero backend: {what}",
-                                 "Give every rank the same weights.")
+    per_rank = exchange_on_store(
+        pending, group, timeout_s, "values", f"zero backend: {what}", "Give every rank the same weights."
+    )
     if names := differing_parameters(per_rank, group.rank):
         raise RankDivergenceError(different_weights_message(what, names))
     for index, member in enumerate(members):

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from zcompile.agreement.abort_note import leave_abort_note
 from zcompile.agreement.rank_state import BEAT_S, RankState, StackWait, alive_key, beat_counts
 from zcompile.common.process_group import DataParallelGroup
-from zcompile.agreement.abort_note import leave_abort_note
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,9 @@ class MismatchWatch:
         keys = [alive_key(rank) for rank in others]
         if not others or not self.store.check(keys):  # a rank that never beat: nothing to compare
             return
-        states = [RankState.from_beat(rank, json.loads(value)) for rank, value in zip(others, self.store.multi_get(keys))]
+        states = [
+            RankState.from_beat(rank, json.loads(value)) for rank, value in zip(others, self.store.multi_get(keys))
+        ]
         earlier, self._beats = self._beats, beat_counts(states)
         for state in states:  # a beat written while this rank waited, in a compiled graph's collective with it
             if state.beat_since(earlier) and state.compiled_collective and state.in_collective_of(self.rank):
@@ -72,16 +74,19 @@ class MismatchWatch:
                 return
 
     def _end(self, waiting: StackWait, now: float, other: RankState) -> None:
-        message = (f"zcompile: rank {self.rank} has waited {now - waiting.since:.0f}s in {waiting.call}, and rank "
-                   f"{other.rank} in {other.blocked_in} (for {other.for_s:.0f}s): different collectives, which "
-                   f"never match, so both would wait until the process group's timeout. Most often one rank ran "
-                   f"more training steps than another (data of uneven length at the end of an epoch: give every "
-                   f"rank the same number of batches; torch's DistributedSampler does, a dataset split by hand or "
-                   f"an IterableDataset must stop every rank at the same count) or skipped a call the others made. "
-                   f"Rank {self.rank} ends its process now; the others raise quoting this.")
+        message = (
+            f"zcompile: rank {self.rank} has waited {now - waiting.since:.0f}s in {waiting.call}, and rank "
+            f"{other.rank} in {other.blocked_in} (for {other.for_s:.0f}s): different collectives, which "
+            f"never match, so both would wait until the process group's timeout. Most often one rank ran "
+            f"more training steps than another (data of uneven length at the end of an epoch: give every "
+            f"rank the same number of batches; torch's DistributedSampler does, a dataset split by hand or "
+            f"an IterableDataset must stop every rank at the same count) or skipped a call the others made. "
+            f"Rank {self.rank} ends its process now; the others raise quoting this."
+        )
         ranks = other.collective_ranks
-        group = DataParallelGroup(rank=ranks.index(self.rank), world_size=len(ranks), name=other.collective_group,
-                                  process_group=None)
+        group = DataParallelGroup(
+            rank=ranks.index(self.rank), world_size=len(ranks), name=other.collective_group, process_group=None
+        )
         leave_abort_note(group, message, self.store)  # under the group the other rank's graph quotes
         log.error("%s", message)
         for handler in logging.getLogger().handlers:

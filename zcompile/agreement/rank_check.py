@@ -31,14 +31,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zcompile.passes.collectives import COLLECTIVE_KINDS, collective_nodes
-from zcompile.passes.metadata import params_of
-from zcompile.passes.regions import subgraph_calls
 from zcompile.agreement.abort_note import RankDivergenceError, abort_note, tell_others_and_raise
 from zcompile.agreement.heartbeat import blocked
 from zcompile.agreement.rank_state import BEAT_S, busy_with_own_work, describe_all, rank_states, waiting_on_each_other
 from zcompile.common.dynamo_frame import compile_mode, recompile_reason
 from zcompile.common.process_group import DataParallelGroup, default_store, process_group_timeout_s
+from zcompile.passes.collectives import COLLECTIVE_KINDS, collective_nodes
+from zcompile.passes.metadata import params_of
+from zcompile.passes.regions import subgraph_calls
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +49,18 @@ POLL_S = 0.25  # then store.check every POLL_S (a timed-out store.wait prints c1
 ANSWERED_REQUESTS_PER_EXCHANGE = 5
 SHOWN = 4  # extra parameters or collectives listed by name, ranks described, in a difference
 COMPILE_CHECK = "zero backend: "  # how a compile's rank check names itself (and how a beat shows a rank waiting in one)
-CHECK_FIX = ("The ranks took different compile paths (different models, modes, code paths or input shapes per rank) "
-             "and their collectives would deadlock. Give every rank the same model, the same mode (model.train() / "
-             "model.eval(), torch.no_grad()) and the same code path. A rank recompiling alone for its own input shapes "
-             "is fine while the new graph issues the collectives the ranks agreed on; where it issues others (code "
-             "that branches on a shape), give every rank inputs of the same shapes (drop_last=True in the sampler, "
-             "pad to a fixed length) or make the shapes dynamic on every rank from the first call "
-             "(torch._dynamo.mark_dynamic(inputs, dim), or compile with torch.compile(..., dynamic=True)). Raise "
-             "check_timeout_s if a rank is only slow. Evaluating on one "
-             "rank only works at stages 1 and 2 under torch.no_grad(); at stage 3 the forward gathers parameters from "
-             "every rank, so evaluate on every rank.")
+CHECK_FIX = (
+    "The ranks took different compile paths (different models, modes, code paths or input shapes per rank) "
+    "and their collectives would deadlock. Give every rank the same model, the same mode (model.train() / "
+    "model.eval(), torch.no_grad()) and the same code path. A rank recompiling alone for its own input shapes "
+    "is fine while the new graph issues the collectives the ranks agreed on; where it issues others (code "
+    "that branches on a shape), give every rank inputs of the same shapes (drop_last=True in the sampler, "
+    "pad to a fixed length) or make the shapes dynamic on every rank from the first call "
+    "(torch._dynamo.mark_dynamic(inputs, dim), or compile with torch.compile(..., dynamic=True)). Raise "
+    "check_timeout_s if a rank is only slow. Evaluating on one "
+    "rank only works at stages 1 and 2 under torch.no_grad(); at stage 3 the forward gathers parameters from "
+    "every rank, so evaluate on every rank."
+)
 
 
 # ---- signatures and where two of them differ (pure functions) ----
@@ -70,8 +72,12 @@ MARKED_BLOCKS = "blocks marked by mark_repeated_blocks"
 def collective_signature(plan, extra: list | None = None, marked_blocks: int = 0) -> list:
     """``[settings, parameters]``: what decides a Dynamo graph's collectives, named so a difference can be.
     ``marked_blocks``: the graph's block subgraph calls (they decide the buckets of its backward)."""
-    settings = {"stage": plan.stage, "world_size": plan.world_size, "param_dtype": str(plan.param_dtype),
-                "reduce_dtype": str(plan.reduce_dtype)}
+    settings = {
+        "stage": plan.stage,
+        "world_size": plan.world_size,
+        "param_dtype": str(plan.param_dtype),
+        "reduce_dtype": str(plan.reduce_dtype),
+    }
     if extra:
         settings["zero++"] = list(extra)
     if marked_blocks:
@@ -87,12 +93,15 @@ def call_identity(plan, gm: torch.fx.GraphModule, extra: list | None = None) -> 
     run 0/0) makes the same call; a rank evaluating under ``torch.no_grad()`` where the others train
     does not. Read while the backend compiles (the mode is the compile's)."""
     grad_enabled, training = compile_mode()
-    digest = hashlib.sha1(json.dumps([collective_signature(plan, extra, subgraph_calls(gm)), grad_enabled, training]
-                                     ).encode()).hexdigest()[:8]
+    digest = hashlib.sha1(
+        json.dumps([collective_signature(plan, extra, subgraph_calls(gm)), grad_enabled, training]).encode()
+    ).hexdigest()[:8]
     names = [p.name for p in plan.params]
     more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-    return (f"a call of a compiled {'training' if grad_enabled else 'no-grad'} graph of {names[0]!r}{more} "
-            f"(collectives {digest})")
+    return (
+        f"a call of a compiled {'training' if grad_enabled else 'no-grad'} graph of {names[0]!r}{more} "
+        f"(collectives {digest})"
+    )
 
 
 def sequence_signature(gm: torch.fx.GraphModule) -> list:
@@ -109,11 +118,22 @@ def sequence_signature(gm: torch.fx.GraphModule) -> list:
         shape = [size if isinstance(size, int) else str(size) for size in val.shape] if val is not None else None
         # the form it runs in too: a reduce-scatter on one rank and an all-to-all on another would not pair
         ran_as = COLLECTIVE_KINDS[collective.node.target]
-        kind = collective.kind if ran_as == collective.kind else f"{collective.kind} run as {ran_as} (option reduce_scatter)"
+        kind = (
+            collective.kind
+            if ran_as == collective.kind
+            else f"{collective.kind} run as {ran_as} (option reduce_scatter)"
+        )
         if not collective.is_zero:
             kind = f"{kind} {MODELS_OWN}"
-        signature.append([kind, shape, str(getattr(val, "dtype", None)),
-                          [str(a) for a in collective.node.args[1:-1]], params_of(collective.node)])
+        signature.append(
+            [
+                kind,
+                shape,
+                str(getattr(val, "dtype", None)),
+                [str(a) for a in collective.node.args[1:-1]],
+                params_of(collective.node),
+            ]
+        )
     return signature
 
 
@@ -122,8 +142,10 @@ def plan_difference(mine: list, theirs: list, rank: int, other: int) -> str | No
     (settings, params), (other_settings, other_params) = mine, theirs
     for key in list(settings) + [k for k in other_settings if k not in settings]:
         if settings.get(key) != other_settings.get(key):
-            return (f"setting {key!r}: rank {rank} {_short(settings.get(key))}, "
-                    f"rank {other} {_short(other_settings.get(key))}")
+            return (
+                f"setting {key!r}: rank {rank} {_short(settings.get(key))}, "
+                f"rank {other} {_short(other_settings.get(key))}"
+            )
     for index, (param, other_param) in enumerate(zip(params, other_params)):
         if param != other_param:
             return f"parameter #{index}: rank {rank}: {_param(param)}; rank {other}: {_param(other_param)}"
@@ -141,11 +163,13 @@ def sequence_difference(mine: list, theirs: list, rank: int, other: int) -> str 
             # two buckets alike but for their parameters: show them from where they part
             alike = collective[:4] == other_collective[:4]
             start = _first_difference(collective[4], other_collective[4]) if alike else 0
-            return (f"collective #{index}: rank {rank}: {_collective(collective, with_args, start)}; "
-                    f"rank {other}: {_collective(other_collective, with_args, start)}"
-                    + _models_own_advice([collective, other_collective]))
+            return (
+                f"collective #{index}: rank {rank}: {_collective(collective, with_args, start)}; "
+                f"rank {other}: {_collective(other_collective, with_args, start)}"
+                + _models_own_advice([collective, other_collective])
+            )
     text = _more_entries(mine, theirs, rank, other, "collectives", _collective)
-    return None if text is None else text + _models_own_advice(mine[len(theirs):] + theirs[len(mine):])
+    return None if text is None else text + _models_own_advice(mine[len(theirs) :] + theirs[len(mine) :])
 
 
 def models_own_note(signature: list) -> str:
@@ -163,9 +187,11 @@ def models_own_note(signature: list) -> str:
 def _models_own_advice(differing: list) -> str:
     if not any(entry[0].endswith(MODELS_OWN) for entry in differing):
         return ""
-    return (". A collective the model calls itself (in its forward, not one zcompile inserts) must run on every "
-            "rank, in the same order and with the same shapes: take it out of any branch on the rank or on data "
-            "that differs by rank")
+    return (
+        ". A collective the model calls itself (in its forward, not one zcompile inserts) must run on every "
+        "rank, in the same order and with the same shapes: take it out of any branch on the rank or on data "
+        "that differs by rank"
+    )
 
 
 def entry_difference(mine: list, theirs: list, rank: int, other: int) -> str | None:
@@ -178,8 +204,11 @@ def entry_difference(mine: list, theirs: list, rank: int, other: int) -> str | N
 
 def describe_differences(signatures: list, difference: Callable[[list, list, int, int], str | None]) -> str:
     """Each rank whose signature differs from rank 0's, and where first (the first ``SHOWN`` ranks)."""
-    found = [text for rank, signature in enumerate(signatures[1:], 1)
-             if (text := difference(signatures[0], signature, 0, rank)) is not None]
+    found = [
+        text
+        for rank, signature in enumerate(signatures[1:], 1)
+        if (text := difference(signatures[0], signature, 0, rank)) is not None
+    ]
     more = f"; and {len(found) - SHOWN} more ranks" if len(found) > SHOWN else ""
     return "; ".join(found[:SHOWN]) + more
 
@@ -187,7 +216,7 @@ def describe_differences(signatures: list, difference: Callable[[list, list, int
 def _more_entries(mine: list, theirs: list, rank: int, other: int, what: str, describe: Callable) -> str | None:
     if len(mine) == len(theirs):
         return None
-    longer, extra = (rank, mine[len(theirs):]) if len(mine) > len(theirs) else (other, theirs[len(mine):])
+    longer, extra = (rank, mine[len(theirs) :]) if len(mine) > len(theirs) else (other, theirs[len(mine) :])
     shown = ", ".join(describe(entry) for entry in extra[:SHOWN]) + (", ..." if len(extra) > SHOWN else "")
     return f"rank {longer} has {len(extra)} more {what} than rank {other if longer == rank else rank}: {shown}"
 
@@ -209,7 +238,7 @@ def _collective(entry: list, with_args: bool = False, start: int = 0) -> str:
         return f"{text} moving parameter {params[0]!r}"
     if not params:
         return text
-    shown = ", ".join(repr(p) for p in params[start:start + SHOWN]) or "none"
+    shown = ", ".join(repr(p) for p in params[start : start + SHOWN]) or "none"
     more = ", ..." if start + SHOWN < len(params) else ""
     return f"{text} moving {len(params)} parameters" + (f", from #{start}: " if start else ": ") + shown + more
 
@@ -222,6 +251,7 @@ def _first_difference(mine: list, theirs: list) -> int:
 
 
 # ---- the checks ----
+
 
 def issues_collectives(plan, zeropp_active: bool, grad_enabled: bool | None = None) -> bool:
     """Whether compiling this Dynamo graph needs the ranks' agreement: it will issue a collective,
@@ -243,8 +273,9 @@ def issues_collectives(plan, zeropp_active: bool, grad_enabled: bool | None = No
     return True
 
 
-def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGroup, timeout_s: float,
-                           extra: list | None = None) -> None:
+def check_same_collectives(
+    plan, gm: torch.fx.GraphModule, group: DataParallelGroup, timeout_s: float, extra: list | None = None
+) -> None:
     """Raises ``RankDivergenceError`` unless all ranks planned identical collectives for this graph.
 
     ``extra``: more settings that decide the collectives (the ZeRO++ options). Blocks marked on one
@@ -258,20 +289,33 @@ def check_same_collectives(plan, gm: torch.fx.GraphModule, group: DataParallelGr
     # a recompile says which guard failed: a rank recompiling alone names the input that changed
     reason = recompile_reason()
     what = f"graph {compile_id}" + (f" (a recompile: {reason})" if reason else "")
-    per_rank = check_same_on_all_ranks(collective_signature(plan, extra, subgraph_calls(gm)), group, timeout_s,
-                                       what, plan_difference, aside=hooked)
+    per_rank = check_same_on_all_ranks(
+        collective_signature(plan, extra, subgraph_calls(gm)), group, timeout_s, what, plan_difference, aside=hooked
+    )
     if any(other != hooked for other in per_rank):
-        listed = "; ".join(f"rank {rank}: {', '.join(names[:4]) or 'none'}{' ...' if len(names) > 4 else ''}"
-                           for rank, names in enumerate(per_rank))
-        log.warning("zcompile: graph %s: the parameters with gradient hooks (register_hook) differ between ranks "
-                    "(%s). Fine for hooks that only read the gradient (logging on one rank); a hook that changes it "
-                    "on some ranks only makes the mean over ranks a mix of hooked and unhooked gradients. Register "
-                    "such hooks on every rank.", compile_id, listed)
+        listed = "; ".join(
+            f"rank {rank}: {', '.join(names[:4]) or 'none'}{' ...' if len(names) > 4 else ''}"
+            for rank, names in enumerate(per_rank)
+        )
+        log.warning(
+            "zcompile: graph %s: the parameters with gradient hooks (register_hook) differ between ranks "
+            "(%s). Fine for hooks that only read the gradient (logging on one rank); a hook that changes it "
+            "on some ranks only makes the mean over ranks a mix of hooked and unhooked gradients. Register "
+            "such hooks on every rank.",
+            compile_id,
+            listed,
+        )
 
 
-def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s: float, what: str,
-                            difference: Callable[[list, list, int, int], str | None] = entry_difference,
-                            aside: Any = None, at_call_fix: str | None = None) -> list:
+def check_same_on_all_ranks(
+    signature: list,
+    group: DataParallelGroup,
+    timeout_s: float,
+    what: str,
+    difference: Callable[[list, list, int, int], str | None] = entry_difference,
+    aside: Any = None,
+    at_call_fix: str | None = None,
+) -> list:
     """Raises ``RankDivergenceError`` unless every rank of ``group`` passes the same ``signature``;
     the error names, per rank, the first place where ``difference`` finds it differs from rank 0's.
     Returns every rank's ``aside``: carried by the same exchange, compared by the caller.
@@ -297,27 +341,44 @@ def check_same_on_all_ranks(signature: list, group: DataParallelGroup, timeout_s
     agreed = _agreed_key(group, [signature, difference.__name__, compile_mode() if at_call_fix is None else None])
     may_skip = at_call_fix is not None or recompile_reason() is not None  # a first compile always exchanges
     if group.world_size > 1 and may_skip and default_store().check([agreed]):
-        log.info("zcompile: %s issues the collectives every rank agreed on at an earlier compile: no exchange "
-                 "(a recompile on this rank only is fine)", what)
+        log.info(
+            "zcompile: %s issues the collectives every rank agreed on at an earlier compile: no exchange "
+            "(a recompile on this rank only is fine)",
+            what,
+        )
         return [aside] * group.world_size
     # the kind of check is compared (rank-independent); ``what`` (a compile id, a recompile's reason: they
     # may differ between agreeing ranks) rides as a label, read only when the values differ
     doing, fix = (f"{COMPILE_CHECK}{what}", CHECK_FIX) if at_call_fix is None else (f"zcompile: {what}", at_call_fix)
-    exchanged = exchange_on_store([signature, aside, difference.__name__], group, timeout_s, "check", doing, fix,
-                                  label=what)
+    exchanged = exchange_on_store(
+        [signature, aside, difference.__name__], group, timeout_s, "check", doing, fix, label=what
+    )
     signatures = [entry[0] for entry, _ in exchanged]
     kinds = [entry[2] for entry, _ in exchanged]
     if any(kind != difference.__name__ for kind in kinds):  # the ranks met at different checks
-        at = "; ".join(f"rank {rank} at {label}" for rank, (_, label) in enumerate(exchanged)
-                       if kinds[rank] != kinds[0] or rank == 0)
-        tell_others_and_raise(None, group, (
-            f"zero backend: the ranks reached different compile steps at the same point ({at}): they compiled "
-            "different graphs, or in another order. " + CHECK_FIX))
+        at = "; ".join(
+            f"rank {rank} at {label}"
+            for rank, (_, label) in enumerate(exchanged)
+            if kinds[rank] != kinds[0] or rank == 0
+        )
+        tell_others_and_raise(
+            None,
+            group,
+            (
+                f"zero backend: the ranks reached different compile steps at the same point ({at}): they compiled "
+                "different graphs, or in another order. " + CHECK_FIX
+            ),
+        )
     if any(other != signatures[group.rank] for other in signatures):
-        tell_others_and_raise(None, group, (
-            f"zero backend: {what} would issue different collectives on different ranks "
-            f"({describe_differences(signatures, difference)}). Every rank must compile the same model with "
-            "the same options."))
+        tell_others_and_raise(
+            None,
+            group,
+            (
+                f"zero backend: {what} would issue different collectives on different ranks "
+                f"({describe_differences(signatures, difference)}). Every rank must compile the same model with "
+                "the same options."
+            ),
+        )
     log.debug("rank check passed for %s (%d entries)", what, len(signature))
     if group.world_size > 1:
         default_store().set(agreed, "1")  # each rank its own: its later lone recompile reads it at once
@@ -333,8 +394,10 @@ def _agreed_key(group: DataParallelGroup, compared: list) -> str:
 
 # ---- the exchange through the store, and the abort note ----
 
-def exchange_on_store(value: Any, group: DataParallelGroup, timeout_s: float, purpose: str, doing: str,
-                      fix: str, label: str | None = None) -> list:
+
+def exchange_on_store(
+    value: Any, group: DataParallelGroup, timeout_s: float, purpose: str, doing: str, fix: str, label: str | None = None
+) -> list:
     """Every rank's ``value`` (JSON-able), exchanged through the store, in rank order.
 
     The n-th call of a rank for ``purpose`` meets every other rank's n-th call for it. A rank that
@@ -364,8 +427,15 @@ def names_digest(names: Iterable[str]) -> str:
     return hashlib.sha1("\n".join(names).encode()).hexdigest()[:16]
 
 
-def agree_on_store(value: Any, group: DataParallelGroup, timeout_s: float, purpose: str, doing: str, fix: str,
-                   differ: Callable[[list], str]) -> None:
+def agree_on_store(
+    value: Any,
+    group: DataParallelGroup,
+    timeout_s: float,
+    purpose: str,
+    doing: str,
+    fix: str,
+    differ: Callable[[list], str],
+) -> None:
     """``exchange_on_store``, then a ``RankDivergenceError`` on every rank unless every rank passed the
     same ``value``: ``differ(per_rank)`` says how they differ (a rank entering a collective context with
     other arguments, other models)."""
@@ -374,8 +444,16 @@ def agree_on_store(value: Any, group: DataParallelGroup, timeout_s: float, purpo
         raise RankDivergenceError(differ(per_rank))
 
 
-def exchange_through(store: dist.Store, value: Any, group: DataParallelGroup, timeout_s: float, purpose: str,
-                     doing: str, fix: str, label: str | None = None) -> list:
+def exchange_through(
+    store: dist.Store,
+    value: Any,
+    group: DataParallelGroup,
+    timeout_s: float,
+    purpose: str,
+    doing: str,
+    fix: str,
+    label: str | None = None,
+) -> list:
     """``exchange_on_store`` on a given ``store``.
 
     Each rank writes its value into its slot, offers the digest of its value as the call's first
@@ -423,16 +501,20 @@ def exchange_through(store: dist.Store, value: Any, group: DataParallelGroup, ti
             if sequence > 1:
                 store.delete_key(_call_keys(purpose, group, sequence - 1)[2])
         else:
-            _wait_for_ranks(store, everyone, lambda: _missing(store, purpose, group, sequence), group, timeout_s,
-                            where, fix)
+            _wait_for_ranks(
+                store, everyone, lambda: _missing(store, purpose, group, sequence), group, timeout_s, where, fix
+            )
             agreed = not store.check([differ])
         if agreed:
             mine = json.loads(text)
             return [mine] * group.world_size if label is None else [(mine, label)] * group.world_size
         slots = [_value_slot(purpose, group, sequence, rank) for rank in range(group.world_size)]
         values = [json.loads(_slot_value(raw, sequence)) for raw in store.multi_get(slots)]
-        labels = ([_slot_value(raw, sequence) for raw in store.multi_get([_label_key(slot) for slot in slots])]
-                  if label is not None else [])
+        labels = (
+            [_slot_value(raw, sequence) for raw in store.multi_get([_label_key(slot) for slot in slots])]
+            if label is not None
+            else []
+        )
         if store.add(f"{differ}/read", 1) == group.world_size:  # the last reader deletes the call's own keys
             for key in (differ, everyone, f"{differ}/read"):
                 store.delete_key(key)
@@ -442,7 +524,8 @@ def exchange_through(store: dist.Store, value: Any, group: DataParallelGroup, ti
         raise RankDivergenceError(
             f"{where} lost the store the ranks meet through: the process that hosts it (rank 0's, unless "
             f"torchrun's agent hosts it) has ended, most likely with an error of its own: read that rank's "
-            f"error. {fix}") from error
+            f"error. {fix}"
+        ) from error
     return values if label is None else list(zip(values, labels))
 
 
@@ -470,8 +553,10 @@ def _slot_value(raw: bytes, sequence: int) -> str:
     another call is a rank whose exchanges are out of step with this one's)."""
     written, value = _written(raw)
     if written != sequence:
-        raise RankDivergenceError(f"zcompile: a rank's value read at its exchange #{sequence} was written at "
-                                  f"its #{written}: the ranks' exchanges are out of step")
+        raise RankDivergenceError(
+            f"zcompile: a rank's value read at its exchange #{sequence} was written at "
+            f"its #{written}: the ranks' exchanges are out of step"
+        )
     return value
 
 
@@ -507,8 +592,15 @@ def _fix_for(fix: str, missing: list) -> str:
     return fix
 
 
-def _wait_for_ranks(store: dist.Store, everyone: str, missing: Callable[[], list[int]], group: DataParallelGroup,
-                    timeout_s: float, where: str, fix: str) -> None:
+def _wait_for_ranks(
+    store: dist.Store,
+    everyone: str,
+    missing: Callable[[], list[int]],
+    group: DataParallelGroup,
+    timeout_s: float,
+    where: str,
+    fix: str,
+) -> None:
     """Returns once ``everyone`` is set; raises when the time is up (naming the ranks that have not
     arrived, ``missing()``, and what each is doing) or another rank left an abort note. Time is up
     only for ranks that wait in zcompile too, or stopped beating: one that beats and runs its own code
@@ -521,8 +613,7 @@ def _wait_for_ranks(store: dist.Store, everyone: str, missing: Callable[[], list
             store.wait([everyone], timedelta(seconds=min(FIRST_WAIT_S, timeout_s)))
             return
         except dist.DistStoreError:  # a timeout: c10d has printed a warning about it
-            log.info("%s: waiting for ranks %s for up to %.0fs more", where, missing(),
-                     deadline - time.monotonic())
+            log.info("%s: waiting for ranks %s for up to %.0fs more", where, missing(), deadline - time.monotonic())
         started = looked = time.monotonic()
         patience_s = max(timeout_s, process_group_timeout_s(group))
         before = first_look = rank_states(store, group, missing())
@@ -537,13 +628,21 @@ def _wait_for_ranks(store: dist.Store, everyone: str, missing: Callable[[], list
                 if time.monotonic() - looked >= BEAT_S:  # once a beat: do the missing ranks wait for this one?
                     looked, now = time.monotonic(), rank_states(store, group, missing())
                     if any(state.ended for state in now):
-                        tell_others_and_raise(store, group, f"{where} got there but ranks {missing()} "
-                                                             f"did not, and will not ({describe_all(now)}). "
-                                                             f"{_fix_for(fix, now)}")
+                        tell_others_and_raise(
+                            store,
+                            group,
+                            f"{where} got there but ranks {missing()} "
+                            f"did not, and will not ({describe_all(now)}). "
+                            f"{_fix_for(fix, now)}",
+                        )
                     if waiting_on_each_other(now, first_look, group.name, global_rank):
-                        tell_others_and_raise(store, group, f"{where} got there but ranks {missing()} "
-                                                             f"wait elsewhere ({describe_all(now)}): each waits for "
-                                                             f"the other. {_fix_for(fix, now)}")
+                        tell_others_and_raise(
+                            store,
+                            group,
+                            f"{where} got there but ranks {missing()} "
+                            f"wait elsewhere ({describe_all(now)}): each waits for "
+                            f"the other. {_fix_for(fix, now)}",
+                        )
                 time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
             if store.check([everyone]):
                 return
@@ -551,23 +650,36 @@ def _wait_for_ranks(store: dist.Store, everyone: str, missing: Callable[[], list
             if not busy_with_own_work(before, now):
                 break
             if waited >= patience_s:
-                tell_others_and_raise(store, group, f"{where} got there but ranks {missing()} did not "
-                                                     f"within {waited:.0f}s, the process group's timeout "
-                                                     f"({describe_all(now)}: busy, or stuck in code of their own). "
-                                                     f"{_fix_for(fix, now)}")
-            log.warning("%s: ranks %s have not come after %.0fs; they are alive and running code of their own "
-                        "(an evaluation or a checkpoint on some ranks only?), so this rank waits on, up to the "
-                        "process group's timeout (%.0fs)", where, [state.rank for state in now], waited, patience_s)
+                tell_others_and_raise(
+                    store,
+                    group,
+                    f"{where} got there but ranks {missing()} did not "
+                    f"within {waited:.0f}s, the process group's timeout "
+                    f"({describe_all(now)}: busy, or stuck in code of their own). "
+                    f"{_fix_for(fix, now)}",
+                )
+            log.warning(
+                "%s: ranks %s have not come after %.0fs; they are alive and running code of their own "
+                "(an evaluation or a checkpoint on some ranks only?), so this rank waits on, up to the "
+                "process group's timeout (%.0fs)",
+                where,
+                [state.rank for state in now],
+                waited,
+                patience_s,
+            )
             before, deadline = now, time.monotonic() + min(timeout_s, max(patience_s - waited, 0.0))
-        tell_others_and_raise(store, group, f"{where} got there but ranks {missing()} did not within "
-                                             f"{timeout_s:.0f}s ({describe_all(now)}). {_fix_for(fix, now)}")
+        tell_others_and_raise(
+            store,
+            group,
+            f"{where} got there but ranks {missing()} did not within "
+            f"{timeout_s:.0f}s ({describe_all(now)}). {_fix_for(fix, now)}",
+        )
 
 
 def _missing(store: dist.Store, purpose: str, group: DataParallelGroup, sequence: int) -> list[int]:
     """The ranks whose slot does not hold a value of call ``sequence`` yet: they have not arrived."""
+
     def arrived(slot: str) -> bool:
         return store.check([slot]) and _written(store.get(slot))[0] == sequence
 
     return [rank for rank in range(group.world_size) if not arrived(_value_slot(purpose, group, sequence, rank))]
-
-

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-
 BEAT_S = 2.0  # a beat's period; a rank is alive when its count moved within a wait's timeout
 
 
@@ -45,9 +44,17 @@ class RankState:
     @classmethod
     def from_beat(cls, rank: int, value: dict) -> RankState:
         ranks = value.get("collective_ranks")
-        return cls(rank, value["beat"], value["blocked_in"], value["for_s"], value.get("exchange_group"),
-                   tuple(ranks) if ranks is not None else None, bool(value.get("compiled_collective")),
-                   value.get("collective_group"), bool(value.get("ended")))
+        return cls(
+            rank,
+            value["beat"],
+            value["blocked_in"],
+            value["for_s"],
+            value.get("exchange_group"),
+            tuple(ranks) if ranks is not None else None,
+            bool(value.get("compiled_collective")),
+            value.get("collective_group"),
+            bool(value.get("ended")),
+        )
 
     def beat_since(self, earlier: dict[int, int | None]) -> bool:
         """Whether this beat was written after ``earlier`` (rank -> beat count, ``beat_counts``) was read."""
@@ -75,8 +82,9 @@ class RankState:
 
 def rank_states(store: dist.Store, group, ranks: list[int]) -> list[RankState]:
     """The last beat of each of ``ranks`` (ranks of ``group``, a ``DataParallelGroup``)."""
-    global_ranks = [dist.get_global_rank(group.process_group, r) if group.process_group is not None else r
-                    for r in ranks]
+    global_ranks = [
+        dist.get_global_rank(group.process_group, r) if group.process_group is not None else r for r in ranks
+    ]
     states = []
     for rank, global_rank in zip(ranks, global_ranks):
         key = alive_key(global_rank)
@@ -95,8 +103,9 @@ def describe_all(states: list[RankState]) -> str:
     return "; ".join(state.describe() for state in states)
 
 
-def waiting_on_each_other(missing: list[RankState], first_look: list[RankState], group_name: str | None,
-                          global_rank: int) -> bool:
+def waiting_on_each_other(
+    missing: list[RankState], first_look: list[RankState], group_name: str | None, global_rank: int
+) -> bool:
     """Whether every missing rank waits for this one, which waits for it, so neither will ever come:
     no timeout needs to pass. A missing rank waits for this one when it has waited, for a beat or more,
     - in another exchange of this group's ranks than the one this rank waits in (it would be counted

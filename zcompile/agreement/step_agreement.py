@@ -36,20 +36,22 @@ from typing import Any
 
 import torch
 
-from zcompile.sharding.buffer_sync import changed_buffers_summary
-from zcompile.agreement.initial_values import different_weights_message, differing_parameters, pending_digests
-from zcompile.sharding.shards import ShardedParam, shard_of
-from zcompile.common.process_group import DataParallelGroup
-from zcompile.agreement.rank_check import exchange_on_store, exchanges_made
 from zcompile.agreement.abort_note import RankDivergenceError
+from zcompile.agreement.initial_values import different_weights_message, differing_parameters, pending_digests
+from zcompile.agreement.rank_check import exchange_on_store, exchanges_made
+from zcompile.common.process_group import DataParallelGroup
+from zcompile.sharding.buffer_sync import changed_buffers_summary
+from zcompile.sharding.shards import ShardedParam, shard_of
 
 DEFAULT_TIMEOUT_S = 60.0
 
-FIX = ("Every rank must call it once per training step, after the same forward/backward calls through the same "
-       "modules. A rank that skips a step on its own (`if not torch.isfinite(loss): continue`) makes the ranks "
-       "diverge: let the optimizer skip non-finite steps on every rank together (zcompile.optim.AdamW(..., "
-       "skip_nonfinite=True)); a layer skipped at random (LayerDrop) must be skipped on every rank together (draw "
-       "the decision from a torch.Generator seeded the same on every rank).")
+FIX = (
+    "Every rank must call it once per training step, after the same forward/backward calls through the same "
+    "modules. A rank that skips a step on its own (`if not torch.isfinite(loss): continue`) makes the ranks "
+    "diverge: let the optimizer skip non-finite steps on every rank together (zcompile.optim.AdamW(..., "
+    "skip_nonfinite=True)); a layer skipped at random (LayerDrop) must be skipped on every rank together (draw "
+    "the decision from a torch.Generator seeded the same on every rank)."
+)
 
 
 @dataclass(eq=False)
@@ -82,8 +84,12 @@ def take_free_call(shards: list) -> bool:
     the call."""
     steps = {id(s.agreed_step): s.agreed_step for s in shards if s is not None and s.agreed_step is not None}
     step = next(iter(steps.values()), None)
-    free = (len(steps) == 1 and all(s is not None and s.agreed_step is not None for s in shards)
-            and not step.free_call_taken and exchanges_made(shards[0].group, "step") == step.sequence)
+    free = (
+        len(steps) == 1
+        and all(s is not None and s.agreed_step is not None for s in shards)
+        and not step.free_call_taken
+        and exchanges_made(shards[0].group, "step") == step.sequence
+    )
     for taken in steps.values():
         taken.free_call_taken = True
     return free
@@ -95,12 +101,14 @@ def agree_on_call(group: DataParallelGroup, what: str, timeout_s: float) -> None
     (and is already in its next forward) meets the others' ``optimizer.step()`` here and every rank
     raises at once, before a collective could pair a forward's all-gather with a backward's."""
     # a rank at a step's agreement sent the step's fields: its "what" comes first there too
-    arrivals = [other[0] for other in exchange_on_store([what, None], group, timeout_s, "step", f"zcompile: {what}",
-                                                         FIX)]
+    arrivals = [
+        other[0] for other in exchange_on_store([what, None], group, timeout_s, "step", f"zcompile: {what}", FIX)
+    ]
     if any(arrival != what for arrival in arrivals):
         raise RankDivergenceError(
             f"zcompile: the ranks are at different points of training (per rank: {dict(enumerate(arrivals))}); "
-            f"their collectives would not match. {FIX}")
+            f"their collectives would not match. {FIX}"
+        )
 
 
 def _positions_among(members: list[ShardedParam], params) -> list[int]:
@@ -116,8 +124,14 @@ def _positions_among(members: list[ShardedParam], params) -> list[int]:
     return [first[id(member)] for member in members]
 
 
-def agree_before_step(members: list[ShardedParam], params, what: str, timeout_s: float | None,
-                      grads_finite: bool | None = None, hyperparameters: list[dict] | None = None) -> bool | None:
+def agree_before_step(
+    members: list[ShardedParam],
+    params,
+    what: str,
+    timeout_s: float | None,
+    grads_finite: bool | None = None,
+    hyperparameters: list[dict] | None = None,
+) -> bool | None:
     """Raises ``RankDivergenceError`` unless every rank of the members' group reaches ``what`` from
     the same number of training calls (module docstring); ``timeout_s=None`` skips the check.
 
@@ -138,8 +152,9 @@ def agree_before_step(members: list[ShardedParam], params, what: str, timeout_s:
     arrival = f"{what} after {sum(calls_per_member)} training calls"
     # the calls that paired collectives over these weights (stages 2-3; stage 1's pair only at the step, by
     # the gradients compared below), by position, not name: blocks compiled one by one share their names
-    called = _positions_summary([(at, calls) for at, calls, m in zip(positions, calls_per_member, members)
-                                 if calls and m.stage != 1])
+    called = _positions_summary(
+        [(at, calls) for at, calls, m in zip(positions, calls_per_member, members) if calls and m.stage != 1]
+    )
     layout = replicated_layout(members)
     with_grads = [at for at, m in zip(positions, members) if m.shard_grad is not None or m.has_full_grad]
     grads = f"{len(with_grads)} parameters ({_digest(with_grads)})"
@@ -147,9 +162,20 @@ def agree_before_step(members: list[ShardedParam], params, what: str, timeout_s:
     replaced = sorted(m.name for m in members if m.storage_replaced)
     for member in members:
         member.storage_replaced = False
-    initial = pending_digests(members, positions)  # the values each parameter was sharded from (zcompile.agreement.initial_values)
-    mine = {"arrival": arrival, "called": called, "layout": layout, "grads": grads, "finite": grads_finite, "buffers": buffers,
-            "replaced": _some(replaced), "initial": initial, "hyperparameters": hyperparameters}
+    initial = pending_digests(
+        members, positions
+    )  # the values each parameter was sharded from (zcompile.agreement.initial_values)
+    mine = {
+        "arrival": arrival,
+        "called": called,
+        "layout": layout,
+        "grads": grads,
+        "finite": grads_finite,
+        "buffers": buffers,
+        "replaced": _some(replaced),
+        "initial": initial,
+        "hyperparameters": hyperparameters,
+    }
     arrivals = exchange_on_store(list(mine.values()), members[0].group, timeout_s, "step", f"zcompile {what}", FIX)
 
     def differs(field: str) -> dict[int, Any] | None:
@@ -161,7 +187,8 @@ def agree_before_step(members: list[ShardedParam], params, what: str, timeout_s:
     if per_rank := differs("arrival"):
         raise RankDivergenceError(
             f"zcompile {what}: the ranks come from different training steps (what each rank called, and its compiled "
-            f"calls with gradients since the last step: {per_rank}). {FIX}")
+            f"calls with gradients since the last step: {per_rank}). {FIX}"
+        )
     if per_rank := differs("called"):
         # as many calls, on other parameters: at stage 3 (and 2) the same graph run on one layer here and
         # another there paired their gathers and reduce-scatters, one layer's weights with another's
@@ -172,7 +199,8 @@ def agree_before_step(members: list[ShardedParam], params, what: str, timeout_s:
             "must run the same modules: a layer skipped at random (LayerDrop, stochastic depth) "
             "must be skipped on every rank together (draw the decision from a torch.Generator seeded the same on "
             "every rank, or broadcast it), and a branch on the rank or on its data must call the same modules "
-            "on every rank.")
+            "on every rank."
+        )
     if per_rank := differs("grads"):
         # the step's buckets are planned from the parameters that have gradients (zcompile.optim.buckets) and
         # pair their members by position: one parameter's gradient would be averaged with another's
@@ -182,32 +210,38 @@ def agree_before_step(members: list[ShardedParam], params, what: str, timeout_s:
             "the step's reductions would not match. "
             "A parameter used on some ranks only (a branch on the rank or on its data) must get a gradient on every "
             "rank: use it on every rank (`+ 0 * module(x)`), or give it zeros before the step "
-            "(`p.grad = torch.zeros_like(p)` where `p.grad is None`).")
+            "(`p.grad = torch.zeros_like(p)` where `p.grad is None`)."
+        )
     if per_rank := differs("layout"):
         raise RankDivergenceError(
             f"zcompile {what}: the ranks hold the replicated weights in different dtypes (per rank, stage-1/2 "
             f"parameters by dtype: {per_rank}), so the step's all-gathers would not match. Compile the model with the "
-            "same param_dtype on every rank.")
+            "same param_dtype on every rank."
+        )
     if per_rank := differs("buffers"):
         raise RankDivergenceError(
             f"zcompile {what}: the ranks' compiled calls changed different module buffers since the last step (per "
             f"rank: {per_rank}), so the step's broadcast of them (option broadcast_buffers) would not match: a module "
             "in training mode on some ranks only (model.train() / model.eval() called on one rank, BatchNorm "
-            "updating its statistics there). Put the model in the same mode on every rank.")
+            "updating its statistics there). Put the model in the same mode on every rank."
+        )
     if per_rank := differs("replaced"):
         raise RankDivergenceError(
             f"zcompile {what}: weights were given new values through `.data =` on some ranks only since the last step "
             f"(per rank, the parameters: {per_rank}); each rank's become its own master weights, so the ranks would "
-            "train different weights. Load weights on every rank (the same values), or before compiling the model.")
+            "train different weights. Load weights on every rank (the same values), or before compiling the model."
+        )
     if per_rank := differs("hyperparameters"):
         where = _first_hyperparameter_difference(per_rank, members[0].group.rank)
         raise RankDivergenceError(
             f"zcompile {what}: the ranks' optimizers have different hyper-parameters ({where}), so each rank would "
             "update its shard of the weights with its own. Step learning-rate schedulers on every rank, and feed "
             "metric-driven ones (ReduceLROnPlateau) the same value everywhere: the mean over ranks "
-            "(torch.distributed.all_reduce of the metric, divided by the world size).")
-    if (per_rank := differs("initial")) and (names := differing_parameters(list(per_rank.values()),
-                                                                         members[0].group.rank)):
+            "(torch.distributed.all_reduce of the metric, divided by the world size)."
+        )
+    if (per_rank := differs("initial")) and (
+        names := differing_parameters(list(per_rank.values()), members[0].group.rank)
+    ):
         raise RankDivergenceError(different_weights_message(what, names))
     agreed = AgreedStep(exchanges_made(members[0].group, "step"))
     for member in members:
@@ -221,7 +255,9 @@ def _first_hyperparameter_difference(per_rank: dict[int, list[dict]], rank: int)
     """``param group 0 'lr': rank 0 0.001, rank 1 0.0005`` for the first setting that differs."""
     for index, group in enumerate(per_rank[rank]):
         for key in group:
-            values = {other: groups[index].get(key) if index < len(groups) else None for other, groups in per_rank.items()}
+            values = {
+                other: groups[index].get(key) if index < len(groups) else None for other, groups in per_rank.items()
+            }
             if len({json.dumps(v) for v in values.values()}) > 1:
                 return f"param group {index} {key!r}: " + ", ".join(f"rank {r} {v}" for r, v in values.items())
     return "param groups per rank: " + ", ".join(f"rank {r} {len(groups)}" for r, groups in per_rank.items())
@@ -230,12 +266,14 @@ def _first_hyperparameter_difference(per_rank: dict[int, list[dict]], rank: int)
 def hyperparameters_of(param_groups: list[dict]) -> list[dict]:
     """The param groups' settings without their parameters, as the step's agreement compares them
     (a tensor setting by its shape: reading its value would wait for the device)."""
+
     def plain(value):
         if isinstance(value, torch.Tensor):
             return f"tensor of shape {tuple(value.shape)}"
         if isinstance(value, (list, tuple)):
             return [plain(v) for v in value]
         return value if isinstance(value, (int, float, str, bool)) or value is None else repr(value)
+
     return [{key: plain(value) for key, value in group.items() if key != "params"} for group in param_groups]
 
 

@@ -6,32 +6,42 @@ import contextlib
 import copy
 import logging
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from functorch.compile import min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from zcompile.common.comm_volume import graph_collectives
-from zcompile.config import activation_budget_bytes
-from zcompile.passes.all_gather_lowering import all_gathers_into_buffers, gather_inputs_into_out_buffers
-from zcompile.passes.call_prologue import (CallSplit, dynamo_index, issued_example, shard_placeholder_names,
-                                           split_first_gather)
-from zcompile.passes.liveness import saved_activation_bytes
-from zcompile.passes.random_draws import recomputed_random_draws
+from zcompile.agreement.abort_note import raise_if_aborted
+from zcompile.agreement.heartbeat import heartbeat
+from zcompile.agreement.rank_check import (
+    check_same_on_all_ranks,
+    models_own_note,
+    sequence_difference,
+    sequence_signature,
+)
+from zcompile.agreement.step_agreement import FIX as STEP_FIX
 from zcompile.backend.call_prefetch import CallChain, prefetching_call
 from zcompile.backend.compile_gc import full_collections_deferred
 from zcompile.backend.compiled import CompiledGraphs
-from zcompile.common.dumps import collectives_file
-from zcompile.passes.regions import subgraph_calls
 from zcompile.backend.pipeline import JOINT, PIPELINE, run_passes
-from zcompile.common.process_group import gathers_into_buffers
-from zcompile.agreement.step_agreement import FIX as STEP_FIX
-from zcompile.agreement.rank_check import check_same_on_all_ranks, models_own_note, sequence_difference, sequence_signature
-from zcompile.agreement.abort_note import raise_if_aborted
-from zcompile.agreement.heartbeat import heartbeat
 from zcompile.backend.regional import schema_once_per_subgraph
+from zcompile.common.comm_volume import graph_collectives
+from zcompile.common.dumps import collectives_file
+from zcompile.common.process_group import gathers_into_buffers
+from zcompile.config import activation_budget_bytes
+from zcompile.passes.all_gather_lowering import all_gathers_into_buffers, gather_inputs_into_out_buffers
+from zcompile.passes.call_prologue import (
+    CallSplit,
+    dynamo_index,
+    issued_example,
+    shard_placeholder_names,
+    split_first_gather,
+)
+from zcompile.passes.liveness import saved_activation_bytes
+from zcompile.passes.random_draws import recomputed_random_draws
+from zcompile.passes.regions import subgraph_calls
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +78,9 @@ def _code_written(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return graph_module
 
 
-def _post_partition(graph_module: torch.fx.GraphModule, kind: str,
-                    graphs: CompiledGraphs) -> tuple[torch.fx.GraphModule, Callable[[], None] | None]:
+def _post_partition(
+    graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs
+) -> tuple[torch.fx.GraphModule, Callable[[], None] | None]:
     """The pipeline's passes for a partitioned graph, its collectives dumped, and the rank check of
     its issue order: run here for a forward, returned for a backward to run at its first call.
 
@@ -85,8 +96,7 @@ def _post_partition(graph_module: torch.fx.GraphModule, kind: str,
         _refuse_recomputed_random_draws(graphs.forward, graph_module, context.config.activation_memory_budget)
     graph_module = run_passes(context, kind, codegen_on_demand(graph_module))
     setattr(graphs, kind, graph_module)
-    context.runner.dump.write_json(collectives_file(kind),
-                                   [c.to_json() for c in graph_collectives(graph_module, kind)])
+    context.runner.dump.write_json(collectives_file(kind), [c.to_json() for c in graph_collectives(graph_module, kind)])
     check = _issue_order_check(graph_module, kind, graphs)
     if check is not None and kind != "backward":
         check()
@@ -94,8 +104,9 @@ def _post_partition(graph_module: torch.fx.GraphModule, kind: str,
     return graph_module, check
 
 
-def _refuse_recomputed_random_draws(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule,
-                                    budget: float | str | None) -> None:
+def _refuse_recomputed_random_draws(
+    forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, budget: float | str | None
+) -> None:
     """Raises where the partition left the backward drawing again random numbers the forward drew
     (``passes/random_draws.py`` tags them to be saved; this holds whatever the partitioner did):
     the same on every rank, which compile the same graph."""
@@ -106,10 +117,13 @@ def _refuse_recomputed_random_draws(forward: torch.fx.GraphModule, backward: tor
             f"drew (a dropout recomputed with a fresh mask), so every gradient through them would be wrong. "
             f"torch's partitioner placed them there (activation_memory_budget={budget!r}, or "
             f"torch._functorch.config.activation_memory_budget). Leave activation_memory_budget unset, put the random "
-            f"ops under torch.utils.checkpoint (which replays the forward's RNG state), or turn the dropout off")
+            f"ops under torch.utils.checkpoint (which replays the forward's RNG state), or turn the dropout off"
+        )
 
 
-def _issue_order_check(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs) -> Callable[[], None] | None:
+def _issue_order_check(
+    graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs
+) -> Callable[[], None] | None:
     """The check that every rank issues ``graph_module``'s collectives in the same order (the schedule
     decided it: every rank must have decided the same); None when it has none (nothing to deadlock
     on: a graph one rank compiles alone, an evaluation, is fine) or checks are off."""
@@ -120,8 +134,9 @@ def _issue_order_check(graph_module: torch.fx.GraphModule, kind: str, graphs: Co
     what = f"the {kind} graph of Dynamo graph {context.graph_id}{models_own_note(signature)}"
     # a backward's runs at its first call (_post_partition): a rank that does not come skipped that call
     at_call_fix = STEP_FIX if kind == "backward" else None
-    return lambda: check_same_on_all_ranks(signature, context.group, context.config.check_timeout_s, what,
-                                           sequence_difference, at_call_fix=at_call_fix)
+    return lambda: check_same_on_all_ranks(
+        signature, context.group, context.config.check_timeout_s, what, sequence_difference, at_call_fix=at_call_fix
+    )
 
 
 def _joint_rows(graphs: CompiledGraphs) -> list:
@@ -143,9 +158,10 @@ class _JointPasses(CustomGraphPass):
         return get_hash_for_files((run_passes.__code__.co_filename,), repr(options))
 
 
-def boxed_graph_function(graph_module: torch.fx.GraphModule,
-                         rewrite: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None,
-                         ) -> Callable[[list], object]:
+def boxed_graph_function(
+    graph_module: torch.fx.GraphModule,
+    rewrite: Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None = None,
+) -> Callable[[list], object]:
     """``graph_module`` run in AOTAutograd's boxed calling convention, freeing each input after its last
     reader: the generated code takes the argument list, unpacks it into locals and clears it, and FX's
     code sets each local to None after its last reader. ``make_boxed_func(graph_module.forward)``
@@ -199,8 +215,11 @@ def _call_chain(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledG
     chain = CallChain(kind, split, graphs.run_phase)
     if kind == "forward":  # its placeholders are the Dynamo graph's inputs, in order
         names = shard_placeholder_names(p.index for p in graphs.context.sharding.params)
-        chain.shard_positions = {dynamo_index(node.name): at for at, node in
-                                 enumerate(graph_module.graph.find_nodes(op="placeholder")) if node.name in names}
+        chain.shard_positions = {
+            dynamo_index(node.name): at
+            for at, node in enumerate(graph_module.graph.find_nodes(op="placeholder"))
+            if node.name in names
+        }
     graphs.call_chains[kind] = chain
     return chain
 
@@ -213,19 +232,27 @@ def cross_call_split(graph_module: torch.fx.GraphModule, kind: str, graphs: Comp
     ``memory_budget_mb`` that the schedule's gathered peak plus the prefetched gather would exceed."""
     context = graphs.context
     config = context.config
-    if (kind not in ("forward", "backward") or context.sharding.stage != 3 or context.group.world_size == 1
-            or not (config.prefetch_calls and config.overlap and config.prefetch >= 1)):
+    if (
+        kind not in ("forward", "backward")
+        or context.sharding.stage != 3
+        or context.group.world_size == 1
+        or not (config.prefetch_calls and config.overlap and config.prefetch >= 1)
+    ):
         return None
     rewrite = executed_form(graphs)
-    executed = graph_module if rewrite is None else rewrite(
-        codegen_on_demand(graph_module, copy.deepcopy(graph_module.graph)))
+    executed = (
+        graph_module if rewrite is None else rewrite(codegen_on_demand(graph_module, copy.deepcopy(graph_module.graph)))
+    )
     split = split_first_gather(executed, shard_placeholder_names(p.index for p in context.sharding.params))
     if split is None or config.memory_budget_mb is None:
         return split
     peak = getattr(context.plans.get(f"schedule.{kind}"), "peak_gathered_bytes", None)
     if peak is None or peak + split.gathered_bytes > config.memory_budget_mb * 2**20:
-        log.info("zero backend: the %s graph's first gather is not prefetched by the call before: with it, the "
-                 "gathered peak would pass memory_budget_mb", kind)
+        log.info(
+            "zero backend: the %s graph's first gather is not prefetched by the call before: with it, the "
+            "gathered peak would pass memory_budget_mb",
+            kind,
+        )
         return None
     return split
 
@@ -237,8 +264,9 @@ def _inductor_form(executed: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return gather_inputs_into_out_buffers(executed)
 
 
-def _inductor_prefetching_call(graph_module: torch.fx.GraphModule, inputs: list, kind: str, graphs: CompiledGraphs,
-                               kwargs: dict):
+def _inductor_prefetching_call(
+    graph_module: torch.fx.GraphModule, inputs: list, kind: str, graphs: CompiledGraphs, kwargs: dict
+):
     """Cross-call prefetch under inductor: the body of ``cross_call_split`` compiled by inductor (the
     issued gather its last input) and run through a ``CallChain``, its prologue run as an fx graph
     (a pack and a collective: nothing for inductor to fuse). None where the split does not apply, or
@@ -253,20 +281,27 @@ def _inductor_prefetching_call(graph_module: torch.fx.GraphModule, inputs: list,
     try:
         compiled = compile_fx_inner(_inductor_form(split.body), [*inputs, issued_example(split)], **kwargs)
     except Exception as error:  # the same on every rank (a compile is): each compiles the graph whole
-        log.warning("zero backend: inductor could not compile the %s graph split for cross-call prefetch (%s: %s); "
-                    "compiled whole, each call gathering its own first bucket", kind, type(error).__name__, error)
+        log.warning(
+            "zero backend: inductor could not compile the %s graph split for cross-call prefetch (%s: %s); "
+            "compiled whole, each call gathering its own first bucket",
+            kind,
+            type(error).__name__,
+            error,
+        )
         return None
     run = getattr(compiled, "current_callable", None)
     if not callable(run):
-        log.info("zero backend: inductor's %s graph has no callable to run through cross-call prefetch; "
-                 "compiled whole", kind)
+        log.info(
+            "zero backend: inductor's %s graph has no callable to run through cross-call prefetch; compiled whole", kind
+        )
         return None
     compiled.current_callable = prefetching_call(run, _call_chain(graph_module, kind, graphs, split))
     return compiled
 
 
-def _quoting_abort_notes(run: Callable[[list], object], graphs: CompiledGraphs,
-                         first_call_check: Callable[[], None] | None = None) -> Callable[[list], object]:
+def _quoting_abort_notes(
+    run: Callable[[list], object], graphs: CompiledGraphs, first_call_check: Callable[[], None] | None = None
+) -> Callable[[list], object]:
     """A compiled backward whose failed collective says why the other rank left, when it did so
     on purpose (its abort note, ``abort_note.raise_if_aborted``), rather than gloo's "connection
     closed by peer": autograd runs the backward, outside the forward's wrapper that does the same.
@@ -296,7 +331,9 @@ def _quoting_abort_notes(run: Callable[[list], object], graphs: CompiledGraphs,
     return backward
 
 
-def _inductor_quoting_abort_notes(output_code, graphs: CompiledGraphs, first_call_check: Callable[[], None] | None = None):
+def _inductor_quoting_abort_notes(
+    output_code, graphs: CompiledGraphs, first_call_check: Callable[[], None] | None = None
+):
     """inductor's compiled backward made to quote abort notes and run ``first_call_check`` at its
     first call, as the eager one does: the callable its ``CompiledFxGraph`` runs
     (``current_callable``, torch-internal, read here only) wrapped. Where torch has none (another
@@ -322,8 +359,9 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
         def partition(joint, joint_inputs, **kwargs):
             joint = codegen_on_demand(joint)  # the partitioner reads its graph; nothing runs its code
             run_passes(graphs.context, "joint", joint)
-            budget = activation_budget_fraction(graphs.context.config.activation_memory_budget, joint, joint_inputs,
-                                                kwargs)
+            budget = activation_budget_fraction(
+                graphs.context.config.activation_memory_budget, joint, joint_inputs, kwargs
+            )
             with activation_budget(budget):
                 return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
@@ -364,7 +402,9 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
         if compiled is None:
             rewrite = executed_form(graphs)
             if rewrite is not None:  # on a copy: graph_module stays what reports and walks read
-                graph_module = _inductor_form(rewrite(codegen_on_demand(graph_module, copy.deepcopy(graph_module.graph))))
+                graph_module = _inductor_form(
+                    rewrite(codegen_on_demand(graph_module, copy.deepcopy(graph_module.graph)))
+                )
             compiled = compile_fx_inner(graph_module, inputs, **kwargs)
         return _inductor_quoting_abort_notes(compiled, graphs, check) if kind == "backward" else compiled
 
@@ -411,8 +451,9 @@ def activation_budget(fraction: float | None):
     return torch._functorch.config.patch(activation_memory_budget=float(fraction) or _LEAST_BUDGET)
 
 
-def activation_budget_fraction(budget: float | str | None, joint: torch.fx.GraphModule, joint_inputs,
-                               kwargs: dict) -> float | None:
+def activation_budget_fraction(
+    budget: float | str | None, joint: torch.fx.GraphModule, joint_inputs, kwargs: dict
+) -> float | None:
     """The option as a fraction: a MiB budget is divided by what a trial partition (of a copy, with
     the default budget) saves, capped at 1."""
     if not isinstance(budget, str):
@@ -426,6 +467,10 @@ def activation_budget_fraction(budget: float | str | None, joint: torch.fx.Graph
     forward, backward = min_cut_rematerialization_partition(trial, joint_inputs, **kwargs)
     saved = saved_activation_bytes(forward, backward)
     fraction = 1.0 if saved == 0 else min(1.0, activation_budget_bytes(budget) / saved)
-    log.info("zero backend: activation_memory_budget %s of %.2f MiB saved by default: fraction %.3f", budget,
-             saved / 2**20, fraction)
+    log.info(
+        "zero backend: activation_memory_budget %s of %.2f MiB saved by default: fraction %.3f",
+        budget,
+        saved / 2**20,
+        fraction,
+    )
     return fraction

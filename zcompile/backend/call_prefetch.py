@@ -31,8 +31,8 @@ One state per compiled graph and kind (``CallChain``), the forward's and backwar
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -54,8 +54,10 @@ def _stamp(inputs: list[torch.Tensor]) -> tuple:
     """What must not change between a prefetch and its take: each input's storage, place and version
     (an in-place update, such as the optimizer's, bumps the version; a new storage moves the pointer).
     A fake tensor (``zcompile.simulate``'s world) has no storage to point at: its version alone."""
-    return tuple((0 if isinstance(t, FakeTensor) else t.untyped_storage().data_ptr(), t.storage_offset(), t._version)
-                 for t in inputs)
+    return tuple(
+        (0 if isinstance(t, FakeTensor) else t.untyped_storage().data_ptr(), t.storage_offset(), t._version)
+        for t in inputs
+    )
 
 
 @dataclass
@@ -75,7 +77,8 @@ class CallPlan:
     def describe(self) -> str:
         """For the ranks' agreement on the call: ranks that would issue different collectives differ here."""
         return (", taking its prefetched first gather" if self.take else "") + (
-            ", prefetching the next call's" if self.following is not None else "")
+            ", prefetching the next call's" if self.following is not None else ""
+        )
 
 
 @dataclass
@@ -156,8 +159,9 @@ class CallChain:
             args.append(self.split.prologue(*inputs))
         self._learn(inputs, args)
         if call_plan.following is not None:
-            self.pending = _Prefetch(call_plan.following, _stamp(call_plan.following),
-                                     self.split.prologue(*call_plan.following))
+            self.pending = _Prefetch(
+                call_plan.following, _stamp(call_plan.following), self.split.prologue(*call_plan.following)
+            )
         return body(args)
 
     def end_run(self) -> None:
@@ -177,8 +181,10 @@ class CallChain:
             return self._backward_plan(inputs)
         if agreed is not None:
             if agreed.take != self._matches(inputs):  # never: the same test, just before
-                raise RuntimeError("zcompile cross-call prefetch: a call agreed on taking its prefetched gather and "
-                                   "then could not; every rank must issue the same collectives")
+                raise RuntimeError(
+                    "zcompile cross-call prefetch: a call agreed on taking its prefetched gather and "
+                    "then could not; every rank must issue the same collectives"
+                )
             return agreed
         if self.agreed:  # a call that needed no agreement (the first after a step): nothing to compare with
             return CallPlan(False, None)
@@ -218,8 +224,12 @@ class CallChain:
 
     def _matches(self, inputs: list[torch.Tensor]) -> bool:
         pending = self.pending
-        return (pending is not None and len(pending.inputs) == len(inputs)
-                and all(a is b for a, b in zip(pending.inputs, inputs)) and pending.stamp == _stamp(inputs))
+        return (
+            pending is not None
+            and len(pending.inputs) == len(inputs)
+            and all(a is b for a, b in zip(pending.inputs, inputs))
+            and pending.stamp == _stamp(inputs)
+        )
 
     def _drop_pending(self) -> None:
         if self.pending is not None:

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from zcompile.backend.call_prefetch import CallChain, RunPhase
-from zcompile.config import ZeroConfig
 from zcompile.backend.pass_runner import PassRecord, PassRunner
+from zcompile.backend.zeropp import ZeroPPSettings
+from zcompile.common.process_group import DataParallelGroup
+from zcompile.config import ZeroConfig
 from zcompile.passes.keep_gathered import KeepGatheredPlan
 from zcompile.passes.param_collectives import ShardingPlan
-from zcompile.common.process_group import DataParallelGroup
-from zcompile.backend.zeropp import ZeroPPSettings
 
 COMPILE_LOG_ATTR = "_zcompile_compiled_graphs"
 

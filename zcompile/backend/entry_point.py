@@ -21,46 +21,57 @@ import copy
 import json
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from zcompile.sharding.buffer_sync import BufferSync, changed_buffer_inputs, note_changed_buffers
+from zcompile.agreement.abort_note import leave_abort_note, raise_if_aborted
+from zcompile.agreement.heartbeat import heartbeat
+from zcompile.agreement.initial_values import check_same_initial_values
+from zcompile.agreement.rank_check import call_identity, check_same_collectives, issues_collectives
+from zcompile.agreement.step_agreement import agree_on_call, take_free_call
+from zcompile.backend.aot import codegen_on_demand, compile_with_aot
 from zcompile.backend.call_prefetch import CallChain
 from zcompile.backend.compile_gc import full_collections_deferred
 from zcompile.backend.compiled import CompileContext, CompiledGraphs, record_compiled_graphs
-from zcompile.config import ZeroConfig
+from zcompile.backend.pass_runner import PassRunner
+from zcompile.backend.pipeline import run_passes
+from zcompile.backend.zeropp import attach_groups, resolve_zeropp
 from zcompile.common.dumps import SHARDING_PLAN_FILE, resolve_dump_root
 from zcompile.common.dynamo_frame import (
-    eager_fallback_cause, forward_modules_on_stack, modules_of_compiled_frame, outer_data_parallel_wrapper,
+    eager_fallback_cause,
+    forward_modules_on_stack,
+    modules_of_compiled_frame,
+    outer_data_parallel_wrapper,
     restarts_analysis,
 )
-from zcompile.backend.aot import codegen_on_demand, compile_with_aot
-from zcompile.agreement.initial_values import check_same_initial_values
-from zcompile.agreement.heartbeat import heartbeat
-from zcompile.sharding.shards import (ShardedParam, mark_like_siblings, mark_refusing_parameter, shard_of,
-                                   shard_parameter)
-from zcompile.backend.pass_runner import PassRunner
-from zcompile.routes import install as install_routes
+from zcompile.common.process_group import DataParallelGroup, reduce_scatter_by_all_to_all
+from zcompile.config import ZeroConfig
 from zcompile.passes.grad_hooks import hooked_params
 from zcompile.passes.param_collectives import ShardingPlan, gradient_leaves_parameter, plan_sharding
 from zcompile.passes.param_writes import parameter_writes
 from zcompile.passes.regions import subgraph_calls
-from zcompile.backend.pipeline import run_passes
-from zcompile.common.process_group import DataParallelGroup, reduce_scatter_by_all_to_all
-from zcompile.agreement.rank_check import call_identity, check_same_collectives, issues_collectives
-from zcompile.agreement.abort_note import leave_abort_note, raise_if_aborted
+from zcompile.routes import install as install_routes
+from zcompile.sharding.buffer_sync import BufferSync, changed_buffer_inputs, note_changed_buffers
 from zcompile.sharding.sharded_parameter import ShardedParameterError
+from zcompile.sharding.shards import (
+    ShardedParam,
+    mark_like_siblings,
+    mark_refusing_parameter,
+    shard_of,
+    shard_parameter,
+)
 from zcompile.sharding.state_dict_hooks import attach_state_dict_hooks
-from zcompile.agreement.step_agreement import agree_on_call, take_free_call
-from zcompile.backend.zeropp import attach_groups, resolve_zeropp
 
 log = logging.getLogger(__name__)
 
 
 @full_collections_deferred()  # compile_gc: a compile's full collections wait for its end
-def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = None, mode: str | None = None) -> Callable:
+def zero_backend(
+    gm: torch.fx.GraphModule, example_inputs: list, options: Any = None, mode: str | None = None
+) -> Callable:
     """Compiles one Dynamo graph for ZeRO data parallelism (see the module docstring)."""
     if mode is not None:
         raise ValueError(f"zero backend: torch.compile(mode={mode!r}) is not supported; pass options instead")
@@ -71,8 +82,13 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     group = DataParallelGroup.resolve(config.group)
     gm = copy_dynamo_graph(gm)
     plan = plan_sharding(
-        gm, example_inputs, config.stage, group.world_size, group.name,
-        config.param_dtype, config.effective_reduce_dtype,
+        gm,
+        example_inputs,
+        config.stage,
+        group.world_size,
+        group.name,
+        config.param_dtype,
+        config.effective_reduce_dtype,
     )
     _check_devices(plan, example_inputs, group)
     _refuse_parameter_writes(gm, plan)
@@ -89,16 +105,25 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
         if config.check_ranks and group.world_size > 1:
             collectives = issues_collectives(plan, zeropp.active)
             if collectives:
-                check_same_collectives(plan, gm, group, config.check_timeout_s,
-                                       zeropp.signature() if zeropp.active else None)
+                check_same_collectives(
+                    plan, gm, group, config.check_timeout_s, zeropp.signature() if zeropp.active else None
+                )
             # every rank compiles a training graph (the step needs all of them), so a stage-1 one compares
             # too; a graph compiled under no_grad without collectives may be one rank's evaluation alone
             if collectives or torch.is_grad_enabled():
-                check_same_initial_values(shards, group, config.check_timeout_s,
-                                          f"graph {gm.meta.get('dynamo_compile_id', '?')}")
+                check_same_initial_values(
+                    shards, group, config.check_timeout_s, f"graph {gm.meta.get('dynamo_compile_id', '?')}"
+                )
         zeropp = attach_groups(zeropp, group)  # makes process groups: only once the ranks agree
-        context = CompileContext(config, group, plan, zeropp, runner, _device_type(example_inputs),
-                                 group.world_size > 1 and reduce_scatter_by_all_to_all(config.reduce_scatter, group))
+        context = CompileContext(
+            config,
+            group,
+            plan,
+            zeropp,
+            runner,
+            _device_type(example_inputs),
+            group.world_size > 1 and reduce_scatter_by_all_to_all(config.reduce_scatter, group),
+        )
         gm = run_passes(context, "dynamo", gm)
         graphs = CompiledGraphs(dynamo=gm, context=context)
         compiled = compile_with_aot(gm, tracing_inputs, graphs)
@@ -110,19 +135,31 @@ def zero_backend(gm: torch.fx.GraphModule, example_inputs: list, options: Any = 
     mark_like_siblings(shards, frame_modules, forward_modules_on_stack()[-1:])
     log.info(
         "zero backend: compiled a graph with %d parameters (stage %d, world %d, %s) in %.2fs",
-        len(plan.params), config.stage, group.world_size, config.compiler, time.perf_counter() - start,
+        len(plan.params),
+        config.stage,
+        group.world_size,
+        config.compiler,
+        time.perf_counter() - start,
     )
     if config.on_compile is not None:
         config.on_compile(graphs)
-    run = swap.wrap(compiled, _agreed_call(config, group, plan, gm, zeropp), config.check_timeout_s,
-                    str(gm.meta.get("dynamo_compile_id", "?")), graphs.call_chains.get("forward"), graphs)
+    run = swap.wrap(
+        compiled,
+        _agreed_call(config, group, plan, gm, zeropp),
+        config.check_timeout_s,
+        str(gm.meta.get("dynamo_compile_id", "?")),
+        graphs.call_chains.get("forward"),
+        graphs,
+    )
     changed = changed_buffer_inputs(plan.buffers, graphs.mutated_inputs)
     if config.broadcast_buffers and changed and group.world_size > 1:
         if plan.params:
             run = note_changed_buffers(run, BufferSync(changed, group), [p.index for p in plan.params])
         else:  # nothing for the optimizer's step to find them by
-            log.warning("zero backend: a graph without parameters changes module buffers (%s); they stay per rank",
-                        ", ".join(name for _, name in changed))
+            log.warning(
+                "zero backend: a graph without parameters changes module buffers (%s); they stay per rank",
+                ", ".join(name for _, name in changed),
+            )
     return run
 
 
@@ -167,8 +204,9 @@ class ShardSwap:
             return existing
         # new, or sharded for another stage or group: shard_parameter raises with the fix
         install_routes()  # before the first shard: torch's functions must route zcompile parameters
-        return shard_parameter(param, name, self.plan.stage, self.group, self.plan.reduce_dtype, self.plan.param_dtype,
-                               mark=mark)
+        return shard_parameter(
+            param, name, self.plan.stage, self.group, self.plan.reduce_dtype, self.plan.param_dtype, mark=mark
+        )
 
     def swap(self, args: list, counted: bool = True, mark: bool = True) -> list:
         # calls, and calls with gradients, are counted on their parameters' shards (zcompile.agreement.step_agreement)
@@ -238,8 +276,15 @@ class ShardSwap:
             return args
         return [a if id(a) in originals else fake_mode.from_tensor(a, static_shapes=True) for a in args]
 
-    def wrap(self, compiled: Callable, agreed_call: str | None = None, timeout_s: float = 60.0,
-             graph_id: str = "?", chain: CallChain | None = None, graphs: CompiledGraphs | None = None) -> Callable:
+    def wrap(
+        self,
+        compiled: Callable,
+        agreed_call: str | None = None,
+        timeout_s: float = 60.0,
+        graph_id: str = "?",
+        chain: CallChain | None = None,
+        graphs: CompiledGraphs | None = None,
+    ) -> Callable:
         """The compiled graph taking the shards; ``agreed_call``: what every rank must be calling
         before it runs (``zcompile.agreement.step_agreement.agree_on_call``), None for no agreement. ``chain``:
         the forward's cross-call prefetch (``zcompile.backend.call_prefetch``), whose plan the agreement
@@ -299,33 +344,42 @@ def _check_requires_grad(plan: ShardingPlan, group: DataParallelGroup, args: lis
 
 
 def _stale_message(param, requires_grad: bool) -> str:
-    return (f"zcompile: parameter {param.name!r} has requires_grad={requires_grad}, but the graph Dynamo chose "
-            f"for this call was traced with requires_grad={param.requires_grad} and was not recompiled "
-            f"(torch {torch.__version__.split('+')[0]}'s Dynamo does not guard a parameter's requires_grad; "
-            "torch 2.13's does). Running it would leave the parameter's training as it was, silently. After "
-            "freezing or unfreezing parameters, call torch.compiler.reset() (the next call recompiles, "
-            "keeping the shards and the optimizer's state), or use torch 2.13 or newer. Where blocks compiled one "
-            "by one share a graph but not their frozen weights (the first layers frozen), compile the whole "
-            "model instead.")
+    return (
+        f"zcompile: parameter {param.name!r} has requires_grad={requires_grad}, but the graph Dynamo chose "
+        f"for this call was traced with requires_grad={param.requires_grad} and was not recompiled "
+        f"(torch {torch.__version__.split('+')[0]}'s Dynamo does not guard a parameter's requires_grad; "
+        "torch 2.13's does). Running it would leave the parameter's training as it was, silently. After "
+        "freezing or unfreezing parameters, call torch.compiler.reset() (the next call recompiles, "
+        "keeping the shards and the optimizer's state), or use torch 2.13 or newer. Where blocks compiled one "
+        "by one share a graph but not their frozen weights (the first layers frozen), compile the whole "
+        "model instead."
+    )
 
 
 def _post_accumulate_message(param, plan: ShardingPlan) -> str:
-    where = (f"ZeRO stage {plan.stage}" if plan.stage != 1 else
-             f"stage 1 with param_dtype={plan.param_dtype} (the graphs take a low-precision replica)")
-    return (f"zcompile: parameter {param.name!r} has a post-accumulate-grad hook "
-            f"(register_post_accumulate_grad_hook). At {where} its gradient never accumulates in the parameter's "
-            ".grad: the compiled backward reduce-scatters it onto this rank's shard, so the hook would never run. "
-            "Use param.register_hook(fn) instead (zcompile runs it on the local gradient before the reduction, as "
-            "DDP does), or stage 1 without param_dtype, or run the hook's work after optimizer.step()")
+    where = (
+        f"ZeRO stage {plan.stage}"
+        if plan.stage != 1
+        else f"stage 1 with param_dtype={plan.param_dtype} (the graphs take a low-precision replica)"
+    )
+    return (
+        f"zcompile: parameter {param.name!r} has a post-accumulate-grad hook "
+        f"(register_post_accumulate_grad_hook). At {where} its gradient never accumulates in the parameter's "
+        ".grad: the compiled backward reduce-scatters it onto this rank's shard, so the hook would never run. "
+        "Use param.register_hook(fn) instead (zcompile runs it on the local gradient before the reduction, as "
+        "DDP does), or stage 1 without param_dtype, or run the hook's work after optimizer.step()"
+    )
 
 
 def _late_hook_message(param) -> str:
-    return (f"zcompile: parameter {param.name!r} got a gradient hook (register_hook) after the graph that uses it "
-            "was compiled without one. The graph routes the gradient to a shard, and Dynamo does not recompile "
-            "for a new hook, so the hook would never run. Register gradient hooks before the first compiled "
-            "call, or call torch.compiler.reset() after registering them (the next call recompiles, keeping the "
-            "shards and the optimizer's state). Where blocks compiled one by one share a graph, give every "
-            "block the hooks")
+    return (
+        f"zcompile: parameter {param.name!r} got a gradient hook (register_hook) after the graph that uses it "
+        "was compiled without one. The graph routes the gradient to a shard, and Dynamo does not recompile "
+        "for a new hook, so the hook would never run. Register gradient hooks before the first compiled "
+        "call, or call torch.compiler.reset() after registering them (the next call recompiles, keeping the "
+        "shards and the optimizer's state). Where blocks compiled one by one share a graph, give every "
+        "block the hooks"
+    )
 
 
 def _follow_requires_grad(leaf: torch.Tensor, requires_grad: bool) -> None:
@@ -341,7 +395,9 @@ def _follow_requires_grad(leaf: torch.Tensor, requires_grad: bool) -> None:
         leaf.requires_grad_(requires_grad)
 
 
-def _recorded_on(plan: ShardingPlan, example_inputs: list, frame_modules: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
+def _recorded_on(
+    plan: ShardingPlan, example_inputs: list, frame_modules: list[torch.nn.Module]
+) -> list[torch.nn.Parameter]:
     """The parameters ``step_report`` finds this graph through: its own, or for a graph without any
     (a loss function compiled after a graph break) those of the modules of its frame, else of the
     outermost module whose forward calls it, so that its saved activations are in the report."""
@@ -351,8 +407,9 @@ def _recorded_on(plan: ShardingPlan, example_inputs: list, frame_modules: list[t
     return [param for module in modules for param in module.parameters()]
 
 
-def _agreed_call(config: ZeroConfig, group: DataParallelGroup, plan: ShardingPlan, gm: torch.fx.GraphModule,
-                 zeropp) -> str | None:
+def _agreed_call(
+    config: ZeroConfig, group: DataParallelGroup, plan: ShardingPlan, gm: torch.fx.GraphModule, zeropp
+) -> str | None:
     """A graph whose call leads to collectives (``rank_check.issues_collectives``: stage 3's gathers in
     forward, a stage-2 training graph's reduce-scatters in its backward) has the ranks agree on each
     call first (``zcompile.agreement.step_agreement``); stage 1 agrees at the step. Stage 2 too: a rank that ran
@@ -366,13 +423,19 @@ def _agreed_call(config: ZeroConfig, group: DataParallelGroup, plan: ShardingPla
     return call_identity(plan, gm, zeropp.signature() if zeropp.active else None)
 
 
-def agrees_on_each_call(config: ZeroConfig, world_size: int, plan: ShardingPlan, zeropp_active: bool,
-                        grad_enabled: bool | None = None) -> bool:
+def agrees_on_each_call(
+    config: ZeroConfig, world_size: int, plan: ShardingPlan, zeropp_active: bool, grad_enabled: bool | None = None
+) -> bool:
     """Whether the ranks agree before each call of a graph compiled with ``plan`` (``_agreed_call``):
     one store exchange a call, but the first after a step (``zcompile.simulate`` counts them)."""
     # a graph without parameters (a piece of the forward between graph breaks) moves none
-    return (config.check_ranks and world_size > 1 and bool(plan.params) and plan.stage != 1
-            and issues_collectives(plan, zeropp_active, grad_enabled))
+    return (
+        config.check_ranks
+        and world_size > 1
+        and bool(plan.params)
+        and plan.stage != 1
+        and issues_collectives(plan, zeropp_active, grad_enabled)
+    )
 
 
 def _refuse_parameter_writes(gm: torch.fx.GraphModule, plan: ShardingPlan) -> None:
@@ -388,7 +451,8 @@ def _refuse_parameter_writes(gm: torch.fx.GraphModule, plan: ShardingPlan) -> No
             "rank's copy and the weights would silently differ from one process's. Take the write out of the forward "
             "(nn.Embedding(max_norm=None)); where the constraint matters, apply it after optimizer.step(), on every "
             "rank, inside `with zcompile.gathered(model): ...`, which writes the change back to the shards (for an "
-            "embedding: torch.embedding_renorm_(emb.weight, ids, max_norm, 2.0) under torch.no_grad())")
+            "embedding: torch.embedding_renorm_(emb.weight, ids, max_norm, 2.0) under torch.no_grad())"
+        )
 
 
 @contextlib.contextmanager
@@ -427,9 +491,14 @@ def _refuse_eager_fallback(error: BaseException, graph: str, shards: list) -> No
             f"zcompile: graph {graph} did not compile: {what}. Dynamo would run its code eagerly instead, where its "
             f"parameters ({names}) have no full value: they are sharded ({freed[0].freed_reason}) and exist in full "
             f"only inside compiled graphs. {fix}; or train with stage 1 or 2 in fp32, where eager code may use the "
-            "weights.") from error
-    log.warning("zero backend: graph %s did not compile: %s; Dynamo runs its code eagerly instead (slower). %s.",
-                graph, what, fix)
+            "weights."
+        ) from error
+    log.warning(
+        "zero backend: graph %s did not compile: %s; Dynamo runs its code eagerly instead (slower). %s.",
+        graph,
+        what,
+        fix,
+    )
 
 
 def _refuse_outer_data_parallel() -> None:
@@ -442,7 +511,8 @@ def _refuse_outer_data_parallel() -> None:
             f"zero backend: the compiled model runs inside {wrapper}, which reduces the gradients that zcompile "
             "reduces itself. Do not wrap a zero-compiled model: with accelerate, prepare everything but the model "
             "(the data loaders, the optimizer, the LR scheduler); with Hugging Face Trainer use "
-            "zcompile.integrations.hf.ZeroTrainer")
+            "zcompile.integrations.hf.ZeroTrainer"
+        )
 
 
 def _refuse_regions_with_inductor(gm: torch.fx.GraphModule, config: ZeroConfig) -> None:
@@ -451,10 +521,12 @@ def _refuse_regions_with_inductor(gm: torch.fx.GraphModule, config: ZeroConfig) 
     eager inner compiler trains them exactly. Torch's: a plain ``torch.compile(backend="inductor")``
     of the same marked model, no zcompile, trains wrong the same way (torch 2.13, CPU). Refused."""
     if config.compiler == "inductor" and subgraph_calls(gm):
-        raise ValueError("zero backend: compiler='inductor' with blocks marked by zcompile.mark_repeated_blocks (or "
-                         "torch.compiler.nested_compile_region) is not supported: inductor trains such blocks wrong (torch 2.13; "
-                         "plain torch.compile(backend='inductor') of a marked model does too). "
-                         "Use compiler='eager' with regional compilation, or compile the model without marking its blocks")
+        raise ValueError(
+            "zero backend: compiler='inductor' with blocks marked by zcompile.mark_repeated_blocks (or "
+            "torch.compiler.nested_compile_region) is not supported: inductor trains such blocks wrong (torch 2.13; "
+            "plain torch.compile(backend='inductor') of a marked model does too). "
+            "Use compiler='eager' with regional compilation, or compile the model without marking its blocks"
+        )
 
 
 def _check_devices(plan: ShardingPlan, example_inputs: list, group: DataParallelGroup) -> None:
@@ -469,7 +541,9 @@ def _check_devices(plan: ShardingPlan, example_inputs: list, group: DataParallel
         device = torch.device(devices.pop())
         backend = torch.distributed.get_backend(group.process_group)
         if device.type == "cpu" and backend == "nccl":
-            raise ValueError("zero backend: parameters are on the CPU but the process group uses NCCL; use gloo for CPU training or move the model to the GPU")
+            raise ValueError(
+                "zero backend: parameters are on the CPU but the process group uses NCCL; use gloo for CPU training or move the model to the GPU"
+            )
 
 
 def _device_type(example_inputs: list) -> str:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -64,8 +65,15 @@ class PassRunner:
     def graph_id(self) -> str:
         return self.dump.graph_id
 
-    def run(self, name: str, pass_fn: Callable[..., torch.fx.GraphModule], gm: torch.fx.GraphModule, graph: str,
-            *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
+    def run(
+        self,
+        name: str,
+        pass_fn: Callable[..., torch.fx.GraphModule],
+        gm: torch.fx.GraphModule,
+        graph: str,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.fx.GraphModule:
         """Applies ``pass_fn(gm, *args, **kwargs)`` and records it; see the module docstring."""
         index = len(self.records)
         before_ops = _op_counts(gm)
@@ -76,8 +84,11 @@ class PassRunner:
             result = pass_fn(gm, *args, **kwargs)
             result.graph.lint()  # passes lint and recompile themselves; this catches one that left a broken graph
         except Exception as error:
-            where = f"; graphs dumped under {self.dump.folder}" if self.dump.enabled else (
-                f"; set options={{'dump': DIR}} or {DUMP_ENV}=DIR to dump the graphs")
+            where = (
+                f"; graphs dumped under {self.dump.folder}"
+                if self.dump.enabled
+                else (f"; set options={{'dump': DIR}} or {DUMP_ENV}=DIR to dump the graphs")
+            )
             current = _node_in_traceback(error.__traceback__)
             node = f" at node {current}" if current else ""
             raise PassError(
@@ -87,13 +98,26 @@ class PassRunner:
         seconds = time.perf_counter() - start
         after_ops = _op_counts(result)
         record = PassRecord(
-            index, name, graph, seconds, sum(before_ops.values()), sum(after_ops.values()),
-            dict(after_ops - before_ops), dict(before_ops - after_ops),
+            index,
+            name,
+            graph,
+            seconds,
+            sum(before_ops.values()),
+            sum(after_ops.values()),
+            dict(after_ops - before_ops),
+            dict(before_ops - after_ops),
         )
         self.records.append(record)
         log.info(
-            "pass %s on %s graph %s: %.1f ms, %d -> %d nodes, added %s, removed %s", name, graph, self.graph_id,
-            seconds * 1e3, record.nodes_before, record.nodes_after, record.added or "{}", record.removed or "{}",
+            "pass %s on %s graph %s: %.1f ms, %d -> %d nodes, added %s, removed %s",
+            name,
+            graph,
+            self.graph_id,
+            seconds * 1e3,
+            record.nodes_before,
+            record.nodes_after,
+            record.added or "{}",
+            record.removed or "{}",
         )
         if self.dump.enabled:
             self.dump.write_text(pass_graph_file(index, name, graph, "after"), _readable(result))

@@ -22,8 +22,9 @@ row here, and its option in ``zcompile/config.py`` when it has one (``passes/REA
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -43,8 +44,8 @@ from zcompile.passes.param_gather import expand_param_gathers_pass
 from zcompile.passes.quantize_grads import quantize_grads_pass
 from zcompile.passes.quantize_weights import quantize_weights_pass
 from zcompile.passes.random_draws import save_random_draws_pass
-from zcompile.passes.regions import regather_through_regions_pass
 from zcompile.passes.reduce_scatter_lowering import reduce_scatter_as_all_to_all_pass
+from zcompile.passes.regions import regather_through_regions_pass
 from zcompile.passes.schedule import plan_schedule, schedule_pass
 
 DYNAMO = ("dynamo",)
@@ -80,91 +81,170 @@ class PassRow:
 
 
 PIPELINE: tuple[PassRow, ...] = (
-    PassRow("insert_param_collectives", DYNAMO, insert_param_collectives_pass,
-            enabled=lambda c: c.sharding.stage > 1 and bool(c.sharding.params),
-            options=lambda c, g: {"plan": c.sharding}),
-    PassRow("route_grad_hooks", DYNAMO, route_grad_hooks_pass,
-            enabled=lambda c: bool(hooked_params(c.sharding)),
-            options=lambda c, g: {"plan": c.sharding},
-            after=("insert_param_collectives",)),
+    PassRow(
+        "insert_param_collectives",
+        DYNAMO,
+        insert_param_collectives_pass,
+        enabled=lambda c: c.sharding.stage > 1 and bool(c.sharding.params),
+        options=lambda c, g: {"plan": c.sharding},
+    ),
+    PassRow(
+        "route_grad_hooks",
+        DYNAMO,
+        route_grad_hooks_pass,
+        enabled=lambda c: bool(hooked_params(c.sharding)),
+        options=lambda c, g: {"plan": c.sharding},
+        after=("insert_param_collectives",),
+    ),
     # the norms' weights as the graph receives them (stage 3: gathered in param_dtype)
-    PassRow("norm_params_in_fp32", DYNAMO, norm_params_in_fp32_pass,
-            enabled=lambda c: c.config.param_dtype is not None and c.device_type == "cpu",
-            options=lambda c, g: {"device_type": c.device_type},
-            after=("insert_param_collectives",)),
+    PassRow(
+        "norm_params_in_fp32",
+        DYNAMO,
+        norm_params_in_fp32_pass,
+        enabled=lambda c: c.config.param_dtype is not None and c.device_type == "cpu",
+        options=lambda c, g: {"device_type": c.device_type},
+        after=("insert_param_collectives",),
+    ),
     # the weights as the graph receives them (in param_dtype), where autocast does not reach
-    PassRow("custom_ops_in_traced_dtypes", DYNAMO, custom_ops_in_traced_dtypes_pass,
-            enabled=lambda c: c.config.param_dtype is not None,
-            options=lambda c, g: {"plan": c.sharding},
-            after=("insert_param_collectives",)),
-    PassRow("autocast", DYNAMO, autocast_pass,
-            enabled=lambda c: c.config.param_dtype is not None,
-            options=lambda c, g: {"dtype": c.config.param_dtype, "device_type": c.device_type}),
-    PassRow("hpz", DYNAMO, hpz_pass,
-            enabled=lambda c: c.zeropp.hpz_size > 0,
-            options=lambda c, g: {"hpz_size": c.zeropp.hpz_size, "hpz_rank": c.zeropp.hpz_rank,
-                                  "hpz_group_name": c.zeropp.hpz_group_name},
-            after=("insert_param_collectives",)),
+    PassRow(
+        "custom_ops_in_traced_dtypes",
+        DYNAMO,
+        custom_ops_in_traced_dtypes_pass,
+        enabled=lambda c: c.config.param_dtype is not None,
+        options=lambda c, g: {"plan": c.sharding},
+        after=("insert_param_collectives",),
+    ),
+    PassRow(
+        "autocast",
+        DYNAMO,
+        autocast_pass,
+        enabled=lambda c: c.config.param_dtype is not None,
+        options=lambda c, g: {"dtype": c.config.param_dtype, "device_type": c.device_type},
+    ),
+    PassRow(
+        "hpz",
+        DYNAMO,
+        hpz_pass,
+        enabled=lambda c: c.zeropp.hpz_size > 0,
+        options=lambda c, g: {
+            "hpz_size": c.zeropp.hpz_size,
+            "hpz_rank": c.zeropp.hpz_rank,
+            "hpz_group_name": c.zeropp.hpz_group_name,
+        },
+        after=("insert_param_collectives",),
+    ),
     # always: any budget torch's partitioner is given (zcompile's option or torch's own config) may
     # otherwise recompute a dropout in the backward with a fresh mask
     PassRow("save_random_draws", JOINT, save_random_draws_pass),
     # before keep_gathered: it then sees the blocks' weights read by the backward and may keep them
-    PassRow("regather_through_regions", JOINT, regather_through_regions_pass,
-            enabled=lambda c: c.sharding.stage == 3 and bool(c.sharding.params),
-            after=("insert_param_collectives", "hpz")),
-    PassRow("keep_gathered", JOINT, keep_gathered_pass,
-            enabled=lambda c: c.config.keep_gathered_mb > 0,  # ZeroConfig allows it at stage 3 only
-            planner=plan_keep_gathered, plan_name="keep_gathered",
-            options=lambda c, g: {"budget_bytes": int(c.config.keep_gathered_mb * MIB)},
-            after=("insert_param_collectives", "hpz", "regather_through_regions")),
+    PassRow(
+        "regather_through_regions",
+        JOINT,
+        regather_through_regions_pass,
+        enabled=lambda c: c.sharding.stage == 3 and bool(c.sharding.params),
+        after=("insert_param_collectives", "hpz"),
+    ),
+    PassRow(
+        "keep_gathered",
+        JOINT,
+        keep_gathered_pass,
+        enabled=lambda c: c.config.keep_gathered_mb > 0,  # ZeroConfig allows it at stage 3 only
+        planner=plan_keep_gathered,
+        plan_name="keep_gathered",
+        options=lambda c, g: {"budget_bytes": int(c.config.keep_gathered_mb * MIB)},
+        after=("insert_param_collectives", "hpz", "regather_through_regions"),
+    ),
     # the gradient reductions traced as one op each, written out before any pass reads a backward
     PassRow("expand_grad_reductions", BACKWARD, expand_grad_reductions_pass),
     # the stage-3 gathers, likewise one op each through the trace and the partition (forward and recomputed)
-    PassRow("expand_param_gathers", PARTITIONED, expand_param_gathers_pass,
-            enabled=lambda c: c.sharding.stage == 3 and bool(c.sharding.params)),
+    PassRow(
+        "expand_param_gathers",
+        PARTITIONED,
+        expand_param_gathers_pass,
+        enabled=lambda c: c.sharding.stage == 3 and bool(c.sharding.params),
+    ),
     PassRow("remove_unused_gathers", PARTITIONED, remove_unused_gathers_pass, after=("expand_param_gathers",)),
     # a view of each parameter to its own shape at stages 2 and 3 (graph_ops' autograd functions)
     PassRow("drop_identity_views", PARTITIONED, drop_identity_views_pass),
     # compute, not communication: independent of every other row; first, so the schedule's memory
     # budget and the walks see the one buffer
-    PassRow("fuse_cross_entropy_backward", BACKWARD, fuse_cross_entropy_backward_pass,
-            enabled=lambda c: c.config.fuse_loss_backward),
-    PassRow("hpz_forward_shortcut", FORWARD, hpz_forward_shortcut_pass,
-            enabled=lambda c: c.zeropp.hpz_size > 1,
-            options=lambda c, g: {"hpz_group_name": c.zeropp.hpz_group_name},
-            after=("hpz", "remove_unused_gathers")),
-    PassRow("bucket_collectives", PARTITIONED, bucket_collectives_pass,
-            enabled=lambda c: c.config.bucket_mb > 0,
-            planner=plan_buckets, plan_name="buckets",
-            options=lambda c, g: {"bucket_bytes": int(c.config.bucket_mb * MIB), "graph": g},
-            after=("expand_grad_reductions", "expand_param_gathers", "remove_unused_gathers", "hpz_forward_shortcut")),
+    PassRow(
+        "fuse_cross_entropy_backward",
+        BACKWARD,
+        fuse_cross_entropy_backward_pass,
+        enabled=lambda c: c.config.fuse_loss_backward,
+    ),
+    PassRow(
+        "hpz_forward_shortcut",
+        FORWARD,
+        hpz_forward_shortcut_pass,
+        enabled=lambda c: c.zeropp.hpz_size > 1,
+        options=lambda c, g: {"hpz_group_name": c.zeropp.hpz_group_name},
+        after=("hpz", "remove_unused_gathers"),
+    ),
+    PassRow(
+        "bucket_collectives",
+        PARTITIONED,
+        bucket_collectives_pass,
+        enabled=lambda c: c.config.bucket_mb > 0,
+        planner=plan_buckets,
+        plan_name="buckets",
+        options=lambda c, g: {"bucket_bytes": int(c.config.bucket_mb * MIB), "graph": g},
+        after=("expand_grad_reductions", "expand_param_gathers", "remove_unused_gathers", "hpz_forward_shortcut"),
+    ),
     # qwZ and qgZ quantize whole (bucketed) collectives: after bucketing, before the schedule moves them
-    PassRow("quantize_weights", FORWARD, quantize_weights_pass,
-            enabled=lambda c: c.zeropp.quantize_weights,
-            options=lambda c, g: {"group_name": c.group.name, "block": c.zeropp.block},
-            after=("bucket_collectives",)),
-    PassRow("quantize_grads", BACKWARD, quantize_grads_pass,
-            enabled=lambda c: c.zeropp.quantize_grads,
-            options=lambda c, g: {"group_name": c.group.name, "world": c.group.world_size,
-                                  "node_size": c.zeropp.node_size, "intra_name": c.zeropp.intra_group_name,
-                                  "inter_name": c.zeropp.inter_group_name, "block": c.zeropp.block},
-            after=("bucket_collectives",)),
-    PassRow("schedule", PARTITIONED, schedule_pass,
-            enabled=lambda c: c.config.overlap,
-            planner=plan_schedule, plan_name="schedule",
-            options=lambda c, g: {"prefetch": c.config.prefetch, "graph": g, "policy": c.config.schedule_policy,
-                                  "memory_budget": (None if c.config.memory_budget_mb is None
-                                                    else int(c.config.memory_budget_mb * MIB))},
-            after=("bucket_collectives", "quantize_weights", "quantize_grads")),
+    PassRow(
+        "quantize_weights",
+        FORWARD,
+        quantize_weights_pass,
+        enabled=lambda c: c.zeropp.quantize_weights,
+        options=lambda c, g: {"group_name": c.group.name, "block": c.zeropp.block},
+        after=("bucket_collectives",),
+    ),
+    PassRow(
+        "quantize_grads",
+        BACKWARD,
+        quantize_grads_pass,
+        enabled=lambda c: c.zeropp.quantize_grads,
+        options=lambda c, g: {
+            "group_name": c.group.name,
+            "world": c.group.world_size,
+            "node_size": c.zeropp.node_size,
+            "intra_name": c.zeropp.intra_group_name,
+            "inter_name": c.zeropp.inter_group_name,
+            "block": c.zeropp.block,
+        },
+        after=("bucket_collectives",),
+    ),
+    PassRow(
+        "schedule",
+        PARTITIONED,
+        schedule_pass,
+        enabled=lambda c: c.config.overlap,
+        planner=plan_schedule,
+        plan_name="schedule",
+        options=lambda c, g: {
+            "prefetch": c.config.prefetch,
+            "graph": g,
+            "policy": c.config.schedule_policy,
+            "memory_budget": (None if c.config.memory_budget_mb is None else int(c.config.memory_budget_mb * MIB)),
+        },
+        after=("bucket_collectives", "quantize_weights", "quantize_grads"),
+    ),
     # how this backend runs what the passes above planned: last, in place, the kind kept
-    PassRow("reduce_scatter_as_all_to_all", BACKWARD, reduce_scatter_as_all_to_all_pass,
-            enabled=lambda c: c.reduce_scatter_by_all_to_all,
-            after=("bucket_collectives", "quantize_grads", "schedule")),
+    PassRow(
+        "reduce_scatter_as_all_to_all",
+        BACKWARD,
+        reduce_scatter_as_all_to_all_pass,
+        enabled=lambda c: c.reduce_scatter_by_all_to_all,
+        after=("bucket_collectives", "quantize_grads", "schedule"),
+    ),
 )
 
 
-def run_passes(context: CompileContext, graph: str, gm: torch.fx.GraphModule,
-               table: tuple[PassRow, ...] = PIPELINE) -> torch.fx.GraphModule:
+def run_passes(
+    context: CompileContext, graph: str, gm: torch.fx.GraphModule, table: tuple[PassRow, ...] = PIPELINE
+) -> torch.fx.GraphModule:
     """Applies the enabled rows of ``table`` for ``graph`` to ``gm``, in order (module docstring)."""
     runner = context.runner
     for row in table:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -49,8 +49,11 @@ def mark_repeated_blocks(model: torch.nn.Module, block_classes: Iterable[type | 
         raise TypeError(f"mark_repeated_blocks: expected an nn.Module, got {type(model).__name__}")
     classes = _repeated_classes(model) if block_classes is None else _named_classes(model, block_classes)
     if not classes:
-        log.warning("mark_repeated_blocks: %s has no ModuleList holding two or more modules of one class; "
-                    "nothing marked (name the block classes with block_classes=[...])", type(model).__name__)
+        log.warning(
+            "mark_repeated_blocks: %s has no ModuleList holding two or more modules of one class; "
+            "nothing marked (name the block classes with block_classes=[...])",
+            type(model).__name__,
+        )
         return []
     regions = {cls: _region_class(cls) for cls in classes}
     count = 0
@@ -59,8 +62,9 @@ def mark_repeated_blocks(model: torch.nn.Module, block_classes: Iterable[type | 
         if region is not None:
             module.__class__ = region
             count += 1
-    log.info("mark_repeated_blocks: %d blocks of %s traced once per class", count,
-             ", ".join(cls.__name__ for cls in classes))
+    log.info(
+        "mark_repeated_blocks: %d blocks of %s traced once per class", count, ", ".join(cls.__name__ for cls in classes)
+    )
     return list(classes)
 
 
@@ -105,8 +109,11 @@ def _region_class(cls: type) -> type:
     if issubclass(cls, _Region):
         return cls
     forward = torch.compiler.nested_compile_region(cls.forward)
-    return type(cls.__name__, (cls, _Region), {"forward": forward, "__module__": cls.__module__,
-                                                "__qualname__": cls.__qualname__})
+    return type(
+        cls.__name__,
+        (cls, _Region),
+        {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
+    )
 
 
 def _repeated_classes(model: torch.nn.Module) -> list[type]:
@@ -116,8 +123,9 @@ def _repeated_classes(model: torch.nn.Module) -> list[type]:
             counts: dict[type, int] = {}
             for child in module.children():
                 counts[type(child)] = counts.get(type(child), 0) + 1
-            found.update((type(child), None) for child in module.children()
-                         if counts[type(child)] >= 2 and _is_block(child))
+            found.update(
+                (type(child), None) for child in module.children() if counts[type(child)] >= 2 and _is_block(child)
+            )
     return list(found)
 
 
@@ -137,8 +145,10 @@ def _named_classes(model: torch.nn.Module, block_classes: Iterable[type | str]) 
         cls = present.get(entry) if isinstance(entry, str) else entry if entry in present.values() else None
         if cls is None:
             name = entry if isinstance(entry, str) else getattr(entry, "__name__", repr(entry))
-            raise ValueError(f"mark_repeated_blocks: no submodule of {type(model).__name__} is a {name}; "
-                             f"its module classes are {sorted(present)}")
+            raise ValueError(
+                f"mark_repeated_blocks: no submodule of {type(model).__name__} is a {name}; "
+                f"its module classes are {sorted(present)}"
+            )
         classes.append(cls)
     return classes
 

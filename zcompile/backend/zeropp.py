@@ -46,27 +46,44 @@ def resolve_zeropp(config, group: DataParallelGroup) -> ZeroPPSettings:
         return ZeroPPSettings()
     world = group.world_size
     if world == 1:
-        log.warning("ZeRO++: world size 1, nothing is communicated; quantize_weights, quantize_grads and hpz_size "
-                    "are ignored")
+        log.warning(
+            "ZeRO++: world size 1, nothing is communicated; quantize_weights, quantize_grads and hpz_size are ignored"
+        )
         return ZeroPPSettings()
     node_size = node_size_from_env(config.node_size, world)
     if world % node_size:
-        log.warning("ZeRO++: %d ranks do not split into nodes of %d; treating all ranks as one node (qgZ reduces "
-                    "inside it, hpz_size='node' turns hpZ off)", world, node_size)
+        log.warning(
+            "ZeRO++: %d ranks do not split into nodes of %d; treating all ranks as one node (qgZ reduces "
+            "inside it, hpz_size='node' turns hpZ off)",
+            world,
+            node_size,
+        )
         node_size = world
     hpz_size = 0
     if config.hpz_size is not None:
         hpz_size = node_size if config.hpz_size == "node" else config.hpz_size
         if world % hpz_size:
-            log.warning("ZeRO++: hpz_size=%d does not divide the world size %d; hpZ is off (plain stage-3 "
-                        "re-gather)", hpz_size, world)
+            log.warning(
+                "ZeRO++: hpz_size=%d does not divide the world size %d; hpZ is off (plain stage-3 re-gather)",
+                hpz_size,
+                world,
+            )
             hpz_size = 0
         elif hpz_size == world:
-            log.warning("ZeRO++: hpz_size equals the world size %d, so the secondary partition is the primary "
-                        "one; hpZ is off (plain stage-3 re-gather, no extra memory)", world)
+            log.warning(
+                "ZeRO++: hpz_size equals the world size %d, so the secondary partition is the primary "
+                "one; hpZ is off (plain stage-3 re-gather, no extra memory)",
+                world,
+            )
             hpz_size = 0
-    return ZeroPPSettings(config.quantize_weights, config.quantize_grads, config.quantize_block, hpz_size,
-                          node_size, group.rank % hpz_size if hpz_size else 0)
+    return ZeroPPSettings(
+        config.quantize_weights,
+        config.quantize_grads,
+        config.quantize_block,
+        hpz_size,
+        node_size,
+        group.rank % hpz_size if hpz_size else 0,
+    )
 
 
 def attach_groups(settings: ZeroPPSettings, group: DataParallelGroup) -> ZeroPPSettings:

@@ -16,9 +16,9 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 if TYPE_CHECKING:
-    from zcompile.checkpoint.layout import CheckpointError
-    from zcompile.checkpoint.dcp import save, load
     from zcompile.checkpoint.consolidate import full_state_dict
+    from zcompile.checkpoint.dcp import load, save
+    from zcompile.checkpoint.layout import CheckpointError
 
 
 def __getattr__(name: str):

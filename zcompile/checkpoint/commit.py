@@ -65,15 +65,19 @@ def prepare_save(path: str) -> None:
     save left beside ``path`` (a staging directory without metadata, an old one not yet removed) goes."""
     foreign = foreign_files(path)
     if foreign:  # the swap replaces the whole directory: never someone's other files with it
-        raise CheckpointError(f"{path} holds what no checkpoint holds ({', '.join(foreign[:3])}"
-                      f"{', ...' if len(foreign) > 3 else ''}), which replacing it would delete: save into a "
-                      "directory of its own")
+        raise CheckpointError(
+            f"{path} holds what no checkpoint holds ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}), which replacing it would delete: save into a "
+            "directory of its own"
+        )
     staging, previous = staging_dir(path), previous_dir(path)
     if not is_complete(path) and is_complete(staging):
         _remove(path)
         os.rename(staging, path)
-        log.warning("checkpoint: %s was saved whole but not moved into place (a save stopped while it swapped "
-                    "them); moved now", staging)
+        log.warning(
+            "checkpoint: %s was saved whole but not moved into place (a save stopped while it swapped them); moved now",
+            staging,
+        )
     _remove(staging)
     _remove(previous)
 
@@ -107,8 +111,13 @@ def readable_checkpoint(path: str) -> str:
         return path
     staging = staging_dir(path)
     if is_complete(staging):
-        log.warning("checkpoint: %s is not a complete checkpoint and %s is (a save stopped while it swapped them "
-                    "in); reading %s", path, staging, staging)
+        log.warning(
+            "checkpoint: %s is not a complete checkpoint and %s is (a save stopped while it swapped them "
+            "in); reading %s",
+            path,
+            staging,
+            staging,
+        )
         return staging
     return path
 
@@ -116,8 +125,10 @@ def readable_checkpoint(path: str) -> str:
 def incomplete_save_note(path: str) -> str:
     """A sentence for a load of ``path`` that failed: what a stopped save left beside it, if anything."""
     if replaced_whole(path) and os.path.isdir(staging_dir(path)) and not is_complete(staging_dir(path)):
-        return (f" A save into {staging_dir(path)} was stopped before it finished (no {_METADATA_FILE}); "
-                "it is not a checkpoint, and the next save removes it.")
+        return (
+            f" A save into {staging_dir(path)} was stopped before it finished (no {_METADATA_FILE}); "
+            "it is not a checkpoint, and the next save removes it."
+        )
     return ""
 
 

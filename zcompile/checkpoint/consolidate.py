@@ -21,19 +21,20 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from zcompile.agreement.rank_check import names_digest
 from zcompile.checkpoint.commit import readable_checkpoint
 from zcompile.checkpoint.layout import META_KEY, agree_on_call, buffer_key, param_key, unwrap
-from zcompile.sharding.shards import shard_of
-from zcompile.eager.gathered import gather_into_full
 from zcompile.common.process_group import DataParallelGroup
-from zcompile.agreement.rank_check import names_digest
+from zcompile.eager.gathered import gather_into_full
+from zcompile.sharding.shards import shard_of
 
 log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def full_state_dict(model: torch.nn.Module, rank: int = 0, timeout_s: float = 300.0,
-                    exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor] | None:
+def full_state_dict(
+    model: torch.nn.Module, rank: int = 0, timeout_s: float = 300.0, exclude_frozen_parameters: bool = False
+) -> dict[str, torch.Tensor] | None:
     """The model's full state dict (fp32 master weights, on the CPU) on ``rank``; ``None`` on the others.
 
     Collective over the model's group: every rank calls it. Memory: the result on ``rank``, and on
@@ -47,8 +48,9 @@ def full_state_dict(model: torch.nn.Module, rank: int = 0, timeout_s: float = 30
     """
     refs = _state_refs(unwrap(model))
     if exclude_frozen_parameters:
-        frozen = [name for name, value in refs.items() if isinstance(value, torch.nn.Parameter)
-                  and not value.requires_grad]
+        frozen = [
+            name for name, value in refs.items() if isinstance(value, torch.nn.Parameter) and not value.requires_grad
+        ]
         left_out = set(frozen)
         refs = {name: value for name, value in refs.items() if name not in left_out}
     else:
@@ -56,8 +58,14 @@ def full_state_dict(model: torch.nn.Module, rank: int = 0, timeout_s: float = 30
     group = next((s.group for s in map(shard_of, refs.values()) if s is not None), None)
     group = group or DataParallelGroup.resolve(None)
     # (``rank`` may differ: every rank gathers); what is gathered may not
-    agree_on_call("full_state_dict", None, group, timeout_s, exclude_frozen_parameters=exclude_frozen_parameters,
-                  frozen=names_digest(frozen))
+    agree_on_call(
+        "full_state_dict",
+        None,
+        group,
+        timeout_s,
+        exclude_frozen_parameters=exclude_frozen_parameters,
+        frozen=names_digest(frozen),
+    )
     mine = group.rank == rank
     # each sharded weight once (a tied one has several names), its master shards gathered a bucket at
     # a time into the result's CPU tensors on ``rank`` (``full_params.gather_into_full``); the other
@@ -155,9 +163,21 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, An
     log.info("consolidate: %d tensors (%d parameters' elements) from %s to %s", len(result), numel, path, out)
     excluded = sorted(meta.get("excluded_frozen", {}))
     if excluded:
-        log.warning("consolidate: %s holds only what trained: %d frozen parameters (%s%s) were left out when it "
-                    "was saved (exclude_frozen_parameters=True), so %s lacks them; take them from the weights "
-                    "the run started from", path, len(excluded), ", ".join(excluded[:3]),
-                    ", ..." if len(excluded) > 3 else "", out)
-    return {"tensors": len(result), "parameters": len(meta["params"]), "elements": numel,
-            "saved_world_size": meta["world_size"], "out": out, "excluded_frozen": excluded}
+        log.warning(
+            "consolidate: %s holds only what trained: %d frozen parameters (%s%s) were left out when it "
+            "was saved (exclude_frozen_parameters=True), so %s lacks them; take them from the weights "
+            "the run started from",
+            path,
+            len(excluded),
+            ", ".join(excluded[:3]),
+            ", ..." if len(excluded) > 3 else "",
+            out,
+        )
+    return {
+        "tensors": len(result),
+        "parameters": len(meta["params"]),
+        "elements": numel,
+        "saved_world_size": meta["world_size"],
+        "out": out,
+        "excluded_frozen": excluded,
+    }

@@ -35,16 +35,39 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from zcompile.checkpoint.commit import (commit_save, incomplete_save_note, prepare_save, readable_checkpoint,
-                                        replaced_whole, staging_dir)
-from zcompile.checkpoint.layout import (FORMAT, META_KEY, PARAM_GROUPS_KEY, CheckpointError, agree_on_call,
-                                        as_flat_piece, buffer_key, extra_key, flat_mesh, from_bytes, group_of, named_unique_params, optim_key,
-                                        param_aliases, param_key, persistent_buffers, to_bytes, unwrap)
-from zcompile.checkpoint.consolidate import full_state_dict, read_meta
 from zcompile.agreement.initial_values import value_digest
-from zcompile.sharding.shards import FlatPiece, shard_of
-from zcompile.common.process_group import DataParallelGroup, all_gather_eager, all_reduce_eager
 from zcompile.agreement.rank_check import names_digest
+from zcompile.checkpoint.commit import (
+    commit_save,
+    incomplete_save_note,
+    prepare_save,
+    readable_checkpoint,
+    replaced_whole,
+    staging_dir,
+)
+from zcompile.checkpoint.consolidate import full_state_dict, read_meta
+from zcompile.checkpoint.layout import (
+    FORMAT,
+    META_KEY,
+    PARAM_GROUPS_KEY,
+    CheckpointError,
+    agree_on_call,
+    as_flat_piece,
+    buffer_key,
+    extra_key,
+    flat_mesh,
+    from_bytes,
+    group_of,
+    named_unique_params,
+    optim_key,
+    param_aliases,
+    param_key,
+    persistent_buffers,
+    to_bytes,
+    unwrap,
+)
+from zcompile.common.process_group import DataParallelGroup, all_gather_eager, all_reduce_eager
+from zcompile.sharding.shards import FlatPiece, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +93,7 @@ def _master_piece(param: torch.nn.Parameter, piece: FlatPiece) -> torch.Tensor:
         sharded.follow_replaced_storage()  # `param.data = loaded` since the last call: its values are the master
         return sharded.shard.detach()[: piece.owned]
     flat = param.detach().reshape(-1)
-    return flat[piece.offset: piece.offset + piece.owned].float().clone()
+    return flat[piece.offset : piece.offset + piece.owned].float().clone()
 
 
 # value_digest sums bit patterns into an int64 that wraps, so the pieces' digests add up to the whole's
@@ -86,19 +109,32 @@ def _full_value_digests(params, group: DataParallelGroup) -> list[int]:
     if not params:
         return []
     sharded = [shard_of(p) is not None for _, p in params]
-    pieces = torch.tensor([value_digest(_master_piece(p, _piece(p.numel(), group)).float()) % _DIGEST_MODULUS
-                           if is_sharded else 0 for (_, p), is_sharded in zip(params, sharded)],
-                          dtype=torch.int64, device=params[0][1].device)
+    pieces = torch.tensor(
+        [
+            value_digest(_master_piece(p, _piece(p.numel(), group)).float()) % _DIGEST_MODULUS if is_sharded else 0
+            for (_, p), is_sharded in zip(params, sharded)
+        ],
+        dtype=torch.int64,
+        device=params[0][1].device,
+    )
     if group.world_size > 1:
         all_reduce_eager(pieces, group, dist.ReduceOp.SUM)
-    return [int(total) % _DIGEST_MODULUS if is_sharded else value_digest(p.detach().float()) % _DIGEST_MODULUS
-            for (_, p), is_sharded, total in zip(params, sharded, pieces.tolist())]
+    return [
+        int(total) % _DIGEST_MODULUS if is_sharded else value_digest(p.detach().float()) % _DIGEST_MODULUS
+        for (_, p), is_sharded, total in zip(params, sharded, pieces.tolist())
+    ]
 
 
 # ----------------------------------------------------------------------------- save
-def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         extra: dict | None = None, async_save: bool = False, timeout_s: float = 300.0,
-         exclude_frozen_parameters: bool = False):
+def save(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict | None = None,
+    async_save: bool = False,
+    timeout_s: float = 300.0,
+    exclude_frozen_parameters: bool = False,
+):
     """Writes ``model``'s (and ``optimizer``'s) shards and this rank's ``extra`` to the directory ``path``.
 
     Collective: every rank of the model's group calls it. ``extra`` (scheduler, data-loader
@@ -127,12 +163,22 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
             problem = str(error)
         except OSError as error:
             problem = f"clearing what an earlier save left beside {path} failed ({error})"
-    agree_on_call("save", path, group, timeout_s, problem, optimizer=optimizer is not None, async_save=async_save,
-                  exclude_frozen_parameters=exclude_frozen_parameters,
-                  frozen=names_digest(name for name, _ in frozen))  # else each writes other entries
+    agree_on_call(
+        "save",
+        path,
+        group,
+        timeout_s,
+        problem,
+        optimizer=optimizer is not None,
+        async_save=async_save,
+        exclude_frozen_parameters=exclude_frozen_parameters,
+        frozen=names_digest(name for name, _ in frozen),
+    )  # else each writes other entries
     target = staging_dir(path) if whole else path
-    excluded = {name: {"shape": list(p.shape), "dtype": str(p.dtype), "digest": digest}
-                for (name, p), digest in zip(frozen, _full_value_digests(frozen, group))}
+    excluded = {
+        name: {"shape": list(p.shape), "dtype": str(p.dtype), "digest": digest}
+        for (name, p), digest in zip(frozen, _full_value_digests(frozen, group))
+    }
     trained = [(name, p) for name, p in params if name not in excluded]
     mesh = flat_mesh(group, _device_type(params))
     state: dict[str, Any] = {}
@@ -146,20 +192,26 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     state[META_KEY] = json.dumps(_meta(model, trained, optimizer, group) | {"excluded_frozen": excluded})
     state[extra_key(group.rank)] = to_bytes(extra or {})
     if async_save:
-        result = dcp.async_save(state, checkpoint_id=target, process_group=_async_group(model, group),
-                                no_dist=group.world_size == 1)
+        result = dcp.async_save(
+            state, checkpoint_id=target, process_group=_async_group(model, group), no_dist=group.world_size == 1
+        )
         result = getattr(result, "upload_completion", result)  # (other checkpointer types: a response)
         if whole:
             result = _committed_when_written(result, path, group, timeout_s)
         unwrap(model).__dict__[PENDING_SAVE_ATTR] = result
     else:
-        result = dcp.save(state, checkpoint_id=target, process_group=group.process_group,
-                          no_dist=group.world_size == 1)
+        result = dcp.save(state, checkpoint_id=target, process_group=group.process_group, no_dist=group.world_size == 1)
         if whole:
             _commit(path, group, timeout_s)
-    log.info("checkpoint: %s %d parameters to %s (rank %d of %d)%s", "saving" if async_save else "saved",
-             len(trained), path, group.rank, group.world_size,
-             f", {len(excluded)} frozen ones left out" if excluded else "")
+    log.info(
+        "checkpoint: %s %d parameters to %s (rank %d of %d)%s",
+        "saving" if async_save else "saved",
+        len(trained),
+        path,
+        group.rank,
+        group.world_size,
+        f", {len(excluded)} frozen ones left out" if excluded else "",
+    )
     return result
 
 
@@ -176,8 +228,9 @@ def _commit(path: str, group: DataParallelGroup, timeout_s: float, problem: str 
     agree_on_call("save", path, group, timeout_s, problem, purpose=f"checkpoint-swap:{os.path.abspath(path)}")
 
 
-def _committed_when_written(written: concurrent.futures.Future, path: str, group: DataParallelGroup,
-                            timeout_s: float) -> concurrent.futures.Future:
+def _committed_when_written(
+    written: concurrent.futures.Future, path: str, group: DataParallelGroup, timeout_s: float
+) -> concurrent.futures.Future:
     """A future of a background save that completes once it is swapped in at ``path`` on every rank: the
     swap runs on DCP's thread when the files are written, and so does its exchange through the store."""
     committed: concurrent.futures.Future = concurrent.futures.Future()
@@ -218,8 +271,10 @@ def _async_group(model: torch.nn.Module, group: DataParallelGroup) -> dist.Proce
     cached = root.__dict__.get(ASYNC_GROUP_ATTR)
     if cached is None:
         if dist.get_world_size() != group.world_size:
-            raise ValueError("zcompile.checkpoint.save(async_save=True) makes a process group for the background "
-                             "save, which needs the data-parallel group to span every rank; save synchronously")
+            raise ValueError(
+                "zcompile.checkpoint.save(async_save=True) makes a process group for the background "
+                "save, which needs the data-parallel group to span every rank; save synchronously"
+            )
         cached = dist.new_group(dist.get_process_group_ranks(group.process_group), backend="gloo")
         root.__dict__[ASYNC_GROUP_ATTR] = cached
     return cached
@@ -228,9 +283,12 @@ def _async_group(model: torch.nn.Module, group: DataParallelGroup) -> dist.Proce
 def _meta(model, params, optimizer, group: DataParallelGroup) -> dict:
     stages = {name: getattr(shard_of(p), "stage", None) for name, p in params}
     return {
-        "format": FORMAT, "world_size": group.world_size, "stages": stages,
+        "format": FORMAT,
+        "world_size": group.world_size,
+        "stages": stages,
         "params": {name: {"shape": list(p.shape), "dtype": str(p.dtype)} for name, p in params},
-        "aliases": param_aliases(model), "buffers": [name for name, _ in persistent_buffers(model)],
+        "aliases": param_aliases(model),
+        "buffers": [name for name, _ in persistent_buffers(model)],
         "optimizer": None if optimizer is None else type(optimizer).__name__,
     }
 
@@ -241,23 +299,32 @@ def _optimizer_entries(optimizer, params, group: DataParallelGroup, mesh) -> dic
     for param, state in optimizer.state.items():
         name = names.get(id(param))
         if name is None:
-            raise ValueError("zcompile.checkpoint.save: the optimizer holds state for a parameter that is not "
-                             "in the model; pass the model the optimizer trains")
+            raise ValueError(
+                "zcompile.checkpoint.save: the optimizer holds state for a parameter that is not "
+                "in the model; pass the model the optimizer trains"
+            )
         piece = _piece(param.numel(), group)
         for key, value in state.items():
             if piece.is_shard(value):
                 entries[optim_key(name, key)] = as_flat_piece(value.detach()[: piece.owned], param.numel(), mesh)
             else:  # a step count or another replicated value
                 entries[optim_key(name, key)] = to_bytes(value)
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"param_names": [names[id(p)] for p in g["params"]]}
-              for g in optimizer.param_groups]
+    groups = [
+        {k: v for k, v in g.items() if k != "params"} | {"param_names": [names[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
     entries[PARAM_GROUPS_KEY] = to_bytes(groups)
     return entries
 
 
 # ----------------------------------------------------------------------------- load
-def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         strict: bool = True, timeout_s: float = 300.0) -> dict:
+def load(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    strict: bool = True,
+    timeout_s: float = 300.0,
+) -> dict:
     """Restores ``model`` (and ``optimizer``) from ``path``; returns the ``extra`` dict saved with it.
 
     Works before or after ``torch.compile`` and at another number of ranks or stage than the save.
@@ -282,16 +349,26 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         problem = f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError) else str(error)
         problem += incomplete_save_note(path)
     # the directory too: ranks that resolve the path differently would each read another checkpoint
-    agree_on_call("load", path, group, timeout_s, problem, optimizer=optimizer is not None, strict=strict,
-                  read=os.path.abspath(directory))
+    agree_on_call(
+        "load",
+        path,
+        group,
+        timeout_s,
+        problem,
+        optimizer=optimizer is not None,
+        strict=strict,
+        read=os.path.abspath(directory),
+    )
     keys, excluded = metadata.state_dict_metadata, meta.get("excluded_frozen", {})
     kept = [(name, p) for name, p in params if name in excluded]  # the same on every rank: one checkpoint
     dest, optimizer_shards = _destination(keys, params, model, optimizer, group)
     try:
         dcp.load(dest, checkpoint_id=directory, process_group=group.process_group, no_dist=group.world_size == 1)
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException; it reaches every rank
-        raise CheckpointError(f"zcompile.checkpoint.load: reading {path} failed ({type(error).__name__}: "
-                              f"{_first_line(error)}); the model and optimizer are unchanged") from error
+        raise CheckpointError(
+            f"zcompile.checkpoint.load: reading {path} failed ({type(error).__name__}: "
+            f"{_first_line(error)}); the model and optimizer are unchanged"
+        ) from error
     _check_kept_values(kept, excluded, group, path)  # before anything is written
     _apply_model(dest, params, model, group)
     if optimizer is not None and meta.get("optimizer") is not None:
@@ -300,18 +377,34 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     extra_rank = group.rank if group.rank < saved_ranks else 0  # a rank the save did not have gets rank 0's
     extra = dest.get(extra_key(extra_rank))
     if group.world_size != saved_ranks:
-        log.warning("checkpoint: saved on %d ranks, loaded on %d (resharded); rank %d gets the extra of saved "
-                    "rank %d", saved_ranks, group.world_size, group.rank, extra_rank)
-    log.info("checkpoint: loaded %s (saved on %d ranks) on rank %d of %d%s", path, saved_ranks, group.rank,
-             group.world_size, f"; {len(kept)} frozen parameters kept as the model has them" if kept else "")
+        log.warning(
+            "checkpoint: saved on %d ranks, loaded on %d (resharded); rank %d gets the extra of saved rank %d",
+            saved_ranks,
+            group.world_size,
+            group.rank,
+            extra_rank,
+        )
+    log.info(
+        "checkpoint: loaded %s (saved on %d ranks) on rank %d of %d%s",
+        path,
+        saved_ranks,
+        group.rank,
+        group.world_size,
+        f"; {len(kept)} frozen parameters kept as the model has them" if kept else "",
+    )
     return from_bytes(extra) if extra is not None else {}
 
 
 def _first_line(error: BaseException) -> str:
     """DCP's exceptions carry every rank's traceback; the message needs the failure, not the trace."""
     lines = [line for line in str(error).splitlines() if line.strip()]
-    failures = [line for line in lines if line.startswith(("EOFError", "RuntimeError", "ValueError", "OSError",
-                                                            "FileNotFoundError", "KeyError", "pickle"))]
+    failures = [
+        line
+        for line in lines
+        if line.startswith(
+            ("EOFError", "RuntimeError", "ValueError", "OSError", "FileNotFoundError", "KeyError", "pickle")
+        )
+    ]
     return (failures or lines or [type(error).__name__])[-1][:300]
 
 
@@ -321,8 +414,11 @@ def _check_kept_values(kept, excluded: dict, group: DataParallelGroup, path: str
     it holds, and the ranks' findings are all-reduced, so a copy that differs on one rank only stops
     them all. Collective."""
     now = _full_value_digests(kept, group)
-    found = torch.tensor([int(digest != excluded[name]["digest"]) for (name, _), digest in zip(kept, now)],
-                         dtype=torch.int64, device=kept[0][1].device if kept else "cpu")
+    found = torch.tensor(
+        [int(digest != excluded[name]["digest"]) for (name, _), digest in zip(kept, now)],
+        dtype=torch.int64,
+        device=kept[0][1].device if kept else "cpu",
+    )
     if group.world_size > 1 and kept:
         all_reduce_eager(found, group, dist.ReduceOp.MAX)
     differing = [name for (name, _), on_some_rank in zip(kept, found.tolist()) if on_some_rank]
@@ -336,39 +432,49 @@ def _check_kept_values(kept, excluded: dict, group: DataParallelGroup, path: str
             "from other weights (load the same base weights, e.g. the same from_pretrained checkpoint, before "
             "zcompile.checkpoint.load), or a frozen weight changed in the run (trained before it was frozen, or moved "
             "by other code: an EMA or a momentum teacher, whose weights are all frozen; save such models without "
-            "exclude_frozen_parameters). The model and optimizer are unchanged")
+            "exclude_frozen_parameters). The model and optimizer are unchanged"
+        )
 
 
 def _check(keys: dict, params, model, optimizer, strict: bool, excluded: dict | None = None) -> None:
     """Raises ``CheckpointError`` naming the first tensor that does not match. ``excluded``: the
     frozen parameters the save left out (name -> shape, dtype, digest)."""
     if META_KEY not in keys:
-        raise CheckpointError("not a zcompile checkpoint (no zcompile/meta entry); write it with "
-                              "zcompile.checkpoint.save")
+        raise CheckpointError(
+            "not a zcompile checkpoint (no zcompile/meta entry); write it with zcompile.checkpoint.save"
+        )
     excluded = excluded or {}
     for name, param in params:
         entry = keys.get(param_key(name))
         if entry is None and name in excluded:
             if excluded[name]["shape"] != list(param.shape):
-                raise CheckpointError(f"parameter {name!r} has shape {tuple(param.shape)} in the model but "
-                                      f"{tuple(excluded[name]['shape'])} in the checkpoint (left out there as frozen)")
+                raise CheckpointError(
+                    f"parameter {name!r} has shape {tuple(param.shape)} in the model but "
+                    f"{tuple(excluded[name]['shape'])} in the checkpoint (left out there as frozen)"
+                )
             continue
         if entry is None:
-            raise CheckpointError(f"parameter {name!r} of the model is not in the checkpoint (the checkpoint is "
-                                  "of another model)")
+            raise CheckpointError(
+                f"parameter {name!r} of the model is not in the checkpoint (the checkpoint is of another model)"
+            )
         if tuple(entry.size) != (param.numel(),):
-            raise CheckpointError(f"parameter {name!r} has {param.numel()} elements {tuple(param.shape)} in the "
-                                  f"model but {tuple(entry.size)[0] if entry.size else 0} in the checkpoint")
+            raise CheckpointError(
+                f"parameter {name!r} has {param.numel()} elements {tuple(param.shape)} in the "
+                f"model but {tuple(entry.size)[0] if entry.size else 0} in the checkpoint"
+            )
     if strict:
         names = {param_key(name) for name, _ in params}
         missing = sorted(set(excluded) - {name for name, _ in params})
         if missing:
-            raise CheckpointError(f"the checkpoint left out frozen parameters the model lacks: {missing[:5]}; pass "
-                                  "strict=False to ignore them")
+            raise CheckpointError(
+                f"the checkpoint left out frozen parameters the model lacks: {missing[:5]}; pass "
+                "strict=False to ignore them"
+            )
         unexpected = sorted(k for k in keys if k.startswith("model/") and k not in names)
         if unexpected:
-            raise CheckpointError(f"the checkpoint has parameters the model lacks: {unexpected[:5]}; pass "
-                                  "strict=False to ignore them")
+            raise CheckpointError(
+                f"the checkpoint has parameters the model lacks: {unexpected[:5]}; pass strict=False to ignore them"
+            )
     if optimizer is not None and not any(k.startswith("optim/") for k in keys):
         raise CheckpointError("an optimizer was given but the checkpoint holds no optimizer state")
 
@@ -419,7 +525,9 @@ def _apply_model(dest: dict, params, model, group: DataParallelGroup) -> None:
         if sharded is not None:
             sharded.follow_replaced_storage()  # the shard written below is the one the parameter's storage holds
             sharded.shard[: values.numel()].copy_(values)
-            sharded.initial_digest = None  # the checkpoint's values now, the same on every rank (zcompile.agreement.initial_values)
+            sharded.initial_digest = (
+                None  # the checkpoint's values now, the same on every rank (zcompile.agreement.initial_values)
+            )
             if sharded.stage in (1, 2):
                 sharded.refresh_replicated()  # the replicated parameter (or replica) from the new shards
         else:
@@ -447,11 +555,19 @@ def _apply_optimizer(dest: dict, optimizer_shards: dict[str, torch.Tensor], opti
     groups = from_bytes(dest[PARAM_GROUPS_KEY]) if PARAM_GROUPS_KEY in dest else []
     if len(groups) == len(optimizer.param_groups):
         for saved, live in zip(groups, optimizer.param_groups):
-            live.update({k: tuple(v) if isinstance(live.get(k), tuple) else v
-                         for k, v in saved.items() if k not in ("param_names", "params")})
+            live.update(
+                {
+                    k: tuple(v) if isinstance(live.get(k), tuple) else v
+                    for k, v in saved.items()
+                    if k not in ("param_names", "params")
+                }
+            )
     for name, param in params:
         prefix = optim_key(name, "")
-        state = {key[len(prefix):]: optimizer_shards[key] if key in optimizer_shards else from_bytes(dest[key])
-                 for key in dest if key.startswith(prefix)}
+        state = {
+            key[len(prefix) :]: optimizer_shards[key] if key in optimizer_shards else from_bytes(dest[key])
+            for key in dest
+            if key.startswith(prefix)
+        }
         if state:
             optimizer.state[param] = state

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from zcompile.sharding.shards import shard_of
-from zcompile.common.process_group import DataParallelGroup
 from zcompile.agreement.rank_check import exchange_on_store
+from zcompile.common.process_group import DataParallelGroup
+from zcompile.sharding.shards import shard_of
 
 FORMAT = 1
 META_KEY = "zcompile/meta"
@@ -59,17 +59,24 @@ class CheckpointError(RuntimeError):
 # what to do when the ranks' calls differ in one of these, beyond saying so
 _DIFFERENT_FIXES = {
     "path": " A path made per rank (the rank, a time stamp) gives each rank a directory of its own and no readable "
-            "checkpoint: make it the same everywhere (a step number, or rank 0's path sent with "
-            "dist.broadcast_object_list).",
+    "checkpoint: make it the same everywhere (a step number, or rank 0's path sent with "
+    "dist.broadcast_object_list).",
     "read": " The ranks found different checkpoints at the path (a save stopped while it swapped its directory in, "
-            "seen by some ranks only): the path must be on a filesystem every rank shares, as DCP's loads need.",
+    "seen by some ranks only): the path must be on a filesystem every rank shares, as DCP's loads need.",
     "frozen": " These are digests of the names of the parameters with requires_grad False, which "
-              "exclude_frozen_parameters leaves out: freeze the same parameters on every rank.",
+    "exclude_frozen_parameters leaves out: freeze the same parameters on every rank.",
 }
 
 
-def agree_on_call(call: str, path: str | os.PathLike | None, group: DataParallelGroup, timeout_s: float,
-                  problem: str | None = None, purpose: str = "checkpoint", **same: Any) -> None:
+def agree_on_call(
+    call: str,
+    path: str | os.PathLike | None,
+    group: DataParallelGroup,
+    timeout_s: float,
+    problem: str | None = None,
+    purpose: str = "checkpoint",
+    **same: Any,
+) -> None:
     """Every rank of ``group`` made the same checkpoint ``call`` with the same ``path`` and ``same``
     arguments, and no rank found a ``problem``; otherwise an error on every rank that came.
 
@@ -79,23 +86,36 @@ def agree_on_call(call: str, path: str | os.PathLike | None, group: DataParallel
     ``purpose``: what the store counts these calls under (``rank_check.exchange_on_store``); calls made on
     another thread need one of their own.
     """
-    mine = {"call": call, "path": None if path is None else os.path.abspath(os.fspath(path)), "problem": problem,
-            **same}
+    mine = {
+        "call": call,
+        "path": None if path is None else os.path.abspath(os.fspath(path)),
+        "problem": problem,
+        **same,
+    }
     everyone = exchange_on_store(
-        mine, group, timeout_s, purpose, f"zcompile.checkpoint.{call}",
+        mine,
+        group,
+        timeout_s,
+        purpose,
+        f"zcompile.checkpoint.{call}",
         "Every rank of the group must make the same checkpoint calls: they read and write together, so a "
         "call under `if rank == 0:` waits forever for the others. Call it on every rank (the files are written "
-        "once), or raise timeout_s if a rank is only slow.")
+        "once), or raise timeout_s if a rank is only slow.",
+    )
     for key in ("call", "path", *same):
         values = [entry[key] for entry in everyone]
         if len({json.dumps(v) for v in values}) > 1:
-            raise CheckpointError(f"zcompile.checkpoint.{call}: the ranks passed different {key!r}: "
-                                  f"{dict(enumerate(values))}.{_DIFFERENT_FIXES.get(key, '')}")
+            raise CheckpointError(
+                f"zcompile.checkpoint.{call}: the ranks passed different {key!r}: "
+                f"{dict(enumerate(values))}.{_DIFFERENT_FIXES.get(key, '')}"
+            )
     found = [(rank, entry["problem"]) for rank, entry in enumerate(everyone) if entry["problem"]]
     if found:
         rank, text = found[0]
-        raise CheckpointError(f"zcompile.checkpoint.{call}({os.fspath(path)!r}): {text} (found on rank {rank}); "
-                              "the model and optimizer are unchanged")
+        raise CheckpointError(
+            f"zcompile.checkpoint.{call}({os.fspath(path)!r}): {text} (found on rank {rank}); "
+            "the model and optimizer are unchanged"
+        )
 
 
 def group_of(params) -> DataParallelGroup:

@@ -16,9 +16,10 @@ import sys
 from collections import Counter, defaultdict
 from typing import Any
 
+from zcompile.cli.simulate import add_parser as add_simulate_parser
+from zcompile.cli.simulate import cmd_simulate
 from zcompile.common.dumps import GRAPH_KINDS, DumpError, GraphDump, RankDump, graph_order, load_dump
 from zcompile.passes.collectives import KINDS
-from zcompile.cli.simulate import add_parser as add_simulate_parser, cmd_simulate
 
 WIDTH = 100
 WHERE = ("forward", "backward", "optimizer")
@@ -74,12 +75,16 @@ def nodes_after_last_pass(passes: list[dict]) -> dict[str, int]:
 
 def rank_differences(ranks: dict[int, RankDump]) -> list[str]:
     """How each rank differs from the first: graphs, passes, nodes, plan size, collectives, report totals."""
+
     def signature(dump: RankDump) -> dict:
         sig = {}
         for gid, graph in dump.graphs.items():
-            sig[gid] = {"passes": [r.get("pass") for r in graph.passes], "nodes": nodes_after_last_pass(graph.passes),
-                        "params": len((graph.plan or {}).get("params", [])),
-                        "collectives": collective_summary(graph.collectives)}
+            sig[gid] = {
+                "passes": [r.get("pass") for r in graph.passes],
+                "nodes": nodes_after_last_pass(graph.passes),
+                "params": len((graph.plan or {}).get("params", [])),
+                "collectives": collective_summary(graph.collectives),
+            }
         return sig
 
     first, *others = sorted(ranks)
@@ -141,9 +146,8 @@ class Output:
     def table(self, title: str, headers: list[str], rows: list[list[Any]], numeric: set[int] = frozenset()) -> None:
         cells = [[_n(v) for v in row] for row in rows]
         if self.console is not None:
-            from rich.table import Table
-
             from rich.box import SIMPLE_HEAD
+            from rich.table import Table
 
             self.console.print(title, style="bold", markup=False)
             table = Table(box=SIMPLE_HEAD, header_style="bold", pad_edge=False, show_edge=False)
@@ -160,8 +164,12 @@ class Output:
             widths[widest] -= 1
         print(title)
         for row in [headers, ["-" * w for w in widths], *cells]:
-            parts = [(c if len(c) <= w else c[: w - 1] + "~").rjust(w) if i in numeric else
-                     (c if len(c) <= w else c[: w - 1] + "~").ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+            parts = [
+                (c if len(c) <= w else c[: w - 1] + "~").rjust(w)
+                if i in numeric
+                else (c if len(c) <= w else c[: w - 1] + "~").ljust(w)
+                for i, (c, w) in enumerate(zip(row, widths))
+            ]
             print("  " + "  ".join(parts).rstrip())
         print()
 
@@ -182,44 +190,81 @@ def _pick_dump(path: str, ranks: dict[int, RankDump], rank: int | None) -> RankD
 
 def inspect_rank(out: Output, dump: RankDump) -> None:
     graphs = list(dump.graphs.values())
-    out.table(f"Graphs (rank {dump.rank})", ["graph", "stage", "world", "params", "passes", "pass ms", "nodes after"],
-              [[g.graph_id, (g.plan or {}).get("stage"), (g.plan or {}).get("world_size"),
-                len((g.plan or {}).get("params", [])) if g.plan else None, len(g.passes),
+    out.table(
+        f"Graphs (rank {dump.rank})",
+        ["graph", "stage", "world", "params", "passes", "pass ms", "nodes after"],
+        [
+            [
+                g.graph_id,
+                (g.plan or {}).get("stage"),
+                (g.plan or {}).get("world_size"),
+                len((g.plan or {}).get("params", [])) if g.plan else None,
+                len(g.passes),
                 round(sum(_num(r.get("seconds")) for r in g.passes) * 1e3, 2),
-                ", ".join(f"{k} {v:,}" for k, v in nodes_after_last_pass(g.passes).items())] for g in graphs],
-              numeric={1, 2, 3, 4, 5})
+                ", ".join(f"{k} {v:,}" for k, v in nodes_after_last_pass(g.passes).items()),
+            ]
+            for g in graphs
+        ],
+        numeric={1, 2, 3, 4, 5},
+    )
     rows = []
     for g in graphs:
         for r in sorted(g.passes, key=lambda r: r.get("index", 0)):
             before, after = r.get("nodes_before"), r.get("nodes_after")
             delta = f"{after - before:+,}" if isinstance(before, int) and isinstance(after, int) else "-"
-            rows.append([g.graph_id, r.get("index"), r.get("pass"), r.get("graph"),
-                         round(_num(r.get("seconds")) * 1e3, 2), f"{_n(before)} -> {_n(after)}", delta])
+            rows.append(
+                [
+                    g.graph_id,
+                    r.get("index"),
+                    r.get("pass"),
+                    r.get("graph"),
+                    round(_num(r.get("seconds")) * 1e3, 2),
+                    f"{_n(before)} -> {_n(after)}",
+                    delta,
+                ]
+            )
     out.table("Passes, in order", ["graph", "#", "pass", "on", "ms", "nodes", "delta"], rows, numeric={1, 4, 5, 6})
-    rows = [[g.graph_id, where, kind, *row] for g in graphs
-            for (where, kind), row in sorted(collective_summary(g.collectives).items(),
-                                             key=lambda kv: _where_kind_order(kv[0]))]
-    out.table("Collectives per graph", ["graph", "where", "kind", "count", "elements", "bytes"], rows,
-              numeric={3, 4, 5})
+    rows = [
+        [g.graph_id, where, kind, *row]
+        for g in graphs
+        for (where, kind), row in sorted(
+            collective_summary(g.collectives).items(), key=lambda kv: _where_kind_order(kv[0])
+        )
+    ]
+    out.table(
+        "Collectives per graph", ["graph", "where", "kind", "count", "elements", "bytes"], rows, numeric={3, 4, 5}
+    )
     everything = [r for g in graphs for r in g.collectives]
-    out.table("Totals (graphs)", ["kind", "count", "elements", "bytes"],
-              [[kind, *row] for kind, row in totals_by_kind(everything).items()], numeric={1, 2, 3})
+    out.table(
+        "Totals (graphs)",
+        ["kind", "count", "elements", "bytes"],
+        [[kind, *row] for kind, row in totals_by_kind(everything).items()],
+        numeric={1, 2, 3},
+    )
     if dump.report is not None:
         inspect_report(out, dump.report)
 
 
 def inspect_report(out: Output, report: dict) -> None:
     psi = report.get("num_params")
-    out.line(f"Step report: stage {_n(report.get('stage'))}, world {_n(report.get('world_size'))}, "
-             f"Ψ = {_n(psi)} parameters")
+    out.line(
+        f"Step report: stage {_n(report.get('stage'))}, world {_n(report.get('world_size'))}, Ψ = {_n(psi)} parameters"
+    )
     step = report.get("collectives") or []
-    out.table("Step collectives (report.json)", ["where", "kind", "count", "elements", "bytes"],
-              [[where, kind, *row] for (where, kind), row in sorted(collective_summary(step).items(),
-                                                                    key=lambda kv: _where_kind_order(kv[0]))],
-              numeric={2, 3, 4})
+    out.table(
+        "Step collectives (report.json)",
+        ["where", "kind", "count", "elements", "bytes"],
+        [
+            [where, kind, *row]
+            for (where, kind), row in sorted(collective_summary(step).items(), key=lambda kv: _where_kind_order(kv[0]))
+        ],
+        numeric={2, 3, 4},
+    )
     totals, formula = report.get("totals") or {}, report.get("formula_elements")
-    rows = [[kind, value, f"{value / psi:.3f}" if psi and isinstance(value, (int, float)) else "-"]
-            for kind, value in totals.items()]
+    rows = [
+        [kind, value, f"{value / psi:.3f}" if psi and isinstance(value, (int, float)) else "-"]
+        for kind, value in totals.items()
+    ]
     rows.append(["formula", formula, f"{formula / psi:.3f}" if psi and isinstance(formula, (int, float)) else "-"])
     out.table("Elements per step vs ZeRO's formula", ["", "elements", "Ψ"], rows, numeric={1, 2})
     out.line(f"total / formula = {_ratio(formula, totals.get('total'))}")
@@ -267,8 +312,9 @@ def cmd_diff(args: argparse.Namespace, out: Output, warnings: list[str]) -> int:
     for gid in ids:
         pa, pb = (Counter(f"{r.get('pass')} ({r.get('graph')})" for r in g[gid].passes) for g in (ga, gb))
         if pa != pb:
-            rows.append([gid, ", ".join(sorted((pa - pb).elements())) or "-",
-                         ", ".join(sorted((pb - pa).elements())) or "-"])
+            rows.append(
+                [gid, ", ".join(sorted((pa - pb).elements())) or "-", ", ".join(sorted((pb - pa).elements())) or "-"]
+            )
     if rows:
         out.table("Passes", ["graph", "only in A", "only in B"], rows)
     else:
@@ -286,8 +332,12 @@ def cmd_diff(args: argparse.Namespace, out: Output, warnings: list[str]) -> int:
         for key in sorted(set(sa) | set(sb), key=_where_kind_order):
             ra, rb = sa.get(key, [0, 0, 0]), sb.get(key, [0, 0, 0])
             rows.append([gid, *key, ra[0], rb[0], ra[2], rb[2], _ratio(ra[2], rb[2])])
-    out.table("Collectives", ["graph", "where", "kind", "count A", "count B", "bytes A", "bytes B", "B/A"], rows,
-              numeric={3, 4, 5, 6, 7})
+    out.table(
+        "Collectives",
+        ["graph", "where", "kind", "count A", "count B", "bytes A", "bytes B", "B/A"],
+        rows,
+        numeric={3, 4, 5, 6, 7},
+    )
     ta, tb = (totals_by_kind([r for g in graphs.values() for r in g.collectives]) for graphs in (ga, gb))
     rows = []
     for kind in sorted(set(ta) | set(tb), key=lambda k: (k == "total", _kind_order(k))):
@@ -321,15 +371,25 @@ def build_parser() -> argparse.ArgumentParser:
     diff = commands.add_parser("diff", parents=[common], help="what differs between two dumps")
     diff.add_argument("dir_a")
     diff.add_argument("dir_b")
-    diff.add_argument("--rank", type=int, help="the rank to compare (default: each dump's lowest, 0); "
-                      "diff DIR/rank0 DIR/rank1 compares two ranks of one dump")
+    diff.add_argument(
+        "--rank",
+        type=int,
+        help="the rank to compare (default: each dump's lowest, 0); "
+        "diff DIR/rank0 DIR/rank1 compares two ranks of one dump",
+    )
     consolidate = commands.add_parser(
-        "consolidate", parents=[common], help="full fp32 weights of a zcompile.checkpoint directory, in one file "
-        "a plain model loads (torch.save, or safetensors for OUT ending in .safetensors)")
+        "consolidate",
+        parents=[common],
+        help="full fp32 weights of a zcompile.checkpoint directory, in one file "
+        "a plain model loads (torch.save, or safetensors for OUT ending in .safetensors)",
+    )
     consolidate.add_argument("checkpoint")
     consolidate.add_argument("out")
-    report = commands.add_parser("tune-report", parents=[common], help="the trials and choice of a zcompile.tune "
-                                 "result (tune.json), as tune printed them")
+    report = commands.add_parser(
+        "tune-report",
+        parents=[common],
+        help="the trials and choice of a zcompile.tune result (tune.json), as tune printed them",
+    )
     report.add_argument("result")
     add_simulate_parser(commands, common)
     return parser
@@ -359,13 +419,17 @@ def cmd_consolidate(args: argparse.Namespace, out: Output, warnings: list[str]) 
     if not os.path.isdir(args.checkpoint):
         raise DumpError(f"{args.checkpoint}: no such checkpoint directory")
     summary = consolidate(args.checkpoint, args.out)
-    out.line(f"{summary['out']}: {summary['parameters']} parameters ({summary['elements']:,} elements), "
-             f"{summary['tensors']} tensors with aliases and buffers, from a checkpoint of "
-             f"{summary['saved_world_size']} rank(s)")
+    out.line(
+        f"{summary['out']}: {summary['parameters']} parameters ({summary['elements']:,} elements), "
+        f"{summary['tensors']} tensors with aliases and buffers, from a checkpoint of "
+        f"{summary['saved_world_size']} rank(s)"
+    )
     if summary["excluded_frozen"]:
-        out.line(f"without the {len(summary['excluded_frozen'])} frozen parameters the checkpoint left out "
-                 f"(saved with exclude_frozen_parameters=True): {', '.join(summary['excluded_frozen'][:3])}"
-                 f"{', ...' if len(summary['excluded_frozen']) > 3 else ''}")
+        out.line(
+            f"without the {len(summary['excluded_frozen'])} frozen parameters the checkpoint left out "
+            f"(saved with exclude_frozen_parameters=True): {', '.join(summary['excluded_frozen'][:3])}"
+            f"{', ...' if len(summary['excluded_frozen']) > 3 else ''}"
+        )
     return 0
 
 
@@ -373,8 +437,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out, warnings = Output(args.plain), []
     try:
-        command = {"inspect": cmd_inspect, "diff": cmd_diff, "consolidate": cmd_consolidate,
-                   "tune-report": cmd_tune_report, "simulate": cmd_simulate}[args.command]
+        command = {
+            "inspect": cmd_inspect,
+            "diff": cmd_diff,
+            "consolidate": cmd_consolidate,
+            "tune-report": cmd_tune_report,
+            "simulate": cmd_simulate,
+        }[args.command]
         status = command(args, out, warnings)
     except DumpError as error:
         print(f"zcompile {args.command}: error: {error}", file=sys.stderr)

@@ -23,23 +23,42 @@ GIB = 2**30
 
 
 def add_parser(commands, common: argparse.ArgumentParser) -> None:
-    parser = commands.add_parser("simulate", parents=[common], help="memory and step time of a transformers model "
-                                 "at a world size this machine does not have (zcompile.simulate)")
+    parser = commands.add_parser(
+        "simulate",
+        parents=[common],
+        help="memory and step time of a transformers model "
+        "at a world size this machine does not have (zcompile.simulate)",
+    )
     parser.add_argument("spec", help="JSON file: a transformers config dict with its model_type")
     parser.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
     parser.add_argument("--node-size", type=int, default=None, help="ranks per node (default: the profile's)")
     parser.add_argument("--hardware", default="h100-sxm", help="profile name (h100-sxm, a100-80gb, cpu-local) or path")
     parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="a zero backend option (JSON value, or a plain string), e.g. stage=3, param_dtype=bf16")
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a zero backend option (JSON value, or a plain string), e.g. stage=3, param_dtype=bf16",
+    )
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the result as JSON")
-    parser.add_argument("--space", action="append", default=[], metavar="KEY=V1,V2",
-                        help="tune by simulation: candidates of a zero backend option (repeat for more options)")
-    parser.add_argument("--memory-limit-gb", type=float, default=None, help="with --space: GiB per GPU; points "
-                        "over it are pruned")
-    parser.add_argument("--plot", default=None, metavar="PNG", help="with --space: step time against memory, "
-                        "the Pareto front highlighted")
+    parser.add_argument(
+        "--space",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="tune by simulation: candidates of a zero backend option (repeat for more options)",
+    )
+    parser.add_argument(
+        "--memory-limit-gb", type=float, default=None, help="with --space: GiB per GPU; points over it are pruned"
+    )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="with --space: step time against memory, the Pareto front highlighted",
+    )
 
 
 def _value(text: str):
@@ -82,7 +101,7 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
             spec = json.load(f)
         model_type = spec.pop("model_type", None)
         if model_type is None:
-            raise ValueError("the spec needs a model_type (e.g. \"llama\", \"gpt2\")")
+            raise ValueError('the spec needs a model_type (e.g. "llama", "gpt2")')
         config = transformers.AutoConfig.for_model(model_type, **spec)
         options = parse_options(args.option)
         space = parse_space(args.space)
@@ -91,29 +110,49 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
     config.use_cache = False
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
     if space:
-        return _tune(args, out, lambda: transformers.AutoModelForCausalLM.from_config(config),
-                     {"input_ids": ids, "labels": ids}, space, options)
+        return _tune(
+            args,
+            out,
+            lambda: transformers.AutoModelForCausalLM.from_config(config),
+            {"input_ids": ids, "labels": ids},
+            space,
+            options,
+        )
     try:
-        result = simulate(lambda: transformers.AutoModelForCausalLM.from_config(config),
-                          {"input_ids": ids, "labels": ids}, world_size=args.world, node_size=args.node_size,
-                          options=options, hardware=args.hardware)
+        result = simulate(
+            lambda: transformers.AutoModelForCausalLM.from_config(config),
+            {"input_ids": ids, "labels": ids},
+            world_size=args.world,
+            node_size=args.node_size,
+            options=options,
+            hardware=args.hardware,
+        )
     except ValueError as error:  # a bad option, world size or hardware profile: said, not a traceback
         raise DumpError(str(error)) from None
     _say_nodes(args, out)
     rows = [[part, f"{nbytes / GIB:.2f}"] for part, nbytes in result.memory.items()]
     rows.append(["per rank", f"{result.per_rank_bytes / GIB:.2f}"])
     rows.append([f"step peak ({result.step_peak_phase})", f"{result.step_peak_bytes / GIB:.2f}"])
-    out.table(f"{model_type}, {result.num_params / 1e9:.2f}B parameters, {result.world_size} ranks "
-              f"({result.node_size} per node), {result.hardware}: GiB per rank", ["part", "GiB"], rows, numeric={1})
-    rows = [[where, f"{result.bytes_by(where) / GIB:.2f}", f"{result.bytes_by(where, inside_node=False) / GIB:.2f}"]
-            for where in ("forward", "backward", "optimizer")]
+    out.table(
+        f"{model_type}, {result.num_params / 1e9:.2f}B parameters, {result.world_size} ranks "
+        f"({result.node_size} per node), {result.hardware}: GiB per rank",
+        ["part", "GiB"],
+        rows,
+        numeric={1},
+    )
+    rows = [
+        [where, f"{result.bytes_by(where) / GIB:.2f}", f"{result.bytes_by(where, inside_node=False) / GIB:.2f}"]
+        for where in ("forward", "backward", "optimizer")
+    ]
     out.table("collectives per step and rank (GiB)", ["where", "all", "across nodes"], rows, numeric={1, 2})
     host = f", host {result.host_overhead_s * 1e3:.1f} ms" if result.host_overhead_s else ""
     if result.store_s:
         host += f", the ranks' {result.store_exchanges} agreement{'s' if result.store_exchanges != 1 else ''} through the store {result.store_s * 1e3:.1f} ms"
-    out.line(f"step {result.step_s * 1e3:.1f} ms (compute {result.compute_s * 1e3:.1f} ms, exposed communication "
-             f"{result.exposed_comm_s * 1e3:.1f} ms{host}), {result.tokens_per_rank / result.step_s:,.0f} tokens/s per "
-             f"rank, MFU {100 * result.mfu:.1f}%; simulated in {result.simulate_s:.1f} s")
+    out.line(
+        f"step {result.step_s * 1e3:.1f} ms (compute {result.compute_s * 1e3:.1f} ms, exposed communication "
+        f"{result.exposed_comm_s * 1e3:.1f} ms{host}), {result.tokens_per_rank / result.step_s:,.0f} tokens/s per "
+        f"rank, MFU {100 * result.mfu:.1f}%; simulated in {result.simulate_s:.1f} s"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result.to_dict(), f, indent=1)
@@ -131,9 +170,11 @@ def _say_nodes(args: argparse.Namespace, out) -> None:
     profile = load_profile(args.hardware)
     if profile.host_cores and args.world > profile.node_size:
         nodes = -(-args.world // profile.node_size)
-        out.line(f"note: {args.world} ranks priced as {nodes} hosts of {profile.node_size} ranks (the profile's "
-                 f"node_size); for all of them on one host of {profile.host_cores} cores, pass "
-                 f"--node-size {args.world}")
+        out.line(
+            f"note: {args.world} ranks priced as {nodes} hosts of {profile.node_size} ranks (the profile's "
+            f"node_size); for all of them on one host of {profile.host_cores} cores, pass "
+            f"--node-size {args.world}"
+        )
 
 
 def _tune(args: argparse.Namespace, out, make_model, batch: dict, space: dict, options: dict) -> int:
@@ -141,13 +182,25 @@ def _tune(args: argparse.Namespace, out, make_model, batch: dict, space: dict, o
     from zcompile.tune.simulated_report import COLUMNS, LEFT, point_rows, summary_lines
 
     try:
-        result = simulate_tune(make_model, batch, space=space, world_size=args.world, node_size=args.node_size,
-                               base_options=options, hardware=args.hardware, memory_limit_gb=args.memory_limit_gb)
+        result = simulate_tune(
+            make_model,
+            batch,
+            space=space,
+            world_size=args.world,
+            node_size=args.node_size,
+            base_options=options,
+            hardware=args.hardware,
+            memory_limit_gb=args.memory_limit_gb,
+        )
     except (TypeError, ValueError) as error:  # a bad space, option, world size or profile: said, not a traceback
         raise DumpError(str(error)) from None
     _say_nodes(args, out)
-    out.table(f"{len(result.points)} points simulated at {result.world_size} ranks ({result.hardware})",
-              list(COLUMNS), point_rows(result), numeric=set(range(len(COLUMNS))) - LEFT)
+    out.table(
+        f"{len(result.points)} points simulated at {result.world_size} ranks ({result.hardware})",
+        list(COLUMNS),
+        point_rows(result),
+        numeric=set(range(len(COLUMNS))) - LEFT,
+    )
     for line in summary_lines(result):
         out.line(line)
     if args.json:

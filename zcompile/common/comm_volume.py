@@ -30,15 +30,26 @@ class CollectiveRecord:
         return self.elements * self.dtype.itemsize
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "elements": self.elements, "bytes": self.bytes, "dtype": str(self.dtype),
-                "where": self.where, "params": list(self.params), "group": self.group,
-                "group_size": self.group_size}
+        return {
+            "kind": self.kind,
+            "elements": self.elements,
+            "bytes": self.bytes,
+            "dtype": str(self.dtype),
+            "where": self.where,
+            "params": list(self.params),
+            "group": self.group,
+            "group_size": self.group_size,
+        }
 
 
 def graph_collectives(gm: torch.fx.GraphModule | None, where: str) -> list[CollectiveRecord]:
     """The collectives of an (AOTAutograd, aten-level) graph, in graph order."""
-    return [CollectiveRecord(c.kind, c.elements, c.dtype, where, tuple(metadata.params_of(c.node)), c.group_name,
-                             c.group_size) for c in collective_nodes(gm)]
+    return [
+        CollectiveRecord(
+            c.kind, c.elements, c.dtype, where, tuple(metadata.params_of(c.node)), c.group_name, c.group_size
+        )
+        for c in collective_nodes(gm)
+    ]
 
 
 def step_collectives(compiled_graphs, optimizer=None) -> list[CollectiveRecord]:

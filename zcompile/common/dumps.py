@@ -151,8 +151,11 @@ def _read_records(path: Path, warnings: list[str]) -> list[dict]:
 def _read_rank(rank: int, path: Path, warnings: list[str]) -> RankDump:
     graphs = {}
     for folder in sorted((p for p in path.iterdir() if p.is_dir()), key=lambda p: graph_order(p.name)):
-        graph = GraphDump(folder.name, _read_json(folder / SHARDING_PLAN_FILE, dict, warnings),
-                          _read_records(folder / PASSES_FILE, warnings))
+        graph = GraphDump(
+            folder.name,
+            _read_json(folder / SHARDING_PLAN_FILE, dict, warnings),
+            _read_records(folder / PASSES_FILE, warnings),
+        )
         for kind in COLLECTIVE_GRAPHS:
             records = _read_records(folder / collectives_file(kind), warnings)
             graph.collectives += [{"where": kind, **record} for record in records]

@@ -67,8 +67,7 @@ def compile_mode() -> list:
     """What, besides its collectives, tells one compile of a frame from another that a rank may run
     alone: grad mode (an evaluation under ``torch.no_grad()``) and the training flags of the frame's
     modules (``model.eval()``), as ``[grad enabled, digest of the flags]``."""
-    flags = "".join("1" if module.training else "0"
-                    for top in modules_of_compiled_frame() for module in top.modules())
+    flags = "".join("1" if module.training else "0" for top in modules_of_compiled_frame() for module in top.modules())
     return [torch.is_grad_enabled(), hashlib.sha1(flags.encode()).hexdigest()[:12]]
 
 
@@ -155,12 +154,16 @@ def _fallback_reason(code) -> str:
         shown = "; ".join(f"`{cause}`" for cause in causes[:SHOWN_CAUSES])
         more = f" and {len(causes) - SHOWN_CAUSES} more" if len(causes) > SHOWN_CAUSES else ""
         named = f" The guards that failed, the latest first: {shown}{more}." if causes else ""
-        return (f"Dynamo ran {where} eagerly because it hit torch._dynamo.config.recompile_limit (cache_size_limit) "
-                f"= {limit} recompiles.{named} "
-                + "".join(f"{fix[0].upper()}{fix[1:]}. " for fix in (fixes if causes else [_RECOMPILE_FIXES[0][1]]))
-                + "Or raise torch._dynamo.config.cache_size_limit (TORCH_LOGS=recompiles shows each recompile).")
-    return (f"Dynamo ran {where} eagerly (a skipped frame or a graph break there; TORCH_LOGS=graph_breaks says "
-            f"why{_reasons_so_far()}): make it compile, or keep it out of the training step.")
+        return (
+            f"Dynamo ran {where} eagerly because it hit torch._dynamo.config.recompile_limit (cache_size_limit) "
+            f"= {limit} recompiles.{named} "
+            + "".join(f"{fix[0].upper()}{fix[1:]}. " for fix in (fixes if causes else [_RECOMPILE_FIXES[0][1]]))
+            + "Or raise torch._dynamo.config.cache_size_limit (TORCH_LOGS=recompiles shows each recompile)."
+        )
+    return (
+        f"Dynamo ran {where} eagerly (a skipped frame or a graph break there; TORCH_LOGS=graph_breaks says "
+        f"why{_reasons_so_far()}): make it compile, or keep it out of the training step."
+    )
 
 
 def _reasons_so_far() -> str:
@@ -171,15 +174,24 @@ def _reasons_so_far() -> str:
 SHOWN_CAUSES = 4
 # what a failed guard's text says -> the fix for it (each said once)
 _RECOMPILE_FIXES = (
-    ("size mismatch", "a new input shape each time: mark the changing dimension dynamic (torch._dynamo.mark_dynamic, "
-                      "or torch.compile(dynamic=True)), or pad inputs to a few fixed shapes"),
+    (
+        "size mismatch",
+        "a new input shape each time: mark the changing dimension dynamic (torch._dynamo.mark_dynamic, "
+        "or torch.compile(dynamic=True)), or pad inputs to a few fixed shapes",
+    ),
     ("stride mismatch", "a new input layout each time: pass contiguous inputs"),
     ("dtype mismatch", "a new input dtype each time: cast inputs to one dtype"),
     (".training ==", "train and eval mode each compile their own graph (model.train() / model.eval())"),
-    ("layer_idx", "an integer attribute differs per layer (blocks compiled one by one each specialize on it): "
-                  "torch._dynamo.config.allow_unspec_int_on_nn_module = True"),
-    ("is_initialized", "a key/value cache passes through the layers: use_cache=False where nothing generates "
-                       "(training and evaluation losses)"),
+    (
+        "layer_idx",
+        "an integer attribute differs per layer (blocks compiled one by one each specialize on it): "
+        "torch._dynamo.config.allow_unspec_int_on_nn_module = True",
+    ),
+    (
+        "is_initialized",
+        "a key/value cache passes through the layers: use_cache=False where nothing generates "
+        "(training and evaluation losses)",
+    ),
 )
 
 
@@ -212,17 +224,23 @@ _LIBRARY_DIRS = (os.path.dirname(torch.__file__), _ZCOMPILE_DIR + os.sep)
 def _skipped_reason(code) -> str:
     """Under a compiled call, and no frame on the way has compiled entries: Dynamo gave up on a frame
     (a graph break inside a loop makes it run the whole frame eagerly) and runs it, from ``code`` on."""
-    return (f"Dynamo runs {code.co_name!r} ({code.co_filename}:{code.co_firstlineno}) eagerly under the compiled "
-            "call: it gave up on a frame there (a graph break inside a loop does that, such as LayerDrop's "
-            f"`if torch.rand([]) < p` in transformers' layer loops; TORCH_LOGS=graph_breaks says where"
-            f"{_reasons_so_far()}). Make it "
-            "compile (take the break out: config.layerdrop = 0), or train with stage 1 or 2, where eager code may "
-            "use the weights.")
+    return (
+        f"Dynamo runs {code.co_name!r} ({code.co_filename}:{code.co_firstlineno}) eagerly under the compiled "
+        "call: it gave up on a frame there (a graph break inside a loop does that, such as LayerDrop's "
+        f"`if torch.rand([]) < p` in transformers' layer loops; TORCH_LOGS=graph_breaks says where"
+        f"{_reasons_so_far()}). Make it "
+        "compile (take the break out: config.layerdrop = 0), or train with stage 1 or 2, where eager code may "
+        "use the weights."
+    )
 
 
 # hints Dynamo gives every graph break: they name no fix
-_GENERIC_HINTS = ("It may be possible to write Dynamo tracing rules", "Remove the graph break",
-                  "Avoid calling", "Use `torch._dynamo.config")
+_GENERIC_HINTS = (
+    "It may be possible to write Dynamo tracing rules",
+    "Remove the graph break",
+    "Avoid calling",
+    "Use `torch._dynamo.config",
+)
 
 
 def graph_break_reasons(shown: int = SHOWN_CAUSES) -> list[str]:
@@ -242,8 +260,14 @@ def graph_break_reasons(shown: int = SHOWN_CAUSES) -> list[str]:
     for text, _ in seen.most_common():
         lines = [line.strip() for line in str(text).splitlines() if line.strip()]
         summary = lines[0] if lines else ""
-        hint = next((line.removeprefix("Hint:").strip() for line in lines[1:] if line.startswith("Hint:")
-                     and not line.removeprefix("Hint:").strip().startswith(_GENERIC_HINTS)), None)
+        hint = next(
+            (
+                line.removeprefix("Hint:").strip()
+                for line in lines[1:]
+                if line.startswith("Hint:") and not line.removeprefix("Hint:").strip().startswith(_GENERIC_HINTS)
+            ),
+            None,
+        )
         reason = f"{summary} ({hint})" if hint else summary
         if reason and reason not in reasons:
             reasons.append(reason)
@@ -277,19 +301,31 @@ def eager_fallback_cause(error: BaseException) -> tuple[str, str] | None:
 
     op = getattr(error, "func", None) or str(error)
     if isinstance(error, fake_tensor.DynamicOutputShapeException):
-        return (f"{op}'s output shape depends on the tensor's values (a boolean mask as an index, nonzero, unique)",
-                "Set `torch._dynamo.config.capture_dynamic_output_shape_ops = True` before the first compiled "
-                "call: the op then compiles into the graph")
+        return (
+            f"{op}'s output shape depends on the tensor's values (a boolean mask as an index, nonzero, unique)",
+            "Set `torch._dynamo.config.capture_dynamic_output_shape_ops = True` before the first compiled "
+            "call: the op then compiles into the graph",
+        )
     if isinstance(error, fake_tensor.DataDependentOutputException):
         if any(name in str(op) for name in ("_local_scalar_dense", "select")):  # .item(), an index read from data
-            return (f"{op} reads a value from the tensor's data (`.item()`, an index taken from a tensor)",
-                    "Set `torch._dynamo.config.capture_scalar_outputs = True` before the first compiled call: the "
-                    "op then compiles into the graph")
+            return (
+                f"{op} reads a value from the tensor's data (`.item()`, an index taken from a tensor)",
+                "Set `torch._dynamo.config.capture_scalar_outputs = True` before the first compiled call: the "
+                "op then compiles into the graph",
+            )
         return (f"{op}'s result depends on the tensor's values", "Compute it outside the compiled model")
-    if isinstance(error, (fake_tensor.UnsupportedOperatorException, fake_tensor.UnsupportedFakeTensorException,
-                          fake_tensor.UnsupportedMutationAliasingException)):
-        return (f"{op} cannot be traced with fake tensors ({type(error).__name__}: {error})",
-                "Replace it with ops that can be")
+    if isinstance(
+        error,
+        (
+            fake_tensor.UnsupportedOperatorException,
+            fake_tensor.UnsupportedFakeTensorException,
+            fake_tensor.UnsupportedMutationAliasingException,
+        ),
+    ):
+        return (
+            f"{op} cannot be traced with fake tensors ({type(error).__name__}: {error})",
+            "Replace it with ops that can be",
+        )
     return None
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
+
 @dataclass(frozen=True)
 class DataParallelGroup:
     """The ranks that share one model replica's states: ``world_size == 1`` means no communication."""
@@ -41,14 +42,16 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_gather_eager(out: torch.Tensor, shard: torch.Tensor, group: DataParallelGroup,
-                     async_op: bool = False) -> dist.Work | None:
+def all_gather_eager(
+    out: torch.Tensor, shard: torch.Tensor, group: DataParallelGroup, async_op: bool = False
+) -> dist.Work | None:
     """``out`` = every rank's ``shard`` concatenated; with ``async_op`` returns the work to wait on."""
     return _all_gather_flat(out, shard, group=group.process_group, async_op=async_op)
 
 
-def reduce_scatter_eager(out: torch.Tensor, full: torch.Tensor, group: DataParallelGroup,
-                         async_op: bool = False) -> dist.Work | None:
+def reduce_scatter_eager(
+    out: torch.Tensor, full: torch.Tensor, group: DataParallelGroup, async_op: bool = False
+) -> dist.Work | None:
     """``out`` = this rank's slice of the sum of every rank's ``full``; ``async_op`` as above."""
     return _reduce_scatter_flat(out, full, op=dist.ReduceOp.SUM, group=group.process_group, async_op=async_op)
 
@@ -59,21 +62,24 @@ def gather_to_first_eager(out: torch.Tensor | None, shard: torch.Tensor, group: 
     dist.gather(shard, pieces, group_dst=0, group=group.process_group)
 
 
-def all_reduce_eager(tensor: torch.Tensor, group: DataParallelGroup, op: dist.ReduceOp.RedOpType,
-                     async_op: bool = False) -> dist.Work | None:
+def all_reduce_eager(
+    tensor: torch.Tensor, group: DataParallelGroup, op: dist.ReduceOp.RedOpType, async_op: bool = False
+) -> dist.Work | None:
     """``tensor`` (in place) = ``op`` over every rank's ``tensor`` (a scalar for gradient clipping);
     ``async_op`` as above."""
     return dist.all_reduce(tensor, op=op, group=group.process_group, async_op=async_op)
 
 
-def all_to_all_eager(out: torch.Tensor, rows: torch.Tensor, group: DataParallelGroup,
-                     async_op: bool = False) -> dist.Work | None:
+def all_to_all_eager(
+    out: torch.Tensor, rows: torch.Tensor, group: DataParallelGroup, async_op: bool = False
+) -> dist.Work | None:
     """``out[r]`` = rank ``r``'s ``rows[this rank]`` (``[N, ...]`` each); ``async_op`` as above."""
     return dist.all_to_all_single(out, rows, group=group.process_group, async_op=async_op)
 
 
-def broadcast_from_first(tensors: list[torch.Tensor], group: DataParallelGroup,
-                         bucket_bytes: int | None = None) -> None:
+def broadcast_from_first(
+    tensors: list[torch.Tensor], group: DataParallelGroup, bucket_bytes: int | None = None
+) -> None:
     """Every rank's ``tensors`` = the group's rank 0's, in one flat broadcast per dtype and device, or
     per ``bucket_bytes`` of them (a whole model's copy would double its memory for a moment)."""
     buckets: list[list[torch.Tensor]] = []
@@ -118,8 +124,9 @@ def gathers_into_buffers(group: DataParallelGroup) -> bool:
     return group.world_size > 1 and on_gloo(group)
 
 
-def all_gather_coalesced_into(outputs: list[torch.Tensor], shards: list[torch.Tensor],
-                              group: DataParallelGroup) -> dist.Work:
+def all_gather_coalesced_into(
+    outputs: list[torch.Tensor], shards: list[torch.Tensor], group: DataParallelGroup
+) -> dist.Work:
     """Each ``outputs[i]`` (a member's flat padded storage, ``[N * s_i]``) = every rank's ``shards[i]``,
     as one collective; async. ``shards[i]`` may be this rank's chunk of ``outputs[i]`` (fp32 stages 1
     and 2: the shard is a view of the parameter's storage), which torch's all-gathers allow.
@@ -139,8 +146,9 @@ def all_gather_coalesced_into(outputs: list[torch.Tensor], shards: list[torch.Te
     order = sorted(range(len(outputs)), key=lambda i: shards[i].numel())
     process_group = group.process_group
     # torch 2.13 renamed it (as the flat collectives above); 2.11 has the old name
-    coalesced = (getattr(process_group, "all_gather_single_coalesced", None)
-                 or process_group.allgather_into_tensor_coalesced)
+    coalesced = (
+        getattr(process_group, "all_gather_single_coalesced", None) or process_group.allgather_into_tensor_coalesced
+    )
     try:
         return coalesced([outputs[i] for i in order], [shards[i] for i in order])
     except RuntimeError as error:
@@ -183,9 +191,11 @@ def group_ranks_by_name() -> dict[str, tuple[int, ...]]:
     """The global ranks (in group-rank order) of every process group this rank is in, by group name:
     what the ``group_name`` argument of a graph's collective stands for. Reads the registry
     ``find_group`` reads."""
-    return {group.group_name: tuple(sorted(members, key=members.__getitem__))
-            for group, members in dist.distributed_c10d._world.pg_group_ranks.items()
-            if group is not dist.GroupMember.NON_GROUP_MEMBER}
+    return {
+        group.group_name: tuple(sorted(members, key=members.__getitem__))
+        for group, members in dist.distributed_c10d._world.pg_group_ranks.items()
+        if group is not dist.GroupMember.NON_GROUP_MEMBER
+    }
 
 
 def process_group_timeout_s(group: DataParallelGroup) -> float:

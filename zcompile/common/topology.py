@@ -24,6 +24,7 @@ from zcompile.common.process_group import DataParallelGroup, find_group
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class NodeLayout:
     """N ranks as M nodes of K consecutive ranks."""
@@ -88,7 +89,8 @@ def node_groups(group: DataParallelGroup, node_size: int) -> NodeGroups:
         raise ValueError(
             "zero backend: the ZeRO++ options (quantize_grads, hpz_size) split the data-parallel group into "
             f"nodes, which needs it to span every rank ({group.world_size} of {dist.get_world_size()} here); "
-            "pass group=None or drop those options")
+            "pass group=None or drop those options"
+        )
     layout = NodeLayout(group.world_size, node_size)
     ranks = dist.get_process_group_ranks(group.process_group)
     me = group.rank
@@ -97,15 +99,26 @@ def node_groups(group: DataParallelGroup, node_size: int) -> NodeGroups:
     intra, inter = find_group(intra_ranks), find_group(inter_ranks)
     if intra is None or inter is None:  # the same on every rank: all made them, or none did
         intra, _ = dist.new_subgroups_by_enumeration(
-            [[ranks[r] for r in layout.intra_ranks(node)] for node in range(layout.nodes)])
+            [[ranks[r] for r in layout.intra_ranks(node)] for node in range(layout.nodes)]
+        )
         inter, _ = dist.new_subgroups_by_enumeration(
-            [[ranks[r] for r in layout.inter_ranks(local)] for local in range(layout.node_size)])
+            [[ranks[r] for r in layout.inter_ranks(local)] for local in range(layout.node_size)]
+        )
     result = NodeGroups(layout, _as_group(intra), _as_group(inter))
-    log.info("node groups: %d nodes of %d ranks (intra group %s, inter group %s)", layout.nodes, node_size,
-             result.intra.name, result.inter.name)
+    log.info(
+        "node groups: %d nodes of %d ranks (intra group %s, inter group %s)",
+        layout.nodes,
+        node_size,
+        result.intra.name,
+        result.inter.name,
+    )
     return result
 
 
 def _as_group(process_group: dist.ProcessGroup) -> DataParallelGroup:
-    return DataParallelGroup(rank=dist.get_rank(process_group), world_size=dist.get_world_size(process_group),
-                             name=process_group.group_name, process_group=process_group)
+    return DataParallelGroup(
+        rank=dist.get_rank(process_group),
+        world_size=dist.get_world_size(process_group),
+        name=process_group.group_name,
+        process_group=process_group,
+    )

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
+from zcompile.agreement.rank_check import agree_on_store, names_digest
+from zcompile.common.process_group import all_gather_eager, gather_to_first_eager
 from zcompile.eager import gathered_grads as full_grads
 from zcompile.optim.buckets import copy_rows, plan_optimizer_buckets
-from zcompile.common.process_group import all_gather_eager, gather_to_first_eager
 from zcompile.sharding.shards import ShardedParam, shard_of
-from zcompile.agreement.rank_check import agree_on_store, names_digest
 
 DEFAULT_TIMEOUT_S = 60.0
 GATHER_BUCKET_BYTES = 4 * 2**20  # full bytes per all-gather on entry, as the optimizer's default bucket_mb
@@ -29,8 +29,13 @@ def _freed_shards(model: torch.nn.Module) -> list[ShardedParam]:
 
 
 @contextlib.contextmanager
-def gathered(model: torch.nn.Module, writeback: bool | None = None, rank0_only: bool = False,
-             timeout_s: float = DEFAULT_TIMEOUT_S, grads: bool = False) -> Iterator[torch.nn.Module]:
+def gathered(
+    model: torch.nn.Module,
+    writeback: bool | None = None,
+    rank0_only: bool = False,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    grads: bool = False,
+) -> Iterator[torch.nn.Module]:
     """Materializes the full parameters of ``model`` inside the block and frees them after.
 
     Use it for evaluation, ``generate()``, export or inspection in eager mode (call the original
@@ -57,11 +62,15 @@ def gathered(model: torch.nn.Module, writeback: bool | None = None, rank0_only: 
     step applies (``zcompile.eager.gathered_grads``). Not with ``rank0_only``.
     """
     if rank0_only and writeback:
-        raise ValueError("zcompile.gathered: writeback=True with rank0_only=True is not supported (rank 0's changes "
-                         "would have to be scattered to every rank); use writeback=False, or rank0_only=False")
+        raise ValueError(
+            "zcompile.gathered: writeback=True with rank0_only=True is not supported (rank 0's changes "
+            "would have to be scattered to every rank); use writeback=False, or rank0_only=False"
+        )
     if rank0_only and grads:
-        raise ValueError("zcompile.gathered: grads=True with rank0_only=True is not supported (the averaged gradients "
-                         "are gathered on every rank); use rank0_only=False and read them on rank 0")
+        raise ValueError(
+            "zcompile.gathered: grads=True with rank0_only=True is not supported (the averaged gradients "
+            "are gathered on every rank); use rank0_only=False and read them on rank 0"
+        )
     writeback = not rank0_only if writeback is None else writeback
     shards = [s for s in _freed_shards(model) if s.is_freed]
     grad_members = _sharded_params(model) if grads else []  # every sharded parameter, freed or not
@@ -91,11 +100,18 @@ def _materialize(shards: list[ShardedParam], rank0_only: bool) -> None:
     for sharded in receives:
         sharded.allocate_full()
     receiving = set(map(id, receives))
-    gather_into_full([(s.param.data.view(-1) if id(s) in receiving else None, s.shard.detach().to(s.param.dtype), s)
-                      for s in shards], to_first=rank0_only)
+    gather_into_full(
+        [
+            (s.param.data.view(-1) if id(s) in receiving else None, s.shard.detach().to(s.param.dtype), s)
+            for s in shards
+        ],
+        to_first=rank0_only,
+    )
 
 
-def gather_into_full(items: list[tuple[torch.Tensor | None, torch.Tensor, ShardedParam]], to_first: bool = False) -> None:
+def gather_into_full(
+    items: list[tuple[torch.Tensor | None, torch.Tensor, ShardedParam]], to_first: bool = False
+) -> None:
     """For each ``(full, chunk, layout)``: ``full`` (flat, ``layout.numel`` elements) = every rank's
     ``chunk`` (``layout.shard_numel`` elements, padded past what the rank owns) in rank order
     (collective), each layout once. The chunks side by side, in the optimizer's buckets of ``GATHER_BUCKET_BYTES``
@@ -107,8 +123,9 @@ def gather_into_full(items: list[tuple[torch.Tensor | None, torch.Tensor, Sharde
     by_layout = {id(layout): (full, chunk) for full, chunk, layout in items}
     if len(by_layout) != len(items):
         raise ValueError("gather_into_full: each layout once (one full tensor per parameter)")
-    buckets = plan_optimizer_buckets([layout for _, _, layout in items], lambda layout: by_layout[id(layout)][1].dtype,
-                                     GATHER_BUCKET_BYTES)
+    buckets = plan_optimizer_buckets(
+        [layout for _, _, layout in items], lambda layout: by_layout[id(layout)][1].dtype, GATHER_BUCKET_BYTES
+    )
     for bucket in buckets:
         group = bucket[0].group
         flat = torch.cat([by_layout[id(layout)][1] for layout in bucket])
@@ -125,12 +142,13 @@ def gather_into_full(items: list[tuple[torch.Tensor | None, torch.Tensor, Sharde
         for layout in bucket:
             full = by_layout[id(layout)][0]
             if full is not None:
-                copy_rows(full, rows[:, offset: offset + layout.shard_numel], layout.numel)
+                copy_rows(full, rows[:, offset : offset + layout.shard_numel], layout.numel)
             offset += layout.shard_numel
 
 
-def _agree_on_entry(shards: list[ShardedParam], rank0_only: bool, writeback: bool, timeout_s: float,
-                    grad_layout: list[bool]) -> None:
+def _agree_on_entry(
+    shards: list[ShardedParam], rank0_only: bool, writeback: bool, timeout_s: float, grad_layout: list[bool]
+) -> None:
     """Every rank enters with the same parameters (``shards``: those it gathers or reduces) and
     arguments (and, with ``grads``, gradients on the same parameters: they are reduced together), or
     every rank that came raises."""
@@ -141,10 +159,17 @@ def _agree_on_entry(shards: list[ShardedParam], rank0_only: bool, writeback: boo
     names = names_digest(s.name for s in shards)
     call = [len(shards), sum(s.numel for s in shards), names, rank0_only, writeback, layout]
     agree_on_store(
-        call, group, timeout_s, "gathered", "zcompile.gathered(model)",
+        call,
+        group,
+        timeout_s,
+        "gathered",
+        "zcompile.gathered(model)",
         "Every rank must enter `with zcompile.gathered(model):` (it gathers the parameters with collectives); "
         "to save or export from one rank, enter it on every rank with rank0_only=True and act on rank 0 inside.",
-        lambda calls: "zcompile.gathered(model): the ranks entered it with different models or arguments "
-        f"([parameters, elements, their names' digest, rank0_only, writeback, which parameters have gradients] "
-        f"per rank: {dict(enumerate(calls))}); enter it on every rank with the same model and arguments (with "
-        "grads=True, after a backward on every rank that reached the same parameters).")
+        lambda calls: (
+            "zcompile.gathered(model): the ranks entered it with different models or arguments "
+            f"([parameters, elements, their names' digest, rank0_only, writeback, which parameters have gradients] "
+            f"per rank: {dict(enumerate(calls))}); enter it on every rank with the same model and arguments (with "
+            "grads=True, after a backward on every rank that reached the same parameters)."
+        ),
+    )

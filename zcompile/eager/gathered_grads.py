@@ -51,4 +51,4 @@ def leave(with_grad: list[ShardedParam], writeback: bool) -> None:
         if grad is None:
             m.shard_grad = None
         else:
-            m.shard_grad = m.padded_flat(grad, torch.float32)[m.shard_offset: m.shard_offset + m.shard_numel].clone()
+            m.shard_grad = m.padded_flat(grad, torch.float32)[m.shard_offset : m.shard_offset + m.shard_numel].clone()

@@ -13,8 +13,9 @@ from zcompile.sharding.sharded_parameter import shard_of
 SYNC_BUCKET_BYTES = 256 * 2**20  # DDP's broadcast bucket at wrap time is 250 MiB
 
 
-def sync_module_states(module: torch.nn.Module, group: dist.ProcessGroup | None = None,
-                       timeout_s: float = 60.0) -> None:
+def sync_module_states(
+    module: torch.nn.Module, group: dist.ProcessGroup | None = None, timeout_s: float = 60.0
+) -> None:
     """Every rank's parameters and buffers = rank 0's (of ``group``), as DDP does when it wraps a
     model: call it before the first call of the compiled model when the ranks built or loaded the
     model differently (a checkpoint loaded on rank 0 only). Flat broadcasts of up to 256 MiB.
@@ -27,15 +28,24 @@ def sync_module_states(module: torch.nn.Module, group: dist.ProcessGroup | None 
     if sharded:
         raise ValueError(
             f"zcompile.sync_module_states: parameters are already sharded ({', '.join(sharded[:3])}"
-            f"{', ...' if len(sharded) > 3 else ''}): call it before the first call of the compiled model")
+            f"{', ...' if len(sharded) > 3 else ''}): call it before the first call of the compiled model"
+        )
     resolved = DataParallelGroup.resolve(group)
     if resolved.world_size == 1:
         return
     tensors = [*module.parameters(), *module.buffers()]
     layout = [[list(t.shape), str(t.dtype)] for t in tensors]
-    agree_on_store(layout, resolved, timeout_s, "sync", "zcompile.sync_module_states",
-                   "Call zcompile.sync_module_states(model) on every rank, with the same model.",
-                   lambda per_rank: "zcompile.sync_module_states: the ranks' models differ (parameters and buffers per "
-                   f"rank: {', '.join(f'rank {rank} {len(other)}' for rank, other in enumerate(per_rank))}; or their "
-                   "shapes or dtypes), so rank 0's cannot be copied onto them. Build the same model on every rank.")
+    agree_on_store(
+        layout,
+        resolved,
+        timeout_s,
+        "sync",
+        "zcompile.sync_module_states",
+        "Call zcompile.sync_module_states(model) on every rank, with the same model.",
+        lambda per_rank: (
+            "zcompile.sync_module_states: the ranks' models differ (parameters and buffers per "
+            f"rank: {', '.join(f'rank {rank} {len(other)}' for rank, other in enumerate(per_rank))}; or their "
+            "shapes or dtypes), so rank 0's cannot be copied onto them. Build the same model on every rank."
+        ),
+    )
     broadcast_from_first(tensors, resolved, SYNC_BUCKET_BYTES)

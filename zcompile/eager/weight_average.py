@@ -43,23 +43,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 import torch.nn.functional as F
 
-from zcompile.eager.gathered import DEFAULT_TIMEOUT_S, gather_into_full
 from zcompile.agreement.initial_values import value_digest
-from zcompile.sharding.shards import ShardedParam, shard_of, shard_parameter
-from zcompile.common.process_group import DataParallelGroup
-from zcompile.routes import install as install_routes
 from zcompile.agreement.rank_check import agree_on_store, names_digest, next_number
+from zcompile.common.process_group import DataParallelGroup
+from zcompile.eager.gathered import DEFAULT_TIMEOUT_S, gather_into_full
+from zcompile.routes import install as install_routes
+from zcompile.sharding.shards import ShardedParam, shard_of, shard_parameter
 
-_FIX = ("compile both models with the same options and call each once before the first update (a teacher's "
-        "forward does), or update inside `with zcompile.gathered(target), zcompile.gathered(source):`")
+_FIX = (
+    "compile both models with the same options and call each once before the first update (a teacher's "
+    "forward does), or update inside `with zcompile.gathered(target), zcompile.gathered(source):`"
+)
 
 # a target with a replica of its own: its fp32 values are master shards, its replica a second copy to keep
-_REPLICA_FIX = ("a target trained with param_dtype keeps its fp32 values on the ranks' master shards and a "
-                "low-precision replica beside them; update inside `with zcompile.gathered(target), "
-                "zcompile.gathered(source):` (or train at stage 3, where both are shards)")
+_REPLICA_FIX = (
+    "a target trained with param_dtype keeps its fp32 values on the ranks' master shards and a "
+    "low-precision replica beside them; update inside `with zcompile.gathered(target), "
+    "zcompile.gathered(source):` (or train at stage 3, where both are shards)"
+)
 
 # on a module passed to lerp_weights_: (its number, id(module)); a deep copy carries the pair, not the id
 NUMBER_ATTR = "_zcompile_averaging_number"
@@ -82,32 +85,42 @@ def _held_in_full(sharded: ShardedParam | None) -> bool:
 
 
 def _sharded_alike(target: ShardedParam, source: ShardedParam) -> bool:
-    return (target.stage == source.stage == 3 and target.piece == source.piece
-            and target.group.name == source.group.name)
+    return target.stage == source.stage == 3 and target.piece == source.piece and target.group.name == source.group.name
 
 
 def _plan(target: torch.nn.Parameter, source: torch.nn.Parameter, name: str) -> _Pair:
     """How this rank updates one pair (module docstring), or the error that says why it cannot."""
     if target.shape != source.shape:
-        raise ValueError(f"zcompile.lerp_weights_: parameter pair {name} has shapes {tuple(target.shape)} and "
-                         f"{tuple(source.shape)}; the two models must be instances of one architecture")
+        raise ValueError(
+            f"zcompile.lerp_weights_: parameter pair {name} has shapes {tuple(target.shape)} and "
+            f"{tuple(source.shape)}; the two models must be instances of one architecture"
+        )
     t_shard, s_shard = shard_of(target), shard_of(source)
     if _held_in_full(t_shard) and _held_in_full(s_shard):
         return _Pair(target, source, FULL)
     if s_shard is not None and s_shard.stage == 3 and (t_shard is None or _sharded_alike(t_shard, s_shard)):
         if not s_shard.is_freed or (t_shard is not None and not t_shard.is_freed):
-            raise RuntimeError(f"zcompile.lerp_weights_: parameter pair {name} is gathered now (inside "
-                               "`zcompile.gathered`, whose exit writes the full weights back over the shards); "
-                               "update outside it, or update the full weights there")
+            raise RuntimeError(
+                f"zcompile.lerp_weights_: parameter pair {name} is gathered now (inside "
+                "`zcompile.gathered`, whose exit writes the full weights back over the shards); "
+                "update outside it, or update the full weights there"
+            )
         return _Pair(target, source, SHARDS if t_shard is not None else SHARD_TARGET)
-    if (_held_in_full(t_shard) and target.is_contiguous() and s_shard is not None and s_shard.stage in (1, 2)
-            and s_shard.replica is not None):
+    if (
+        _held_in_full(t_shard)
+        and target.is_contiguous()
+        and s_shard is not None
+        and s_shard.stage in (1, 2)
+        and s_shard.replica is not None
+    ):
         return _Pair(target, source, SLICES)
     replica = any(sharded is not None and sharded.replica is not None for sharded in (t_shard, s_shard))
     fix = _REPLICA_FIX if replica else _FIX
-    raise ValueError(f"zcompile.lerp_weights_: parameter pair {name} is held differently by the two models (target: "
-                     f"{_held_as(t_shard)}; source: {_held_as(s_shard)}), so this rank's pieces of the two do not "
-                     f"match; {fix}")
+    raise ValueError(
+        f"zcompile.lerp_weights_: parameter pair {name} is held differently by the two models (target: "
+        f"{_held_as(t_shard)}; source: {_held_as(s_shard)}), so this rank's pieces of the two do not "
+        f"match; {fix}"
+    )
 
 
 def _held_as(sharded: ShardedParam | None) -> str:
@@ -125,7 +138,9 @@ def _pieces(pair: _Pair) -> tuple[torch.Tensor, torch.Tensor]:
     source = shard_of(pair.source)
     if pair.way == SLICES:
         piece = source.piece
-        return pair.target.detach().view(-1)[piece.offset: piece.offset + piece.owned], source.shard.detach()[: piece.owned]
+        return pair.target.detach().view(-1)[piece.offset : piece.offset + piece.owned], source.shard.detach()[
+            : piece.owned
+        ]
     if pair.way == SHARD_TARGET:  # as a compile of the target with the source's options would
         install_routes()
         shard_parameter(pair.target, f"{source.name} (averaged)", stage=3, group=source.group)
@@ -133,8 +148,13 @@ def _pieces(pair: _Pair) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def lerp_weights_(target: torch.nn.Module, source: torch.nn.Module, weight: float,
-                  timeout_s: float = DEFAULT_TIMEOUT_S, buffers: bool = False) -> None:
+def lerp_weights_(
+    target: torch.nn.Module,
+    source: torch.nn.Module,
+    weight: float,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    buffers: bool = False,
+) -> None:
     """Moves every weight of ``target`` toward ``source``'s: ``t += weight * (s - t)`` (``torch.lerp``),
     on each rank's pieces (module docstring). An EMA with decay ``d`` is ``weight = 1 - d``. Every rank
     calls it.
@@ -150,15 +170,16 @@ def lerp_weights_(target: torch.nn.Module, source: torch.nn.Module, weight: floa
     target, source = (getattr(m, "_orig_mod", m) for m in (target, source))  # torch.compile's wrapper: its module
     targets, sources = list(target.parameters()), list(source.parameters())
     if len(targets) != len(sources):
-        raise ValueError(f"zcompile.lerp_weights_: target has {len(targets)} parameters and source {len(sources)}; "
-                         "they must be two instances of one architecture")
+        raise ValueError(
+            f"zcompile.lerp_weights_: target has {len(targets)} parameters and source {len(sources)}; "
+            "they must be two instances of one architecture"
+        )
     pairs = [_plan(t, s, f"#{index} {tuple(t.shape)}") for index, (t, s) in enumerate(zip(targets, sources))]
     buffer_pairs = _buffer_pairs(target, source) if buffers else []
     group = _group_of(pairs)  # None: nothing sharded, nothing to agree on
     starting = _starting_digest(pairs) if _number_of(target) is None else None  # its first update
     source_buffers = sum(value_digest(s) for _, s in buffer_pairs) if buffers else None
-    _agree(pairs, [_number(target, group), _number(source, group)], starting, weight, group, timeout_s,
-           source_buffers)
+    _agree(pairs, [_number(target, group), _number(source, group)], starting, weight, group, timeout_s, source_buffers)
     pieces = [_pieces(pair) for pair in pairs]  # nothing changed before every rank agreed
     torch._foreach_lerp_([t for t, _ in pieces], [s.to(t.dtype) for t, s in pieces], weight)
     for t, s in buffer_pairs:
@@ -179,8 +200,10 @@ def _buffer_pairs(target: torch.nn.Module, source: torch.nn.Module) -> list[tupl
     """``target.buffers()`` and ``source.buffers()`` in order, detached; an error unless they match."""
     targets, sources = list(target.buffers()), list(source.buffers())
     if len(targets) != len(sources) or any(t.shape != s.shape for t, s in zip(targets, sources)):
-        raise ValueError(f"zcompile.lerp_weights_(buffers=True): target has {len(targets)} buffers and source "
-                         f"{len(sources)}, or their shapes differ; they must be two instances of one architecture")
+        raise ValueError(
+            f"zcompile.lerp_weights_(buffers=True): target has {len(targets)} buffers and source "
+            f"{len(sources)}, or their shapes differ; they must be two instances of one architecture"
+        )
     return [(t.detach(), s.detach()) for t, s in zip(targets, sources)]
 
 
@@ -191,9 +214,8 @@ def _gather_slices(pairs: list[_Pair]) -> None:
         layout = shard_of(pair.source)
         piece = layout.piece
         flat = pair.target.detach().view(-1)
-        mine = flat[piece.offset: piece.offset + piece.owned]
-        items.append((flat, F.pad(mine, (0, piece.chunk - piece.owned)) if piece.owned < piece.chunk else mine,
-                      layout))
+        mine = flat[piece.offset : piece.offset + piece.owned]
+        items.append((flat, F.pad(mine, (0, piece.chunk - piece.owned)) if piece.owned < piece.chunk else mine, layout))
     gather_into_full(items)
 
 
@@ -230,8 +252,15 @@ def _starting_digest(pairs: list[_Pair]) -> int | None:
     return sum(value_digest(target) for target in whole) if whole else None
 
 
-def _agree(pairs: list[_Pair], numbers: list[int], starting: int | None, weight: float,
-           group: DataParallelGroup | None, timeout_s: float, source_buffers: int | None) -> None:
+def _agree(
+    pairs: list[_Pair],
+    numbers: list[int],
+    starting: int | None,
+    weight: float,
+    group: DataParallelGroup | None,
+    timeout_s: float,
+    source_buffers: int | None,
+) -> None:
     """Every rank updates the same models' pairs the same way with the same weight, a target starts
     from the same values on every rank, and buffers averaged move toward the same values (their
     digest, ``source_buffers``; None: not averaged), or every rank that came raises."""
@@ -240,27 +269,38 @@ def _agree(pairs: list[_Pair], numbers: list[int], starting: int | None, weight:
     ways = names_digest(pair.way for pair in pairs)
     call = [numbers, len(pairs), ways, float(weight), starting, source_buffers is not None, source_buffers]
     agree_on_store(
-        call, group, timeout_s, "lerp_weights", "zcompile.lerp_weights_(target, source, weight)",
+        call,
+        group,
+        timeout_s,
+        "lerp_weights",
+        "zcompile.lerp_weights_(target, source, weight)",
         "Every rank must call zcompile.lerp_weights_ at the same point of the loop (each updates its own pieces of "
         "the target: a rank that skips it leaves its pieces behind the others').",
-        lambda calls: _difference(calls, call))
+        lambda calls: _difference(calls, call),
+    )
 
 
 def _difference(calls: list, mine: list) -> str:
     # [numbers, pairs, ways, weight, the target's starting values, buffers or not, the source's buffers]
     same_call = all(other[:4] == mine[:4] and other[5] == mine[5] for other in calls)
     if same_call and any(other[4] != mine[4] for other in calls):
-        return ("zcompile.lerp_weights_: the target starts from different values on different ranks (a digest of "
-                f"its weights per rank: {dict(enumerate(other[4] for other in calls))}), and each rank would update "
-                "its own piece of its own copy: a mix of the ranks' copies. Make the copy from weights every rank "
-                "shares: copy.deepcopy(model) after zcompile.sync_module_states(model), or build both with the same "
-                "seed, or load the copy on every rank")
+        return (
+            "zcompile.lerp_weights_: the target starts from different values on different ranks (a digest of "
+            f"its weights per rank: {dict(enumerate(other[4] for other in calls))}), and each rank would update "
+            "its own piece of its own copy: a mix of the ranks' copies. Make the copy from weights every rank "
+            "shares: copy.deepcopy(model) after zcompile.sync_module_states(model), or build both with the same "
+            "seed, or load the copy on every rank"
+        )
     if same_call:
-        return ("zcompile.lerp_weights_(buffers=True): the source's buffers differ between ranks (a digest per rank: "
-                f"{dict(enumerate(other[6] for other in calls))}), so each rank's average would part from the others'. "
-                "They are the same on every rank after optimizer.step() (every rank takes rank 0's BatchNorm "
-                "statistics there): update after the step, not between the forward and the step")
-    return ("zcompile.lerp_weights_: the ranks called it with different models or weights ([the target's and the "
-            "source's numbers (in the order each was first passed), parameters, how each pair is held (digest), "
-            "weight, the target's starting values (digest), buffers or not, the source's buffers (digest)] per "
-            f"rank: {dict(enumerate(calls))}); call it on every rank with the same models and weight.")
+        return (
+            "zcompile.lerp_weights_(buffers=True): the source's buffers differ between ranks (a digest per rank: "
+            f"{dict(enumerate(other[6] for other in calls))}), so each rank's average would part from the others'. "
+            "They are the same on every rank after optimizer.step() (every rank takes rank 0's BatchNorm "
+            "statistics there): update after the step, not between the forward and the step"
+        )
+    return (
+        "zcompile.lerp_weights_: the ranks called it with different models or weights ([the target's and the "
+        "source's numbers (in the order each was first passed), parameters, how each pair is held (digest), "
+        "weight, the target's starting values (digest), buffers or not, the source's buffers (digest)] per "
+        f"rank: {dict(enumerate(calls))}); call it on every rank with the same models and weight."
+    )

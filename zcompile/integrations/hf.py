@@ -49,15 +49,17 @@ import transformers
 
 import zcompile.checkpoint
 import zcompile.optim
-from zcompile.checkpoint.layout import unwrap
 from zcompile.checkpoint.consolidate import full_state_dict
+from zcompile.checkpoint.layout import unwrap
 from zcompile.common.dynamo_frame import floats_specialized
 
 log = logging.getLogger(__name__)
 
 if not hasattr(transformers.Trainer, "_clip_grad_norm"):  # the hooks overridden below came with transformers 5
-    raise ImportError(f"zcompile.integrations.hf needs transformers>=5.0 (found {transformers.__version__}): "
-                      "pip install -U 'transformers>=5' accelerate")
+    raise ImportError(
+        f"zcompile.integrations.hf needs transformers>=5.0 (found {transformers.__version__}): "
+        "pip install -U 'transformers>=5' accelerate"
+    )
 
 CHECKPOINT_SUBDIR = "zcompile"  # in a Trainer checkpoint folder: zcompile's sharded checkpoint
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf")  # Trainer names zcompile.optim.AdamW stands for
@@ -78,8 +80,14 @@ class ZeroTrainer(transformers.Trainer):
     second step). None: Dynamo's default (for inputs of one fixed shape).
     """
 
-    def __init__(self, *args: Any, zero_options: dict | None = None, optimizer_options: dict | None = None,
-                 dynamic: bool | None = True, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        zero_options: dict | None = None,
+        optimizer_options: dict | None = None,
+        dynamic: bool | None = True,
+        **kwargs: Any,
+    ):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:
             _take_over_torch_compile(training_args)
@@ -92,8 +100,10 @@ class ZeroTrainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         _refuse_unsupported(self.args)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise ValueError("ZeroTrainer: DeepSpeed or FSDP is enabled (an accelerate config or TrainingArguments); "
-                             "zcompile shards the model itself: turn them off")
+            raise ValueError(
+                "ZeroTrainer: DeepSpeed or FSDP is enabled (an accelerate config or TrainingArguments); "
+                "zcompile shards the model itself: turn them off"
+            )
 
     # ---- the model: compiled by the zero backend, never wrapped in DDP ----
 
@@ -113,8 +123,9 @@ class ZeroTrainer(transformers.Trainer):
             # accelerate's preparation without its DDP wrap (evaluation_mode): device placement and,
             # with bf16=True, the autocast around forward that Trainer's mixed precision is
             prepared = self.accelerator.prepare_model(self.model, evaluation_mode=True)
-            self._zero_compiled = torch.compile(prepared, backend="zero", options=self.zero_options,
-                                                dynamic=self.dynamic)
+            self._zero_compiled = torch.compile(
+                prepared, backend="zero", options=self.zero_options, dynamic=self.dynamic
+            )
         return self._zero_compiled
 
     # The model's calls: the compile they trigger sees Python floats as constants. With dynamic=True
@@ -148,7 +159,8 @@ class ZeroTrainer(transformers.Trainer):
             raise TypeError(
                 f"ZeroTrainer: optimizers=({type(_unwrapped(self.optimizer)).__name__}, ...) is not a zcompile.optim "
                 "optimizer: its step would not see the gradients, which live on zcompile's shards. Pass "
-                "zcompile.optim.AdamW / SGD, or no optimizer to have one built from the TrainingArguments")
+                "zcompile.optim.AdamW / SGD, or no optimizer to have one built from the TrainingArguments"
+            )
         return self.optimizer
 
     def _zero_optimizer_from_args(self, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -156,16 +168,25 @@ class ZeroTrainer(transformers.Trainer):
         optim = str(getattr(args.optim, "value", args.optim))
         decay = set(self.get_decay_parameter_names(model))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
-                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
         if optim in ADAMW_OPTIMS:
-            return zcompile.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                                        eps=args.adam_epsilon, **self.optimizer_options)
+            return zcompile.optim.AdamW(
+                groups,
+                lr=args.learning_rate,
+                betas=(args.adam_beta1, args.adam_beta2),
+                eps=args.adam_epsilon,
+                **self.optimizer_options,
+            )
         if optim == "sgd":
             return zcompile.optim.SGD(groups, lr=args.learning_rate, **self.optimizer_options)
-        raise ValueError(f"ZeroTrainer: TrainingArguments(optim={optim!r}) has no zcompile optimizer; use "
-                         f"{' / '.join(ADAMW_OPTIMS)} (zcompile.optim.AdamW) or 'sgd', or pass a zcompile.optim "
-                         "optimizer in optimizers=")
+        raise ValueError(
+            f"ZeroTrainer: TrainingArguments(optim={optim!r}) has no zcompile optimizer; use "
+            f"{' / '.join(ADAMW_OPTIMS)} (zcompile.optim.AdamW) or 'sgd', or pass a zcompile.optim "
+            "optimizer in optimizers="
+        )
 
     def _zero_optimizer(self) -> zcompile.optim.ShardedOptimizer:
         return _unwrapped(self.optimizer)
@@ -187,8 +208,9 @@ class ZeroTrainer(transformers.Trainer):
         it (Trainer does) because every rank holds a part of the weights."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         # collective (a rank-0-only call is a RankDivergenceError in 60 s); the weights on rank 0 only
-        state_dict = full_state_dict(self.model, rank=0, timeout_s=60.0,
-                                     exclude_frozen_parameters=_trains_an_adapter(self.model))
+        state_dict = full_state_dict(
+            self.model, rank=0, timeout_s=60.0, exclude_frozen_parameters=_trains_an_adapter(self.model)
+        )
         if self.args.should_save:
             self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
@@ -196,8 +218,13 @@ class ZeroTrainer(transformers.Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         extra = {"lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None}
-        zcompile.checkpoint.save(os.path.join(output_dir, CHECKPOINT_SUBDIR), self.model, self._zero_optimizer(),
-                                 extra=extra, exclude_frozen_parameters=_trains_an_adapter(self.model))
+        zcompile.checkpoint.save(
+            os.path.join(output_dir, CHECKPOINT_SUBDIR),
+            self.model,
+            self._zero_optimizer(),
+            extra=extra,
+            exclude_frozen_parameters=_trains_an_adapter(self.model),
+        )
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         if _zero_checkpoint(resume_from_checkpoint) is None:  # a checkpoint of another Trainer: its weights
@@ -262,18 +289,25 @@ def _take_over_torch_compile(args: transformers.TrainingArguments) -> None:
     if args.torch_compile_backend != "zero":
         raise ValueError(
             f"ZeroTrainer: TrainingArguments(torch_compile_backend={args.torch_compile_backend!r}): ZeroTrainer "
-            "compiles the model with the zero backend itself; drop torch_compile, or set torch_compile_backend='zero'")
+            "compiles the model with the zero backend itself; drop torch_compile, or set torch_compile_backend='zero'"
+        )
     if args.torch_compile_mode is not None:
-        raise ValueError("ZeroTrainer: torch_compile_mode is not supported by the zero backend; pass its options "
-                         "in zero_options= instead")
+        raise ValueError(
+            "ZeroTrainer: torch_compile_mode is not supported by the zero backend; pass its options "
+            "in zero_options= instead"
+        )
     args.torch_compile, args.torch_compile_backend = False, None
 
 
 def _refuse_unsupported(args: transformers.TrainingArguments) -> None:
     if args.fp16:
-        raise ValueError("ZeroTrainer: fp16=True is not supported: accelerate's fp16 loss scaling runs on a GPU "
-                         "only and has not been run with zcompile. Use bf16=True (or zero_options={'param_dtype': "
-                         "'bf16'}); in a training loop of your own, torch.amp.GradScaler works over zcompile.optim")
+        raise ValueError(
+            "ZeroTrainer: fp16=True is not supported: accelerate's fp16 loss scaling runs on a GPU "
+            "only and has not been run with zcompile. Use bf16=True (or zero_options={'param_dtype': "
+            "'bf16'}); in a training loop of your own, torch.amp.GradScaler works over zcompile.optim"
+        )
     if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
-        raise ValueError("ZeroTrainer: TrainingArguments(deepspeed=...) / fsdp=... ask for another sharding; "
-                         "zcompile shards the model itself: drop them")
+        raise ValueError(
+            "ZeroTrainer: TrainingArguments(deepspeed=...) / fsdp=... ask for another sharding; "
+            "zcompile shards the model itself: drop them"
+        )

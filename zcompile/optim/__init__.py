@@ -16,7 +16,7 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 if TYPE_CHECKING:
-    from zcompile.optim.sharded import AdamW, SGD, ShardedOptimizer
+    from zcompile.optim.sharded import SGD, AdamW, ShardedOptimizer
 
 
 def __getattr__(name: str):

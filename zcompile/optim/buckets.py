@@ -46,17 +46,23 @@ the same parameter order, so the collectives match across ranks.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from zcompile.common.process_group import (all_gather_coalesced_into, all_gather_eager, all_to_all_eager, on_gloo,
-                                    reduce_scatter_by_all_to_all, reduce_scatter_eager)
 from zcompile.common.comm_volume import CollectiveRecord
-from zcompile.sharding.shards import ShardedParam
+from zcompile.common.process_group import (
+    all_gather_coalesced_into,
+    all_gather_eager,
+    all_to_all_eager,
+    on_gloo,
+    reduce_scatter_by_all_to_all,
+    reduce_scatter_eager,
+)
 from zcompile.passes.liveness import tensor_bytes
 from zcompile.passes.reduce_scatter_lowering import sum_received_rows
+from zcompile.sharding.shards import ShardedParam
 
 
 @dataclass
@@ -87,8 +93,9 @@ class BufferLedger:
         return tensor
 
 
-def plan_optimizer_buckets(members: list[ShardedParam], dtype_of: Callable[[ShardedParam], torch.dtype],
-                           bucket_bytes: int) -> list[list[ShardedParam]]:
+def plan_optimizer_buckets(
+    members: list[ShardedParam], dtype_of: Callable[[ShardedParam], torch.dtype], bucket_bytes: int
+) -> list[list[ShardedParam]]:
     """Consecutive ``members`` grouped while they share group, dtype (``dtype_of(member)``) and
     device, up to ``bucket_bytes`` of full parameter (a larger member is a bucket of its own).
 
@@ -109,8 +116,9 @@ def plan_optimizer_buckets(members: list[ShardedParam], dtype_of: Callable[[Shar
     return buckets
 
 
-def plan_reduce_buckets(members: list[ShardedParam], bucket_bytes: int,
-                        by_all_to_all: bool | None = None) -> list[list[ShardedParam]]:
+def plan_reduce_buckets(
+    members: list[ShardedParam], bucket_bytes: int, by_all_to_all: bool | None = None
+) -> list[list[ShardedParam]]:
     """Stage 1's reduce-scatter buckets (in each member's ``grad_reduce_dtype``). Exchanged by an
     all-to-all (``by_all_to_all``; None: as ``process_group.reduce_scatter_by_all_to_all`` says for
     the members' group, gloo), a bucket needs a buffer of the rows received beside its input, so it
@@ -128,8 +136,15 @@ def _bucket_index(buckets: list[list[ShardedParam]]) -> dict[int, int]:
 
 def _record(kind: str, bucket: list[ShardedParam], dtype: torch.dtype) -> CollectiveRecord:
     group = bucket[0].group
-    return CollectiveRecord(kind, sum(m.padded_numel for m in bucket), dtype, "optimizer",
-                            tuple(m.name for m in bucket), group.name or "", group.world_size)
+    return CollectiveRecord(
+        kind,
+        sum(m.padded_numel for m in bucket),
+        dtype,
+        "optimizer",
+        tuple(m.name for m in bucket),
+        group.name or "",
+        group.world_size,
+    )
 
 
 @dataclass
@@ -178,7 +193,7 @@ class BucketedGradReduce:
             self._start(index + 1)  # moves while this bucket updates
             offset = 0
             for m in self.buckets[index]:
-                self._ready[id(m)] = out[offset: offset + m.shard_numel]
+                self._ready[id(m)] = out[offset : offset + m.shard_numel]
                 offset += m.shard_numel
         return self._ready.pop(id(member))
 
@@ -196,7 +211,7 @@ class BucketedGradReduce:
         whole_rows, whole_grads = [], []
         offset = 0
         for m in bucket:
-            columns, flat = rows[:, offset: offset + m.shard_numel], m.full_grad.detach().reshape(-1)
+            columns, flat = rows[:, offset : offset + m.shard_numel], m.full_grad.detach().reshape(-1)
             if m.numel == rows.shape[0] * m.shard_numel and not self.free_full_grads:
                 whole_rows.append(columns)
                 whole_grads.append(flat.view(rows.shape[0], m.shard_numel))
@@ -226,8 +241,9 @@ def _grad_reduce_dtype(member: ShardedParam) -> torch.dtype:
     return member.grad_reduce_dtype
 
 
-def reduce_grads_onto_shards(members: list[ShardedParam], bucket_bytes: int,
-                             ledger: BufferLedger | None = None) -> list[CollectiveRecord]:
+def reduce_grads_onto_shards(
+    members: list[ShardedParam], bucket_bytes: int, ledger: BufferLedger | None = None
+) -> list[CollectiveRecord]:
     """Stage 1 ahead of the step: each member's local full gradient, reduce-scattered (bucketed) and
     averaged, added to ``shard.grad``; ``param.grad`` is freed. Returns the collectives issued.
 
@@ -236,8 +252,9 @@ def reduce_grads_onto_shards(members: list[ShardedParam], bucket_bytes: int,
     as the fused update's ``grad_scale`` does), so an unclipped step is bitwise the same.
     """
     distributed = [m for m in members if m.group.world_size > 1]
-    reducer = BucketedGradReduce(plan_reduce_buckets(distributed, bucket_bytes), free_full_grads=True,
-                                 ledger=ledger or BufferLedger())
+    reducer = BucketedGradReduce(
+        plan_reduce_buckets(distributed, bucket_bytes), free_full_grads=True, ledger=ledger or BufferLedger()
+    )
     for member in members:
         world = member.group.world_size
         if world > 1:
@@ -276,7 +293,11 @@ class BucketedParamRefresh:
 
     def updated(self, member: ShardedParam, shard_in_param_dtype: torch.Tensor | None) -> None:
         """``member``'s shard is final (``shard_in_param_dtype``: already cast, or None to cast here)."""
-        shard = shard_in_param_dtype if shard_in_param_dtype is not None else member.shard.detach().to(member.replicated_dtype)
+        shard = (
+            shard_in_param_dtype
+            if shard_in_param_dtype is not None
+            else member.shard.detach().to(member.replicated_dtype)
+        )
         index = self._bucket_of[id(member)]
         if id(member) not in self._updated:
             self._waiting[index] -= 1  # a count, not a scan of the bucket: linear in the parameters
@@ -327,7 +348,7 @@ class BucketedParamRefresh:
         rows = gathered.view(bucket[0].group.world_size, -1)
         offset = 0
         for m in bucket:
-            copy_rows(m.replicated.view(-1), rows[:, offset: offset + m.shard_numel], m.numel)
+            copy_rows(m.replicated.view(-1), rows[:, offset : offset + m.shard_numel], m.numel)
             offset += m.shard_numel
         _release(gathered)
         self.ledger.give(held)
@@ -350,9 +371,9 @@ def _write_rows(rows: torch.Tensor, flat: torch.Tensor, numel: int) -> None:
         rows[:whole].copy_(flat[: whole * width].view(whole, width))
     if whole < rows.shape[0]:
         rest = numel - whole * width
-        rows[whole, :rest].copy_(flat[whole * width: numel])
+        rows[whole, :rest].copy_(flat[whole * width : numel])
         rows[whole, rest:].zero_()
-        rows[whole + 1:].zero_()
+        rows[whole + 1 :].zero_()
 
 
 def copy_rows(dst: torch.Tensor, rows: torch.Tensor, numel: int) -> None:
@@ -364,4 +385,4 @@ def copy_rows(dst: torch.Tensor, rows: torch.Tensor, numel: int) -> None:
     if whole:
         dst[: whole * width].view(whole, width).copy_(rows[:whole])
     if whole * width < numel:
-        dst[whole * width: numel].copy_(rows[whole, : numel - whole * width])
+        dst[whole * width : numel].copy_(rows[whole, : numel - whole * width])

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from zcompile.common.comm_volume import CollectiveRecord
+from zcompile.common.process_group import DataParallelGroup, all_reduce_eager
 from zcompile.optim.buckets import reduce_grads_onto_shards
 from zcompile.sharding.shards import ShardedParam
-from zcompile.common.process_group import DataParallelGroup, all_reduce_eager
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,13 @@ log = logging.getLogger(__name__)
 TORCH_ROUTE_BUCKET_BYTES = 4 * 2**20
 
 
-def clip_grad_norm_of_shards(members: list[ShardedParam], max_norm: float, norm_type: float = 2.0,
-                             bucket_bytes: int = TORCH_ROUTE_BUCKET_BYTES,
-                             error_if_nonfinite: bool = False) -> torch.Tensor:
+def clip_grad_norm_of_shards(
+    members: list[ShardedParam],
+    max_norm: float,
+    norm_type: float = 2.0,
+    bucket_bytes: int = TORCH_ROUTE_BUCKET_BYTES,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
     """Clips the averaged gradient of ``members`` to a global ``norm_type``-norm of ``max_norm``.
 
     Collective: every rank of the members' group calls it with the same members. Returns the
@@ -68,8 +72,9 @@ def clip_grad_norm_of_shards(members: list[ShardedParam], max_norm: float, norm_
     return total
 
 
-def clip_grad_value_of_shards(members: list[ShardedParam], clip_value: float,
-                              bucket_bytes: int = TORCH_ROUTE_BUCKET_BYTES) -> None:
+def clip_grad_value_of_shards(
+    members: list[ShardedParam], clip_value: float, bucket_bytes: int = TORCH_ROUTE_BUCKET_BYTES
+) -> None:
     """Clamps the averaged gradient of ``members`` to ``[-clip_value, clip_value]`` (collective at stage 1)."""
     with_grad, records = averaged_grad_shards(members, bucket_bytes)
     for member in with_grad:
@@ -86,11 +91,14 @@ def averaged_grad_shards(members: list[ShardedParam], bucket_bytes: int) -> tupl
     return [m for m in members if m.shard_grad is not None], records
 
 
-def global_grad_norm(members: list[ShardedParam], norm_type: float, group: DataParallelGroup | None,
-                     device: torch.device) -> tuple[torch.Tensor, CollectiveRecord | None]:
+def global_grad_norm(
+    members: list[ShardedParam], norm_type: float, group: DataParallelGroup | None, device: torch.device
+) -> tuple[torch.Tensor, CollectiveRecord | None]:
     """The ``norm_type``-norm of every rank's gradient shards viewed as one vector (fp32), and the
     record of the scalar all-reduce that made it global (None in a world of one)."""
-    norms = [torch.linalg.vector_norm(m.shard_grad.detach(), norm_type, dtype=torch.float32) for m in members]  # fp32, like torch's
+    norms = [
+        torch.linalg.vector_norm(m.shard_grad.detach(), norm_type, dtype=torch.float32) for m in members
+    ]  # fp32, like torch's
     local = torch.zeros((), dtype=torch.float64, device=device)
     if norms:
         stacked = torch.stack([n.to(device) for n in norms]).to(torch.float64)

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zcompile.common.comm_volume import CollectiveRecord
 from zcompile.backend.compiled import compiled_graphs_of_params
-from zcompile.sharding.shards import ShardedParam
+from zcompile.common.comm_volume import CollectiveRecord
 from zcompile.common.process_group import DataParallelGroup, all_reduce_eager
+from zcompile.sharding.shards import ShardedParam
 
 
 def local_grads_finite(members: list[ShardedParam]) -> bool:
@@ -56,8 +56,9 @@ def any_rank_flag(flag: torch.Tensor, group: DataParallelGroup | None) -> Collec
     if group is None or group.world_size == 1:
         return None
     all_reduce_eager(flag, group, dist.ReduceOp.MAX)
-    return CollectiveRecord("all_reduce", flag.numel(), torch.float32, "optimizer", (), group.name or "",
-                            group.world_size)
+    return CollectiveRecord(
+        "all_reduce", flag.numel(), torch.float32, "optimizer", (), group.name or "", group.world_size
+    )
 
 
 def skip_nonfinite_by_default(params: list[torch.nn.Parameter]) -> bool:

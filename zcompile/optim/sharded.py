@@ -33,33 +33,45 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
-from zcompile.config import finite_number
-from zcompile.common.process_group import DataParallelGroup
-from zcompile.common.comm_volume import CollectiveRecord
-from zcompile.backend.compiled import compiled_graphs_of_params
-from zcompile.sharding.memory import ModelStateBytes, model_state_bytes
-from zcompile.kernels.dispatch import triton_available
-from zcompile.kernels.fused_optim import (fused_adamw, fused_adamw_multi_triton, fused_adamw_reference, fused_sgd,
-                                          fused_sgd_multi_triton, fused_sgd_reference)
-from zcompile.kernels.cpu_adamw import adamw_cpu_fused
-from zcompile.sharding.buffer_sync import broadcast_changed_buffers
-from zcompile.optim.clip import clip_grad_norm_of_shards
-from zcompile.optim.state_dict import load_sharded_state_dict, sharded_state_dict
-from zcompile.optim.buckets import (BucketedGradReduce, BucketedParamRefresh, BufferLedger, plan_optimizer_buckets,
-                                    plan_reduce_buckets, reduce_grads_onto_shards)
-from zcompile.sharding.shards import ShardedParam, shard_eager_parameter, shard_of, warn_eager_sharded
-from zcompile.sharding.sharded_parameter import grad_of
 from zcompile.agreement.step_agreement import DEFAULT_TIMEOUT_S, agree_before_step, hyperparameters_of
+from zcompile.backend.compiled import compiled_graphs_of_params
+from zcompile.common.comm_volume import CollectiveRecord
+from zcompile.common.process_group import DataParallelGroup
+from zcompile.config import finite_number
+from zcompile.kernels.cpu_adamw import adamw_cpu_fused
+from zcompile.kernels.dispatch import triton_available
+from zcompile.kernels.fused_optim import (
+    fused_adamw,
+    fused_adamw_multi_triton,
+    fused_adamw_reference,
+    fused_sgd,
+    fused_sgd_multi_triton,
+    fused_sgd_reference,
+)
+from zcompile.optim.buckets import (
+    BucketedGradReduce,
+    BucketedParamRefresh,
+    BufferLedger,
+    plan_optimizer_buckets,
+    plan_reduce_buckets,
+    reduce_grads_onto_shards,
+)
+from zcompile.optim.clip import clip_grad_norm_of_shards
+from zcompile.optim.nonfinite import local_grads_finite, nonfinite_flag, skip_nonfinite_by_default
+from zcompile.optim.state_dict import load_sharded_state_dict, sharded_state_dict
 from zcompile.routes import install as install_routes
 from zcompile.routes.optimizer_guard import SHARDED_OPTIMIZER_ATTR
-from zcompile.optim.nonfinite import local_grads_finite, nonfinite_flag, skip_nonfinite_by_default
-from zcompile.routes.zero_grad import (clear_shard_grad, remember_stepped_grads, stale_grad_members,
-                                      zero_tensor_grad)
+from zcompile.routes.zero_grad import clear_shard_grad, remember_stepped_grads, stale_grad_members, zero_tensor_grad
+from zcompile.sharding.buffer_sync import broadcast_changed_buffers
+from zcompile.sharding.memory import ModelStateBytes, model_state_bytes
+from zcompile.sharding.sharded_parameter import grad_of
+from zcompile.sharding.shards import ShardedParam, shard_eager_parameter, shard_of, warn_eager_sharded
 
 log = logging.getLogger(__name__)
 
@@ -80,24 +92,41 @@ class _Update:
 class ShardedOptimizer(torch.optim.Optimizer):
     """Base class: gradient collection and parameter refresh around a per-shard update rule."""
 
-    def __init__(self, params: Iterable, defaults: dict, bucket_mb: float = 4.0, max_grad_norm: float | None = None,
-                 check_timeout_s: float | None = DEFAULT_TIMEOUT_S, skip_nonfinite: bool | None = None):
+    def __init__(
+        self,
+        params: Iterable,
+        defaults: dict,
+        bucket_mb: float = 4.0,
+        max_grad_norm: float | None = None,
+        check_timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        skip_nonfinite: bool | None = None,
+    ):
         install_routes()  # before any shard exists: torch's clipping, GradScaler, zero_grad route to the shards
         if not finite_number(bucket_mb) or bucket_mb < 0:
             raise ValueError(f"{type(self).__name__}: bucket_mb must be a finite number >= 0 (MiB), got {bucket_mb!r}")
-        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
-                                          or not max_grad_norm > 0):
-            raise ValueError(f"{type(self).__name__}: max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
+        if max_grad_norm is not None and (
+            isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0
+        ):
+            raise ValueError(
+                f"{type(self).__name__}: max_grad_norm must be None or a number > 0, got {max_grad_norm!r}"
+            )
         self.bucket_mb = bucket_mb  # MiB of full parameter per bucketed collective (0: one per parameter)
         self.max_grad_norm = max_grad_norm  # clip the 2-norm to this inside step() (None: no clipping)
         self.last_grad_norm: float | None = None  # pre-clip norm of the last step (None: not computed)
-        if check_timeout_s is not None and (isinstance(check_timeout_s, bool) or not isinstance(check_timeout_s, (int, float))
-                                            or not check_timeout_s > 0):
-            raise ValueError(f"{type(self).__name__}: check_timeout_s must be None or a number > 0, got {check_timeout_s!r}")
+        if check_timeout_s is not None and (
+            isinstance(check_timeout_s, bool)
+            or not isinstance(check_timeout_s, (int, float))
+            or not check_timeout_s > 0
+        ):
+            raise ValueError(
+                f"{type(self).__name__}: check_timeout_s must be None or a number > 0, got {check_timeout_s!r}"
+            )
         # how long step() waits for every rank to reach it (zcompile.agreement.step_agreement); None: no check
         self.check_timeout_s = check_timeout_s
         if skip_nonfinite is not None and not isinstance(skip_nonfinite, bool):
-            raise ValueError(f"{type(self).__name__}: skip_nonfinite must be None, True or False, got {skip_nonfinite!r}")
+            raise ValueError(
+                f"{type(self).__name__}: skip_nonfinite must be None, True or False, got {skip_nonfinite!r}"
+            )
         self.skip_nonfinite = skip_nonfinite  # skip steps with non-finite gradients (None: under fp16 only)
         self.skipped_steps = 0  # steps skipped so far because a gradient was not finite on some rank
         self.step_calls = 0  # step() calls so far, skipped ones included (the skip warning names the step)
@@ -122,8 +151,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.last_step_buffer_peak_bytes = 0
         self._state_layout: tuple = ()  # what last_step_state_bytes was measured for (_state_bytes_at_step)
 
-    def _update(self, shard: torch.Tensor, grad: torch.Tensor, grad_scale: float, state: dict, group: dict,
-                lowp_out: torch.Tensor | None) -> None:
+    def _update(
+        self,
+        shard: torch.Tensor,
+        grad: torch.Tensor,
+        grad_scale: float,
+        state: dict,
+        group: dict,
+        lowp_out: torch.Tensor | None,
+    ) -> None:
         """Updates ``shard`` in place from ``grad * grad_scale``; writes it to ``lowp_out`` if given."""
         raise NotImplementedError
 
@@ -154,7 +190,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._launch_tables[key] = self._previous_tables.pop(key, {})
         return self._launch_tables[key]
 
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         loss = None
@@ -166,11 +201,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         skip_enabled = self._skip_nonfinite_enabled()
         # skip_nonfinite without clipping decides from each rank's flag, carried by the agreement
         flag_in_agreement = skip_enabled and self.max_grad_norm is None and not self._clipped_since_step
-        finite_everywhere = agree_before_step(members, self._all_params(), "optimizer.step()",  # before any collective
-                                              self.check_timeout_s,
-                                              local_grads_finite(members) if flag_in_agreement else None,
-                                              hyperparameters_of(self.param_groups))
-        broadcast_changed_buffers(members)  # BatchNorm's statistics: rank 0's on every rank (zcompile.sharding.buffer_sync)
+        finite_everywhere = agree_before_step(
+            members,
+            self._all_params(),
+            "optimizer.step()",  # before any collective
+            self.check_timeout_s,
+            local_grads_finite(members) if flag_in_agreement else None,
+            hyperparameters_of(self.param_groups),
+        )
+        broadcast_changed_buffers(
+            members
+        )  # BatchNorm's statistics: rank 0's on every rank (zcompile.sharding.buffer_sync)
         for graphs in compiled_graphs_of_params(self._all_params()):  # how often each ran this step (step_report)
             graphs.note_step()
         if self.max_grad_norm is not None and not self._clipped_since_step:
@@ -208,8 +249,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         reducer = BucketedGradReduce(plan_reduce_buckets(reduced, bucket_bytes), ledger=ledger)
         # a world of one, the shard in the parameter's own storage (fp32): the update writes the weight itself
         refreshed = [s for s, _, _ in todo if s.stage in (1, 2) and not s.updates_replicated_in_place]
-        refresher = BucketedParamRefresh(plan_optimizer_buckets(refreshed, lambda s: s.replicated_dtype, bucket_bytes),
-                                         ledger=ledger)
+        refresher = BucketedParamRefresh(
+            plan_optimizer_buckets(refreshed, lambda s: s.replicated_dtype, bucket_bytes), ledger=ledger
+        )
         self._previous_tables, self._launch_tables = self._launch_tables, {}  # _launch_tables_of
         # updated a batch at a time (one refresh bucket of one param group): the batch's all-gather
         # starts when it is done and moves while the next batch updates. Where a batch is one
@@ -255,8 +297,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # the next all-gather's input, written where that all-gather puts it anyway: this rank's
             # chunk of the replica's padded storage (no buffer of its own), else a buffer
             padded = sharded.padded_replicated()
-            lowp = (padded[sharded.shard_offset: sharded.shard_offset + sharded.shard_numel] if padded is not None
-                    else torch.empty_like(shard, dtype=sharded.replicated_dtype))
+            lowp = (
+                padded[sharded.shard_offset : sharded.shard_offset + sharded.shard_numel]
+                if padded is not None
+                else torch.empty_like(shard, dtype=sharded.replicated_dtype)
+            )
         return _Update(sharded, shard, grad, grad_scale, state, group, lowp)
 
     @torch.no_grad()
@@ -275,9 +320,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``clip_grad_norm_`` once the ranks agreed (``step()`` clips for ``max_grad_norm`` after its own agreement)."""
         eager: list[str] = []
-        members = [s for group_index, group in enumerate(self.param_groups)
-                   for index, param in enumerate(group["params"])
-                   if (s := self._sharded(param, group_index, index, eager)) is not None]
+        members = [
+            s
+            for group_index, group in enumerate(self.param_groups)
+            for index, param in enumerate(group["params"])
+            if (s := self._sharded(param, group_index, index, eager)) is not None
+        ]
         warn_eager_sharded(eager, "optimizer.clip_grad_norm_()", members)
         norm = clip_grad_norm_of_shards(members, max_norm, norm_type, int(self.bucket_mb * 2**20))
         self.last_grad_norm = float(norm)
@@ -303,15 +351,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "step's were applied again (torch's behaviour when nothing zeroes them). zcompile's gradients live "
                 "on shards that optimizer.zero_grad() and model.zero_grad() clear, but `p.grad = None` does not: "
                 "zero through one of those two.",
-                self.step_calls, len(stale), stale[0].name)
+                self.step_calls,
+                len(stale),
+                stale[0].name,
+            )
 
     def _skip_nonfinite_enabled(self) -> bool:
         if self.skip_nonfinite is not None:
             return self.skip_nonfinite
         return skip_nonfinite_by_default(list(self._all_params()))
 
-    def _nonfinite_step(self, members: list[ShardedParam], enabled: bool,
-                        finite_everywhere: bool | None) -> tuple[bool, list[CollectiveRecord]]:
+    def _nonfinite_step(
+        self, members: list[ShardedParam], enabled: bool, finite_everywhere: bool | None
+    ) -> tuple[bool, list[CollectiveRecord]]:
         """Whether this step is skipped (``skip_nonfinite``; the same on every rank, ``zcompile.optim.nonfinite``)
         and the collectives deciding it took: none when the clip's global norm or the flags the
         ranks exchanged in the step agreement (``finite_everywhere``) decide."""
@@ -326,8 +378,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             records = [record] if record is not None else []
         if nonfinite:
             self.skipped_steps += 1
-            log.warning("zcompile: optimizer step %d skipped on every rank: gradients not finite on some rank (%d "
-                        "skipped so far; skip_nonfinite)", self.step_calls, self.skipped_steps)
+            log.warning(
+                "zcompile: optimizer step %d skipped on every rank: gradients not finite on some rank (%d "
+                "skipped so far; skip_nonfinite)",
+                self.step_calls,
+                self.skipped_steps,
+            )
         return nonfinite, records
 
     def _local_grads_to_fold(self, members: list[ShardedParam]) -> list[ShardedParam]:
@@ -347,7 +403,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "their frame eagerly (its recompile limit, a skipped frame or a graph break; see Dynamo's warnings "
                 "and TORCH_LOGS=recompiles,graph_breaks) or eager code used them. They are reduce-scattered at the "
                 "step, so training stays exact but this communication is not overlapped; make the frame compile "
-                "to get it back.", len(eager), eager[0].stage, eager[0].name)
+                "to get it back.",
+                len(eager),
+                eager[0].stage,
+                eager[0].name,
+            )
         return [m for m in members if m.has_full_grad and (m.stage != 1 or m.shard_grad is not None)]
 
     def _sharded(self, param: torch.Tensor, group_index: int, index: int, eager: list[str]) -> ShardedParam | None:
@@ -366,8 +426,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         group = next((s.group for s in map(shard_of, self._all_params()) if s is not None), None)
         place = f"param_groups[{group_index}]['params'][{index}]"
         names = self.param_groups[group_index].get("param_names")
-        return shard_eager_parameter(param, place, group if group is not None else DataParallelGroup.resolve(None),
-                                     eager, label=repr(names[index]) if names else None)
+        return shard_eager_parameter(
+            param,
+            place,
+            group if group is not None else DataParallelGroup.resolve(None),
+            eager,
+            label=repr(names[index]) if names else None,
+        )
 
     def _members(self) -> list[ShardedParam]:
         return [s for s in dict.fromkeys(map(shard_of, self._all_params())) if s is not None]
@@ -385,7 +450,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__}: a step with zero gradients and learning rate 0 before any real step "
                 "(how torch.distributed.checkpoint's get_optimizer_state_dict creates optimizer state) is not "
                 "supported. Use zcompile.checkpoint.save/load, or call optimizer.state_dict() / "
-                "load_state_dict() (DCP-safe) after the first step")
+                "load_state_dict() (DCP-safe) after the first step"
+            )
 
     def state_dict(self) -> dict:
         """torch's format, each shard-sized state tensor as this rank's piece of the flat tensor (a
@@ -402,8 +468,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """``model_state_bytes`` at the end of a step, walked again only when what exists changed
         (which gradients, which optimizer states): a step re-makes the same tensors at the same
         sizes, and the storage walk is the optimizer's largest per-step cost on small models."""
-        layout = (tuple((id(s), s.shard_grad is not None, s.has_full_grad) for s in members),
-                  sum(len(state) for state in self.state.values()), len(self.state))
+        layout = (
+            tuple((id(s), s.shard_grad is not None, s.has_full_grad) for s in members),
+            sum(len(state) for state in self.state.values()),
+            len(self.state),
+        )
         if layout != self._state_layout or self.last_step_state_bytes is None:
             self._state_layout = layout
             return model_state_bytes(self._all_params(), self)
@@ -427,10 +496,20 @@ setattr(ShardedOptimizer, SHARDED_OPTIMIZER_ATTR, True)  # what the foreign-opti
 class AdamW(ShardedOptimizer):
     """``torch.optim.AdamW`` over shards (same arguments; ``amsgrad`` is not supported)."""
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, bucket_mb: float = 4.0,
-                 max_grad_norm: float | None = None, check_timeout_s: float | None = DEFAULT_TIMEOUT_S,
-                 skip_nonfinite: bool | None = None, **unsupported: Any):
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        bucket_mb: float = 4.0,
+        max_grad_norm: float | None = None,
+        check_timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        skip_nonfinite: bool | None = None,
+        **unsupported: Any,
+    ):
         if amsgrad:
             raise ValueError("zcompile.optim.AdamW: amsgrad=True is not supported; use amsgrad=False")
         if unsupported:
@@ -439,9 +518,17 @@ class AdamW(ShardedOptimizer):
                 "supported: lr, betas, eps, weight_decay, bucket_mb, max_grad_norm, check_timeout_s, skip_nonfinite"
             )
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"zcompile.optim.AdamW: invalid hyper-parameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), bucket_mb,
-                         max_grad_norm, check_timeout_s=check_timeout_s, skip_nonfinite=skip_nonfinite)
+            raise ValueError(
+                f"zcompile.optim.AdamW: invalid hyper-parameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}"
+            )
+        super().__init__(
+            params,
+            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+            bucket_mb,
+            max_grad_norm,
+            check_timeout_s=check_timeout_s,
+            skip_nonfinite=skip_nonfinite,
+        )
 
     @staticmethod
     def _advance_state(state: dict, shard: torch.Tensor) -> int:
@@ -455,8 +542,20 @@ class AdamW(ShardedOptimizer):
         self._advance_state(state, shard)
         beta1, beta2 = group["betas"]
         update = fused_adamw if shard.is_cuda else fused_adamw_reference
-        update(shard, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"], beta1, beta2,
-               group["eps"], group["weight_decay"], grad_scale, lowp_out)
+        update(
+            shard,
+            grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state["step"],
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            grad_scale,
+            lowp_out,
+        )
 
     def _update_many(self, batch: list[_Update]) -> None:
         """On a CPU, shards at the same step and gradient scale update together through torch's fused
@@ -501,19 +600,40 @@ class AdamW(ShardedOptimizer):
         are kept for the next step's same run (``kernels.fused_optim.MultiTensorTables``)."""
         group, (step, grad_scale) = run[0].group, (run[0].state["step"], run[0].grad_scale)
         beta1, beta2 = group["betas"]
-        fused_adamw_multi_triton([u.shard for u in run], [u.grad for u in run], [u.state["exp_avg"] for u in run],
-                                 [u.state["exp_avg_sq"] for u in run], [u.lowp for u in run], step, group["lr"],
-                                 beta1, beta2, group["eps"], group["weight_decay"], grad_scale,
-                                 self._launch_tables_of(run))
+        fused_adamw_multi_triton(
+            [u.shard for u in run],
+            [u.grad for u in run],
+            [u.state["exp_avg"] for u in run],
+            [u.state["exp_avg_sq"] for u in run],
+            [u.lowp for u in run],
+            step,
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            grad_scale,
+            self._launch_tables_of(run),
+        )
 
     @staticmethod
     def _adamw_run(run: list[_Update]) -> None:
         """One update of shards at the same step, gradient scale and param group (``_update_many``)."""
         group, (step, grad_scale) = run[0].group, (run[0].state["step"], run[0].grad_scale)
         beta1, beta2 = group["betas"]
-        adamw_cpu_fused([u.shard for u in run], [u.grad for u in run], [u.state["exp_avg"] for u in run],
-                        [u.state["exp_avg_sq"] for u in run], step, group["lr"], beta1, beta2, group["eps"],
-                        group["weight_decay"], grad_scale)
+        adamw_cpu_fused(
+            [u.shard for u in run],
+            [u.grad for u in run],
+            [u.state["exp_avg"] for u in run],
+            [u.state["exp_avg_sq"] for u in run],
+            step,
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            group["weight_decay"],
+            grad_scale,
+        )
         for u in run:
             if u.lowp is not None:
                 u.lowp.copy_(u.shard)
@@ -522,17 +642,33 @@ class AdamW(ShardedOptimizer):
 class SGD(ShardedOptimizer):
     """``torch.optim.SGD`` over shards (momentum, dampening, nesterov, weight decay)."""
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, bucket_mb: float = 4.0,
-                 max_grad_norm: float | None = None, check_timeout_s: float | None = DEFAULT_TIMEOUT_S,
-                 skip_nonfinite: bool | None = None):
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        bucket_mb: float = 4.0,
+        max_grad_norm: float | None = None,
+        check_timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        skip_nonfinite: bool | None = None,
+    ):
         if lr < 0 or momentum < 0 or weight_decay < 0:
-            raise ValueError(f"zcompile.optim.SGD: invalid hyper-parameters lr={lr} momentum={momentum} weight_decay={weight_decay}")
+            raise ValueError(
+                f"zcompile.optim.SGD: invalid hyper-parameters lr={lr} momentum={momentum} weight_decay={weight_decay}"
+            )
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("zcompile.optim.SGD: nesterov requires momentum > 0 and zero dampening")
-        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
-                                      weight_decay=weight_decay, nesterov=nesterov), bucket_mb, max_grad_norm,
-                         check_timeout_s=check_timeout_s, skip_nonfinite=skip_nonfinite)
+        super().__init__(
+            params,
+            dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov),
+            bucket_mb,
+            max_grad_norm,
+            check_timeout_s=check_timeout_s,
+            skip_nonfinite=skip_nonfinite,
+        )
 
     def _update_many(self, batch: list[_Update]) -> None:
         """On a GPU, one multi-tensor Triton launch per run of shards at the same gradient scale and
@@ -548,9 +684,20 @@ class SGD(ShardedOptimizer):
         for (first_step, grad_scale), run in runs.items():
             group = run[0].group
             buffers = [u.state["momentum_buffer"] for u in run] if group["momentum"] != 0 else None
-            fused_sgd_multi_triton([u.shard for u in run], [u.grad for u in run], buffers, [u.lowp for u in run],
-                                   first_step, group["lr"], group["momentum"], group["dampening"],
-                                   group["weight_decay"], group["nesterov"], grad_scale, self._launch_tables_of(run))
+            fused_sgd_multi_triton(
+                [u.shard for u in run],
+                [u.grad for u in run],
+                buffers,
+                [u.lowp for u in run],
+                first_step,
+                group["lr"],
+                group["momentum"],
+                group["dampening"],
+                group["weight_decay"],
+                group["nesterov"],
+                grad_scale,
+                self._launch_tables_of(run),
+            )
         return None
 
     def _update(self, shard, grad, grad_scale, state, group, lowp_out):
@@ -558,5 +705,16 @@ class SGD(ShardedOptimizer):
         if group["momentum"] != 0 and first_step:
             state["momentum_buffer"] = torch.empty_like(shard)
         update = fused_sgd if shard.is_cuda else fused_sgd_reference
-        update(shard, grad, state.get("momentum_buffer"), first_step, group["lr"], group["momentum"],
-               group["dampening"], group["weight_decay"], group["nesterov"], grad_scale, lowp_out)
+        update(
+            shard,
+            grad,
+            state.get("momentum_buffer"),
+            first_step,
+            group["lr"],
+            group["momentum"],
+            group["dampening"],
+            group["weight_decay"],
+            group["nesterov"],
+            grad_scale,
+            lowp_out,
+        )

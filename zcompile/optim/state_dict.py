@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from zcompile.checkpoint.layout import as_flat_piece, flat_mesh, group_of
-from zcompile.sharding.shards import FlatPiece, shard_of
-from zcompile.common.process_group import DataParallelGroup
 from zcompile.agreement.abort_note import leave_abort_note
+from zcompile.checkpoint.layout import as_flat_piece, flat_mesh, group_of
+from zcompile.common.process_group import DataParallelGroup
+from zcompile.sharding.shards import FlatPiece, shard_of
 
 
 def _group(optimizer) -> DataParallelGroup:
@@ -42,8 +42,10 @@ def sharded_state_dict(optimizer, torch_state_dict: dict) -> dict:
     for index, entry in torch_state_dict["state"].items():
         param = params[index]
         piece = FlatPiece(param.numel(), group.world_size, group.rank)
-        state[index] = {key: _piece_of(value, param, piece, mesh) if piece.is_shard(value) else value
-                        for key, value in entry.items()}
+        state[index] = {
+            key: _piece_of(value, param, piece, mesh) if piece.is_shard(value) else value
+            for key, value in entry.items()
+        }
     return {"state": state, "param_groups": torch_state_dict["param_groups"]}
 
 
@@ -59,17 +61,21 @@ def _my_shard(value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, key: s
     if hasattr(value, "to_local"):  # a flat piece in this rank's layout (saved so, or resharded by dcp.load)
         _check_saved_by_this_rank(value, piece, key)
         if tuple(value.shape) != (param.numel(),) or value.to_local().numel() != piece.owned:
-            raise ValueError(f"optimizer state {key!r} is a piece of a tensor of {tuple(value.shape)} laid out for "
-                             f"another number of ranks; load it with dcp.load into optimizer.state_dict() (which "
-                             "reshards) or with zcompile.checkpoint.load")
+            raise ValueError(
+                f"optimizer state {key!r} is a piece of a tensor of {tuple(value.shape)} laid out for "
+                f"another number of ranks; load it with dcp.load into optimizer.state_dict() (which "
+                "reshards) or with zcompile.checkpoint.load"
+            )
         local = value.to_local()
     elif value.numel() == param.numel():  # a full flat tensor (a save on one rank)
-        local = value.reshape(-1)[piece.offset: piece.offset + piece.owned]
+        local = value.reshape(-1)[piece.offset : piece.offset + piece.owned]
     elif value.numel() == piece.chunk:  # a shard saved by this rank in this layout
         local = value.reshape(-1)[: piece.owned]
     else:
-        raise ValueError(f"optimizer state {key!r} has {value.numel()} elements; a parameter of {param.numel()} "
-                         f"elements on {piece.world} ranks takes {param.numel()} (full) or {piece.chunk} (a shard)")
+        raise ValueError(
+            f"optimizer state {key!r} has {value.numel()} elements; a parameter of {param.numel()} "
+            f"elements on {piece.world} ranks takes {param.numel()} (full) or {piece.chunk} (a shard)"
+        )
     device = shard_of(param).shard.device if shard_of(param) is not None else param.device
     return piece.padded(local.to(device), device)
 
@@ -84,7 +90,8 @@ def _check_saved_by_this_rank(value: torch.Tensor, piece: FlatPiece, key: str) -
         "optimizer.state_dict() holds only this rank's piece of the sharded optimizer state, so a file saved on "
         "one rank (DDP's `if rank == 0: torch.save(...)`) and loaded on every rank would give every rank that "
         "rank's moments. Save and load with zcompile.checkpoint.save/load (or dcp.save/dcp.load of "
-        "optimizer.state_dict()), or torch.save a file per rank (f'optim_rank{rank}.pt') and load each rank's own")
+        "optimizer.state_dict()), or torch.save a file per rank (f'optim_rank{rank}.pt') and load each rank's own"
+    )
 
 
 def _merged_state(state: dict) -> dict[str, dict]:
@@ -103,10 +110,13 @@ def load_sharded_state_dict(optimizer, state_dict: dict) -> None:
     mismatch (another number of parameter groups or parameters per group) before changing anything."""
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups) or any(
-            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, optimizer.param_groups)):
-        raise ValueError(f"{type(optimizer).__name__}.load_state_dict: the state dict has groups of "
-                         f"{[len(g['params']) for g in saved_groups]} parameters, this optimizer "
-                         f"{[len(g['params']) for g in optimizer.param_groups]}")
+        len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, optimizer.param_groups)
+    ):
+        raise ValueError(
+            f"{type(optimizer).__name__}.load_state_dict: the state dict has groups of "
+            f"{[len(g['params']) for g in saved_groups]} parameters, this optimizer "
+            f"{[len(g['params']) for g in optimizer.param_groups]}"
+        )
     group = _group(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     # ids as torch numbers them (0, 1, ...); a DCP round trip turns the state's keys into strings
@@ -117,8 +127,12 @@ def load_sharded_state_dict(optimizer, state_dict: dict) -> None:
         for saved_index, entry in _merged_state(state_dict["state"]).items():
             param = params[index_of[saved_index]]
             piece = FlatPiece(param.numel(), group.world_size, group.rank)
-            new_state[param] = {key: _my_shard(value, param, piece, key) if isinstance(value, torch.Tensor)
-                                and value.dim() == 1 else value for key, value in entry.items()}
+            new_state[param] = {
+                key: _my_shard(value, param, piece, key)
+                if isinstance(value, torch.Tensor) and value.dim() == 1
+                else value
+                for key, value in entry.items()
+            }
     except ValueError as error:  # maybe this rank alone: the others, waiting for it later, quote it
         leave_abort_note(group, str(error))
         raise

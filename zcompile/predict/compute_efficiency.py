@@ -25,8 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from zcompile.predict.cost_model import CollectiveCosts, ComputeCosts, predict_step
 from zcompile.common.process_group import DataParallelGroup, all_gather_eager
+from zcompile.predict.cost_model import CollectiveCosts, ComputeCosts, predict_step
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,9 @@ def reference_model(shape: tuple[int, int, int] = REFERENCE_SHAPE, layers: int =
     """The reference workload's model for inputs of ``shape`` (batch, sequence, d_model; d_model a
     multiple of 4): ``layers`` of torch's ``TransformerEncoderLayer`` (12 parameters each), no dropout."""
     torch.manual_seed(0)
-    layer = dict(d_model=shape[2], nhead=4, dim_feedforward=4 * shape[2], dropout=0.0,
-                 batch_first=True, norm_first=True)
+    layer = dict(
+        d_model=shape[2], nhead=4, dim_feedforward=4 * shape[2], dropout=0.0, batch_first=True, norm_first=True
+    )
     return torch.nn.Sequential(*[torch.nn.TransformerEncoderLayer(**layer) for _ in range(layers)])
 
 
@@ -47,8 +48,9 @@ def reference_loss(output: torch.Tensor) -> torch.Tensor:
     return output.square().mean()
 
 
-def measure_compute_efficiency(compute: ComputeCosts, group: dist.ProcessGroup | None = None, repeats: int = 15,
-                               graph_call_overhead_s: float = 0.0) -> float:
+def measure_compute_efficiency(
+    compute: ComputeCosts, group: dist.ProcessGroup | None = None, repeats: int = 15, graph_call_overhead_s: float = 0.0
+) -> float:
     """Predicted over measured time of the reference workload's compiled forward and backward (module
     docstring), run on every rank of ``group`` at once (a barrier before each run), the median of
     ``repeats`` runs after two warm-up runs on the slowest rank, less ``graph_call_overhead_s`` per
@@ -81,6 +83,11 @@ def measure_compute_efficiency(compute: ComputeCosts, group: dist.ProcessGroup |
     calls = 2 * len(graphs)  # a forward and a backward graph each
     predicted = predict_step(graphs, CollectiveCosts(resolved.world_size), compute).step_s
     efficiency = min(predicted / max(measured - calls * graph_call_overhead_s, 1e-9), 1.0)
-    log.info("compute efficiency: reference step %.2f ms measured (%d graph calls), %.2f ms predicted: %.2f",
-             measured * 1e3, calls, predicted * 1e3, efficiency)
+    log.info(
+        "compute efficiency: reference step %.2f ms measured (%d graph calls), %.2f ms predicted: %.2f",
+        measured * 1e3,
+        calls,
+        predicted * 1e3,
+        efficiency,
+    )
     return efficiency

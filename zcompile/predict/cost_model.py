@@ -38,18 +38,18 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Iterable, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.utils import flop_counter
 
-from zcompile.passes.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, KINDS, REDUCE_SCATTER, WAIT,
-                                         CollectiveNode)
+from zcompile.common.process_group import DataParallelGroup, all_gather_eager, reduce_scatter_by_all_to_all
+from zcompile.passes.collectives import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, KINDS, REDUCE_SCATTER, WAIT, CollectiveNode
 from zcompile.passes.liveness import tensor_bytes
 from zcompile.passes.regions import called_subgraph
-from zcompile.common.process_group import DataParallelGroup, all_gather_eager, reduce_scatter_by_all_to_all
 
 log = logging.getLogger(__name__)
 DEFAULT_SIZES = (2**12, 2**15, 2**18, 2**22)  # bytes: from latency-bound to bandwidth-bound (gloo and NCCL)
@@ -97,14 +97,22 @@ class CollectiveCosts:
         return self.cost(collective.kind)
 
     def to_json(self) -> str:
-        return json.dumps({"world_size": self.world_size, "costs": {k: asdict(c) for k, c in self.costs.items()},
-                           "overlap_slowdown": self.overlap_slowdown})
+        return json.dumps(
+            {
+                "world_size": self.world_size,
+                "costs": {k: asdict(c) for k, c in self.costs.items()},
+                "overlap_slowdown": self.overlap_slowdown,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> CollectiveCosts:
         data = json.loads(text)
-        return cls(data["world_size"], {k: CollectiveCost(**c) for k, c in data["costs"].items()},
-                   data.get("overlap_slowdown", 1.0))
+        return cls(
+            data["world_size"],
+            {k: CollectiveCost(**c) for k, c in data["costs"].items()},
+            data.get("overlap_slowdown", 1.0),
+        )
 
 
 class CollectivePricing(Protocol):
@@ -149,15 +157,21 @@ class ComputeCosts:
         """One op of ``op_class`` (``op_class``: "attention", "transcendental" or anything else) at its
         class's rates."""
         flops_per_s = (self.attention_flops_per_s or self.flops_per_s) if op_class == "attention" else self.flops_per_s
-        bytes_per_s = ((self.transcendental_bytes_per_s or self.bytes_per_s) if op_class == "transcendental"
-                       else self.bytes_per_s)
+        bytes_per_s = (
+            (self.transcendental_bytes_per_s or self.bytes_per_s) if op_class == "transcendental" else self.bytes_per_s
+        )
         return self.op_overhead_s + max(flops / flops_per_s, nbytes / bytes_per_s)
 
     def scaled(self, factor: float) -> ComputeCosts:
         """The same device ``factor`` times slower: every node's predicted time multiplied by ``factor``
         (``zcompile.tune.calibration`` fits it to a measured step)."""
-        return ComputeCosts(self.flops_per_s / factor, self.bytes_per_s / factor, self.op_overhead_s * factor,
-                            self.attention_flops_per_s / factor, self.transcendental_bytes_per_s / factor)
+        return ComputeCosts(
+            self.flops_per_s / factor,
+            self.bytes_per_s / factor,
+            self.op_overhead_s * factor,
+            self.attention_flops_per_s / factor,
+            self.transcendental_bytes_per_s / factor,
+        )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -262,9 +276,14 @@ def _time_collective(issue: Callable[[], torch.Tensor], sync: Callable[[], None]
     return returned, time.perf_counter() - start
 
 
-def measure_collective_costs(group: dist.ProcessGroup | None = None, sizes: tuple[int, ...] = DEFAULT_SIZES,
-                             repeats: int = 5, warmup: int = 1, kinds: tuple[str, ...] = KINDS,
-                             measure_overlap: bool = True) -> CollectiveCosts:
+def measure_collective_costs(
+    group: dist.ProcessGroup | None = None,
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
+    repeats: int = 5,
+    warmup: int = 1,
+    kinds: tuple[str, ...] = KINDS,
+    measure_overlap: bool = True,
+) -> CollectiveCosts:
     """Fits ``CollectiveCost`` per kind from eager collectives of ``sizes`` bytes; agreed across ranks.
 
     Per kind: ``warmup`` calls of each size, then ``repeats`` rounds over the sizes, each call
@@ -287,7 +306,7 @@ def measure_collective_costs(group: dist.ProcessGroup | None = None, sizes: tupl
     local = [value for kind in kinds for value in _measure_kind(kind, sizes, repeats, warmup, resolved, device, sync)]
     local.append(_overlap_slowdown(resolved, device, max(sizes), repeats) if measure_overlap else 1.0)
     agreed = _agree(local, resolved, device)
-    costs = {kind: CollectiveCost(*agreed[4 * i:4 * i + 4]) for i, kind in enumerate(kinds)}
+    costs = {kind: CollectiveCost(*agreed[4 * i : 4 * i + 4]) for i, kind in enumerate(kinds)}
     # a time that did not grow with the size is the machine's noise (a burst of load at the larger sizes),
     # not a free transfer: measured again, on every rank alike (they hold the same agreed costs)
     for _ in range(MEASURE_AGAIN):
@@ -295,26 +314,45 @@ def measure_collective_costs(group: dist.ProcessGroup | None = None, sizes: tupl
         if not flat:
             break
         log.info("cost model: the time of %s did not grow with its size (noise): measured again", ", ".join(flat))
-        measured = [value for kind in flat
-                    for value in _measure_kind(kind, sizes, repeats, warmup, resolved, device, sync)]
+        measured = [
+            value for kind in flat for value in _measure_kind(kind, sizes, repeats, warmup, resolved, device, sync)
+        ]
         again = _agree(measured, resolved, device)
-        costs.update({kind: CollectiveCost(*again[4 * i:4 * i + 4]) for i, kind in enumerate(flat)})
+        costs.update({kind: CollectiveCost(*again[4 * i : 4 * i + 4]) for i, kind in enumerate(flat)})
     flat = [kind for kind, cost in costs.items() if cost.seconds_per_byte <= 0.0]
     if flat:
-        log.warning("cost model: the time of %s did not grow with its size in %d measurements (this machine is too "
-                    "busy to measure it): priced by its latency alone, as if bandwidth were free; measure again "
-                    "when the machine is idle", ", ".join(flat), MEASURE_AGAIN + 1)
-    log.info("cost model: collectives on %d ranks: %s; %.2fx slower under compute", resolved.world_size,
-             ", ".join(f"{k} {c.latency_s * 1e6:.1f} us + {c.seconds_per_byte * 1e9:.3f} ns/B (issue "
-                       f"{c.issue_latency_s * 1e6:.1f} us)" for k, c in costs.items()), agreed[-1])
+        log.warning(
+            "cost model: the time of %s did not grow with its size in %d measurements (this machine is too "
+            "busy to measure it): priced by its latency alone, as if bandwidth were free; measure again "
+            "when the machine is idle",
+            ", ".join(flat),
+            MEASURE_AGAIN + 1,
+        )
+    log.info(
+        "cost model: collectives on %d ranks: %s; %.2fx slower under compute",
+        resolved.world_size,
+        ", ".join(
+            f"{k} {c.latency_s * 1e6:.1f} us + {c.seconds_per_byte * 1e9:.3f} ns/B (issue "
+            f"{c.issue_latency_s * 1e6:.1f} us)"
+            for k, c in costs.items()
+        ),
+        agreed[-1],
+    )
     return CollectiveCosts(resolved.world_size, costs, max(agreed[-1], 1.0))
 
 
 MEASURE_AGAIN = 2  # further measurements of a collective whose time did not grow with its size
 
 
-def _measure_kind(kind: str, sizes: tuple[int, ...], repeats: int, warmup: int, group: DataParallelGroup,
-                  device: torch.device, sync: Callable[[], None]) -> list[float]:
+def _measure_kind(
+    kind: str,
+    sizes: tuple[int, ...],
+    repeats: int,
+    warmup: int,
+    group: DataParallelGroup,
+    device: torch.device,
+    sync: Callable[[], None],
+) -> list[float]:
     """This rank's fit of one collective ``kind``: [latency, seconds per byte] until its result is
     there, then until the call returns (``measure_collective_costs``)."""
     calls = [_issue_call(kind, nbytes, group, device) for nbytes in sizes]
@@ -383,10 +421,15 @@ def _overlap_slowdown(group: DataParallelGroup, device: torch.device, nbytes: in
     return min(max(computing / hidden, 1.0), MAX_OVERLAP_SLOWDOWN)
 
 
-def measure_compute_costs(device: torch.device | str | None = None, matmul_size: int = 512,
-                          copy_bytes: int = 2**22, repeats: int = 5, dtype: torch.dtype = torch.float32,
-                          group: dist.ProcessGroup | None = None,
-                          attention_shape: tuple[int, int, int, int] = (4, 4, 128, 32)) -> ComputeCosts:
+def measure_compute_costs(
+    device: torch.device | str | None = None,
+    matmul_size: int = 512,
+    copy_bytes: int = 2**22,
+    repeats: int = 5,
+    dtype: torch.dtype = torch.float32,
+    group: dist.ProcessGroup | None = None,
+    attention_shape: tuple[int, int, int, int] = (4, 4, 128, 32),
+) -> ComputeCosts:
     """Matmul FLOP/s (``matmul_size`` square, ``dtype``), memory bandwidth, op dispatch overhead,
     causal attention's FLOP/s (``attention_shape``: batch, heads, sequence, head dim) and the
     bandwidth of the transcendental ops on ``device``, each the median of ``repeats`` runs.
@@ -419,24 +462,39 @@ def measure_compute_costs(device: torch.device | str | None = None, matmul_size:
     overhead_s = _median_seconds(dispatch, repeats, 1, sync) / calls
     heads = torch.randn(attention_shape, device=device, dtype=dtype)
     attention_s = _median_seconds(
-        lambda: torch.nn.functional.scaled_dot_product_attention(heads, heads, heads, is_causal=True), repeats, 1, sync)
+        lambda: torch.nn.functional.scaled_dot_product_attention(heads, heads, heads, is_causal=True), repeats, 1, sync
+    )
     attention_flops = flop_counter.sdpa_flop_count(heads.shape, heads.shape, heads.shape)
     rows = torch.randn(copy_bytes // (4 * 512), 512, device=device, dtype=dtype)
     weight, bias = torch.ones(512, device=device, dtype=dtype), torch.zeros(512, device=device, dtype=dtype)
     aten = torch.ops.aten
-    transcendental = [lambda: aten.gelu.default(rows), lambda: aten.exp.default(rows),
-                      lambda: aten._softmax.default(rows, -1, False),
-                      lambda: aten.native_layer_norm.default(rows, [512], weight, bias, 1e-5)]
+    transcendental = [
+        lambda: aten.gelu.default(rows),
+        lambda: aten.exp.default(rows),
+        lambda: aten._softmax.default(rows, -1, False),
+        lambda: aten.native_layer_norm.default(rows, [512], weight, bias, 1e-5),
+    ]
     transcendental_s = statistics.median(_median_seconds(op, repeats, 1, sync) for op in transcendental)
-    values = [2 * n**3 / matmul_s, 2 * src.numel() * 4 / copy_s, overhead_s, attention_flops / attention_s,
-              2 * rows.numel() * rows.element_size() / transcendental_s]
+    values = [
+        2 * n**3 / matmul_s,
+        2 * src.numel() * 4 / copy_s,
+        overhead_s,
+        attention_flops / attention_s,
+        2 * rows.numel() * rows.element_size() / transcendental_s,
+    ]
     resolved = DataParallelGroup.resolve(group)
     if resolved.world_size > 1:
         values = _agree(values, resolved, _group_device(resolved))
     costs = ComputeCosts(*values)
-    log.info("cost model: compute on %s: %.1f GFLOP/s (attention %.1f), %.1f GB/s (transcendental %.1f), "
-             "%.1f us per op", device, costs.flops_per_s / 1e9, costs.attention_flops_per_s / 1e9,
-             costs.bytes_per_s / 1e9, costs.transcendental_bytes_per_s / 1e9, costs.op_overhead_s * 1e6)
+    log.info(
+        "cost model: compute on %s: %.1f GFLOP/s (attention %.1f), %.1f GB/s (transcendental %.1f), %.1f us per op",
+        device,
+        costs.flops_per_s / 1e9,
+        costs.attention_flops_per_s / 1e9,
+        costs.bytes_per_s / 1e9,
+        costs.transcendental_bytes_per_s / 1e9,
+        costs.op_overhead_s * 1e6,
+    )
     return costs
 
 
@@ -448,30 +506,64 @@ def _vals(node: torch.fx.Node):
 
 # flop_counter has formulas for the CUDA attention kernels, not for the CPU one the graphs hold on a CPU
 _EXTRA_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
-        lambda q, k, v, *_, **__: flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape),
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
-        lambda grad, q, k, v, *_, **__: flop_counter.sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: lambda q, k, v, *_, **__: (
+        flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape)
+    ),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: lambda grad, q, k, v, *_, **__: (
+        flop_counter.sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+    ),
 }
 
 
 # the aten attention kernels (by overload packet name), priced at ``ComputeCosts.attention_flops_per_s``
 ATTENTION_OPS = frozenset(
     f"_scaled_dot_product_{kind}{suffix}"
-    for kind in ("flash_attention", "flash_attention_for_cpu", "efficient_attention", "cudnn_attention",
-                 "fused_attention_overrideable")
-    for suffix in ("", "_backward"))
+    for kind in (
+        "flash_attention",
+        "flash_attention_for_cpu",
+        "efficient_attention",
+        "cudnn_attention",
+        "fused_attention_overrideable",
+    )
+    for suffix in ("", "_backward")
+)
 # element-wise ops evaluating exp, log, erf or tanh, softmax and normalizations (with their
 # backwards): compute-bound on a CPU thread, priced at ``ComputeCosts.transcendental_bytes_per_s``
 TRANSCENDENTAL_OPS = frozenset(
-    [f"{op}{suffix}" for op in ("gelu", "silu", "sigmoid", "tanh", "elu", "softplus", "mish")
-     for suffix in ("", "_backward")]
-    + ["exp", "exp2", "expm1", "log", "log1p", "log2", "erf", "erfinv", "sin", "cos",
-       "_softmax", "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data",
-       "cross_entropy_backward",  # zcompile::cross_entropy_backward (passes/loss_backward.py)
-       "native_layer_norm", "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward",
-       "native_group_norm", "native_group_norm_backward", "native_batch_norm", "native_batch_norm_backward",
-       "_native_batch_norm_legit", "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training"])
+    [
+        f"{op}{suffix}"
+        for op in ("gelu", "silu", "sigmoid", "tanh", "elu", "softplus", "mish")
+        for suffix in ("", "_backward")
+    ]
+    + [
+        "exp",
+        "exp2",
+        "expm1",
+        "log",
+        "log1p",
+        "log2",
+        "erf",
+        "erfinv",
+        "sin",
+        "cos",
+        "_softmax",
+        "_softmax_backward_data",
+        "_log_softmax",
+        "_log_softmax_backward_data",
+        "cross_entropy_backward",  # zcompile::cross_entropy_backward (passes/loss_backward.py)
+        "native_layer_norm",
+        "native_layer_norm_backward",
+        "_fused_rms_norm",
+        "_fused_rms_norm_backward",
+        "native_group_norm",
+        "native_group_norm_backward",
+        "native_batch_norm",
+        "native_batch_norm_backward",
+        "_native_batch_norm_legit",
+        "_native_batch_norm_legit_functional",
+        "_native_batch_norm_legit_no_training",
+    ]
+)
 
 
 def node_flops(node: torch.fx.Node) -> int:
@@ -510,7 +602,7 @@ def node_seconds(node: torch.fx.Node, compute: ComputeCosts) -> float:
 
 
 def op_class(node: torch.fx.Node) -> str:
-    """"attention" (``ATTENTION_OPS``), "transcendental" (``TRANSCENDENTAL_OPS``) or "" (the rest)."""
+    """ "attention" (``ATTENTION_OPS``), "transcendental" (``TRANSCENDENTAL_OPS``) or "" (the rest)."""
     target = node.target
     name = target.overloadpacket.__name__ if isinstance(target, torch._ops.OpOverload) else ""
     return "attention" if name in ATTENTION_OPS else "transcendental" if name in TRANSCENDENTAL_OPS else ""
@@ -587,8 +679,9 @@ class _CommStream:
         return self.now + left
 
 
-def predict(gm: torch.fx.GraphModule, collectives: CollectivePricing, compute: ComputeCosts,
-            graph: str = "") -> Prediction:
+def predict(
+    gm: torch.fx.GraphModule, collectives: CollectivePricing, compute: ComputeCosts, graph: str = ""
+) -> Prediction:
     """Simulates ``gm`` in its node order on one compute stream and one communication stream.
 
     A transfer still running when the graph's compute ends (a collective never waited) extends
@@ -604,8 +697,9 @@ def predict(gm: torch.fx.GraphModule, collectives: CollectivePricing, compute: C
             nbytes, cost = collective.bytes, collectives.cost_of(collective)
             duration, issue = cost.seconds(nbytes), cost.issue_seconds(nbytes)
             pending[node] = len(records)
-            records.append(PredictedCollective(graph, node.name, collective.kind, nbytes, clock, clock, clock, 0.0,
-                                               duration))
+            records.append(
+                PredictedCollective(graph, node.name, collective.kind, nbytes, clock, clock, clock, 0.0, duration)
+            )
             stream.queue.append(_Transfer(len(records) - 1, duration))
             stream.advance(clock + issue, computing=True)
             comm_s += duration
@@ -630,8 +724,14 @@ def predict(gm: torch.fx.GraphModule, collectives: CollectivePricing, compute: C
     for index, (start, finish) in stream.ended.items():
         records[index] = replace(records[index], start_s=start, end_s=finish)
     prediction = Prediction(graph, clock + tail, compute_s, issue_s, comm_s, exposed + tail, records)
-    log.debug("cost model (%s): step %.3f ms, compute %.3f ms, comm %.3f ms, exposed %.3f ms", graph,
-              prediction.step_s * 1e3, compute_s * 1e3, comm_s * 1e3, prediction.exposed_comm_s * 1e3)
+    log.debug(
+        "cost model (%s): step %.3f ms, compute %.3f ms, comm %.3f ms, exposed %.3f ms",
+        graph,
+        prediction.step_s * 1e3,
+        compute_s * 1e3,
+        comm_s * 1e3,
+        prediction.exposed_comm_s * 1e3,
+    )
     return prediction
 
 
@@ -668,8 +768,10 @@ def predict_step(compiled_graphs: Iterable, collectives: CollectivePricing, comp
     for graph in step_graphs(compiled_graphs):
         part = predict(graph.gm, collectives, compute, graph.name)
         offset = total.step_s
-        total.collectives += [replace(c, issue_s=c.issue_s + offset, start_s=c.start_s + offset,
-                                      end_s=c.end_s + offset) for c in part.collectives]
+        total.collectives += [
+            replace(c, issue_s=c.issue_s + offset, start_s=c.start_s + offset, end_s=c.end_s + offset)
+            for c in part.collectives
+        ]
         total.step_s += part.step_s
         total.compute_s += part.compute_s
         total.issue_s += part.issue_s

@@ -74,15 +74,24 @@ class MemoryEstimate:
     @property
     def peak_bytes(self) -> int:
         """Model states + gathered peak + kept weights + saved activations (0 when unknown)."""
-        return (self.model_states_bytes + self.gathered_peak_bytes + self.kept_gathered_bytes
-                + (self.saved_activation_bytes or 0))
+        return (
+            self.model_states_bytes
+            + self.gathered_peak_bytes
+            + self.kept_gathered_bytes
+            + (self.saved_activation_bytes or 0)
+        )
 
     def to_dict(self) -> dict:
         return {**asdict(self), "model_states_bytes": self.model_states_bytes, "peak_bytes": self.peak_bytes}
 
 
-def estimate_memory(model: torch.nn.Module, world_size: int, options: ZeroConfig | dict | None = None,
-                    batch: Any = None, optimizer: str = "adamw") -> MemoryEstimate:
+def estimate_memory(
+    model: torch.nn.Module,
+    world_size: int,
+    options: ZeroConfig | dict | None = None,
+    batch: Any = None,
+    optimizer: str = "adamw",
+) -> MemoryEstimate:
     """Per-rank bytes of ``model`` trained with the zero backend on ``world_size`` ranks (module doc).
 
     ``options``: the backend's options; ``batch``: one rank's inputs (a tensor, a tuple of
@@ -101,8 +110,9 @@ def estimate_memory(model: torch.nn.Module, world_size: int, options: ZeroConfig
     if blocks:  # the weights no compiled block holds train outside every graph: stage 1's rules, their own dtype
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
         outside = replace(config, stage=1, param_dtype=None)
-        states = [_param_states(p, config if id(p) in in_blocks else outside, world_size, MOMENTS[optimizer])
-                  for p in params]
+        states = [
+            _param_states(p, config if id(p) in in_blocks else outside, world_size, MOMENTS[optimizer]) for p in params
+        ]
         gathered = _blocks_gathered_peak(blocks, config, world_size)
         compiled = [p for p in params if id(p) in in_blocks]
     else:
@@ -116,15 +126,25 @@ def estimate_memory(model: torch.nn.Module, world_size: int, options: ZeroConfig
     if batch is not None and sharded:
         # the estimate compiles a copy between two torch._dynamo.reset(): this process would then compile
         # its graphs again alone (a RankDivergenceError on every rank, blaming the compile paths)
-        message = ("zcompile.estimate_memory(batch=...): the model has trained already (its parameters are "
-                   "sharded); estimating saved activations resets Dynamo, and this rank would then recompile its "
-                   "graphs without the others. Call it before the first step, or read the measured figures from "
-                   "zcompile.step_report(model, optimizer)")
+        message = (
+            "zcompile.estimate_memory(batch=...): the model has trained already (its parameters are "
+            "sharded); estimating saved activations resets Dynamo, and this rank would then recompile its "
+            "graphs without the others. Call it before the first step, or read the measured figures from "
+            "zcompile.step_report(model, optimizer)"
+        )
         leave_abort_note(sharded[0].group, message)  # the others, in collectives with this rank, quote it
         raise ValueError(message)
     saved = None if batch is None else _saved_activations(model, batch, config, blocks)
-    return MemoryEstimate(world_size, config.stage, sum(s[0] for s in states), sum(s[1] for s in states),
-                          sum(s[2] for s in states), gathered, kept, saved)
+    return MemoryEstimate(
+        world_size,
+        config.stage,
+        sum(s[0] for s in states),
+        sum(s[1] for s in states),
+        sum(s[2] for s in states),
+        gathered,
+        kept,
+        saved,
+    )
 
 
 def _param_states(param: torch.nn.Parameter, config: ZeroConfig, world: int, moments: int) -> tuple[int, int, int]:
@@ -134,7 +154,7 @@ def _param_states(param: torch.nn.Parameter, config: ZeroConfig, world: int, mom
     trained = param.requires_grad
     shard = 4 * chunk  # the fp32 master
     low = config.param_dtype
-    replica = (config.stage in (1, 2) and trained and low is not None and low.itemsize < size)
+    replica = config.stage in (1, 2) and trained and low is not None and low.itemsize < size
     grad_shard = 4 * chunk  # the averaged gradient shard, fp32 on the master
     if config.stage == 3:
         params = shard
@@ -207,7 +227,7 @@ def _gathered_peak(params: list[torch.nn.Parameter], config: ZeroConfig, world: 
         return 0
     buckets = _buckets(params, config, world)
     depth = config.prefetch if config.overlap else 0
-    in_flight = [sum(buckets[j:j + depth + 1]) for j in range(len(buckets))]
+    in_flight = [sum(buckets[j : j + depth + 1]) for j in range(len(buckets))]
     # the next bucket's buffer and its copied-out pieces coexist once it lands; the last bucket's own
     # (a graph of one bucket, as a block compiled apart often is: twice its bucket)
     peak = max(in_flight[j] + buckets[min(j + 1, len(buckets) - 1)] for j in range(len(buckets)))
@@ -217,15 +237,15 @@ def _gathered_peak(params: list[torch.nn.Parameter], config: ZeroConfig, world: 
     return peak
 
 
-def _saved_activations(model: torch.nn.Module, batch: Any, config: ZeroConfig,
-                       blocks: list[torch.nn.Module] = ()) -> int:
+def _saved_activations(
+    model: torch.nn.Module, batch: Any, config: ZeroConfig, blocks: list[torch.nn.Module] = ()
+) -> int:
     """What the forwards save for backward, from one forward on fake tensors (module doc): the min-cut
     partition zcompile uses, with the same activation budget, each Dynamo graph's times the calls of
     it that forward made. ``blocks`` (``compiled_apart``): those compiled, the rest run eagerly."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
     from torch._subclasses.fake_tensor import FakeTensorMode
-
 
     saved: dict[int, int] = {}  # per Dynamo graph: its partition's (a block subgraph's is made first)
     calls: dict[int, int] = {}  # per Dynamo graph: its forward's calls
@@ -306,7 +326,9 @@ def _faked(model: torch.nn.Module, fake_mode) -> torch.nn.Module:
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) not in memo:
             fake = fake_mode.from_tensor(tensor.detach())
-            memo[id(tensor)] = torch.nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else fake
+            memo[id(tensor)] = (
+                torch.nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else fake
+            )
     return copy.deepcopy(model, memo)
 
 

@@ -64,15 +64,15 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Mapping
 
 import torch
 
-from zcompile.predict.cost_model import CollectiveCost, CollectiveCosts, ComputeCosts
-from zcompile.passes.collectives import ALL_REDUCE, COLLECTIVE_KINDS, KINDS, CollectiveNode
 from zcompile.common.topology import spans_nodes
+from zcompile.passes.collectives import ALL_REDUCE, COLLECTIVE_KINDS, KINDS, CollectiveNode
+from zcompile.predict.cost_model import CollectiveCost, CollectiveCosts, ComputeCosts
 
 PROFILE_DIR = Path(__file__).parent / "hardware_profiles"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -105,8 +105,12 @@ class Link:
         factor = self.bus_factor.get(kind, _BUS_FACTOR[kind])
         per_byte = factor * (ranks - 1) / ranks / self.bus_bytes_per_s
         latency = self.latency_s * self.latency_factor.get(kind, 1.0) * steps
-        return CollectiveCost(latency_s=latency, seconds_per_byte=per_byte,
-                              issue_latency_s=self.issue_latency_s, issue_seconds_per_byte=1.0 / self.issue_bytes_per_s)
+        return CollectiveCost(
+            latency_s=latency,
+            seconds_per_byte=per_byte,
+            issue_latency_s=self.issue_latency_s,
+            issue_seconds_per_byte=1.0 / self.issue_bytes_per_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,9 @@ class HardwareProfile:
     transcendental_bytes_per_s: float = 0.0  # ``ComputeCosts.transcendental_bytes_per_s``; 0: memory bandwidth
     overlap_slowdown: float = 1.0  # ``CollectiveCosts.overlap_slowdown``: a transfer's time while computing / alone
     device_type: str = "cuda"  # what zcompile.optim runs its update on: the fused kernel ("cuda") or torch ops
-    compute_efficiency: float = 1.0  # a training step's share of the micro-benchmarked rates (zcompile.predict.compute_efficiency)
+    compute_efficiency: float = (
+        1.0  # a training step's share of the micro-benchmarked rates (zcompile.predict.compute_efficiency)
+    )
     graph_call_overhead_s: float = 0.0  # host time per compiled graph call (forward or backward)
     parameter_overhead_s: float = 0.0  # host time per trained parameter and step
     host_cores: int = 0  # CPU cores a node's ranks share (module docstring); 0: a device per rank
@@ -156,20 +162,30 @@ class HardwareProfile:
             return self
         ranks_on_node = self.ranks_on_node(world_size, node_size)
 
-        def link(l: Link) -> Link:
-            return replace(l, bus_bytes_per_s=l.bus_bytes_per_s / share, latency_s=l.latency_s * share,
-                           issue_latency_s=l.issue_latency_s * share, issue_bytes_per_s=l.issue_bytes_per_s / share)
+        def link(shared: Link) -> Link:
+            return replace(
+                shared,
+                bus_bytes_per_s=shared.bus_bytes_per_s / share,
+                latency_s=shared.latency_s * share,
+                issue_latency_s=shared.issue_latency_s * share,
+                issue_bytes_per_s=shared.issue_bytes_per_s / share,
+            )
 
         return replace(
-            self, name=f"{self.name} ({ranks_on_node} ranks on {self.host_cores} cores)", host_cores=0,
+            self,
+            name=f"{self.name} ({ranks_on_node} ranks on {self.host_cores} cores)",
+            host_cores=0,
             peak_flops_per_s={k: v / share for k, v in self.peak_flops_per_s.items()},
             memory_bytes_per_s=self.memory_bytes_per_s / share,
             transcendental_bytes_per_s=self.transcendental_bytes_per_s / share,
-            op_overhead_s=self.op_overhead_s * share, graph_call_overhead_s=self.graph_call_overhead_s * share,
+            op_overhead_s=self.op_overhead_s * share,
+            graph_call_overhead_s=self.graph_call_overhead_s * share,
             parameter_overhead_s=self.parameter_overhead_s * share,
             store_requests_per_s=self.store_requests_per_s / share,  # its server takes turns on the cores too
             store_latency_s=self.store_latency_s * share,
-            intra_node=link(self.intra_node), inter_node=link(self.inter_node))
+            intra_node=link(self.intra_node),
+            inter_node=link(self.inter_node),
+        )
 
     def host_overhead_seconds(self, graph_calls: int, parameters: int) -> float:
         """The step's host time no op's price holds: ``graph_calls`` graph calls, ``parameters`` trained
@@ -199,29 +215,37 @@ class HardwareProfile:
         if world_size < 2:
             return CollectiveCosts(world_size, {})
         across = world_size > node_size
-        return CollectiveCosts(world_size, {kind: self.group_cost(kind, world_size, across) for kind in KINDS},
-                               self.overlap_slowdown)
+        return CollectiveCosts(
+            world_size, {kind: self.group_cost(kind, world_size, across) for kind in KINDS}, self.overlap_slowdown
+        )
 
-    def link_costs(self, world_size: int, node_size: int | None = None,
-                   group_ranks: Mapping[str, tuple[int, ...]] | None = None) -> LinkCosts:
+    def link_costs(
+        self, world_size: int, node_size: int | None = None, group_ranks: Mapping[str, tuple[int, ...]] | None = None
+    ) -> LinkCosts:
         """Costs that price each collective by its group (module docstring); ``group_ranks``: group
         name -> global ranks (``process_group.group_ranks_by_name``)."""
-        return LinkCosts(self, world_size, node_size or self.node_size, dict(group_ranks or {}),
-                         self.overlap_slowdown)
+        return LinkCosts(self, world_size, node_size or self.node_size, dict(group_ranks or {}), self.overlap_slowdown)
 
     def peak_flops(self, dtype: torch.dtype | str) -> float:
         """Peak FLOP/s in ``dtype`` (a ``torch.dtype`` or ``"bf16"``/``"fp16"``/``"fp32"``)."""
         name = next((k for k, v in _DTYPES.items() if v == dtype or k == dtype), None)
         if name not in self.peak_flops_per_s:
-            raise HardwareProfileError(f"hardware profile {self.name!r} has no peak_flops_per_s for {dtype}; "
-                                       f"it has {sorted(self.peak_flops_per_s)}")
+            raise HardwareProfileError(
+                f"hardware profile {self.name!r} has no peak_flops_per_s for {dtype}; "
+                f"it has {sorted(self.peak_flops_per_s)}"
+            )
         return self.peak_flops_per_s[name]
 
     def compute_costs(self, dtype: torch.dtype | str = torch.bfloat16) -> ComputeCosts:
         """``ComputeCosts`` at the peak FLOP/s of ``dtype`` (the compute dtype, ``param_dtype`` or fp32)."""
         peak = self.peak_flops(dtype)
-        costs = ComputeCosts(peak, self.memory_bytes_per_s, self.op_overhead_s, peak * self.attention_efficiency,
-                             self.transcendental_bytes_per_s)
+        costs = ComputeCosts(
+            peak,
+            self.memory_bytes_per_s,
+            self.op_overhead_s,
+            peak * self.attention_efficiency,
+            self.transcendental_bytes_per_s,
+        )
         return costs if self.compute_efficiency == 1.0 else costs.scaled(1.0 / self.compute_efficiency)
 
 
@@ -260,8 +284,10 @@ def load_profile(name_or_path: str | os.PathLike) -> HardwareProfile:
     if not path.suffix:
         path = PROFILE_DIR / f"{name_or_path}.json"
         if not path.exists():
-            raise HardwareProfileError(f"no hardware profile named {str(name_or_path)!r}; shipped: "
-                                       f"{available_profiles()}, or give the path of a JSON file")
+            raise HardwareProfileError(
+                f"no hardware profile named {str(name_or_path)!r}; shipped: "
+                f"{available_profiles()}, or give the path of a JSON file"
+            )
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
@@ -271,6 +297,7 @@ def load_profile(name_or_path: str | os.PathLike) -> HardwareProfile:
 
 def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
     """Validates ``data`` (the JSON form) and builds the profile; every error names the field and the file."""
+
     def field(path: str):
         value = data
         for key in path.split("."):
@@ -281,69 +308,100 @@ def profile_from_dict(data: dict, source: str = "<dict>") -> HardwareProfile:
 
     def positive(path: str, allow_zero: bool = False) -> float:
         value = field(path)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
-                value < 0 if allow_zero else value <= 0):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or (value < 0 if allow_zero else value <= 0)
+        ):
             bound = ">= 0" if allow_zero else "> 0"
             raise HardwareProfileError(f"hardware profile {source!r}: {path} must be a number {bound}, got {value!r}")
         return float(value)
 
     sources = field("sources")
     if not isinstance(sources, dict) or not sources:
-        raise HardwareProfileError(f"hardware profile {source!r}: sources must name where the figures come from "
-                                   "(a field -> text map)")
+        raise HardwareProfileError(
+            f"hardware profile {source!r}: sources must name where the figures come from (a field -> text map)"
+        )
     flops = field("peak_flops_per_s")
     if not isinstance(flops, dict) or not flops or not set(flops) <= set(_DTYPES):
-        raise HardwareProfileError(f"hardware profile {source!r}: peak_flops_per_s must map some of "
-                                   f"{sorted(_DTYPES)} to FLOP/s, got {flops!r}")
+        raise HardwareProfileError(
+            f"hardware profile {source!r}: peak_flops_per_s must map some of {sorted(_DTYPES)} to FLOP/s, got {flops!r}"
+        )
     node_size = field("node_size")
     if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
         raise HardwareProfileError(f"hardware profile {source!r}: node_size must be an int >= 1, got {node_size!r}")
     links = {name: _link(name, positive, data) for name in ("intra_node", "inter_node")}
-    optional = {key: positive(key) for key in ("attention_efficiency", "transcendental_bytes_per_s", "overlap_slowdown",
-                                               "compute_efficiency") if key in data}
-    optional.update({key: positive(key, allow_zero=True) for key in ("graph_call_overhead_s", "parameter_overhead_s",
-                                                                     "store_requests_per_s", "store_latency_s")
-                     if key in data})
+    optional = {
+        key: positive(key)
+        for key in ("attention_efficiency", "transcendental_bytes_per_s", "overlap_slowdown", "compute_efficiency")
+        if key in data
+    }
+    optional.update(
+        {
+            key: positive(key, allow_zero=True)
+            for key in ("graph_call_overhead_s", "parameter_overhead_s", "store_requests_per_s", "store_latency_s")
+            if key in data
+        }
+    )
     for fraction in ("attention_efficiency", "compute_efficiency"):
         if optional.get(fraction, 1.0) > 1.0:
-            raise HardwareProfileError(f"hardware profile {source!r}: {fraction} is a fraction of the measured or "
-                                       f"peak rates, at most 1, got {optional[fraction]!r}")
+            raise HardwareProfileError(
+                f"hardware profile {source!r}: {fraction} is a fraction of the measured or "
+                f"peak rates, at most 1, got {optional[fraction]!r}"
+            )
     if optional.get("overlap_slowdown", 1.0) < 1.0:
-        raise HardwareProfileError(f"hardware profile {source!r}: overlap_slowdown is a transfer's time while "
-                                   f"computing over its time alone, at least 1, got {optional['overlap_slowdown']!r}")
+        raise HardwareProfileError(
+            f"hardware profile {source!r}: overlap_slowdown is a transfer's time while "
+            f"computing over its time alone, at least 1, got {optional['overlap_slowdown']!r}"
+        )
     if "host_cores" in data:
         cores = data["host_cores"]
         if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
-            raise HardwareProfileError(f"hardware profile {source!r}: host_cores must be an int >= 0 (0: a device "
-                                       f"per rank), got {cores!r}")
+            raise HardwareProfileError(
+                f"hardware profile {source!r}: host_cores must be an int >= 0 (0: a device per rank), got {cores!r}"
+            )
         optional["host_cores"] = cores
     device_type = data.get("device_type", "cuda")
     if device_type not in ("cuda", "cpu"):
-        raise HardwareProfileError(f"hardware profile {source!r}: device_type must be 'cuda' or 'cpu', got "
-                                   f"{device_type!r}")
+        raise HardwareProfileError(
+            f"hardware profile {source!r}: device_type must be 'cuda' or 'cpu', got {device_type!r}"
+        )
     return HardwareProfile(
         name=str(field("name")),
         peak_flops_per_s={k: positive(f"peak_flops_per_s.{k}") for k in flops},
-        memory_bytes_per_s=positive("memory_bytes_per_s"), memory_bytes=positive("memory_bytes"),
-        op_overhead_s=positive("op_overhead_s", allow_zero=True), node_size=node_size,
-        intra_node=links["intra_node"], inter_node=links["inter_node"], source=source, device_type=device_type,
-        **optional)
+        memory_bytes_per_s=positive("memory_bytes_per_s"),
+        memory_bytes=positive("memory_bytes"),
+        op_overhead_s=positive("op_overhead_s", allow_zero=True),
+        node_size=node_size,
+        intra_node=links["intra_node"],
+        inter_node=links["inter_node"],
+        source=source,
+        device_type=device_type,
+        **optional,
+    )
 
 
 def _link(name: str, positive: Callable[..., float], data: dict) -> Link:
     """``links.<name>``: bus bandwidth and latency, and the optional issue cost and per-kind factors."""
-    link = data["links"][name] if isinstance(data.get("links"), dict) and isinstance(data["links"].get(name), dict) \
-        else {}
+    link = (
+        data["links"][name] if isinstance(data.get("links"), dict) and isinstance(data["links"].get(name), dict) else {}
+    )
     prefix = f"links.{name}"
 
     def per_kind(key: str) -> dict[str, float]:
         factors = link.get(key, {})
         if not isinstance(factors, dict) or not set(factors) <= set(KINDS):
-            raise HardwareProfileError(f"hardware profile: {prefix}.{key} must map some of {list(KINDS)} to a "
-                                       f"factor, got {factors!r}")
+            raise HardwareProfileError(
+                f"hardware profile: {prefix}.{key} must map some of {list(KINDS)} to a factor, got {factors!r}"
+            )
         return {kind: positive(f"{prefix}.{key}.{kind}") for kind in factors}
 
-    return Link(positive(f"{prefix}.bus_bytes_per_s"), positive(f"{prefix}.latency_s", True),
-                positive(f"{prefix}.issue_latency_s", True) if "issue_latency_s" in link else 0.0,
-                positive(f"{prefix}.issue_bytes_per_s") if "issue_bytes_per_s" in link else math.inf,
-                per_kind("bus_factor"), per_kind("latency_factor"))
+    return Link(
+        positive(f"{prefix}.bus_bytes_per_s"),
+        positive(f"{prefix}.latency_s", True),
+        positive(f"{prefix}.issue_latency_s", True) if "issue_latency_s" in link else 0.0,
+        positive(f"{prefix}.issue_bytes_per_s") if "issue_bytes_per_s" in link else math.inf,
+        per_kind("bus_factor"),
+        per_kind("latency_factor"),
+    )

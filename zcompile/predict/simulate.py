@@ -52,24 +52,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from zcompile.agreement.rank_check import ANSWERED_REQUESTS_PER_EXCHANGE
 from zcompile.backend.entry_point import agrees_on_each_call
+from zcompile.common.process_group import group_ranks_by_name
 from zcompile.config import ZeroConfig
+from zcompile.optim.buckets import plan_optimizer_buckets, plan_reduce_buckets
+from zcompile.passes.collectives import collective_nodes
+from zcompile.passes.liveness import gathered_peak_parts, saved_activation_bytes
 from zcompile.predict.cost_model import ComputeCosts, predict_step, step_graphs
 from zcompile.predict.estimate import estimate_memory, fake_call
 from zcompile.predict.hardware import HardwareProfile, LinkCosts, load_profile
-from zcompile.optim.buckets import plan_optimizer_buckets, plan_reduce_buckets
-from zcompile.sharding.shards import shard_of
-from zcompile.passes.collectives import collective_nodes
-from zcompile.common.process_group import group_ranks_by_name
-from zcompile.agreement.rank_check import ANSWERED_REQUESTS_PER_EXCHANGE
-from zcompile.passes.liveness import gathered_peak_parts, saved_activation_bytes
 from zcompile.predict.step_peak import step_peak
+from zcompile.sharding.shards import shard_of
 
 log = logging.getLogger(__name__)
 STORE_SHARE_WORTH_A_WARNING = 0.1  # of the predicted step
@@ -108,37 +109,60 @@ class SimulationResult:
     store_s: float = 0.0  # their time on the store (HardwareProfile.store_seconds: round trip or the server's turn)
     mfu: float = 0.0
     simulate_s: float = 0.0  # wall time of the simulation itself
-    step_peak_bytes: int = 0  # the most bytes per rank during a step (zcompile.predict.step_peak), model states included
+    step_peak_bytes: int = (
+        0  # the most bytes per rank during a step (zcompile.predict.step_peak), model states included
+    )
     step_peak_phase: str = ""  # the phase that holds it: forward<i>, backward<i> or optimizer
     time_sharing: float = 1.0  # HardwareProfile.time_sharing: ranks over the host's cores, where more
 
     @property
     def per_rank_bytes(self) -> int:
-        return sum(self.memory[k] for k in ("model_states_bytes", "peak_gathered_bytes", "gather_staging_bytes",
-                                            "kept_gathered_bytes", "saved_activation_bytes"))
+        return sum(
+            self.memory[k]
+            for k in (
+                "model_states_bytes",
+                "peak_gathered_bytes",
+                "gather_staging_bytes",
+                "kept_gathered_bytes",
+                "saved_activation_bytes",
+            )
+        )
 
     def bytes_by(self, where: str | None = None, inside_node: bool | None = None) -> int:
-        return sum(c.bytes for c in self.collectives if (where is None or c.where == where)
-                   and (inside_node is None or c.inside_node == inside_node))
+        return sum(
+            c.bytes
+            for c in self.collectives
+            if (where is None or c.where == where) and (inside_node is None or c.inside_node == inside_node)
+        )
 
     def to_dict(self) -> dict:
         """The result as JSON data, the collectives summed per kind and where they run."""
         totals: dict[str, dict] = {}
         for c in self.collectives:
-            entry = totals.setdefault(f"{c.where} {c.kind}", {"count": 0, "bytes": 0, "across_nodes_bytes": 0,
-                                                              "seconds": 0.0})
+            entry = totals.setdefault(
+                f"{c.where} {c.kind}", {"count": 0, "bytes": 0, "across_nodes_bytes": 0, "seconds": 0.0}
+            )
             entry["count"] += 1
             entry["bytes"] += c.bytes
             entry["across_nodes_bytes"] += 0 if c.inside_node else c.bytes
             entry["seconds"] += c.seconds
-        return {**{k: v for k, v in asdict(self).items() if k != "collectives"}, "collectives": totals,
-                "per_rank_bytes": self.per_rank_bytes}
+        return {
+            **{k: v for k, v in asdict(self).items() if k != "collectives"},
+            "collectives": totals,
+            "per_rank_bytes": self.per_rank_bytes,
+        }
 
 
-def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, world_size: int,
-             node_size: int | None = None, options: ZeroConfig | dict | None = None,
-             hardware: str | HardwareProfile = "h100-sxm",
-             loss_fn: Callable[[Any], torch.Tensor] | None = None) -> SimulationResult:
+def simulate(
+    make_model: Callable[[], torch.nn.Module],
+    example_batch: Any,
+    *,
+    world_size: int,
+    node_size: int | None = None,
+    options: ZeroConfig | dict | None = None,
+    hardware: str | HardwareProfile = "h100-sxm",
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> SimulationResult:
     """Compiles ``make_model()`` for ``world_size`` ranks without them and predicts memory and time (module doc).
 
     ``example_batch``: one rank's inputs (a tensor, a tuple of positional or a dict of keyword
@@ -179,31 +203,52 @@ def simulate(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, w
         pricing = profile.link_costs(world_size, node_size, group_ranks_by_name())
     num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
     tokens = _tokens(args, kwargs)
-    gathered, staging = gathered_peak_parts([gm for g in graphs for gm in (g.forward, g.backward)],
-                                            on_gloo and world_size > 1)
+    gathered, staging = gathered_peak_parts(
+        [gm for g in graphs for gm in (g.forward, g.backward)], on_gloo and world_size > 1
+    )
     # each graph as often as the step ran it, as step_report counts it: a graph break inside the layer
     # loop compiles one graph for a layer's frame, called once per layer (counted once until 2026-11-28)
     stepped = [g for g in graphs for _ in range(max(1, g.calls_since_step))]
-    result = SimulationResult(world_size, node_size, profile.name, num_params, tokens, memory={
-        "model_states_bytes": states.model_states_bytes,
-        "peak_gathered_bytes": gathered,
-        "gather_staging_bytes": staging,  # gloo's copies of the gathers in flight (step_report's part)
-        "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in stepped if g.keep_gathered),
-        "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) for g in stepped),
-    })
-    peak = step_peak(stepped, states.params_bytes, states.grads_bytes, states.optimizer_bytes,
-                     gather_staging=on_gloo and world_size > 1)
+    result = SimulationResult(
+        world_size,
+        node_size,
+        profile.name,
+        num_params,
+        tokens,
+        memory={
+            "model_states_bytes": states.model_states_bytes,
+            "peak_gathered_bytes": gathered,
+            "gather_staging_bytes": staging,  # gloo's copies of the gathers in flight (step_report's part)
+            "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in stepped if g.keep_gathered),
+            "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) for g in stepped),
+        },
+    )
+    peak = step_peak(
+        stepped,
+        states.params_bytes,
+        states.grads_bytes,
+        states.optimizer_bytes,
+        gather_staging=on_gloo and world_size > 1,
+    )
     result.step_peak_bytes, result.step_peak_phase = peak.peak_bytes, peak.where
     result.collectives = _graph_collectives(stepped, pricing) + _optimizer_collectives(
-        model, pricing, by_all_to_all=on_gloo)
+        model, pricing, by_all_to_all=on_gloo
+    )
     compute = profile.compute_costs(config.param_dtype or torch.float32)
     result.optimizer_update_s = _optimizer_update_seconds(model, profile, compute)
     result.time_sharing = time_sharing
     result.store_exchanges = _store_exchanges(graphs, world_size) if checks_ranks else 0
     _predict(result, stepped, pricing, compute, sum(p.requires_grad for p in dict.fromkeys(model.parameters())))
     result.simulate_s = time.perf_counter() - start
-    log.info("simulate: %d parameters on %d ranks (%s): %.1f MiB per rank, step %.3f s, MFU %.1f%%", num_params,
-             world_size, profile.name, result.per_rank_bytes / 2**20, result.step_s, 100 * result.mfu)
+    log.info(
+        "simulate: %d parameters on %d ranks (%s): %.1f MiB per rank, step %.3f s, MFU %.1f%%",
+        num_params,
+        world_size,
+        profile.name,
+        result.per_rank_bytes / 2**20,
+        result.step_s,
+        100 * result.mfu,
+    )
     return result
 
 
@@ -218,8 +263,10 @@ def check_world(world_size: int, node_size: int | None) -> None:
 def _node_size(node_size: int | None, config: ZeroConfig, profile: HardwareProfile) -> int:
     """Ranks per node: the argument, else the ``node_size`` option, else the profile's; the two must agree."""
     if node_size is not None and config.node_size is not None and node_size != config.node_size:
-        raise ValueError(f"zcompile.simulate: node_size={node_size} and the option node_size={config.node_size} "
-                         "disagree; give one of them")
+        raise ValueError(
+            f"zcompile.simulate: node_size={node_size} and the option node_size={config.node_size} "
+            "disagree; give one of them"
+        )
     return node_size or config.node_size or profile.node_size
 
 
@@ -229,8 +276,10 @@ def fake_world(world_size: int, node_size: int):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise RuntimeError("zcompile.simulate runs without a process group of its own: call it in a process "
-                           "that has not called init_process_group (not under torchrun)")
+        raise RuntimeError(
+            "zcompile.simulate runs without a process group of its own: call it in a process "
+            "that has not called init_process_group (not under torchrun)"
+        )
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
@@ -245,8 +294,10 @@ def _loss(output: Any, loss_fn: Callable | None) -> torch.Tensor:
         return output if output.dim() == 0 else output.float().sum()
     loss = getattr(output, "loss", None)
     if loss is None:
-        raise ValueError("zcompile.simulate: the model's output is neither a tensor nor has a .loss; "
-                         "pass loss_fn=lambda output: ... to make the scalar to differentiate")
+        raise ValueError(
+            "zcompile.simulate: the model's output is neither a tensor nor has a .loss; "
+            "pass loss_fn=lambda output: ... to make the scalar to differentiate"
+        )
     return loss
 
 
@@ -265,25 +316,46 @@ def _graph_collectives(graphs: list, pricing: LinkCosts) -> list[SimulatedCollec
         for collective in collective_nodes(graph.gm):
             size = pricing.group_size(collective)
             inside = not pricing.across_nodes(collective.group_name, size)
-            out.append(SimulatedCollective(graph.where, collective.kind, collective.bytes, size, inside,
-                                           graph=graph.name, node=collective.node.name))
+            out.append(
+                SimulatedCollective(
+                    graph.where,
+                    collective.kind,
+                    collective.bytes,
+                    size,
+                    inside,
+                    graph=graph.name,
+                    node=collective.node.name,
+                )
+            )
     return out
 
 
-def _optimizer_collectives(model: torch.nn.Module, pricing: LinkCosts, by_all_to_all: bool,
-                           bucket_mb: float = OPTIMIZER_BUCKET_MB) -> list[SimulatedCollective]:
+def _optimizer_collectives(
+    model: torch.nn.Module, pricing: LinkCosts, by_all_to_all: bool, bucket_mb: float = OPTIMIZER_BUCKET_MB
+) -> list[SimulatedCollective]:
     """Stages 1 and 2: what ``zcompile.optim``'s step moves, read from the shards the backend made and
     bucketed as the step buckets them (``optim_buckets``, its default 4 MiB of full parameter): at
     stage 1 the full gradients reduce-scattered in their reduce dtype (``plan_reduce_buckets``: half
     buckets where, as on the profile's CPU (gloo), they are exchanged by all-to-all), then the updated
     parameters all-gathered in the replicated dtype; one collective per bucket, padded."""
-    members = [s for s in filter(None, map(shard_of, dict.fromkeys(model.parameters())))
-               if s.stage in (1, 2) and s.group.world_size > 1 and s.param.requires_grad]
+    members = [
+        s
+        for s in filter(None, map(shard_of, dict.fromkeys(model.parameters())))
+        if s.stage in (1, 2) and s.group.world_size > 1 and s.param.requires_grad
+    ]
     bucket_bytes = int(bucket_mb * 2**20)
-    moves = [("reduce_scatter", lambda s: s.grad_reduce_dtype,
-              plan_reduce_buckets([s for s in members if s.stage == 1], bucket_bytes, by_all_to_all)),
-             ("all_gather", lambda s: s.replicated_dtype,
-              plan_optimizer_buckets(members, lambda s: s.replicated_dtype, bucket_bytes))]
+    moves = [
+        (
+            "reduce_scatter",
+            lambda s: s.grad_reduce_dtype,
+            plan_reduce_buckets([s for s in members if s.stage == 1], bucket_bytes, by_all_to_all),
+        ),
+        (
+            "all_gather",
+            lambda s: s.replicated_dtype,
+            plan_optimizer_buckets(members, lambda s: s.replicated_dtype, bucket_bytes),
+        ),
+    ]
     out = []
     for kind, dtype_of, buckets in moves:
         for bucket in buckets:
@@ -301,27 +373,42 @@ def _store_exchanges(graphs: list, world_size: int) -> int:
     goes there from the step's agreement: ``ShardSwap.first_call_since_agreed_step``)."""
     if world_size == 1:
         return 0
-    agreed_calls = sum(max(1, g.calls_since_step) for g in graphs if g.context is not None and agrees_on_each_call(
-        g.context.config.replace(check_ranks=True), world_size, g.context.sharding, g.context.zeropp.active,
-        grad_enabled=True))
+    agreed_calls = sum(
+        max(1, g.calls_since_step)
+        for g in graphs
+        if g.context is not None
+        and agrees_on_each_call(
+            g.context.config.replace(check_ranks=True),
+            world_size,
+            g.context.sharding,
+            g.context.zeropp.active,
+            grad_enabled=True,
+        )
+    )
     return 1 + max(0, agreed_calls - 1)
 
 
 def _store_note(result: SimulationResult, profile: HardwareProfile) -> str:
     """What the store's share of the step is, why, and what lowers it."""
     each = result.store_s / result.store_exchanges
-    said = (f"at {result.world_size} ranks the ranks' {result.store_exchanges} agreement(s) a step through the store "
-            f"take {result.store_s * 1e3:.1f} ms of the {result.step_s * 1e3:.1f} ms step ({each * 1e3:.2f} ms each: "
-            f"one store server answers {ANSWERED_REQUESTS_PER_EXCHANGE * result.world_size} requests an exchange at "
-            f"{profile.store_requests_per_s:,.0f} requests/s, the profile's store_requests_per_s, "
-            f"{ANSWERED_REQUESTS_PER_EXCHANGE} of them one after another on each rank). ")
+    said = (
+        f"at {result.world_size} ranks the ranks' {result.store_exchanges} agreement(s) a step through the store "
+        f"take {result.store_s * 1e3:.1f} ms of the {result.step_s * 1e3:.1f} ms step ({each * 1e3:.2f} ms each: "
+        f"one store server answers {ANSWERED_REQUESTS_PER_EXCHANGE * result.world_size} requests an exchange at "
+        f"{profile.store_requests_per_s:,.0f} requests/s, the profile's store_requests_per_s, "
+        f"{ANSWERED_REQUESTS_PER_EXCHANGE} of them one after another on each rank). "
+    )
     if result.store_exchanges > 1:
-        return said + ("Graphs called once per layer (blocks compiled one by one, a graph break in the layer loop) "
-                       "agree on every call: compile the whole model, whose forward needs none, or mark its blocks "
-                       "with zcompile.mark_repeated_blocks")
-    return said + ("That is the step's own agreement, once a step: more tokens per step (gradient accumulation) "
-                   "spread it; check_ranks=False removes it, and with it the error a rank that skips a step or a "
-                   "layer alone would raise (a hang instead)")
+        return said + (
+            "Graphs called once per layer (blocks compiled one by one, a graph break in the layer loop) "
+            "agree on every call: compile the whole model, whose forward needs none, or mark its blocks "
+            "with zcompile.mark_repeated_blocks"
+        )
+    return said + (
+        "That is the step's own agreement, once a step: more tokens per step (gradient accumulation) "
+        "spread it; check_ranks=False removes it, and with it the error a rank that skips a step or a "
+        "layer alone would raise (a hang instead)"
+    )
 
 
 def _optimizer_update_seconds(model: torch.nn.Module, profile: HardwareProfile, compute: ComputeCosts) -> float:
@@ -343,8 +430,9 @@ def _optimizer_update_seconds(model: torch.nn.Module, profile: HardwareProfile, 
     return total
 
 
-def _predict(result: SimulationResult, graphs: list, pricing: LinkCosts, compute: ComputeCosts,
-             trained_parameters: int) -> None:
+def _predict(
+    result: SimulationResult, graphs: list, pricing: LinkCosts, compute: ComputeCosts, trained_parameters: int
+) -> None:
     """Step, exposed communication and MFU from ``predict_step``; each graph collective's predicted
     seconds; the host's overhead for the step's graph calls and ``trained_parameters`` parameters."""
     prediction = predict_step(graphs, pricing, compute)

@@ -57,8 +57,14 @@ class StepPeak:
         return max(self.phases, key=self.phases.get, default="")
 
 
-def step_peak(graphs: list, params_bytes: int, grads_bytes: int, optimizer_bytes: int,
-              hold_backward_inputs: bool = False, gather_staging: bool = False) -> StepPeak:
+def step_peak(
+    graphs: list,
+    params_bytes: int,
+    grads_bytes: int,
+    optimizer_bytes: int,
+    hold_backward_inputs: bool = False,
+    gather_staging: bool = False,
+) -> StepPeak:
     """The step's peak from the ``CompiledGraphs`` of one step (``on_compile``'s, in compile order, a
     graph the step runs several times once per call) and this rank's model states (``estimate_memory``'s or ``model_state_bytes``' parts).
     ``hold_backward_inputs``: the peak if each backward kept its saved values and tangents until it
@@ -71,20 +77,31 @@ def step_peak(graphs: list, params_bytes: int, grads_bytes: int, optimizer_bytes
     phases: dict[str, int] = {}
     for i, g in enumerate(graphs):
         if g.forward is not None:
-            phases[f"forward{i}"] = states + sum(map(_total, saved[:i])) + live_peak_bytes(
-                g.forward, gather_staging=gather_staging)
+            phases[f"forward{i}"] = (
+                states + sum(map(_total, saved[:i])) + live_peak_bytes(g.forward, gather_staging=gather_staging)
+            )
     for i, g in reversed(list(enumerate(graphs))):
         if g.forward is not None and g.backward is not None:
-            walk = live_peak_bytes(g.backward, _backward_preloaded(g), hold_inputs=hold_backward_inputs,
-                                   gather_staging=gather_staging)
+            walk = live_peak_bytes(
+                g.backward, _backward_preloaded(g), hold_inputs=hold_backward_inputs, gather_staging=gather_staging
+            )
             phases[f"backward{i}"] = states + sum(map(_total, saved[:i])) + grads_after[i] + walk
     phases["optimizer"] = states + grads_bytes
     result = StepPeak(states, phases)
     if sum(g.forward is not None for g in graphs) > 1:  # graphs: one entry per call (simulate's walk)
-        log.warning("step peak: %d compiled graphs, %d calls (graph breaks): the tensors eager code carries between "
-                    "them (a hidden state and its gradient) are not counted", len({id(g) for g in graphs}), len(graphs))
-    log.info("step peak %.1f MiB in %s (parameters and optimizer state %.1f MiB; the optimizer's own temporaries "
-             "not counted)", result.peak_bytes / 2**20, result.where, states / 2**20)
+        log.warning(
+            "step peak: %d compiled graphs, %d calls (graph breaks): the tensors eager code carries between "
+            "them (a hidden state and its gradient) are not counted",
+            len({id(g) for g in graphs}),
+            len(graphs),
+        )
+    log.info(
+        "step peak %.1f MiB in %s (parameters and optimizer state %.1f MiB; the optimizer's own temporaries "
+        "not counted)",
+        result.peak_bytes / 2**20,
+        result.where,
+        states / 2**20,
+    )
     return result
 
 
@@ -117,11 +134,13 @@ def _grads_made_after(graphs: list, grads_bytes: int) -> list[int]:
     """Per graph, the gradient bytes the graphs after it have made when its backward starts: the
     share of ``grads_bytes`` of the parameters those graphs train (by element count; a graph without
     a sharding plan trains none it can name)."""
-    trained = [{p.name: torch.Size(p.shape).numel() for p in (g.plan.params if g.plan else []) if p.requires_grad}
-               for g in graphs]
+    trained = [
+        {p.name: torch.Size(p.shape).numel() for p in (g.plan.params if g.plan else []) if p.requires_grad}
+        for g in graphs
+    ]
     total = sum({name: n for t in trained for name, n in t.items()}.values())
     out = []
     for i in range(len(graphs)):
-        later = {name: n for t in trained[i + 1:] for name, n in t.items()}
+        later = {name: n for t in trained[i + 1 :] for name, n in t.items()}
         out.append(grads_bytes * sum(later.values()) // total if total else 0)
     return out

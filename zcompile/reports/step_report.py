@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from zcompile.common.comm_volume import step_collectives, summarize
 from zcompile.backend.compiled import CompiledGraphs, compiled_graphs_of
-from zcompile.sharding.memory import model_state_bytes, zero_formula_bytes
+from zcompile.common.comm_volume import step_collectives, summarize
+from zcompile.common.process_group import on_gloo
 from zcompile.passes import metadata
 from zcompile.passes.collectives import COLLECTIVE_OPS, WAIT, collective_nodes
 from zcompile.passes.liveness import gathered_peak_parts, saved_activation_bytes
-from zcompile.common.process_group import on_gloo
+from zcompile.sharding.memory import model_state_bytes, zero_formula_bytes
 
 log = logging.getLogger(__name__)
 
@@ -92,39 +92,75 @@ class StepReport:
         mem = self.memory
         exposed = sum(1 for s in self.schedule if s.overlapped_ops == 0 and not s.issued_by_call_before)
         ahead = sum(1 for s in self.schedule if s.issued_by_call_before)
-        return [
-            f"total {total:,} elements = {total / psi:.2f} Ψ per rank per step "
-            f"(ZeRO formula {self.formula_elements / psi:.0f} Ψ)",
-            f"model states {mem['model_states_bytes'] / 2**20:.2f} MiB/rank measured"
-            + ("" if self.optimizer_counted else " (parameters and gradients only: step_report(model, optimizer) "
-               "counts the optimizer's states too)")
-            + ", "
-            f"{mem['formula_bytes'] / 2**20:.2f} MiB by the formula; peak gathered parameters "
-            f"{mem['peak_gathered_bytes'] / 2**20:.2f} MiB"
-            + (f" (of which {mem['kept_gathered_bytes'] / 2**20:.2f} MiB kept for backward)"
-               if mem.get("kept_gathered_bytes") else "")
-            + (f" (of which {mem['call_prefetch_bytes'] / 2**20:.2f} MiB the next call's first gather, prefetched)"
-               if mem.get("call_prefetch_bytes") else "")
-            + (f", +{mem['gather_staging_bytes'] / 2**20:.2f} MiB at most of gloo's copies of the gathers in flight"
-               if mem.get("gather_staging_bytes") else "")
-            + f"; saved activations {mem.get('saved_activation_bytes', 0) / 2**20:.2f} MiB"
-            + (f"; the optimizer's bucket buffers {mem['optimizer_buffers_bytes'] / 2**20:.2f} MiB at most "
-               "(its bucket_mb)" if mem.get("optimizer_buffers_bytes") else ""),
-            f"schedule: {len(self.schedule)} collectives in graphs, {exposed} with no compute between issue "
-            "and wait (exposed)" + (f", {ahead} issued by the call before (cross-call prefetch: exposed only in a "
-                                    "run's first call)" if ahead else ""),
-        ] + (["reduce-scatters run as an all-to-all and a sum on this backend (option reduce_scatter); the "
-              "profiler and the timeline show them as all_to_all"] if self.reduce_scatter_as_all_to_all else []) + (
-            [f"gradient norm {self.grad_norm:.6g} (before clipping)"] if self.grad_norm is not None else []) + (
-            [f"{self.skipped_steps} step(s) skipped: gradients not finite (skip_nonfinite)"] if self.skipped_steps else [])
+        return (
+            [
+                f"total {total:,} elements = {total / psi:.2f} Ψ per rank per step "
+                f"(ZeRO formula {self.formula_elements / psi:.0f} Ψ)",
+                f"model states {mem['model_states_bytes'] / 2**20:.2f} MiB/rank measured"
+                + (
+                    ""
+                    if self.optimizer_counted
+                    else " (parameters and gradients only: step_report(model, optimizer) "
+                    "counts the optimizer's states too)"
+                )
+                + ", "
+                f"{mem['formula_bytes'] / 2**20:.2f} MiB by the formula; peak gathered parameters "
+                f"{mem['peak_gathered_bytes'] / 2**20:.2f} MiB"
+                + (
+                    f" (of which {mem['kept_gathered_bytes'] / 2**20:.2f} MiB kept for backward)"
+                    if mem.get("kept_gathered_bytes")
+                    else ""
+                )
+                + (
+                    f" (of which {mem['call_prefetch_bytes'] / 2**20:.2f} MiB the next call's first gather, prefetched)"
+                    if mem.get("call_prefetch_bytes")
+                    else ""
+                )
+                + (
+                    f", +{mem['gather_staging_bytes'] / 2**20:.2f} MiB at most of gloo's copies of the gathers in flight"
+                    if mem.get("gather_staging_bytes")
+                    else ""
+                )
+                + f"; saved activations {mem.get('saved_activation_bytes', 0) / 2**20:.2f} MiB"
+                + (
+                    f"; the optimizer's bucket buffers {mem['optimizer_buffers_bytes'] / 2**20:.2f} MiB at most "
+                    "(its bucket_mb)"
+                    if mem.get("optimizer_buffers_bytes")
+                    else ""
+                ),
+                f"schedule: {len(self.schedule)} collectives in graphs, {exposed} with no compute between issue "
+                "and wait (exposed)"
+                + (
+                    f", {ahead} issued by the call before (cross-call prefetch: exposed only in a run's first call)"
+                    if ahead
+                    else ""
+                ),
+            ]
+            + (
+                [
+                    "reduce-scatters run as an all-to-all and a sum on this backend (option reduce_scatter); the "
+                    "profiler and the timeline show them as all_to_all"
+                ]
+                if self.reduce_scatter_as_all_to_all
+                else []
+            )
+            + ([f"gradient norm {self.grad_norm:.6g} (before clipping)"] if self.grad_norm is not None else [])
+            + (
+                [f"{self.skipped_steps} step(s) skipped: gradients not finite (skip_nonfinite)"]
+                if self.skipped_steps
+                else []
+            )
+        )
 
     def render(self) -> str:
         """The report as plain text (what ``print`` shows without rich)."""
         psi = max(self.num_params, 1)
         lines = [self.title()]
         for where, kind, count, elements, nbytes in self.collective_rows():
-            lines.append(f"  {where:<9} {kind:<15} {count:>5} x {elements:>12,} elements {nbytes / 2**20:9.2f} MiB"
-                         f" {elements / psi:5.2f} Ψ")
+            lines.append(
+                f"  {where:<9} {kind:<15} {count:>5} x {elements:>12,} elements {nbytes / 2**20:9.2f} MiB"
+                f" {elements / psi:5.2f} Ψ"
+            )
         lines += [f"  {line}" for line in self.summary_lines()]
         return "\n".join(lines)
 
@@ -148,7 +184,9 @@ class StepReport:
             console.print(line)
 
 
-def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[CompiledGraphs] | None = None) -> StepReport:
+def step_report(
+    model: torch.nn.Module, optimizer: Any = None, graphs: list[CompiledGraphs] | None = None
+) -> StepReport:
     """The report of one step of ``model`` (call after at least one ``optimizer.step()``)."""
     graphs = compiled_graphs_of(model) if graphs is None else graphs
     if not graphs:
@@ -172,8 +210,10 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
     staged = graphs[0].context is not None and on_gloo(graphs[0].context.group) and plan.world_size > 1
     peak_gathered, gather_staging = gathered_peak_parts([gm for g in graphs for gm in (g.forward, g.backward)], staged)
     # cross-call prefetch (zcompile.backend.call_prefetch): while a call runs, the next call's first gather is held
-    held_ahead = max([chain.split.gathered_bytes for g in graphs for chain in g.call_chains.values()
-                      if chain.taken or chain.dropped] or [0])
+    held_ahead = max(
+        [chain.split.gathered_bytes for g in graphs for chain in g.call_chains.values() if chain.taken or chain.dropped]
+        or [0]
+    )
     if staged:  # that gather is in flight the whole call: gloo holds its flat copy of it too
         gather_staging += held_ahead
     records = step_collectives(graphs, optimizer)  # each graph as often as it ran in the last step
@@ -184,19 +224,24 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
     at_step = getattr(optimizer, "last_step_state_bytes", None)
     measured = (at_step or model_state_bytes(model, optimizer)).total
     return StepReport(
-        stage=plan.stage, world_size=plan.world_size, num_params=num_params,
-        collectives=[r.to_json() for r in records], totals=summarize(records), formula_elements=formula,
+        stage=plan.stage,
+        world_size=plan.world_size,
+        num_params=num_params,
+        collectives=[r.to_json() for r in records],
+        totals=summarize(records),
+        formula_elements=formula,
         memory={
             "model_states_bytes": measured,
             "formula_bytes": zero_formula_bytes(num_params, plan.world_size, plan.stage, plan.param_dtype),
             "peak_gathered_bytes": peak_gathered + held_ahead,
             "call_prefetch_bytes": held_ahead,  # of peak_gathered_bytes
             "gather_staging_bytes": gather_staging,
-            "hpz_secondary_bytes": _hpz_secondary_bytes(graphs, unique) - sum(
-                p.hpz_secondary_bytes for g in graphs if g.keep_gathered for p in g.keep_gathered.kept),
+            "hpz_secondary_bytes": _hpz_secondary_bytes(graphs, unique)
+            - sum(p.hpz_secondary_bytes for g in graphs if g.keep_gathered for p in g.keep_gathered.kept),
             "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in graphs if g.keep_gathered),
-            "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) * g.calls_per_forward_run
-                                          for g in graphs),
+            "saved_activation_bytes": sum(
+                saved_activation_bytes(g.forward, g.backward) * g.calls_per_forward_run for g in graphs
+            ),
             # stages 1 and 2: the step's reduce-scatter and all-gather buckets (optim_buckets.BufferLedger)
             "optimizer_buffers_bytes": getattr(optimizer, "last_step_buffer_peak_bytes", 0),
         },
@@ -204,8 +249,9 @@ def step_report(model: torch.nn.Module, optimizer: Any = None, graphs: list[Comp
         grad_norm=getattr(optimizer, "last_grad_norm", None),
         optimizer_counted=optimizer is not None,
         skipped_steps=getattr(optimizer, "skipped_steps", 0),
-        reduce_scatter_as_all_to_all=any(g.context is not None and g.context.reduce_scatter_by_all_to_all
-                                         for g in graphs),
+        reduce_scatter_as_all_to_all=any(
+            g.context is not None and g.context.reduce_scatter_by_all_to_all for g in graphs
+        ),
     )
 
 
@@ -228,7 +274,10 @@ def collective_overlaps(gm: torch.fx.GraphModule | None, graph_id: str, where: s
     for collective in collective_nodes(gm):
         start = order[collective.node]
         end = min((order[w] for w in collective.waits), default=start)
-        between = [n for n in nodes[start + 1:end]
-                   if n.op == "call_function" and n.target not in COLLECTIVE_OPS and n.target is not WAIT]
+        between = [
+            n
+            for n in nodes[start + 1 : end]
+            if n.op == "call_function" and n.target not in COLLECTIVE_OPS and n.target is not WAIT
+        ]
         out.append(OverlapRecord(graph_id, where, collective.kind, metadata.params_of(collective.node), len(between)))
     return out

@@ -42,8 +42,9 @@ import json
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -142,8 +143,13 @@ def record_step(step_fn: Callable[[], Any], out_dir: str | os.PathLike, rank: in
     result = read_trace(path, rank)
     log.info(
         "timeline: rank %d step %.1f ms, %d collectives issued, %.1f ms waited, peak +%.2f MiB (%s); trace %s",
-        rank, result.step_us / 1e3, len(result.collectives) - result.count(WAIT), result.wait_us / 1e3,
-        result.peak_bytes / 2**20, result.memory_device, path,
+        rank,
+        result.step_us / 1e3,
+        len(result.collectives) - result.count(WAIT),
+        result.wait_us / 1e3,
+        result.peak_bytes / 2**20,
+        result.memory_device,
+        path,
     )
     return result
 
@@ -169,9 +175,14 @@ def read_trace(path: str | os.PathLike, rank: int = 0) -> TimelineResult:
     waits = [(e.start_us, e.start_us + e.duration_us) for e in collectives if e.kind == WAIT]
     memory, device = memory_series(events, origin)
     return TimelineResult(
-        trace_path=os.fspath(path), rank=rank, step_us=float(step.get("dur", 0.0)) if step else 0.0,
-        collectives=collectives, transfers=sorted(transfers, key=lambda e: e.start_us),
-        wait_us=_covered(waits), memory=memory, memory_device=device,
+        trace_path=os.fspath(path),
+        rank=rank,
+        step_us=float(step.get("dur", 0.0)) if step else 0.0,
+        collectives=collectives,
+        transfers=sorted(transfers, key=lambda e: e.start_us),
+        wait_us=_covered(waits),
+        memory=memory,
+        memory_device=device,
     )
 
 
@@ -218,8 +229,13 @@ def memory_series(events: list[dict], origin: float = 0.0) -> tuple[list[tuple[f
     return series, device
 
 
-_COLORS = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange", "all_reduce": "tab:green", "all_to_all": "tab:purple",
-           WAIT: "tab:red"}
+_COLORS = {
+    "all_gather": "tab:blue",
+    "reduce_scatter": "tab:orange",
+    "all_reduce": "tab:green",
+    "all_to_all": "tab:purple",
+    WAIT: "tab:red",
+}
 
 
 def plot_memory(result: TimelineResult, path_png: str | os.PathLike) -> None:
@@ -233,13 +249,25 @@ def plot_memory(result: TimelineResult, path_png: str | os.PathLike) -> None:
     ax, lanes = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
     waits = [e for e in result.collectives if e.kind == WAIT]
     for event in waits:
-        ax.axvspan(event.start_us / 1e3, (event.start_us + event.duration_us) / 1e3, color=_COLORS[WAIT],
-                   alpha=0.15, linewidth=0)
-    ax.step([t / 1e3 for t, _ in result.memory], [b / 2**20 for _, b in result.memory], where="post",
-            color="black", linewidth=1)
+        ax.axvspan(
+            event.start_us / 1e3,
+            (event.start_us + event.duration_us) / 1e3,
+            color=_COLORS[WAIT],
+            alpha=0.15,
+            linewidth=0,
+        )
+    ax.step(
+        [t / 1e3 for t, _ in result.memory],
+        [b / 2**20 for _, b in result.memory],
+        where="post",
+        color="black",
+        linewidth=1,
+    )
     ax.set_ylabel(f"{result.memory_device} MiB allocated\nsince step start")
-    ax.set_title(f"rank {result.rank}: step {result.step_us / 1e3:.1f} ms, peak +{result.peak_bytes / 2**20:.2f} MiB, "
-                 f"waited {result.wait_us / 1e3:.1f} ms (shaded)")
+    ax.set_title(
+        f"rank {result.rank}: step {result.step_us / 1e3:.1f} ms, peak +{result.peak_bytes / 2**20:.2f} MiB, "
+        f"waited {result.wait_us / 1e3:.1f} ms (shaded)"
+    )
     rows = [(f"wait ({len(waits)})", WAIT, waits)]
     for kind in KINDS:
         events = [e for e in result.transfers if e.kind == kind]
@@ -247,8 +275,9 @@ def plot_memory(result: TimelineResult, path_png: str | os.PathLike) -> None:
             names = ", ".join(sorted({e.name for e in events}))
             rows.append((f"{names} ({len(events)})", kind, events))
     for y, (_, kind, events) in enumerate(rows):
-        lanes.broken_barh([(e.start_us / 1e3, e.duration_us / 1e3) for e in events], (y - 0.4, 0.8),
-                          color=_COLORS[kind], linewidth=0)
+        lanes.broken_barh(
+            [(e.start_us / 1e3, e.duration_us / 1e3) for e in events], (y - 0.4, 0.8), color=_COLORS[kind], linewidth=0
+        )
     lanes.set_yticks(range(len(rows)), [label for label, _, _ in rows], fontsize="small")
     lanes.set_ylim(len(rows) - 0.5, -0.5)
     lanes.set_xlabel("time since step start (ms)")

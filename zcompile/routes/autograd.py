@@ -35,9 +35,9 @@ import logging
 import torch
 import torch.autograd
 
-from zcompile.sharding.shards import ShardedParam, shard_of
-from zcompile.sharding.sharded_parameter import ShardedParameterError
 from zcompile.routes.patched import ORIGINAL_ATTR
+from zcompile.sharding.sharded_parameter import ShardedParameterError
+from zcompile.sharding.shards import ShardedParam, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ def _routed(inputs, for_grad: bool):
                 "tensor of the parameter's shape holds it (torch would return None, or say it was not used). Call "
                 "loss.backward() and read the gradients averaged over ranks inside `with zcompile.gathered(model, "
                 "grads=True): ...` (what you assign to p.grad there is what the step applies), or use stage 1, "
-                "whose graphs differentiate the parameters themselves")
+                "whose graphs differentiate the parameters themselves"
+            )
         routed.append(autograd_leaf(sharded) if sharded is not None else tensor)
     return routed[0] if single else routed
 

@@ -28,7 +28,8 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad as torch_clip_grad
 
-from zcompile.agreement.step_agreement import DEFAULT_TIMEOUT_S as STEP_AGREEMENT_TIMEOUT_S, agree_before_step
+from zcompile.agreement.step_agreement import DEFAULT_TIMEOUT_S as STEP_AGREEMENT_TIMEOUT_S
+from zcompile.agreement.step_agreement import agree_before_step
 from zcompile.optim.clip import clip_grad_norm_of_shards, clip_grad_value_of_shards
 from zcompile.routes.patched import ORIGINAL_ATTR
 from zcompile.sharding.shards import ShardedParam, shard_eager_parameter, shard_of, warn_eager_sharded
@@ -65,8 +66,11 @@ def route_members(params: list[torch.Tensor]) -> list[ShardedParam]:
     shards = [shard_of(p) for p in params]
     group = next(s.group for s in shards if s is not None)
     shown: list[str] = []
-    members = [s if s is not None else shard_eager_parameter(p, f"#{index} of the clipped parameters", group, shown)
-               for index, (p, s) in enumerate(zip(params, shards)) if s is not None or p.grad is not None]
+    members = [
+        s if s is not None else shard_eager_parameter(p, f"#{index} of the clipped parameters", group, shown)
+        for index, (p, s) in enumerate(zip(params, shards))
+        if s is not None or p.grad is not None
+    ]
     warn_eager_sharded(shown, "gradient clipping", members)
     return members
 
@@ -85,8 +89,9 @@ def _routed_clip_grad_norm(original):
             return original(params if params else parameters, max_norm, norm_type, error_if_nonfinite, foreach)
         agree_before_route(params, "torch.nn.utils.clip_grad_norm_()")
         with torch.no_grad():
-            return clip_grad_norm_of_shards(route_members(params), max_norm, norm_type,
-                                            error_if_nonfinite=error_if_nonfinite)
+            return clip_grad_norm_of_shards(
+                route_members(params), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
+            )
 
     setattr(clip_grad_norm_, ORIGINAL_ATTR, original)
     return clip_grad_norm_

@@ -30,18 +30,19 @@ import logging
 
 import torch
 
+from zcompile.agreement.abort_note import RankDivergenceError
 from zcompile.optim.clip import TORCH_ROUTE_BUCKET_BYTES, averaged_grad_shards, keep_records_for_step
+from zcompile.optim.nonfinite import any_rank_flag
 from zcompile.routes.clip_grad import agree_before_route, route_members
 from zcompile.routes.patched import ORIGINAL_ATTR
-from zcompile.optim.nonfinite import any_rank_flag
 from zcompile.sharding.shards import ShardedParam, shard_of
-from zcompile.agreement.abort_note import RankDivergenceError
 
 log = logging.getLogger(__name__)
 
 
-def unscale_grad_shards(members: list[ShardedParam], inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+def unscale_grad_shards(
+    members: list[ShardedParam], inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+) -> dict[torch.device, torch.Tensor]:
     """Multiplies the averaged gradient shards of ``members`` by ``inv_scale`` in place and returns
     ``{device: flag}``, the flag 1.0 where any rank's shards hold an inf or NaN (``found_inf``'s dtype;
     ``GradScaler._unscale_grads_``'s contract). Collective: every rank of the members' group calls it."""
@@ -53,7 +54,8 @@ def unscale_grad_shards(members: list[ShardedParam], inv_scale: torch.Tensor, fo
             "gradient shard in fp16 (a slice of the fp16 replica), and unscaling it in place would underflow, "
             "which is why torch refuses fp16 gradients too. Use stage 1 or 3 (their gradient shards are fp32), "
             "param_dtype='bf16' (no loss scaling needed), or fp32 parameters under "
-            "torch.autocast(dtype=torch.float16) without param_dtype.")
+            "torch.autocast(dtype=torch.float16) without param_dtype."
+        )
     device = found_inf.device
     flag = torch.zeros((), dtype=torch.float32, device=device)
     by_place: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -74,7 +76,8 @@ def unscale_grad_shards(members: list[ShardedParam], inv_scale: torch.Tensor, fo
             f"GradScaler.unscale_(): the ranks' loss scales differ (from {1 / float(packed[1]):g} to "
             f"{1 / float(-packed[2]):g}), so the averaged gradient would be unscaled by a different factor on "
             "each rank. Every rank must create the scaler alike and load its state_dict (scaler.load_state_dict) "
-            "on every rank, not on rank 0 only.")
+            "on every rank, not on rank 0 only."
+        )
     found_inf.copy_(packed[0].to(found_inf.dtype))
     return {device: found_inf}
 

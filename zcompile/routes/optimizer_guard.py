@@ -26,8 +26,8 @@ import logging
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from zcompile.sharding.shards import shard_of
 from zcompile.agreement.abort_note import leave_abort_note
+from zcompile.sharding.shards import shard_of
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ def refuse_foreign_optimizer(optimizer, args, kwargs) -> None:
                     f"parameters ({sharded.name!r}, ...): their gradients and master weights live on zcompile's "
                     "shards, so it would update nothing at stages 2 and 3 (param.grad is None there) and, at "
                     "stage 1, apply each rank's own unreduced gradient. Use zcompile.optim.AdamW or "
-                    "zcompile.optim.SGD (torch's signatures) over the model's parameters.")
+                    "zcompile.optim.SGD (torch's signatures) over the model's parameters."
+                )
                 leave_abort_note(sharded.group, message)  # a rank whose optimizer is zcompile's, waiting, quotes it
                 raise ForeignOptimizerError(message)
 

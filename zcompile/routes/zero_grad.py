@@ -22,12 +22,11 @@ import weakref
 
 import torch
 
-from zcompile.sharding.shards import ShardedParam, shard_of
 from zcompile.routes.patched import ORIGINAL_ATTR
 from zcompile.sharding.sharded_parameter import grad_of, set_grad
+from zcompile.sharding.shards import ShardedParam, shard_of
 
 log = logging.getLogger(__name__)
-
 
 
 def clear_shard_grad(sharded: ShardedParam, set_to_none: bool) -> None:
@@ -81,5 +80,8 @@ def stale_grad_members(members: list[ShardedParam]) -> list[ShardedParam]:
     """The members whose shard still holds the gradient tensor the last step used and that no
     ``zero_grad`` (optimizer's or module's, which reset the mark) cleared since: this step's
     gradient was added onto the last one's."""
-    return [m for m in members
-            if m.stepped_grad is not None and m.shard_grad is not None and m.stepped_grad() is m.shard_grad]
+    return [
+        m
+        for m in members
+        if m.stepped_grad is not None and m.shard_grad is not None and m.stepped_grad() is m.shard_grad
+    ]

@@ -16,13 +16,13 @@ the values DDP's next forward would use; one flat broadcast per dtype. Option
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from zcompile.sharding.shards import shard_of
 from zcompile.common.process_group import DataParallelGroup, broadcast_from_first
+from zcompile.sharding.shards import shard_of
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,10 @@ def note_changed_buffers(run: Callable, sync: BufferSync, param_indices: list[in
     """``run`` (taking the call's own arguments), then its changed buffers noted in ``sync``, which
     each parameter of the call points to (``ShardedParam.buffer_sync``): the optimizer's step finds
     it there."""
-    log.info("zero backend: buffers changed by the graph, taken from rank 0 at each optimizer step: %s",
-             ", ".join(name for _, name in sync.changed))
+    log.info(
+        "zero backend: buffers changed by the graph, taken from rank 0 at each optimizer step: %s",
+        ", ".join(name for _, name in sync.changed),
+    )
 
     def run_and_note(*args):
         out = run(*args)

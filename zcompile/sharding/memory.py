@@ -6,8 +6,8 @@ says they should be.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -40,8 +40,9 @@ def _storage_bytes(tensors, seen: set) -> int:
     return total
 
 
-def model_state_bytes(model: torch.nn.Module | Iterable[torch.Tensor],
-                      optimizer: torch.optim.Optimizer | None = None) -> ModelStateBytes:
+def model_state_bytes(
+    model: torch.nn.Module | Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None = None
+) -> ModelStateBytes:
     """Bytes this rank holds for ``model``'s parameters (full and shards), gradients and ``optimizer`` state.
 
     ``model`` may also be an iterable of parameters.
@@ -51,8 +52,11 @@ def model_state_bytes(model: torch.nn.Module | Iterable[torch.Tensor],
     shards = [shard_of(p) for p in params]
     sharded = [s for s in shards if s is not None]
     param_tensors = params + [s.shard for s in sharded] + [s.replica for s in sharded]
-    grad_tensors = [p.grad for p in params] + [s.shard_grad for s in sharded] + [
-        s.replica.grad for s in sharded if s.replica is not None]
+    grad_tensors = (
+        [p.grad for p in params]
+        + [s.shard_grad for s in sharded]
+        + [s.replica.grad for s in sharded if s.replica is not None]
+    )
     state_tensors = []
     if optimizer is not None:
         for state in optimizer.state.values():
@@ -64,8 +68,9 @@ def model_state_bytes(model: torch.nn.Module | Iterable[torch.Tensor],
     )
 
 
-def zero_formula_bytes(num_params: int, world_size: int, stage: int | None,
-                       param_dtype: torch.dtype | None = None) -> int:
+def zero_formula_bytes(
+    num_params: int, world_size: int, stage: int | None, param_dtype: torch.dtype | None = None
+) -> int:
     """ZeRO's model-state bytes per rank for AdamW (``../shared/ZERO.md``).
 
     fp32 (``param_dtype`` None or fp32): 4 params + 4 grads + 8 moments per element. Mixed

@@ -32,20 +32,42 @@ ALIASED_ATTR = "_zcompile_aliased"  # on a FreedTensor: the ShardedParam of the 
 
 # reading these never touches the (freed) elements
 _METADATA = {
-    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.stride, torch.Tensor.numel, torch.Tensor.nelement,
-    torch.Tensor.ndimension, torch.Tensor.untyped_storage, torch.Tensor.storage_offset, torch.Tensor.is_contiguous,
-    torch.Tensor.element_size, torch.Tensor.requires_grad_, torch.Tensor.register_hook,
-    torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.__hash__, torch.Tensor.__format__,
-    torch.Tensor.__len__, torch.Tensor.get_device, torch.Tensor.data_ptr,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.stride,
+    torch.Tensor.numel,
+    torch.Tensor.nelement,
+    torch.Tensor.ndimension,
+    torch.Tensor.untyped_storage,
+    torch.Tensor.storage_offset,
+    torch.Tensor.is_contiguous,
+    torch.Tensor.element_size,
+    torch.Tensor.requires_grad_,
+    torch.Tensor.register_hook,
+    torch.Tensor.register_post_accumulate_grad_hook,
+    torch.Tensor.__hash__,
+    torch.Tensor.__format__,
+    torch.Tensor.__len__,
+    torch.Tensor.get_device,
+    torch.Tensor.data_ptr,
     # what Dynamo asks of a graph input while it wraps it (torch 2.11 asks _is_view through
     # __torch_function__; 2.13 does not): none reads an element
-    torch.Tensor._is_view, torch.Tensor.is_inference, torch.Tensor.is_neg, torch.Tensor.is_conj,
+    torch.Tensor._is_view,
+    torch.Tensor.is_inference,
+    torch.Tensor.is_neg,
+    torch.Tensor.is_conj,
     torch.Tensor._is_zerotensor,
     # dtype questions (transformers' PreTrainedModel.dtype asks is_floating_point of each parameter)
-    torch.Tensor.is_floating_point, torch.is_floating_point, torch.Tensor.is_complex, torch.is_complex,
-    torch.Tensor.is_signed, torch.numel,
+    torch.Tensor.is_floating_point,
+    torch.is_floating_point,
+    torch.Tensor.is_complex,
+    torch.is_complex,
+    torch.Tensor.is_signed,
+    torch.numel,
     # writes that touch no element (reading a property is metadata too: ``_is_metadata``)
-    torch.Tensor.requires_grad.__set__, torch.Tensor.grad.__set__, torch.Tensor.grad.__delete__,
+    torch.Tensor.requires_grad.__set__,
+    torch.Tensor.grad.__set__,
+    torch.Tensor.grad.__delete__,
 }
 # these alias the parameter: the alias must keep refusing (state_dict() detaches before its hooks run)
 _ALIASES = {torch.Tensor.detach, torch.Tensor.data.__get__}
@@ -60,8 +82,11 @@ def _is_metadata(func) -> bool:
     if func in _METADATA:
         return True
     owner = getattr(func, "__self__", None)  # a property's __get__ is bound to the tensor type's descriptor
-    return (getattr(func, "__name__", None) == "__get__" and getattr(owner, "__objclass__", None) is torch._C.TensorBase
-            and owner.__name__ not in _VIEW_PROPERTIES)
+    return (
+        getattr(func, "__name__", None) == "__get__"
+        and getattr(owner, "__objclass__", None) is torch._C.TensorBase
+        and owner.__name__ not in _VIEW_PROPERTIES
+    )
 
 
 class ShardedParameterError(RuntimeError):
@@ -171,7 +196,8 @@ def _message(tensor: torch.Tensor, func) -> str:
             "so no full gradient of the parameter exists to return (and the parameter is not an input of the "
             "compiled graphs' autograd). Call loss.backward() and read the gradients averaged over ranks inside "
             "`with zcompile.gathered(model, grads=True): ...` (what you assign to p.grad there is what the step "
-            "applies), or use stage 1, whose graphs keep the parameters as autograd inputs")
+            "applies), or use stage 1, whose graphs keep the parameters as autograd inputs"
+        )
     name = getattr(func, "__name__", str(func))
     if name in ("__get__", "__set__", "__delete__"):  # a property's accessor: name the property
         name = f"{getattr(getattr(func, '__self__', None), '__name__', '?')} ({name})"

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from zcompile.agreement.initial_values import value_digest
+from zcompile.common.dynamo_frame import graph_break_reasons
+from zcompile.common.process_group import DataParallelGroup, all_gather_eager
 from zcompile.passes.grad_hooks import new_hooks_token
 from zcompile.passes.param_collectives import replica_dtype
-from zcompile.common.process_group import DataParallelGroup, all_gather_eager
-from zcompile.common.dynamo_frame import graph_break_reasons
-from zcompile.agreement.initial_values import value_digest
 from zcompile.sharding.sharded_parameter import SHARD_ATTR, grad_of, mark_sharded, set_grad, shard_of
 
 log = logging.getLogger(__name__)
@@ -149,8 +149,12 @@ class ShardedParam:
     def updates_replicated_in_place(self) -> bool:
         """Stages 1 and 2 at one rank in fp32: the shard is the parameter's whole storage, so the step's
         update writes the weight the graphs read and there is nothing to all-gather or copy back."""
-        return (self.group.world_size == 1 and self.stage in (1, 2) and self.replica is None
-                and self.shard.data_ptr() == self.param.data_ptr())
+        return (
+            self.group.world_size == 1
+            and self.stage in (1, 2)
+            and self.replica is None
+            and self.shard.data_ptr() == self.param.data_ptr()
+        )
 
     def padded_replicated(self) -> torch.Tensor | None:
         """The replicated tensor's whole padded storage, flat (``padded_numel`` elements, rank r's chunk
@@ -158,8 +162,12 @@ class ShardedParam:
         stage-1/2 step gathers straight into the parameter (fp32, ``_shard_in_replicated_storage``)
         or the low-precision replica, with no gathered buffer and no copy out of it."""
         full = self.replicated.detach()
-        if (self.stage not in (1, 2) or not full.is_contiguous() or full.storage_offset() != 0
-                or full.untyped_storage().nbytes() < self.padded_numel * full.element_size()):
+        if (
+            self.stage not in (1, 2)
+            or not full.is_contiguous()
+            or full.storage_offset() != 0
+            or full.untyped_storage().nbytes() < self.padded_numel * full.element_size()
+        ):
             return None
         return full.as_strided((self.padded_numel,), (1,), 0)
 
@@ -201,8 +209,10 @@ class ShardedParam:
         """Why no rank holds this parameter's full fp32 value between steps (for error messages)."""
         if self.replica is None:
             return "ZeRO stage 3"
-        return (f"ZeRO stage {self.stage} with param_dtype={self.replica.dtype}: the graphs read a "
-                f"{self.replica.dtype} replica, the fp32 values live on the shards")
+        return (
+            f"ZeRO stage {self.stage} with param_dtype={self.replica.dtype}: the graphs read a "
+            f"{self.replica.dtype} replica, the fp32 values live on the shards"
+        )
 
     @property
     def piece(self) -> FlatPiece:
@@ -287,14 +297,17 @@ class ShardedParam:
                 f"zcompile: parameter {self.name!r} became {data.dtype} {tuple(data.shape)} on {data.device} after it "
                 f"was sharded as {self.shard.dtype} {tuple(self.shape)} on {self.shard.device} (model.to(), .half() "
                 "or a `.data =` assignment after the first compiled call). Convert the model before compiling it "
-                "and creating the optimizer; for mixed precision use the option param_dtype")
+                "and creating the optimizer; for mixed precision use the option param_dtype"
+            )
         old = self.shard
         new = _shard_in_replicated_storage(self.param, self.piece)
         new.requires_grad_(old.requires_grad)
         new.grad = old.grad
         self.shard, self.home, self._replicated_alias = new, self.param.data_ptr(), None
         self.storage_replaced = True
-        if self.group.world_size > 1:  # the ranks compare the new values at the next step (zcompile.agreement.initial_values)
+        if (
+            self.group.world_size > 1
+        ):  # the ranks compare the new values at the next step (zcompile.agreement.initial_values)
             self.initial_digest = value_digest(data)
         log.info("zcompile: parameter %s got new storage; its values are the master weight again", self.name)
 
@@ -318,9 +331,15 @@ class ShardedParam:
             self.replica.view(-1).copy_(gathered[: self.numel])
 
 
-def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: DataParallelGroup,
-                    reduce_dtype: torch.dtype | None = None, param_dtype: torch.dtype | None = None,
-                    mark: bool = True) -> ShardedParam:
+def shard_parameter(
+    param: torch.nn.Parameter,
+    name: str,
+    stage: int,
+    group: DataParallelGroup,
+    reduce_dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None,
+    mark: bool = True,
+) -> ShardedParam:
     """Creates (or returns the existing) shard of ``param``; frees the full storage at stage 3.
 
     ``mark=False`` leaves the parameter's class alone (``mark_refusing_parameter`` later): the backend
@@ -340,8 +359,11 @@ def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: Dat
     lowp_dtype = replica_dtype(stage, param_dtype, param.dtype, param.requires_grad)
     if existing is not None:
         existing_dtype = None if existing.replica is None else existing.replica.dtype
-        if existing.stage != stage or existing.group.name != group.name or (
-                existing.stage in (1, 2) and existing.param.requires_grad and existing_dtype != lowp_dtype):
+        if (
+            existing.stage != stage
+            or existing.group.name != group.name
+            or (existing.stage in (1, 2) and existing.param.requires_grad and existing_dtype != lowp_dtype)
+        ):
             raise ValueError(
                 f"zero backend: parameter {name!r} is already sharded with stage {existing.stage} on group "
                 f"{existing.group.name!r} (replicated in {existing_dtype or existing.param.dtype}); it cannot be "
@@ -355,11 +377,13 @@ def shard_parameter(param: torch.nn.Parameter, name: str, stage: int, group: Dat
 
 
 # the other way a weight has a stage-1 shard that no compile asked for (shard_eager_parameter)
-_EAGER_FIRST = (" If the model has one config, this weight trained outside the compiled graphs first (the warning "
-                "'got a gradient outside the compiled graphs' named it): eager code, or a frame Dynamo ran "
-                "uncompiled, gave it a stage-1 shard, and a graph compiled later takes it. Make the code that uses it "
-                "compile from the first step (the graph break that kept it out), or train with stage 1 or 2, where "
-                "such weights mix with the compiled ones.")
+_EAGER_FIRST = (
+    " If the model has one config, this weight trained outside the compiled graphs first (the warning "
+    "'got a gradient outside the compiled graphs' named it): eager code, or a frame Dynamo ran "
+    "uncompiled, gave it a stage-1 shard, and a graph compiled later takes it. Make the code that uses it "
+    "compile from the first step (the graph break that kept it out), or train with stage 1 or 2, where "
+    "such weights mix with the compiled ones."
+)
 
 
 def _is_fake(param: torch.nn.Parameter) -> bool:
@@ -374,8 +398,15 @@ def _allocation_mode(param: torch.nn.Parameter):
     return param.fake_mode if _is_fake(param) else contextlib.nullcontext()
 
 
-def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataParallelGroup,
-               reduce_dtype: torch.dtype | None, lowp_dtype: torch.dtype | None, mark: bool) -> ShardedParam:
+def _new_shard(
+    param: torch.nn.Parameter,
+    name: str,
+    stage: int,
+    group: DataParallelGroup,
+    reduce_dtype: torch.dtype | None,
+    lowp_dtype: torch.dtype | None,
+    mark: bool,
+) -> ShardedParam:
     _check_shardable(param, name)
     piece = FlatPiece(param.numel(), group.world_size, group.rank)
     shard_numel = piece.chunk
@@ -386,7 +417,9 @@ def _new_shard(param: torch.nn.Parameter, name: str, stage: int, group: DataPara
         shard = torch.zeros(shard_numel, dtype=torch.float32, device=param.device)
     sharded = ShardedParam(param=param, name=name, stage=stage, group=group, shard=shard, reduce_dtype=reduce_dtype)
     if group.world_size > 1 and not _is_fake(param) and param.device.type != "meta":
-        sharded.initial_digest = value_digest(param)  # before the full value is freed (zcompile.agreement.initial_values)
+        sharded.initial_digest = value_digest(
+            param
+        )  # before the full value is freed (zcompile.agreement.initial_values)
     if in_replicated_storage and not _is_fake(param):
         sharded.home = param.data_ptr()
     if lowp_dtype is not None:
@@ -414,8 +447,9 @@ def mark_refusing_parameter(sharded: ShardedParam) -> None:
         mark_sharded(sharded.param)
 
 
-def mark_like_siblings(shards: list[ShardedParam], frame_modules: list[torch.nn.Module],
-                       roots: list[torch.nn.Module]) -> None:
+def mark_like_siblings(
+    shards: list[ShardedParam], frame_modules: list[torch.nn.Module], roots: list[torch.nn.Module]
+) -> None:
     """Gives the not yet sharded parameters of the siblings of ``frame_modules`` (the modules of the
     compiled frame: the modules of their classes inside ``roots``, the model whose forward called this
     graph) the class ``mark_refusing_parameter`` gave ``shards`` of their dtype, before Dynamo builds
@@ -462,8 +496,13 @@ def _shard_in_replicated_storage(param: torch.nn.Parameter, piece: FlatPiece) ->
     return padded[piece.offset : piece.offset + piece.chunk]
 
 
-def shard_eager_parameter(param: torch.nn.Parameter, name: str, group: DataParallelGroup,
-                          shown: list[str] | None = None, label: str | None = None) -> ShardedParam:
+def shard_eager_parameter(
+    param: torch.nn.Parameter,
+    name: str,
+    group: DataParallelGroup,
+    shown: list[str] | None = None,
+    label: str | None = None,
+) -> ShardedParam:
     """The shard of a parameter that got a full gradient outside every compiled graph.
 
     Dynamo runs some code eagerly (a graph break inside a loop skips the whole frame), so a
@@ -491,8 +530,13 @@ def warn_eager_sharded(shown: list[str], where: str, members: list[ShardedParam]
         return
     listed = ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
     if len(members) > len(shown) and all(member.stage == 1 and member.replica is None for member in members):
-        log.info("zcompile: %d parameters got a gradient outside the compiled graphs at %s: %s; stage 1, as the "
-                 "compiled ones", len(shown), where, listed)
+        log.info(
+            "zcompile: %d parameters got a gradient outside the compiled graphs at %s: %s; stage 1, as the "
+            "compiled ones",
+            len(shown),
+            where,
+            listed,
+        )
         return
     # a frame Dynamo could not trace keeps its weights out of every graph: its reason (and hint) is the fix
     reasons = graph_break_reasons()
@@ -500,7 +544,12 @@ def warn_eager_sharded(shown: list[str], where: str, members: list[ShardedParam]
     log.warning(
         "zcompile: %d parameters got a gradient outside the compiled graphs at %s (eager code, a module left "
         "uncompiled, or a skipped frame): %s. They are kept replicated and their gradients reduce-scattered like "
-        "stage 1's, so training stays exact but their memory is not reduced%s", len(shown), where, listed, named)
+        "stage 1's, so training stays exact but their memory is not reduced%s",
+        len(shown),
+        where,
+        listed,
+        named,
+    )
 
 
 def _dense_grad_of(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -519,7 +568,9 @@ _CHANNELS_LAST = {4: (torch.channels_last, "channels_last"), 5: (torch.channels_
 
 def _check_shardable(param: torch.Tensor, name: str) -> None:
     if not param.dtype.is_floating_point:
-        raise TypeError(f"zero backend: parameter {name!r} has dtype {param.dtype}; only floating parameters can be sharded")
+        raise TypeError(
+            f"zero backend: parameter {name!r} has dtype {param.dtype}; only floating parameters can be sharded"
+        )
     layout, name_in_torch = _CHANNELS_LAST.get(param.dim(), (None, None))
     if layout is not None and not param.is_contiguous() and param.is_contiguous(memory_format=layout):
         # model.to(memory_format=torch.channels_last), the CNN recipe: the weights' strides are permuted

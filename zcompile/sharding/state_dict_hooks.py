@@ -51,8 +51,11 @@ def attach_state_dict_hooks(modules: list[torch.nn.Module]) -> int:
 
 
 def _owned_shards(module: torch.nn.Module) -> list[tuple[str, ShardedParam]]:
-    return [(name, s) for name, s in ((n, shard_of(p)) for n, p in module._parameters.items() if p is not None)
-            if s is not None]
+    return [
+        (name, s)
+        for name, s in ((n, shard_of(p)) for n, p in module._parameters.items() if p is not None)
+        if s is not None
+    ]
 
 
 def _refuse_freed_parameters(module, state_dict, prefix, local_metadata) -> None:
@@ -65,11 +68,13 @@ def _refuse_freed_parameters(module, state_dict, prefix, local_metadata) -> None
                 "zcompile.checkpoint.full_state_dict(model) for the full weights on rank 0 (with "
                 "exclude_frozen_parameters=True only the weights that train: a LoRA adapter, for "
                 "peft's save_pretrained(out, state_dict=...)), or call state_dict() inside `with zcompile.gathered(model):` "
-                "(every rank)")
+                "(every rank)"
+            )
 
 
-def _materialize_before_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                             error_msgs) -> None:
+def _materialize_before_load(
+    module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+) -> None:
     loading = []
     for name, sharded in _owned_shards(module):
         value = state_dict.get(prefix + name)

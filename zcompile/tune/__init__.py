@@ -17,9 +17,9 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 if TYPE_CHECKING:
-    from zcompile.tune.tuner import tune, load_result
     from zcompile.tune.result import TuneResult
     from zcompile.tune.simulated import simulate_tune
+    from zcompile.tune.tuner import load_result, tune
 
 
 def __getattr__(name: str):

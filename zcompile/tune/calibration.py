@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from zcompile.predict.cost_model import ComputeCosts, Prediction
 
@@ -42,8 +42,9 @@ class StepCalibration:
         return raw.scaled(self.compute_scale)
 
 
-def calibrate(predict: Callable[[ComputeCosts], Prediction], raw: ComputeCosts, graphs_s: float,
-              step_s: float) -> StepCalibration:
+def calibrate(
+    predict: Callable[[ComputeCosts], Prediction], raw: ComputeCosts, graphs_s: float, step_s: float
+) -> StepCalibration:
     """The calibration that makes ``predict`` (the measured configuration's graphs under given compute
     costs) match ``graphs_s`` (its measured forward + backward) and ``step_s`` (its whole step)."""
     low, high = math.log2(SCALE_RANGE[0]), math.log2(SCALE_RANGE[1])
@@ -57,6 +58,9 @@ def calibrate(predict: Callable[[ComputeCosts], Prediction], raw: ComputeCosts, 
             high = middle
     scale = 2 ** ((low + high) / 2)
     calibration = StepCalibration(scale, max(step_s - graphs_s, 0.0))
-    log.info("tune: compute %.2fx the roofline's, %.1f ms per step outside the graphs", calibration.compute_scale,
-             calibration.outside_graphs_s * 1e3)
+    log.info(
+        "tune: compute %.2fx the roofline's, %.1f ms per step outside the graphs",
+        calibration.compute_scale,
+        calibration.outside_graphs_s * 1e3,
+    )
     return calibration

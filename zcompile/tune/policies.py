@@ -18,9 +18,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from zcompile.predict.cost_model import CollectiveCosts, ComputeCosts, node_seconds
 from zcompile.passes.collectives import COLLECTIVE_OPS, WAIT
 from zcompile.passes.schedule import SchedulePolicy, ScheduleProblem
+from zcompile.predict.cost_model import CollectiveCosts, ComputeCosts, node_seconds
 
 GREEDY = "greedy"
 COST_GUIDED = "cost_guided"
@@ -54,8 +54,11 @@ class CostGuidedPrefetch:
             seconds = transfer.seconds(slot.bytes) * self.collective_costs.overlap_slowdown  # it runs under compute
             chosen = 0
             for depth in range(0, min(problem.prefetch, j) + 1):
-                if depth and problem.memory_budget is not None and \
-                        problem.peak_bytes([*depths, depth]) > problem.memory_budget:
+                if (
+                    depth
+                    and problem.memory_budget is not None
+                    and problem.peak_bytes([*depths, depth]) > problem.memory_budget
+                ):
                     break
                 chosen = depth
                 issued_at = clock[problem.gathers[j - depth].position]
@@ -68,17 +71,22 @@ class CostGuidedPrefetch:
 
     def _compute_clock(self, problem: ScheduleProblem) -> list[float]:
         """Predicted compute time at the start of each node (collectives and waits cost nothing here)."""
-        costs = [0.0 if node.target in COLLECTIVE_OPS or node.target is WAIT
-                 else node_seconds(node, self.compute_costs) for node in problem.nodes]
+        costs = [
+            0.0 if node.target in COLLECTIVE_OPS or node.target is WAIT else node_seconds(node, self.compute_costs)
+            for node in problem.nodes
+        ]
         return list(itertools.accumulate(costs, initial=0.0))
 
 
-def policy_from_name(name: str, collective_costs: CollectiveCosts, compute_costs: ComputeCosts
-                     ) -> SchedulePolicy | None:
+def policy_from_name(
+    name: str, collective_costs: CollectiveCosts, compute_costs: ComputeCosts
+) -> SchedulePolicy | None:
     """The policy a tuner candidate (or a saved result) names; ``None`` is the built-in greedy prefetch."""
     if name == GREEDY:
         return None
     if name == COST_GUIDED:
         return CostGuidedPrefetch(collective_costs, compute_costs)
-    raise ValueError(f"tune: schedule_policy {name!r} is not a built-in policy; give one of {list(POLICY_NAMES)} "
-                     "or a callable policy(problem) -> depths")
+    raise ValueError(
+        f"tune: schedule_policy {name!r} is not a built-in policy; give one of {list(POLICY_NAMES)} "
+        "or a callable policy(problem) -> depths"
+    )

@@ -15,8 +15,7 @@ from zcompile.tune.serialization import jsonable_value
 if TYPE_CHECKING:
     from zcompile.tune.result import TuneResult
 
-COLUMNS = ("#", "options", "status", "pred ms", "meas ms", "pred exposed", "meas exposed", "pred MiB", "meas MiB",
-           "")
+COLUMNS = ("#", "options", "status", "pred ms", "meas ms", "pred exposed", "meas exposed", "pred MiB", "meas MiB", "")
 LEFT = {1, 2, 9}  # the columns of text, left-justified
 
 
@@ -38,31 +37,49 @@ def trial_rows(result: TuneResult) -> list[list[str]]:
     rows = []
     for t in result.trials:
         p, m = t.predicted, t.measured
-        marks = " ".join(mark for mark, on in (("best", best is not None and t.index == best.index),
-                                               ("default", t.is_default)) if on)
+        marks = " ".join(
+            mark for mark, on in (("best", best is not None and t.index == best.index), ("default", t.is_default)) if on
+        )
         status = t.status if not t.error else f"{t.status}: {t.error[:60]}"
-        rows.append([str(t.index), _options_text(result, t), status,
-                     _ms(p and p.step_s), _ms(m and m.step_s), _ms(p and p.exposed_comm_s), _ms(m and m.exposed_comm_s),
-                     _mib(p and p.memory_bytes), _mib(m and m.memory_bytes), marks])
+        rows.append(
+            [
+                str(t.index),
+                _options_text(result, t),
+                status,
+                _ms(p and p.step_s),
+                _ms(m and m.step_s),
+                _ms(p and p.exposed_comm_s),
+                _ms(m and m.exposed_comm_s),
+                _mib(p and p.memory_bytes),
+                _mib(m and m.memory_bytes),
+                marks,
+            ]
+        )
     return rows
 
 
 def summary_lines(result: TuneResult) -> list[str]:
     best, default = result.best_trial, result.default
     measured = len(result.measured)
-    lines = [f"strategy {result.strategy}: {measured} of {len(result.trials)} points measured "
-             f"({result.steps} timed steps after {result.warmup} warm-up, {result.world_size} rank(s)) in "
-             f"{result.wall_s:.1f} s"]
+    lines = [
+        f"strategy {result.strategy}: {measured} of {len(result.trials)} points measured "
+        f"({result.steps} timed steps after {result.warmup} warm-up, {result.world_size} rank(s)) in "
+        f"{result.wall_s:.1f} s"
+    ]
     if best is None:
         return lines + ["no trial was measured: see the errors above"]
     lines.append(f"best: #{best.index} {_options_text(result, best)}: {best.measured.step_s * 1e3:.1f} ms per step")
     speedup = result.speedup_over_default
     if speedup is not None:
-        lines.append(f"against the default (#{default.index}, {default.measured.step_s * 1e3:.1f} ms): "
-                     f"{speedup:.3f}x ({(1 - 1 / speedup) * 100:+.1f}% of the default's step time saved)")
+        lines.append(
+            f"against the default (#{default.index}, {default.measured.step_s * 1e3:.1f} ms): "
+            f"{speedup:.3f}x ({(1 - 1 / speedup) * 100:+.1f}% of the default's step time saved)"
+        )
     rho = result.rank_correlation
-    lines.append("prediction: Spearman rank correlation of predicted and measured step time "
-                 + ("n/a (fewer than 3 measured)" if rho is None else f"{rho:.2f}"))
+    lines.append(
+        "prediction: Spearman rank correlation of predicted and measured step time "
+        + ("n/a (fewer than 3 measured)" if rho is None else f"{rho:.2f}")
+    )
     return lines
 
 
@@ -70,8 +87,10 @@ def render_table(columns: tuple[str, ...], rows: list[list[str]], left: set[int]
     """Plain-text table: columns padded to their widest cell, ``left`` ones left-justified."""
     rows = [list(columns)] + rows
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    return "\n".join("  ".join(cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in
-                               enumerate(zip(row, widths))) for row in rows)
+    return "\n".join(
+        "  ".join(cell.ljust(w) if i in left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    )
 
 
 def print_table(title: str, columns: tuple[str, ...], rows: list[list[str]], left: set[int], lines: list[str]) -> None:
@@ -100,8 +119,13 @@ def render_result(result: TuneResult) -> str:
 
 
 def print_result(result: TuneResult) -> None:
-    print_table(f"zcompile.tune: {len(result.trials)} points, {result.world_size} rank(s)", COLUMNS,
-                trial_rows(result), LEFT, summary_lines(result))
+    print_table(
+        f"zcompile.tune: {len(result.trials)} points, {result.world_size} rank(s)",
+        COLUMNS,
+        trial_rows(result),
+        LEFT,
+        summary_lines(result),
+    )
 
 
 def draw_front(axis, points: list[tuple[float, float]], label: str = "Pareto front") -> None:
@@ -134,8 +158,14 @@ def plot_result(result: TuneResult, path: str) -> None:
     draw_front(right, points)
     for trial, label, color in ((best, "best", "tab:green"), (result.default, "default", "tab:red")):
         if trial is not None and trial.status == MEASURED:
-            right.scatter([trial.measured.memory_bytes / 2**20], [trial.measured.step_s * 1e3], s=60,
-                          facecolors="none", edgecolors=color, label=label)
+            right.scatter(
+                [trial.measured.memory_bytes / 2**20],
+                [trial.measured.step_s * 1e3],
+                s=60,
+                facecolors="none",
+                edgecolors=color,
+                label=label,
+            )
     right.set_xlabel("measured MiB per rank")
     right.set_ylabel("measured ms per step")
     right.set_title("step time against memory", fontsize=10)

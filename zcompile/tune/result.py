@@ -14,13 +14,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-
 from zcompile.predict.cost_model import CollectiveCosts, ComputeCosts
 from zcompile.tune.calibration import StepCalibration
-from zcompile.tune.report import plot_result, print_result, render_result
-from zcompile.tune.serialization import jsonable_options, jsonable_value
 from zcompile.tune.policies import POLICY_NAMES, policy_from_name
+from zcompile.tune.report import plot_result, print_result, render_result
 from zcompile.tune.search import MEASURED, Measured, Predicted, Trial, best_trial, spearman
+from zcompile.tune.serialization import jsonable_options, jsonable_value
 from zcompile.tune.space import POLICY_OPTION
 
 FORMAT = "zcompile.tune/1"
@@ -66,10 +65,13 @@ class TuneResult:
         name = options.get(POLICY_OPTION)
         if isinstance(name, str):
             if name not in POLICY_NAMES:
-                raise ValueError(f"tune: the result names schedule_policy {name!r}, a callable of your own; pass it "
-                                 "again as options['schedule_policy']")
-            options[POLICY_OPTION] = policy_from_name(name, self.collective_costs or CollectiveCosts(),
-                                                      self.compute_costs or ComputeCosts(1.0, 1.0))
+                raise ValueError(
+                    f"tune: the result names schedule_policy {name!r}, a callable of your own; pass it "
+                    "again as options['schedule_policy']"
+                )
+            options[POLICY_OPTION] = policy_from_name(
+                name, self.collective_costs or CollectiveCosts(), self.compute_costs or ComputeCosts(1.0, 1.0)
+            )
         return options
 
     @property
@@ -94,11 +96,18 @@ class TuneResult:
     def to_dict(self) -> dict[str, Any]:
         best = self.best_trial
         return {
-            "format": FORMAT, "strategy": self.strategy, "world_size": self.world_size, "steps": self.steps,
-            "warmup": self.warmup, "memory_limit_mb": self.memory_limit_mb, "wall_s": self.wall_s,
-            "timings": self.timings, "base_options": jsonable_options(self.base_options),
+            "format": FORMAT,
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "steps": self.steps,
+            "warmup": self.warmup,
+            "memory_limit_mb": self.memory_limit_mb,
+            "wall_s": self.wall_s,
+            "timings": self.timings,
+            "base_options": jsonable_options(self.base_options),
             "space": {name: [jsonable_value(v) for v in values] for name, values in self.space.items()},
-            "best_index": None if best is None else best.index, "rank_correlation": self.rank_correlation,
+            "best_index": None if best is None else best.index,
+            "rank_correlation": self.rank_correlation,
             "speedup_over_default": self.speedup_over_default,
             "collective_costs": None if self.collective_costs is None else json.loads(self.collective_costs.to_json()),
             "compute_costs": None if self.compute_costs is None else asdict(self.compute_costs),
@@ -120,13 +129,20 @@ class TuneResult:
         costs = data.get("collective_costs")
         compute, calibration = data.get("compute_costs"), data.get("calibration")
         return cls(
-            trials=[_trial_from(t) for t in data["trials"]], base_options=data["base_options"], space=data["space"],
-            strategy=data["strategy"], world_size=data["world_size"], steps=data["steps"], warmup=data["warmup"],
-            memory_limit_mb=data.get("memory_limit_mb"), wall_s=data.get("wall_s", 0.0),
+            trials=[_trial_from(t) for t in data["trials"]],
+            base_options=data["base_options"],
+            space=data["space"],
+            strategy=data["strategy"],
+            world_size=data["world_size"],
+            steps=data["steps"],
+            warmup=data["warmup"],
+            memory_limit_mb=data.get("memory_limit_mb"),
+            wall_s=data.get("wall_s", 0.0),
             timings=data.get("timings", {}),
             collective_costs=None if costs is None else CollectiveCosts.from_json(json.dumps(costs)),
             compute_costs=None if compute is None else ComputeCosts(**compute),
-            calibration=None if calibration is None else StepCalibration(**calibration))
+            calibration=None if calibration is None else StepCalibration(**calibration),
+        )
 
     @classmethod
     def from_json(cls, path: str) -> TuneResult:
@@ -154,8 +170,12 @@ def _trial_dict(trial: Trial) -> dict[str, Any]:
 
 def _trial_from(data: dict[str, Any]) -> Trial:
     predicted, measured = data.get("predicted"), data.get("measured")
-    return Trial(index=data["index"], options=data["options"], is_default=data["is_default"], status=data["status"],
-                 predicted=None if predicted is None else Predicted(**predicted),
-                 measured=None if measured is None else Measured(**{**measured,
-                                                                    "losses": tuple(measured.get("losses", ()))}),
-                 error=data.get("error", ""))
+    return Trial(
+        index=data["index"],
+        options=data["options"],
+        is_default=data["is_default"],
+        status=data["status"],
+        predicted=None if predicted is None else Predicted(**predicted),
+        measured=None if measured is None else Measured(**{**measured, "losses": tuple(measured.get("losses", ()))}),
+        error=data.get("error", ""),
+    )

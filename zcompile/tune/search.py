@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from zcompile.tune.space import Point
 
@@ -71,10 +71,16 @@ def default_max_trials(points: int) -> int:
     return min(points, max(3, math.ceil(points / 3)))
 
 
-def run_search(points: list[Point] | tuple[Point, ...], predict: Callable[[Point], Predicted],
-               measure: Callable[[Point], Measured], *, strategy: str = "model", max_trials: int | None = None,
-               memory_limit_bytes: int | None = None,
-               on_trial: Callable[[Trial], None] | None = None) -> list[Trial]:
+def run_search(
+    points: list[Point] | tuple[Point, ...],
+    predict: Callable[[Point], Predicted],
+    measure: Callable[[Point], Measured],
+    *,
+    strategy: str = "model",
+    max_trials: int | None = None,
+    memory_limit_bytes: int | None = None,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> list[Trial]:
     """The trials of ``points`` (module docstring), in index order. ``on_trial`` sees each measured trial."""
     if strategy not in STRATEGIES:
         raise ValueError(f"tune: strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -90,8 +96,9 @@ def run_search(points: list[Point] | tuple[Point, ...], predict: Callable[[Point
     return trials
 
 
-def _predict_one(point: Point, trial: Trial, predict: Callable[[Point], Predicted],
-                 memory_limit_bytes: int | None) -> None:
+def _predict_one(
+    point: Point, trial: Trial, predict: Callable[[Point], Predicted], memory_limit_bytes: int | None
+) -> None:
     if point.invalid:
         trial.status, trial.error = INVALID, point.invalid
         return
@@ -103,8 +110,10 @@ def _predict_one(point: Point, trial: Trial, predict: Callable[[Point], Predicte
         return
     if memory_limit_bytes is not None and trial.predicted.memory_bytes > memory_limit_bytes:
         trial.status = PRUNED
-        trial.error = (f"predicted {trial.predicted.memory_bytes / 2**20:.2f} MiB per rank, over the limit of "
-                       f"{memory_limit_bytes / 2**20:.2f} MiB")
+        trial.error = (
+            f"predicted {trial.predicted.memory_bytes / 2**20:.2f} MiB per rank, over the limit of "
+            f"{memory_limit_bytes / 2**20:.2f} MiB"
+        )
 
 
 def _mark_same_programs(trials: list[Trial]) -> None:

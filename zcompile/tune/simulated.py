@@ -28,8 +28,9 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -37,9 +38,9 @@ from zcompile.config import ZeroConfig
 from zcompile.predict.hardware import HardwareProfile, load_profile
 from zcompile.predict.simulate import check_world, simulate
 from zcompile.tune.policies import policy_from_name
+from zcompile.tune.search import FAILED, INVALID, PREDICTED, PRUNED, pareto_front
 from zcompile.tune.serialization import jsonable_options, jsonable_value
 from zcompile.tune.simulated_report import plot_simulated, print_simulated, render_simulated
-from zcompile.tune.search import FAILED, INVALID, PREDICTED, PRUNED, pareto_front
 from zcompile.tune.space import POLICY_OPTION, Point, SearchSpace
 
 log = logging.getLogger(__name__)
@@ -107,9 +108,11 @@ class SimulatedTuneResult:
         """The full options of ``fastest_fitting`` (``ValueError`` naming why when no point fits)."""
         point = self.fastest_fitting
         if point is None:
-            raise ValueError(f"simulate_tune: no point fits {self.hbm_bytes / GIB:.1f} GiB of {self.hardware} HBM"
-                             + ("" if self.memory_limit_gb is None else f" and memory_limit_gb={self.memory_limit_gb}")
-                             + "; add activation_memory_budget, a higher stage or more GPUs to the space")
+            raise ValueError(
+                f"simulate_tune: no point fits {self.hbm_bytes / GIB:.1f} GiB of {self.hardware} HBM"
+                + ("" if self.memory_limit_gb is None else f" and memory_limit_gb={self.memory_limit_gb}")
+                + "; add activation_memory_budget, a higher stage or more GPUs to the space"
+            )
         return {**self.base_options, **point.options}
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,12 +120,21 @@ class SimulatedTuneResult:
             return None if point is None else point.index
 
         points = [{**asdict(p), "options": jsonable_options(p.options)} for p in self.points]
-        return {"format": FORMAT, "world_size": self.world_size, "node_size": self.node_size,
-                "hardware": self.hardware, "hbm_bytes": self.hbm_bytes, "memory_limit_gb": self.memory_limit_gb,
-                "wall_s": self.wall_s, "base_options": jsonable_options(self.base_options),
-                "space": {name: [jsonable_value(v) for v in values] for name, values in self.space.items()},
-                "front": [p.index for p in self.front], "fastest": index(self.fastest),
-                "fastest_fitting": index(self.fastest_fitting), "points": points}
+        return {
+            "format": FORMAT,
+            "world_size": self.world_size,
+            "node_size": self.node_size,
+            "hardware": self.hardware,
+            "hbm_bytes": self.hbm_bytes,
+            "memory_limit_gb": self.memory_limit_gb,
+            "wall_s": self.wall_s,
+            "base_options": jsonable_options(self.base_options),
+            "space": {name: [jsonable_value(v) for v in values] for name, values in self.space.items()},
+            "front": [p.index for p in self.front],
+            "fastest": index(self.fastest),
+            "fastest_fitting": index(self.fastest_fitting),
+            "points": points,
+        }
 
     def to_json(self, path: str | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
@@ -134,10 +146,20 @@ class SimulatedTuneResult:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SimulatedTuneResult:
         if data.get("format") != FORMAT:
-            raise ValueError(f"not a zcompile simulate_tune result (format {data.get('format')!r}, expected {FORMAT!r})")
-        return cls([SimulatedPoint(**p) for p in data["points"]], data["base_options"], data["space"],
-                   data["world_size"], data["node_size"], data["hardware"], data["hbm_bytes"],
-                   data.get("memory_limit_gb"), data.get("wall_s", 0.0))
+            raise ValueError(
+                f"not a zcompile simulate_tune result (format {data.get('format')!r}, expected {FORMAT!r})"
+            )
+        return cls(
+            [SimulatedPoint(**p) for p in data["points"]],
+            data["base_options"],
+            data["space"],
+            data["world_size"],
+            data["node_size"],
+            data["hardware"],
+            data["hbm_bytes"],
+            data.get("memory_limit_gb"),
+            data.get("wall_s", 0.0),
+        )
 
     @classmethod
     def from_json(cls, path: str) -> SimulatedTuneResult:
@@ -156,10 +178,18 @@ class SimulatedTuneResult:
         plot_simulated(self, path, title)
 
 
-def simulate_tune(make_model: Callable[[], torch.nn.Module], example_batch: Any, *, space: dict[str, list],
-                  world_size: int, node_size: int | None = None, base_options: dict[str, Any] | None = None,
-                  hardware: str | HardwareProfile = "h100-sxm", memory_limit_gb: float | None = None,
-                  loss_fn: Callable[[Any], torch.Tensor] | None = None) -> SimulatedTuneResult:
+def simulate_tune(
+    make_model: Callable[[], torch.nn.Module],
+    example_batch: Any,
+    *,
+    space: dict[str, list],
+    world_size: int,
+    node_size: int | None = None,
+    base_options: dict[str, Any] | None = None,
+    hardware: str | HardwareProfile = "h100-sxm",
+    memory_limit_gb: float | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> SimulatedTuneResult:
     """Simulates every point of ``space`` on top of ``base_options`` (module docstring).
 
     The arguments are ``zcompile.simulate``'s (``make_model``, one rank's ``example_batch``,
@@ -168,33 +198,61 @@ def simulate_tune(make_model: Callable[[], torch.nn.Module], example_batch: Any,
     """
     started = time.perf_counter()
     search_space = SearchSpace.build(space, base_options)
-    if memory_limit_gb is not None and (isinstance(memory_limit_gb, bool) or not isinstance(memory_limit_gb, (int, float))
-                                        or not math.isfinite(memory_limit_gb) or memory_limit_gb <= 0):
-        raise ValueError(f"simulate_tune: memory_limit_gb must be a positive number (GiB per GPU) or None, "
-                         f"got {memory_limit_gb!r}")
+    if memory_limit_gb is not None and (
+        isinstance(memory_limit_gb, bool)
+        or not isinstance(memory_limit_gb, (int, float))
+        or not math.isfinite(memory_limit_gb)
+        or memory_limit_gb <= 0
+    ):
+        raise ValueError(
+            f"simulate_tune: memory_limit_gb must be a positive number (GiB per GPU) or None, got {memory_limit_gb!r}"
+        )
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     check_world(world_size, node_size)
     node_size = node_size or search_space.base_options.get("node_size") or profile.node_size
     limit = None if memory_limit_gb is None else memory_limit_gb * GIB
     points = []
     for point in search_space.points:
-        simulated = _simulate_point(point, make_model, example_batch, loss_fn, search_space.base_options,
-                                    world_size, node_size, profile)
+        simulated = _simulate_point(
+            point, make_model, example_batch, loss_fn, search_space.base_options, world_size, node_size, profile
+        )
         if simulated.status == PREDICTED and limit is not None and simulated.memory_bytes > limit:
             simulated.status = PRUNED
-            simulated.error = (f"{simulated.memory_bytes / GIB:.2f} GiB per GPU, over memory_limit_gb="
-                               f"{memory_limit_gb}")
+            simulated.error = f"{simulated.memory_bytes / GIB:.2f} GiB per GPU, over memory_limit_gb={memory_limit_gb}"
         points.append(simulated)
-    result = SimulatedTuneResult(points, search_space.base_options, search_space.space, world_size, node_size,
-                                 profile.name, profile.memory_bytes, memory_limit_gb, time.perf_counter() - started)
-    log.info("simulate_tune: %d points at %d ranks (%s) in %.1f s; front %s, fastest fitting %s", len(points),
-             world_size, profile.name, result.wall_s, [p.index for p in result.front],
-             None if result.fastest_fitting is None else result.fastest_fitting.index)
+    result = SimulatedTuneResult(
+        points,
+        search_space.base_options,
+        search_space.space,
+        world_size,
+        node_size,
+        profile.name,
+        profile.memory_bytes,
+        memory_limit_gb,
+        time.perf_counter() - started,
+    )
+    log.info(
+        "simulate_tune: %d points at %d ranks (%s) in %.1f s; front %s, fastest fitting %s",
+        len(points),
+        world_size,
+        profile.name,
+        result.wall_s,
+        [p.index for p in result.front],
+        None if result.fastest_fitting is None else result.fastest_fitting.index,
+    )
     return result
 
 
-def _simulate_point(point: Point, make_model, example_batch, loss_fn, base_options: dict[str, Any], world_size: int,
-                    node_size: int, profile: HardwareProfile) -> SimulatedPoint:
+def _simulate_point(
+    point: Point,
+    make_model,
+    example_batch,
+    loss_fn,
+    base_options: dict[str, Any],
+    world_size: int,
+    node_size: int,
+    profile: HardwareProfile,
+) -> SimulatedPoint:
     """One ``simulate`` call; its failure recorded, not raised."""
     simulated = SimulatedPoint(point.index, point.options, point.is_default)
     if point.invalid:
@@ -203,8 +261,15 @@ def _simulate_point(point: Point, make_model, example_batch, loss_fn, base_optio
     began = time.perf_counter()
     try:
         options = _resolved_options({**base_options, **point.options}, world_size, node_size, profile)
-        result = simulate(make_model, example_batch, world_size=world_size, node_size=node_size, options=options,
-                          hardware=profile, loss_fn=loss_fn)
+        result = simulate(
+            make_model,
+            example_batch,
+            world_size=world_size,
+            node_size=node_size,
+            options=options,
+            hardware=profile,
+            loss_fn=loss_fn,
+        )
     except Exception as error:  # noqa: BLE001 - a failing point is recorded, the search goes on
         simulated.status, simulated.error = FAILED, f"{type(error).__name__}: {error}"
         log.warning("simulate_tune: point %d %s failed: %s", point.index, point.options, simulated.error)
@@ -215,13 +280,20 @@ def _simulate_point(point: Point, make_model, example_batch, loss_fn, base_optio
     simulated.step_s, simulated.exposed_comm_s = result.step_s, result.exposed_comm_s
     simulated.compute_s, simulated.mfu = result.compute_s, result.mfu
     simulated.across_nodes_bytes = result.bytes_by(inside_node=False)
-    log.info("simulate_tune: point %d %s: %.2f GiB per GPU, step %.3f s (%.1f s)", point.index, point.options,
-             simulated.memory_bytes / GIB, simulated.step_s, simulated.simulate_s)
+    log.info(
+        "simulate_tune: point %d %s: %.2f GiB per GPU, step %.3f s (%.1f s)",
+        point.index,
+        point.options,
+        simulated.memory_bytes / GIB,
+        simulated.step_s,
+        simulated.simulate_s,
+    )
     return simulated
 
 
-def _resolved_options(options: dict[str, Any], world_size: int, node_size: int,
-                      profile: HardwareProfile) -> dict[str, Any]:
+def _resolved_options(
+    options: dict[str, Any], world_size: int, node_size: int, profile: HardwareProfile
+) -> dict[str, Any]:
     """``options`` with a built-in policy name turned into the policy, on the profile's costs as the
     world's ranks see them (``HardwareProfile.shared_by``, as ``simulate`` prices the step)."""
     name = options.get(POLICY_OPTION)

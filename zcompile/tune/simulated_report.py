@@ -36,25 +36,51 @@ def point_rows(result: SimulatedTuneResult) -> list[list[str]]:
 
     rows = []
     for p in result.points:
-        marks = [mark for mark, on in (("front", p.index in front), ("best", chosen is not None and p is chosen),
-                                       ("default", p.is_default)) if on]
+        marks = [
+            mark
+            for mark, on in (
+                ("front", p.index in front),
+                ("best", chosen is not None and p is chosen),
+                ("default", p.is_default),
+            )
+            if on
+        ]
         status = p.status if not p.error else f"{p.status}: {p.error[:60]}"
-        rows.append([str(p.index), options_text(result, p), status, number(_gib(p.memory_bytes), "{:.3g}"),
-                     number(p.step_s, "{:.3g}"), number(p.exposed_comm_s, "{:.3g}"),
-                     number(p.mfu and 100 * p.mfu, "{:.0f}%"), number(_gib(p.across_nodes_bytes), "{:.3g}"),
-                     f"{p.simulate_s:.1f}", " ".join(marks)])
+        rows.append(
+            [
+                str(p.index),
+                options_text(result, p),
+                status,
+                number(_gib(p.memory_bytes), "{:.3g}"),
+                number(p.step_s, "{:.3g}"),
+                number(p.exposed_comm_s, "{:.3g}"),
+                number(p.mfu and 100 * p.mfu, "{:.0f}%"),
+                number(_gib(p.across_nodes_bytes), "{:.3g}"),
+                f"{p.simulate_s:.1f}",
+                " ".join(marks),
+            ]
+        )
     return rows
 
 
 def summary_lines(result: SimulatedTuneResult) -> list[str]:
     limit = "" if result.memory_limit_gb is None else f", memory limit {result.memory_limit_gb} GiB"
-    lines = [f"{len(result.points)} points simulated for {result.world_size} ranks ({result.node_size} per node, "
-             f"{result.hardware}, {result.hbm_bytes / GIB:.1f} GiB HBM{limit}) in {result.wall_s:.1f} s",
-             "Pareto front (memory, step): " + (", ".join(f"#{p.index} {p.memory_bytes / GIB:.3g} GiB {p.step_s:.3g} s"
-                                                          for p in result.front) or "none")]
+    lines = [
+        f"{len(result.points)} points simulated for {result.world_size} ranks ({result.node_size} per node, "
+        f"{result.hardware}, {result.hbm_bytes / GIB:.1f} GiB HBM{limit}) in {result.wall_s:.1f} s",
+        "Pareto front (memory, step): "
+        + (", ".join(f"#{p.index} {p.memory_bytes / GIB:.3g} GiB {p.step_s:.3g} s" for p in result.front) or "none"),
+    ]
     for label, point in (("fastest", result.fastest), ("fastest that fits HBM", result.fastest_fitting)):
-        lines.append(f"{label}: " + ("none" if point is None else f"#{point.index} {options_text(result, point)}: "
-                                     f"{point.step_s:.3g} s, {point.memory_bytes / GIB:.3g} GiB per GPU"))
+        lines.append(
+            f"{label}: "
+            + (
+                "none"
+                if point is None
+                else f"#{point.index} {options_text(result, point)}: "
+                f"{point.step_s:.3g} s, {point.memory_bytes / GIB:.3g} GiB per GPU"
+            )
+        )
     return lines
 
 
@@ -63,8 +89,13 @@ def render_simulated(result: SimulatedTuneResult) -> str:
 
 
 def print_simulated(result: SimulatedTuneResult) -> None:
-    print_table(f"zcompile.simulate_tune: {len(result.points)} points, {result.world_size} ranks, {result.hardware}",
-                COLUMNS, point_rows(result), LEFT, summary_lines(result))
+    print_table(
+        f"zcompile.simulate_tune: {len(result.points)} points, {result.world_size} ranks, {result.hardware}",
+        COLUMNS,
+        point_rows(result),
+        LEFT,
+        summary_lines(result),
+    )
 
 
 def plot_simulated(result: SimulatedTuneResult, path: str, title: str | None = None) -> None:
@@ -78,8 +109,9 @@ def plot_simulated(result: SimulatedTuneResult, path: str, title: str | None = N
     for status, color, label in (("predicted", "tab:blue", "simulated"), ("pruned", "lightgrey", "over the limit")):
         shown = [p for p in simulated if p.status == status]
         if shown:
-            axis.scatter([p.memory_bytes / GIB for p in shown], [p.step_s for p in shown], s=22, color=color,
-                         label=label)
+            axis.scatter(
+                [p.memory_bytes / GIB for p in shown], [p.step_s for p in shown], s=22, color=color, label=label
+            )
     labels: dict[tuple[str, str], tuple] = {}  # points at one spot (3 digits) share a label
     for p in simulated:
         values = "/".join(str(jsonable_value(p.options[name])) for name in result.space if name in p.options)
@@ -87,13 +119,27 @@ def plot_simulated(result: SimulatedTuneResult, path: str, title: str | None = N
         labels.setdefault(spot, (p.memory_bytes / GIB, p.step_s, []))[2].append(f"#{p.index} {values}")
     for x, y, texts in labels.values():
         axis.annotate(", ".join(texts), (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
-    axis.text(0.99, 0.01, "labels: " + "/".join(result.space), transform=axis.transAxes, fontsize=7, ha="right",
-              va="bottom", color="grey")
+    axis.text(
+        0.99,
+        0.01,
+        "labels: " + "/".join(result.space),
+        transform=axis.transAxes,
+        fontsize=7,
+        ha="right",
+        va="bottom",
+        color="grey",
+    )
     draw_front(axis, [(p.memory_bytes / GIB, p.step_s) for p in result.eligible])
     chosen = result.fastest_fitting
     if chosen is not None:
-        axis.scatter([chosen.memory_bytes / GIB], [chosen.step_s], s=80, facecolors="none", edgecolors="tab:green",
-                     label="fastest that fits")
+        axis.scatter(
+            [chosen.memory_bytes / GIB],
+            [chosen.step_s],
+            s=80,
+            facecolors="none",
+            edgecolors="tab:green",
+            label="fastest that fits",
+        )
     axis.axvline(result.hbm_bytes / GIB, color="tab:red", linewidth=0.8, linestyle="--", label="HBM")
     if result.memory_limit_gb is not None:
         axis.axvline(result.memory_limit_gb, color="grey", linewidth=0.8, linestyle=":", label="memory limit")

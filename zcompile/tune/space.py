@@ -14,8 +14,9 @@ among them: appended, flagged, when the space does not contain it.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -83,6 +84,7 @@ def _config(base: dict[str, Any], options: dict[str, Any]) -> ZeroConfig:
 def _named_placeholder(name: str) -> Callable:
     def placeholder(problem):  # never called: stands for the named policy while options are checked
         raise AssertionError(name)
+
     placeholder.__name__ = name
     return placeholder
 
@@ -111,17 +113,23 @@ def _check_base(base: dict[str, Any]) -> None:
 def _check_space(space: Any, base: dict[str, Any]) -> None:
     valid = [f.name for f in fields(ZeroConfig) if f.name not in TUNER_OWNED]
     if not isinstance(space, dict) or not space:
-        raise ValueError(f"tune: space must be a non-empty dict of option -> list of candidates, e.g. "
-                         f"{{'bucket_mb': [1, 4], 'prefetch': [1, 2]}}; got {space!r}")
+        raise ValueError(
+            f"tune: space must be a non-empty dict of option -> list of candidates, e.g. "
+            f"{{'bucket_mb': [1, 4], 'prefetch': [1, 2]}}; got {space!r}"
+        )
     for name, candidates in space.items():
         if name not in valid:
-            raise ValueError(f"tune: space option {name!r} is not a zero backend option the tuner can vary; "
-                             f"valid options are {valid}")
+            raise ValueError(
+                f"tune: space option {name!r} is not a zero backend option the tuner can vary; "
+                f"valid options are {valid}"
+            )
         if name in base:
             raise ValueError(f"tune: option {name!r} is both in space and in base_options; keep it in one of them")
         if isinstance(candidates, (str, bytes)) or not isinstance(candidates, (list, tuple)):
-            raise TypeError(f"tune: space[{name!r}] must be a list of candidates, got {candidates!r}; "
-                            f"write space[{name!r}] = [{candidates!r}]")
+            raise TypeError(
+                f"tune: space[{name!r}] must be a list of candidates, got {candidates!r}; "
+                f"write space[{name!r}] = [{candidates!r}]"
+            )
         if not candidates:
             raise ValueError(f"tune: space[{name!r}] is empty; give at least one candidate, or drop the option")
         for candidate in candidates:
@@ -130,8 +138,10 @@ def _check_space(space: Any, base: dict[str, Any]) -> None:
 
 def _check_candidate(name: str, candidate: Any, base: dict[str, Any]) -> None:
     if name == POLICY_OPTION and isinstance(candidate, str) and candidate not in POLICY_NAMES:
-        raise ValueError(f"tune: space['schedule_policy'] candidate {candidate!r} is not a built-in policy; "
-                         f"give one of {list(POLICY_NAMES)} or a callable policy(problem) -> depths")
+        raise ValueError(
+            f"tune: space['schedule_policy'] candidate {candidate!r} is not a built-in policy; "
+            f"give one of {list(POLICY_NAMES)} or a callable policy(problem) -> depths"
+        )
     if isinstance(candidate, torch.distributed.ProcessGroup):
         raise TypeError(f"tune: space[{name!r}]: a process group is not a candidate")
     try:

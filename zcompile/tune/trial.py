@@ -20,17 +20,18 @@ import logging
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from zcompile.predict.cost_model import CollectiveCosts, ComputeCosts, predict_step
-from zcompile.sharding.memory import model_state_bytes
 from zcompile.common.process_group import DataParallelGroup
+from zcompile.predict.cost_model import CollectiveCosts, ComputeCosts, predict_step
 from zcompile.reports.step_report import step_report
 from zcompile.reports.timeline import record_step
+from zcompile.sharding.memory import model_state_bytes
 from zcompile.tune.calibration import StepCalibration, calibrate
 from zcompile.tune.policies import POLICY_NAMES, policy_from_name
 from zcompile.tune.search import Measured, Predicted
@@ -71,8 +72,7 @@ class TrialSetup:
         """The backend options of ``point``: base + the point's, a policy name turned into the policy."""
         options = {"check_timeout_s": TRIAL_CHECK_TIMEOUT_S, **self.base_options, **point.options}
         if isinstance(options.get(POLICY_OPTION), str) and options[POLICY_OPTION] in POLICY_NAMES:
-            options[POLICY_OPTION] = policy_from_name(options[POLICY_OPTION], self.collective_costs,
-                                                      self.compute_costs)
+            options[POLICY_OPTION] = policy_from_name(options[POLICY_OPTION], self.collective_costs, self.compute_costs)
         return options
 
     def batch(self, step: int) -> Any:
@@ -90,9 +90,18 @@ def predict_point(setup: TrialSetup, point: Point) -> Predicted:
         setup.loss_fn(compiled, setup.batch(0)).backward()
         prediction = predict_step(graphs, setup.collective_costs, setup.compute_costs)
         memory = step_report(model, None, graphs).memory
-        return [prediction.step_s, prediction.exposed_comm_s, prediction.compute_s, prediction.issue_s,
-                prediction.comm_s, graphs_digest(graphs), memory["formula_bytes"], memory["peak_gathered_bytes"],
-                memory["kept_gathered_bytes"], memory["saved_activation_bytes"]]
+        return [
+            prediction.step_s,
+            prediction.exposed_comm_s,
+            prediction.compute_s,
+            prediction.issue_s,
+            prediction.comm_s,
+            graphs_digest(graphs),
+            memory["formula_bytes"],
+            memory["peak_gathered_bytes"],
+            memory["kept_gathered_bytes"],
+            memory["saved_activation_bytes"],
+        ]
 
     step_s, exposed_s, compute_s, issue_s, comm_s, digest, *parts = _fresh(lambda: agreed(local, 10, setup.group))
     names = ("model_states", "gathered_peak", "kept_gathered", "saved_activations")
@@ -105,13 +114,16 @@ def predict_point(setup: TrialSetup, point: Point) -> Predicted:
 def graphs_digest(graphs: list) -> int:
     """48 bits of a hash of the forward and backward graphs' code: the same for the same program (exact
     in a float64, so it travels with the agreed values)."""
-    code = "".join((g.forward.code if g.forward is not None else "") + (g.backward.code if g.backward is not None
-                                                                         else "") for g in graphs)
+    code = "".join(
+        (g.forward.code if g.forward is not None else "") + (g.backward.code if g.backward is not None else "")
+        for g in graphs
+    )
     return int(hashlib.sha1(code.encode()).hexdigest()[:12], 16)
 
 
-def measure_point(setup: TrialSetup, point: Point, calibrate_costs: bool = False
-                  ) -> tuple[Measured, StepCalibration | None]:
+def measure_point(
+    setup: TrialSetup, point: Point, calibrate_costs: bool = False
+) -> tuple[Measured, StepCalibration | None]:
     """Trains ``point`` ``warmup`` steps untimed and ``steps`` timed, then profiles one more step.
 
     Step time: the median over the timed steps of the slowest rank's time (each step started from a
@@ -156,12 +168,13 @@ def measure_point(setup: TrialSetup, point: Point, calibrate_costs: bool = False
 
     def run() -> tuple[Measured, StepCalibration | None]:
         values = agreed(local, 2 * setup.steps + 2, setup.group)
-        step_s, graphs_s = (statistics.median(values[i * setup.steps:(i + 1) * setup.steps]) for i in (0, 1))
+        step_s, graphs_s = (statistics.median(values[i * setup.steps : (i + 1) * setup.steps]) for i in (0, 1))
         measured = Measured(step_s, values[-2], int(values[-1]), tuple(losses), graphs_s)
         calibration = None
         if calibrate_costs:
-            calibration = calibrate(lambda costs: predict_step(graphs, setup.collective_costs, costs),
-                                    setup.compute_costs, graphs_s, step_s)
+            calibration = calibrate(
+                lambda costs: predict_step(graphs, setup.collective_costs, costs), setup.compute_costs, graphs_s, step_s
+            )
         graphs.clear()
         return measured, calibration
 

@@ -25,14 +25,15 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
-from zcompile.predict.cost_model import measure_collective_costs, measure_compute_costs
 from zcompile.common.process_group import DataParallelGroup
 from zcompile.optim.sharded import AdamW
+from zcompile.predict.cost_model import measure_collective_costs, measure_compute_costs
 from zcompile.tune.result import TuneResult
 from zcompile.tune.search import STRATEGIES, Measured, Trial, default_max_trials, run_search
 from zcompile.tune.space import Point, SearchSpace
@@ -90,11 +91,22 @@ class _Progress:
             self.bar.close()
 
 
-def tune(make_model: Callable[[], torch.nn.Module], loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
-         batches: Sequence[Any], *, space: dict[str, list], base_options: dict[str, Any] | None = None,
-         optimizer: Callable[[Any], Any] | None = None, steps: int = 5, warmup: int = 2,
-         memory_limit_mb: float | None = None, strategy: str = "model", max_trials: int | None = None,
-         out_dir: str | None = None, progress: bool = False) -> TuneResult:
+def tune(
+    make_model: Callable[[], torch.nn.Module],
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    batches: Sequence[Any],
+    *,
+    space: dict[str, list],
+    base_options: dict[str, Any] | None = None,
+    optimizer: Callable[[Any], Any] | None = None,
+    steps: int = 5,
+    warmup: int = 2,
+    memory_limit_mb: float | None = None,
+    strategy: str = "model",
+    max_trials: int | None = None,
+    out_dir: str | None = None,
+    progress: bool = False,
+) -> TuneResult:
     """Tunes the zero backend's options for ``make_model`` on this machine (module docstring).
 
     ``make_model()`` returns a fresh model (the same weights on every rank); ``loss_fn(model, batch)``
@@ -117,11 +129,23 @@ def tune(make_model: Callable[[], torch.nn.Module], loss_fn: Callable[[torch.nn.
     collective_costs = measure_collective_costs(group.process_group)
     raw_compute = measure_compute_costs(group=group.process_group)
     timings["costs_s"] = time.perf_counter() - started
-    setup = TrialSetup(make_model, loss_fn, list(batches), optimizer or default_optimizer, search_space.base_options,
-                       group, collective_costs, raw_compute, steps, warmup)
+    setup = TrialSetup(
+        make_model,
+        loss_fn,
+        list(batches),
+        optimizer or default_optimizer,
+        search_space.base_options,
+        group,
+        collective_costs,
+        raw_compute,
+        steps,
+        warmup,
+    )
     bar = _Progress(progress and group.rank == 0)
-    bar.start(len(search_space) + (len(search_space) if strategy == "grid"
-                                   else (max_trials or default_max_trials(len(search_space)))))
+    bar.start(
+        len(search_space)
+        + (len(search_space) if strategy == "grid" else (max_trials or default_max_trials(len(search_space))))
+    )
     default, setup = _measure_default(setup, search_space.default, timings)
 
     def predict(point):
@@ -142,15 +166,40 @@ def tune(make_model: Callable[[], torch.nn.Module], loss_fn: Callable[[torch.nn.
 
     limit = None if memory_limit_mb is None else int(memory_limit_mb * MIB)
     try:
-        trials = run_search(search_space.points, predict, measure, strategy=strategy, max_trials=max_trials,
-                            memory_limit_bytes=limit, on_trial=bar.measured)
+        trials = run_search(
+            search_space.points,
+            predict,
+            measure,
+            strategy=strategy,
+            max_trials=max_trials,
+            memory_limit_bytes=limit,
+            on_trial=bar.measured,
+        )
     finally:
         bar.close()
-    result = TuneResult(trials, search_space.base_options, search_space.space, strategy, group.world_size, steps,
-                        warmup, memory_limit_mb, time.perf_counter() - started, timings, collective_costs,
-                        setup.compute_costs, setup.calibration)
-    log.info("tune: %d points, %d measured, best %s, Spearman %s, %.1f s", len(trials), len(result.measured),
-             None if result.best_trial is None else result.best_trial.index, result.rank_correlation, result.wall_s)
+    result = TuneResult(
+        trials,
+        search_space.base_options,
+        search_space.space,
+        strategy,
+        group.world_size,
+        steps,
+        warmup,
+        memory_limit_mb,
+        time.perf_counter() - started,
+        timings,
+        collective_costs,
+        setup.compute_costs,
+        setup.calibration,
+    )
+    log.info(
+        "tune: %d points, %d measured, best %s, Spearman %s, %.1f s",
+        len(trials),
+        len(result.measured),
+        None if result.best_trial is None else result.best_trial.index,
+        result.rank_correlation,
+        result.wall_s,
+    )
     if out_dir is not None and group.rank == 0:
         os.makedirs(out_dir, exist_ok=True)
         result.to_json(os.path.join(out_dir, RESULT_JSON))
@@ -158,8 +207,9 @@ def tune(make_model: Callable[[], torch.nn.Module], loss_fn: Callable[[torch.nn.
     return result
 
 
-def _measure_default(setup: TrialSetup, point: Point, timings: dict[str, float]
-                     ) -> tuple[Callable[[], Measured], TrialSetup]:
+def _measure_default(
+    setup: TrialSetup, point: Point, timings: dict[str, float]
+) -> tuple[Callable[[], Measured], TrialSetup]:
     """Measures the default options first and calibrates the cost model on them
     (``zcompile.tune.calibration``): returns how the search gets that measurement (the measurement,
     or the failure raised again) and the setup whose predictions use the calibrated costs."""
@@ -172,6 +222,7 @@ def _measure_default(setup: TrialSetup, point: Point, timings: dict[str, float]
 
         def default() -> Measured:
             raise failure
+
         return default, setup
     finally:
         timings["calibrate_s"] = time.perf_counter() - began
@@ -188,16 +239,23 @@ def _check_arguments(batches, optimizer, steps, warmup, memory_limit_mb, strateg
             raise ValueError(f"tune: {name} must be an int >= {least}, got {value!r}")
     if max_trials is not None and (isinstance(max_trials, bool) or not isinstance(max_trials, int) or max_trials < 1):
         raise ValueError(f"tune: max_trials must be an int >= 1 or None (a third of the space), got {max_trials!r}")
-    if memory_limit_mb is not None and (isinstance(memory_limit_mb, bool) or not isinstance(memory_limit_mb, (int, float))
-                                        or not math.isfinite(memory_limit_mb) or memory_limit_mb <= 0):
-        raise ValueError(f"tune: memory_limit_mb must be a positive number (MiB per rank) or None, got {memory_limit_mb!r}")
+    if memory_limit_mb is not None and (
+        isinstance(memory_limit_mb, bool)
+        or not isinstance(memory_limit_mb, (int, float))
+        or not math.isfinite(memory_limit_mb)
+        or memory_limit_mb <= 0
+    ):
+        raise ValueError(
+            f"tune: memory_limit_mb must be a positive number (MiB per rank) or None, got {memory_limit_mb!r}"
+        )
     if optimizer is not None and not callable(optimizer):
         raise TypeError(f"tune: optimizer must be a callable optimizer(params), got {optimizer!r}")
     try:
         count = len(batches)
     except TypeError:
-        raise TypeError(f"tune: batches must be a sequence of this rank's batches (a list), got "
-                        f"{type(batches).__name__}") from None
+        raise TypeError(
+            f"tune: batches must be a sequence of this rank's batches (a list), got {type(batches).__name__}"
+        ) from None
     if count == 0:
         raise ValueError("tune: batches is empty; give this rank's batches (reused cyclically)")
     if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
