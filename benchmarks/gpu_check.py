@@ -6,8 +6,8 @@
 One GPU is enough. In order, each step recorded in the JSON file and summarized in a table:
 1. the environment (torch, triton, device, its memory);
 2. the kernel tests compiled for the GPU (``TRITON_INTERPRET=0``: Triton compiles them for the
-   device instead of interpreting them): ``tests/test_quantize.py``, ``tests/test_fused_optim.py`` and
-   ``tests/test_cross_entropy_kernel.py``, and ``tests/test_device_loop.py`` (a one-rank training
+   device instead of interpreting them): ``tests/unit/test_quantize.py``, ``tests/unit/test_fused_optim.py`` and
+   ``tests/unit/test_cross_entropy_kernel.py``, and ``tests/unit/test_device_loop.py`` (a one-rank training
    loop on CUDA tensors at stages 1-3: clipping, evaluation, a checkpoint resumed, against eager);
    pass/fail counts and the failures' names;
 3. the device's memory bandwidth, measured (``dst.copy_(src)`` of 256M fp32 elements);
@@ -48,10 +48,10 @@ from common import print_table, time_ms  # noqa: E402
 M = 2**20
 # the kernel tests, and a one-rank training loop (clip, checkpoint and resume, eval, gathered) on CUDA tensors
 KERNEL_TESTS = (
-    "tests/test_quantize.py",
-    "tests/test_fused_optim.py",
-    "tests/test_cross_entropy_kernel.py",
-    "tests/test_device_loop.py",
+    "tests/unit/test_quantize.py",
+    "tests/unit/test_fused_optim.py",
+    "tests/unit/test_cross_entropy_kernel.py",
+    "tests/unit/test_device_loop.py",
 )
 
 

@@ -9,7 +9,7 @@ scale, 6.5 ms), one thread of this machine, and torch's default single-tensor Ad
 (``benchmarks/bench_cpu_adamw.py``, ``results/cpu_adamw.json``). The arithmetic is torch's fused kernel's, not its
 single-tensor path's: the two differ in the last bits (2.4e-7 on parameters of about 1 after one
 step), and a shard updated here equals the slice of a parameter ``torch.optim.AdamW(fused=True)``
-updates, bit for bit (``tests/test_cpu_adamw.py``).
+updates, bit for bit (``tests/unit/test_cpu_adamw.py``).
 
 The kernel also writes the gradient back divided by its ``grad_scale`` (mixed-precision
 unscaling); the gradients here are scaled first into tensors of their own and the kernel gets no

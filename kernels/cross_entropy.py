@@ -14,7 +14,7 @@ often the step's peak.
   rows at a time, ``nll_loss_backward`` into a buffer of ``chunk_rows`` rows (at most a sixteenth
   of the logits, and ``CHUNK_ELEMENTS``), then ``_log_softmax_backward_data`` from it into the
   output's rows. Rows are independent in both ops, so the result is theirs bit for bit
-  (``tests/test_loss_backward.py``; an earlier ``exp``-``mul``-``scatter`` version differed by an
+  (``tests/unit/test_loss_backward.py``; an earlier ``exp``-``mul``-``scatter`` version differed by an
   ulp on a tenth of the elements: ATen's softmax kernels use a faster ``exp`` than ``torch.exp``,
   and training runs compared with eager PyTorch saw it);
 - on CUDA (with triton), one Triton pass reads the log-probabilities once and writes the result
@@ -22,7 +22,7 @@ often the step's peak.
   nll gradient (its row sum is that value), the result is ``exp(log_probs) * s`` with ``-s`` added at the target, ``s = w[t] * g`` (``g`` divided by the
   total weight under ``mean``; 0 for an ignored row), worked in fp32 and rounded once into the
   output; equal to the torch path to an ulp of ``s`` (the device's ``exp``). The kernel is tested
-  under ``TRITON_INTERPRET=1`` (``tests/test_cross_entropy_kernel.py``) and compiled for a GPU by
+  under ``TRITON_INTERPRET=1`` (``tests/unit/test_cross_entropy_kernel.py``) and compiled for a GPU by
   ``benchmarks/gpu_check.py``; on the CPU the interpreter is for the tests only.
 """
 

@@ -223,7 +223,7 @@ SPECS = [
 @pytest.fixture(scope="module")
 def trained():
     # Trained as a CPU user's job runs: the quantize ops take their pure-torch reference (bitwise the
-    # kernels', tests/test_quantize.py), not Triton's interpreter, which made this fixture 4x slower
+    # kernels', tests/unit/test_quantize.py), not Triton's interpreter, which made this fixture 4x slower
     # (315 s against 90 s, on 2 cores). The Triton kernels run on real ranks in `collectives` above.
     return run_ranks(WORLD, _zeropp_on_rank, SPECS, timeout_s=900, env={"TRITON_INTERPRET": "0"})[0]
 

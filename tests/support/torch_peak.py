@@ -1,6 +1,6 @@
 """torch's own measure of zcompile's compiled step: ``MemTracker`` over the step under ``FakeTensorMode``.
 
-The reference for ``zcompile.predict.step_peak`` (tests/test_step_peak.py, benchmarks/bench_simulate_torch_peak.py):
+The reference for ``zcompile.predict.step_peak`` (tests/unit/test_step_peak.py, benchmarks/bench_simulate_torch_peak.py):
 the model built under ``FakeTensorMode``, compiled with ``backend="zero"`` in the fake process group
 of ``world_size`` ranks that ``zcompile.simulate`` builds, trained with ``zcompile.optim.AdamW``: one
 step to compile and make the optimizer's state, then one step (forward, backward, ``step``,

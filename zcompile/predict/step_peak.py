@@ -25,7 +25,7 @@ buffer of its own and copies out of it. Not counted: the optimizer's own tempora
 buffers and the update's intermediates, a few ``bucket_mb`` buckets); with several graphs (graph breaks), the tensors eager code carries
 between them (a hidden state and its gradient); the batch; forward outputs kept through backward
 (taken as dropped: ``loss = model(x).loss; loss.backward()``). Checked against torch's
-``MemTracker`` over the same compiled step (``tests/test_step_peak.py``).
+``MemTracker`` over the same compiled step (``tests/unit/test_step_peak.py``).
 """
 
 from __future__ import annotations

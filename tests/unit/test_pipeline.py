@@ -25,7 +25,7 @@ from zcompile.config import ZeroConfig
 from zcompile.passes.collectives import ALL_GATHER, collective_nodes
 from zcompile.passes.param_collectives import ShardingPlan
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _context(folder: Path | None = None, **options) -> CompileContext:

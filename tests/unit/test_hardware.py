@@ -209,7 +209,7 @@ def test_the_stores_time_per_request_is_its_round_trip_or_its_turn_through_every
     from pathlib import Path
 
     profile = load_profile("cpu-local")
-    results = Path(__file__).parent.parent / "benchmarks" / "results"
+    results = Path(__file__).parent.parent.parent / "benchmarks" / "results"
     for ranks in (1, 4, 16):
         measured = json.loads((results / f"store_throughput_{ranks}.json").read_text())["us_per_request_per_rank"]
         assert profile.store_seconds(1, ranks) * 1e6 == pytest.approx(measured, rel=0.1), ranks
