@@ -630,12 +630,12 @@ def test_a_busy_rank_is_waited_for_up_to_the_process_groups_timeout(monkeypatch)
 
 def test_a_note_from_another_rank_ends_the_wait_at_once():
     store = dist.HashStore()
-    store.set("zcompile/abort/g", '[0, "zero backend: graph 0/1: rank 0 gave up"]')
+    store.set("zcompile/abort/g", '[0, "zcompile: graph 0/1: rank 0 gave up"]')
     start = time.perf_counter()
     with pytest.raises(
         RankDivergenceError,
         match=r"rank 1 \(its call #1\) stopped waiting: rank 0 reported: "
-        r"zero backend: graph 0/1: rank 0 gave up",
+        r"zcompile: graph 0/1: rank 0 gave up",
     ):
         exchange_through(store, "x", _group(1), 60, "step", "zcompile optimizer.step()", "fix")
     assert time.perf_counter() - start < 5  # not the 60s timeout

@@ -137,94 +137,89 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if self.dump is not None:
             if not isinstance(self.dump, (str, os.PathLike)):
-                raise TypeError(f"zero backend: option 'dump' must be a directory path, got {self.dump!r}")
+                raise TypeError(f"zcompile: option 'dump' must be a directory path, got {self.dump!r}")
             object.__setattr__(self, "dump", os.fspath(self.dump))
         if self.on_compile is not None and not callable(self.on_compile):
-            raise TypeError(f"zero backend: option 'on_compile' must be callable, got {self.on_compile!r}")
+            raise TypeError(f"zcompile: option 'on_compile' must be callable, got {self.on_compile!r}")
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in (1, 2, 3):
-            raise ValueError(f"zero backend: option 'stage' must be 1, 2 or 3, got {self.stage!r}")
+            raise ValueError(f"zcompile: option 'stage' must be 1, 2 or 3, got {self.stage!r}")
         for name in ("param_dtype", "reduce_dtype"):
             object.__setattr__(self, name, _parse_dtype(name, getattr(self, name)))
         if self.compiler not in _COMPILERS:
-            raise ValueError(f"zero backend: option 'compiler' must be one of {_COMPILERS}, got {self.compiler!r}")
+            raise ValueError(f"zcompile: option 'compiler' must be one of {_COMPILERS}, got {self.compiler!r}")
         if self.reduce_scatter not in REDUCE_SCATTER_FORMS:
             raise ValueError(
-                f"zero backend: option 'reduce_scatter' must be one of {REDUCE_SCATTER_FORMS}, got "
-                f"{self.reduce_scatter!r}"
+                f"zcompile: option 'reduce_scatter' must be one of {REDUCE_SCATTER_FORMS}, got {self.reduce_scatter!r}"
             )
         if self.group is not None and not isinstance(self.group, torch.distributed.ProcessGroup):
             raise TypeError(
-                "zero backend: option 'group' must be a torch.distributed.ProcessGroup or None, "
+                "zcompile: option 'group' must be a torch.distributed.ProcessGroup or None, "
                 f"got {type(self.group).__name__}"
             )
         if not finite_number(self.bucket_mb) or self.bucket_mb < 0:
-            raise ValueError(
-                f"zero backend: option 'bucket_mb' must be a finite number >= 0 (MiB), got {self.bucket_mb!r}"
-            )
+            raise ValueError(f"zcompile: option 'bucket_mb' must be a finite number >= 0 (MiB), got {self.bucket_mb!r}")
         if not isinstance(self.overlap, bool):
-            raise TypeError(f"zero backend: option 'overlap' must be a bool, got {self.overlap!r}")
+            raise TypeError(f"zcompile: option 'overlap' must be a bool, got {self.overlap!r}")
         if not isinstance(self.prefetch_calls, bool):
-            raise TypeError(f"zero backend: option 'prefetch_calls' must be a bool, got {self.prefetch_calls!r}")
+            raise TypeError(f"zcompile: option 'prefetch_calls' must be a bool, got {self.prefetch_calls!r}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"zero backend: option 'prefetch' must be an int >= 0, got {self.prefetch!r}")
+            raise ValueError(f"zcompile: option 'prefetch' must be an int >= 0, got {self.prefetch!r}")
         if self.memory_budget_mb is not None and (
             not finite_number(self.memory_budget_mb) or self.memory_budget_mb <= 0
         ):
             raise ValueError(
-                f"zero backend: option 'memory_budget_mb' must be a positive finite number (MiB) or None, got {self.memory_budget_mb!r}"
+                f"zcompile: option 'memory_budget_mb' must be a positive finite number (MiB) or None, got {self.memory_budget_mb!r}"
             )
         if self.schedule_policy is not None and not callable(self.schedule_policy):
             raise TypeError(
-                f"zero backend: option 'schedule_policy' must be a callable policy(problem) -> depths "
+                f"zcompile: option 'schedule_policy' must be a callable policy(problem) -> depths "
                 f"(passes/README.md) or None for greedy prefetch, got {self.schedule_policy!r}"
             )
         if not finite_number(self.keep_gathered_mb) or self.keep_gathered_mb < 0:
             raise ValueError(
-                f"zero backend: option 'keep_gathered_mb' must be a finite number >= 0 (MiB), got {self.keep_gathered_mb!r}"
+                f"zcompile: option 'keep_gathered_mb' must be a finite number >= 0 (MiB), got {self.keep_gathered_mb!r}"
             )
         if self.stage != 3 and self.keep_gathered_mb:
             raise ValueError(
-                f"zero backend: keep_gathered_mb keeps stage-3 gathered weights for backward; stage "
+                f"zcompile: keep_gathered_mb keeps stage-3 gathered weights for backward; stage "
                 f"{self.stage} keeps every weight already. Use stage 3, or drop keep_gathered_mb"
             )
         self._check_activation_memory_budget()
         for name in ("quantize_weights", "quantize_grads", "fuse_loss_backward"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"zero backend: option {name!r} must be a bool, got {getattr(self, name)!r}")
+                raise TypeError(f"zcompile: option {name!r} must be a bool, got {getattr(self, name)!r}")
         block = self.quantize_block
         if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block & (block - 1) or block > 2**16:
-            raise ValueError(
-                f"zero backend: option 'quantize_block' must be a power of two in [2, 65536], got {block!r}"
-            )
+            raise ValueError(f"zcompile: option 'quantize_block' must be a power of two in [2, 65536], got {block!r}")
         if (
             self.hpz_size is not None
             and self.hpz_size != "node"
             and (isinstance(self.hpz_size, bool) or not isinstance(self.hpz_size, int) or self.hpz_size < 1)
         ):
             raise ValueError(
-                f"zero backend: option 'hpz_size' must be an int >= 1, \"node\" or None, got {self.hpz_size!r}"
+                f"zcompile: option 'hpz_size' must be an int >= 1, \"node\" or None, got {self.hpz_size!r}"
             )
         if self.node_size is not None and (
             isinstance(self.node_size, bool) or not isinstance(self.node_size, int) or self.node_size < 1
         ):
-            raise ValueError(f"zero backend: option 'node_size' must be an int >= 1 or None, got {self.node_size!r}")
+            raise ValueError(f"zcompile: option 'node_size' must be an int >= 1 or None, got {self.node_size!r}")
         if self.stage != 3 and (self.quantize_weights or self.hpz_size is not None):
             raise ValueError(
-                f"zero backend: quantize_weights and hpz_size act on the stage-3 parameter all-gathers; "
+                f"zcompile: quantize_weights and hpz_size act on the stage-3 parameter all-gathers; "
                 f"stage {self.stage} has none. Use stage 3, or drop those options"
             )
         if self.stage == 1 and self.quantize_grads:
             raise ValueError(
-                "zero backend: quantize_grads acts on the in-graph gradient reduce-scatter of stages 2 "
+                "zcompile: quantize_grads acts on the in-graph gradient reduce-scatter of stages 2 "
                 "and 3; stage 1 reduces in the optimizer. Use stage 2 or 3"
             )
         if not isinstance(self.broadcast_buffers, bool):
-            raise TypeError(f"zero backend: option 'broadcast_buffers' must be a bool, got {self.broadcast_buffers!r}")
+            raise TypeError(f"zcompile: option 'broadcast_buffers' must be a bool, got {self.broadcast_buffers!r}")
         if not isinstance(self.check_ranks, bool):
-            raise TypeError(f"zero backend: option 'check_ranks' must be a bool, got {self.check_ranks!r}")
+            raise TypeError(f"zcompile: option 'check_ranks' must be a bool, got {self.check_ranks!r}")
         if not finite_number(self.check_timeout_s) or self.check_timeout_s <= 0:
             raise ValueError(
-                f"zero backend: option 'check_timeout_s' must be a positive finite number, got {self.check_timeout_s!r}"
+                f"zcompile: option 'check_timeout_s' must be a positive finite number, got {self.check_timeout_s!r}"
             )
 
     @property
@@ -238,18 +233,18 @@ class ZeroConfig:
         if isinstance(budget, str):
             if activation_budget_bytes(budget) is None:
                 raise ValueError(
-                    f"zero backend: option 'activation_memory_budget' as a string is MiB per rank, like "
+                    f"zcompile: option 'activation_memory_budget' as a string is MiB per rank, like "
                     f"'256MiB', got {budget!r}"
                 )
             if self.compiler != "eager":
                 raise ValueError(
-                    "zero backend: option 'activation_memory_budget' in MiB needs compiler='eager' (a "
+                    "zcompile: option 'activation_memory_budget' in MiB needs compiler='eager' (a "
                     "trial partition turns it into a fraction); with inductor give a fraction 0..1"
                 )
             return
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
             raise ValueError(
-                f"zero backend: option 'activation_memory_budget' must be a fraction 0..1 of the saved "
+                f"zcompile: option 'activation_memory_budget' must be a fraction 0..1 of the saved "
                 f"activations or a string like '256MiB', got {budget!r}"
             )
 
@@ -261,13 +256,11 @@ class ZeroConfig:
         if isinstance(options, ZeroConfig):
             return options
         if not isinstance(options, dict):
-            raise TypeError(
-                f"zero backend: options must be a dict or zcompile.ZeroConfig, got {type(options).__name__}"
-            )
+            raise TypeError(f"zcompile: options must be a dict or zcompile.ZeroConfig, got {type(options).__name__}")
         valid = [f.name for f in fields(cls)]
         unknown = sorted(set(options) - set(valid))
         if unknown:
-            raise ValueError(f"zero backend: unknown option(s) {unknown}; valid options are {valid}")
+            raise ValueError(f"zcompile: unknown option(s) {unknown}; valid options are {valid}")
         return cls(**options)
 
     def replace(self, **changes: Any) -> ZeroConfig:
@@ -293,10 +286,10 @@ def finite_number(value: Any) -> bool:
 def _parse_dtype(option: str, value: Any) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype):
         if value is not None and not value.is_floating_point:
-            raise ValueError(f"zero backend: option {option!r} must be a floating dtype, got {value}")
+            raise ValueError(f"zcompile: option {option!r} must be a floating dtype, got {value}")
         return value
     if isinstance(value, str) and value.lower() in _DTYPE_NAMES:
         return _DTYPE_NAMES[value.lower()]
     raise ValueError(
-        f"zero backend: option {option!r} must be a torch dtype or one of {sorted(_DTYPE_NAMES)}, got {value!r}"
+        f"zcompile: option {option!r} must be a torch dtype or one of {sorted(_DTYPE_NAMES)}, got {value!r}"
     )

@@ -41,7 +41,7 @@ def _tune(space, **kwargs):
         (
             {"bucket_mb": [1, "4"]},
             ValueError,
-            r"space\['bucket_mb'\] candidate '4': zero backend: option 'bucket_mb' must "
+            r"space\['bucket_mb'\] candidate '4': zcompile: option 'bucket_mb' must "
             r"be a finite number >= 0",
         ),
         ({"prefetch": [1, 1.5]}, ValueError, r"space\['prefetch'\] candidate 1.5: .*'prefetch' must be an int >= 0"),
@@ -70,7 +70,7 @@ def test_bad_space_is_refused_before_anything_compiles(space, error, message):
             ValueError,
             "'stage' is both in space and in base_options",
         ),
-        ({"base_options": {"bucket_mb": -1}}, ValueError, "base_options: zero backend: option 'bucket_mb'"),
+        ({"base_options": {"bucket_mb": -1}}, ValueError, "base_options: zcompile: option 'bucket_mb'"),
         ({"base_options": {"on_compile": print}}, ValueError, "may not set 'on_compile'"),
         ({"strategy": "random"}, ValueError, r"strategy must be one of \('model', 'grid'\)"),
         ({"steps": 0}, ValueError, "steps must be an int >= 1"),
@@ -105,6 +105,6 @@ def test_points_are_the_product_in_order_with_the_default_flagged():
 def test_default_outside_the_space_is_appended_and_invalid_combinations_kept():
     space = SearchSpace.build({"stage": [2, 3], "keep_gathered_mb": [1.0]}, {"param_dtype": torch.bfloat16})
     assert len(space) == 3
-    assert space.points[0].invalid.startswith("zero backend: keep_gathered_mb keeps stage-3 gathered weights")
+    assert space.points[0].invalid.startswith("zcompile: keep_gathered_mb keeps stage-3 gathered weights")
     assert not space.points[1].invalid
     assert space.default.index == 2 and space.default.options == {"stage": 3, "keep_gathered_mb": 0.0}

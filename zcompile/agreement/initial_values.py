@@ -91,7 +91,7 @@ def check_same_initial_values(members: list, group: DataParallelGroup, timeout_s
     if group.world_size == 1 or not pending:
         return
     per_rank = exchange_on_store(
-        pending, group, timeout_s, "values", f"zero backend: {what}", "Give every rank the same weights."
+        pending, group, timeout_s, "values", f"zcompile: {what}", "Give every rank the same weights."
     )
     if names := differing_parameters(per_rank, group.rank):
         raise RankDivergenceError(different_weights_message(what, names))

@@ -48,7 +48,9 @@ POLL_S = 0.25  # then store.check every POLL_S (a timed-out store.wait prints c1
 # exchange costs the one store server at N ranks, 5N requests (``zcompile.simulate`` prices it)
 ANSWERED_REQUESTS_PER_EXCHANGE = 5
 SHOWN = 4  # extra parameters or collectives listed by name, ranks described, in a difference
-COMPILE_CHECK = "zero backend: "  # how a compile's rank check names itself (and how a beat shows a rank waiting in one)
+COMPILE_CHECK = (
+    "zcompile compile check: "  # how a compile's rank check names itself (and how a beat shows a rank waiting in one)
+)
 CHECK_FIX = (
     "The ranks took different compile paths (different models, modes, code paths or input shapes per rank) "
     "and their collectives would deadlock. Give every rank the same model, the same mode (model.train() / "
@@ -365,7 +367,7 @@ def check_same_on_all_ranks(
             None,
             group,
             (
-                f"zero backend: the ranks reached different compile steps at the same point ({at}): they compiled "
+                f"zcompile: the ranks reached different compile steps at the same point ({at}): they compiled "
                 "different graphs, or in another order. " + CHECK_FIX
             ),
         )
@@ -374,7 +376,7 @@ def check_same_on_all_ranks(
             None,
             group,
             (
-                f"zero backend: {what} would issue different collectives on different ranks "
+                f"zcompile: {what} would issue different collectives on different ranks "
                 f"({describe_differences(signatures, difference)}). Every rank must compile the same model with "
                 "the same options."
             ),

@@ -113,7 +113,7 @@ def _refuse_recomputed_random_draws(
     redrawn = recomputed_random_draws(forward, backward)
     if redrawn:
         raise RuntimeError(
-            f"zero backend: the backward would draw new random numbers for {', '.join(redrawn)}, which the forward "
+            f"zcompile: the backward would draw new random numbers for {', '.join(redrawn)}, which the forward "
             f"drew (a dropout recomputed with a fresh mask), so every gradient through them would be wrong. "
             f"torch's partitioner placed them there (activation_memory_budget={budget!r}, or "
             f"torch._functorch.config.activation_memory_budget). Leave activation_memory_budget unset, put the random "
@@ -249,7 +249,7 @@ def cross_call_split(graph_module: torch.fx.GraphModule, kind: str, graphs: Comp
     peak = getattr(context.plans.get(f"schedule.{kind}"), "peak_gathered_bytes", None)
     if peak is None or peak + split.gathered_bytes > config.memory_budget_mb * 2**20:
         log.info(
-            "zero backend: the %s graph's first gather is not prefetched by the call before: with it, the "
+            "zcompile: the %s graph's first gather is not prefetched by the call before: with it, the "
             "gathered peak would pass memory_budget_mb",
             kind,
         )
@@ -282,7 +282,7 @@ def _inductor_prefetching_call(
         compiled = compile_fx_inner(_inductor_form(split.body), [*inputs, issued_example(split)], **kwargs)
     except Exception as error:  # the same on every rank (a compile is): each compiles the graph whole
         log.warning(
-            "zero backend: inductor could not compile the %s graph split for cross-call prefetch (%s: %s); "
+            "zcompile: inductor could not compile the %s graph split for cross-call prefetch (%s: %s); "
             "compiled whole, each call gathering its own first bucket",
             kind,
             type(error).__name__,
@@ -292,7 +292,7 @@ def _inductor_prefetching_call(
     run = getattr(compiled, "current_callable", None)
     if not callable(run):
         log.info(
-            "zero backend: inductor's %s graph has no callable to run through cross-call prefetch; compiled whole", kind
+            "zcompile: inductor's %s graph has no callable to run through cross-call prefetch; compiled whole", kind
         )
         return None
     compiled.current_callable = prefetching_call(run, _call_chain(graph_module, kind, graphs, split))
@@ -468,7 +468,7 @@ def activation_budget_fraction(
     saved = saved_activation_bytes(forward, backward)
     fraction = 1.0 if saved == 0 else min(1.0, activation_budget_bytes(budget) / saved)
     log.info(
-        "zero backend: activation_memory_budget %s of %.2f MiB saved by default: fraction %.3f",
+        "zcompile: activation_memory_budget %s of %.2f MiB saved by default: fraction %.3f",
         budget,
         saved / 2**20,
         fraction,

@@ -74,7 +74,7 @@ def zero_backend(
 ) -> Callable:
     """Compiles one Dynamo graph for ZeRO data parallelism (see the module docstring)."""
     if mode is not None:
-        raise ValueError(f"zero backend: torch.compile(mode={mode!r}) is not supported; pass options instead")
+        raise ValueError(f"zcompile: torch.compile(mode={mode!r}) is not supported; pass options instead")
     config = ZeroConfig.from_options(options)
     _refuse_outer_data_parallel()
     _refuse_regions_with_inductor(gm, config)
@@ -134,7 +134,7 @@ def zero_backend(
         mark_refusing_parameter(sharded)
     mark_like_siblings(shards, frame_modules, forward_modules_on_stack()[-1:])
     log.info(
-        "zero backend: compiled a graph with %d parameters (stage %d, world %d, %s) in %.2fs",
+        "zcompile: compiled a graph with %d parameters (stage %d, world %d, %s) in %.2fs",
         len(plan.params),
         config.stage,
         group.world_size,
@@ -157,7 +157,7 @@ def zero_backend(
             run = note_changed_buffers(run, BufferSync(changed, group), [p.index for p in plan.params])
         else:  # nothing for the optimizer's step to find them by
             log.warning(
-                "zero backend: a graph without parameters changes module buffers (%s); they stay per rank",
+                "zcompile: a graph without parameters changes module buffers (%s); they stay per rank",
                 ", ".join(name for _, name in changed),
             )
     return run
@@ -446,7 +446,7 @@ def _refuse_parameter_writes(gm: torch.fx.GraphModule, plan: ShardingPlan) -> No
     if writes:
         listed = "; ".join(f"{name!r}: {what}" for name, what in writes[:4]) + (" ..." if len(writes) > 4 else "")
         raise ValueError(
-            f"zero backend: the compiled forward writes parameters in place ({listed}). ZeRO keeps each weight's "
+            f"zcompile: the compiled forward writes parameters in place ({listed}). ZeRO keeps each weight's "
             "value on its shards (each rank 1/N of it) and the graphs read a copy, so the write would reach only this "
             "rank's copy and the weights would silently differ from one process's. Take the write out of the forward "
             "(nn.Embedding(max_norm=None)); where the constraint matters, apply it after optimizer.step(), on every "
@@ -494,7 +494,7 @@ def _refuse_eager_fallback(error: BaseException, graph: str, shards: list) -> No
             "weights."
         ) from error
     log.warning(
-        "zero backend: graph %s did not compile: %s; Dynamo runs its code eagerly instead (slower). %s.",
+        "zcompile: graph %s did not compile: %s; Dynamo runs its code eagerly instead (slower). %s.",
         graph,
         what,
         fix,
@@ -508,7 +508,7 @@ def _refuse_outer_data_parallel() -> None:
     wrapper = outer_data_parallel_wrapper()
     if wrapper is not None:
         raise ValueError(
-            f"zero backend: the compiled model runs inside {wrapper}, which reduces the gradients that zcompile "
+            f"zcompile: the compiled model runs inside {wrapper}, which reduces the gradients that zcompile "
             "reduces itself. Do not wrap a zero-compiled model: with accelerate, prepare everything but the model "
             "(the data loaders, the optimizer, the LR scheduler); with Hugging Face Trainer use "
             "zcompile.integrations.hf.ZeroTrainer"
@@ -522,7 +522,7 @@ def _refuse_regions_with_inductor(gm: torch.fx.GraphModule, config: ZeroConfig) 
     of the same marked model, no zcompile, trains wrong the same way (torch 2.13, CPU). Refused."""
     if config.compiler == "inductor" and subgraph_calls(gm):
         raise ValueError(
-            "zero backend: compiler='inductor' with blocks marked by zcompile.mark_repeated_blocks (or "
+            "zcompile: compiler='inductor' with blocks marked by zcompile.mark_repeated_blocks (or "
             "torch.compiler.nested_compile_region) is not supported: inductor trains such blocks wrong (torch 2.13; "
             "plain torch.compile(backend='inductor') of a marked model does too). "
             "Use compiler='eager' with regional compilation, or compile the model without marking its blocks"
@@ -534,7 +534,7 @@ def _check_devices(plan: ShardingPlan, example_inputs: list, group: DataParallel
     if len(devices) > 1:
         where = {p.name: str(example_inputs[p.index].device) for p in plan.params}
         raise ValueError(
-            f"zero backend: parameters are on different devices {sorted(devices)} ({where}); "
+            f"zcompile: parameters are on different devices {sorted(devices)} ({where}); "
             "move the whole model to one device (model.to(device)) before the first forward"
         )
     if group.process_group is not None and devices:
@@ -542,7 +542,7 @@ def _check_devices(plan: ShardingPlan, example_inputs: list, group: DataParallel
         backend = torch.distributed.get_backend(group.process_group)
         if device.type == "cpu" and backend == "nccl":
             raise ValueError(
-                "zero backend: parameters are on the CPU but the process group uses NCCL; use gloo for CPU training or move the model to the GPU"
+                "zcompile: parameters are on the CPU but the process group uses NCCL; use gloo for CPU training or move the model to the GPU"
             )
 
 

@@ -266,10 +266,14 @@ def check_table(table: tuple[PassRow, ...] = PIPELINE) -> None:
     """Raises ``ValueError`` when a row's ``after`` names an unknown row or one placed after it."""
     position = {row.name: i for i, row in enumerate(table)}
     if len(position) != len(table):
-        raise ValueError("pipeline: two rows have the same name")
+        raise ValueError("zcompile.pipeline: two rows have the same name")
     for i, row in enumerate(table):
         for before in row.after:
             if before not in position:
-                raise ValueError(f"pipeline: {row.name!r} must run after {before!r}, which is not in the table")
+                raise ValueError(
+                    f"zcompile.pipeline: {row.name!r} must run after {before!r}, which is not in the table"
+                )
             if position[before] >= i:
-                raise ValueError(f"pipeline: {row.name!r} must run after {before!r}, but the table has it later")
+                raise ValueError(
+                    f"zcompile.pipeline: {row.name!r} must run after {before!r}, but the table has it later"
+                )

@@ -26,7 +26,7 @@ class DataParallelGroup:
     def resolve(cls, group: dist.ProcessGroup | None = None) -> DataParallelGroup:
         if not (dist.is_available() and dist.is_initialized()):
             if group is not None:
-                raise RuntimeError("zero backend: a group was given but torch.distributed is not initialized")
+                raise RuntimeError("zcompile: a group was given but torch.distributed is not initialized")
             return cls(rank=0, world_size=1, name=None, process_group=None)
         group = group if group is not None else dist.group.WORLD
         return cls(

@@ -87,7 +87,7 @@ def node_groups(group: DataParallelGroup, node_size: int) -> NodeGroups:
         raise ValueError("node groups need an initialized process group")
     if dist.get_world_size() != group.world_size:
         raise ValueError(
-            "zero backend: the ZeRO++ options (quantize_grads, hpz_size) split the data-parallel group into "
+            "zcompile: the ZeRO++ options (quantize_grads, hpz_size) split the data-parallel group into "
             f"nodes, which needs it to span every rank ({group.world_size} of {dist.get_world_size()} here); "
             "pass group=None or drop those options"
         )

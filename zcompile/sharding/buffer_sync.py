@@ -53,7 +53,7 @@ def note_changed_buffers(run: Callable, sync: BufferSync, param_indices: list[in
     each parameter of the call points to (``ShardedParam.buffer_sync``): the optimizer's step finds
     it there."""
     log.info(
-        "zero backend: buffers changed by the graph, taken from rank 0 at each optimizer step: %s",
+        "zcompile: buffers changed by the graph, taken from rank 0 at each optimizer step: %s",
         ", ".join(name for _, name in sync.changed),
     )
 

@@ -365,7 +365,7 @@ def shard_parameter(
             or (existing.stage in (1, 2) and existing.param.requires_grad and existing_dtype != lowp_dtype)
         ):
             raise ValueError(
-                f"zero backend: parameter {name!r} is already sharded with stage {existing.stage} on group "
+                f"zcompile: parameter {name!r} is already sharded with stage {existing.stage} on group "
                 f"{existing.group.name!r} (replicated in {existing_dtype or existing.param.dtype}); it cannot be "
                 f"compiled again with stage {stage} on group {group.name!r} (replicated in "
                 f"{lowp_dtype or param.dtype}). Use one ZeroConfig for every torch.compile of the same model."
@@ -569,13 +569,13 @@ _CHANNELS_LAST = {4: (torch.channels_last, "channels_last"), 5: (torch.channels_
 def _check_shardable(param: torch.Tensor, name: str) -> None:
     if not param.dtype.is_floating_point:
         raise TypeError(
-            f"zero backend: parameter {name!r} has dtype {param.dtype}; only floating parameters can be sharded"
+            f"zcompile: parameter {name!r} has dtype {param.dtype}; only floating parameters can be sharded"
         )
     layout, name_in_torch = _CHANNELS_LAST.get(param.dim(), (None, None))
     if layout is not None and not param.is_contiguous() and param.is_contiguous(memory_format=layout):
         # model.to(memory_format=torch.channels_last), the CNN recipe: the weights' strides are permuted
         raise ValueError(
-            f"zero backend: parameter {name!r} is in {name_in_torch} memory format (strides {tuple(param.stride())}); "
+            f"zcompile: parameter {name!r} is in {name_in_torch} memory format (strides {tuple(param.stride())}); "
             "zcompile shards parameters in their contiguous layout. Keep the model's parameters contiguous "
             "(`model.to(memory_format=torch.contiguous_format)` before torch.compile) and convert only the "
             f"inputs (`x.to(memory_format=torch.{name_in_torch})`): a convolution runs {name_in_torch} when "
@@ -583,12 +583,12 @@ def _check_shardable(param: torch.Tensor, name: str) -> None:
         )
     if not param.is_contiguous() or param.storage_offset() != 0:
         raise ValueError(
-            f"zero backend: parameter {name!r} is not a contiguous tensor that owns its storage "
+            f"zcompile: parameter {name!r} is not a contiguous tensor that owns its storage "
             "(a view or transposed tensor); make it one with `module.weight = nn.Parameter(w.contiguous().clone())` "
             "before torch.compile"
         )
     if param.untyped_storage().size() != param.numel() * param.element_size():
         raise ValueError(
-            f"zero backend: parameter {name!r} shares its storage with other tensors; "
+            f"zcompile: parameter {name!r} shares its storage with other tensors; "
             "give it its own storage (clone it) before torch.compile"
         )

@@ -59,7 +59,7 @@ def calibrate(
     scale = 2 ** ((low + high) / 2)
     calibration = StepCalibration(scale, max(step_s - graphs_s, 0.0))
     log.info(
-        "tune: compute %.2fx the roofline's, %.1f ms per step outside the graphs",
+        "zcompile.tune: compute %.2fx the roofline's, %.1f ms per step outside the graphs",
         calibration.compute_scale,
         calibration.outside_graphs_s * 1e3,
     )

@@ -87,6 +87,6 @@ def policy_from_name(
     if name == COST_GUIDED:
         return CostGuidedPrefetch(collective_costs, compute_costs)
     raise ValueError(
-        f"tune: schedule_policy {name!r} is not a built-in policy; give one of {list(POLICY_NAMES)} "
+        f"zcompile.tune: schedule_policy {name!r} is not a built-in policy; give one of {list(POLICY_NAMES)} "
         "or a callable policy(problem) -> depths"
     )

@@ -56,7 +56,9 @@ class TuneResult:
         """The full options of the best measured trial (``ValueError`` when no trial was measured)."""
         trial = self.best_trial
         if trial is None:
-            raise ValueError("tune: no trial was measured (all failed, invalid or pruned); see the trials' errors")
+            raise ValueError(
+                "zcompile.tune: no trial was measured (all failed, invalid or pruned); see the trials' errors"
+            )
         return self.options_of(trial)
 
     def options_of(self, trial: Trial) -> dict[str, Any]:
@@ -66,7 +68,7 @@ class TuneResult:
         if isinstance(name, str):
             if name not in POLICY_NAMES:
                 raise ValueError(
-                    f"tune: the result names schedule_policy {name!r}, a callable of your own; pass it "
+                    f"zcompile.tune: the result names schedule_policy {name!r}, a callable of your own; pass it "
                     "again as options['schedule_policy']"
                 )
             options[POLICY_OPTION] = policy_from_name(

@@ -83,7 +83,7 @@ def run_search(
 ) -> list[Trial]:
     """The trials of ``points`` (module docstring), in index order. ``on_trial`` sees each measured trial."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"tune: strategy must be one of {STRATEGIES}, got {strategy!r}")
+        raise ValueError(f"zcompile.tune: strategy must be one of {STRATEGIES}, got {strategy!r}")
     trials = [Trial(p.index, p.options, p.is_default) for p in points]
     for point, trial in zip(points, trials):
         _predict_one(point, trial, predict, memory_limit_bytes)
@@ -106,7 +106,7 @@ def _predict_one(
         trial.predicted = predict(point)
     except Exception as error:  # noqa: BLE001 - a failed point is recorded, the search goes on
         trial.status, trial.error = FAILED, f"prediction: {type(error).__name__}: {error}"
-        log.warning("tune: point %d %s failed to compile: %s", point.index, point.options, trial.error)
+        log.warning("zcompile.tune: point %d %s failed to compile: %s", point.index, point.options, trial.error)
         return
     if memory_limit_bytes is not None and trial.predicted.memory_bytes > memory_limit_bytes:
         trial.status = PRUNED
@@ -133,7 +133,7 @@ def _measure_one(point: Point, trial: Trial, measure: Callable[[Point], Measured
         trial.status = MEASURED
     except Exception as error:  # noqa: BLE001 - a failed trial is recorded, the search goes on
         trial.status, trial.error = FAILED, f"measurement: {type(error).__name__}: {error}"
-        log.warning("tune: trial %d %s failed: %s", point.index, point.options, trial.error)
+        log.warning("zcompile.tune: trial %d %s failed: %s", point.index, point.options, trial.error)
 
 
 def measure_order(trials: list[Trial], strategy: str) -> list[int]:

@@ -101,37 +101,45 @@ def _default_value(base: dict[str, Any], name: str) -> Any:
 
 def _check_base(base: dict[str, Any]) -> None:
     if not isinstance(base, dict):
-        raise TypeError(f"tune: base_options must be a dict of zero backend options, got {type(base).__name__}")
+        raise TypeError(
+            f"zcompile.tune: base_options must be a dict of zero backend options, got {type(base).__name__}"
+        )
     if "on_compile" in base:
-        raise ValueError("tune: base_options may not set 'on_compile': the tuner records the compiled graphs itself")
+        raise ValueError(
+            "zcompile.tune: base_options may not set 'on_compile': the tuner records the compiled graphs itself"
+        )
     try:
         _config(base, {})
     except (TypeError, ValueError) as error:
-        raise type(error)(f"tune: base_options: {error}") from None
+        raise type(error)(f"zcompile.tune: base_options: {error}") from None
 
 
 def _check_space(space: Any, base: dict[str, Any]) -> None:
     valid = [f.name for f in fields(ZeroConfig) if f.name not in TUNER_OWNED]
     if not isinstance(space, dict) or not space:
         raise ValueError(
-            f"tune: space must be a non-empty dict of option -> list of candidates, e.g. "
+            f"zcompile.tune: space must be a non-empty dict of option -> list of candidates, e.g. "
             f"{{'bucket_mb': [1, 4], 'prefetch': [1, 2]}}; got {space!r}"
         )
     for name, candidates in space.items():
         if name not in valid:
             raise ValueError(
-                f"tune: space option {name!r} is not a zero backend option the tuner can vary; "
+                f"zcompile.tune: space option {name!r} is not a zero backend option the tuner can vary; "
                 f"valid options are {valid}"
             )
         if name in base:
-            raise ValueError(f"tune: option {name!r} is both in space and in base_options; keep it in one of them")
+            raise ValueError(
+                f"zcompile.tune: option {name!r} is both in space and in base_options; keep it in one of them"
+            )
         if isinstance(candidates, (str, bytes)) or not isinstance(candidates, (list, tuple)):
             raise TypeError(
-                f"tune: space[{name!r}] must be a list of candidates, got {candidates!r}; "
+                f"zcompile.tune: space[{name!r}] must be a list of candidates, got {candidates!r}; "
                 f"write space[{name!r}] = [{candidates!r}]"
             )
         if not candidates:
-            raise ValueError(f"tune: space[{name!r}] is empty; give at least one candidate, or drop the option")
+            raise ValueError(
+                f"zcompile.tune: space[{name!r}] is empty; give at least one candidate, or drop the option"
+            )
         for candidate in candidates:
             _check_candidate(name, candidate, base)
 
@@ -139,15 +147,15 @@ def _check_space(space: Any, base: dict[str, Any]) -> None:
 def _check_candidate(name: str, candidate: Any, base: dict[str, Any]) -> None:
     if name == POLICY_OPTION and isinstance(candidate, str) and candidate not in POLICY_NAMES:
         raise ValueError(
-            f"tune: space['schedule_policy'] candidate {candidate!r} is not a built-in policy; "
+            f"zcompile.tune: space['schedule_policy'] candidate {candidate!r} is not a built-in policy; "
             f"give one of {list(POLICY_NAMES)} or a callable policy(problem) -> depths"
         )
     if isinstance(candidate, torch.distributed.ProcessGroup):
-        raise TypeError(f"tune: space[{name!r}]: a process group is not a candidate")
+        raise TypeError(f"zcompile.tune: space[{name!r}]: a process group is not a candidate")
     try:
         ZeroConfig.from_options(_config_candidate(name, candidate))
     except (TypeError, ValueError) as error:
-        raise type(error)(f"tune: space[{name!r}] candidate {candidate!r}: {error}") from None
+        raise type(error)(f"zcompile.tune: space[{name!r}] candidate {candidate!r}: {error}") from None
 
 
 def _config_candidate(name: str, candidate: Any) -> dict[str, Any]:

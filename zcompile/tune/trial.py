@@ -199,7 +199,9 @@ def agreed(local: Callable[[], list[float]], width: int, group: DataParallelGrou
         values = [float(v) for v in local()]
     except Exception as raised:  # noqa: BLE001 - reported to every rank, then raised there
         error, values = f"{type(raised).__name__}: {raised}", [0.0] * width
-        log.warning("tune: trial failed on rank %d: %s", group.rank, error, exc_info=log.isEnabledFor(logging.DEBUG))
+        log.warning(
+            "zcompile.tune: trial failed on rank %d: %s", group.rank, error, exc_info=log.isEnabledFor(logging.DEBUG)
+        )
     if group.world_size == 1:
         if error is not None:
             raise TrialFailed(error)

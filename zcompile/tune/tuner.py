@@ -67,16 +67,18 @@ class _Progress:
         try:
             from tqdm.auto import tqdm
         except ImportError:
-            log.warning("tune: progress=True needs tqdm (pip install zcompile[inspect]); going on without a bar")
+            log.warning(
+                "zcompile.tune: progress=True needs tqdm (pip install zcompile[inspect]); going on without a bar"
+            )
             return
-        self.bar = tqdm(total=total, desc="tune: predicting", unit="point")
+        self.bar = tqdm(total=total, desc="zcompile.tune: predicting", unit="point")
 
     def predicted(self) -> None:
-        self._advance("tune: predicting")
+        self._advance("zcompile.tune: predicting")
 
     def measured(self, trial: Trial) -> None:
         step = "" if trial.measured is None else f" #{trial.index} {trial.measured.step_s * 1e3:.1f} ms"
-        self._advance(f"tune: measuring{step}")
+        self._advance(f"zcompile.tune: measuring{step}")
 
     def _advance(self, description: str) -> None:
         if self.bar is not None:
@@ -193,7 +195,7 @@ def tune(
         setup.calibration,
     )
     log.info(
-        "tune: %d points, %d measured, best %s, Spearman %s, %.1f s",
+        "zcompile.tune: %d points, %d measured, best %s, Spearman %s, %.1f s",
         len(trials),
         len(result.measured),
         None if result.best_trial is None else result.best_trial.index,
@@ -217,7 +219,7 @@ def _measure_default(
     try:
         measured, calibration = measure_point(setup, point, calibrate_costs=True)
     except TrialFailed as error:
-        log.warning("tune: the default options failed (%s); predicting with uncalibrated costs", error)
+        log.warning("zcompile.tune: the default options failed (%s); predicting with uncalibrated costs", error)
         failure = error
 
         def default() -> Measured:
@@ -233,12 +235,14 @@ def _measure_default(
 def _check_arguments(batches, optimizer, steps, warmup, memory_limit_mb, strategy, max_trials, out_dir) -> None:
     """Refuses bad arguments with the argument named, before anything compiles."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"tune: strategy must be one of {STRATEGIES}, got {strategy!r}")
+        raise ValueError(f"zcompile.tune: strategy must be one of {STRATEGIES}, got {strategy!r}")
     for name, value, least in (("steps", steps, 1), ("warmup", warmup, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"tune: {name} must be an int >= {least}, got {value!r}")
+            raise ValueError(f"zcompile.tune: {name} must be an int >= {least}, got {value!r}")
     if max_trials is not None and (isinstance(max_trials, bool) or not isinstance(max_trials, int) or max_trials < 1):
-        raise ValueError(f"tune: max_trials must be an int >= 1 or None (a third of the space), got {max_trials!r}")
+        raise ValueError(
+            f"zcompile.tune: max_trials must be an int >= 1 or None (a third of the space), got {max_trials!r}"
+        )
     if memory_limit_mb is not None and (
         isinstance(memory_limit_mb, bool)
         or not isinstance(memory_limit_mb, (int, float))
@@ -246,17 +250,17 @@ def _check_arguments(batches, optimizer, steps, warmup, memory_limit_mb, strateg
         or memory_limit_mb <= 0
     ):
         raise ValueError(
-            f"tune: memory_limit_mb must be a positive number (MiB per rank) or None, got {memory_limit_mb!r}"
+            f"zcompile.tune: memory_limit_mb must be a positive number (MiB per rank) or None, got {memory_limit_mb!r}"
         )
     if optimizer is not None and not callable(optimizer):
-        raise TypeError(f"tune: optimizer must be a callable optimizer(params), got {optimizer!r}")
+        raise TypeError(f"zcompile.tune: optimizer must be a callable optimizer(params), got {optimizer!r}")
     try:
         count = len(batches)
     except TypeError:
         raise TypeError(
-            f"tune: batches must be a sequence of this rank's batches (a list), got {type(batches).__name__}"
+            f"zcompile.tune: batches must be a sequence of this rank's batches (a list), got {type(batches).__name__}"
         ) from None
     if count == 0:
-        raise ValueError("tune: batches is empty; give this rank's batches (reused cyclically)")
+        raise ValueError("zcompile.tune: batches is empty; give this rank's batches (reused cyclically)")
     if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
-        raise TypeError(f"tune: out_dir must be a directory path, got {out_dir!r}")
+        raise TypeError(f"zcompile.tune: out_dir must be a directory path, got {out_dir!r}")
