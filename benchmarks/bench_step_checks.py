@@ -126,7 +126,7 @@ def run_stage(stage: int, steps: int, warmup: int, rank: int, world: int, timer:
 
 def exchange_cost_ms(calls: int = 200) -> float:
     """One store agreement when the ranks are in step (no waiting for a slower rank), median ms."""
-    from zcompile.agreement.rank_check import exchange_on_store
+    from zcompile.agreement.store_exchange import exchange_on_store
     from zcompile.common.process_group import DataParallelGroup
 
     group = DataParallelGroup.resolve(None)

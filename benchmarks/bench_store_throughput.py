@@ -2,7 +2,7 @@
 
     for n in 1 4 16; do torchrun --nproc-per-node $n benchmarks/bench_store_throughput.py --out benchmarks/results/store_throughput_$n.json; done
 
-Every agreement (``zcompile.agreement.rank_check.exchange_through``) waits for 5 answers from the store per
+Every agreement (``zcompile.agreement.store_exchange.exchange_through``) waits for 5 answers from the store per
 rank, and one process (torchrun's agent, or rank 0's) serves every rank's. Each rank here sends
 ``--requests`` answered requests (``store.add`` on a key of its own) back to back, from a barrier;
 requests served a second = ranks x requests / the slowest rank's time. On a machine where the

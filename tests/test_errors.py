@@ -6,7 +6,7 @@ import torch
 import zcompile
 from support.launch import run_ranks
 from support.models import build_model, global_batch, model_loss
-from zcompile.backend.entry_point import _check_devices
+from zcompile.backend.refusals import check_devices
 from zcompile.common.process_group import DataParallelGroup
 from zcompile.passes.param_collectives import ParamInput, ShardingPlan
 
@@ -22,7 +22,7 @@ def test_parameters_on_different_devices():
     )
     inputs = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, device="meta"))]
     with pytest.raises(ValueError, match=r"different devices.*b\.weight.*model\.to\(device\)"):
-        _check_devices(plan, inputs, DataParallelGroup.resolve(None))
+        check_devices(plan, inputs, DataParallelGroup.resolve(None))
 
 
 @pytest.mark.parametrize("optimizer", [zcompile.optim.AdamW, zcompile.optim.SGD])

@@ -109,7 +109,7 @@ def test_frozen_weight_does_not_move_with_param_dtype(stage):
 def test_a_graph_traced_for_the_other_requires_grad_is_an_error():
     """A graph that Dynamo reuses although a parameter's ``requires_grad`` changed (torch 2.11 does
     not guard the flag) would train the parameter as it was traced: an error names the fix."""
-    from zcompile.backend.entry_point import ShardSwap, StaleGraphError
+    from zcompile.backend.shard_swap import ShardSwap, StaleGraphError
     from zcompile.common.process_group import DataParallelGroup
     from zcompile.passes.param_collectives import ParamInput, ShardingPlan
 
@@ -134,7 +134,7 @@ def _one_rank_switches(rank: int, world: int) -> dict:
     """Rank 0 alone calls a graph with a parameter it unfroze (a user's per-rank branch); rank 1, which
     would be waiting in that graph's collectives, reads why once rank 0 has stopped."""
     from zcompile.agreement.abort_note import RankDivergenceError, raise_if_aborted
-    from zcompile.backend.entry_point import ShardSwap, StaleGraphError
+    from zcompile.backend.shard_swap import ShardSwap, StaleGraphError
     from zcompile.common.process_group import DataParallelGroup, default_store
     from zcompile.passes.param_collectives import ParamInput, ShardingPlan
 

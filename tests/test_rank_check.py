@@ -27,7 +27,6 @@ from zcompile.agreement.rank_check import (
     collective_signature,
     describe_differences,
     entry_difference,
-    exchange_through,
     issues_collectives,
     models_own_note,
     plan_difference,
@@ -35,6 +34,7 @@ from zcompile.agreement.rank_check import (
     sequence_signature,
 )
 from zcompile.agreement.rank_state import alive_key
+from zcompile.agreement.store_exchange import exchange_through
 from zcompile.common.process_group import DataParallelGroup
 from zcompile.passes import metadata
 from zcompile.passes.metadata import tag
@@ -244,10 +244,11 @@ def test_ranks_at_different_checks_are_told_where_each_was(monkeypatch):
     """Rank 0 checks a graph's plan while rank 1 checks a backward's issue order (their n-th checks
     met): each raises naming both places, not a comparison of two kinds of signature (which raised
     ``TypeError: unhashable type: 'slice'`` inside the differ)."""
-    from zcompile.agreement import rank_check
+    from zcompile.agreement import rank_check, store_exchange
 
     store, errors = dist.HashStore(), {}
     monkeypatch.setattr(rank_check, "default_store", lambda: store)
+    monkeypatch.setattr(store_exchange, "default_store", lambda: store)
     plan = collective_signature(_plan())
     calls = {
         0: (plan, "graph 0/2", plan_difference),
@@ -601,9 +602,9 @@ def test_the_beat_reads_which_collective_compiled_code_waits_for_and_its_group()
 def test_a_busy_rank_is_waited_for_up_to_the_process_groups_timeout(monkeypatch):
     """Rank 1 beats and is blocked in nothing (its own work): rank 0 waits past its 1.5 s timeout, but
     not forever: at the process group's timeout (3 s here; gloo's default is 30 min) it raises."""
-    import zcompile.agreement.rank_check as rank_check
+    import zcompile.agreement.store_exchange as store_exchange
 
-    monkeypatch.setattr(rank_check, "process_group_timeout_s", lambda group: 3.0)
+    monkeypatch.setattr(store_exchange, "process_group_timeout_s", lambda group: 3.0)
     store, stop = dist.HashStore(), threading.Event()
 
     def beat():

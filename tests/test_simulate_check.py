@@ -33,7 +33,7 @@ def _tokens(rank: int, world: int) -> torch.Tensor:
 
 def _store_exchanges_of(model: torch.nn.Module, step) -> int:
     """The ranks' agreements through the store that ``step()`` made on this rank (``rank_check``'s count)."""
-    from zcompile.agreement.rank_check import exchanges_made
+    from zcompile.agreement.store_exchange import exchanges_made
     from zcompile.sharding.shards import shard_of
 
     group = next(filter(None, map(shard_of, model.parameters()))).group

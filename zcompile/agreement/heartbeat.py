@@ -1,6 +1,6 @@
 """A heartbeat per process: which ranks are alive, and what each waits in: a rank busy with its own work is not a divergence.
 
-The ranks meet through the store with a timeout (``rank_check.exchange_on_store``), so a rank that
+The ranks meet through the store with a timeout (``store_exchange.exchange_on_store``), so a rank that
 never comes is an error in seconds, not a hang. But a rank can be late for a good reason: an
 evaluation, a checkpoint written or an upload made by rank 0 alone, minutes long, while the others
 wait at the next ``optimizer.step()``. DDP waits there (its next collective waits for the process

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from zcompile.agreement.abort_note import RankDivergenceError
-from zcompile.agreement.rank_check import exchange_on_store
+from zcompile.agreement.store_exchange import exchange_on_store
 from zcompile.common.process_group import DataParallelGroup
 
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}

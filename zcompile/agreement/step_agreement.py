@@ -38,7 +38,7 @@ import torch
 
 from zcompile.agreement.abort_note import RankDivergenceError
 from zcompile.agreement.initial_values import different_weights_message, differing_parameters, pending_digests
-from zcompile.agreement.rank_check import exchange_on_store, exchanges_made
+from zcompile.agreement.store_exchange import exchange_on_store, exchanges_made
 from zcompile.common.process_group import DataParallelGroup
 from zcompile.sharding.buffer_sync import changed_buffers_summary
 from zcompile.sharding.shards import ShardedParam, shard_of
@@ -64,7 +64,7 @@ class AgreedStep:
     makes the next layer's call, whose collectives would pair with another rank's other call (a gloo
     abort where the sizes differ, one layer's weights gathered with another's where they match)."""
 
-    # how many agreements this rank had made when the ranks agreed on it (``rank_check.exchanges_made``):
+    # how many agreements this rank had made when the ranks agreed on it (``store_exchange.exchanges_made``):
     # only the latest agreement's first call is where every rank goes next
     sequence: int = 0
     free_call_taken: bool = False

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from zcompile.agreement.rank_check import names_digest
+from zcompile.agreement.store_exchange import names_digest
 from zcompile.checkpoint.commit import readable_checkpoint
 from zcompile.checkpoint.layout import META_KEY, agree_on_call, buffer_key, param_key, unwrap
 from zcompile.common.process_group import DataParallelGroup

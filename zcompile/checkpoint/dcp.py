@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from zcompile.agreement.initial_values import value_digest
-from zcompile.agreement.rank_check import names_digest
+from zcompile.agreement.store_exchange import names_digest
 from zcompile.checkpoint.commit import (
     commit_save,
     incomplete_save_note,
@@ -78,7 +78,7 @@ __all__ = ["CheckpointError", "save", "load", "full_state_dict"]
 
 
 # ----------------------------------------------------------------------------- pieces
-def _device_type(params) -> str:
+def device_type(params) -> str:
     return params[0][1].device.type if params else "cpu"
 
 
@@ -180,7 +180,7 @@ def save(
         for (name, p), digest in zip(frozen, _full_value_digests(frozen, group))
     }
     trained = [(name, p) for name, p in params if name not in excluded]
-    mesh = flat_mesh(group, _device_type(params))
+    mesh = flat_mesh(group, device_type(params))
     state: dict[str, Any] = {}
     for name, param in trained:
         piece = _piece(param.numel(), group)
@@ -482,7 +482,7 @@ def _check(keys: dict, params, model, optimizer, strict: bool, excluded: dict | 
 def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup):
     """New buffers, in this rank's layout, for every entry that will be read; and, by key, the
     padded shards the optimizer-state pieces are views of (read in place, kept as the state)."""
-    mesh = flat_mesh(group, _device_type(params))
+    mesh = flat_mesh(group, device_type(params))
     optimizer_shards: dict[str, torch.Tensor] = {}
     dest: dict[str, Any] = {extra_key(group.rank): b""}
     if group.rank != 0:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from zcompile.agreement.rank_check import exchange_on_store
+from zcompile.agreement.store_exchange import exchange_on_store
 from zcompile.common.process_group import DataParallelGroup
 from zcompile.sharding.shards import shard_of
 
@@ -83,7 +83,7 @@ def agree_on_call(
     Saving and loading are collective: a rank that skips the call (``if rank == 0: save(...)``)
     would leave the others waiting in DCP's collectives until the process group's timeout, and a
     path made per rank (a time stamp) would write one directory per rank and no readable checkpoint.
-    ``purpose``: what the store counts these calls under (``rank_check.exchange_on_store``); calls made on
+    ``purpose``: what the store counts these calls under (``store_exchange.exchange_on_store``); calls made on
     another thread need one of their own.
     """
     mine = {

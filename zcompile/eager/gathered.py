@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-from zcompile.agreement.rank_check import agree_on_store, names_digest
+from zcompile.agreement.store_exchange import agree_on_store, names_digest
 from zcompile.common.process_group import all_gather_eager, gather_to_first_eager
 from zcompile.eager import gathered_grads as full_grads
 from zcompile.optim.buckets import copy_rows, plan_optimizer_buckets

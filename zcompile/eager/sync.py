@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zcompile.agreement.rank_check import agree_on_store
+from zcompile.agreement.store_exchange import agree_on_store
 from zcompile.common.process_group import DataParallelGroup, broadcast_from_first
 from zcompile.sharding.sharded_parameter import shard_of
 

@@ -31,7 +31,7 @@ The ranks agree through the store first (which models, how each pair is held, th
 ``gathered`` does: a rank that skips the update, or updates another model or with another weight, is
 a ``RankDivergenceError`` on every rank rather than a teacher whose pieces follow different
 schedules. Models of one architecture read alike (their parameters' names, shapes and sharding), so
-each model is numbered the first time it is passed (``rank_check.next_number``; the number kept on
+each model is numbered the first time it is passed (``store_exchange.next_number``; the number kept on
 the module with its ``id``, so a deep copy is numbered anew): a rank that skips the teacher's update
 and makes the EMA's in its place is told, even with the same weight. At a target's first update the
 ranks also compare the values it starts from (``_starting_digest``): a copy that differs between
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from zcompile.agreement.initial_values import value_digest
-from zcompile.agreement.rank_check import agree_on_store, names_digest, next_number
+from zcompile.agreement.store_exchange import agree_on_store, names_digest, next_number
 from zcompile.common.process_group import DataParallelGroup
 from zcompile.eager.gathered import DEFAULT_TIMEOUT_S, gather_into_full
 from zcompile.routes import install as install_routes

@@ -38,7 +38,7 @@ From the compiled graphs it returns:
 - the ranks' agreements through the store (``zcompile.agreement.step_agreement``, with the default
   ``check_ranks=True``): the step's, and one before each training call of a graph whose calls are
   agreed (``backend.agrees_on_each_call``: stages 2 and 3) but the first after the step. One server
-  answers every rank's requests, 5 per rank an exchange (``rank_check.ANSWERED_REQUESTS_PER_EXCHANGE``),
+  answers every rank's requests, 5 per rank an exchange (``store_exchange.ANSWERED_REQUESTS_PER_EXCHANGE``),
   each waiting its round trip or the server's turn through the N ranks' (``HardwareProfile.store_seconds``):
   0.27 ms at 2 ranks (measured: 0.30), 0.5 ms at 8 and 66 ms at 1,024 at this machine's store's
   figures. Blocks compiled one by one, or a graph break in the layer loop, make one a layer. On a
@@ -59,7 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zcompile.agreement.rank_check import ANSWERED_REQUESTS_PER_EXCHANGE
+from zcompile.agreement.store_exchange import ANSWERED_REQUESTS_PER_EXCHANGE
 from zcompile.backend.entry_point import agrees_on_each_call
 from zcompile.common.process_group import group_ranks_by_name
 from zcompile.config import ZeroConfig
