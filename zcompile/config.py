@@ -84,8 +84,8 @@ class ZeroConfig:
         reduce_scatter: how the graphs' gradient reduce-scatters run: ``"native"``, the process
             group's own; ``"all_to_all"``, an all-to-all of the same bytes and a sum of the rows
             received (``zcompile.passes.reduce_scatter_lowering``); ``"auto"`` (default): all-to-all
-            on gloo, whose reduce-scatter all-reduces a clone of the input (twice the bytes; 1.7-5x the
-            time, ``benchmarks/bench_gloo_collectives.py``), native elsewhere (NCCL).
+            on gloo, whose reduce-scatter all-reduces a clone of the input (twice the bytes, and slower:
+            ``benchmarks/bench_gloo_collectives.py``), native elsewhere (NCCL).
         fuse_loss_backward: compute cross-entropy's backward (``nll_loss_backward`` then the
             log-softmax backward) into one logits-sized buffer instead of two
             (``zcompile.passes.loss_backward``): for a language model, nearly the size of its logits
@@ -278,8 +278,8 @@ def activation_budget_bytes(budget: str) -> int | None:
 
 
 def finite_number(value: Any) -> bool:
-    """An int or float that is not a bool, NaN or infinite: NaN passed every range check (``nan < 0`` is
-    False) and was taken silently, infinity failed later in an int conversion that named no option."""
+    """An int or float that is not a bool, NaN or infinite: NaN passes every range check (``nan < 0`` is
+    False) and would be taken silently, infinity would fail later in an int conversion that names no option."""
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 

@@ -4,8 +4,7 @@ The ranks meet through the store with a timeout (``store_exchange.exchange_on_st
 never comes is an error in seconds, not a hang. But a rank can be late for a good reason: an
 evaluation, a checkpoint written or an upload made by rank 0 alone, minutes long, while the others
 wait at the next ``optimizer.step()``. DDP waits there (its next collective waits for the process
-group's timeout); zcompile raised ``RankDivergenceError`` after ``check_timeout_s`` (60 s), ending a
-run that was fine.
+group's timeout); a ``RankDivergenceError`` after ``check_timeout_s`` would end a run that is fine.
 
 So each process beats: a daemon thread writes, every ``BEAT_S``, its count of beats and what the
 training thread is blocked in, under ``zcompile/alive/{global rank}``: zcompile's own waits (an
@@ -18,7 +17,7 @@ group).
 A rank whose wait times out reads the missing ranks' beats: one that beats and is blocked in
 nothing runs code of its own, and the wait goes on (with a warning each ``check_timeout_s``, up to
 the process group's timeout); one blocked in a wait of its own (a divergence), or that stopped
-beating (dead, or frozen), is the error as before. And once a beat, during the wait: a missing rank
+beating (dead, or frozen), is the error. And once a beat, during the wait: a missing rank
 that waits in another exchange of this group, or in a collective whose group holds this rank, waits
 for this rank, which waits for it, so both raise at once, with no timeout to pass
 (``waiting_on_each_other``).
@@ -67,7 +66,7 @@ class Heartbeat:
     world_size: int  # of the default group
     blocked_in: str | None = None  # what the training thread waits in, inside zcompile; None: its own code
     blocked_since: float = 0.0
-    # blocked_in is an exchange of the ranks of this group (rank_check), which needs all of them; None: not one
+    # blocked_in is an exchange of the ranks of this group (store_exchange), which needs all of them; None: not one
     exchange_group: str | None = None
     beats: int = 0
     thread_id: int = field(default_factory=threading.get_ident)  # the training thread: the one that made it
@@ -153,7 +152,7 @@ class Heartbeat:
         """Ends the beat (at exit: a daemon thread inside a store call while the interpreter tears down
         torch's objects could crash the process on its way out), and says so: a rank waiting for this
         one at an exchange then raises at once instead of at its timeout (a rank whose loop ended early
-        while rank 0 saves a checkpoint: 300 s before, reading "alive, running its own code")."""
+        while rank 0 saves a checkpoint would otherwise read as "alive, running its own code")."""
         self._stopped.set()
         thread.join(timeout=BEAT_S)
         try:

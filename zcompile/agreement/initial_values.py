@@ -4,8 +4,7 @@ compared at the first step (``zcompile.eager.sync.sync_module_states`` takes ran
 Why: a rank's shard is cut from its own copy of the parameter. Ranks that built the model with
 different weights (no common seed, or a checkpoint loaded on rank 0 only, counting on DDP, which
 broadcasts rank 0's parameters when it wraps the model) then train a mix of their weights: rank 0's
-first slice, rank 1's second, with no word. Measured before this check on 2 ranks: a 3-layer MLP
-initialized with seed = rank trained to weights 0.49 away from DDP's at stages 1 and 3.
+first slice, rank 1's second, with no word.
 
 How: ``value_digest`` is the sum of the values' bit patterns as integers, exact and independent of
 the order of the sum (so the same on any device and thread count); ``zcompile.sharding.shards`` takes
@@ -46,7 +45,7 @@ def pending_digests(members: list, positions: list[int] | None = None) -> dict[s
 def digest_key(index: int, member) -> str:
     """A member's key among ``members``: its position and name. The name alone is not unique: blocks
     compiled one by one (``block.compile()``) name their weights from the block (``attn.qkv.weight``
-    for every layer), and a dict by name kept one layer's digest of all. The ranks list the same
+    for every layer), and a dict by name would keep one layer's digest for all. The ranks list the same
     members in the same order (the optimizer's parameters, or one graph's), so positions compare."""
     return f"#{index} {member.name}"
 
@@ -68,18 +67,13 @@ def different_weights_message(what: str, names: list[str]) -> str:
     shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
     count = "1 parameter was" if len(names) == 1 else f"{len(names)} parameters were"
     return (
-        f"zcompile {what}: the ranks started from different weights: {count} sharded from "
-        f"values that differ between ranks ({shown}), and each rank's shard was cut from its own copy, so the "
-        "ranks would train a mix of their weights. Build the model the same way on every rank "
-        "(torch.manual_seed(same seed) before creating it) and load checkpoints on every rank, or take rank 0's: "
-        "zcompile.sync_module_states(model) before the first call of the compiled model (what DDP does when it "
-        "wraps a model). Weights that were equal can also differ here when code run eagerly before they were "
-        "sharded wrote them in place on each rank (a forward Dynamo fell back to eager, say with "
-        "torch._dynamo.config.suppress_errors, that renormalizes an nn.Embedding(max_norm=...)): the warnings "
-        "logged before this say why that frame was not compiled. Blocks compiled one by one (block.compile()) are "
-        "sharded at their first call: ranks whose first calls were different blocks (a layer skipped on some ranks "
-        "only, LayerDrop drawn from each rank's own random numbers) compared different layers here; draw such "
-        "decisions the same on every rank."
+        f"zcompile: {what}: the ranks started from different weights: {count} sharded from values that differ "
+        f"between ranks ({shown}), so the ranks would train a mix of their weights. Build the model the same way "
+        "on every rank (torch.manual_seed(same seed) before creating it) and load checkpoints on every rank, or "
+        "take rank 0's with zcompile.sync_module_states(model) before the first compiled call (as DDP does). "
+        "Other causes: eager code that wrote the weights in place before they were sharded (a frame Dynamo ran "
+        "eagerly: see the warnings logged before this), or blocks compiled one by one whose first calls ran "
+        "different layers per rank (LayerDrop drawn per rank)."
     )
 
 

@@ -78,10 +78,9 @@ class MismatchWatch:
             f"zcompile: rank {self.rank} has waited {now - waiting.since:.0f}s in {waiting.call}, and rank "
             f"{other.rank} in {other.blocked_in} (for {other.for_s:.0f}s): different collectives, which "
             f"never match, so both would wait until the process group's timeout. Most often one rank ran "
-            f"more training steps than another (data of uneven length at the end of an epoch: give every "
-            f"rank the same number of batches; torch's DistributedSampler does, a dataset split by hand or "
-            f"an IterableDataset must stop every rank at the same count) or skipped a call the others made. "
-            f"Rank {self.rank} ends its process now; the others raise quoting this."
+            f"more training steps than another (data of uneven length: give every rank the same number of "
+            f"batches, as DistributedSampler does) or skipped a call the others made. Rank {self.rank} ends its "
+            f"process now; the others raise quoting this."
         )
         ranks = other.collective_ranks
         group = DataParallelGroup(

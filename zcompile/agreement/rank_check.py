@@ -277,9 +277,8 @@ def check_same_collectives(
         )
         log.warning(
             "zcompile: graph %s: the parameters with gradient hooks (register_hook) differ between ranks "
-            "(%s). Fine for hooks that only read the gradient (logging on one rank); a hook that changes it "
-            "on some ranks only makes the mean over ranks a mix of hooked and unhooked gradients. Register "
-            "such hooks on every rank.",
+            "(%s). Fine for hooks that only read the gradient; one that changes it on some ranks only makes "
+            "the mean over ranks a mix of hooked and unhooked gradients: register such hooks on every rank.",
             compile_id,
             listed,
         )
@@ -306,7 +305,7 @@ def check_same_on_all_ranks(
     a backward's first call, a ``signature`` every rank agreed on at an earlier check of this kind is
     not exchanged again: a rank recompiling alone for its own input shapes issues the same
     collectives as the graph the others run (module docstring), and waiting for ranks that will not
-    compile made that a ``RankDivergenceError``. Every rank's ``aside`` is then taken to be this
+    compile would make that a ``RankDivergenceError``. Every rank's ``aside`` is then taken to be this
     rank's (a first compile, after ``torch._dynamo.reset()`` too, exchanges and compares them). A
     compile's check counts as agreed only in the mode it was agreed in (``dynamo_frame.compile_mode``:
     grad mode, the modules' training flags): rank 0 evaluating alone, under ``torch.no_grad()`` or
@@ -368,6 +367,3 @@ def _agreed_key(group: DataParallelGroup, compared: list) -> str:
     check): keyed by the digest of the value, so one key per distinct graph, not per compile."""
     digest = hashlib.sha1(json.dumps(compared).encode()).hexdigest()[:24]
     return f"zcompile/check/{group.name}/agreed/{digest}"
-
-
-# ---- the exchange through the store, and the abort note ----

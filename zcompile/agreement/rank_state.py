@@ -1,5 +1,5 @@
 """What each rank's heartbeat says, read back by the others: its beat count, what it waits in and for
-how long. Shared by the beat (``heartbeat``), the store exchange (``rank_check``) and the deadlock
+how long. Shared by the beat (``heartbeat``), the store exchange (``store_exchange``) and the deadlock
 watch (``mismatch_watch``)."""
 
 from __future__ import annotations

@@ -47,10 +47,9 @@ DEFAULT_TIMEOUT_S = 60.0
 
 FIX = (
     "Every rank must call it once per training step, after the same forward/backward calls through the same "
-    "modules. A rank that skips a step on its own (`if not torch.isfinite(loss): continue`) makes the ranks "
-    "diverge: let the optimizer skip non-finite steps on every rank together (zcompile.optim.AdamW(..., "
-    "skip_nonfinite=True)); a layer skipped at random (LayerDrop) must be skipped on every rank together (draw "
-    "the decision from a torch.Generator seeded the same on every rank)."
+    "modules. Skip non-finite steps on every rank together (zcompile.optim.AdamW(..., skip_nonfinite=True)), "
+    "not with `if not torch.isfinite(loss): continue` on one rank, and skip layers at random (LayerDrop) on "
+    "every rank together (a torch.Generator seeded alike on every rank)."
 )
 
 
@@ -75,13 +74,11 @@ def take_free_call(shards: list) -> bool:
     step whose members they all are (``AgreedStep``), that agreement the rank's latest; marks that
     step's free call taken either way.
 
-    The latest: two models stepped in turn (a GAN's discriminator, then its generator) each had a
-    free first call after its own step, so the model stepped first had one too, after the other's
-    step. A rank that skipped that model's forward then met, without an agreement, the others' call of
-    it with its call of the other model: their collectives paired, and the run ended in gloo's
-    "Connection closed by peer" with no word of why (two models of one shape,
-    ``tests/test_never_silent.py``). Reading the count costs a store request at the step and one at
-    the call."""
+    The latest: with two models stepped in turn (a GAN's discriminator, then its generator), the
+    model stepped first would otherwise keep its free call past the other's step, and a rank that
+    skipped its forward would meet, without an agreement, the others' call of it with its call of the
+    other model: their collectives would pair, ending in gloo's "Connection closed by peer" with no
+    word of why. Reading the count costs a store request at the step and one at the call."""
     steps = {id(s.agreed_step): s.agreed_step for s in shards if s is not None and s.agreed_step is not None}
     step = next(iter(steps.values()), None)
     free = (
@@ -176,7 +173,7 @@ def agree_before_step(
         "initial": initial,
         "hyperparameters": hyperparameters,
     }
-    arrivals = exchange_on_store(list(mine.values()), members[0].group, timeout_s, "step", f"zcompile {what}", FIX)
+    arrivals = exchange_on_store(list(mine.values()), members[0].group, timeout_s, "step", f"zcompile: {what}", FIX)
 
     def differs(field: str) -> dict[int, Any] | None:
         """Every rank's ``field`` when some rank's differs from this rank's, else None."""
@@ -186,58 +183,54 @@ def agree_before_step(
 
     if per_rank := differs("arrival"):
         raise RankDivergenceError(
-            f"zcompile {what}: the ranks come from different training steps (what each rank called, and its compiled "
+            f"zcompile: {what}: the ranks come from different training steps (what each rank called, and its compiled "
             f"calls with gradients since the last step: {per_rank}). {FIX}"
         )
     if per_rank := differs("called"):
         # as many calls, on other parameters: at stage 3 (and 2) the same graph run on one layer here and
-        # another there paired their gathers and reduce-scatters, one layer's weights with another's
+        # another there pairs their gathers and reduce-scatters, one layer's weights with another's
         raise RankDivergenceError(
-            f"zcompile {what}: the ranks ran different parts of the model since the last step (per rank, the "
+            f"zcompile: {what}: the ranks ran different parts of the model since the last step (per rank, the "
             f"parameters its compiled calls with gradients used, numbered in the optimizer's order, and how often: "
             f"{per_rank}), so their collectives paired one layer's weights or gradients with another's. Every rank "
-            "must run the same modules: a layer skipped at random (LayerDrop, stochastic depth) "
-            "must be skipped on every rank together (draw the decision from a torch.Generator seeded the same on "
-            "every rank, or broadcast it), and a branch on the rank or on its data must call the same modules "
-            "on every rank."
+            "must run the same modules: skip a layer (LayerDrop, stochastic depth) on every rank together (draw the "
+            "decision from a torch.Generator seeded alike on every rank, or broadcast it)."
         )
     if per_rank := differs("grads"):
         # the step's buckets are planned from the parameters that have gradients (zcompile.optim.buckets) and
         # pair their members by position: one parameter's gradient would be averaged with another's
         raise RankDivergenceError(
-            f"zcompile {what}: the ranks have gradients on different parameters (per rank, how many and a digest of "
+            f"zcompile: {what}: the ranks have gradients on different parameters (per rank, how many and a digest of "
             f"their positions: {per_rank}; this rank's: {_some(_member_names(with_grads, positions, members))}), so "
-            "the step's reductions would not match. "
-            "A parameter used on some ranks only (a branch on the rank or on its data) must get a gradient on every "
-            "rank: use it on every rank (`+ 0 * module(x)`), or give it zeros before the step "
+            "the step's reductions would not match. A parameter used on some ranks only must get a gradient on "
+            "every rank: use it everywhere (`+ 0 * module(x)`) or give it zeros before the step "
             "(`p.grad = torch.zeros_like(p)` where `p.grad is None`)."
         )
     if per_rank := differs("layout"):
         raise RankDivergenceError(
-            f"zcompile {what}: the ranks hold the replicated weights in different dtypes (per rank, stage-1/2 "
+            f"zcompile: {what}: the ranks hold the replicated weights in different dtypes (per rank, stage-1/2 "
             f"parameters by dtype: {per_rank}), so the step's all-gathers would not match. Compile the model with the "
             "same param_dtype on every rank."
         )
     if per_rank := differs("buffers"):
         raise RankDivergenceError(
-            f"zcompile {what}: the ranks' compiled calls changed different module buffers since the last step (per "
+            f"zcompile: {what}: the ranks' compiled calls changed different module buffers since the last step (per "
             f"rank: {per_rank}), so the step's broadcast of them (option broadcast_buffers) would not match: a module "
-            "in training mode on some ranks only (model.train() / model.eval() called on one rank, BatchNorm "
-            "updating its statistics there). Put the model in the same mode on every rank."
+            "is in training mode on some ranks only (model.train() / model.eval() on one rank). Put the model in "
+            "the same mode on every rank."
         )
     if per_rank := differs("replaced"):
         raise RankDivergenceError(
-            f"zcompile {what}: weights were given new values through `.data =` on some ranks only since the last step "
+            f"zcompile: {what}: weights were given new values through `.data =` on some ranks only since the last step "
             f"(per rank, the parameters: {per_rank}); each rank's become its own master weights, so the ranks would "
             "train different weights. Load weights on every rank (the same values), or before compiling the model."
         )
     if per_rank := differs("hyperparameters"):
         where = _first_hyperparameter_difference(per_rank, members[0].group.rank)
         raise RankDivergenceError(
-            f"zcompile {what}: the ranks' optimizers have different hyper-parameters ({where}), so each rank would "
-            "update its shard of the weights with its own. Step learning-rate schedulers on every rank, and feed "
-            "metric-driven ones (ReduceLROnPlateau) the same value everywhere: the mean over ranks "
-            "(torch.distributed.all_reduce of the metric, divided by the world size)."
+            f"zcompile: {what}: the ranks' optimizers have different hyper-parameters ({where}), so each rank would "
+            "update its shard with its own. Step learning-rate schedulers on every rank, and feed metric-driven "
+            "ones (ReduceLROnPlateau) the same value everywhere (the metric all-reduced and averaged)."
         )
     if (per_rank := differs("initial")) and (
         names := differing_parameters(list(per_rank.values()), members[0].group.rank)

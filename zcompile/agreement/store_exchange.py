@@ -34,14 +34,12 @@ COMPILE_CHECK = "zcompile compile check: "
 CHECK_FIX = (
     "The ranks took different compile paths (different models, modes, code paths or input shapes per rank) "
     "and their collectives would deadlock. Give every rank the same model, the same mode (model.train() / "
-    "model.eval(), torch.no_grad()) and the same code path. A rank recompiling alone for its own input shapes "
-    "is fine while the new graph issues the collectives the ranks agreed on; where it issues others (code "
-    "that branches on a shape), give every rank inputs of the same shapes (drop_last=True in the sampler, "
-    "pad to a fixed length) or make the shapes dynamic on every rank from the first call "
-    "(torch._dynamo.mark_dynamic(inputs, dim), or compile with torch.compile(..., dynamic=True)). Raise "
-    "check_timeout_s if a rank is only slow. Evaluating on one "
-    "rank only works at stages 1 and 2 under torch.no_grad(); at stage 3 the forward gathers parameters from "
-    "every rank, so evaluate on every rank."
+    "model.eval(), torch.no_grad()) and the same code path. A rank may recompile alone for its own input "
+    "shapes while the new graph issues the agreed collectives; where it issues others (code that branches on "
+    "a shape), give every rank inputs of the same shapes (drop_last=True, padding) or make them dynamic from "
+    "the first call (torch._dynamo.mark_dynamic, or torch.compile(..., dynamic=True)). Raise check_timeout_s "
+    "if a rank is only slow. Evaluate on every rank at stage 3 (its forward gathers from every rank); on one "
+    "rank it works at stages 1 and 2 under torch.no_grad()."
 )
 
 
@@ -122,10 +120,7 @@ def exchange_through(
     before (every rank has passed it, since all arrived here). The first digest and the arrival count
     live in two slots, alternating, that the last to arrive resets by a ``set`` (two calls later every
     rank has passed this one), and each rank's value in two of its own, written over; so does a call
-    whose values differ, whose last reader deletes its keys. It made ten round trips a call until
-    2026-11-28 (a digest's count, two reads of it, every rank deleting its four keys of two calls
-    before after reading its old value): on 2 CPU ranks an exchange took 0.64 ms with the ranks in
-    step and 1.29 ms between layers' work, now 0.34 and 0.58.
+    whose values differ, whose last reader deletes its keys.
 
     ``label``: this rank's words for its call, not compared (they may differ between agreeing ranks);
     given one, each entry is ``(value, label)``, with every rank's label when the values differ and

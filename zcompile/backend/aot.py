@@ -51,11 +51,11 @@ def codegen_on_demand(graph_module: torch.fx.GraphModule, graph: torch.fx.Graph 
     it is first called or its code is read, not at every ``recompile()``.
 
     Each pass ends with ``gm.recompile()`` so that a pass is a ``gm -> gm`` function whose result
-    runs; FX then generates and ``exec``s the whole graph's code, about 50 ms for the 16-layer example
-    GPT's stage-3 backward (1,849 nodes), five times per backward graph. The pipeline's graphs are
-    never run (they are read: reports, dumps, the walks; ``boxed_graph_function`` runs a copy), so
-    all of that was thrown away. torch's ``_LazyGraphModule`` (private; what inductor's passes and
-    AOTAutograd's forward graphs use) defers it; only this module reads it. Reading ``.code`` or
+    runs; FX then generates and ``exec``s the whole graph's code at every pass, a cost that grows with
+    the graph. The pipeline's graphs are never run (they are read: reports, dumps, the walks;
+    ``boxed_graph_function`` runs a copy), so that code would be thrown away. torch's
+    ``_LazyGraphModule`` (private; what inductor's passes and AOTAutograd's forward graphs use)
+    defers it; only this module reads it. Reading ``.code`` or
     calling the module still generates the current code, so nothing sees a stale graph.
 
     With ``graph``: a new module of ``graph_module``'s attributes running ``graph``, as
@@ -88,8 +88,8 @@ def _post_partition(
     forward saves a symbolic size for it, and lazily, at its first call, otherwise; and which sizes
     are symbolic can differ between ranks (Dynamo's automatic dynamic shapes: each rank's slice of a
     global batch starts at another storage offset, ``x[rank * b:(rank + 1) * b]``). Checked at
-    compile, one rank's backward check then met another rank's next check of a forward (a GAN: the
-    discriminator's two graphs): a false ``RankDivergenceError``. Every rank calls the backward at
+    compile, one rank's backward check could meet another rank's next check of a forward (a GAN's
+    discriminator, two graphs): a false ``RankDivergenceError``. Every rank calls the backward at
     the same point of the step, whenever it was compiled."""
     context = graphs.context
     if kind == "backward" and graphs.forward is not None:
@@ -114,10 +114,9 @@ def _refuse_recomputed_random_draws(
     if redrawn:
         raise RuntimeError(
             f"zcompile: the backward would draw new random numbers for {', '.join(redrawn)}, which the forward "
-            f"drew (a dropout recomputed with a fresh mask), so every gradient through them would be wrong. "
-            f"torch's partitioner placed them there (activation_memory_budget={budget!r}, or "
-            f"torch._functorch.config.activation_memory_budget). Leave activation_memory_budget unset, put the random "
-            f"ops under torch.utils.checkpoint (which replays the forward's RNG state), or turn the dropout off"
+            f"drew (a dropout recomputed with a fresh mask), so the gradients through them would be wrong. "
+            f"torch's partitioner placed them there (activation_memory_budget={budget!r}, or torch's own config). "
+            "Leave the budget unset, put the random ops under torch.utils.checkpoint, or turn the dropout off"
         )
 
 
@@ -165,8 +164,8 @@ def boxed_graph_function(
     """``graph_module`` run in AOTAutograd's boxed calling convention, freeing each input after its last
     reader: the generated code takes the argument list, unpacks it into locals and clears it, and FX's
     code sets each local to None after its last reader. ``make_boxed_func(graph_module.forward)``
-    instead keeps the list, so every saved activation and tangent a backward receives lived until the
-    backward returned (AOTAutograd hands its list over and clears its own references to them).
+    instead keeps the list, so every saved activation and tangent a backward receives would live until
+    the backward returned (AOTAutograd hands its list over and clears its own references to them).
 
     The graph runs from a copy with boxed code: ``graph_module`` itself, which reports, dumps and
     ``on_compile`` read, keeps its ordinary ``forward(self, *inputs)``; ``rewrite`` (how this backend
@@ -417,9 +416,9 @@ def without_autograd_cache():
     """AOTAutograd's cache off for the compile inside: a hit there hands back the compiled forward and
     backward without calling ``inner_compile``, so none of what zcompile does there happened (its
     passes, the graphs reports read, the issue-order check, the inputs a graph mutates, the
-    backward's abort notes). A graph zcompile left without an op of its own (stage 1 in the
-    parameters' dtype) was cacheable: run a second time on the same machine, its BatchNorm's running
-    statistics went unsynchronised across the ranks, silently (`tests/test_inductor.py`). Inductor's
+    backward's abort notes). A graph zcompile leaves without an op of its own (stage 1 in the
+    parameters' dtype) would be cacheable, and a run served from the cache would leave BatchNorm's
+    running statistics unsynchronised across the ranks, silently. Inductor's
     own cache of each graph, keyed on the graph after zcompile's passes, still serves the inner
     compiles. ``torch._functorch.config`` is torch-internal, read here only."""
     return torch._functorch.config.patch(enable_autograd_cache=False)

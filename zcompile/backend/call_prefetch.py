@@ -182,7 +182,7 @@ class CallChain:
         if agreed is not None:
             if agreed.take != self._matches(inputs):  # never: the same test, just before
                 raise RuntimeError(
-                    "zcompile cross-call prefetch: a call agreed on taking its prefetched gather and "
+                    "zcompile: cross-call prefetch: a call agreed on taking its prefetched gather and "
                     "then could not; every rank must issue the same collectives"
                 )
             return agreed

@@ -3,9 +3,8 @@
 A compile makes on the order of a million tracked objects (FX nodes, fake tensors, sympy
 expressions, AOTAutograd's and inductor's metadata), and CPython collects generation 2, which
 walks every tracked object of the process, each time generation 1 has been collected 10 times:
-over and over while the heap grows. On the 16-layer example GPT at stage 2 with inductor's caches
-warm, the first step's compile spent 1.40 s of 8.35 in the collector, 5 full collections among
-them (``gc.callbacks``, rank 0 of 2); DDP + ``torch.compile`` of the same model 0.90 s of 6.81.
+over and over while the heap grows, so a compile spends a sizeable share of its time in full
+collections that find little to free.
 
 ``full_collections_deferred`` raises generation 2's threshold for the duration of zcompile's own
 part of a compile (the backend: its passes, AOTAutograd, the inner compiler; a backward compiled

@@ -184,14 +184,14 @@ def _recorded_on(
 def _agreed_call(
     config: ZeroConfig, group: DataParallelGroup, plan: ShardingPlan, gm: torch.fx.GraphModule, zeropp
 ) -> str | None:
-    """A graph whose call leads to collectives (``rank_check.issues_collectives``: stage 3's gathers in
+    """A graph whose call leads to collectives (``agreement.rank_check.issues_collectives``: stage 3's gathers in
     forward, a stage-2 training graph's reduce-scatters in its backward) has the ranks agree on each
-    call first (``zcompile.agreement.step_agreement``); stage 1 agrees at the step. Stage 2 too: a rank that ran
-    a layer of another size than the others (LayerDrop drawn per rank over transformers' BART encoder
-    and decoder) paired its backward's reduce-scatters with theirs of other sizes, and gloo aborted the
-    process; agreeing in forward, the ranks meet different calls there and raise. Named by its
+    call first (``zcompile.agreement.step_agreement``); stage 1 agrees at the step. Stage 2 too: a rank that
+    runs a layer the others skip (LayerDrop drawn per rank) would pair its backward's reduce-scatters
+    with theirs of other sizes, which gloo aborts the process on; agreeing in forward, the ranks meet
+    different calls there and raise. Named by its
     collectives and mode, not its compile id: a rank's lone recompile for its own shapes makes the same
-    call (``rank_check.call_identity``)."""
+    call (``agreement.rank_check.call_identity``)."""
     if not agrees_on_each_call(config, group.world_size, plan, zeropp.active):
         return None
     return call_identity(plan, gm, zeropp.signature() if zeropp.active else None)

@@ -92,7 +92,7 @@ class PassRunner:
             current = _node_in_traceback(error.__traceback__)
             node = f" at node {current}" if current else ""
             raise PassError(
-                f"zcompile pass {name!r} failed on the {graph} graph of Dynamo graph {self.graph_id}{node}: "
+                f"zcompile: pass {name!r} failed on the {graph} graph of Dynamo graph {self.graph_id}{node}: "
                 f"{type(error).__name__}: {error}{where}"
             ) from error
         seconds = time.perf_counter() - start

@@ -35,12 +35,10 @@ def refuse_parameter_writes(gm: torch.fx.GraphModule, plan: ShardingPlan) -> Non
     if writes:
         listed = "; ".join(f"{name!r}: {what}" for name, what in writes[:4]) + (" ..." if len(writes) > 4 else "")
         raise ValueError(
-            f"zcompile: the compiled forward writes parameters in place ({listed}). ZeRO keeps each weight's "
-            "value on its shards (each rank 1/N of it) and the graphs read a copy, so the write would reach only this "
-            "rank's copy and the weights would silently differ from one process's. Take the write out of the forward "
-            "(nn.Embedding(max_norm=None)); where the constraint matters, apply it after optimizer.step(), on every "
-            "rank, inside `with zcompile.gathered(model): ...`, which writes the change back to the shards (for an "
-            "embedding: torch.embedding_renorm_(emb.weight, ids, max_norm, 2.0) under torch.no_grad())"
+            f"zcompile: the compiled forward writes parameters in place ({listed}); the graphs read a copy of each "
+            "weight, whose value lives on the shards, so the write would silently not reach them. Take it out of the "
+            "forward (nn.Embedding(max_norm=None)) and apply it after optimizer.step() on every rank, inside `with "
+            "zcompile.gathered(model): ...` (an embedding: torch.embedding_renorm_(emb.weight, ids, max_norm, 2.0))"
         )
 
 
@@ -49,7 +47,7 @@ def failure_leaves_refusing_parameters(shards: list, graph: str):
     """Once ``shards`` are cut (stage 3's full storage freed), a failure of the rest of the compile (a
     rank check, a pass, AOTAutograd, the inner compiler) leaves them marked: eager use of one (Dynamo's
     fallback, a print of the model in an except clause) is a ``ShardedParameterError``, not torch
-    reading freed memory (a parameter's repr segfaulted). Not on Dynamo's request to trace again: its
+    reading freed memory (a parameter's repr can segfault). Not on Dynamo's request to trace again: its
     replay must see the parameters' classes as this trace did (else a SpeculationLogDivergence)."""
     try:
         yield
@@ -64,10 +62,10 @@ def failure_leaves_refusing_parameters(shards: list, graph: str):
 def refuse_eager_fallback(error: BaseException, graph: str, shards: list) -> None:
     """A compile that failed where Dynamo then runs the graph's frame eagerly (its fallback, with a
     warning to report the backend): with parameters whose full storage this compile freed (stage 3, or
-    a low-precision replica), eager code cannot run them, and the fallback stopped at the first with
-    torch's "setStorage ... out of bounds for storage of size 0" (or at best, where one was marked, a
-    ShardedParameterError blaming a graph break); that is an error now, naming the op and the setting
-    that compiles it. Where the parameters keep their full values the fallback runs, slower (no
+    a low-precision replica), eager code cannot run them: the fallback would stop at the first with
+    torch's "setStorage ... out of bounds for storage of size 0" (or, where one is marked, a
+    ShardedParameterError blaming a graph break), so this raises instead, naming the op and the
+    setting that compiles it. Where the parameters keep their full values the fallback runs, slower (no
     overlap in that frame), and the log says why and how to compile the op."""
     cause = eager_fallback_cause(error)
     if cause is None:
@@ -97,24 +95,24 @@ def refuse_outer_data_parallel() -> None:
     wrapper = outer_data_parallel_wrapper()
     if wrapper is not None:
         raise ValueError(
-            f"zcompile: the compiled model runs inside {wrapper}, which reduces the gradients that zcompile "
+            f"zcompile: the compiled model runs inside {wrapper}, which would reduce the gradients zcompile "
             "reduces itself. Do not wrap a zero-compiled model: with accelerate, prepare everything but the model "
-            "(the data loaders, the optimizer, the LR scheduler); with Hugging Face Trainer use "
+            "(data loaders, optimizer, LR scheduler); with Hugging Face Trainer use "
             "zcompile.integrations.hf.ZeroTrainer"
         )
 
 
 def refuse_regions_with_inductor(gm: torch.fx.GraphModule, config: ZeroConfig) -> None:
-    """Blocks traced once (``mark_repeated_blocks``) compiled by inductor trained wrong from the
-    second step at stages 2 and 3 (measured on 2 ranks: loss 5.5638 against 5.5471), while the
-    eager inner compiler trains them exactly. Torch's: a plain ``torch.compile(backend="inductor")``
-    of the same marked model, no zcompile, trains wrong the same way (torch 2.13, CPU). Refused."""
+    """Blocks traced once (``mark_repeated_blocks``) and compiled by inductor train wrong from the
+    second step at stages 2 and 3, while the eager inner compiler trains them exactly. The fault is
+    torch's: a plain ``torch.compile(backend="inductor")`` of the same marked model, without zcompile,
+    trains wrong the same way (torch 2.13). Refused."""
     if config.compiler == "inductor" and subgraph_calls(gm):
         raise ValueError(
             "zcompile: compiler='inductor' with blocks marked by zcompile.mark_repeated_blocks (or "
-            "torch.compiler.nested_compile_region) is not supported: inductor trains such blocks wrong (torch 2.13; "
-            "plain torch.compile(backend='inductor') of a marked model does too). "
-            "Use compiler='eager' with regional compilation, or compile the model without marking its blocks"
+            "torch.compiler.nested_compile_region) is not supported: inductor trains such blocks wrong (torch 2.13, "
+            "with or without zcompile). Use compiler='eager' with regional compilation, or compile the model "
+            "without marking its blocks"
         )
 
 

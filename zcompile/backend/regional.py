@@ -46,11 +46,11 @@ def mark_repeated_blocks(model: torch.nn.Module, block_classes: Iterable[type | 
     marked. Call it before the first compiled call; marking again is a no-op.
     """
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"mark_repeated_blocks: expected an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"zcompile.mark_repeated_blocks: expected an nn.Module, got {type(model).__name__}")
     classes = _repeated_classes(model) if block_classes is None else _named_classes(model, block_classes)
     if not classes:
         log.warning(
-            "mark_repeated_blocks: %s has no ModuleList holding two or more modules of one class; "
+            "zcompile.mark_repeated_blocks: %s has no ModuleList holding two or more modules of one class; "
             "nothing marked (name the block classes with block_classes=[...])",
             type(model).__name__,
         )
@@ -63,7 +63,9 @@ def mark_repeated_blocks(model: torch.nn.Module, block_classes: Iterable[type | 
             module.__class__ = region
             count += 1
     log.info(
-        "mark_repeated_blocks: %d blocks of %s traced once per class", count, ", ".join(cls.__name__ for cls in classes)
+        "zcompile.mark_repeated_blocks: %d blocks of %s traced once per class",
+        count,
+        ", ".join(cls.__name__ for cls in classes),
     )
     return list(classes)
 
@@ -102,8 +104,8 @@ def _region_class(cls: type) -> type:
     """A subclass of ``cls`` whose ``forward`` is ``cls.forward`` marked as a nested compile region.
 
     A subclass, not an instance attribute: Dynamo takes a marked function bound to one instance as
-    that instance's code and reuses the first block's parameters at every layer (measured: wrong
-    losses even with backend="eager"); a method looked up on the class is traced with ``self`` as
+    that instance's code and reuses the first block's parameters at every layer (wrong losses, even
+    with backend="eager"); a method looked up on the class is traced with ``self`` as
     an input. Not ``cls`` itself: other models of the class in the process stay as they were.
     """
     if issubclass(cls, _Region):
@@ -146,7 +148,7 @@ def _named_classes(model: torch.nn.Module, block_classes: Iterable[type | str]) 
         if cls is None:
             name = entry if isinstance(entry, str) else getattr(entry, "__name__", repr(entry))
             raise ValueError(
-                f"mark_repeated_blocks: no submodule of {type(model).__name__} is a {name}; "
+                f"zcompile.mark_repeated_blocks: no submodule of {type(model).__name__} is a {name}; "
                 f"its module classes are {sorted(present)}"
             )
         classes.append(cls)
@@ -162,9 +164,8 @@ def schema_once_per_subgraph() -> Iterator[None]:
     every call to refuse in-place input mutation, and ``InvokeSubgraphHOP.gen_schema``
     (``torch/_higher_order_ops/invoke_subgraph.py``) re-traces the whole block with ``make_fx``
     (``materialize_as_graph``) to find out. AOTAutograd meets each call twice (metadata collection,
-    joint trace): two traces of the block per layer, as many as without regions. Measured on the
-    example GPT (n_embd 128, 2 ranks, 32 layers): 66 re-traces, 1.8 of 8.6 s in AOTAutograd.
-    Torch keeps this schema per subgraph for functionalization
+    joint trace): two traces of the block per layer, as many as without regions, which undoes most of
+    what regions save in AOTAutograd. Torch keeps this schema per subgraph for functionalization
     (``InvokeSubgraphCache.functionalize_schema_cache``, key: subgraph object, identifier,
     operand types) but not for this check, and no config skips it.
 

@@ -94,7 +94,7 @@ class ShardSwap:
         graph was compiled without a place for it (Dynamo does not guard hooks: no recompile). Read
         with torch-function subclasses disabled, as ``passes.param_collectives.tensor_hooks`` reads them."""
         message = None
-        with DisableTorchFunctionSubclass():  # one context for all: 150 parameters read in about 20 us
+        with DisableTorchFunctionSubclass():  # one context for all the reads, not one per parameter
             for p in self._gradient_moved:
                 param = args[p.index]
                 if param._post_accumulate_grad_hooks:
@@ -187,8 +187,8 @@ def _check_requires_grad(plan: ShardingPlan, group: DataParallelGroup, args: lis
     """Raises ``StaleGraphError`` if a parameter's ``requires_grad`` is not the one the graph was traced
     with, leaving the message for the other ranks (one rank alone may have switched the flag: they
     would read "connection closed" in their collectives). Read with torch-function subclasses
-    disabled: through a stage-3 parameter's ``__torch_function__`` each read costs 4 us, 0.56 ms a
-    call at 150 parameters; 25 us this way."""
+    disabled: through a stage-3 parameter's ``__torch_function__`` every read is a Python call, paid
+    for each parameter at every call."""
     with DisableTorchFunctionSubclass():
         stale = next((p for p in plan.params if args[p.index].requires_grad != p.requires_grad), None)
     if stale is not None:
@@ -197,16 +197,17 @@ def _check_requires_grad(plan: ShardingPlan, group: DataParallelGroup, args: lis
         raise StaleGraphError(message)
 
 
+# the fix of a graph that no longer fits its parameters, shared by the messages below
+_RESET_FIX = "call torch.compiler.reset() (the next call recompiles; the shards and the optimizer's state are kept)"
+
+
 def _stale_message(param, requires_grad: bool) -> str:
     return (
-        f"zcompile: parameter {param.name!r} has requires_grad={requires_grad}, but the graph Dynamo chose "
-        f"for this call was traced with requires_grad={param.requires_grad} and was not recompiled "
-        f"(torch {torch.__version__.split('+')[0]}'s Dynamo does not guard a parameter's requires_grad; "
-        "torch 2.13's does). Running it would leave the parameter's training as it was, silently. After "
-        "freezing or unfreezing parameters, call torch.compiler.reset() (the next call recompiles, "
-        "keeping the shards and the optimizer's state), or use torch 2.13 or newer. Where blocks compiled one "
-        "by one share a graph but not their frozen weights (the first layers frozen), compile the whole "
-        "model instead."
+        f"zcompile: parameter {param.name!r} has requires_grad={requires_grad}, but its graph was traced with "
+        f"requires_grad={param.requires_grad} and not recompiled (torch {torch.__version__.split('+')[0]}'s "
+        "Dynamo does not guard it), so it would train as traced, silently. After freezing or unfreezing "
+        f"parameters, {_RESET_FIX}, or use torch 2.13 or newer; where blocks compiled one by one share a graph, "
+        "compile the whole model."
     )
 
 
@@ -217,22 +218,19 @@ def _post_accumulate_message(param, plan: ShardingPlan) -> str:
         else f"stage 1 with param_dtype={plan.param_dtype} (the graphs take a low-precision replica)"
     )
     return (
-        f"zcompile: parameter {param.name!r} has a post-accumulate-grad hook "
-        f"(register_post_accumulate_grad_hook). At {where} its gradient never accumulates in the parameter's "
-        ".grad: the compiled backward reduce-scatters it onto this rank's shard, so the hook would never run. "
-        "Use param.register_hook(fn) instead (zcompile runs it on the local gradient before the reduction, as "
-        "DDP does), or stage 1 without param_dtype, or run the hook's work after optimizer.step()"
+        f"zcompile: parameter {param.name!r} has a post-accumulate-grad hook, which would never run: at {where} "
+        "the compiled backward reduce-scatters its gradient onto this rank's shard, never into the parameter's "
+        ".grad. Use param.register_hook(fn) (run on the local gradient before the reduction, as DDP does), "
+        "stage 1 without param_dtype, or do the hook's work after optimizer.step()"
     )
 
 
 def _late_hook_message(param) -> str:
     return (
-        f"zcompile: parameter {param.name!r} got a gradient hook (register_hook) after the graph that uses it "
-        "was compiled without one. The graph routes the gradient to a shard, and Dynamo does not recompile "
-        "for a new hook, so the hook would never run. Register gradient hooks before the first compiled "
-        "call, or call torch.compiler.reset() after registering them (the next call recompiles, keeping the "
-        "shards and the optimizer's state). Where blocks compiled one by one share a graph, give every "
-        "block the hooks"
+        f"zcompile: parameter {param.name!r} got a gradient hook (register_hook) after its graph was compiled "
+        "without one; Dynamo does not recompile for a new hook, so it would never run. Register gradient hooks "
+        f"before the first compiled call, or {_RESET_FIX} after registering them; where blocks compiled one by "
+        "one share a graph, give every block the hooks"
     )
 
 
@@ -242,8 +240,8 @@ def _follow_requires_grad(leaf: torch.Tensor, requires_grad: bool) -> None:
 
     Freezing or unfreezing a parameter between steps (``p.requires_grad_(False)``) makes Dynamo
     recompile, since its guards check ``requires_grad``; but the graphs take the stand-in, and one
-    left as it was when first sharded kept a frozen parameter training (or an unfrozen one frozen),
-    with no error. Set here at every call, not only when tracing: a graph compiled earlier, for the
+    left as it was when first sharded would keep a frozen parameter training (or an unfrozen one
+    frozen), with no error. Set here at every call, not only when tracing: a graph compiled earlier, for the
     other setting, runs again when the parameter is switched back. A plain tensor's flag: no cost."""
     if leaf.requires_grad != requires_grad:
         leaf.requires_grad_(requires_grad)

@@ -1,7 +1,7 @@
 """ZeRO++ settings for one compile: the options after fallbacks, and the groups they run on.
 
 ``resolve_zeropp`` turns the options into what will actually run, logging each fallback (the
-issue list of ZeRO++ users: odd node counts, sizes that do not divide, a world of one) instead of
+usual misconfigurations: odd node counts, sizes that do not divide, a world of one) instead of
 crashing or corrupting; it reads no other rank, so it is the same on every rank given the same
 options, and its ``signature`` joins the compile-time rank check. ``attach_groups`` then makes the
 process groups (collective, so only after that check has passed).
@@ -47,13 +47,14 @@ def resolve_zeropp(config, group: DataParallelGroup) -> ZeroPPSettings:
     world = group.world_size
     if world == 1:
         log.warning(
-            "ZeRO++: world size 1, nothing is communicated; quantize_weights, quantize_grads and hpz_size are ignored"
+            "zcompile: ZeRO++: world size 1, nothing is communicated; quantize_weights, quantize_grads and "
+            "hpz_size are ignored"
         )
         return ZeroPPSettings()
     node_size = node_size_from_env(config.node_size, world)
     if world % node_size:
         log.warning(
-            "ZeRO++: %d ranks do not split into nodes of %d; treating all ranks as one node (qgZ reduces "
+            "zcompile: ZeRO++: %d ranks do not split into nodes of %d; treating all ranks as one node (qgZ reduces "
             "inside it, hpz_size='node' turns hpZ off)",
             world,
             node_size,
@@ -64,14 +65,14 @@ def resolve_zeropp(config, group: DataParallelGroup) -> ZeroPPSettings:
         hpz_size = node_size if config.hpz_size == "node" else config.hpz_size
         if world % hpz_size:
             log.warning(
-                "ZeRO++: hpz_size=%d does not divide the world size %d; hpZ is off (plain stage-3 re-gather)",
+                "zcompile: ZeRO++: hpz_size=%d does not divide the world size %d; hpZ is off (plain stage-3 re-gather)",
                 hpz_size,
                 world,
             )
             hpz_size = 0
         elif hpz_size == world:
             log.warning(
-                "ZeRO++: hpz_size equals the world size %d, so the secondary partition is the primary "
+                "zcompile: ZeRO++: hpz_size equals the world size %d, so the secondary partition is the primary "
                 "one; hpZ is off (plain stage-3 re-gather, no extra memory)",
                 world,
             )

@@ -9,21 +9,16 @@ over a flat buffer, and the collectives run asynchronously:
 
 - ``BucketedGradReduce`` (stage 1): the reduce-scatter of bucket ``i + 1`` is in flight while the
   optimizer updates the parameters of bucket ``i``; it starts once bucket ``i``'s has arrived, so one
-  is in flight at a time (started before that wait, two were, each with gloo's copy of its input);
+  is in flight at a time (started before that wait, two would be, each with gloo's copy of its input);
 - ``reduce_grads_onto_shards`` (stage 1, when gradients are clipped): the same reduce-scatters
   issued before the step, leaving the averaged gradient shard on ``shard.grad`` (``zcompile.optim.clip``);
 - ``BucketedParamRefresh`` (stages 1 and 2): the all-gather of a bucket starts as soon as its last
   parameter is updated, moves while the next bucket updates, and is waited just before the next
-  bucket's starts, so one is in flight at a time. Landing it just after the next one started held
-  two, with gloo's copy of each (15-19 MiB above the model states at stage 2 on bench_memory's
-  GPT-2 at 2 ranks, 4 MiB buckets, then 11), for no step time: 18-20 vs 20-21 ms at stage 2, 33-35
-  vs 34-35 at stage 1 (optimizer steps of the two versions interleaved).
+  bucket's starts, so one is in flight at a time: landing it after the next one started would hold
+  two, each with gloo's copy, and gain no step time.
 
-What a bucket holds, and nothing longer than it must (bench_memory's GPT-2 at 2 ranks, 4 MiB
-buckets, its optimizer phase above the model states, with ``AdamW._update_many``'s smaller runs:
-stage 1 16.8-18.5 -> 11.4 MiB in fp32, 14.9-18.7 -> 7.9 in bf16; stage 2 11.0 -> 6.8 and 12.3 ->
-7.4; parameters bitwise the same after 11-18 steps at 2 and 4 ranks, optimizer steps of the two
-versions interleaved 0.82-1.04x the time):
+What a bucket holds, and nothing longer than it must (the optimizer's own buffers are the part of a
+step's peak that ``bucket_mb`` sizes; ``BufferLedger``):
 
 - the all-gather writes straight into each member's padded replicated storage, which is the
   gathered ``[N, s_i]`` layout (``ShardedParam.padded_replicated``): no gathered bucket beside
@@ -101,7 +96,7 @@ def plan_optimizer_buckets(
 
     Full bytes, as the backend's ``bucket_mb`` counts them: a bucket's gathered buffer (and gloo's
     copies of it) then stays ``bucket_bytes`` whatever the number of ranks; counted in shard bytes it
-    grew N-fold (4 MiB of shard held 8 MiB of gathered buffer twice over at 2 ranks, 256 MiB at 64)."""
+    would grow N-fold with the number of ranks."""
     buckets: list[list[ShardedParam]] = []
     key = None
     size = 0
@@ -122,8 +117,8 @@ def plan_reduce_buckets(
     """Stage 1's reduce-scatter buckets (in each member's ``grad_reduce_dtype``). Exchanged by an
     all-to-all (``by_all_to_all``; None: as ``process_group.reduce_scatter_by_all_to_all`` says for
     the members' group, gloo), a bucket needs a buffer of the rows received beside its input, so it
-    holds half of ``bucket_bytes``: the two together then take what the input alone took. At full
-    size the step's peak grew by one bucket (4.5 buckets of ``test_optim_buckets``' 3.5 at stage 1)."""
+    holds half of ``bucket_bytes``: the two together then take what the input alone would. At full
+    size the step's peak would grow by one bucket."""
     if by_all_to_all is None:
         by_all_to_all = bool(members) and reduce_scatter_by_all_to_all("auto", members[0].group)
     return plan_optimizer_buckets(members, _grad_reduce_dtype, bucket_bytes // 2 if by_all_to_all else bucket_bytes)
@@ -155,8 +150,8 @@ class BucketedGradReduce:
     padded in the copy: no per-member padded or cast copy, no concatenation). On gloo it is
     exchanged by an all-to-all and the ``N`` rows received are summed, as the graphs' reduce-scatters
     run there (``process_group.reduce_scatter_by_all_to_all``; gloo's own all-reduces a copy of its
-    input: twice the bytes. An all-reduce of the buffer in place, as before, saved the bucket-sized
-    buffer of rows received and took 1.4-1.9x the time); elsewhere reduce-scattered.
+    input: twice the bytes. An all-reduce of the buffer in place would save the bucket-sized buffer
+    of rows received but takes longer); elsewhere reduce-scattered.
     ``free_full_grads``: each member's full gradient is dropped once it is in its bucket's input
     (``reduce_grads_onto_shards`` clears them anyway; the step keeps stage 1's full gradients)."""
 
@@ -205,9 +200,8 @@ class BucketedGradReduce:
         group, dtype = bucket[0].group, bucket[0].grad_reduce_dtype
         width = sum(m.shard_numel for m in bucket)
         rows = torch.empty(group.world_size, width, dtype=dtype, device=bucket[0].shard.device)
-        # members with no padding (each row of theirs whole) in one foreach copy: one call from Python where
-        # a copy per member took twice the time (196 gradients of the 16-layer example GPT, 13 MB: 6.4-7.2
-        # against 3.3 ms, one thread); unless each full gradient goes once copied, which must wait for its copy
+        # members with no padding (each row of theirs whole) in one foreach copy: one call from Python, not
+        # one per member; unless each full gradient goes once copied, which must wait for its copy
         whole_rows, whole_grads = [], []
         offset = 0
         for m in bucket:
@@ -358,7 +352,7 @@ def _release(buffer: torch.Tensor) -> None:
     """Frees a waited collective's buffer of our own now, on this thread. Its work holds it too, and
     when gloo's worker thread drops the work last (a race with our release), the memory is freed
     there, where the profiler does not see it: ``zcompile.timeline``'s series then keeps it to the
-    end of the step (bench_memory's stage 1 peaks moved by a bucket between runs)."""
+    end of the step, and the step's peak moves by a bucket between runs."""
     buffer.untyped_storage().resize_(0)
 
 
@@ -378,7 +372,7 @@ def _write_rows(rows: torch.Tensor, flat: torch.Tensor, numel: int) -> None:
 
 def copy_rows(dst: torch.Tensor, rows: torch.Tensor, numel: int) -> None:
     """``dst[:numel]`` = ``rows`` (``[N, s]``, strided: one member's columns of a bucket) read rank-major,
-    with no contiguous copy of them first (``reshape(-1)`` made one, the member's full size): whole
+    with no contiguous copy of them first (``reshape(-1)`` would make one, the member's full size): whole
     rows into a ``[k, s]`` view of ``dst``, then the last rank's partial row (the padding left out)."""
     width = rows.shape[1]
     whole = min(numel // width, rows.shape[0]) if width else 0

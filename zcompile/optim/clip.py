@@ -10,7 +10,7 @@ which is what DDP, or one process on the global batch, sees. Where it lives depe
 - stage 1, and parameters trained outside any graph (given stage-1 shards, as the optimizer
   does): ``param.grad`` is this rank's local, unreduced gradient; the averaged one only exists
   after the step's reduce-scatter. Clipping performs that reduce-scatter early
-  (``optim_buckets.reduce_grads_onto_shards``): the averaged shard lands on ``shard.grad`` and
+  (``optim.buckets.reduce_grads_onto_shards``): the averaged shard lands on ``shard.grad`` and
   ``param.grad`` is freed, so the parameter looks like a stage-2 one and ``step()`` does not
   reduce it again. The same elements cross the ranks as without clipping; what is lost is the
   overlap of those reduce-scatters with the update (the norm needs every gradient first).
@@ -61,8 +61,8 @@ def clip_grad_norm_of_shards(
     records += [record] if record is not None else []
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
-            "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            f"zcompile: the total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
             "`error_if_nonfinite=False`"
         )
     clip_coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # torch's rule, in fp32
@@ -117,8 +117,8 @@ def global_grad_norm(
 def _all_reduce_max_keeping_nan(value: torch.Tensor, group: DataParallelGroup) -> torch.Tensor:
     """The MAX over ranks of the scalar ``value``, NaN when any rank's is NaN (collective).
 
-    gloo's MAX drops a NaN that is not the first operand (``max(1, nan)`` is 1: measured on 2
-    ranks, a NaN from rank 1 vanished, one from rank 0 stayed). The inf-norm of a NaN gradient
+    gloo's MAX drops a NaN that is not the first operand (``max(1, nan)`` is 1), so a NaN from any
+    rank but the first would vanish. The inf-norm of a NaN gradient
     would then depend on which rank held it, and ``skip_nonfinite``, which decides from this norm
     when the step clips, would update with it. A NaN flag travels in the same all-reduce.
     """
@@ -130,7 +130,7 @@ def _all_reduce_max_keeping_nan(value: torch.Tensor, group: DataParallelGroup) -
 def _check_norm_type(norm_type: float) -> float:
     norm_type = float(norm_type)
     if not (norm_type > 0):
-        raise ValueError(f"zcompile gradient clipping: norm_type must be > 0 or inf, got {norm_type}")
+        raise ValueError(f"zcompile: gradient clipping: norm_type must be > 0 or inf, got {norm_type}")
     return norm_type
 
 
@@ -138,7 +138,7 @@ def _common_group(members: list[ShardedParam]) -> DataParallelGroup | None:
     groups = {m.group.name: m.group for m in members}
     if len(groups) > 1:
         raise ValueError(
-            f"zcompile gradient clipping: the parameters are sharded over different process groups "
+            f"zcompile: gradient clipping: the parameters are sharded over different process groups "
             f"({sorted(map(str, groups))}); one norm cannot span them. Clip each group's parameters separately."
         )
     return next(iter(groups.values()), None)

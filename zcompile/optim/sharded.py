@@ -147,7 +147,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 )
         self.last_step_collectives: list[CollectiveRecord] = []
         self.last_step_state_bytes: ModelStateBytes | None = None  # measured at the end of step()
-        # the most bytes the last step's own bucket buffers held at once (optim_buckets.BufferLedger)
+        # the most bytes the last step's own bucket buffers held at once (optim.buckets.BufferLedger)
         self.last_step_buffer_peak_bytes = 0
         self._state_layout: tuple = ()  # what last_step_state_bytes was measured for (_state_bytes_at_step)
 
@@ -256,9 +256,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # updated a batch at a time (one refresh bucket of one param group): the batch's all-gather
         # starts when it is done and moves while the next batch updates. Where a batch is one
         # multi-tensor launch (a GPU) the batch is the whole param group: each launch costs the host
-        # about 100 us, and a bf16 stage-2 step of a 12-layer GPT on an H100 waited on its 63 launches
-        # (one per 4 MiB bucket), while the update they let the all-gathers overlap is memory-bound
-        # and short (the whole update of 124M parameters is about 1 ms at 3 TB/s, divided by N)
+        # time, which one launch per bucket would make the step wait on, while the update they would let
+        # the all-gathers overlap is memory-bound and short
         batch: list[_Update] = []
         batch_key = None  # (param group, refresh bucket or None) of the batch
         # asked once a step, not once a parameter: with shards on several kinds of device a batch is a bucket
@@ -347,10 +346,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._warned_stale_grads = True
             log.warning(
                 "zcompile: optimizer step %d: the gradients of %d parameters (%s, ...) were not zeroed since the last "
-                "step, so this step's gradients were added onto the last one's, or, with no backward since, the last "
-                "step's were applied again (torch's behaviour when nothing zeroes them). zcompile's gradients live "
-                "on shards that optimizer.zero_grad() and model.zero_grad() clear, but `p.grad = None` does not: "
-                "zero through one of those two.",
+                "step, so this step added onto the last one's, or applied them again (as torch does when nothing "
+                "zeroes them). zcompile's gradients live on shards that optimizer.zero_grad() and model.zero_grad() "
+                "clear but `p.grad = None` does not: zero through one of those two.",
                 self.step_calls,
                 len(stale),
                 stale[0].name,
@@ -400,10 +398,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._warned_eager_grads = True
             log.warning(
                 "zcompile: %d stage-%d parameters (%s, ...) got gradients outside the compiled graphs: Dynamo ran "
-                "their frame eagerly (its recompile limit, a skipped frame or a graph break; see Dynamo's warnings "
-                "and TORCH_LOGS=recompiles,graph_breaks) or eager code used them. They are reduce-scattered at the "
-                "step, so training stays exact but this communication is not overlapped; make the frame compile "
-                "to get it back.",
+                "their frame eagerly (see its warnings and TORCH_LOGS=recompiles,graph_breaks) or eager code used "
+                "them. They are reduce-scattered at the step, so training stays exact but without overlap; make the "
+                "frame compile to get it back.",
                 len(eager),
                 eager[0].stage,
                 eager[0].name,
@@ -413,13 +410,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _sharded(self, param: torch.Tensor, group_index: int, index: int, eager: list[str]) -> ShardedParam | None:
         """The shard of ``param``, ``param_groups[group_index]['params'][index]``; a parameter trained
         outside any compiled graph is sharded here (stage-1 semantics, see
-        ``param_shards.shard_eager_parameter``). Its shard is named by that place, the same on every
+        ``sharding.shards.shard_eager_parameter``). Its shard is named by that place, the same on every
         rank (the step's agreement compares the names); ``eager`` gets how it reads in the caller's one
         warning: its name when the optimizer was given ``model.named_parameters()`` (torch keeps them as
         the group's ``param_names``), else that place."""
         sharded = shard_of(param)
         if sharded is not None:
-            sharded.follow_replaced_storage()  # `param.data = other` since the last call (param_shards)
+            sharded.follow_replaced_storage()  # `param.data = other` since the last call (sharding.shards)
             return sharded
         if grad_of(param) is None:
             return None
@@ -559,17 +556,15 @@ class AdamW(ShardedOptimizer):
 
     def _update_many(self, batch: list[_Update]) -> None:
         """On a CPU, shards at the same step and gradient scale update together through torch's fused
-        CPU AdamW kernel (``kernels.cpu_adamw``: one pass over each tensor, 3-6x the foreach
-        reference's speed; the bits of ``torch.optim.AdamW(fused=True)``); on a GPU through one
+        CPU AdamW kernel (``kernels.cpu_adamw``: one pass over each tensor, faster than the foreach
+        reference; the bits of ``torch.optim.AdamW(fused=True)``); on a GPU through one
         multi-tensor Triton launch per run (``_adamw_gpu_run``).
 
         On a CPU a run holds at most a quarter of ``bucket_mb`` of shard (at least one shard): its temporaries
-        (an fp32 copy of it: the cast or scaled gradients; the foreach reference also made the
-        denominators) exist for the whole run at once, beside a bucket's collectives in flight at stages 1 and 2, and a stage-3
-        batch is the whole param group. A quarter keeps them within half a bucket: on bench_memory's
-        GPT-2 at 2 ranks and 4 MiB (a whole bucket per run before) the step's peak above the model
-        states fell 1.1-3.4 MiB at stages 1 and 2 (one measurement each), stage 3's optimizer phase
-        3.4 MiB; optimizer step times unchanged. The Triton launch makes no temporaries: its runs are whole."""
+        (an fp32 copy of it: the cast or scaled gradients; the foreach reference also makes the
+        denominators) exist for the whole run at once, beside a bucket's collectives in flight at stages 1
+        and 2, and a stage-3 batch is the whole param group. A quarter keeps them within half a bucket.
+        The Triton launch makes no temporaries: its runs are whole."""
         if self._multi_tensor_launch(batch):
             runs_on_gpu: dict[tuple, list[_Update]] = {}
             for u in batch:
@@ -595,8 +590,8 @@ class AdamW(ShardedOptimizer):
 
     def _adamw_gpu_run(self, run: list[_Update]) -> None:
         """One Triton launch per run of shards at the same step and gradient scale (and per gradient
-        dtype), not one per shard: each launch costs about 80 us of host time, and a bf16 step of a
-        12-layer GPT on an H200 waited 12 ms a step on its 148 launches. The launch's device tables
+        dtype), not one per shard: each launch costs host time, which a launch per shard would make the
+        step wait on. The launch's device tables
         are kept for the next step's same run (``kernels.fused_optim.MultiTensorTables``)."""
         group, (step, grad_scale) = run[0].group, (run[0].state["step"], run[0].grad_scale)
         beta1, beta2 = group["betas"]

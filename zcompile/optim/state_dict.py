@@ -29,7 +29,7 @@ def _group(optimizer) -> DataParallelGroup:
 
 # on each piece ``state_dict()`` returns: the rank whose piece it is. ``torch.save`` keeps a tensor's
 # attributes and a DTensor's mesh does not say whose piece it holds: rank 0's file loaded on every rank
-# (DDP's checkpoint habit) gave each rank rank 0's moments, silently. DCP loads into this rank's pieces.
+# (DDP's checkpoint habit) would give each rank rank 0's moments, silently. DCP loads into this rank's pieces.
 SAVED_BY_ATTR = "_zcompile_saved_by_rank"
 
 
@@ -86,11 +86,10 @@ def _check_saved_by_this_rank(value: torch.Tensor, piece: FlatPiece, key: str) -
         return
     rank, world = saved_by
     raise ValueError(
-        f"optimizer state {key!r}: rank {piece.rank} is loading the piece rank {rank} of {world} saved. "
-        "optimizer.state_dict() holds only this rank's piece of the sharded optimizer state, so a file saved on "
-        "one rank (DDP's `if rank == 0: torch.save(...)`) and loaded on every rank would give every rank that "
-        "rank's moments. Save and load with zcompile.checkpoint.save/load (or dcp.save/dcp.load of "
-        "optimizer.state_dict()), or torch.save a file per rank (f'optim_rank{rank}.pt') and load each rank's own"
+        f"optimizer state {key!r}: rank {piece.rank} is loading the piece rank {rank} of {world} saved; "
+        "optimizer.state_dict() holds only the saving rank's piece, so every rank would resume with its moments. "
+        "Save and load with zcompile.checkpoint.save/load (or dcp.save/dcp.load of optimizer.state_dict()), or "
+        "torch.save a file per rank and load each rank's own"
     )
 
 

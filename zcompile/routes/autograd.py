@@ -6,11 +6,11 @@ gradient carrier (stages 2 and 3: the averaged gradient shard, ``ShardedParam.gr
 low-precision replica (stage 1: the local full gradient). So:
 
 - ``loss.backward(inputs=list(model.parameters()))`` (a loop training a subset, or spelling out
-  what to differentiate) accumulated nothing at stage 2: the parameters are not in the graph's
-  autograd, the optimizer found no gradient, and the weights stopped changing with no word (2 ranks,
-  every weight unchanged after 2 steps). At stage 3 it raised the sharded parameter's eager-use
-  error, which named ``gathered`` and not the cause;
-- ``torch.autograd.grad(loss, params, allow_unused=True)`` returned None for every stage-2
+  what to differentiate) would accumulate nothing at stage 2: the parameters are not in the graph's
+  autograd, the optimizer would find no gradient, and the weights would stop changing with no word.
+  At stage 3 it would raise the sharded parameter's eager-use error, which names ``gathered`` and
+  not the cause;
+- ``torch.autograd.grad(loss, params, allow_unused=True)`` would return None for every stage-2
   parameter, which code summing ``g.pow(2)`` over the non-None gradients reads as zero.
 
 ``install_autograd_route`` (idempotent, run when the first parameter is sharded, beside the clip and
@@ -36,7 +36,7 @@ import torch
 import torch.autograd
 
 from zcompile.routes.patched import ORIGINAL_ATTR
-from zcompile.sharding.sharded_parameter import ShardedParameterError
+from zcompile.sharding.sharded_parameter import AUTOGRAD_GRAD_FIX, ShardedParameterError
 from zcompile.sharding.shards import ShardedParam, shard_of
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,7 @@ def _routed(inputs, for_grad: bool):
             raise ShardedParameterError(
                 f"zcompile: torch.autograd.grad with respect to parameter {sharded.name!r} at ZeRO stage "
                 f"{sharded.stage}: the compiled backward reduce-scatters its gradient onto this rank's shard, so no "
-                "tensor of the parameter's shape holds it (torch would return None, or say it was not used). Call "
-                "loss.backward() and read the gradients averaged over ranks inside `with zcompile.gathered(model, "
-                "grads=True): ...` (what you assign to p.grad there is what the step applies), or use stage 1, "
-                "whose graphs differentiate the parameters themselves"
+                f"tensor of the parameter's shape holds it. {AUTOGRAD_GRAD_FIX}"
             )
         routed.append(autograd_leaf(sharded) if sharded is not None else tensor)
     return routed[0] if single else routed

@@ -118,12 +118,10 @@ def _guarded_clip_grads_with_norm(original):
         sharded = next((s for s in map(shard_of, params) if s is not None), None)
         if sharded is not None:
             raise RuntimeError(
-                f"torch.nn.utils.clip_grads_with_norm_ was given zcompile parameters ({sharded.name!r}, ...): "
-                "their gradients live on their shards, averaged over the ranks, not in param.grad, so a norm "
-                "computed from param.grad is not their norm. Use optimizer.clip_grad_norm_(max_norm) or "
-                "max_grad_norm= on zcompile.optim.AdamW/SGD, or torch.nn.utils.clip_grad_norm_ looked up at "
-                "call time (a reference bound before zcompile sharded a parameter, like `from torch.nn.utils "
-                "import clip_grad_norm_` at import time, is torch's unrouted function and ends here)."
+                f"zcompile: torch.nn.utils.clip_grads_with_norm_ was given zcompile parameters ({sharded.name!r}, "
+                "...), whose gradients live on their shards, not in param.grad, so a norm computed from param.grad "
+                "is not theirs. Use optimizer.clip_grad_norm_(max_norm), max_grad_norm= on zcompile.optim.AdamW/SGD, "
+                "or torch.nn.utils.clip_grad_norm_ looked up at call time, not bound at import."
             )
         return original(params, max_norm, total_norm, foreach)
 

@@ -50,11 +50,10 @@ def unscale_grad_shards(
     grads = [m.shard_grad.detach() for m in with_grad]
     if not allow_fp16 and any(g.dtype == torch.float16 for g in grads):
         raise ValueError(
-            "Attempting to unscale FP16 gradients: at stage 2 with param_dtype='fp16' zcompile keeps each "
-            "gradient shard in fp16 (a slice of the fp16 replica), and unscaling it in place would underflow, "
-            "which is why torch refuses fp16 gradients too. Use stage 1 or 3 (their gradient shards are fp32), "
-            "param_dtype='bf16' (no loss scaling needed), or fp32 parameters under "
-            "torch.autocast(dtype=torch.float16) without param_dtype."
+            "zcompile: Attempting to unscale FP16 gradients: at stage 2 with param_dtype='fp16' each gradient "
+            "shard is fp16 (a slice of the fp16 replica), and unscaling it in place would underflow, as torch's "
+            "own check says. Use stage 1 or 3 (fp32 gradient shards), param_dtype='bf16' (no loss scaling needed), "
+            "or fp32 parameters under torch.autocast(dtype=torch.float16)."
         )
     device = found_inf.device
     flag = torch.zeros((), dtype=torch.float32, device=device)
@@ -73,10 +72,10 @@ def unscale_grad_shards(
     keep_records_for_step(with_grad, records + ([record] if record is not None else []))
     if packed[1] != -packed[2]:
         raise RankDivergenceError(
-            f"GradScaler.unscale_(): the ranks' loss scales differ (from {1 / float(packed[1]):g} to "
-            f"{1 / float(-packed[2]):g}), so the averaged gradient would be unscaled by a different factor on "
-            "each rank. Every rank must create the scaler alike and load its state_dict (scaler.load_state_dict) "
-            "on every rank, not on rank 0 only."
+            f"zcompile: GradScaler.unscale_(): the ranks' loss scales differ (from {1 / float(packed[1]):g} to "
+            f"{1 / float(-packed[2]):g}), so each rank would unscale the averaged gradient by another factor. "
+            "Create the scaler alike on every rank and load its state (scaler.load_state_dict) on every rank, "
+            "not on rank 0 only."
         )
     found_inf.copy_(packed[0].to(found_inf.dtype))
     return {device: found_inf}

@@ -5,8 +5,7 @@ Why: zcompile's parameters keep their gradients and master weights where zcompil
 zero-compiled model reads ``param.grad``:
 
 - stages 2 and 3: ``param.grad`` is None (the averaged gradient is on the shard), so every step
-  updated nothing. Measured before this guard: 3 steps of the example GPT, 0 of 28 weights moved,
-  no error or warning, the loss flat;
+  would update nothing, with no error or warning and the loss flat;
 - stage 1: ``param.grad`` is this rank's own, unreduced gradient, so on more than one rank each
   rank applies a different update and the replicas part, silently.
 
@@ -59,7 +58,7 @@ def refuse_foreign_optimizer(optimizer, args, kwargs) -> None:
             sharded = shard_of(param)
             if sharded is not None:
                 message = (
-                    f"{type(optimizer).__module__}.{type(optimizer).__name__}.step() was given zcompile "
+                    f"zcompile: {type(optimizer).__module__}.{type(optimizer).__name__}.step() was given zcompile "
                     f"parameters ({sharded.name!r}, ...): their gradients and master weights live on zcompile's "
                     "shards, so it would update nothing at stages 2 and 3 (param.grad is None there) and, at "
                     "stage 1, apply each rank's own unreduced gradient. Use zcompile.optim.AdamW or "

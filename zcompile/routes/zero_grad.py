@@ -3,10 +3,10 @@
 Why: at stages 2 and 3 (and at stage 1 once clipping reduced the gradients early) a parameter's
 gradient lives on its shard (``ShardedParam.shard.grad``), which is not a parameter of any module.
 ``torch.nn.Module.zero_grad`` only clears ``param.grad``, so the loops that zero through the model
-(Hugging Face Trainer, accelerate, many hand-written ones) left the shards' gradients in place and
-the next backward accumulated onto them: every step after the first trained on the sum of all
-gradients so far, with no error. ``install_zero_grad_route`` (idempotent, run when the first
-parameter is sharded, next to the clip route of ``zcompile.optim.clip``) wraps ``Module.zero_grad`` so
+(Hugging Face Trainer, accelerate, many hand-written ones) would leave the shards' gradients in place
+and the next backward would accumulate onto them: every step after the first would train on the sum
+of all gradients so far, with no error. ``install_zero_grad_route`` (idempotent, run when the first
+parameter is sharded, next to the clip route of ``zcompile.routes.clip_grad``) wraps ``Module.zero_grad`` so
 that it clears, the same way (``set_to_none`` or zeros), the shards of the module's parameters.
 Modules without zcompile parameters pay one attribute lookup per parameter.
 

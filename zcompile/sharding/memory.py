@@ -1,4 +1,4 @@
-"""Measured bytes of model states per rank: parameters, gradients, shards and optimizer state.
+"""The bytes of model states a rank holds: parameters, gradients, shards and optimizer state.
 
 Counts the storages that are alive (each storage once, freed storages as 0), not what a plan
 says they should be.
@@ -85,6 +85,6 @@ def zero_formula_bytes(
     else:
         split = {None: (2 * low + 12, 0), 1: (2 * low, 12), 2: (low, low + 12), 3: (0, 2 * low + 12)}
     if stage not in split:
-        raise ValueError(f"stage must be None, 1, 2 or 3, got {stage}")
+        raise ValueError(f"zcompile.zero_formula_bytes: stage must be None, 1, 2 or 3, got {stage}")
     replicated, sharded = split[stage]
     return replicated * num_params + sharded * num_params // world_size

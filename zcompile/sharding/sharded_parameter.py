@@ -29,6 +29,12 @@ if TYPE_CHECKING:
 
 SHARD_ATTR = "_zcompile_shard"  # on a parameter: its ShardedParam (set by zcompile.sharding.shards)
 ALIASED_ATTR = "_zcompile_aliased"  # on a FreedTensor: the ShardedParam of the parameter it aliases
+# the fix for torch.autograd.grad with respect to a sharded parameter (here and in zcompile.routes.autograd)
+AUTOGRAD_GRAD_FIX = (
+    "Call loss.backward() and read the gradients averaged over ranks inside `with zcompile.gathered(model, "
+    "grads=True): ...` (what you assign to p.grad there is what the step applies), or use stage 1, whose graphs "
+    "differentiate the parameters themselves"
+)
 
 # reading these never touches the (freed) elements
 _METADATA = {
@@ -101,9 +107,9 @@ def mark_sharded(param: torch.nn.Parameter) -> None:
 
 def grad_of(tensor: torch.Tensor) -> torch.Tensor | None:
     """``tensor.grad``, read past ``ShardedParameter.__torch_function__``: reading it is metadata, which
-    the guard lets through anyway, but its dispatch cost 1.8 us a read against 0.25 here, and the
-    optimizer's step and ``zero_grad`` read each parameter's 4-5 times (1.4 ms a step of 196 stage-3
-    parameters). Any other tensor reads it directly (the context would cost it 0.15 us)."""
+    the guard lets through anyway, but only after a Python dispatch, and the optimizer's step and
+    ``zero_grad`` read every parameter's several times a step. Any other tensor reads it directly
+    (entering the context would cost more than the read)."""
     if type(tensor) is not ShardedParameter:
         return tensor.grad
     with DisableTorchFunctionSubclass():
@@ -156,11 +162,10 @@ class FreedTensor(torch.Tensor):
 
 # Dynamo compiles these classes' __torch_function__ inline, inside the graph that uses the parameter,
 # and never as a frame of its own, nor the helpers it calls. Why: eager code that Dynamo runs under a
-# compiled call (a frame it gave up on: transformers' BART breaks inside its layer loop on LayerDrop's
-# `torch.rand([]) < p`) calls F.layer_norm with a marked weight no graph has taken yet; Dynamo then
-# compiled __torch_function__ (with dynamic=True also _first_freed(args, kwargs)) as a frame whose graph
-# took the weight (L['kwargs']['weight']) for stage 3, though eager code had given it a stage-1 shard for
-# its gradient: a ValueError at the next step. Once per process: the mark outlives torch._dynamo.reset().
+# compiled call (a frame it gave up on) may call an op with a marked weight no graph has taken yet;
+# compiled as a frame, __torch_function__ (with dynamic=True also _first_freed) would make a graph that
+# takes the weight for stage 3, though eager code gives it a stage-1 shard for its gradient, and the
+# next step would fail. Once per process: the mark outlives torch._dynamo.reset().
 never_compiled_as_frames(ShardedParameter.__torch_function__, FreedTensor.__torch_function__, _guarded_call)
 
 
@@ -193,20 +198,17 @@ def _message(tensor: torch.Tensor, func) -> str:
         return (
             f"zcompile: torch.autograd.grad with respect to parameter {_name_of(tensor)!r}, which is sharded "
             f"({_freed_reason(tensor)}): the compiled backward reduce-scatters its gradient onto this rank's shard, "
-            "so no full gradient of the parameter exists to return (and the parameter is not an input of the "
-            "compiled graphs' autograd). Call loss.backward() and read the gradients averaged over ranks inside "
-            "`with zcompile.gathered(model, grads=True): ...` (what you assign to p.grad there is what the step "
-            "applies), or use stage 1, whose graphs keep the parameters as autograd inputs"
+            f"so no full gradient exists to return. {AUTOGRAD_GRAD_FIX}"
         )
     name = getattr(func, "__name__", str(func))
     if name in ("__get__", "__set__", "__delete__"):  # a property's accessor: name the property
         name = f"{getattr(getattr(func, '__self__', None), '__name__', '?')} ({name})"
     return (
         f"zcompile: parameter {_name_of(tensor)!r} {tuple(tensor.shape)} is sharded ({_freed_reason(tensor)}): "
-        "each rank holds 1/N of its fp32 value and the full value exists only inside the compiled graphs, so eager "
-        f"code cannot use it ({name} outside a compiled graph). {eager_fallback_reason()} To use the full weights in eager code "
-        "(generate(), evaluation, export), every rank enters `with zcompile.gathered(model): ...` "
-        "(`gathered(model, rank0_only=True)` gathers to rank 0 only); for checkpoints use zcompile.checkpoint."
+        "its full value exists only inside the compiled graphs, so eager code cannot use it "
+        f"({name} outside a compiled graph). {eager_fallback_reason()} For the full weights in eager code "
+        "(generate(), evaluation, export), enter `with zcompile.gathered(model): ...` on every rank "
+        "(rank0_only=True gathers to rank 0 only); for checkpoints use zcompile.checkpoint."
     )
 
 

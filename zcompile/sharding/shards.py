@@ -121,7 +121,7 @@ class ShardedParam:
         """A detached view of the full parameter, or its low-precision replica (stage 2 graphs read
         it; its grad goes to the shard). Made once (ShardSwap reads it at every compiled call), and
         again after the parameter got new storage (``follow_replaced_storage``): a kept alias of the
-        old storage had the graphs read weights the step no longer refreshed."""
+        old storage would have the graphs read weights the step no longer refreshes."""
         if self._replicated_alias is None:
             self._replicated_alias = (self.replica if self.replica is not None else self.param).detach()
         return self._replicated_alias
@@ -287,8 +287,8 @@ class ShardedParam:
         """Stages 1 and 2 in fp32, after code gave the parameter new storage (``param.data = other``:
         weight loading, init helpers): its values become the master weight again, moved into a padded
         storage of their own whose chunk is the new shard (requires_grad and gradient carried over).
-        Before, the optimizer kept updating the old storage's slice and the next step wrote it over
-        the new values (2 ranks: losses off the reference's from the step after, silently)."""
+        Otherwise the optimizer would keep updating the old storage's slice and the next step would
+        write it over the new values, silently."""
         if self.home is None or self.param.data_ptr() == self.home:
             return
         data = self.param.data
@@ -296,8 +296,8 @@ class ShardedParam:
             raise ValueError(
                 f"zcompile: parameter {self.name!r} became {data.dtype} {tuple(data.shape)} on {data.device} after it "
                 f"was sharded as {self.shard.dtype} {tuple(self.shape)} on {self.shard.device} (model.to(), .half() "
-                "or a `.data =` assignment after the first compiled call). Convert the model before compiling it "
-                "and creating the optimizer; for mixed precision use the option param_dtype"
+                "or `.data =` after the first compiled call). Convert the model before compiling it and creating "
+                "the optimizer; for mixed precision use the option param_dtype"
             )
         old = self.shard
         new = _shard_in_replicated_storage(self.param, self.piece)
@@ -345,7 +345,7 @@ def shard_parameter(
     ``mark=False`` leaves the parameter's class alone (``mark_refusing_parameter`` later): the backend
     marks only once its compile succeeded, because Dynamo may restart the frame's analysis from
     inside the compile (``dynamic=True``: its scalar tensorification) and must then trace the same
-    parameter classes as the first time (a class changed in between was a SpeculationLogDivergence).
+    parameter classes as the first time (a class changed in between is a SpeculationLogDivergence).
 
     Stages 1 and 2 with a ``param_dtype`` other than the parameter's keep the replicated parameter
     in ``param_dtype`` (``ShardedParam.replica``): ZeRO's mixed-precision scheme, 2 bytes per
@@ -379,10 +379,8 @@ def shard_parameter(
 # the other way a weight has a stage-1 shard that no compile asked for (shard_eager_parameter)
 _EAGER_FIRST = (
     " If the model has one config, this weight trained outside the compiled graphs first (the warning "
-    "'got a gradient outside the compiled graphs' named it): eager code, or a frame Dynamo ran "
-    "uncompiled, gave it a stage-1 shard, and a graph compiled later takes it. Make the code that uses it "
-    "compile from the first step (the graph break that kept it out), or train with stage 1 or 2, where "
-    "such weights mix with the compiled ones."
+    "'got a gradient outside the compiled graphs' named it): eager code, or a frame Dynamo ran uncompiled, "
+    "gave it a stage-1 shard. Make that code compile from the first step, or train with stage 1 or 2."
 )
 
 
@@ -458,10 +456,9 @@ def mark_like_siblings(
     Dynamo guards a graph's parameters by type, and reuses the graph for every instance of a module
     class: a block whose forward has a graph break (Dynamo then runs the model's loop over its blocks
     eagerly) is one graph for all layers, each layer's weights sharded at its first call. A layer
-    still plain failed the guard its sharded sibling set, so each layer recompiled, and from the
-    ninth on Dynamo's ``recompile_limit`` ran them eagerly with their weights replicated (a 12-layer
-    GPT with a graph break in its block at stage 3: 16 graphs, 52 of 148 weights never sharded).
-    Marked ahead, a weight behaves as before until it is sharded (the class refuses only freed
+    still plain would fail the guard its sharded sibling set, so each layer would recompile until
+    Dynamo's ``recompile_limit``, past which the layers run eagerly with their weights replicated.
+    Marked ahead, a weight behaves as a plain one until it is sharded (the class refuses only freed
     storages). Only the siblings: a weight that eager code uses (the embedding of a model whose
     forward runs eagerly) stays plain, since an eager operation on a marked one, under a compiled
     call, runs the class's Python hook as a frame of its own, which Dynamo compiles."""
@@ -511,7 +508,7 @@ def shard_eager_parameter(
     which keeps data parallelism exact; its memory is not reduced. ``name`` names the shard (the
     same on every rank). The caller says so once for all it shards in one pass
     (``warn_eager_sharded``): a module left uncompiled has dozens of parameters, and a line each
-    buried the log (56 lines for half of a 2-layer T5 on 2 ranks). ``shown``, when given, gets how
+    would bury the log. ``shown``, when given, gets how
     this parameter reads in that warning: ``label`` (default ``name``) and its shape.
     """
     if shown is not None:
@@ -576,10 +573,10 @@ def _check_shardable(param: torch.Tensor, name: str) -> None:
         # model.to(memory_format=torch.channels_last), the CNN recipe: the weights' strides are permuted
         raise ValueError(
             f"zcompile: parameter {name!r} is in {name_in_torch} memory format (strides {tuple(param.stride())}); "
-            "zcompile shards parameters in their contiguous layout. Keep the model's parameters contiguous "
+            "zcompile shards parameters in their contiguous layout. Keep the parameters contiguous "
             "(`model.to(memory_format=torch.contiguous_format)` before torch.compile) and convert only the "
-            f"inputs (`x.to(memory_format=torch.{name_in_torch})`): a convolution runs {name_in_torch} when "
-            "its input is, on CPU and GPU, so activations keep the layout"
+            f"inputs (`x.to(memory_format=torch.{name_in_torch})`): a convolution runs {name_in_torch} when its "
+            "input is"
         )
     if not param.is_contiguous() or param.storage_offset() != 0:
         raise ValueError(

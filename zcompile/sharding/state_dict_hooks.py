@@ -62,13 +62,10 @@ def _refuse_freed_parameters(module, state_dict, prefix, local_metadata) -> None
     for name, sharded in _owned_shards(module):
         if sharded.is_freed:
             raise ShardedStateDictError(
-                f"state_dict(): parameter {prefix + name!r} is sharded by zcompile ({sharded.freed_reason}); no rank holds "
-                "its full value, so this state dict could not be read back. Use zcompile.checkpoint.save(path, "
-                "model, optimizer) for a sharded checkpoint (reshardable, DCP format), "
-                "zcompile.checkpoint.full_state_dict(model) for the full weights on rank 0 (with "
-                "exclude_frozen_parameters=True only the weights that train: a LoRA adapter, for "
-                "peft's save_pretrained(out, state_dict=...)), or call state_dict() inside `with zcompile.gathered(model):` "
-                "(every rank)"
+                f"zcompile: state_dict(): parameter {prefix + name!r} is sharded ({sharded.freed_reason}); no rank "
+                "holds its full value, so this state dict could not be read back. Use zcompile.checkpoint.save(path, "
+                "model, optimizer) for a sharded checkpoint, zcompile.checkpoint.full_state_dict(model) for the full "
+                "weights on rank 0, or call state_dict() inside `with zcompile.gathered(model):` on every rank"
             )
 
 
