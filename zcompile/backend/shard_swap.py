@@ -202,11 +202,14 @@ _RESET_FIX = "call torch.compiler.reset() (the next call recompiles; the shards 
 
 
 def _stale_message(param, requires_grad: bool) -> str:
+    version = torch.__version__.split("+")[0]
+    upgrade = (
+        "" if tuple(map(int, version.split(".")[:2])) >= (2, 13) else ", or use torch 2.13 or newer (it guards it)"
+    )
     return (
         f"zcompile: parameter {param.name!r} has requires_grad={requires_grad}, but its graph was traced with "
-        f"requires_grad={param.requires_grad} and not recompiled (torch {torch.__version__.split('+')[0]}'s "
-        "Dynamo does not guard it), so it would train as traced, silently. After freezing or unfreezing "
-        f"parameters, {_RESET_FIX}, or use torch 2.13 or newer; where blocks compiled one by one share a graph, "
+        f"requires_grad={param.requires_grad} and not recompiled, so it would train as traced, silently. After "
+        f"freezing or unfreezing parameters, {_RESET_FIX}{upgrade}; where blocks compiled one by one share a graph, "
         "compile the whole model."
     )
 
