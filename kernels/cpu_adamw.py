@@ -3,13 +3,10 @@
 ``aten::_fused_adamw_`` is what ``torch.optim.AdamW(fused=True)`` runs: one vectorized pass over
 each tensor that reads the gradient and the two moments and writes the parameter and the moments.
 ``optim_reference.adamw_reference_foreach`` runs AdamW's eight elementwise ops one after another
-(eight passes over memory, two temporaries the size of the shards): over the 16-layer example
-GPT's 3.25M parameters it took 21.8 ms where this takes 4.0 ms (5.4x; 3.1x with stage 1's gradient
-scale, 6.5 ms), one thread of this machine, and torch's default single-tensor AdamW 17.8 ms
-(``benchmarks/bench_cpu_adamw.py``, ``results/cpu_adamw.json``). The arithmetic is torch's fused kernel's, not its
-single-tensor path's: the two differ in the last bits (2.4e-7 on parameters of about 1 after one
-step), and a shard updated here equals the slice of a parameter ``torch.optim.AdamW(fused=True)``
-updates, bit for bit (``tests/unit/test_cpu_adamw.py``).
+(eight passes over memory, two temporaries the size of the shards), several times slower than this
+one pass (``benchmarks/bench_cpu_adamw.py``). The arithmetic is torch's fused kernel's, not its
+single-tensor path's: the two differ in the last bits, and a shard updated here equals the slice of
+a parameter ``torch.optim.AdamW(fused=True)`` updates, bit for bit (``tests/unit/test_cpu_adamw.py``).
 
 The kernel also writes the gradient back divided by its ``grad_scale`` (mixed-precision
 unscaling); the gradients here are scaled first into tensors of their own and the kernel gets no
@@ -70,8 +67,8 @@ def _check_layout(*lists: list[torch.Tensor]) -> None:
     """The aten kernel checks neither sizes nor strides: it walks each tensor's memory as dense and
     as long as its parameter, so a shorter gradient reads (and a shorter moment writes) past its end
     and a strided one is read in the wrong order. Refused here instead, naming the tensor. On the
-    step's path: a list's sizes compared at once and its strides read by ``map`` (0.5 ms a step for
-    200 shards, one generator a shard, before); the loop below only names what is wrong."""
+    step's path, so cheap: a list's sizes compared at once and its strides read by ``map``, not a
+    generator a shard; the loop below only names what is wrong."""
     sizes = [t.numel() for t in lists[0]]
     if all(
         [t.numel() for t in tensors] == sizes and all(map(torch.Tensor.is_contiguous, tensors)) for tensors in lists

@@ -404,10 +404,9 @@ def fused_adamw_multi_triton(
     """``fused_adamw_triton`` over many shards at the same step and hyper-parameters: one launch per
     (gradient dtype, low-precision dtype) instead of one per shard, the same bits per element.
 
-    A per-shard launch costs about 80 us of host time through the custom op (measured on an H200 with
-    torch 2.11): 148 shards of a 12-layer GPT took 12 ms of a step whose GPU work was 12 ms, so a
-    bf16 step waited on the host. ``tables`` (a dict the caller keeps) holds each launch's device
-    tables (``MultiTensorTables``) for the next step."""
+    Each launch costs host time through the custom op: with a launch per shard, a model of many
+    small shards would have its step wait on the host, not the GPU. ``tables`` (a dict the caller
+    keeps) holds each launch's device tables (``MultiTensorTables``) for the next step."""
     if not (len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(lowps)):
         raise ValueError(
             "fused_adamw_multi: params, grads, exp_avgs, exp_avg_sqs and lowps must have one "
@@ -656,7 +655,7 @@ def fused_adamw_reference(
 # Each op is called through a plain function that passes every argument by position. torch 2.11's
 # ADInplaceOrView kernel for custom ops bumps the version of each mutated argument by its position in
 # the call (``args[idx]``), so a mutated argument left to its default or passed by keyword (``lowp_out``)
-# raised IndexError on every step (found by gpu_check on torch 2.11; 2.13 fills in defaults first).
+# raises IndexError there (2.13 fills in defaults first).
 # The ops' schemas have no defaults, so a direct caller must pass everything too.
 
 

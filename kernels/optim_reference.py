@@ -4,7 +4,7 @@ The arithmetic follows ``torch.optim.AdamW`` / ``torch.optim.SGD`` (single-tenso
 so that on the same gradients a shard is updated to the same bits as the corresponding slice of
 an unsharded parameter. They are what the Triton kernels are tested against; SGD's runs in
 production on a CPU, AdamW's there is torch's fused kernel (``cpu_adamw``), and the foreach
-reference it replaced is kept as ``benchmarks/bench_cpu_adamw.py``'s baseline.
+reference is ``benchmarks/bench_cpu_adamw.py``'s baseline.
 """
 
 from __future__ import annotations

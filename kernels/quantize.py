@@ -87,8 +87,8 @@ if triton_available():
         tl.store(ptrs, cast_rtne(x, ptrs.dtype.element_ty), mask=mask)
 
     # 4 bits: the block is read and written in one contiguous access and split into (or joined
-    # from) its even and odd elements in registers. Two stride-2 accesses, one per half, each touch
-    # every cache line of the block: on an H200 they ran at 0.49 of the copy bandwidth.
+    # from) its even and odd elements in registers. Two stride-2 accesses, one per half, would each
+    # touch every cache line of the block: twice the memory traffic.
     @triton.jit
     def _load_halves(x_ptr, pid, numel, BLOCK: tl.constexpr, BITS: tl.constexpr):
         """The two halves of block ``pid`` of ``x`` (first and second, or even and odd) in fp32."""

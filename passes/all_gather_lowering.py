@@ -3,16 +3,11 @@ backend's own form is unsafe (gloo, torch 2.11 and 2.13).
 
 Gloo runs the functional ``all_gather_into_tensor`` (on torch 2.13 as a coalesced all-gather,
 ``AsyncAllgatherCoalescedWork``), and two of them in flight at once, one on each of gloo's worker
-threads, corrupt the process's heap: ``malloc(): unaligned tcache chunk detected`` or a general
-protection fault in ``pt_gloo_runloop``, in about 1 of 10 two-rank runs of ``tests/test_schedule.py``'s
-specs (stage 3 prefetches, so two gathers are in flight), and in one CI run. It needs nothing of
-zcompile (``benchmarks/bench_gloo_gather_crash.py``): 2 gloo ranks issuing 8 functional all-gathers
-of 16 KiB before waiting on them, 300 rounds a launch, crashed 2 of 16 launches
-(``results/gloo_gather_crash.json``; 7 of 24 in earlier runs, with or without grad on the inputs);
-the same with ``all_gather_into_tensor_out`` (gloo's flat all-gather), with ``dist.all_gather_single``
-and with one gather in flight at a time crashed none (0 of 16 each; 0 of 24, 0 of 8, 0 of 8 before).
-On torch 2.11: 5 of 16 against 0 of 16 for each other form (``results/gloo_gather_crash_2.11.json``).
-With this rewrite the 2-rank specs above ran 40 of 40 times (3 of 30 crashed without it).
+threads, corrupt the process's heap (``malloc(): unaligned tcache chunk detected``, or a general
+protection fault in ``pt_gloo_runloop``); stage 3 prefetches, so two gathers are in flight. It
+needs nothing of zcompile: ``benchmarks/bench_gloo_gather_crash.py`` reproduces it with plain
+functional all-gathers, and finds no crash with ``all_gather_into_tensor_out`` (gloo's flat
+all-gather), ``dist.all_gather_single`` or one gather in flight at a time.
 
 The rewrite, for every all-gather of the graph::
 
@@ -31,16 +26,14 @@ the graph computes into the last row of the buffer it gathers into (a forward in
 where it is: inductor never reuses that memory). Inductor models ``all_gather_into_tensor_out`` as mutating
 its input and ``out``, and its wait as touching ``out`` alone, so once the collective is issued it
 counts the input as dead and hands its memory to the next kernel with an output of that size, while
-gloo still reads it (checked on torch 2.13's generated code: ``buf5 = buf1; del buf1  # reuse``
-between the issue and the wait). Where the input is an activation of the model's own gather, stage 3
-trained on garbage with no error; a bf16 cast or a bucket's pack of ZeRO's shards is as exposed when
-a kernel's output has its size. In one buffer with the gathered result, the input lives as long as
-the result is read. The buffer is made by ``zcompile::pack_bucket_as_last_row``, which allocates it
-and writes that row: a bucket's pack (``zcompile::pack_bucket``) becomes that op (before, its output
-was copied there: one more pass over the bucket's shards each gather), and any other input is the
-op's one member. Until 2026-11-28 such an input was copied into an ``empty``'s last row, a copy
-inductor fused into the kernel that computes the input; inductor 2.11 allocated that ``empty`` after
-the kernel, and its code stopped in ``UnboundLocalError`` (torch 2.13 placed it right).
+gloo still reads it: the gather would send garbage, with no error. An activation, a bf16 cast or a
+bucket's pack of ZeRO's shards is exposed whenever a kernel's output has its size. In one buffer
+with the gathered result, the input lives as long as the result is read. The buffer is made by
+``zcompile::pack_bucket_as_last_row``, which allocates it and writes that row: a bucket's pack
+(``zcompile::pack_bucket``) becomes that op (no copy of the pack into the buffer), and any other
+input is the op's one member. An ``empty`` and a copy into its last row would not do: inductor
+fuses that copy into the kernel that computes the input and may allocate the ``empty`` after that
+kernel (inductor 2.11 does).
 """
 
 from __future__ import annotations

@@ -6,15 +6,14 @@ gradients, ``[N, s_i]`` each, so that rank r's row holds every member's slice fo
 an all-gather come every rank's shards of every member, rank-major, from which each member needs
 its own ``[N * s_i]`` copy, and out of a reduce-scatter each member's ``[s_i]``, averaged over
 ranks (``unpack_bucket``). Written as aten ops that is a ``cat`` of as many
-inputs as members and a ``split`` + ``clone`` (or ``div``) per member: inductor makes each member's copy a
-kernel of its own (407 kernels at stage 3 against DDP+compile's 175 on the 4-layer example GPT,
-and its C++ code generation costs about as much per kernel however small the kernel), and the
-eager compiler runs three dispatcher calls per member. As ``torch.library`` custom ops each is one
-call per bucket: an extern kernel to inductor, which neither fuses nor splits it, and one call in
-the eager compiler's code. The copies themselves are ``torch.cat`` / ``torch.split_with_sizes_copy``:
-the same bytes as before. Under inductor on gloo every gather's computed input, a bucket's pack or
-any tensor as a bucket of one, is made as the last row of the gather's own buffer
-(``pack_bucket_as_last_row``; ``all_gather_lowering``).
+inputs as members and a ``split`` + ``clone`` (or ``div``) per member: inductor makes each member's
+copy a kernel of its own (and its C++ code generation costs about as much per kernel however small
+the kernel), and the eager compiler runs three dispatcher calls per member. As ``torch.library``
+custom ops each is one call per bucket: an extern kernel to inductor, which neither fuses nor
+splits it, and one call in the eager compiler's code. The copies themselves are ``torch.cat`` /
+``torch.split_with_sizes_copy``: the same bytes as the aten ops. Under inductor on gloo every
+gather's computed input, a bucket's pack or any tensor as a bucket of one, is made as the last row
+of the gather's own buffer (``pack_bucket_as_last_row``; ``all_gather_lowering``).
 
 All three are pure (new storages, no alias of an input), with fake implementations for FakeTensorMode
 (``zcompile.simulate``; the passes' fake values).

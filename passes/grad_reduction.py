@@ -4,14 +4,13 @@ At stages 2 and 3 each parameter's gradient is averaged over the ranks and cut t
 shard in the backward graph (``graph_ops``' autograd functions): flattened, padded to a multiple of
 the group size, cast to the reduce dtype, reduce-scattered, waited, divided by the group size, cast
 to the shard's dtype. Traced by AOTAutograd that is 3-6 ops a parameter, each dispatched through
-functionalization, proxy and fake tensors (about 1 ms an op on this repository's machine), and
-then carried through inductor's joint-graph pattern passes and the min-cut partitioner, all of
-whose costs grow with the joint graph's nodes: 196 parameters of the 16-layer example GPT made
-AOTAutograd's joint trace 1.87 s at stage 2 against 1.15 s at stage 1, with inductor's caches warm.
+functionalization, proxy and fake tensors, and then carried through inductor's joint-graph pattern
+passes and the min-cut partitioner, all of whose costs grow with the joint graph's nodes: for a
+model of many parameters, a large share of the compile.
 
 So the autograd functions call ``zcompile::reduce_grad_to_shard`` instead: one node through the
 trace, the partition and the joint passes. ``expand_grad_reductions_pass``, the first pass on a
-backward graph, writes each one out as those ops, the nodes the trace used to make, so that every
+backward graph, writes each one out as those ops, the nodes the trace would have made, so that every
 later pass (bucketing, qgZ, the schedule, the all-to-all lowering), report and rank check reads
 the reduce-scatters as before. The op's own kernel runs the same steps eagerly, so a graph that
 kept it would still train right.

@@ -85,7 +85,10 @@ def hpz_forward_shortcut_pass(gm: torch.fx.GraphModule, hpz_group_name: str) -> 
         got = source.meta.get("val")
         want = None if wait is None else wait.meta.get("val")
         if want is None or got is None or got.shape != want.shape or got.dtype != want.dtype:
-            log.warning("hpZ: %s is not a slice of a gathered tensor of its size; left in place", gather.node.name)
+            log.warning(
+                "zcompile: hpZ re-gather %s is not a slice of a gathered tensor of its size; left in place",
+                gather.node.name,
+            )
             continue
         wait.replace_all_uses_with(source)
         graph.erase_node(wait)

@@ -4,10 +4,9 @@ Stages 2 and 3 route every parameter through an ``autograd.Function`` (``graph_o
 forward returns the replicated weight as ``full.view_as(full)`` (a custom function may not hand
 an input back as itself), and at stage 3 a 1-D weight's gathered piece is viewed to the shape it
 has. AOTAutograd keeps each as an ``aten.view`` node, in forward and, recomputed from the saved
-input, again in backward: on the 16-layer example GPT at stage 2, 196 of them in each graph.
-Each is one more node for the eager inner compiler to dispatch at every call, and one more for
-inductor to lower at compile time (stage 2 lowered 482 more nodes than stage 1 there). AOTAutograd
-leaves a few in any graph too (a bias's gradient summed, then viewed to the shape it has).
+input, again in backward: one per parameter in each graph at stage 2. Each is one more node for
+the eager inner compiler to dispatch at every call, and one more for inductor to lower at compile
+time. AOTAutograd leaves a few in any graph too (a bias's gradient summed, then viewed to the shape it has).
 
 The view is the input itself (same sizes, so the same strides and offset: an alias), so its
 readers read the input instead; a view that is a graph output is kept for that use, because

@@ -4,9 +4,8 @@ AOTAutograd writes the backward of ``F.cross_entropy`` (``log_softmax`` then ``n
 ``g = nll_loss_backward(grad, log_probs, target, ...)`` followed by
 ``_log_softmax_backward_data(g, log_probs, dim, input_dtype)``: two tensors the size of the logits,
 alive together beside the saved log-probabilities. For a language model the logits are the largest
-activation of the step (rows x vocabulary), so this pair is often the step's peak (the README's
-4-rank stage-2 bf16 memory row: 2 x 2 MiB on a 4096-token vocabulary; 4 GiB each for a 128k
-vocabulary at 8k tokens).
+activation of the step (rows x vocabulary), so this pair is often the step's peak (4 GiB each in
+fp32 for a 128k vocabulary at 8k tokens).
 
 The pass replaces each such pair with one ``zcompile::cross_entropy_backward`` call
 (``zcompile.kernels.cross_entropy``), which computes the same values (on the CPU, bit for bit: ATen's

@@ -77,8 +77,8 @@ def _outputs_in_traced_dtypes(graph: torch.fx.Graph, output: torch.fx.Node) -> i
     """Each floating-point output the graph computes, cast after the autocast region to the dtype
     Dynamo traced it in (its ``example_value``'s). Dynamo traces the code after the graph (a graph
     break's next frame, eager code reading ``.dtype``) with that dtype; autocast's ``param_dtype``
-    output broke it: with bf16 parameters, a convolution after a graph break failed in Dynamo's own
-    trace ("Input type (c10::BFloat16) and bias type (float) should be the same"), the activation
+    output would break it: with bf16 parameters, a convolution after a graph break fails in Dynamo's
+    own trace ("Input type (c10::BFloat16) and bias type (float) should be the same"), the activation
     carried across being bf16 where the frame's weights are traced fp32. A cast to the same dtype is
     the tensor itself (no copy); graph inputs returned as they are stay untouched."""
     returned = output.args[0]
@@ -115,8 +115,8 @@ def norm_params_in_fp32_pass(gm: torch.fx.GraphModule, device_type: str) -> torc
     the dtypes it is given (CUDA's casts norms to fp32 itself). torch's CPU norms take an fp32
     weight with a bf16 input, but not a bf16 weight with an fp32 input ("mixed dtype (CPU): expect
     parameter to have scalar type of Float"): a LayerNorm on an fp32 graph input (features, or the
-    hidden state of a block compiled on its own, its embedding run eagerly) failed at every stage,
-    and a BatchNorm failed even on a bf16 input (its fp32 running statistics). In fp32 the weights
+    hidden state of a block compiled on its own, its embedding run eagerly) fails at every stage,
+    and a BatchNorm fails even on a bf16 input (its fp32 running statistics). In fp32 the weights
     fit every input, as on CUDA; the cast's backward hands their gradient back in ``param_dtype``.
     A no-op elsewhere than on a CPU.
     """
@@ -175,7 +175,7 @@ def custom_ops_in_traced_dtypes_pass(gm: torch.fx.GraphModule, plan) -> torch.fx
     Autocast does not know custom ops: it casts neither their inputs nor their outputs. In eager
     ``torch.autocast`` with fp32 weights such an op gets fp32 weights and fp32 activations; here the
     weights reach the graph in ``param_dtype`` and the activations stay fp32, so an op that multiplies
-    them failed (transformers' MoE ``_grouped_mm`` CPU fallback, Mixtral, Qwen2-MoE: "expected m1 and
+    them fails (transformers' MoE ``_grouped_mm`` CPU fallback, Mixtral, Qwen2-MoE: "expected m1 and
     m2 to have the same dtype, but got: float != c10::BFloat16"). In the traced dtypes the op computes
     as eager autocast would have it; the casts' backward hands the weights' gradients back in
     ``param_dtype``. A cast to the same dtype is the tensor itself.

@@ -6,14 +6,14 @@ Traced by AOTAutograd that is 3-5 ops a parameter, each dispatched through funct
 proxy and fake tensors twice (metadata collection, then the joint trace; the all-gather through
 the functional collectives' own autograd wrapper as well), then carried through inductor's
 joint-graph pattern passes and the min-cut partitioner, which recomputes the whole chain in the
-backward (the gathers are tagged ``MUST_RECOMPUTE``). On the 16-layer example GPT that is 196
-parameters, and the gathers' share of a warm stage-3 compile was the largest thing stage 3 adds.
+backward (the gathers are tagged ``MUST_RECOMPUTE``). For a model of many parameters that is the
+largest part of what stage 3 adds to a compile.
 
 So ``gather_param`` calls ``zcompile::gather_shards`` instead: one node through the trace, the
 joint passes and the partition, which recomputes it in the backward as it did the chain (the op
 carries the chain's ``MUST_RECOMPUTE`` tag, and keep-gathered lifts it the same way).
 ``expand_param_gathers_pass``, the first pass on every partitioned graph, writes each one out as
-the nodes the trace used to make, with the op's tags, so every later pass (bucketing, qwZ, the
+the nodes the trace would have made, with the op's tags, so every later pass (bucketing, qwZ, the
 schedule, cross-call prefetch, the all-gather lowering), report and rank check reads the
 all-gathers as before. The op's own kernel runs the same steps eagerly, so a graph that kept it
 would still train right.

@@ -4,11 +4,11 @@ ZeRO keeps a weight's value on its shards, each rank 1/N of it; the graphs read 
 or replicated (stages 1 and 2) copy. A write into the parameter inside the forward reaches only
 this rank's copy: ``nn.Embedding(max_norm=...)`` renormalizes, in the weight, the rows its batch
 looks up (``torch.embedding_renorm_``), and ``weight.data.clamp_(...)`` in a forward clips it. At
-stages 2 and 3 autograd refused the write to the custom function's output with a message about
+stages 2 and 3 autograd refuses the write to the custom function's output with a message about
 views ("Output 0 of _GatherParam is a view and its base ... has been modified inplace"); at stage
-1 each rank kept the renormalization of the rows it looked up in its own slice only, the step's
-all-gather overwrote the rest, and the weights differed from one process's on the global batch
-(an embedding row 10.4 long where max_norm=1 and one process's longest is 8.9), with no word.
+1 each rank would keep the renormalization of the rows it looked up in its own slice only, the
+step's all-gather would overwrite the rest, and the weights would differ from one process's on
+the global batch, with no word.
 
 ``parameter_writes`` names each such write; the backend refuses the graph with the fix (move the
 write after ``optimizer.step()``, inside ``zcompile.gathered(model)``).

@@ -3,10 +3,8 @@
 Gloo has no reduce-scatter of its own: ``reduce_scatter_tensor`` all-reduces a clone of the input
 and keeps the rank's slice, moving ``2(N-1)/N`` of the input per rank where a reduce-scatter moves
 ``(N-1)/N``. An all-to-all moves exactly the reduce-scatter's bytes (rank ``r`` receives every rank's
-row ``r``) and the rank adds the ``N`` rows it received. Measured on this repository's 2-core machine
-(gloo, fp32, 0.25-16 MiB, ``benchmarks/bench_gloo_collectives.py``): gloo's reduce-scatter takes
-1.7-2.1x the all-to-all + sum's time at 2 ranks and 2.3-5.0x at 4 (16 MiB at 2 ranks: 16.6 ms
-against 8.2; an all-reduce 12.2).
+row ``r``) and the rank adds the ``N`` rows it received, in less time than gloo's reduce-scatter,
+the more so the more ranks (``benchmarks/bench_gloo_collectives.py``).
 
 The rewrite, for every sum reduce-scatter of the graph (``avg`` is a sum then a division by N)::
 
@@ -20,14 +18,13 @@ schedule's placement is kept. It runs after every pass that plans or rewrites re
 so ``collectives.CollectiveNode`` still reads it as a reduce-scatter (its kind, group size, reduce op
 and bytes): reports, the rank checks and the cost model speak of what the graph does, not of how
 this backend runs it. Its output is the full ``[N, d/N]`` received rows (gloo's clone of the input
-was as large, allocated where no estimate saw it) until the sum has read them.
+is as large, allocated where no estimate sees it) until the sum has read them.
 
 The sum is an op of its own (``sum_received_rows``), not aten's ``sum`` over a view: inductor
-generates and compiles a C++ kernel per distinct bucket size for an aten sum (3 of stage 2's 5
-kernels more than stage 1's at 16 layers of the example GPT, about a second of cold compile each,
-more the more distinct bucket sizes a model has), and to inductor the op is one extern call. Its
-rows are added one after another (``add`` then ``add_``), 2.6x faster than aten's ``sum`` over the
-outer dimension at 2 ranks (0.063 against 0.164 ms for 1.9 MiB on one thread) and equal at 4.
+generates and compiles a C++ kernel per distinct bucket size for an aten sum (a cold compile of
+each, the more the more distinct bucket sizes a model has), and to inductor the op is one extern
+call. Its rows are added one after another (``add`` then ``add_``), on a CPU thread faster than
+aten's ``sum`` over the outer dimension at few ranks and as fast at more.
 
 Which compiles get it is the front end's choice (``zcompile.common.process_group.reduce_scatter_by_all_to_all``:
 the option ``reduce_scatter``, by default gloo groups of more than one rank).

@@ -6,8 +6,9 @@ backend through its entry point) does not import the optimizer, the Triton kerne
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from zcompile.common.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -46,14 +47,4 @@ if TYPE_CHECKING:
     from zcompile.tune.simulated import simulate_tune
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'zcompile' has no attribute {name!r}")
-    module = importlib.import_module(_LAZY[name] or f"zcompile.{name}")  # "" : the name is a submodule
-    value = module if not _LAZY[name] else getattr(module, name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)

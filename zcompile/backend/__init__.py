@@ -7,12 +7,8 @@ not load the whole runtime.
 
 from __future__ import annotations
 
-import importlib
+from zcompile.common.lazy import lazy_attributes
 
 _LAZY = {"zero_backend": "zcompile.backend.entry_point"}
 
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'zcompile.backend' has no attribute {name!r}")
-    return getattr(importlib.import_module(_LAZY[name]), name)
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)

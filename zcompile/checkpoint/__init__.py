@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from zcompile.common.lazy import lazy_attributes
 
 # public name -> the module that defines it, imported on first use (PEP 562): importing one module
 # of this package does not run the others
@@ -21,13 +22,4 @@ if TYPE_CHECKING:
     from zcompile.checkpoint.layout import CheckpointError
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)

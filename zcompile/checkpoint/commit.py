@@ -1,12 +1,10 @@
 """A checkpoint directory replaced whole or not at all: a save is written beside it, then swapped in.
 
 DCP writes each rank's data file in place (opened for writing, so emptied first) and the metadata
-last. A save into the directory of an earlier checkpoint (``train_gpt.py --save ckpt --save-every K``,
-any loop that keeps one "latest" checkpoint) that is stopped part way (a preemption, a node lost,
-Ctrl-C) destroyed the earlier checkpoint with nothing whole in its place. Measured on 2 ranks: with
-rank 0's file rewritten and rank 1's cut halfway, ``load`` failed with DCP's ``EOFError``; with rank
-0's rewritten and rank 1's not yet opened, ``load`` succeeded and trained on a mix, rank 0's shards
-from the new step and rank 1's from the old, and each rank got its own step back (4 and 2): no error.
+last. A save into the directory of an earlier checkpoint (any loop that keeps one "latest"
+checkpoint) that is stopped part way (a preemption, a node lost, Ctrl-C) would destroy the earlier
+checkpoint with nothing whole in its place: a later ``load`` either fails on a cut file or, worse,
+reads a mix of ranks' files from two different steps without an error.
 
 So ``zcompile.checkpoint.save`` writes into ``<path>.zcompile-saving`` and, once DCP has written every
 rank's files and the metadata, the coordinating rank swaps it in: ``<path>`` to ``<path>.zcompile-old``,
@@ -75,7 +73,8 @@ def prepare_save(path: str) -> None:
         _remove(path)
         os.rename(staging, path)
         log.warning(
-            "checkpoint: %s was saved whole but not moved into place (a save stopped while it swapped them); moved now",
+            "zcompile.checkpoint.save: %s was saved whole but not moved into place (a save stopped while it "
+            "swapped them); moved now",
             staging,
         )
     _remove(staging)
@@ -97,7 +96,7 @@ def commit_save(path: str) -> None:
     ``path``, replacing the checkpoint there."""
     staging, previous = staging_dir(path), previous_dir(path)
     if not is_complete(staging):  # DCP returned without its metadata: never swap in a partial save
-        raise RuntimeError(f"the save into {staging} has no {_METADATA_FILE}; {path} is left as it was")
+        raise RuntimeError(f"the save into {staging} has no {_METADATA_FILE}")  # the caller says what is kept
     if os.path.lexists(path):
         os.rename(path, previous)
     os.rename(staging, path)
@@ -112,8 +111,8 @@ def readable_checkpoint(path: str) -> str:
     staging = staging_dir(path)
     if is_complete(staging):
         log.warning(
-            "checkpoint: %s is not a complete checkpoint and %s is (a save stopped while it swapped them "
-            "in); reading %s",
+            "zcompile.checkpoint: %s is not a complete checkpoint and %s is (a save stopped while it swapped "
+            "them in); reading %s",
             path,
             staging,
             staging,

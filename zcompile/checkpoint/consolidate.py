@@ -38,9 +38,9 @@ def full_state_dict(
     """The model's full state dict (fp32 master weights, on the CPU) on ``rank``; ``None`` on the others.
 
     Collective over the model's group: every rank calls it. Memory: the result on ``rank``, and on
-    every rank one bucket of full weights at a time (``full_params.GATHER_BUCKET_BYTES``, 4 MiB, or
-    one larger weight alone), gathered by one collective each: one per parameter made an export of
-    many small weights latency-bound. A rank that does not call it within ``timeout_s``
+    every rank one bucket of full weights at a time (``eager.gathered.GATHER_BUCKET_BYTES``, 4 MiB, or
+    one larger weight alone), gathered by one collective each: one per parameter would make an export
+    of many small weights latency-bound. A rank that does not call it within ``timeout_s``
     (``if rank == 0: full_state_dict(model)``) is an error on the others, not a hang.
     ``exclude_frozen_parameters``: the parameters with ``requires_grad`` False are left out (buffers
     stay): a LoRA adapter's weights without gathering the base model, e.g. for
@@ -68,7 +68,7 @@ def full_state_dict(
     )
     mine = group.rank == rank
     # each sharded weight once (a tied one has several names), its master shards gathered a bucket at
-    # a time into the result's CPU tensors on ``rank`` (``full_params.gather_into_full``); the other
+    # a time into the result's CPU tensors on ``rank`` (``eager.gathered.gather_into_full``); the other
     # ranks take part and keep nothing
     masters = list({id(s): s for s in map(shard_of, refs.values()) if s is not None}.values())
     for sharded in masters:
@@ -164,9 +164,9 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, An
     excluded = sorted(meta.get("excluded_frozen", {}))
     if excluded:
         log.warning(
-            "consolidate: %s holds only what trained: %d frozen parameters (%s%s) were left out when it "
-            "was saved (exclude_frozen_parameters=True), so %s lacks them; take them from the weights "
-            "the run started from",
+            "zcompile.checkpoint.consolidate: %s holds only what trained: %d frozen parameters (%s%s) were "
+            "left out when it was saved (exclude_frozen_parameters=True), so %s lacks them; take them from "
+            "the weights the run started from",
             path,
             len(excluded),
             ", ".join(excluded[:3]),

@@ -50,6 +50,7 @@ from zcompile.checkpoint.layout import (
     FORMAT,
     META_KEY,
     PARAM_GROUPS_KEY,
+    UNCHANGED,
     CheckpointError,
     agree_on_call,
     as_flat_piece,
@@ -70,6 +71,8 @@ from zcompile.common.process_group import DataParallelGroup, all_gather_eager, a
 from zcompile.sharding.shards import FlatPiece, shard_of
 
 log = logging.getLogger(__name__)
+
+_STRICT_FIX = "pass strict=False to ignore them"  # the fix of a strict load's refusals of extra names
 
 ASYNC_GROUP_ATTR = "_zcompile_async_checkpoint_group"  # on the user's module: the group of its background saves
 PENDING_SAVE_ATTR = "_zcompile_pending_checkpoint_save"  # on the user's module: its background save not yet waited
@@ -272,7 +275,7 @@ def _async_group(model: torch.nn.Module, group: DataParallelGroup) -> dist.Proce
     if cached is None:
         if dist.get_world_size() != group.world_size:
             raise ValueError(
-                "zcompile.checkpoint.save(async_save=True) makes a process group for the background "
+                "zcompile.checkpoint.save: async_save=True makes a process group for the background "
                 "save, which needs the data-parallel group to span every rank; save synchronously"
             )
         cached = dist.new_group(dist.get_process_group_ranks(group.process_group), backend="gloo")
@@ -367,7 +370,7 @@ def load(
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException; it reaches every rank
         raise CheckpointError(
             f"zcompile.checkpoint.load: reading {path} failed ({type(error).__name__}: "
-            f"{_first_line(error)}); the model and optimizer are unchanged"
+            f"{_first_line(error)}); {UNCHANGED}"
         ) from error
     _check_kept_values(kept, excluded, group, path)  # before anything is written
     _apply_model(dest, params, model, group)
@@ -378,7 +381,8 @@ def load(
     extra = dest.get(extra_key(extra_rank))
     if group.world_size != saved_ranks:
         log.warning(
-            "checkpoint: saved on %d ranks, loaded on %d (resharded); rank %d gets the extra of saved rank %d",
+            "zcompile.checkpoint.load: saved on %d ranks, loaded on %d (resharded); rank %d gets the extra of "
+            "saved rank %d",
             saved_ranks,
             group.world_size,
             group.rank,
@@ -425,14 +429,10 @@ def _check_kept_values(kept, excluded: dict, group: DataParallelGroup, path: str
     if differing:
         shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
         raise CheckpointError(
-            f"zcompile.checkpoint.load({path!r}): the checkpoint was saved with exclude_frozen_parameters=True, so "
-            f"{len(excluded)} frozen parameters were left out and are taken from the model loaded into, but "
-            f"{len(differing)} of them ({shown}) do not hold the values they had at the save (on one rank at "
-            "least): the model was built "
-            "from other weights (load the same base weights, e.g. the same from_pretrained checkpoint, before "
-            "zcompile.checkpoint.load), or a frozen weight changed in the run (trained before it was frozen, or moved "
-            "by other code: an EMA or a momentum teacher, whose weights are all frozen; save such models without "
-            "exclude_frozen_parameters). The model and optimizer are unchanged"
+            f"zcompile.checkpoint.load({path!r}): saved with exclude_frozen_parameters=True, it takes the "
+            f"frozen parameters from the model, and {len(differing)} of them ({shown}) differ from their values "
+            "at the save. Build the model from the same base weights before loading; save a "
+            f"model whose frozen weights move (an EMA) without that option; {UNCHANGED}"
         )
 
 
@@ -467,14 +467,11 @@ def _check(keys: dict, params, model, optimizer, strict: bool, excluded: dict | 
         missing = sorted(set(excluded) - {name for name, _ in params})
         if missing:
             raise CheckpointError(
-                f"the checkpoint left out frozen parameters the model lacks: {missing[:5]}; pass "
-                "strict=False to ignore them"
+                f"the checkpoint left out frozen parameters the model lacks: {missing[:5]}; {_STRICT_FIX}"
             )
         unexpected = sorted(k for k in keys if k.startswith("model/") and k not in names)
         if unexpected:
-            raise CheckpointError(
-                f"the checkpoint has parameters the model lacks: {unexpected[:5]}; pass strict=False to ignore them"
-            )
+            raise CheckpointError(f"the checkpoint has parameters the model lacks: {unexpected[:5]}; {_STRICT_FIX}")
     if optimizer is not None and not any(k.startswith("optim/") for k in keys):
         raise CheckpointError("an optimizer was given but the checkpoint holds no optimizer state")
 

@@ -56,6 +56,9 @@ class CheckpointError(RuntimeError):
     """A checkpoint call that cannot go on (raised on every rank that made it; the model is untouched)."""
 
 
+# the end of every error of a load or save that stopped before it changed anything
+UNCHANGED = "the model and optimizer are unchanged"
+
 # what to do when the ranks' calls differ in one of these, beyond saying so
 _DIFFERENT_FIXES = {
     "path": " A path made per rank (the rank, a time stamp) gives each rank a directory of its own and no readable "
@@ -113,8 +116,7 @@ def agree_on_call(
     if found:
         rank, text = found[0]
         raise CheckpointError(
-            f"zcompile.checkpoint.{call}({os.fspath(path)!r}): {text} (found on rank {rank}); "
-            "the model and optimizer are unchanged"
+            f"zcompile.checkpoint.{call}({os.fspath(path)!r}): {text} (found on rank {rank}); {UNCHANGED}"
         )
 
 
@@ -129,7 +131,7 @@ def group_of(params) -> DataParallelGroup:
 
 def flat_mesh(group: DataParallelGroup, device_type: str):
     """The 1-D device mesh of ``group`` that flat pieces live on (None in a world of one). Made once
-    per save or load: making one per tensor was most of a small checkpoint's time."""
+    per save or load, not per tensor: making a mesh costs more than writing a small tensor."""
     if group.world_size == 1:
         return None
     from torch.distributed.device_mesh import DeviceMesh

@@ -40,13 +40,11 @@ log = logging.getLogger(__name__)
 def modules_of_compiled_frame() -> list[torch.nn.Module]:
     """The ``nn.Module`` objects among the locals of the frame Dynamo is compiling (its free variables
     included) and the globals its code names, and in their tuples, lists and dicts one level down
-    (may be empty). A decorator's wrapper ``wrapped(*args, **kwargs)`` around a model's ``forward``
-    (transformers' ``deprecate_kwarg`` on ``LlamaForCausalLM.forward``) is the frame compiled, and
-    the model is ``args[0]``: read at the top level only, no module was found, and a stage-3
-    ``model.state_dict()`` returned freed storages with no word. A compiled training step that uses a
-    global ``model`` (``@torch.compile def loss_of(x, y): return loss_fn(model(x), y)``) has it in no
-    local: its stage-3 ``state_dict()`` returned freed storages too (``torch.save`` of them refused,
-    naming an eager use)."""
+    (may be empty). One level down: a decorator's wrapper ``wrapped(*args, **kwargs)`` around a
+    model's ``forward`` (transformers' ``deprecate_kwarg`` on ``LlamaForCausalLM.forward``) is the
+    frame compiled, and the model is ``args[0]``. The globals: a compiled training step may use a
+    global ``model`` (``@torch.compile def loss_of(x, y): return loss_fn(model(x), y)``). A module
+    missed here does not learn it is sharded: its stage-3 ``state_dict()`` would return freed storages."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -279,8 +277,8 @@ def floats_specialized() -> contextlib.AbstractContextManager:
     guarded on their values). With ``dynamic=True`` Dynamo otherwise makes a model's float attributes
     (an RMSNorm's ``variance_epsilon``, a rotary embedding's ``attention_scaling``) symbolic; an op
     that needs the number specializes it, and AOTAutograd, after tracing the joint graph, asks Dynamo
-    to trace the whole frame again (``TensorifyScalarRestartAnalysis``): a transformers Llama's first
-    compile took 21 s against 10-11 s under this (one process, ``aot_eager`` as well as zero)."""
+    to trace the whole frame again (``TensorifyScalarRestartAnalysis``): a second trace of the whole
+    frame, which under this does not happen."""
     return torch._dynamo.config.patch(specialize_float=True)
 
 

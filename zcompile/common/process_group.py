@@ -104,9 +104,8 @@ def broadcast_from_first(
 def reduce_scatter_by_all_to_all(form: str, group: DataParallelGroup) -> bool:
     """Whether ``group``'s in-graph reduce-scatters run as an all-to-all and a sum (the option
     ``reduce_scatter``: ``"native"``, ``"all_to_all"`` or ``"auto"``, all-to-all on gloo). Gloo's
-    reduce-scatter all-reduces a clone of its input: twice a reduce-scatter's bytes, and 1.7-2.1x
-    the time of an all-to-all + sum of the same input on this repository's 2-core machine at 2 ranks,
-    2.3-5.0x at 4 (0.25-16 MiB; ``benchmarks/bench_gloo_collectives.py``)."""
+    reduce-scatter all-reduces a clone of its input: twice a reduce-scatter's bytes, and slower than an
+    all-to-all and a sum of the same input (``benchmarks/bench_gloo_collectives.py``)."""
     if form != "auto":
         return form == "all_to_all"
     return on_gloo(group)
@@ -137,8 +136,8 @@ def all_gather_coalesced_into(
     its own and copies each member's piece into its storage (instead of into a gathered bucket copied
     again), and when it enqueues the work it sizes a transient ``[members, first shard]`` tensor
     (``AsyncAllgatherCoalescedWork::getOutputTensors``; the flat all-gather's is the whole output).
-    The smallest shard first keeps that within the bucket's shard bytes (bench_memory's first bucket,
-    the 3 MiB embedding first: 15 MiB at 2 ranks); the order is the same on every rank, as the
+    The smallest shard first keeps that within the bucket's shard bytes (a large shard first, an
+    embedding's, would make it members times that shard); the order is the same on every rank, as the
     buckets are."""
     if isinstance(shards[0], FakeTensor):  # zcompile.simulate's fake world: no fake kernel for the coalesced op
         works = [all_gather_eager(out, shard, group, async_op=True) for out, shard in zip(outputs, shards)]

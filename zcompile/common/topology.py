@@ -34,7 +34,10 @@ class NodeLayout:
 
     def __post_init__(self) -> None:
         if self.node_size < 1 or self.world_size % self.node_size:
-            raise ValueError(f"{self.world_size} ranks do not split into nodes of {self.node_size}")
+            raise ValueError(
+                f"zcompile: {self.world_size} ranks do not split into nodes of {self.node_size}; "
+                "set node_size to a divisor of the world size"
+            )
 
     @property
     def nodes(self) -> int:
@@ -84,7 +87,7 @@ def node_groups(group: DataParallelGroup, node_size: int) -> NodeGroups:
     (it creates process groups); the backend calls it after the rank check has compared options.
     """
     if group.process_group is None:
-        raise ValueError("node groups need an initialized process group")
+        raise ValueError("zcompile: the ZeRO++ node groups need an initialized process group (init_process_group)")
     if dist.get_world_size() != group.world_size:
         raise ValueError(
             "zcompile: the ZeRO++ options (quantize_grads, hpz_size) split the data-parallel group into "

@@ -93,8 +93,8 @@ def gathered(
 def _materialize(shards: list[ShardedParam], rank0_only: bool) -> None:
     """Every rank's shards of ``shards`` gathered into their parameters (collective), a bucket of
     ``GATHER_BUCKET_BYTES`` per collective (``gather_into_full``): one blocking all-gather per
-    parameter made entering the block latency-bound (the 16-layer example GPT on 2 ranks: 110 ms for
-    its 196 weights; ``benchmarks/bench_gathered.py``). ``rank0_only``: gathered to rank 0, the other
+    parameter would make entering the block latency-bound for a model of many small weights.
+    ``rank0_only``: gathered to rank 0, the other
     ranks' parameters left freed."""
     receives = [s for s in shards if not rank0_only or s.group.rank == 0]
     for sharded in receives:
@@ -115,14 +115,14 @@ def gather_into_full(
     """For each ``(full, chunk, layout)``: ``full`` (flat, ``layout.numel`` elements) = every rank's
     ``chunk`` (``layout.shard_numel`` elements, padded past what the rank owns) in rank order
     (collective), each layout once. The chunks side by side, in the optimizer's buckets of ``GATHER_BUCKET_BYTES``
-    (``optim_buckets.plan_optimizer_buckets``), one collective each, every member's rows copied out:
+    (``optim.buckets.plan_optimizer_buckets``), one collective each, every member's rows copied out:
     ``gathered``'s parameters, ``full_state_dict``'s, and a weight averaged toward a replica's masters
     (``zcompile.eager.weight_average``). ``full`` may be on another device than the chunks (the CPU), or None
     on a rank that only takes part. ``to_first``: gathered to the group's rank 0 only; the other ranks
     send, and their ``full`` is None."""
     by_layout = {id(layout): (full, chunk) for full, chunk, layout in items}
     if len(by_layout) != len(items):
-        raise ValueError("gather_into_full: each layout once (one full tensor per parameter)")
+        raise ValueError("zcompile: gather_into_full takes each layout once (one full tensor per parameter)")
     buckets = plan_optimizer_buckets(
         [layout for _, _, layout in items], lambda layout: by_layout[id(layout)][1].dtype, GATHER_BUCKET_BYTES
     )

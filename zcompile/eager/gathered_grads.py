@@ -9,7 +9,7 @@ that is not the one the step applies.
 
 Inside ``gathered(model, grads=True)`` every sharded parameter that has a gradient holds the full
 gradient averaged over ranks in ``.grad``, in the parameter's dtype. It is made the way clipping
-makes it (``clip.averaged_grad_shards``): stage 1's local gradients are reduce-scattered onto the
+makes it (``optim.clip.averaged_grad_shards``): stage 1's local gradients are reduce-scattered onto the
 shards now, bucketed and averaged as the step would (the step then does not reduce them again),
 and every averaged shard is all-gathered into a full ``.grad``, a tensor of its own. On leaving,
 with ``writeback`` (the default) what ``.grad`` holds then, edits included, becomes the averaged

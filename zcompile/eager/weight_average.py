@@ -22,7 +22,7 @@ Each pair of parameters (``target.parameters()`` and ``source.parameters()`` in 
 - a target held in full beside a stage-1/2 source with a ``param_dtype`` replica (a bf16-trained
   student's fp32 values exist only as the ranks' master shards): this rank's slice of the target
   from the source's master shard, then the slices all-gathered into the full target a bucket at a
-  time (``full_params.gather_into_full``): one all-gather of the target, where ``gathered`` on both
+  time (``eager.gathered.gather_into_full``): one all-gather of the target, where ``gathered`` on both
   models gathered the source and wrote both back;
 - anything else (a stage-3 target beside a source held in full; a target with a replica of its
   own) is refused naming the pair and the fix, before any weight changes.
@@ -286,21 +286,18 @@ def _difference(calls: list, mine: list) -> str:
     if same_call and any(other[4] != mine[4] for other in calls):
         return (
             "zcompile.lerp_weights_: the target starts from different values on different ranks (a digest of "
-            f"its weights per rank: {dict(enumerate(other[4] for other in calls))}), and each rank would update "
-            "its own piece of its own copy: a mix of the ranks' copies. Make the copy from weights every rank "
-            "shares: copy.deepcopy(model) after zcompile.sync_module_states(model), or build both with the same "
-            "seed, or load the copy on every rank"
+            f"its weights per rank: {dict(enumerate(other[4] for other in calls))}), so its pieces would mix the "
+            "ranks' copies. Make the copy from weights every rank shares: copy.deepcopy(model) after "
+            "zcompile.sync_module_states(model), or the same seed on every rank"
         )
     if same_call:
         return (
             "zcompile.lerp_weights_(buffers=True): the source's buffers differ between ranks (a digest per rank: "
-            f"{dict(enumerate(other[6] for other in calls))}), so each rank's average would part from the others'. "
-            "They are the same on every rank after optimizer.step() (every rank takes rank 0's BatchNorm "
-            "statistics there): update after the step, not between the forward and the step"
+            f"{dict(enumerate(other[6] for other in calls))}), so the ranks' averages would part: update after the "
+            "step (optimizer.step() gives every rank rank 0's buffers), not between the forward and the step"
         )
     return (
-        "zcompile.lerp_weights_: the ranks called it with different models or weights ([the target's and the "
-        "source's numbers (in the order each was first passed), parameters, how each pair is held (digest), "
-        "weight, the target's starting values (digest), buffers or not, the source's buffers (digest)] per "
+        "zcompile.lerp_weights_: the ranks called it with different models or weights ([the models' numbers, "
+        "pairs, how each pair is held, weight, starting values, buffers or not, the source's buffers] per "
         f"rank: {dict(enumerate(calls))}); call it on every rank with the same models and weight."
     )

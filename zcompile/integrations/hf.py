@@ -57,12 +57,14 @@ log = logging.getLogger(__name__)
 
 if not hasattr(transformers.Trainer, "_clip_grad_norm"):  # the hooks overridden below came with transformers 5
     raise ImportError(
-        f"zcompile.integrations.hf needs transformers>=5.0 (found {transformers.__version__}): "
+        f"zcompile.integrations.hf: needs transformers>=5.0 (found {transformers.__version__}); "
         "pip install -U 'transformers>=5' accelerate"
     )
 
 CHECKPOINT_SUBDIR = "zcompile"  # in a Trainer checkpoint folder: zcompile's sharded checkpoint
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf")  # Trainer names zcompile.optim.AdamW stands for
+# the fix of both refusals of another sharding (DeepSpeed, FSDP)
+_OWN_SHARDING = "zcompile shards the model itself: turn DeepSpeed and FSDP off"
 
 
 class ZeroTrainer(transformers.Trainer):
@@ -75,9 +77,8 @@ class ZeroTrainer(transformers.Trainer):
 
     ``dynamic``: ``torch.compile``'s. True (the default here) makes every input size symbolic from the
     first compile: Trainer's collators pad each rank's batch to its own longest sequence, and with
-    Dynamo's default a batch whose length changed on one rank only recompiled on that rank alone, a
-    ``RankDivergenceError`` at stages 2 and 3 (a Llama with sequences of 8-32 tokens, stage 3: at the
-    second step). None: Dynamo's default (for inputs of one fixed shape).
+    Dynamo's default a batch whose length changes on one rank only recompiles on that rank alone, a
+    ``RankDivergenceError`` at stages 2 and 3. None: Dynamo's default (for inputs of one fixed shape).
     """
 
     def __init__(
@@ -101,8 +102,8 @@ class ZeroTrainer(transformers.Trainer):
         _refuse_unsupported(self.args)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
-                "ZeroTrainer: DeepSpeed or FSDP is enabled (an accelerate config or TrainingArguments); "
-                "zcompile shards the model itself: turn them off"
+                "zcompile.integrations.hf.ZeroTrainer: DeepSpeed or FSDP is enabled (an accelerate config or "
+                f"TrainingArguments); {_OWN_SHARDING}"
             )
 
     # ---- the model: compiled by the zero backend, never wrapped in DDP ----
@@ -114,14 +115,14 @@ class ZeroTrainer(transformers.Trainer):
         search's trials), which the first compile's wrapper would not have trained."""
         if self._zero_compiled is None or self._zero_compiled_from is not self.model:
             if self._zero_compiled is not None:
-                # Dynamo would keep the last model's graphs, each guarded on its model: one more
-                # compile per trial, and from the ninth (recompile_limit) the new model ran eagerly,
-                # its weights unsharded (zcompile's warning named them). Trainer replaced that model.
+                # Trainer replaced the model. Dynamo would keep the last model's graphs, each guarded on
+                # its model: one more compile per trial, and past recompile_limit the new model would
+                # run eagerly, its weights unsharded.
                 log.info("ZeroTrainer: a new model (model_init); torch.compiler.reset() before compiling it")
                 torch.compiler.reset()
             self._zero_compiled_from = self.model
             # accelerate's preparation without its DDP wrap (evaluation_mode): device placement and,
-            # with bf16=True, the autocast around forward that Trainer's mixed precision is
+            # with bf16=True, the autocast around forward that is Trainer's mixed precision
             prepared = self.accelerator.prepare_model(self.model, evaluation_mode=True)
             self._zero_compiled = torch.compile(
                 prepared, backend="zero", options=self.zero_options, dynamic=self.dynamic
@@ -143,10 +144,10 @@ class ZeroTrainer(transformers.Trainer):
     def compute_loss(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         # With label_smoothing_factor, Trainer computes the loss itself and shifts a causal LM's labels
         # only if the class of accelerator.unwrap_model(model) is a causal LM's. That unwrap keeps
-        # torch.compile's wrapper (OptimizedModule, no causal LM), so the labels went unshifted: each
-        # token scored against itself, a loss that trained silently wrong (first loss 5.18 where the
-        # DDP Trainer's was 4.87). The class is read here through the wrapper, as Trainer's DDP path
-        # reads it; Trainer's loss unwraps the model for nothing else.
+        # torch.compile's wrapper (OptimizedModule, no causal LM), so the labels would go unshifted:
+        # each token scored against itself, a loss that trains silently wrong. The class is read here
+        # through the wrapper, as Trainer's DDP path reads it; Trainer's loss unwraps the model for
+        # nothing else.
         with _unwrapping_through_compile(self.accelerator):
             return super().compute_loss(model, *args, **kwargs)
 
@@ -157,9 +158,10 @@ class ZeroTrainer(transformers.Trainer):
             self.optimizer = self._zero_optimizer_from_args(self.model if model is None else model)
         elif not isinstance(_unwrapped(self.optimizer), zcompile.optim.ShardedOptimizer):
             raise TypeError(
-                f"ZeroTrainer: optimizers=({type(_unwrapped(self.optimizer)).__name__}, ...) is not a zcompile.optim "
-                "optimizer: its step would not see the gradients, which live on zcompile's shards. Pass "
-                "zcompile.optim.AdamW / SGD, or no optimizer to have one built from the TrainingArguments"
+                "zcompile.integrations.hf.ZeroTrainer: "
+                f"optimizers=({type(_unwrapped(self.optimizer)).__name__}, ...) is not a zcompile.optim optimizer: "
+                "its step would not see the gradients, which live on zcompile's shards. Pass zcompile.optim.AdamW / "
+                "SGD, or no optimizer to have one built from the TrainingArguments"
             )
         return self.optimizer
 
@@ -183,9 +185,9 @@ class ZeroTrainer(transformers.Trainer):
         if optim == "sgd":
             return zcompile.optim.SGD(groups, lr=args.learning_rate, **self.optimizer_options)
         raise ValueError(
-            f"ZeroTrainer: TrainingArguments(optim={optim!r}) has no zcompile optimizer; use "
-            f"{' / '.join(ADAMW_OPTIMS)} (zcompile.optim.AdamW) or 'sgd', or pass a zcompile.optim "
-            "optimizer in optimizers="
+            f"zcompile.integrations.hf.ZeroTrainer: TrainingArguments(optim={optim!r}) has no zcompile "
+            f"optimizer; use {' / '.join(ADAMW_OPTIMS)} (zcompile.optim.AdamW) or 'sgd', or pass a "
+            "zcompile.optim optimizer in optimizers="
         )
 
     def _zero_optimizer(self) -> zcompile.optim.ShardedOptimizer:
@@ -288,13 +290,14 @@ def _take_over_torch_compile(args: transformers.TrainingArguments) -> None:
         return
     if args.torch_compile_backend != "zero":
         raise ValueError(
-            f"ZeroTrainer: TrainingArguments(torch_compile_backend={args.torch_compile_backend!r}): ZeroTrainer "
-            "compiles the model with the zero backend itself; drop torch_compile, or set torch_compile_backend='zero'"
+            "zcompile.integrations.hf.ZeroTrainer: "
+            f"TrainingArguments(torch_compile_backend={args.torch_compile_backend!r}): ZeroTrainer compiles the "
+            "model with the zero backend itself; drop torch_compile, or set torch_compile_backend='zero'"
         )
     if args.torch_compile_mode is not None:
         raise ValueError(
-            "ZeroTrainer: torch_compile_mode is not supported by the zero backend; pass its options "
-            "in zero_options= instead"
+            "zcompile.integrations.hf.ZeroTrainer: torch_compile_mode is not supported by the zero backend; "
+            "pass its options in zero_options= instead"
         )
     args.torch_compile, args.torch_compile_backend = False, None
 
@@ -302,12 +305,13 @@ def _take_over_torch_compile(args: transformers.TrainingArguments) -> None:
 def _refuse_unsupported(args: transformers.TrainingArguments) -> None:
     if args.fp16:
         raise ValueError(
-            "ZeroTrainer: fp16=True is not supported: accelerate's fp16 loss scaling runs on a GPU "
-            "only and has not been run with zcompile. Use bf16=True (or zero_options={'param_dtype': "
-            "'bf16'}); in a training loop of your own, torch.amp.GradScaler works over zcompile.optim"
+            "zcompile.integrations.hf.ZeroTrainer: fp16=True is not supported: accelerate's fp16 loss scaling "
+            "runs on a GPU only and has not been run with zcompile. Use bf16=True (or zero_options="
+            "{'param_dtype': 'bf16'}); in a training loop of your own, torch.amp.GradScaler works over "
+            "zcompile.optim"
         )
     if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
         raise ValueError(
-            "ZeroTrainer: TrainingArguments(deepspeed=...) / fsdp=... ask for another sharding; "
-            "zcompile shards the model itself: drop them"
+            "zcompile.integrations.hf.ZeroTrainer: TrainingArguments(deepspeed=...) / fsdp=... ask for another "
+            f"sharding; {_OWN_SHARDING}"
         )

@@ -2,10 +2,10 @@
 
 ``cost_model.measure_compute_costs`` times one op at a time: a 512x512 matmul, a 4 MiB clone, an
 add of one element. A compiled training step runs hundreds of ops of other shapes through the
-graphs' generated code, on every rank of the host at once. On the 2-vCPU development VM that step's
-graphs run at about 0.7-0.8 of the rates the micro-benchmarks give (two ranks' matmuls at 0.8x one
-alone, the generated code's own Python and allocations), so a roofline on the micro-benchmarks
-alone predicted 0.6-0.7x of measured steps.
+graphs' generated code, on every rank of the host at once. On a CPU that step's graphs reach less
+than the rates the micro-benchmarks give (the ranks' matmuls share the host, the generated code
+adds its own Python and allocations), so a roofline on the micro-benchmarks alone predicts steps
+shorter than they are.
 
 ``measure_compute_efficiency`` measures that fraction on a reference workload that is none of the
 models it is used to predict: two of torch's ``TransformerEncoderLayer`` (pre-norm, d_model 96, 4
@@ -75,7 +75,7 @@ def measure_compute_efficiency(
     measured = statistics.median(times)
     if resolved.world_size > 1:
         # the slowest rank's: a step goes at its pace (its collectives wait for it), and with more ranks
-        # than cores the scheduler leaves some ranks behind (4 ranks on this VM's 2 vCPUs)
+        # than cores the scheduler leaves some ranks behind
         local = torch.tensor([measured], dtype=torch.float64)
         every = torch.empty(resolved.world_size, dtype=torch.float64)
         all_gather_eager(every, local, resolved)

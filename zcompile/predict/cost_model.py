@@ -7,7 +7,7 @@
   every rank holds the same numbers: a schedule planned from them must be identical on all
   ranks (passes/README.md, invariant 1). Measured so, on one group, a collective is priced by its
   kind alone; a hardware profile prices it by its own group and link instead (``CollectivePricing``,
-  ``zcompile.hardware.LinkCosts``: ZeRO++'s intra-node collectives on the intra-node link).
+  ``zcompile.predict.hardware.LinkCosts``: ZeRO++'s intra-node collectives on the intra-node link).
 - **Compute** costs a roofline per FX node: ``op_overhead_s + max(flops / flops_per_s,
   bytes / bytes_per_s)``, FLOPs from ``torch.utils.flop_counter``'s formulas, bytes the tensors the
   op reads and writes, both read from the nodes' ``meta["val"]``; throughput, bandwidth and the
@@ -20,9 +20,8 @@
 - **Contention**: a transfer progresses ``overlap_slowdown`` times slower while the rank computes
   than while it waits (``CollectiveCosts.overlap_slowdown``, measured by ``measure_collective_costs``
   as an all-gather's time under a matmul loop over its time alone). On a CPU, gloo's threads share
-  the cores with compute: on the example GPT's 2-rank grid the model without it predicted 11-25 ms
-  of exposed communication for small prefetched buckets where 159-162 ms were measured, while
-  unprefetched rows agreed within 10-35%. On a GPU it measures about 1.
+  the cores with compute, so a prefetched transfer runs far slower than alone: without this factor
+  the model under-predicts the exposed communication of prefetched buckets. On a GPU it is about 1.
 
 Bytes of a collective are ``zcompile.passes.collectives.CollectiveNode.bytes``: an all-gather moves
 its output (input bytes x group size), the others their input. The model knows nothing of what runs
@@ -119,7 +118,7 @@ class CollectivePricing(Protocol):
     """What ``predict`` asks of collective costs: a collective's cost, and the contention factor.
 
     ``CollectiveCosts`` (measured on the process group) prices by kind alone;
-    ``zcompile.hardware.LinkCosts`` (a hardware profile) by kind, group size and the link the
+    ``zcompile.predict.hardware.LinkCosts`` (a hardware profile) by kind, group size and the link the
     group runs over, so ZeRO++'s intra-node collectives are priced on the intra-node link.
     """
 
@@ -137,10 +136,10 @@ class ComputeCosts:
 
     Two op classes run slower than the roofline of matmuls and copies says, so each may have its own
     rate (0: the general one): ``attention_flops_per_s`` for the fused attention kernels
-    (``ATTENTION_OPS``: their FLOPs at about 0.55x a matmul's rate on this machine's CPU, and below a
-    GPU's GEMM peak too), and ``transcendental_bytes_per_s`` for the element-wise ops that evaluate
-    exp, erf or tanh, softmax and the normalizations (``TRANSCENDENTAL_OPS``): a CPU thread computing
-    GELU, exp or softmax moves 10-15 GB/s where its add or clone moves 70-90 (a GPU's are all
+    (``ATTENTION_OPS``: their FLOPs below a matmul's rate on a CPU, and below a GPU's GEMM peak too),
+    and ``transcendental_bytes_per_s`` for the element-wise ops that evaluate exp, erf or tanh,
+    softmax and the normalizations (``TRANSCENDENTAL_OPS``): a CPU thread computing GELU, exp or
+    softmax moves several times fewer bytes a second than its add or clone (a GPU's are all
     bandwidth-bound: its profile leaves the field out).
     """
 
@@ -263,7 +262,7 @@ def _issue_call(kind: str, nbytes: int, group: DataParallelGroup, device: torch.
     if kind == "all_to_all":
         splits = [numel // world] * world
         return lambda: ALL_TO_ALL(full, splits, splits, name)
-    raise ValueError(f"unknown collective kind {kind!r}; expected one of {KINDS}")
+    raise ValueError(f"zcompile: unknown collective kind {kind!r}; give one of {KINDS}")
 
 
 def _time_collective(issue: Callable[[], torch.Tensor], sync: Callable[[], None]) -> tuple[float, float]:
@@ -293,10 +292,10 @@ def measure_collective_costs(
     the line at one. The constants of all ranks are all-gathered and every rank keeps their
     element-wise median. ``measure_overlap``: also the contention factor ``overlap_slowdown``
     (``_overlap_slowdown``). A kind whose agreed fit has no cost per byte (its time did not grow
-    with its size: a burst of load on a shared machine, which once made a CI run's fit say so for
-    one kind) is measured again, up to ``MEASURE_AGAIN`` times, then kept with a warning: priced
-    as free bandwidth it would mislead the tuner. Without a process group, or in a group of one,
-    every collective costs 0. Collective: every rank of ``group`` must call it with the same arguments.
+    with its size: a burst of load on a shared machine) is measured again, up to ``MEASURE_AGAIN``
+    times, then kept with a warning: priced as free bandwidth it would mislead the tuner. Without a
+    process group, or in a group of one, every collective costs 0. Collective: every rank of
+    ``group`` must call it with the same arguments.
     """
     resolved = DataParallelGroup.resolve(group)
     if resolved.world_size == 1:
@@ -322,9 +321,9 @@ def measure_collective_costs(
     flat = [kind for kind, cost in costs.items() if cost.seconds_per_byte <= 0.0]
     if flat:
         log.warning(
-            "cost model: the time of %s did not grow with its size in %d measurements (this machine is too "
-            "busy to measure it): priced by its latency alone, as if bandwidth were free; measure again "
-            "when the machine is idle",
+            "zcompile: in the cost model, the time of %s did not grow with its size in %d measurements (this "
+            "machine is too busy to measure it): priced by its latency alone, as if bandwidth were free; "
+            "measure again when the machine is idle",
             ", ".join(flat),
             MEASURE_AGAIN + 1,
         )
@@ -381,8 +380,8 @@ def _overlap_slowdown(group: DataParallelGroup, device: torch.device, nbytes: in
     together (``T``: issue, compute, wait), medians of ``repeats``. The model moves a transfer at
     ``1 / s`` of its speed while the rank computes, so overlapping hides ``min(M, C / s)`` and
     ``s = C / (C + M - T)``; at least 1, at most ``MAX_OVERLAP_SLOWDOWN`` (nothing hidden, or the
-    two together slower than one after the other: on a 2-core VM with both ranks computing, gloo's
-    threads and the compute share the cores and a 1-4 MiB all-gather hides nothing). 1.0 on a GPU
+    two together slower than one after the other: where gloo's threads and the ranks' compute share
+    a CPU's cores, a small all-gather may hide nothing). 1.0 on a GPU
     (the copy engines do not share the compute's cores; its kernels would only be queued here)."""
     if device.type != "cpu":
         return 1.0

@@ -5,7 +5,7 @@ this gives every part zcompile's ``step_report().memory`` measures, for any opti
 
 - **model states** (parameters and their replicas, fp32 master shards, gradients, optimizer
   moments), parameter by parameter, by the rules zcompile allocates with: each parameter cut into
-  N equal chunks (``param_shards.FlatPiece``, so padding is included); stages 1 and 2 in fp32 keep
+  N equal chunks (``sharding.shards.FlatPiece``, so padding is included); stages 1 and 2 in fp32 keep
   the shard inside the replicated parameter, with ``param_dtype`` a low-precision replica and an
   fp32 shard; stage 3 the shard only. Frozen parameters have no gradient and no moments; tied
   parameters count once. These equal ``model_state_bytes`` after a step (tests check it exactly).
@@ -101,9 +101,9 @@ def estimate_memory(
     (the saved activations' compile resets Dynamo, on this rank alone if only it asks).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"estimate_memory: world_size must be an int >= 1, got {world_size!r}")
+        raise ValueError(f"zcompile.estimate_memory: world_size must be an int >= 1, got {world_size!r}")
     if optimizer not in MOMENTS:
-        raise ValueError(f"estimate_memory: optimizer must be one of {sorted(MOMENTS)}, got {optimizer!r}")
+        raise ValueError(f"zcompile.estimate_memory: optimizer must be one of {sorted(MOMENTS)}, got {optimizer!r}")
     config = ZeroConfig.from_options(options)
     params = list(dict.fromkeys(model.parameters()))
     blocks = compiled_apart(model)

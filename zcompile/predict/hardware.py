@@ -1,6 +1,6 @@
 """Hardware profiles as data: the figures the cost model needs to predict a machine zcompile is not on.
 
-A profile is a small JSON file (``zcompile/hardware_profiles/<name>.json``, or any path) with the
+A profile is a small JSON file (``zcompile/predict/hardware_profiles/<name>.json``, or any path) with the
 peak FLOP/s per dtype, memory bandwidth and size, the per-op overhead, the ranks per node, and two
 links (``intra_node``, ``inter_node``), each a bus bandwidth and a per-step latency; every figure's
 source is named in its ``sources``. Shipped: ``h100-sxm``, ``a100-80gb`` (datasheets and
@@ -33,7 +33,7 @@ profiles leave them out, and each defaults to "no effect"):
 - per link, ``issue_latency_s`` and ``issue_bytes_per_s``: the issuing thread's time per collective;
   ``bus_factor``: a kind's bus bytes per byte moved, and ``latency_factor``: its latency over the
   link's, where the backend's algorithm is not nccl-tests' (gloo's reduce-scatter is an all-reduce:
-  twice the bytes, and on this machine's VM about 2-4x the all-gather's latency);
+  twice the bytes, and several times the all-gather's latency);
 - ``device_type``: "cuda" (default) or "cpu": which update ``zcompile.optim`` runs, so which one
   ``simulate`` prices;
 - ``compute_efficiency``: the fraction of the micro-benchmarked rates a training step's compute
@@ -52,11 +52,11 @@ profiles leave them out, and each defaults to "no effect"):
   figure of time). Left out (0) in the GPU profiles: a device per rank;
 - ``store_requests_per_s``: the answered requests a second the process group's store serves (one
   server, torchrun's agent or rank 0's, answers every rank's), which bounds the ranks' agreements
-  (``zcompile.agreement.rank_check``: 5 answered requests per rank an exchange, so 5N through the one server).
-  Measured by ``benchmarks/bench_store_throughput.py``; 0: not priced. ``store_latency_s``: one
-  answered request's round trip with the server idle (the same benchmark with one rank). Each of a
-  rank's requests waits the longer of the two: its round trip, or the server's turn through every
-  rank's (``store_seconds``: at 2 ranks the latency, at 16 the queue, as measured at 1, 4 and 16).
+  (``zcompile.agreement.store_exchange``: 5 answered requests per rank an exchange, so 5N through the
+  one server). Fitted by ``benchmarks/bench_store_throughput.py``; 0: not priced. ``store_latency_s``:
+  one answered request's round trip with the server idle (the same benchmark with one rank). Each of
+  a rank's requests waits the longer of the two: its round trip, or the server's turn through every
+  rank's (``store_seconds``: at few ranks the latency, at many the queue).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class Link:
     issue_bytes_per_s: float = math.inf
     # bytes over the bus per byte moved, per (N - 1) / N, where the backend's algorithm differs from
     # nccl-tests' rule (on gloo zcompile's reduce-scatter is an all-to-all, which outruns gloo's
-    # all-gather: below 1; gloo's own reduce-scatter, an all-reduce, was about 2)
+    # all-gather: below 1; gloo's own reduce-scatter, an all-reduce, would be about 2)
     bus_factor: Mapping[str, float] = field(default_factory=dict)
     # a kind's latency over ``latency_s`` where its algorithm takes more steps than nccl-tests' rule says
     latency_factor: Mapping[str, float] = field(default_factory=dict)
@@ -154,9 +154,7 @@ class HardwareProfile:
         """This profile as each rank of that world sees it (``time_sharing``'s arguments): where the
         ranks on a node outnumber ``host_cores`` every figure of time ``time_sharing`` times slower
         (compute rates, per-op and host overheads, and the links: gloo's threads take turns on the
-        cores with the ranks'). Measured on this machine, 4 ranks on 2 cores: a rank's forward took
-        2.6x its time at 2 ranks, an all-gather of the stage-3 forward about 5x (2x from its log2
-        steps, the rest from the turns)."""
+        cores with the ranks')."""
         share = self.time_sharing(world_size, node_size)
         if share == 1.0:
             return self

@@ -5,7 +5,7 @@ the model under a ``FakeTensorMode`` (parameters with shapes and dtypes, no stor
 torch's fake process group of ``world_size`` ranks (``torch.testing._internal.distributed.fake_pg``:
 collectives return at once, nothing is sent) and runs one forward and backward through the real
 zero backend and its passes on fake inputs. Nothing is allocated at full size: shards of fake
-parameters are fake too (``param_shards``).
+parameters are fake too (``sharding.shards``).
 
 This process plays rank 0. The choices that depend on the rank are the shard sizes (rank 0 holds
 a full chunk, the largest) and the hpZ/qgZ group layout (rank 0's node); the plans (buckets,
@@ -28,23 +28,23 @@ From the compiled graphs it returns:
   the optimizer's communication added as exposed and its update as compute (``zcompile.optim.AdamW``
   over rank 0's shards: its fused kernel, one pass reading parameter, gradient and both moments
   and writing three of them, on a GPU the Triton kernel, on a CPU torch's own, at the profile's
-  memory bandwidth: on this machine's CPU torch's kernel reaches about half of it, 23 GB/s, so the
-  CPU update is predicted at about half its time, 2 ms of a 16-layer GPT's 4), and
+  memory bandwidth, which torch's CPU kernel reaches only in part: the CPU update is predicted
+  shorter than it runs), and
   MFU: 6 x parameters x tokens per step over the step time and the profile's peak FLOP/s. A CPU
   profile adds the host's time per graph call and per trained parameter (``host_overhead_s``,
   ``HardwareProfile.host_overhead_seconds``), which a GPU's host spends ahead of the device. With
-  more ranks on a node than the profile's ``host_cores`` (4 ranks on this machine's 2 cores) every
-  figure of time is that ratio slower (``HardwareProfile.shared_by``): the ranks take turns.
+  more ranks on a node than the profile's ``host_cores`` every figure of time is that ratio slower
+  (``HardwareProfile.shared_by``): the ranks take turns.
 - the ranks' agreements through the store (``zcompile.agreement.step_agreement``, with the default
   ``check_ranks=True``): the step's, and one before each training call of a graph whose calls are
-  agreed (``backend.agrees_on_each_call``: stages 2 and 3) but the first after the step. One server
+  agreed (``backend.entry_point.agrees_on_each_call``: stages 2 and 3) but the first after the step. One server
   answers every rank's requests, 5 per rank an exchange (``store_exchange.ANSWERED_REQUESTS_PER_EXCHANGE``),
-  each waiting its round trip or the server's turn through the N ranks' (``HardwareProfile.store_seconds``):
-  0.27 ms at 2 ranks (measured: 0.30), 0.5 ms at 8 and 66 ms at 1,024 at this machine's store's
-  figures. Blocks compiled one by one, or a graph break in the layer loop, make one a layer. On a
-  CPU profile the host's waits add to the step; on a GPU's the host runs ahead of the device, and
-  they show where they outlast the device's step. A loop that clips gradients makes one more a step
-  (measured at stages 2 and 3), not counted: the simulation does not clip.
+  each waiting its round trip or the server's turn through the N ranks' (``HardwareProfile.store_seconds``),
+  so an exchange's time grows with N once the server is busy. Blocks compiled one by one, or a graph
+  break in the layer loop, make one a layer. On a CPU profile the host's waits add to the step; on a
+  GPU's the host runs ahead of the device, and they show where they outlast the device's step. A
+  loop that clips gradients makes one more a step at stages 2 and 3, not counted: the simulation
+  does not clip.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def simulate(
         [gm for g in graphs for gm in (g.forward, g.backward)], on_gloo and world_size > 1
     )
     # each graph as often as the step ran it, as step_report counts it: a graph break inside the layer
-    # loop compiles one graph for a layer's frame, called once per layer (counted once until 2026-11-28)
+    # loop compiles one graph for a layer's frame, called once per layer
     stepped = [g for g in graphs for _ in range(max(1, g.calls_since_step))]
     result = SimulationResult(
         world_size,
@@ -277,7 +277,7 @@ def fake_world(world_size: int, node_size: int):
 
     if dist.is_initialized():
         raise RuntimeError(
-            "zcompile.simulate runs without a process group of its own: call it in a process "
+            "zcompile.simulate: it starts a fake process group of its own; call it in a process "
             "that has not called init_process_group (not under torchrun)"
         )
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
@@ -334,7 +334,7 @@ def _optimizer_collectives(
     model: torch.nn.Module, pricing: LinkCosts, by_all_to_all: bool, bucket_mb: float = OPTIMIZER_BUCKET_MB
 ) -> list[SimulatedCollective]:
     """Stages 1 and 2: what ``zcompile.optim``'s step moves, read from the shards the backend made and
-    bucketed as the step buckets them (``optim_buckets``, its default 4 MiB of full parameter): at
+    bucketed as the step buckets them (``optim.buckets``, its default 4 MiB of full parameter): at
     stage 1 the full gradients reduce-scattered in their reduce dtype (``plan_reduce_buckets``: half
     buckets where, as on the profile's CPU (gloo), they are exchanged by all-to-all), then the updated
     parameters all-gathered in the replicated dtype; one collective per bucket, padded."""
@@ -395,19 +395,16 @@ def _store_note(result: SimulationResult, profile: HardwareProfile) -> str:
         f"at {result.world_size} ranks the ranks' {result.store_exchanges} agreement(s) a step through the store "
         f"take {result.store_s * 1e3:.1f} ms of the {result.step_s * 1e3:.1f} ms step ({each * 1e3:.2f} ms each: "
         f"one store server answers {ANSWERED_REQUESTS_PER_EXCHANGE * result.world_size} requests an exchange at "
-        f"{profile.store_requests_per_s:,.0f} requests/s, the profile's store_requests_per_s, "
-        f"{ANSWERED_REQUESTS_PER_EXCHANGE} of them one after another on each rank). "
+        f"the profile's store_requests_per_s, {profile.store_requests_per_s:,.0f}/s). "
     )
     if result.store_exchanges > 1:
         return said + (
             "Graphs called once per layer (blocks compiled one by one, a graph break in the layer loop) "
-            "agree on every call: compile the whole model, whose forward needs none, or mark its blocks "
-            "with zcompile.mark_repeated_blocks"
+            "agree on every call: compile the whole model, or mark its blocks with zcompile.mark_repeated_blocks"
         )
     return said + (
-        "That is the step's own agreement, once a step: more tokens per step (gradient accumulation) "
-        "spread it; check_ranks=False removes it, and with it the error a rank that skips a step or a "
-        "layer alone would raise (a hang instead)"
+        "That is the step's own agreement: more tokens per step (gradient accumulation) spread it; "
+        "check_ranks=False removes it, and with it the error a rank that skips a step would raise (a hang instead)"
     )
 
 

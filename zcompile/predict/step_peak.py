@@ -14,18 +14,17 @@ its last reader, as the generated code frees it) and gives each phase's peak, mo
   gradients the later graphs' backward made (their share of the gradient bytes by parameter count),
   and graph i's backward walk with its saved storages and tangents from its start, each freed after
   its last reader: both inner compilers run the backward in the boxed calling convention, which
-  clears the argument list AOTAutograd hands over (``zcompile.backend.aot.boxed_graph_function``; until
-  it, the eager compiler's ``make_boxed_func`` kept every input to the end: 4% more on the tiny
-  Llama at stage 1). Inductor's fusions keep fewer intermediates than the FX graph walked here
-  holds, so there the walk is an upper bound;
+  clears the argument list AOTAutograd hands over (``zcompile.backend.aot.boxed_graph_function``,
+  where ``make_boxed_func`` would keep every input to the end). Inductor's fusions keep fewer
+  intermediates than the FX graph walked here holds, so there the walk is an upper bound;
 - ``optimizer``: the model states with the gradients.
 
 On gloo (``gather_staging``) each all-gather's second buffer is counted too: gloo gathers into a flat
 buffer of its own and copies out of it. Not counted: the optimizer's own temporaries (its bucket
-buffers and the update's intermediates, a few ``bucket_mb`` buckets); with several graphs (graph breaks), the tensors eager code carries
-between them (a hidden state and its gradient); the batch; forward outputs kept through backward
-(taken as dropped: ``loss = model(x).loss; loss.backward()``). Checked against torch's
-``MemTracker`` over the same compiled step (``tests/unit/test_step_peak.py``).
+buffers and the update's intermediates, a few ``bucket_mb`` buckets); with several graphs (graph
+breaks), the tensors eager code carries between them (a hidden state and its gradient); the batch;
+forward outputs kept through backward (taken as dropped: ``loss = model(x).loss; loss.backward()``).
+Checked against torch's ``MemTracker`` over the same compiled step (``tests/unit/test_step_peak.py``).
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ def step_peak(
     """The step's peak from the ``CompiledGraphs`` of one step (``on_compile``'s, in compile order, a
     graph the step runs several times once per call) and this rank's model states (``estimate_memory``'s or ``model_state_bytes``' parts).
     ``hold_backward_inputs``: the peak if each backward kept its saved values and tangents until it
-    returned, as the eager compiler did before its boxed call (what that call saves).
+    returned, as ``make_boxed_func`` does (what the boxed call saves).
     ``gather_staging``: the graphs' all-gathers run on gloo, which holds each gathered output twice
     until its wait (``liveness.live_peak_bytes``)."""
     states = params_bytes + optimizer_bytes
@@ -90,8 +89,8 @@ def step_peak(
     result = StepPeak(states, phases)
     if sum(g.forward is not None for g in graphs) > 1:  # graphs: one entry per call (simulate's walk)
         log.warning(
-            "step peak: %d compiled graphs, %d calls (graph breaks): the tensors eager code carries between "
-            "them (a hidden state and its gradient) are not counted",
+            "zcompile: the step peak of %d compiled graphs, %d calls (graph breaks), does not count the tensors "
+            "eager code carries between them (a hidden state and its gradient)",
             len({id(g) for g in graphs}),
             len(graphs),
         )

@@ -242,7 +242,7 @@ def step_report(
             "saved_activation_bytes": sum(
                 saved_activation_bytes(g.forward, g.backward) * g.calls_per_forward_run for g in graphs
             ),
-            # stages 1 and 2: the step's reduce-scatter and all-gather buckets (optim_buckets.BufferLedger)
+            # stages 1 and 2: the step's reduce-scatter and all-gather buckets (optim.buckets.BufferLedger)
             "optimizer_buffers_bytes": getattr(optimizer, "last_step_buffer_peak_bytes", 0),
         },
         schedule=schedule,

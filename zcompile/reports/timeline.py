@@ -243,7 +243,9 @@ def plot_memory(result: TimelineResult, path_png: str | os.PathLike) -> None:
     try:
         from matplotlib.figure import Figure
     except ImportError as error:
-        raise ImportError("plot_memory needs matplotlib: pip install zcompile[inspect]") from error
+        raise ImportError(
+            "zcompile.timeline.plot_memory: matplotlib is not installed (pip install zcompile[inspect])"
+        ) from error
 
     fig = Figure(figsize=(12, 5.5), layout="constrained")
     ax, lanes = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])

@@ -1,12 +1,10 @@
 """Calibrating the cost model on one measured configuration before predicting the others.
 
 The roofline constants come from micro-benchmarks (a 512-square matmul, a 4 MiB copy, a tiny add):
-on a CPU they over-state what a model's own, smaller and oddly shaped ops reach, and the
-prediction of the compiled graphs' compute came out 30-37% short on the example GPT (forward
-24.8 predicted against 36.1 ms measured, backward 51.2 against 80.7 ms, 2 ranks, 2 cores). A
-step also holds work no graph shows (the optimizer step, the autograd engine, Python between
-graphs: 9-15 ms there). Both errors are nearly the same for every schedule of one model, so
-one measured configuration fixes them for all:
+on a CPU they over-state what a model's own, smaller and oddly shaped ops reach, so the predicted
+compute of the compiled graphs comes out short. A step also holds work no graph shows (the
+optimizer step, the autograd engine, Python between graphs). Both errors are nearly the same for
+every schedule of one model, so one measured configuration fixes them for all:
 
 - ``compute_scale``: the factor on every node's predicted time (``ComputeCosts.scaled``) at which the
   predicted forward + backward equals the measured one. Slower compute also hides more

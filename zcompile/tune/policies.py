@@ -25,6 +25,8 @@ from zcompile.predict.cost_model import CollectiveCosts, ComputeCosts, node_seco
 GREEDY = "greedy"
 COST_GUIDED = "cost_guided"
 POLICY_NAMES = (GREEDY, COST_GUIDED)
+# the fix of every refusal of a schedule_policy name the tuner does not know
+POLICY_FIX = f"give one of {list(POLICY_NAMES)} or a callable policy(problem) -> depths"
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,4 @@ def policy_from_name(
         return None
     if name == COST_GUIDED:
         return CostGuidedPrefetch(collective_costs, compute_costs)
-    raise ValueError(
-        f"zcompile.tune: schedule_policy {name!r} is not a built-in policy; give one of {list(POLICY_NAMES)} "
-        "or a callable policy(problem) -> depths"
-    )
+    raise ValueError(f"zcompile.tune: schedule_policy {name!r} is not a built-in policy; {POLICY_FIX}")

@@ -127,7 +127,7 @@ class TuneResult:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TuneResult:
         if data.get("format") != FORMAT:
-            raise ValueError(f"not a zcompile tune result (format {data.get('format')!r}, expected {FORMAT!r})")
+            raise ValueError(f"zcompile.tune: not a tune result (format {data.get('format')!r}, expected {FORMAT!r})")
         costs = data.get("collective_costs")
         compute, calibration = data.get("compute_costs"), data.get("calibration")
         return cls(

@@ -7,17 +7,17 @@ have, and the Pareto front of memory per GPU against step time.
     result.print(); result.plot("pareto.png")
     model = torch.compile(make_model(), backend="zero", options=result.best)
 
-The space is checked and enumerated by ``tune_space.SearchSpace`` (the real-run tuner's rules and
-errors); each valid point is one ``zcompile.simulate`` call (seconds for a tiny model, about 45 s for
-a Llama-3-8B shape, 95 s for a 70B one). A point that fails to compile is recorded with its error.
+The space is checked and enumerated by ``tune.space.SearchSpace`` (the real-run tuner's rules and
+errors); each valid point is one ``zcompile.simulate`` call, a compile of the whole model on fake
+tensors (longer the larger the model). A point that fails to compile is recorded with its error.
 Nothing is measured, so there is no calibration and no ``same`` rule: every point is a prediction
 with the hardware profile's costs.
 
-Decisions: points whose step peak (``zcompile.predict.step_peak``: the most bytes per GPU at any moment of
-a step, not the sum of the parts, which the 8B shape at 8 GPUs holds 5 GiB above) is over
-``memory_limit_gb`` (GiB per GPU) are ``pruned``; the front and the choices
-read the remaining ``predicted`` points only. ``front``: the points no other point beats on both
-memory and step time (``tune_search.pareto_front``); ``fastest``: least step time, ties to the lower
+Decisions: points whose step peak (``zcompile.predict.step_peak``: the most bytes per GPU at any
+moment of a step, not the sum of the parts, which may be above or below it) is over
+``memory_limit_gb`` (GiB per GPU) are ``pruned``; the front and the choices read the remaining
+``predicted`` points only. ``front``: the points no other point beats on both memory and step time
+(``tune.search.pareto_front``); ``fastest``: least step time, ties to the lower
 index; ``fastest_fitting``: the same among points that also fit the profile's HBM; ``best``: the
 full options of ``fastest_fitting``.
 """
@@ -109,7 +109,7 @@ class SimulatedTuneResult:
         point = self.fastest_fitting
         if point is None:
             raise ValueError(
-                f"simulate_tune: no point fits {self.hbm_bytes / GIB:.1f} GiB of {self.hardware} HBM"
+                f"zcompile.simulate_tune: no point fits {self.hbm_bytes / GIB:.1f} GiB of {self.hardware} HBM"
                 + ("" if self.memory_limit_gb is None else f" and memory_limit_gb={self.memory_limit_gb}")
                 + "; add activation_memory_budget, a higher stage or more GPUs to the space"
             )
@@ -147,7 +147,8 @@ class SimulatedTuneResult:
     def from_dict(cls, data: dict[str, Any]) -> SimulatedTuneResult:
         if data.get("format") != FORMAT:
             raise ValueError(
-                f"not a zcompile simulate_tune result (format {data.get('format')!r}, expected {FORMAT!r})"
+                f"zcompile.simulate_tune: not a simulate_tune result (format {data.get('format')!r}, "
+                f"expected {FORMAT!r})"
             )
         return cls(
             [SimulatedPoint(**p) for p in data["points"]],
@@ -205,7 +206,7 @@ def simulate_tune(
         or memory_limit_gb <= 0
     ):
         raise ValueError(
-            f"simulate_tune: memory_limit_gb must be a positive number (GiB per GPU) or None, got {memory_limit_gb!r}"
+            f"zcompile.simulate_tune: memory_limit_gb must be a positive number (GiB per GPU) or None, got {memory_limit_gb!r}"
         )
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     check_world(world_size, node_size)
@@ -272,7 +273,7 @@ def _simulate_point(
         )
     except Exception as error:  # noqa: BLE001 - a failing point is recorded, the search goes on
         simulated.status, simulated.error = FAILED, f"{type(error).__name__}: {error}"
-        log.warning("simulate_tune: point %d %s failed: %s", point.index, point.options, simulated.error)
+        log.warning("zcompile.simulate_tune: point %d %s failed: %s", point.index, point.options, simulated.error)
         return simulated
     finally:
         simulated.simulate_s = time.perf_counter() - began

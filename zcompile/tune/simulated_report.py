@@ -1,6 +1,6 @@
 """How a ``SimulatedTuneResult`` is shown: a table of the points and the choices (rich when
-installed; ``tune_report``'s table), and a plot: step time against memory per GPU, the Pareto front
-highlighted (``tune_report.draw_front``), the HBM and the memory limit as vertical lines.
+installed; ``tune.report``'s table), and a plot: step time against memory per GPU, the Pareto front
+highlighted (``tune.report.draw_front``), the HBM and the memory limit as vertical lines.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from zcompile.config import ZeroConfig
-from zcompile.tune.policies import GREEDY, POLICY_NAMES
+from zcompile.tune.policies import GREEDY, POLICY_FIX, POLICY_NAMES
 
 TUNER_OWNED = ("on_compile", "group")  # on_compile: the tuner records graphs; group: not a schedule choice
 POLICY_OPTION = "schedule_policy"
@@ -147,8 +147,7 @@ def _check_space(space: Any, base: dict[str, Any]) -> None:
 def _check_candidate(name: str, candidate: Any, base: dict[str, Any]) -> None:
     if name == POLICY_OPTION and isinstance(candidate, str) and candidate not in POLICY_NAMES:
         raise ValueError(
-            f"zcompile.tune: space['schedule_policy'] candidate {candidate!r} is not a built-in policy; "
-            f"give one of {list(POLICY_NAMES)} or a callable policy(problem) -> depths"
+            f"zcompile.tune: space['schedule_policy'] candidate {candidate!r} is not a built-in policy; {POLICY_FIX}"
         )
     if isinstance(candidate, torch.distributed.ProcessGroup):
         raise TypeError(f"zcompile.tune: space[{name!r}]: a process group is not a candidate")

@@ -42,9 +42,8 @@ T = TypeVar("T")
 
 
 # zcompile's rank checks wait 60 s for the other ranks by default; a trial compiles while another rank may
-# still be finishing the last trial's profiled step on a loaded machine (ranks were seen 60+ s apart on
-# 2 shared cores, and a rank that gave up left the others inside a collective): a trial waits longer
-# unless the options say otherwise.
+# still be finishing the last trial's profiled step on a loaded machine, and a rank that gives up leaves
+# the others inside a collective: a trial waits longer unless the options say otherwise.
 TRIAL_CHECK_TIMEOUT_S = 300.0
 
 

@@ -12,10 +12,10 @@ compute costs measured once per call and agreed across ranks); the best predicte
 and timed (``strategy="model"``; ``"grid"`` times all); the result carries both numbers per
 trial and their rank correlation, so a poor prediction shows.
 
-The parts: ``tune_space`` checks the space before anything compiles and enumerates it;
-``tune_search`` decides (prune, order, pick) on values every rank agrees on; ``tune_trial``
+The parts: ``tune.space`` checks the space before anything compiles and enumerates it;
+``tune.search`` decides (prune, order, pick) on values every rank agrees on; ``tune.trial``
 compiles, predicts and measures one point from a fresh model and a reset Dynamo;
-``tune_result`` / ``tune_report`` hold, save and show the outcome; ``tune_policies`` holds the
+``tune.result`` / ``tune.report`` hold, save and show the outcome; ``tune.policies`` holds the
 schedule policies a space can compare (``schedule_policy``).
 """
 
