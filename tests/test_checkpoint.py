@@ -358,6 +358,72 @@ def test_a_save_stopped_while_it_is_swapped_in_is_read_where_it_was_written(tmp_
     assert _same(model, later)
 
 
+def _damage(directory, how: str) -> str:
+    """Damages the checkpoint in ``directory`` as a crash or a bad disk would; returns the file hit."""
+    data = os.path.join(directory, sorted(f for f in os.listdir(directory) if f.endswith(".distcp"))[0])
+    metadata = os.path.join(directory, ".metadata")
+    if how == "data cut by 1 byte":
+        os.truncate(data, os.path.getsize(data) - 1)
+    elif how == "data cut to half":
+        os.truncate(data, os.path.getsize(data) // 2)
+    elif how == "data deleted":
+        os.remove(data)
+    elif how == "metadata cut":
+        os.truncate(metadata, 10)
+        return metadata
+    return data
+
+
+@pytest.mark.parametrize("how", ["data cut by 1 byte", "data cut to half", "data deleted", "metadata cut"])
+def test_consolidate_names_a_damaged_checkpoint_and_writes_nothing(tmp_path, capsys, how):
+    """A checkpoint cut or missing a file: ``consolidate`` raises ``CheckpointError`` naming the file and
+    ``zcompile consolidate`` exits 2 with that message, no traceback and no output file (a cut of bytes that
+    no tensor read asked for was consolidated as if whole; the others raised DCP's own errors). The same
+    checkpoint intact consolidates to the model's weights."""
+    model = build_model("gpt")
+    intact, damaged = str(tmp_path / "intact"), str(tmp_path / "damaged")
+    ckpt.save(intact, model)
+    shutil.copytree(intact, damaged)
+    hit = _damage(damaged, how)
+    out = tmp_path / "full.pt"
+    with pytest.raises(ckpt.CheckpointError, match="zcompile.checkpoint.consolidate: .*damaged") as raised:
+        consolidate(damaged, out)
+    if how != "metadata cut":
+        assert hit in str(raised.value)
+    assert cli_main(["consolidate", damaged, str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zcompile consolidate: error: zcompile.checkpoint.consolidate:") and "Traceback" not in err
+    assert not out.exists()
+    consolidate(intact, out)
+    full = torch.load(out)
+    assert all(torch.equal(full[name], value.detach()) for name, value in model.state_dict().items())
+
+
+def test_consolidate_reads_the_swap_window_as_load_does(tmp_path, monkeypatch, capsys):
+    """The path gone and a complete save beside it (stopped between the swap's renames): the command
+    consolidates that one, as ``load`` reads it; a path with nothing there is a clear error."""
+    path = str(tmp_path / "latest")
+    model = build_model("gpt")
+    ckpt.save(path, model)
+    newer = _moved(model, 1.0)
+    real_rename = os.rename
+
+    def rename(source, destination):
+        if os.fspath(source).endswith(".zcompile-saving"):
+            raise KeyboardInterrupt
+        real_rename(source, destination)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(path, model)
+    monkeypatch.undo()
+    assert not os.path.exists(path)
+    assert cli_main(["consolidate", path, str(tmp_path / "full.pt")]) == 0
+    assert torch.equal(torch.load(tmp_path / "full.pt")["wte.weight"], newer["wte.weight"])
+    assert cli_main(["consolidate", str(tmp_path / "nowhere"), str(tmp_path / "other.pt")]) == 2
+    assert "nowhere does not exist" in capsys.readouterr().err
+
+
 def test_resume_on_another_world_size_and_stage(launches):
     _, first, second, third = launches
     full_2r, full_4r = first[0], second[0]["gpt_full_4r"]

@@ -23,6 +23,8 @@ import os
 import re
 import shutil
 
+import torch.distributed.checkpoint as dcp
+
 from zcompile.checkpoint.layout import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -119,6 +121,23 @@ def readable_checkpoint(path: str) -> str:
         )
         return staging
     return path
+
+
+def damaged_files(path: str) -> list[str]:
+    """The data files of checkpoint ``path`` that are missing or shorter than its metadata says (each
+    ``file: why``): DCP reads what a cut file still holds without a word, when the cut is past the pieces
+    a read asks for. Reads only the metadata and the files' sizes."""
+    ends: dict[str, int] = {}
+    for info in dcp.FileSystemReader(path).read_metadata().storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    damaged = []
+    for name, end in sorted(ends.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            damaged.append(f"{file}: missing")
+        elif (size := os.path.getsize(file)) < end:
+            damaged.append(f"{file}: {size:,} bytes, the metadata needs {end:,}")
+    return damaged
 
 
 def incomplete_save_note(path: str) -> str:

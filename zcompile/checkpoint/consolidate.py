@@ -22,8 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from zcompile.agreement.store_exchange import names_digest
-from zcompile.checkpoint.commit import readable_checkpoint
-from zcompile.checkpoint.layout import META_KEY, agree_on_call, buffer_key, param_key, unwrap
+from zcompile.checkpoint.commit import damaged_files, incomplete_save_note, is_complete, readable_checkpoint
+from zcompile.checkpoint.layout import META_KEY, CheckpointError, agree_on_call, buffer_key, param_key, unwrap
 from zcompile.common.process_group import DataParallelGroup
 from zcompile.eager.gathered import gather_into_full
 from zcompile.sharding.shards import shard_of
@@ -123,14 +123,14 @@ def read_meta(path: str | os.PathLike) -> dict:
     return json.loads(state[META_KEY])
 
 
-def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
-    """Writes the full fp32 weights of checkpoint ``path`` to the file ``out`` and returns a summary.
-
-    ``out`` ending in ``.safetensors`` is written with safetensors (tied names get their own copy:
-    the format has no aliases), anything else with ``torch.save``. Runs without a process group,
-    reading one tensor at a time.
-    """
-    path = readable_checkpoint(os.fspath(path))  # or a complete save stopped while it was swapped in
+def _read_full_weights(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """Every parameter (under each of its names) and buffer of checkpoint ``path``, and its meta;
+    ``CheckpointError`` when a data file is missing or cut."""
+    if damaged := damaged_files(path):
+        raise CheckpointError(
+            f"zcompile.checkpoint.consolidate: {path} is damaged: {'; '.join(damaged)}. Consolidate another "
+            "checkpoint (an earlier save); nothing was written"
+        )
     meta = read_meta(path)
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     result: dict[str, torch.Tensor] = {}
@@ -147,6 +147,30 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, An
         buffer = torch.empty(entry.size, dtype=entry.properties.dtype)
         _read({buffer_key(name): buffer}, path)
         result[name] = buffer
+    return result, meta
+
+
+def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
+    """Writes the full fp32 weights of checkpoint ``path`` to the file ``out`` and returns a summary.
+
+    ``out`` ending in ``.safetensors`` is written with safetensors (tied names get their own copy:
+    the format has no aliases), anything else with ``torch.save``. Runs without a process group,
+    reading one tensor at a time.
+    """
+    given = os.fspath(path)
+    path = readable_checkpoint(given)  # or a complete save stopped while it was swapped in
+    if not is_complete(path):
+        what = "does not exist" if not os.path.exists(path) else "is not a complete checkpoint (no .metadata)"
+        raise CheckpointError(f"zcompile.checkpoint.consolidate: {given} {what}.{incomplete_save_note(given)}")
+    try:
+        result, meta = _read_full_weights(path)
+    except CheckpointError:
+        raise
+    except Exception as error:  # DCP's own errors on a damaged checkpoint: a traceback says less than this
+        raise CheckpointError(
+            f"zcompile.checkpoint.consolidate: reading {path} failed ({type(error).__name__}: {error}): the "
+            "checkpoint is damaged; consolidate another one (an earlier save), nothing was written"
+        ) from error
     out = os.fspath(out)
     if out.endswith(".safetensors"):
         from safetensors.torch import save_file

@@ -415,10 +415,12 @@ def cmd_tune_report(args: argparse.Namespace, out: Output, warnings: list[str]) 
 
 def cmd_consolidate(args: argparse.Namespace, out: Output, warnings: list[str]) -> int:
     from zcompile.checkpoint.consolidate import consolidate  # local: import cost, as above
+    from zcompile.checkpoint.layout import CheckpointError
 
-    if not os.path.isdir(args.checkpoint):
-        raise DumpError(f"{args.checkpoint}: no such checkpoint directory")
-    summary = consolidate(args.checkpoint, args.out)
+    try:
+        summary = consolidate(args.checkpoint, args.out)  # the swap window read as load reads it
+    except CheckpointError as error:
+        raise DumpError(str(error)) from None
     out.line(
         f"{summary['out']}: {summary['parameters']} parameters ({summary['elements']:,} elements), "
         f"{summary['tensors']} tensors with aliases and buffers, from a checkpoint of "
