@@ -424,6 +424,34 @@ def test_consolidate_reads_the_swap_window_as_load_does(tmp_path, monkeypatch, c
     assert "nowhere does not exist" in capsys.readouterr().err
 
 
+def test_clean_saves_lists_and_removes_what_stopped_saves_left(tmp_path, capsys):
+    """A directory per save (``ck/step2``, ``ck/step3``): a save stopped before its metadata leaves its
+    staging directory, which no later save (another path) removes. ``zcompile clean-saves`` lists it and a
+    replaced checkpoint a swap left, ``--remove`` deletes them; checkpoints, and a finished save waiting
+    in the swap window, stay and still consolidate."""
+    ck = tmp_path / "ck"
+    model = build_model("gpt")
+    ckpt.save(str(ck / "step1"), model)
+    shutil.copytree(ck / "step1", ck / "step3.zcompile-saving")  # finished, path missing: the checkpoint
+    stopped = ck / "step2.zcompile-saving"  # a save stopped by SIGTERM while DCP wrote
+    shutil.copytree(ck / "step1", stopped)
+    os.remove(stopped / ".metadata")
+    shutil.copytree(ck / "step1", ck / "step0.zcompile-old")
+    assert cli_main(["clean-saves", str(ck), "--plain"]) == 0
+    listed = capsys.readouterr().out
+    assert "step2.zcompile-saving: a save stopped before it finished" in listed
+    assert "step0.zcompile-old: a replaced checkpoint" in listed and "step3" not in listed
+    assert sorted(os.listdir(ck)) == ["step0.zcompile-old", "step1", "step2.zcompile-saving", "step3.zcompile-saving"]
+    assert cli_main(["clean-saves", str(ck), "--remove", "--plain"]) == 0
+    assert sorted(os.listdir(ck)) == ["step1", "step3.zcompile-saving"]
+    assert (
+        cli_main(["clean-saves", str(ck), "--plain"]) == 0
+        and "nothing left by stopped saves" in capsys.readouterr().out
+    )
+    for path in ("step1", "step3"):
+        consolidate(str(ck / path), tmp_path / f"{path}.pt")
+
+
 def test_resume_on_another_world_size_and_stage(launches):
     _, first, second, third = launches
     full_2r, full_4r = first[0], second[0]["gpt_full_4r"]

@@ -123,6 +123,30 @@ def readable_checkpoint(path: str) -> str:
     return path
 
 
+def leftovers(parent: str) -> list[tuple[str, str]]:
+    """What stopped saves left in directory ``parent`` (one level): ``(directory, what it is)`` for each
+    staging directory that is not a checkpoint to read and each replaced checkpoint not yet removed. A
+    save cleans only beside its own path, so with a directory per save (``ck/step0040``, ``ck/step0050``)
+    these stay. A complete staging directory is never listed: a finished save, which ``load`` reads
+    when its path is missing or incomplete and the next save of that path moves into place."""
+    found = []
+    for name in sorted(os.listdir(parent)):
+        directory = os.path.join(parent, name)
+        if not os.path.isdir(directory) or os.path.islink(directory):
+            continue
+        if name.endswith(STAGING_SUFFIX):
+            if not is_complete(directory):
+                found.append((directory, "a save stopped before it finished (no metadata)"))
+        elif name.endswith(PREVIOUS_SUFFIX):
+            found.append((directory, "a replaced checkpoint a swap did not remove"))
+    return found
+
+
+def remove_leftover(directory: str) -> None:
+    """Removes one of ``leftovers``' directories."""
+    _remove(directory)
+
+
 def damaged_files(path: str) -> list[str]:
     """The data files of checkpoint ``path`` that are missing or shorter than its metadata says (each
     ``file: why``): DCP reads what a cut file still holds without a word, when the cut is past the pieces

@@ -385,6 +385,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     consolidate.add_argument("checkpoint")
     consolidate.add_argument("out")
+    clean = commands.add_parser(
+        "clean-saves",
+        parents=[common],
+        help="list (and with --remove delete) what stopped checkpoint saves left in DIR: staging directories "
+        "of unfinished saves and replaced checkpoints; run it while no save is running",
+    )
+    clean.add_argument("dir")
+    clean.add_argument("--remove", action="store_true", help="delete what is listed")
     report = commands.add_parser(
         "tune-report",
         parents=[common],
@@ -435,6 +443,23 @@ def cmd_consolidate(args: argparse.Namespace, out: Output, warnings: list[str]) 
     return 0
 
 
+def cmd_clean_saves(args: argparse.Namespace, out: Output, warnings: list[str]) -> int:
+    from zcompile.checkpoint.commit import leftovers, remove_leftover  # local: import cost, as above
+
+    if not os.path.isdir(args.dir):
+        raise DumpError(f"{args.dir}: no such directory")
+    found = leftovers(args.dir)
+    for directory, what in found:
+        if args.remove:
+            remove_leftover(directory)
+        out.line(f"{'removed ' if args.remove else ''}{directory}: {what}")
+    if not found:
+        out.line(f"{args.dir}: nothing left by stopped saves")
+    elif not args.remove:
+        out.line(f"{len(found)} director{'y' if len(found) == 1 else 'ies'}; --remove deletes them")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out, warnings = Output(args.plain), []
@@ -443,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             "inspect": cmd_inspect,
             "diff": cmd_diff,
             "consolidate": cmd_consolidate,
+            "clean-saves": cmd_clean_saves,
             "tune-report": cmd_tune_report,
             "simulate": cmd_simulate,
         }[args.command]
