@@ -324,13 +324,9 @@ def test_a_save_into_a_directory_holding_other_files_is_refused_and_deletes_noth
     assert sorted(os.listdir(tmp_path / "run")) == ["log.txt"]
 
 
-def test_a_save_stopped_while_it_is_swapped_in_is_read_where_it_was_written(tmp_path, monkeypatch, caplog):
-    """Stopped between the swap's two renames: no checkpoint at the path, the new one complete beside it.
-    ``load`` and ``consolidate`` read that one (with a warning); the next save moves it into place first."""
-    path = str(tmp_path / "latest")
-    model = build_model("gpt")
-    ckpt.save(path, model)
-    newer = _moved(model, 1.0)
+def _save_stopped_mid_swap(path: str, model, monkeypatch) -> None:
+    """A save of ``model`` to ``path`` stopped between the swap's two renames (the old checkpoint moved
+    away, the new one complete in ``<path>.zcompile-saving``)."""
     real_rename = os.rename
 
     def rename(source, destination):
@@ -342,6 +338,16 @@ def test_a_save_stopped_while_it_is_swapped_in_is_read_where_it_was_written(tmp_
     with pytest.raises(KeyboardInterrupt):
         ckpt.save(path, model)
     monkeypatch.undo()
+
+
+def test_a_save_stopped_while_it_is_swapped_in_is_read_where_it_was_written(tmp_path, monkeypatch, caplog):
+    """Stopped between the swap's two renames: no checkpoint at the path, the new one complete beside it.
+    ``load`` and ``consolidate`` read that one (with a warning); the next save moves it into place first."""
+    path = str(tmp_path / "latest")
+    model = build_model("gpt")
+    ckpt.save(path, model)
+    newer = _moved(model, 1.0)
+    _save_stopped_mid_swap(path, model, monkeypatch)
     assert not os.path.exists(path)
     _moved(model, 5.0)
     with caplog.at_level("WARNING", logger="zcompile.checkpoint.commit"):
@@ -406,17 +412,7 @@ def test_consolidate_reads_the_swap_window_as_load_does(tmp_path, monkeypatch, c
     model = build_model("gpt")
     ckpt.save(path, model)
     newer = _moved(model, 1.0)
-    real_rename = os.rename
-
-    def rename(source, destination):
-        if os.fspath(source).endswith(".zcompile-saving"):
-            raise KeyboardInterrupt
-        real_rename(source, destination)
-
-    monkeypatch.setattr(os, "rename", rename)
-    with pytest.raises(KeyboardInterrupt):
-        ckpt.save(path, model)
-    monkeypatch.undo()
+    _save_stopped_mid_swap(path, model, monkeypatch)
     assert not os.path.exists(path)
     assert cli_main(["consolidate", path, str(tmp_path / "full.pt")]) == 0
     assert torch.equal(torch.load(tmp_path / "full.pt")["wte.weight"], newer["wte.weight"])
