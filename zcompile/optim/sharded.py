@@ -490,8 +490,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
 setattr(ShardedOptimizer, SHARDED_OPTIMIZER_ATTR, True)  # what the foreign-optimizer guard recognises
 
 
+def _check_torch_arguments(optimizer: str, maximize: bool, differentiable: bool) -> None:
+    """torch's keyword arguments that change what the update computes, where zcompile's update cannot do
+    it: an error naming the argument and why. torch's performance hints (``foreach``, ``fused``,
+    ``capturable``) need no check: whatever they say, the update runs zcompile's own fused kernel."""
+    if maximize:
+        raise ValueError(
+            f"zcompile.optim.{optimizer}: maximize=True is not supported (the fused update descends); "
+            "minimize the negated objective instead"
+        )
+    if differentiable:
+        raise ValueError(
+            f"zcompile.optim.{optimizer}: differentiable=True is not supported: the update runs in fused "
+            "kernels outside autograd, so no gradient flows through it"
+        )
+
+
 class AdamW(ShardedOptimizer):
-    """``torch.optim.AdamW`` over shards (same arguments; ``amsgrad`` is not supported)."""
+    """``torch.optim.AdamW`` over shards: torch's arguments (``amsgrad``, ``maximize`` and
+    ``differentiable`` refused when set; ``foreach``, ``fused``, ``capturable`` accepted, the update
+    being zcompile's own fused kernel), plus zcompile's own."""
 
     def __init__(
         self,
@@ -505,14 +523,21 @@ class AdamW(ShardedOptimizer):
         max_grad_norm: float | None = None,
         check_timeout_s: float | None = DEFAULT_TIMEOUT_S,
         skip_nonfinite: bool | None = None,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         **unsupported: Any,
     ):
+        _check_torch_arguments("AdamW", maximize, differentiable)
         if amsgrad:
             raise ValueError("zcompile.optim.AdamW: amsgrad=True is not supported; use amsgrad=False")
         if unsupported:
             raise TypeError(
                 f"zcompile.optim.AdamW: unsupported arguments {sorted(unsupported)}; "
-                "supported: lr, betas, eps, weight_decay, bucket_mb, max_grad_norm, check_timeout_s, skip_nonfinite"
+                "supported: torch.optim.AdamW's, and bucket_mb, max_grad_norm, check_timeout_s, skip_nonfinite"
             )
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(
@@ -635,7 +660,9 @@ class AdamW(ShardedOptimizer):
 
 
 class SGD(ShardedOptimizer):
-    """``torch.optim.SGD`` over shards (momentum, dampening, nesterov, weight decay)."""
+    """``torch.optim.SGD`` over shards: torch's arguments (momentum, dampening, nesterov, weight decay;
+    ``maximize`` and ``differentiable`` refused when set; ``foreach``, ``fused`` accepted), plus
+    zcompile's own."""
 
     def __init__(
         self,
@@ -649,7 +676,13 @@ class SGD(ShardedOptimizer):
         max_grad_norm: float | None = None,
         check_timeout_s: float | None = DEFAULT_TIMEOUT_S,
         skip_nonfinite: bool | None = None,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ):
+        _check_torch_arguments("SGD", maximize, differentiable)
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(
                 f"zcompile.optim.SGD: invalid hyper-parameters lr={lr} momentum={momentum} weight_decay={weight_decay}"
