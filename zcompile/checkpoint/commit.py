@@ -72,15 +72,15 @@ def prepare_save(path: str) -> None:
         )
     staging, previous = staging_dir(path), previous_dir(path)
     if not is_complete(path) and is_complete(staging):
-        _remove(path)
+        remove_directory(path)
         os.rename(staging, path)
         log.warning(
             "zcompile.checkpoint.save: %s was saved whole but not moved into place (a save stopped while it "
             "swapped them); moved now",
             staging,
         )
-    _remove(staging)
-    _remove(previous)
+    remove_directory(staging)
+    remove_directory(previous)
 
 
 def foreign_files(path: str) -> list[str]:
@@ -102,7 +102,7 @@ def commit_save(path: str) -> None:
     if os.path.lexists(path):
         os.rename(path, previous)
     os.rename(staging, path)
-    _remove(previous)
+    remove_directory(previous)
 
 
 def readable_checkpoint(path: str) -> str:
@@ -142,17 +142,12 @@ def leftovers(parent: str) -> list[tuple[str, str]]:
     return found
 
 
-def remove_leftover(directory: str) -> None:
-    """Removes one of ``leftovers``' directories."""
-    _remove(directory)
-
-
-def damaged_files(path: str) -> list[str]:
-    """The data files of checkpoint ``path`` that are missing or shorter than its metadata says (each
-    ``file: why``): DCP reads what a cut file still holds without a word, when the cut is past the pieces
-    a read asks for. Reads only the metadata and the files' sizes."""
+def damaged_files(path: str, metadata: dcp.Metadata) -> list[str]:
+    """The data files of checkpoint ``path`` (its ``metadata``, read by the caller) that are missing or
+    shorter than the metadata says (each ``file: why``): DCP reads what a cut file still holds without a
+    word, when the cut is past the pieces a read asks for. Reads only the files' sizes."""
     ends: dict[str, int] = {}
-    for info in dcp.FileSystemReader(path).read_metadata().storage_data.values():
+    for info in metadata.storage_data.values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     damaged = []
     for name, end in sorted(ends.items()):
@@ -174,7 +169,7 @@ def incomplete_save_note(path: str) -> str:
     return ""
 
 
-def _remove(directory: str) -> None:
+def remove_directory(directory: str) -> None:
     if os.path.isdir(directory) and not os.path.islink(directory):
         shutil.rmtree(directory)
     elif os.path.lexists(directory):

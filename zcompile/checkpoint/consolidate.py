@@ -126,13 +126,14 @@ def read_meta(path: str | os.PathLike) -> dict:
 def _read_full_weights(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     """Every parameter (under each of its names) and buffer of checkpoint ``path``, and its meta;
     ``CheckpointError`` when a data file is missing or cut."""
-    if damaged := damaged_files(path):
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    if damaged := damaged_files(path, metadata):
         raise CheckpointError(
             f"zcompile.checkpoint.consolidate: {path} is damaged: {'; '.join(damaged)}. Consolidate another "
             "checkpoint (an earlier save); nothing was written"
         )
     meta = read_meta(path)
-    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    keys = metadata.state_dict_metadata
     result: dict[str, torch.Tensor] = {}
     for name, info in meta["params"].items():
         flat = torch.empty(keys[param_key(name)].size)

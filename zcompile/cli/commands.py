@@ -444,14 +444,14 @@ def cmd_consolidate(args: argparse.Namespace, out: Output, warnings: list[str]) 
 
 
 def cmd_clean_saves(args: argparse.Namespace, out: Output, warnings: list[str]) -> int:
-    from zcompile.checkpoint.commit import leftovers, remove_leftover  # local: import cost, as above
+    from zcompile.checkpoint.commit import leftovers, remove_directory  # local: import cost, as above
 
     if not os.path.isdir(args.dir):
         raise DumpError(f"{args.dir}: no such directory")
     found = leftovers(args.dir)
     for directory, what in found:
         if args.remove:
-            remove_leftover(directory)
+            remove_directory(directory)
         out.line(f"{'removed ' if args.remove else ''}{directory}: {what}")
     if not found:
         out.line(f"{args.dir}: nothing left by stopped saves")
