@@ -87,7 +87,10 @@ import zcompile.checkpoint.dcp as ckpt  # noqa: E402
 LR = 3e-4
 ZC, ZC_LIVE, GATHERED, FSDP = "zcompile", "zcompile, into compiled", "gathered + torch.save", "FSDP2 + DCP"
 ZC_FROZEN, ZC_FROZEN_OUT = "zcompile, base frozen", "zcompile, frozen base left out"
-ROUTES = ("zcompile", "fsdp2", "frozen")
+ZC_CHECKSUMS, ZC_NO_CHECKSUMS = "zcompile, checksums", "zcompile, no checksums"
+ROUTES = ("zcompile", "fsdp2", "frozen", "checksums")
+# what a route's ratios are to: zcompile's checkpoint, or the same model saved the other way
+_COMPARED_WITH = {ZC_FROZEN_OUT: ZC_FROZEN, ZC_CHECKSUMS: ZC_NO_CHECKSUMS}
 
 
 # ----------------------------------------------------------------------------- memory
@@ -166,7 +169,8 @@ def parse_args() -> argparse.Namespace:
         nargs="+",
         choices=ROUTES,
         default=list(ROUTES),
-        help="zcompile: its checkpoints and gathered + torch.save; fsdp2; frozen: a frozen base",
+        help="zcompile: its checkpoints and gathered + torch.save; fsdp2; frozen: a frozen base; "
+        "checksums: zcompile's with and without them",
     )
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary directory)")
     parser.add_argument("--out", default=None, help="JSON results (default benchmarks/results/checkpoint_N.json)")
@@ -403,6 +407,40 @@ def bench_frozen(config, size, args, rank, world, root, exact) -> list[dict]:
     return rows
 
 
+def bench_checksums(config, size, args, rank, world, root, exact) -> list[dict]:
+    """One stage-3 model saved and loaded with checksums (the default: hashed after the save, verified
+    before the load) and without (``checksums=False``, ``verify_checksums=False``), in turn within
+    each repetition so that the machine's drift falls on both alike."""
+    torch._dynamo.reset()
+
+    def fresh_model():
+        model = new_model(config)
+        return model, zcompile.optim.AdamW(model.parameters(), lr=LR)
+
+    model, optimizer = fresh_model()
+    compiled, sums = trained_at_stage_3(model, optimizer, config, args, rank, world)
+    numel = sum(p.numel() for p in model.parameters())
+    samples = {True: ([], []), False: ([], [])}
+    path = None
+    for rep in range(args.repeats):
+        for on in (True, False) if rep % 2 == 0 else (False, True):
+            path = fresh_dir(root, f"checksums_{on}_{rep}")
+            saves, loads = samples[on]
+            saves.append(measure(lambda p=path, on=on: ckpt.save(p, compiled, optimizer, checksums=on), exact))
+            fresh, fresh_opt = fresh_model()
+            loads.append(
+                measure(lambda p=path, m=fresh, o=fresh_opt, on=on: ckpt.load(p, m, o, verify_checksums=on), exact)
+            )
+            assert param_sums(fresh, sharded=False) == sums[0], "parameters differ after the load"
+            assert optim_sums(fresh_opt) == sums[1], "optimizer state differs after the load"
+            del fresh, fresh_opt
+    disk = disk_bytes(path)
+    return [
+        summarize(ZC_CHECKSUMS, size, numel, *samples[True], disk, world),
+        summarize(ZC_NO_CHECKSUMS, size, numel, *samples[False], disk, world),
+    ]
+
+
 def bench_fsdp2(config, size, args, rank, world, root, exact) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -452,11 +490,7 @@ def print_tables(rows: list[dict], setup: str) -> dict:
     ratios, table = {}, []
     for row in rows:
         base = next(
-            (
-                r
-                for r in rows
-                if r["size"] == row["size"] and r["method"] == (ZC_FROZEN if row["method"] == ZC_FROZEN_OUT else ZC)
-            ),
+            (r for r in rows if r["size"] == row["size"] and r["method"] == _COMPARED_WITH.get(row["method"], ZC)),
             None,
         )
         full = 4 * row["params"]
@@ -529,6 +563,8 @@ def main() -> None:
             rows.append(bench_fsdp2(config, size, args, rank, world, root, exact))
         if "frozen" in args.routes:
             rows += bench_frozen(config, size, args, rank, world, root, exact)
+        if "checksums" in args.routes:
+            rows += bench_checksums(config, size, args, rank, world, root, exact)
         if rank == 0:
             print(f"  {size}: done [{time.perf_counter() - start:.0f}s]", flush=True)
     dist.barrier()

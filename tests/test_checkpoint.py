@@ -11,6 +11,8 @@ losses are compared at 1e-6 relative (``LOSS_RTOL``).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import time
@@ -26,6 +28,7 @@ from support.launch import run_ranks
 from support.models import build_model
 from support.training import LOSS_RTOL, RunSpec, _optimizer, train_reference, train_steps
 from zcompile.agreement.abort_note import RankDivergenceError
+from zcompile.checkpoint.checksums import RECORD_FILE
 from zcompile.checkpoint.consolidate import consolidate
 from zcompile.cli.commands import main as cli_main
 
@@ -111,6 +114,12 @@ def first_launch(rank: int, world: int, root: str) -> dict:
             if file.endswith(".distcp"):
                 with open(os.path.join(broken, file), "r+b") as handle:
                     handle.truncate(os.path.getsize(os.path.join(broken, file)) // 2)
+        # bytes overwritten inside a tensor of rank 1's file, and inside the metadata (the background
+        # save's checkpoint: its record is written on DCP's thread)
+        for what, file in (("overwritten", "__1_0.distcp"), ("metadata_overwritten", ".metadata")):
+            copy = os.path.join(root, what)
+            shutil.copytree(os.path.join(root, "gpt_2r"), copy)
+            _overwrite_in_the_middle(copy, file)
     dist.barrier()
     model, compiled, optimizer, _ = _fresh("gpt", 3)
     untouched = _params(model)
@@ -118,6 +127,10 @@ def first_launch(rank: int, world: int, root: str) -> dict:
         "other_model": _error_of(lambda: ckpt.load(os.path.join(root, "gpt_2r"), other, other_optimizer)),
         "truncated": _error_of(lambda: ckpt.load(broken, model, optimizer)),
         "missing": _error_of(lambda: ckpt.load(os.path.join(root, "nowhere"), model, optimizer)),
+        "overwritten": _error_of(lambda: ckpt.load(os.path.join(root, "overwritten"), model, optimizer)),
+        "metadata_overwritten": _error_of(
+            lambda: ckpt.load(os.path.join(root, "metadata_overwritten"), model, optimizer)
+        ),
     }
     out["other_untouched"] = all(torch.equal(before[k], v) for k, v in _params(other).items())
     out["model_untouched"] = all(torch.equal(untouched[k], v) for k, v in _params(model).items())
@@ -364,6 +377,22 @@ def test_a_save_stopped_while_it_is_swapped_in_is_read_where_it_was_written(tmp_
     assert _same(model, later)
 
 
+def _overwrite_in_the_middle(directory: str, file: str, nbytes: int = 64) -> str:
+    """``nbytes`` overwritten in the middle of ``file`` of checkpoint ``directory`` (a bad disk): for a data
+    file, inside its largest tensor, where DCP reads the changed values without an error. The file hit."""
+    offset = os.path.getsize(os.path.join(directory, file)) // 2
+    if file.endswith(".distcp"):
+        pieces = dcp.FileSystemReader(directory).read_metadata().storage_data.values()
+        largest = max((p for p in pieces if p.relative_path == file), key=lambda p: p.length)
+        offset = largest.offset + largest.length // 2
+    with open(os.path.join(directory, file), "r+b") as handle:
+        handle.seek(offset)
+        old = handle.read(nbytes)
+        handle.seek(offset)
+        handle.write(bytes(255 - b for b in old))
+    return os.path.join(directory, file)
+
+
 def _damage(directory, how: str) -> str:
     """Damages the checkpoint in ``directory`` as a crash or a bad disk would; returns the file hit."""
     data = os.path.join(directory, sorted(f for f in os.listdir(directory) if f.endswith(".distcp"))[0])
@@ -377,10 +406,24 @@ def _damage(directory, how: str) -> str:
     elif how == "metadata cut":
         os.truncate(metadata, 10)
         return metadata
+    elif how == "data bytes overwritten":
+        return _overwrite_in_the_middle(directory, os.path.basename(data))
+    elif how == "metadata bytes overwritten":
+        return _overwrite_in_the_middle(directory, ".metadata")
     return data
 
 
-@pytest.mark.parametrize("how", ["data cut by 1 byte", "data cut to half", "data deleted", "metadata cut"])
+DAMAGES = [
+    "data cut by 1 byte",
+    "data cut to half",
+    "data deleted",
+    "metadata cut",
+    "data bytes overwritten",
+    "metadata bytes overwritten",
+]
+
+
+@pytest.mark.parametrize("how", DAMAGES)
 def test_consolidate_names_a_damaged_checkpoint_and_writes_nothing(tmp_path, capsys, how):
     """A checkpoint cut or missing a file: ``consolidate`` raises ``CheckpointError`` naming the file and
     ``zcompile consolidate`` exits 2 with that message, no traceback and no output file (a cut of bytes that
@@ -394,8 +437,7 @@ def test_consolidate_names_a_damaged_checkpoint_and_writes_nothing(tmp_path, cap
     out = tmp_path / "full.pt"
     with pytest.raises(ckpt.CheckpointError, match="zcompile.checkpoint.consolidate: .*damaged") as raised:
         consolidate(damaged, out)
-    if how != "metadata cut":
-        assert hit in str(raised.value)
+    assert hit in str(raised.value)
     assert cli_main(["consolidate", damaged, str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("zcompile consolidate: error: zcompile.checkpoint.consolidate:") and "Traceback" not in err
@@ -403,6 +445,50 @@ def test_consolidate_names_a_damaged_checkpoint_and_writes_nothing(tmp_path, cap
     consolidate(intact, out)
     full = torch.load(out)
     assert all(torch.equal(full[name], value.detach()) for name, value in model.state_dict().items())
+
+
+def test_every_file_a_save_writes_has_its_checksum_recorded(tmp_path):
+    """The record lists every file DCP wrote, each with its size and the SHA-256 of its bytes (computed
+    here by hashlib over the whole file), and a save is swapped in with its record."""
+    path = str(tmp_path / "ck")
+    ckpt.save(path, build_model("gpt"), extra={"step": 3})
+    with open(os.path.join(path, RECORD_FILE)) as handle:
+        record = json.load(handle)
+    on_disk = sorted(name for name in os.listdir(path) if name != RECORD_FILE)
+    assert record["algorithm"] == "sha256" and sorted(record["files"]) == on_disk == [".metadata", "__0_0.distcp"]
+    for name, digest in record["files"].items():
+        with open(os.path.join(path, name), "rb") as handle:
+            data = handle.read()
+        assert digest == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_bytes_overwritten_in_a_checkpoint_are_refused_and_load_nothing(tmp_path):
+    """64 bytes overwritten inside a tensor (a bad disk): ``load`` refuses naming the file and the rank
+    that wrote it, the model unchanged. Unverified (``verify_checksums=False``) the same checkpoint loads
+    without a word and gives other weights: the check is what finds it. Saved with ``checksums=False``
+    there is no record, and the checkpoint loads."""
+    model = build_model("gpt")
+    path, damaged = str(tmp_path / "ck"), str(tmp_path / "damaged")
+    ckpt.save(path, model)
+    shutil.copytree(path, damaged)
+    hit = _overwrite_in_the_middle(damaged, "__0_0.distcp")
+    fresh = build_model("gpt")
+    before = _moved(fresh, 1.0)
+    with pytest.raises(ckpt.CheckpointError, match="is damaged") as raised:
+        ckpt.load(damaged, fresh)
+    assert f"{hit} (written by rank 0): its bytes changed since the save" in str(raised.value)
+    assert _same(fresh, before)
+    ckpt.load(damaged, fresh, verify_checksums=False)
+    assert not _same(fresh, _weights(model))
+    ckpt.load(path, fresh)
+    assert _same(fresh, _weights(model))
+    unrecorded = str(tmp_path / "unrecorded")
+    ckpt.save(unrecorded, model, checksums=False)
+    assert RECORD_FILE not in os.listdir(unrecorded)
+    _moved(fresh, 1.0)
+    ckpt.load(unrecorded, fresh)
+    assert _same(fresh, _weights(model))
 
 
 def test_consolidate_reads_the_swap_window_as_load_does(tmp_path, monkeypatch, capsys):
@@ -515,7 +601,10 @@ def test_bad_checkpoints_fail_on_every_rank_and_change_nothing(launches):
     for result in first:
         errors = result["errors"]
         assert "'wte.weight'" in errors["other_model"]  # the first parameter whose size differs
-        assert errors["truncated"] and "reading" in errors["truncated"]
+        assert errors["truncated"] and "__0_0.distcp (written by rank 0): " in errors["truncated"]
+        assert "bytes, saved with" in errors["truncated"] and "is damaged" in errors["truncated"]
+        assert "__1_0.distcp (written by rank 1): its bytes changed since the save" in errors["overwritten"]
+        assert ".metadata: its bytes changed since the save" in errors["metadata_overwritten"]
         assert errors["missing"] and "nowhere" in errors["missing"]
         assert result["other_untouched"] and result["model_untouched"]
 

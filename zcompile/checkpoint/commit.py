@@ -23,8 +23,6 @@ import os
 import re
 import shutil
 
-import torch.distributed.checkpoint as dcp
-
 from zcompile.checkpoint.layout import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -32,9 +30,9 @@ log = logging.getLogger(__name__)
 STAGING_SUFFIX = ".zcompile-saving"
 PREVIOUS_SUFFIX = ".zcompile-old"
 _METADATA_FILE = ".metadata"  # DCP's, renamed into place last when a save finishes
-# what DCP's file system writer puts in a checkpoint directory: the metadata (global, or per rank without
-# collectives), its temporary name while written, and the ranks' data files
-_DCP_FILE = re.compile(r"(__\d+)?\.metadata(\.tmp)?|__\d+_\d+\.distcp")
+# what a save puts in a checkpoint directory: DCP's metadata (global, or per rank without collectives),
+# its temporary name while written, the ranks' data files, and zcompile's checksum record (``checksums``)
+_DCP_FILE = re.compile(r"(__\d+)?\.metadata(\.tmp)?|__\d+_\d+\.distcp|zcompile-checksums\.json(\.tmp)?")
 
 
 def replaced_whole(path: str) -> bool:
@@ -140,23 +138,6 @@ def leftovers(parent: str) -> list[tuple[str, str]]:
         elif name.endswith(PREVIOUS_SUFFIX):
             found.append((directory, "a replaced checkpoint a swap did not remove"))
     return found
-
-
-def damaged_files(path: str, metadata: dcp.Metadata) -> list[str]:
-    """The data files of checkpoint ``path`` (its ``metadata``, read by the caller) that are missing or
-    shorter than the metadata says (each ``file: why``): DCP reads what a cut file still holds without a
-    word, when the cut is past the pieces a read asks for. Reads only the files' sizes."""
-    ends: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    damaged = []
-    for name, end in sorted(ends.items()):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            damaged.append(f"{file}: missing")
-        elif (size := os.path.getsize(file)) < end:
-            damaged.append(f"{file}: {size:,} bytes, the metadata needs {end:,}")
-    return damaged
 
 
 def incomplete_save_note(path: str) -> str:

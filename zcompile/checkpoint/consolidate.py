@@ -22,7 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from zcompile.agreement.store_exchange import names_digest
-from zcompile.checkpoint.commit import damaged_files, incomplete_save_note, is_complete, readable_checkpoint
+from zcompile.checkpoint.checksums import RECORD_FILE, damage, data_file_ends, read_record
+from zcompile.checkpoint.commit import incomplete_save_note, is_complete, readable_checkpoint
 from zcompile.checkpoint.layout import META_KEY, CheckpointError, agree_on_call, buffer_key, param_key, unwrap
 from zcompile.common.process_group import DataParallelGroup
 from zcompile.eager.gathered import gather_into_full
@@ -123,17 +124,19 @@ def read_meta(path: str | os.PathLike) -> dict:
     return json.loads(state[META_KEY])
 
 
-def _read_full_weights(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+def _read_full_weights(path: str, verify_checksums: bool) -> tuple[dict[str, torch.Tensor], dict]:
     """Every parameter (under each of its names) and buffer of checkpoint ``path``, and its meta;
-    ``CheckpointError`` when a data file is missing or cut."""
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    if damaged := damaged_files(path, metadata):
+    ``CheckpointError`` when a file is missing, cut, or (``verify_checksums``) not what the save wrote."""
+    reader = dcp.FileSystemReader(path)
+    if damaged := damage(path, lambda: data_file_ends(reader.read_metadata()), verify=verify_checksums):
         raise CheckpointError(
             f"zcompile.checkpoint.consolidate: {path} is damaged: {'; '.join(damaged)}. Consolidate another "
             "checkpoint (an earlier save); nothing was written"
         )
+    if verify_checksums and read_record(path) is None:
+        log.info("consolidate: %s has no %s (saved without checksums): read unverified", path, RECORD_FILE)
     meta = read_meta(path)
-    keys = metadata.state_dict_metadata
+    keys = reader.read_metadata().state_dict_metadata
     result: dict[str, torch.Tensor] = {}
     for name, info in meta["params"].items():
         flat = torch.empty(keys[param_key(name)].size)
@@ -151,8 +154,11 @@ def _read_full_weights(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     return result, meta
 
 
-def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, Any]:
+def consolidate(path: str | os.PathLike, out: str | os.PathLike, verify_checksums: bool = True) -> dict[str, Any]:
     """Writes the full fp32 weights of checkpoint ``path`` to the file ``out`` and returns a summary.
+
+    Every file is first compared with the checksums its save recorded (``checksums``);
+    ``verify_checksums=False`` skips that (the files' sizes are still checked).
 
     ``out`` ending in ``.safetensors`` is written with safetensors (tied names get their own copy:
     the format has no aliases), anything else with ``torch.save``. Runs without a process group,
@@ -164,7 +170,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> dict[str, An
         what = "does not exist" if not os.path.exists(path) else "is not a complete checkpoint (no .metadata)"
         raise CheckpointError(f"zcompile.checkpoint.consolidate: {given} {what}.{incomplete_save_note(given)}")
     try:
-        result, meta = _read_full_weights(path)
+        result, meta = _read_full_weights(path, verify_checksums)
     except CheckpointError:
         raise
     except Exception as error:  # DCP's own errors on a damaged checkpoint: a traceback says less than this

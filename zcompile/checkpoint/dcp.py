@@ -36,7 +36,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from zcompile.agreement.initial_values import value_digest
-from zcompile.agreement.store_exchange import names_digest
+from zcompile.agreement.store_exchange import exchange_on_store, names_digest
+from zcompile.checkpoint.checksums import damage, data_file_ends, digests_of, own_data_files, write_record
 from zcompile.checkpoint.commit import (
     commit_save,
     incomplete_save_note,
@@ -137,6 +138,7 @@ def save(
     async_save: bool = False,
     timeout_s: float = 300.0,
     exclude_frozen_parameters: bool = False,
+    checksums: bool = True,
 ):
     """Writes ``model``'s (and ``optimizer``'s) shards and this rank's ``extra`` to the directory ``path``.
 
@@ -151,6 +153,9 @@ def save(
     A checkpoint already at ``path`` is replaced whole or not at all: the save is written into
     ``<path>.zcompile-saving`` and swapped in once every rank's files are written
     (``zcompile.checkpoint.commit``), so a save stopped part way leaves the last checkpoint readable.
+    ``checksums``: each rank hashes the files it wrote and the record goes into the checkpoint before
+    it is swapped in, for ``load`` and ``consolidate`` to verify (``zcompile.checkpoint.checksums``;
+    a path with a scheme, written in place, gets none).
     """
     path = os.fspath(path)
     _wait_for_background_save(model)  # its swap, and its writes into the same staging directory, come first
@@ -200,12 +205,12 @@ def save(
         )
         result = getattr(result, "upload_completion", result)  # (other checkpointer types: a response)
         if whole:
-            result = _committed_when_written(result, path, group, timeout_s)
+            result = _committed_when_written(result, path, group, timeout_s, checksums)
         unwrap(model).__dict__[PENDING_SAVE_ATTR] = result
     else:
         result = dcp.save(state, checkpoint_id=target, process_group=group.process_group, no_dist=group.world_size == 1)
         if whole:
-            _commit(path, group, timeout_s)
+            _commit(path, group, timeout_s, checksums=checksums)
     log.info(
         "checkpoint: %s %d parameters to %s (rank %d of %d)%s",
         "saving" if async_save else "saved",
@@ -218,21 +223,41 @@ def save(
     return result
 
 
-def _commit(path: str, group: DataParallelGroup, timeout_s: float, problem: str | None = None) -> None:
-    """The written save swapped in at ``path`` by the coordinating rank; every rank returns once it is
-    (or raises, on every rank, when writing or the swap failed on any)."""
-    if problem is None and group.rank == 0:
+def _commit(
+    path: str, group: DataParallelGroup, timeout_s: float, problem: str | None = None, checksums: bool = True
+) -> None:
+    """The written save swapped in at ``path`` by the coordinating rank, with the checksum record of
+    every rank's files (``checksums``); every rank returns once it is (or raises, on every rank, when
+    writing, hashing or the swap failed on any)."""
+    # counted apart from the training thread's checkpoint calls, per path: a background save swaps on
+    # DCP's thread, and two models' background saves may finish in another order on each rank
+    purpose = f"checkpoint-swap:{os.path.abspath(path)}"
+    staging, digests = staging_dir(path), {}
+    if problem is None and checksums:
         try:
+            digests = digests_of(staging, own_data_files(staging, group.rank))
+        except OSError as error:
+            problem = f"hashing the files it wrote failed ({error})"
+    everyone = exchange_on_store(
+        {"failed": problem is not None, "digests": digests},
+        group,
+        timeout_s,
+        purpose,
+        "zcompile.checkpoint.save",
+        "Every rank of the group must make the same checkpoint calls. Raise timeout_s if a rank is only slow.",
+    )
+    if group.rank == 0 and not any(entry["failed"] for entry in everyone):
+        try:
+            if checksums:
+                write_record(staging, {name: d for entry in everyone for name, d in entry["digests"].items()})
             commit_save(path)
         except (OSError, RuntimeError) as error:
             problem = f"moving the finished save into place failed ({error}); {path} is left as it was"
-    # counted apart from the training thread's checkpoint calls, per path: a background save swaps on
-    # DCP's thread, and two models' background saves may finish in another order on each rank
-    agree_on_call("save", path, group, timeout_s, problem, purpose=f"checkpoint-swap:{os.path.abspath(path)}")
+    agree_on_call("save", path, group, timeout_s, problem, purpose=purpose)
 
 
 def _committed_when_written(
-    written: concurrent.futures.Future, path: str, group: DataParallelGroup, timeout_s: float
+    written: concurrent.futures.Future, path: str, group: DataParallelGroup, timeout_s: float, checksums: bool
 ) -> concurrent.futures.Future:
     """A future of a background save that completes once it is swapped in at ``path`` on every rank: the
     swap runs on DCP's thread when the files are written, and so does its exchange through the store."""
@@ -244,7 +269,7 @@ def _committed_when_written(
         except BaseException as error:  # reported on every rank through the commit's agreement
             value, problem = None, f"writing it failed ({type(error).__name__}: {_first_line(error)})"
         try:
-            _commit(path, group, timeout_s, problem)
+            _commit(path, group, timeout_s, problem, checksums)
         except BaseException as error:
             committed.set_exception(error)
         else:
@@ -327,6 +352,7 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     strict: bool = True,
     timeout_s: float = 300.0,
+    verify_checksums: bool = True,
 ) -> dict:
     """Restores ``model`` (and ``optimizer``) from ``path``; returns the ``extra`` dict saved with it.
 
@@ -335,7 +361,9 @@ def load(
     model must be in the checkpoint and nothing else (a missing name is always an error, but for
     one saved with ``exclude_frozen_parameters``: the model's own value is kept, and must be the one
     it had at the save). A rank that does not make the same call within ``timeout_s`` is an error on
-    the others.
+    the others. Every file is first compared with the checksums its save recorded, each rank hashing
+    its share (``zcompile.checkpoint.checksums``); ``verify_checksums=False`` skips that (the data
+    files' sizes are still checked).
     """
     _wait_for_background_save(model)  # a save of this path must be swapped in before it is read
     params = named_unique_params(model)
@@ -344,7 +372,15 @@ def load(
     directory = readable_checkpoint(path)  # path, or a complete save stopped while it was swapped in
     problem, meta = None, {}
     try:
-        metadata = dcp.FileSystemReader(directory).read_metadata()
+        reader = dcp.FileSystemReader(directory)
+        damaged = damage(
+            directory, lambda: data_file_ends(reader.read_metadata()), group.rank, group.world_size, verify_checksums
+        )
+        if damaged:
+            raise CheckpointError(
+                f"{directory} is damaged: {'; '.join(damaged)}; load another checkpoint (an earlier save)"
+            )
+        metadata = reader.read_metadata()
         if META_KEY in metadata.state_dict_metadata:  # read first: it says which parameters were left out
             meta = read_meta(directory)
         _check(metadata.state_dict_metadata, params, model, optimizer, strict, meta.get("excluded_frozen", {}))
@@ -360,6 +396,7 @@ def load(
         problem,
         optimizer=optimizer is not None,
         strict=strict,
+        verify_checksums=verify_checksums,
         read=os.path.abspath(directory),
     )
     keys, excluded = metadata.state_dict_metadata, meta.get("excluded_frozen", {})

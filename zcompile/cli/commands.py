@@ -385,6 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     consolidate.add_argument("checkpoint")
     consolidate.add_argument("out")
+    consolidate.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip comparing the checkpoint's files with the checksums its save recorded (sizes are still checked)",
+    )
     clean = commands.add_parser(
         "clean-saves",
         parents=[common],
@@ -426,7 +431,9 @@ def cmd_consolidate(args: argparse.Namespace, out: Output, warnings: list[str]) 
     from zcompile.checkpoint.layout import CheckpointError
 
     try:
-        summary = consolidate(args.checkpoint, args.out)  # the swap window read as load reads it
+        summary = consolidate(
+            args.checkpoint, args.out, verify_checksums=not args.no_verify
+        )  # the swap window read as load reads it
     except CheckpointError as error:
         raise DumpError(str(error)) from None
     out.line(
