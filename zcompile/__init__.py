@@ -30,11 +30,12 @@ _LAZY = {
     "StepReport": "zcompile.reports.step_report",
     "step_report": "zcompile.reports.step_report",
     "simulate_tune": "zcompile.tune.simulated",
+    "simulate": "",  # a callable module: zcompile.simulate(...) runs zcompile.predict.simulate.simulate
 }
 __all__ = list(_LAZY)
 
 if TYPE_CHECKING:
-    from zcompile import checkpoint, optim
+    from zcompile import checkpoint, optim, simulate
     from zcompile.backend.pass_runner import PassError
     from zcompile.backend.regional import mark_repeated_blocks
     from zcompile.config import ZeroConfig

@@ -1,6 +1,7 @@
 """``zcompile.simulate`` at a world this machine does not have (64 ranks, one process) against ZeRO's
 formulas; its agreement with real 2- and 4-rank runs is in test_training."""
 
+import inspect
 import json
 import math
 
@@ -350,3 +351,17 @@ def test_the_node_note_is_said_for_simulate_and_for_simulate_tune_alike():
     ):
         _say_nodes(args, said)
     assert len(said) == 1
+
+
+def test_simulate_is_callable_from_the_top_level_package(stage3):
+    """``zcompile.simulate(...)`` (as ``zcompile.estimate_memory``) and the module path give the same
+    prediction; the module's public names stay importable."""
+    import zcompile.simulate as module
+    from zcompile.simulate import SimulationResult
+
+    assert zcompile.simulate is module
+    tokens, targets = global_batch(0, 2)
+    result = zcompile.simulate(lambda: build_model("gpt"), (tokens, targets), world_size=WORLD, options={"stage": 3})
+    assert isinstance(result, SimulationResult)
+    assert result.memory == stage3.memory and result.step_s == stage3.step_s
+    assert list(inspect.signature(zcompile.simulate).parameters)[:2] == ["make_model", "example_batch"]
