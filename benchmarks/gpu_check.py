@@ -182,6 +182,7 @@ def training_steps(device: str, quick: bool, steps: int) -> list[dict]:
         "torch.compile aot_eager": ("aot_eager", None),
         "zero stage 3, eager": ("zero", {"stage": 3, "compiler": "eager"}),
         "zero stage 3, inductor": ("zero", {"stage": 3, "compiler": "inductor"}),
+        "zero stage 3, default compiler (auto)": ("zero", {"stage": 3}),  # inductor on CUDA: compiler_chosen
         "torch.compile inductor": ("inductor", None),
         # the other stages and mixed precision: the fused AdamW writes the bf16 replica (lowp_out) on CUDA
         "zero stage 1, eager": ("zero", {"stage": 1, "compiler": "eager"}),
@@ -199,6 +200,9 @@ def training_steps(device: str, quick: bool, steps: int) -> list[dict]:
         torch.manual_seed(0)
         model = GPT(config).to(device)
         autocast = options == "autocast"
+        chosen: set[str] = set()  # the inner compiler each zero graph ran with ("auto" made concrete)
+        if backend == "zero":
+            options = {**options, "on_compile": lambda graphs: chosen.add(graphs.context.config.compiler)}
         compiled = torch.compile(model, backend=backend, options=None if autocast else options)
         if backend == "zero":
             optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-4)
@@ -227,6 +231,7 @@ def training_steps(device: str, quick: bool, steps: int) -> list[dict]:
                 "median_enqueue_ms": statistics.median(enqueued[1:]) * 1e3,
                 "losses": losses,
                 "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+                "compiler_chosen": sorted(chosen) or None,
             }
         )
         if device == "cuda":
@@ -336,7 +341,8 @@ def _print_summary(results: dict) -> None:
                 row["way"],
                 f"first step {row['first_step_s']:.1f}s, median {row['median_step_ms']:.1f} ms "
                 f"({row['x_aot_eager']:.2f}x aot_eager; host {row['median_enqueue_ms']:.1f} ms); losses {row['losses'][0]:.4f} -> "
-                f"{row['losses'][-1]:.4f}, at most {row['max_loss_diff_vs_aot_eager']:.1e} off aot_eager's",
+                f"{row['losses'][-1]:.4f}, at most {row['max_loss_diff_vs_aot_eager']:.1e} off aot_eager's"
+                + (f"; compiler {', '.join(row['compiler_chosen'])}" if row.get("compiler_chosen") else ""),
             )
         )
     for name, value in results.items():

@@ -37,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--embd", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16, help="global batch, split across ranks")
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--compiler", default="eager", choices=("eager", "inductor"))
+    parser.add_argument("--compiler", default="auto", choices=("auto", "eager", "inductor"))
     parser.add_argument(
         "--bucket-mb",
         type=float,

@@ -382,12 +382,14 @@ def test_weights_given_new_values_on_one_rank_only_fail_on_every_rank(stage):
 
 
 def _different_initial_weights(rank, world):
-    """Each rank builds the model from its own seed (a checkpoint loaded on rank 0 only is the same):
-    the first training compile refuses (stages 1 and 3), a frozen weight no optimizer holds included; ``sync_module_states`` makes them rank 0's; new values given on every rank through
-    ``.data =`` (unseeded, so per rank) are compared again."""
+    """Each rank builds the model from its own seed (a checkpoint loaded on rank 0 only is the same).
+    With ``sync_module_states=False`` the first training compile refuses (stages 1 and 3), a frozen
+    weight no optimizer holds included; ``zcompile.sync_module_states`` makes them rank 0's; new values
+    given on every rank through ``.data =`` (unseeded, so per rank) are compared again. By default the
+    first compile takes rank 0's weights: the losses are those of a run built from rank 0's seed."""
     out = {}
 
-    def first_step(stage, sync=False, frozen_only=False):
+    def first_step(stage, sync=False, frozen_only=False, strict=True):
         torch._dynamo.reset()
         torch.manual_seed(rank)
         model = _unseeded_gpt()
@@ -399,7 +401,8 @@ def _different_initial_weights(rank, world):
             model.wpe.weight.requires_grad_(False)
         if sync:
             zcompile.sync_module_states(model)
-        compiled = torch.compile(model, backend="zero", options={"stage": stage})
+        options = {"stage": stage} | ({"sync_module_states": False} if strict else {})
+        compiled = torch.compile(model, backend="zero", options=options)
         optimizer = zcompile.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         ((tokens, targets),) = micro_batches(RunSpec(stage=stage), 0, rank, world)
         try:
@@ -431,6 +434,23 @@ def _different_initial_weights(rank, world):
         out["new values"] = None
     except RankDivergenceError as error:
         out["new values"] = str(error)
+    for stage in (1, 2, 3):  # the default: rank 0's weights at the first compile, as DDP's wrap
+        losses = {}
+        for seed in (rank, 0):
+            torch._dynamo.reset()
+            torch.manual_seed(seed)
+            model = _unseeded_gpt()
+            compiled = torch.compile(model, backend="zero", options={"stage": stage})
+            optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-2)
+            losses[seed] = []
+            for step in range(3):
+                ((tokens, targets),) = micro_batches(RunSpec(stage=stage), step, rank, world)
+                loss = compiled(tokens, targets)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses[seed].append(loss.item())
+        out[f"synced at compile {stage}"] = (losses[rank], losses[0])
     # sync_module_states with another model on one rank, then called on rank 0 alone: errors, not a
     # broadcast that pairs other sizes or waits for the process group's timeout
     torch.manual_seed(0)
@@ -472,7 +492,8 @@ def test_ranks_that_start_from_different_weights_fail_before_any_update():
     DDP's weights at stages 1 and 3). DDP broadcasts rank 0's; here digests are compared
     (``zcompile.agreement.initial_values``: at the first training compile, else at the first step) and
     ``sync_module_states`` takes rank 0's; called with different models, or on one rank alone, it
-    is an error, not a mismatched or endless broadcast."""
+    is an error, not a mismatched or endless broadcast. By default (option ``sync_module_states``) the
+    first compile takes rank 0's, so ranks seeded apart train exactly like ranks seeded alike."""
     rank0, rank1 = run_ranks(2, _different_initial_weights)
     for out in (rank0, rank1):
         for case, name in (
@@ -489,7 +510,10 @@ def test_ranks_that_start_from_different_weights_fail_before_any_update():
         assert message is None
         assert 0 < distance < 0.05  # rank 0's weights, one AdamW step (lr 1e-2) away
         assert out["new values"] is not None and "started from different weights" in out["new values"]
-        assert out["other model"] is not None and "the ranks' models differ" in out["other model"]
+        assert out["other model"] is not None and "the ranks hold different tensors" in out["other model"]
+        for stage in (1, 2, 3):
+            seeded_apart, seeded_alike = out[f"synced at compile {stage}"]
+            assert seeded_apart == seeded_alike, (stage, seeded_apart, seeded_alike)
     message, seconds = rank0["alone"]
     assert "ranks [1] did not" in message and seconds < 15
 

@@ -21,7 +21,7 @@ _DTYPE_NAMES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-_COMPILERS = ("eager", "inductor")
+_COMPILERS = ("auto", "eager", "inductor")
 REDUCE_SCATTER_FORMS = ("auto", "native", "all_to_all")
 
 
@@ -38,13 +38,19 @@ class ZeroConfig:
         reduce_dtype: dtype in which gradients are reduced across ranks; ``None`` means
             ``param_dtype`` (or the parameters' dtype).
         compiler: inner compiler for the forward and backward graphs: ``"eager"`` runs the
-            AOTAutograd graphs without code generation, ``"inductor"`` generates kernels.
+            AOTAutograd graphs without code generation, ``"inductor"`` generates kernels;
+            ``"auto"`` (``for_graph``): inductor for graphs on CUDA, where eager's per-node Python
+            leaves the GPU waiting, else eager (CPU, marked blocks, a budget in MiB).
         group: the data-parallel ``ProcessGroup``; ``None`` is the default (world) group, or a
             world of one when no process group is initialized.
         broadcast_buffers: registered module buffers that the graphs change (BatchNorm's running
             statistics in training mode) take rank 0's values at each optimizer step, as DDP's
             ``broadcast_buffers=True`` keeps them equal: each rank's buffers would otherwise follow
             its own data, and evaluation and checkpoints would differ by rank. ``False``: per rank.
+        sync_module_states: the compile that shards a parameter first gives every rank rank 0's
+            values of it, and of the graph's buffers (one bucketed broadcast), as DDP does when it
+            wraps a model: ranks seeded apart start from rank 0's weights. ``False``: the ranks must
+            build the same weights, and a ``RankDivergenceError`` names those that differ.
         check_ranks: compare, across ranks, the sequence of collectives each compiled graph will
             issue, and fail with a clear error instead of deadlocking when they differ.
         check_timeout_s: how long the rank check waits for the other ranks' graphs. A rank that does
@@ -111,9 +117,10 @@ class ZeroConfig:
     stage: int = 3
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
-    compiler: str = "eager"
+    compiler: str = "auto"
     group: Any = None
     broadcast_buffers: bool = True
+    sync_module_states: bool = True
     check_ranks: bool = True
     check_timeout_s: float = 60.0
     on_compile: Callable[[Any], None] | None = None
@@ -215,6 +222,8 @@ class ZeroConfig:
             )
         if not isinstance(self.broadcast_buffers, bool):
             raise TypeError(f"zcompile: option 'broadcast_buffers' must be a bool, got {self.broadcast_buffers!r}")
+        if not isinstance(self.sync_module_states, bool):
+            raise TypeError(f"zcompile: option 'sync_module_states' must be a bool, got {self.sync_module_states!r}")
         if not isinstance(self.check_ranks, bool):
             raise TypeError(f"zcompile: option 'check_ranks' must be a bool, got {self.check_ranks!r}")
         if not finite_number(self.check_timeout_s) or self.check_timeout_s <= 0:
@@ -236,7 +245,7 @@ class ZeroConfig:
                     f"zcompile: option 'activation_memory_budget' as a string is MiB per rank, like "
                     f"'256MiB', got {budget!r}"
                 )
-            if self.compiler != "eager":
+            if self.compiler == "inductor":
                 raise ValueError(
                     "zcompile: option 'activation_memory_budget' in MiB needs compiler='eager' (a "
                     "trial partition turns it into a fraction); with inductor give a fraction 0..1"
@@ -247,6 +256,15 @@ class ZeroConfig:
                 f"zcompile: option 'activation_memory_budget' must be a fraction 0..1 of the saved "
                 f"activations or a string like '256MiB', got {budget!r}"
             )
+
+    def for_graph(self, device_type: str, has_marked_blocks: bool) -> ZeroConfig:
+        """This config with ``compiler="auto"`` made concrete for one graph: ``"inductor"`` for a graph
+        on CUDA, ``"eager"`` where inductor does not apply or does not pay (a CPU graph, blocks marked
+        by ``mark_repeated_blocks``, an ``activation_memory_budget`` in MiB)."""
+        if self.compiler != "auto":
+            return self
+        eager = device_type != "cuda" or has_marked_blocks or isinstance(self.activation_memory_budget, str)
+        return dataclasses.replace(self, compiler="eager" if eager else "inductor")
 
     @classmethod
     def from_options(cls, options: ZeroConfig | dict[str, Any] | None) -> ZeroConfig:

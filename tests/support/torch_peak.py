@@ -88,7 +88,9 @@ def tracked_step(
         torch._dynamo.reset()
         try:
             compiled = torch.compile(
-                model, backend="zero", options={**options, "check_ranks": False, "on_compile": graphs.append}
+                model,
+                backend="zero",
+                options={**options, "check_ranks": False, "sync_module_states": False, "on_compile": graphs.append},
             )
 
             def forward():

@@ -34,6 +34,8 @@ def test_unknown_option_lists_valid_ones():
         ({"group": "world"}, "ProcessGroup"),
         ({"check_timeout_s": 0}, "check_timeout_s"),
         ({"broadcast_buffers": "yes"}, "'broadcast_buffers' must be a bool"),
+        ({"sync_module_states": 1}, "'sync_module_states' must be a bool"),
+        ({"compiler": "inductor", "activation_memory_budget": "64MiB"}, "needs compiler='eager'"),
         ({"on_compile": 3}, "callable"),
         ({"keep_gathered_mb": -1}, "'keep_gathered_mb' must be a finite number >= 0"),
         # NaN passed every range check (nan < 0 is False) and infinity failed in an int conversion
@@ -62,3 +64,32 @@ def test_backend_is_registered_by_entry_point():
     import torch._dynamo
 
     assert "zero" in torch._dynamo.list_backends()
+
+
+@pytest.mark.parametrize(
+    "options, device, marked, chosen",
+    [
+        ({}, "cpu", False, "eager"),
+        ({}, "cuda", False, "inductor"),
+        ({}, "cuda", True, "eager"),  # inductor refuses marked blocks
+        ({"activation_memory_budget": "64MiB"}, "cuda", False, "eager"),  # a budget in MiB: eager only
+        ({"activation_memory_budget": 0.5}, "cuda", False, "inductor"),
+        ({"compiler": "eager"}, "cuda", False, "eager"),
+        ({"compiler": "inductor"}, "cpu", False, "inductor"),
+    ],
+)
+def test_auto_compiler_is_inductor_on_cuda_and_eager_elsewhere(options, device, marked, chosen):
+    config = ZeroConfig.from_options(options)
+    assert config.compiler == options.get("compiler", "auto")
+    assert config.for_graph(device, marked).compiler == chosen
+
+
+def test_a_cpu_compile_with_default_options_runs_the_eager_compiler():
+    """The default, ``"auto"``, is what the backend hands its graphs: eager on this CPU."""
+    from support.models import build_model, global_batch
+
+    seen = []
+    model = torch.compile(build_model("gpt"), backend="zero", options={"on_compile": seen.append})
+    tokens, targets = global_batch(0, 1)
+    model(tokens, targets).backward()
+    assert seen and {graphs.context.config.compiler for graphs in seen} == {"eager"}

@@ -47,9 +47,15 @@ from zcompile.common.dynamo_frame import (
     forward_modules_on_stack,
     modules_of_compiled_frame,
 )
-from zcompile.common.process_group import DataParallelGroup, reduce_scatter_by_all_to_all
+from zcompile.common.process_group import (
+    DataParallelGroup,
+    reduce_scatter_by_all_to_all,
+    warn_if_restarts_share_the_agent_store,
+)
 from zcompile.config import ZeroConfig
+from zcompile.eager.sync import take_first_ranks_values
 from zcompile.passes.param_collectives import ShardingPlan, plan_sharding
+from zcompile.passes.regions import subgraph_calls
 from zcompile.sharding.buffer_sync import BufferSync, changed_buffer_inputs, note_changed_buffers
 from zcompile.sharding.shards import (
     mark_like_siblings,
@@ -68,9 +74,10 @@ def zero_backend(
     """Compiles one Dynamo graph for ZeRO data parallelism (see the module docstring)."""
     if mode is not None:
         raise ValueError(f"zcompile: torch.compile(mode={mode!r}) is not supported; pass options instead")
-    config = ZeroConfig.from_options(options)
+    config = ZeroConfig.from_options(options).for_graph(device_type(example_inputs), bool(subgraph_calls(gm)))
     refuse_outer_data_parallel()
     refuse_regions_with_inductor(gm, config)
+    warn_if_restarts_share_the_agent_store()
     start = time.perf_counter()
     group = DataParallelGroup.resolve(config.group)
     gm = copy_dynamo_graph(gm)
@@ -86,6 +93,15 @@ def zero_backend(
     check_devices(plan, example_inputs, group)
     refuse_parameter_writes(gm, plan)
     swap = ShardSwap(plan, group)
+    zeropp = resolve_zeropp(config, group)
+    collectives = group.world_size > 1 and issues_collectives(plan, zeropp.active)
+    # every rank compiles a training graph (the step needs all of them), so a stage-1 one compares too;
+    # a graph compiled under no_grad without collectives may be one rank's evaluation alone
+    every_rank_compiles = group.world_size > 1 and (collectives or torch.is_grad_enabled())
+    if config.check_ranks and collectives:
+        check_same_collectives(plan, gm, group, config.check_timeout_s, zeropp.signature() if zeropp.active else None)
+    if config.sync_module_states and every_rank_compiles:
+        take_first_ranks_values_of_new_parameters(plan, example_inputs, group, config.check_timeout_s)
     tracing_inputs = swap.swap_for_tracing(list(example_inputs))  # shards the parameters
     shards = [shard_of(example_inputs[p.index]) for p in plan.params]
     with failure_leaves_refusing_parameters(shards, str(gm.meta.get("dynamo_compile_id", "?"))):
@@ -94,19 +110,10 @@ def zero_backend(
             attach_state_dict_hooks(frame_modules)  # model.(load_)state_dict see the shards
         runner = PassRunner.for_graph(gm, resolve_dump_root(config.dump), group.rank)
         runner.dump.write_json(SHARDING_PLAN_FILE, json.loads(plan.to_json()))
-        zeropp = resolve_zeropp(config, group)
-        if config.check_ranks and group.world_size > 1:
-            collectives = issues_collectives(plan, zeropp.active)
-            if collectives:
-                check_same_collectives(
-                    plan, gm, group, config.check_timeout_s, zeropp.signature() if zeropp.active else None
-                )
-            # every rank compiles a training graph (the step needs all of them), so a stage-1 one compares
-            # too; a graph compiled under no_grad without collectives may be one rank's evaluation alone
-            if collectives or torch.is_grad_enabled():
-                check_same_initial_values(
-                    shards, group, config.check_timeout_s, f"graph {gm.meta.get('dynamo_compile_id', '?')}"
-                )
+        if config.check_ranks and every_rank_compiles:
+            check_same_initial_values(
+                shards, group, config.check_timeout_s, f"graph {gm.meta.get('dynamo_compile_id', '?')}"
+            )
         zeropp = attach_groups(zeropp, group)  # makes process groups: only once the ranks agree
         context = CompileContext(
             config,
@@ -154,6 +161,31 @@ def zero_backend(
                 ", ".join(name for _, name in changed),
             )
     return run
+
+
+def take_first_ranks_values_of_new_parameters(plan, example_inputs: list, group: DataParallelGroup, timeout_s: float):
+    """The parameters this compile shards first, and the graph's buffers with them, take rank 0's values
+    (``sync_module_states``), as DDP's wrap does: the shards are then cut from the same weights on every
+    rank. Parameters an earlier compile sharded, and recompiles, move nothing."""
+    new = [example_inputs[p.index] for p in plan.params if shard_of(example_inputs[p.index]) is None]
+    if not new:
+        return
+    buffers = [example_inputs[index] for index, _ in plan.buffers]
+    with torch.no_grad():
+        take_first_ranks_values(
+            new + buffers,
+            group,
+            timeout_s,
+            "sync-compile",
+            "zcompile: taking rank 0's weights at the first compile (sync_module_states)",
+            "Every rank compiles the same model: give every rank the same model and inputs.",
+        )
+    log.info(
+        "zcompile: %d parameters and %d buffers took rank 0's values before they were sharded, as DDP's wrap does "
+        "(sync_module_states=False to require equal weights instead)",
+        len(new),
+        len(buffers),
+    )
 
 
 def copy_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

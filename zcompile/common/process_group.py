@@ -6,11 +6,16 @@ code that runs outside graphs uses the public ``torch.distributed`` API through 
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,27 @@ def process_group_timeout_s(group: DataParallelGroup) -> float:
     return default
 
 
+@functools.cache  # once per process: a restart's workers are new processes, and say it again
+def warn_if_restarts_share_the_agent_store() -> None:
+    """A warning when torchrun may restart the workers (``--max-restarts`` > 0) and hands them its
+    agent's store: restarted workers then can wait forever in ``init_process_group`` on addresses
+    of the failed attempt (torch's, pytorch/pytorch#135712); an unshared store avoids it."""
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0 and (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    ):
+        log.warning(
+            "zcompile: torchrun may restart these workers (max restarts %s) and shares its rendezvous store "
+            "with them: restarted workers can then wait without end in init_process_group (torch's, "
+            "pytorch/pytorch#135712). Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the environment, "
+            "and resume from zcompile.checkpoint (docs/failure-modes.md, elastic restarts).",
+            os.environ["TORCHELASTIC_MAX_RESTARTS"],
+        )
+
+
 def default_store() -> dist.Store:
-    """The key-value store of the default process group (used for rank checks, never for data)."""
-    return dist.distributed_c10d._get_default_store()
+    """The key-value store of the default process group (used for rank checks, never for data), its
+    keys scoped to torchrun's restart attempt: a store that outlives an attempt (torchrun's agent
+    store) would otherwise hand the restarted workers the counters and values of the failed one."""
+    store = dist.distributed_c10d._get_default_store()
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return store if attempt is None else dist.PrefixStore(f"zcompile-attempt{attempt}", store)

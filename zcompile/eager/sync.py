@@ -33,19 +33,34 @@ def sync_module_states(
     resolved = DataParallelGroup.resolve(group)
     if resolved.world_size == 1:
         return
-    tensors = [*module.parameters(), *module.buffers()]
-    layout = [[list(t.shape), str(t.dtype)] for t in tensors]
-    agree_on_store(
-        layout,
+    take_first_ranks_values(
+        [*module.parameters(), *module.buffers()],
         resolved,
         timeout_s,
         "sync",
         "zcompile.sync_module_states",
         "Call zcompile.sync_module_states(model) on every rank, with the same model.",
+    )
+
+
+def take_first_ranks_values(
+    tensors: list[torch.Tensor], group: DataParallelGroup, timeout_s: float, purpose: str, doing: str, fix: str
+) -> None:
+    """Every rank's ``tensors`` = rank 0's, once the ranks agree (through the store, ``purpose``) that
+    they hold tensors of the same shapes and dtypes: a broadcast of others would pair tensors of other
+    sizes, and one a rank does not make would wait for the process group's timeout."""
+    layout = [[list(t.shape), str(t.dtype)] for t in tensors]
+    agree_on_store(
+        layout,
+        group,
+        timeout_s,
+        purpose,
+        doing,
+        fix,
         lambda per_rank: (
-            "zcompile.sync_module_states: the ranks' models differ (parameters and buffers per "
-            f"rank: {', '.join(f'rank {rank} {len(other)}' for rank, other in enumerate(per_rank))}; or their "
-            "shapes or dtypes), so rank 0's cannot be copied onto them. Build the same model on every rank."
+            f"{doing}: the ranks hold different tensors to take rank 0's values of (per rank: "
+            f"{', '.join(f'rank {rank} {len(other)}' for rank, other in enumerate(per_rank))}; or their shapes or "
+            "dtypes), so rank 0's cannot be copied onto them. Build the same model on every rank."
         ),
     )
-    broadcast_from_first(tensors, resolved, SYNC_BUCKET_BYTES)
+    broadcast_from_first(tensors, group, SYNC_BUCKET_BYTES)

@@ -173,7 +173,11 @@ def simulate(
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     config = ZeroConfig.from_options(options)
     checks_ranks = config.check_ranks  # the user's: priced, though there are no ranks here to check
-    config = config.replace(check_ranks=False)
+    # one process stands for every rank: nothing to check or to take from rank 0; the graphs run on
+    # fake tensors, which the eager compiler handles without code generation
+    config = config.replace(
+        check_ranks=False, sync_module_states=False, compiler="eager" if config.compiler == "auto" else config.compiler
+    )
     on_gloo = profile.device_type == "cpu"  # the fake group has no backend: the profile's device says which
     if config.reduce_scatter == "auto":
         config = config.replace(reduce_scatter="all_to_all" if on_gloo else "native")
