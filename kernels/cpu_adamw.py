@@ -32,11 +32,14 @@ def adamw_cpu_fused(
     eps: float,
     weight_decay: float,
     grad_scale: float = 1.0,
+    max_exp_avg_sqs: list[torch.Tensor] | None = None,
+    maximize: bool = False,
 ) -> None:
     """One AdamW step, in place, on lists of fp32 CPU shards all at ``step`` (counted from 1);
     each gradient (any float dtype, read only) is multiplied by ``grad_scale`` first, as
-    ``optim_reference.adamw_reference`` takes it."""
-    _check_layout(params, grads, exp_avgs, exp_avg_sqs)
+    ``optim_reference.adamw_reference`` takes it. ``max_exp_avg_sqs`` given: AMSGrad;
+    ``maximize``: an ascent (the kernel negates the gradient as it reads it, never writing it)."""
+    _check_layout(params, grads, exp_avgs, exp_avg_sqs, *([max_exp_avg_sqs] if max_exp_avg_sqs is not None else []))
     cast = all(g.dtype != p.dtype for g, p in zip(grads, params))
     grads = [g.to(p.dtype) if g.dtype != p.dtype else g for g, p in zip(grads, params)]
     if grad_scale != 1.0 and cast:
@@ -49,15 +52,15 @@ def adamw_cpu_fused(
         grads,
         exp_avgs,
         exp_avg_sqs,
-        [],
+        max_exp_avg_sqs if max_exp_avg_sqs is not None else [],
         steps,
         lr=lr,
         beta1=beta1,
         beta2=beta2,
         weight_decay=weight_decay,
         eps=eps,
-        amsgrad=False,
-        maximize=False,
+        amsgrad=max_exp_avg_sqs is not None,
+        maximize=maximize,
         grad_scale=None,
         found_inf=None,
     )
@@ -80,7 +83,7 @@ def _check_layout(*lists: list[torch.Tensor]) -> None:
             continue
         name, bad = next(
             (n, t)
-            for n, t in zip(("param", "grad", "exp_avg", "exp_avg_sq"), tensors)
+            for n, t in zip(("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), tensors)
             if t.numel() != numel or not t.is_contiguous()
         )
         raise ValueError(

@@ -1,4 +1,5 @@
-"""Fused optimizer updates over one flat fp32 shard: AdamW and SGD with momentum.
+"""Fused optimizer updates over one flat fp32 shard: AdamW and SGD with momentum, with torch's
+``amsgrad`` (AdamW) and ``maximize`` as compile-time switches of the same kernels.
 
 One pass reads the gradient (fp32 or bf16/fp16) and multiplies it by ``grad_scale`` (1/N for a
 mean over ranks, a clipping coefficient), updates the moments and the fp32 master weights, and
@@ -24,7 +25,8 @@ from zcompile.kernels.optim_reference import adamw_reference, sgd_reference
 log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 1024
-TABLE_COLUMNS = 6  # a shard's row in the multi-tensor table: param, grad, exp_avg, exp_avg_sq, lowp, numel
+# a shard's row in the multi-tensor table: param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, lowp, numel
+TABLE_COLUMNS = 7
 
 if triton_available():
     import triton
@@ -35,13 +37,18 @@ if triton_available():
     _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     @triton.jit
-    def _block_and_grad(grad_ptr, block, numel, grad_scale, BLOCK: tl.constexpr, SCALE_GRAD: tl.constexpr):
-        """Block ``block``'s offsets and mask, and its slice of the gradient in fp32, scaled."""
+    def _block_and_grad(
+        grad_ptr, block, numel, grad_scale, BLOCK: tl.constexpr, SCALE_GRAD: tl.constexpr, MAXIMIZE: tl.constexpr
+    ):
+        """Block ``block``'s offsets and mask, and its slice of the gradient in fp32, scaled (and
+        negated for ``maximize``: exact, so the same bits as torch negating first)."""
         offsets = block * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < numel
         grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
         if SCALE_GRAD:
             grad = grad * grad_scale
+        if MAXIMIZE:
+            grad = -grad
         return offsets, mask, grad
 
     @triton.jit
@@ -50,6 +57,7 @@ if triton_available():
         grad_ptr,
         exp_avg_ptr,
         exp_avg_sq_ptr,
+        max_exp_avg_sq_ptr,
         lowp_ptr,
         numel,
         decay,
@@ -63,15 +71,18 @@ if triton_available():
         BLOCK: tl.constexpr,
         WRITE_LOWP: tl.constexpr,
         SCALE_GRAD: tl.constexpr,
+        AMSGRAD: tl.constexpr,
+        MAXIMIZE: tl.constexpr,
     ):
         offsets, mask, grad = _block_and_grad(
-            grad_ptr, tl.program_id(0).to(tl.int64), numel, grad_scale, BLOCK, SCALE_GRAD
+            grad_ptr, tl.program_id(0).to(tl.int64), numel, grad_scale, BLOCK, SCALE_GRAD, MAXIMIZE
         )
         _adamw_block(
             param_ptr,
             grad,
             exp_avg_ptr,
             exp_avg_sq_ptr,
+            max_exp_avg_sq_ptr,
             lowp_ptr,
             offsets,
             mask,
@@ -83,6 +94,7 @@ if triton_available():
             bias_correction2_sqrt,
             eps,
             WRITE_LOWP,
+            AMSGRAD,
         )
 
     @triton.jit
@@ -103,19 +115,22 @@ if triton_available():
         BLOCK: tl.constexpr,
         WRITE_LOWP: tl.constexpr,
         SCALE_GRAD: tl.constexpr,
+        AMSGRAD: tl.constexpr,
+        MAXIMIZE: tl.constexpr,
     ):
         """``_adamw_kernel`` over many shards in one launch. ``table`` holds per shard the addresses of
-        its param, grad, exp_avg, exp_avg_sq and lowp tensors and its numel (int64, ``COLUMNS`` a row);
-        ``chunk`` holds per program its shard's row and its block within the shard."""
-        param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, lowp_ptr, block, numel = _table_entry(
+        its param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq and lowp tensors and its numel (int64,
+        ``COLUMNS`` a row); ``chunk`` holds per program its shard's row and its block within the shard."""
+        param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, max_exp_avg_sq_ptr, lowp_ptr, block, numel = _table_entry(
             table_ptr, chunk_ptr, GRAD_DTYPE, LOWP_DTYPE, COLUMNS
         )
-        offsets, mask, grad = _block_and_grad(grad_ptr, block, numel, grad_scale, BLOCK, SCALE_GRAD)
+        offsets, mask, grad = _block_and_grad(grad_ptr, block, numel, grad_scale, BLOCK, SCALE_GRAD, MAXIMIZE)
         _adamw_block(
             param_ptr,
             grad,
             exp_avg_ptr,
             exp_avg_sq_ptr,
+            max_exp_avg_sq_ptr,
             lowp_ptr,
             offsets,
             mask,
@@ -127,12 +142,13 @@ if triton_available():
             bias_correction2_sqrt,
             eps,
             WRITE_LOWP,
+            AMSGRAD,
         )
 
     @triton.jit
     def _table_entry(table_ptr, chunk_ptr, GRAD_DTYPE: tl.constexpr, LOWP_DTYPE: tl.constexpr, COLUMNS: tl.constexpr):
         """This program's shard in a multi-tensor launch: the pointers of its row of ``table`` (param,
-        grad, two state tensors, lowp), the block ``chunk`` gives it, and the shard's numel."""
+        grad, three state tensors, lowp), the block ``chunk`` gives it, and the shard's numel."""
         row = tl.load(chunk_ptr + 2 * tl.program_id(0)) * COLUMNS
         block = tl.load(chunk_ptr + 2 * tl.program_id(0) + 1)
         return (
@@ -140,9 +156,10 @@ if triton_available():
             tl.load(table_ptr + row + 1).to(tl.pointer_type(GRAD_DTYPE)),
             tl.load(table_ptr + row + 2).to(tl.pointer_type(tl.float32)),
             tl.load(table_ptr + row + 3).to(tl.pointer_type(tl.float32)),
-            tl.load(table_ptr + row + 4).to(tl.pointer_type(LOWP_DTYPE)),
+            tl.load(table_ptr + row + 4).to(tl.pointer_type(tl.float32)),
+            tl.load(table_ptr + row + 5).to(tl.pointer_type(LOWP_DTYPE)),
             block,
-            tl.load(table_ptr + row + 5),
+            tl.load(table_ptr + row + 6),
         )
 
     @triton.jit
@@ -151,6 +168,7 @@ if triton_available():
         grad,
         exp_avg_ptr,
         exp_avg_sq_ptr,
+        max_exp_avg_sq_ptr,
         lowp_ptr,
         offsets,
         mask,
@@ -162,8 +180,10 @@ if triton_available():
         bias_correction2_sqrt,
         eps,
         WRITE_LOWP: tl.constexpr,
+        AMSGRAD: tl.constexpr,
     ):
-        """The AdamW update of one block of a shard, given its fp32 (scaled) gradient."""
+        """The AdamW update of one block of a shard, given its fp32 (scaled) gradient; with ``AMSGRAD``
+        the running maximum of ``exp_avg_sq`` (NaN kept, as ``torch.maximum``) divides the update."""
         param = tl.load(param_ptr + offsets, mask=mask)
         exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask)
         exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
@@ -171,7 +191,14 @@ if triton_available():
         param = param * decay
         exp_avg = exp_avg + one_minus_beta1 * (grad - exp_avg)
         exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * grad * grad
-        denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
+        if AMSGRAD:
+            max_exp_avg_sq = tl.maximum(
+                tl.load(max_exp_avg_sq_ptr + offsets, mask=mask), exp_avg_sq, propagate_nan=tl.PropagateNan.ALL
+            )
+            tl.store(max_exp_avg_sq_ptr + offsets, max_exp_avg_sq, mask=mask)
+            denom = tl.div_rn(tl.sqrt_rn(max_exp_avg_sq), bias_correction2_sqrt) + eps
+        else:
+            denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
         param = param - step_size * tl.div_rn(exp_avg, denom)
         tl.store(param_ptr + offsets, param, mask=mask)
         tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
@@ -198,9 +225,10 @@ if triton_available():
         WRITE_LOWP: tl.constexpr,
         SCALE_GRAD: tl.constexpr,
         DECAY: tl.constexpr,
+        MAXIMIZE: tl.constexpr,
     ):
         offsets, mask, grad = _block_and_grad(
-            grad_ptr, tl.program_id(0).to(tl.int64), numel, grad_scale, BLOCK, SCALE_GRAD
+            grad_ptr, tl.program_id(0).to(tl.int64), numel, grad_scale, BLOCK, SCALE_GRAD, MAXIMIZE
         )
         _sgd_block(
             param_ptr,
@@ -239,13 +267,14 @@ if triton_available():
         WRITE_LOWP: tl.constexpr,
         SCALE_GRAD: tl.constexpr,
         DECAY: tl.constexpr,
+        MAXIMIZE: tl.constexpr,
     ):
         """``_sgd_kernel`` over many shards in one launch (the table of ``_adamw_multi_kernel``, its
         first state column the momentum buffer)."""
-        param_ptr, grad_ptr, momentum_ptr, _, lowp_ptr, block, numel = _table_entry(
+        param_ptr, grad_ptr, momentum_ptr, _, _, lowp_ptr, block, numel = _table_entry(
             table_ptr, chunk_ptr, GRAD_DTYPE, LOWP_DTYPE, COLUMNS
         )
-        offsets, mask, grad = _block_and_grad(grad_ptr, block, numel, grad_scale, BLOCK, SCALE_GRAD)
+        offsets, mask, grad = _block_and_grad(grad_ptr, block, numel, grad_scale, BLOCK, SCALE_GRAD, MAXIMIZE)
         _sgd_block(
             param_ptr,
             grad,
@@ -336,11 +365,16 @@ def fused_adamw_triton(
     weight_decay: float,
     grad_scale: float = 1.0,
     lowp_out: torch.Tensor | None = None,
+    max_exp_avg_sq: torch.Tensor | None = None,
+    maximize: bool = False,
 ) -> None:
-    """The Triton AdamW step (same signature and semantics as ``adamw_reference``)."""
+    """The Triton AdamW step (same signature and semantics as ``adamw_reference``; ``max_exp_avg_sq``
+    given: AMSGrad)."""
     _check_common(param, grad, lowp_out)
     _check_shard("exp_avg", exp_avg, param, (torch.float32,))
     _check_shard("exp_avg_sq", exp_avg_sq, param, (torch.float32,))
+    if max_exp_avg_sq is not None:
+        _check_shard("max_exp_avg_sq", max_exp_avg_sq, param, (torch.float32,))
     if step < 1:
         raise ValueError(f"fused_adamw: step counts from 1, got {step}")
     numel = param.numel()
@@ -350,6 +384,7 @@ def fused_adamw_triton(
         grad,
         exp_avg,
         exp_avg_sq,
+        max_exp_avg_sq if max_exp_avg_sq is not None else exp_avg_sq,  # not read without AMSGRAD
         lowp_out if lowp_out is not None else param,
         numel,
         1 - lr * weight_decay,
@@ -363,6 +398,8 @@ def fused_adamw_triton(
         BLOCK=BLOCK_SIZE,
         WRITE_LOWP=lowp_out is not None,
         SCALE_GRAD=grad_scale != 1.0,
+        AMSGRAD=max_exp_avg_sq is not None,
+        MAXIMIZE=maximize,
     )
 
 
@@ -400,18 +437,23 @@ def fused_adamw_multi_triton(
     weight_decay: float,
     grad_scale: float = 1.0,
     tables: dict[tuple, MultiTensorTables] | None = None,
+    max_exp_avg_sqs: list[torch.Tensor] | None = None,
+    maximize: bool = False,
 ) -> None:
     """``fused_adamw_triton`` over many shards at the same step and hyper-parameters: one launch per
     (gradient dtype, low-precision dtype) instead of one per shard, the same bits per element.
+    ``max_exp_avg_sqs`` given: AMSGrad for all of them.
 
     Each launch costs host time through the custom op: with a launch per shard, a model of many
     small shards would have its step wait on the host, not the GPU. ``tables`` (a dict the caller
     keeps) holds each launch's device tables (``MultiTensorTables``) for the next step."""
-    if not (len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(lowps)):
+    if not (len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(lowps)) or (
+        max_exp_avg_sqs is not None and len(max_exp_avg_sqs) != len(params)
+    ):
         raise ValueError(
-            "fused_adamw_multi: params, grads, exp_avgs, exp_avg_sqs and lowps must have one "
-            f"entry per shard, got {len(params)}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)}, "
-            f"{len(lowps)}"
+            "fused_adamw_multi: params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs (if given) and lowps must "
+            f"have one entry per shard, got {len(params)}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)}, "
+            f"{None if max_exp_avg_sqs is None else len(max_exp_avg_sqs)}, {len(lowps)}"
         )
     if step < 1:
         raise ValueError(f"fused_adamw: step counts from 1, got {step}")
@@ -425,7 +467,10 @@ def fused_adamw_multi_triton(
         eps,
         grad_scale,
     )
-    for launch, (grad_dtype, lowp_dtype) in _multi_launches(params, grads, exp_avgs, exp_avg_sqs, lowps, tables):
+    maxima = max_exp_avg_sqs if max_exp_avg_sqs is not None else exp_avg_sqs  # a column read with AMSGRAD only
+    for launch, (grad_dtype, lowp_dtype) in _multi_launches(
+        params, grads, exp_avgs, exp_avg_sqs, maxima, lowps, tables
+    ):
         _adamw_multi_kernel[(launch.chunks.shape[0],)](
             launch.table,
             launch.chunks,
@@ -436,6 +481,8 @@ def fused_adamw_multi_triton(
             BLOCK=BLOCK_SIZE,
             WRITE_LOWP=lowp_dtype is not None,
             SCALE_GRAD=grad_scale != 1.0,
+            AMSGRAD=max_exp_avg_sqs is not None,
+            MAXIMIZE=maximize,
         )
 
 
@@ -452,6 +499,7 @@ def fused_sgd_multi_triton(
     nesterov: bool,
     grad_scale: float = 1.0,
     tables: dict[tuple, MultiTensorTables] | None = None,
+    maximize: bool = False,
 ) -> None:
     """``fused_sgd_triton`` over many shards at the same hyper-parameters and ``first_step``: one
     launch per (gradient dtype, low-precision dtype), the same bits per element (see
@@ -465,7 +513,7 @@ def fused_sgd_multi_triton(
     ):
         raise ValueError("fused_sgd_multi: params, grads, momentum_buffers and lowps must have one entry per shard")
     states = momentum_buffers if momentum != 0 else params  # a column the kernel does not read without momentum
-    for launch, (grad_dtype, lowp_dtype) in _multi_launches(params, grads, states, params, lowps, tables):
+    for launch, (grad_dtype, lowp_dtype) in _multi_launches(params, grads, states, params, params, lowps, tables):
         _sgd_multi_kernel[(launch.chunks.shape[0],)](
             launch.table,
             launch.chunks,
@@ -484,10 +532,11 @@ def fused_sgd_multi_triton(
             WRITE_LOWP=lowp_dtype is not None,
             SCALE_GRAD=grad_scale != 1.0,
             DECAY=weight_decay != 0,
+            MAXIMIZE=maximize,
         )
 
 
-def _multi_launches(params, grads, states1, states2, lowps, tables):
+def _multi_launches(params, grads, states1, states2, states3, lowps, tables):
     """Yields, per (gradient dtype, low-precision dtype) of these shards, its ``MultiTensorTables``
     brought up to date (kept in ``tables``) and that dtype pair; launches with no element are skipped."""
     launches: dict[tuple, list[int]] = {}
@@ -502,32 +551,43 @@ def _multi_launches(params, grads, states1, states2, lowps, tables):
             [grads[i] for i in members],
             [states1[i] for i in members],
             [states2[i] for i in members],
+            [states3[i] for i in members],
             [lowps[i] for i in members],
         )
         if launch.chunks.shape[0]:
             yield launch, dtypes
 
 
-def _multi_tables(launch: MultiTensorTables, params, grads, exp_avgs, exp_avg_sqs, lowps) -> None:
-    """Brings ``launch``'s tables up to date for these shards (``MultiTensorTables``); the two state
-    columns are AdamW's moments, or SGD's momentum buffer and an unread column."""
+def _multi_tables(launch: MultiTensorTables, params, grads, exp_avgs, exp_avg_sqs, maxima, lowps) -> None:
+    """Brings ``launch``'s tables up to date for these shards (``MultiTensorTables``); the three state
+    columns are AdamW's moments and AMSGrad maximum (``exp_avg_sq`` again, unread, without it), or
+    SGD's momentum buffer and two unread columns."""
     rows = tuple(
-        (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.data_ptr() if o is None else o.data_ptr(), p.numel())
-        for p, g, m, v, o in zip(params, grads, exp_avgs, exp_avg_sqs, lowps)
+        (
+            p.data_ptr(),
+            g.data_ptr(),
+            m.data_ptr(),
+            v.data_ptr(),
+            x.data_ptr(),
+            p.data_ptr() if o is None else o.data_ptr(),
+            p.numel(),
+        )
+        for p, g, m, v, x, o in zip(params, grads, exp_avgs, exp_avg_sqs, maxima, lowps)
     )
     _follow_stream(launch, params[0].device)
     if rows == launch.rows:
         return
     old = launch.rows if launch.rows is not None and len(launch.rows) == len(rows) else (None,) * len(rows)
-    for row, before, p, g, m, v, o in zip(rows, old, params, grads, exp_avgs, exp_avg_sqs, lowps):
+    for row, before, p, g, m, v, x, o in zip(rows, old, params, grads, exp_avgs, exp_avg_sqs, maxima, lowps):
         if row != before:  # a tensor at a new address (or the first time): checked before the kernel reads it
             _check_common(p, g, o)
             _check_shard("exp_avg", m, p, (torch.float32,))
             _check_shard("exp_avg_sq", v, p, (torch.float32,))
+            _check_shard("max_exp_avg_sq", x, p, (torch.float32,))
     device = params[0].device
     if any(t.device != device for t in params):
         raise ValueError(f"fused_adamw_multi: shards on several devices: {sorted({str(t.device) for t in params})}")
-    numels = tuple(row[5] for row in rows)
+    numels = tuple(row[6] for row in rows)
     if numels != launch.numels:
         counts = torch.tensor([-(-n // BLOCK_SIZE) for n in numels], dtype=torch.int64)
         shard_of_chunk = torch.repeat_interleave(torch.arange(len(numels)), counts)
@@ -578,6 +638,7 @@ def fused_sgd_triton(
     nesterov: bool,
     grad_scale: float = 1.0,
     lowp_out: torch.Tensor | None = None,
+    maximize: bool = False,
 ) -> None:
     """The Triton SGD step; ``momentum_buffer`` is updated in place (filled on ``first_step``)."""
     _check_common(param, grad, lowp_out)
@@ -607,6 +668,7 @@ def fused_sgd_triton(
         WRITE_LOWP=lowp_out is not None,
         SCALE_GRAD=grad_scale != 1.0,
         DECAY=weight_decay != 0,
+        MAXIMIZE=maximize,
     )
 
 
@@ -622,10 +684,13 @@ def fused_sgd_reference(
     nesterov: bool,
     grad_scale: float = 1.0,
     lowp_out: torch.Tensor | None = None,
+    maximize: bool = False,
 ) -> None:
     """``sgd_reference`` with the fused kernel's signature (buffer updated in place)."""
     buffer = momentum_buffer if (momentum != 0 and not first_step) else None
-    new_buffer = sgd_reference(param, grad, buffer, lr, momentum, dampening, weight_decay, nesterov, grad_scale)
+    new_buffer = sgd_reference(
+        param, grad, buffer, lr, momentum, dampening, weight_decay, nesterov, grad_scale, maximize
+    )
     if momentum != 0 and first_step:
         momentum_buffer.copy_(new_buffer)
     if lowp_out is not None:
@@ -645,9 +710,25 @@ def fused_adamw_reference(
     weight_decay: float,
     grad_scale: float = 1.0,
     lowp_out: torch.Tensor | None = None,
+    max_exp_avg_sq: torch.Tensor | None = None,
+    maximize: bool = False,
 ) -> None:
     """``adamw_reference`` with the fused kernel's signature (writes ``lowp_out`` too)."""
-    adamw_reference(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
+    adamw_reference(
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        step,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        grad_scale,
+        max_exp_avg_sq,
+        maximize,
+    )
     if lowp_out is not None:
         lowp_out.copy_(param)
 
@@ -672,9 +753,26 @@ def fused_adamw(
     weight_decay: float,
     grad_scale: float = 1.0,
     lowp_out: torch.Tensor | None = None,
+    max_exp_avg_sq: torch.Tensor | None = None,
+    maximize: bool = False,
 ) -> None:
-    """One AdamW step over a flat fp32 shard, in place (``zcompile::fused_adamw``)."""
-    _fused_adamw_op(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale, lowp_out)
+    """One AdamW step over a flat fp32 shard, in place (``zcompile::fused_adamw``); ``max_exp_avg_sq`` given: AMSGrad."""
+    _fused_adamw_op(
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        step,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        grad_scale,
+        lowp_out,
+        max_exp_avg_sq,
+        maximize,
+    )
 
 
 def fused_sgd(
@@ -689,14 +787,28 @@ def fused_sgd(
     nesterov: bool,
     grad_scale: float = 1.0,
     lowp_out: torch.Tensor | None = None,
+    maximize: bool = False,
 ) -> None:
     """One SGD step over a flat fp32 shard, in place (``zcompile::fused_sgd``)."""
     _fused_sgd_op(
-        param, grad, momentum_buffer, first_step, lr, momentum, dampening, weight_decay, nesterov, grad_scale, lowp_out
+        param,
+        grad,
+        momentum_buffer,
+        first_step,
+        lr,
+        momentum,
+        dampening,
+        weight_decay,
+        nesterov,
+        grad_scale,
+        lowp_out,
+        maximize,
     )
 
 
-@torch.library.custom_op("zcompile::fused_adamw", mutates_args=("param", "exp_avg", "exp_avg_sq", "lowp_out"))
+@torch.library.custom_op(
+    "zcompile::fused_adamw", mutates_args=("param", "exp_avg", "exp_avg_sq", "lowp_out", "max_exp_avg_sq")
+)
 def _fused_adamw_op(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -710,20 +822,46 @@ def _fused_adamw_op(
     weight_decay: float,
     grad_scale: float,
     lowp_out: torch.Tensor | None,
+    max_exp_avg_sq: torch.Tensor | None,
+    maximize: bool,
 ) -> None:
     """One AdamW step over a flat fp32 shard, in place: Triton where it runs, else the reference."""
-    if use_triton(param):
-        fused_adamw_triton(
-            param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale, lowp_out
-        )
-    else:
-        fused_adamw_reference(
-            param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale, lowp_out
-        )
+    update = fused_adamw_triton if use_triton(param) else fused_adamw_reference
+    update(
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        step,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        grad_scale,
+        lowp_out,
+        max_exp_avg_sq,
+        maximize,
+    )
 
 
 @_fused_adamw_op.register_fake
-def _(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale, lowp_out):
+def _(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    grad_scale,
+    lowp_out,
+    max_exp_avg_sq,
+    maximize,
+):
     return None
 
 
@@ -740,38 +878,39 @@ def _fused_sgd_op(
     nesterov: bool,
     grad_scale: float,
     lowp_out: torch.Tensor | None,
+    maximize: bool,
 ) -> None:
     """One SGD step over a flat fp32 shard, in place: Triton where it runs, else the reference."""
-    if use_triton(param):
-        fused_sgd_triton(
-            param,
-            grad,
-            momentum_buffer,
-            first_step,
-            lr,
-            momentum,
-            dampening,
-            weight_decay,
-            nesterov,
-            grad_scale,
-            lowp_out,
-        )
-    else:
-        fused_sgd_reference(
-            param,
-            grad,
-            momentum_buffer,
-            first_step,
-            lr,
-            momentum,
-            dampening,
-            weight_decay,
-            nesterov,
-            grad_scale,
-            lowp_out,
-        )
+    update = fused_sgd_triton if use_triton(param) else fused_sgd_reference
+    update(
+        param,
+        grad,
+        momentum_buffer,
+        first_step,
+        lr,
+        momentum,
+        dampening,
+        weight_decay,
+        nesterov,
+        grad_scale,
+        lowp_out,
+        maximize,
+    )
 
 
 @_fused_sgd_op.register_fake
-def _(param, grad, momentum_buffer, first_step, lr, momentum, dampening, weight_decay, nesterov, grad_scale, lowp_out):
+def _(
+    param,
+    grad,
+    momentum_buffer,
+    first_step,
+    lr,
+    momentum,
+    dampening,
+    weight_decay,
+    nesterov,
+    grad_scale,
+    lowp_out,
+    maximize,
+):
     return None

@@ -25,19 +25,29 @@ def adamw_reference(
     eps: float,
     weight_decay: float,
     grad_scale: float = 1.0,
+    max_exp_avg_sq: torch.Tensor | None = None,
+    maximize: bool = False,
 ) -> None:
-    """One AdamW step on ``param`` in place; ``step`` counts from 1; ``grad`` is multiplied by ``grad_scale``."""
+    """One AdamW step on ``param`` in place; ``step`` counts from 1; ``grad`` is multiplied by ``grad_scale``.
+    ``max_exp_avg_sq`` given: AMSGrad (the running maximum of ``exp_avg_sq`` divides the update);
+    ``maximize``: the gradient negated (an ascent), as ``torch.optim.AdamW(amsgrad=, maximize=)``."""
     if grad.dtype != param.dtype:
         grad = grad.to(param.dtype)
     if grad_scale != 1.0:
         grad = grad * grad_scale
+    if maximize:
+        grad = grad.neg()  # exact: the same bits whether negated before or after the scale
     param.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
-    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+    if max_exp_avg_sq is not None:
+        torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+        denom = (max_exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+    else:
+        denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
@@ -86,12 +96,15 @@ def sgd_reference(
     weight_decay: float,
     nesterov: bool,
     grad_scale: float = 1.0,
+    maximize: bool = False,
 ) -> torch.Tensor | None:
-    """One SGD step on ``param`` in place; returns the (new) momentum buffer."""
+    """One SGD step on ``param`` in place (``maximize``: the gradient negated); returns the (new) momentum buffer."""
     if grad.dtype != param.dtype:
         grad = grad.to(param.dtype)
     if grad_scale != 1.0:
         grad = grad * grad_scale
+    if maximize:
+        grad = grad.neg()
     if weight_decay != 0:
         grad = grad.add(param, alpha=weight_decay)
     if momentum != 0:

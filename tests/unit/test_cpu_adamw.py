@@ -17,33 +17,54 @@ SIZES = (1, 7, 1000, 65537)
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def _torch_fused_steps(params, grads_per_step):
+def _torch_fused_steps(params, grads_per_step, **arguments):
     tensors = [torch.nn.Parameter(p.clone()) for p in params]
-    opt = torch.optim.AdamW(tensors, fused=True, **HYPER)
+    opt = torch.optim.AdamW(tensors, fused=True, **HYPER, **arguments)
     for grads in grads_per_step:
         for t, g in zip(tensors, grads):
             t.grad = g.clone()
         opt.step()
-    return [t.detach() for t in tensors], [opt.state[t]["exp_avg"] for t in tensors]
+    return [t.detach() for t in tensors], [opt.state[t]["exp_avg"] for t in tensors], opt
 
 
-def test_equals_torch_fused_adamw_bitwise_over_steps():
+@pytest.mark.parametrize("amsgrad, maximize", [(False, False), (True, True), (True, False), (False, True)])
+def test_equals_torch_fused_adamw_bitwise_over_steps(amsgrad, maximize):
+    """With amsgrad and maximize too (beta2 0.95 over 3 steps: the second moment falls somewhere, so the
+    running maximum matters); the caller's gradients stay as they were."""
     torch.manual_seed(0)
     params = [torch.randn(n) for n in SIZES]
     grads_per_step = [[torch.randn(n) for n in SIZES] for _ in range(3)]
-    want, want_avg = _torch_fused_steps(params, grads_per_step)
+    kept = [[g.clone() for g in grads] for grads in grads_per_step]
+    want, want_avg, opt = _torch_fused_steps(params, grads_per_step, amsgrad=amsgrad, maximize=maximize)
     got, exp_avgs, exp_avg_sqs = (
         [p.clone() for p in params],
         [torch.zeros(n) for n in SIZES],
         [torch.zeros(n) for n in SIZES],
     )
+    maxima = [torch.zeros(n) for n in SIZES] if amsgrad else None
     for step, grads in enumerate(grads_per_step, start=1):
         adamw_cpu_fused(
-            got, grads, exp_avgs, exp_avg_sqs, step, HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]
+            got,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            step,
+            HYPER["lr"],
+            *HYPER["betas"],
+            HYPER["eps"],
+            HYPER["weight_decay"],
+            1.0,
+            maxima,
+            maximize,
         )
     for a, b in zip(got + exp_avgs, want + want_avg):
         assert torch.equal(a, b)
+    if amsgrad:
+        want_max = [opt.state[t]["max_exp_avg_sq"] for group in opt.param_groups for t in group["params"]]
+        assert all(torch.equal(a, b) for a, b in zip(maxima, want_max))
+        assert not all(torch.equal(a, b) for a, b in zip(maxima, exp_avg_sqs))
     assert not all(torch.equal(a, b) for a, b in zip(got, params))  # it moved
+    assert all(torch.equal(g, k) for grads, ks in zip(grads_per_step, kept) for g, k in zip(grads, ks))
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])

@@ -151,3 +151,24 @@ def test_model_state_bytes_counts_fake_storages_apart():
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     expected = sum(p.numel() * 4 for p in model.parameters())
     assert model_state_bytes(model).params == expected
+
+
+def test_amsgrad_state_is_counted_as_the_optimizer_keeps_it():
+    """``optimizer="adamw_amsgrad"``: three fp32 state tensors per shard element (the moments and their
+    running maximum), the bytes ``zcompile.optim.AdamW(amsgrad=True)`` holds after a step."""
+    estimate = zcompile.estimate_memory(build_model("gpt"), 1, {"stage": 3}, optimizer="adamw_amsgrad")
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 3})
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-3, amsgrad=True)
+    tokens, targets = global_batch(0, 1)
+    compiled(tokens, targets).backward()
+    optimizer.step()
+    held = sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.numel() > 1
+    )
+    assert estimate.optimizer_bytes == held
+    plain = zcompile.estimate_memory(build_model("gpt"), 1, {"stage": 3})
+    assert estimate.optimizer_bytes * 2 == plain.optimizer_bytes * 3

@@ -125,18 +125,66 @@ def test_multi_tensor_adamw_equals_one_launch_per_shard():
     assert all(isinstance(t, MultiTensorTables) for t in tables.values())
 
 
+@pytest.mark.parametrize("amsgrad, maximize", [(True, False), (False, True), (True, True)])
+def test_amsgrad_and_maximize_kernels_match_the_reference(amsgrad, maximize):
+    """torch's amsgrad and maximize in the per-shard kernel (against the reference, one-step tolerance
+    of the module doc, over 3 steps with beta2 0.5 so the running maximum matters) and in the
+    multi-tensor launch (the per-shard kernel's bits)."""
+    adam = ADAM | {"beta2": 0.5}
+    sizes, grad_dtypes = [1, 1025, 4099], [torch.float32, torch.bfloat16, torch.float32]
+    states = [_state(n, i) for i, n in enumerate(sizes)]
+    kernel, reference, multi = ([[t.clone() for t in state] for state in states] for _ in range(3))
+    maxima = [[torch.zeros(n, device=DEVICE) if amsgrad else None for n in sizes] for _ in range(3)]
+    for step in (1, 2, 3):
+        grads = [
+            torch.randn(n, generator=torch.Generator().manual_seed(10 * step + i)).to(d).to(DEVICE)
+            for i, (n, d) in enumerate(zip(sizes, grad_dtypes))
+        ]
+        for (p, m, v), x, (q, mr, vr), xr, g in zip(kernel, maxima[0], reference, maxima[1], grads):
+            fused_adamw_triton(p, g, m, v, step, grad_scale=0.5, max_exp_avg_sq=x, maximize=maximize, **adam)
+            fused_adamw_reference(q, g, mr, vr, step, grad_scale=0.5, max_exp_avg_sq=xr, maximize=maximize, **adam)
+        fused_adamw_multi_triton(
+            [s[0] for s in multi],
+            grads,
+            [s[1] for s in multi],
+            [s[2] for s in multi],
+            [None] * len(sizes),
+            step,
+            grad_scale=0.5,
+            max_exp_avg_sqs=maxima[2] if amsgrad else None,
+            maximize=maximize,
+            **adam,
+        )
+    for ours, theirs, launched in zip(kernel, reference, multi):
+        for a, b, c in zip(ours, theirs, launched):
+            torch.testing.assert_close(a, b, rtol=2.4e-7, atol=1e-7)
+            assert torch.equal(a, c)
+    if amsgrad:
+        for x, xr, xm in zip(*maxima):
+            torch.testing.assert_close(x, xr, rtol=2.4e-7, atol=1e-7)
+            assert torch.equal(x, xm)
+        assert any(not torch.equal(x, state[2]) for x, state in zip(maxima[0], kernel))
+
+
 @pytest.mark.parametrize(
-    "optimizer, options, bucket_mb",
+    "optimizer, options, bucket_mb, extra",
     [
-        ("AdamW", {"stage": 2, "param_dtype": "bf16"}, 4.0),
-        ("AdamW", {"stage": 3}, 4.0),
-        ("SGD", {"stage": 2, "param_dtype": "bf16"}, 4.0),
+        ("AdamW", {"stage": 2, "param_dtype": "bf16"}, 4.0, {}),
+        ("AdamW", {"stage": 3}, 4.0, {}),
+        ("SGD", {"stage": 2, "param_dtype": "bf16"}, 4.0, {}),
         # a refresh bucket per parameter (100 bytes): still one launch a step, for the whole param group
-        ("AdamW", {"stage": 1, "param_dtype": "bf16"}, 1e-4),
-        ("SGD", {"stage": 2, "param_dtype": "bf16"}, 1e-4),
+        ("AdamW", {"stage": 1, "param_dtype": "bf16"}, 1e-4, {}),
+        ("SGD", {"stage": 2, "param_dtype": "bf16"}, 1e-4, {}),
+        # torch's amsgrad and maximize (beta2 0.5: the second moment falls, so the running maximum matters)
+        ("AdamW", {"stage": 2, "param_dtype": "bf16"}, 4.0, {"amsgrad": True, "maximize": True, "betas": (0.9, 0.5)}),
+        ("AdamW", {"stage": 3}, 4.0, {"amsgrad": True, "betas": (0.9, 0.5)}),
+        ("AdamW", {"stage": 1}, 4.0, {"maximize": True}),
+        ("SGD", {"stage": 3}, 4.0, {"maximize": True}),
     ],
 )
-def test_sharded_optimizer_through_the_multi_tensor_launch_steps_like_torch(monkeypatch, optimizer, options, bucket_mb):
+def test_sharded_optimizer_through_the_multi_tensor_launch_steps_like_torch(
+    monkeypatch, optimizer, options, bucket_mb, extra
+):
     """zcompile.optim.AdamW and SGD at world 1 with their GPU path (one multi-tensor launch per run;
     forced on a CPU, where it is interpreted) follow torch.optim's fed the same gradients over 3
     steps, and write the bf16 replica at stages 1 and 2 (tolerance: the 10-step test's, module doc).
@@ -154,7 +202,9 @@ def test_sharded_optimizer_through_the_multi_tensor_launch_steps_like_torch(monk
     model = torch.nn.Sequential(torch.nn.Linear(13, 17), torch.nn.GELU(), torch.nn.Linear(17, 5)).to(DEVICE)
     masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
     compiled = torch.compile(model, backend="zero", options=options)
-    hyper = dict(lr=1e-2, weight_decay=0.01) | ({"momentum": 0.9, "nesterov": True} if optimizer == "SGD" else {})
+    hyper = (
+        dict(lr=1e-2, weight_decay=0.01) | ({"momentum": 0.9, "nesterov": True} if optimizer == "SGD" else {}) | extra
+    )
     opt = getattr(zcompile.optim, optimizer)(model.parameters(), bucket_mb=bucket_mb, **hyper)
     ref_opt = getattr(torch.optim, optimizer)(masters, **hyper)
     for step in range(3):
@@ -168,6 +218,12 @@ def test_sharded_optimizer_through_the_multi_tensor_launch_steps_like_torch(monk
         opt.zero_grad()
         ref_opt.zero_grad()
     assert launches == [4, 4, 4]  # one launch a step for the 4 parameters
+    if extra.get("amsgrad"):  # the AMSGrad maximum is torch's, and differs from the second moment somewhere
+        states = [opt.state[p] for p in model.parameters()]
+        for state, m in zip(states, masters):
+            want = ref_opt.state[m]["max_exp_avg_sq"].reshape(-1)
+            torch.testing.assert_close(state["max_exp_avg_sq"][: m.numel()], want, rtol=1e-5, atol=1e-12)
+        assert any(not torch.equal(s["max_exp_avg_sq"], s["exp_avg_sq"]) for s in states)
     with zcompile.gathered(model):
         for p, m in zip(model.parameters(), masters):
             shard = shard_of(p).shard.detach()[: p.numel()]  # world 1: the whole parameter, fp32
@@ -247,13 +303,18 @@ def test_sgd_kernel_matches_reference(numel, momentum, dampening, nesterov, weig
         torch.testing.assert_close(buffers[0], buffers[1], rtol=2.4e-7, atol=2.4e-7 * float(buffers[1].abs().max()))
 
 
-def test_ten_steps_equal_torch_optim():
+@pytest.mark.parametrize("amsgrad, maximize", [(False, False), (True, True)])
+def test_ten_steps_equal_torch_optim(amsgrad, maximize):
+    """Also with torch's amsgrad and maximize (the AMSGrad maximum kept by the kernel, as torch's)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n).to(DEVICE)) for n in (1, 1000, 1537)]
-    torch_opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    torch_opt = torch.optim.AdamW(
+        params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, amsgrad=amsgrad, maximize=maximize
+    )
     states = [(p.detach().clone(), torch.zeros_like(p.detach()), torch.zeros_like(p.detach())) for p in params]
+    maxima = [torch.zeros_like(p.detach()) if amsgrad else None for p in params]
     sgd_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    sgd_opt = torch.optim.SGD(sgd_params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
+    sgd_opt = torch.optim.SGD(sgd_params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, maximize=maximize)
     sgd_states = [(p.detach().clone(), torch.empty_like(p.detach())) for p in params]
     for step in range(1, 11):
         grads = [torch.randn(p.numel()).to(DEVICE) for p in params]
@@ -261,12 +322,16 @@ def test_ten_steps_equal_torch_optim():
             p.grad, q.grad = g.clone(), g.clone()
         torch_opt.step()
         sgd_opt.step()
-        for (master, m, v), g in zip(states, grads):
-            fused_adamw_triton(master, g, m, v, step, **ADAM)
+        for (master, m, v), x, g in zip(states, maxima, grads):
+            fused_adamw_triton(master, g, m, v, step, **ADAM, max_exp_avg_sq=x, maximize=maximize)
         for (master, buf), g in zip(sgd_states, grads):
-            fused_sgd_triton(master, g, buf, step == 1, 0.05, 0.9, 0.0, 0.01, True)
+            fused_sgd_triton(master, g, buf, step == 1, 0.05, 0.9, 0.0, 0.01, True, maximize=maximize)
     for p, (master, _, _) in zip(params, states):
         torch.testing.assert_close(master, p.detach(), rtol=1e-5, atol=1e-7)
+    if amsgrad:
+        for p, x, (_, _, v) in zip(params, maxima, states):
+            torch.testing.assert_close(x, torch_opt.state[p]["max_exp_avg_sq"], rtol=1e-5, atol=1e-12)
+        assert any(not torch.equal(x, v) for x, (_, _, v) in zip(maxima, states))  # the maximum mattered
     for p, (master, _) in zip(sgd_params, sgd_states):
         torch.testing.assert_close(master, p.detach(), rtol=1e-5, atol=1e-7)
 
@@ -286,17 +351,21 @@ def test_custom_op_dispatches_to_triton(monkeypatch):
 
 
 def test_ops_trace_in_compiled_graphs():
-    def step(param, grad, exp_avg, exp_avg_sq, momentum_buffer):
+    def step(param, grad, exp_avg, exp_avg_sq, momentum_buffer, max_exp_avg_sq):
         fused_adamw(param, grad, exp_avg, exp_avg_sq, 2, **ADAM)
+        fused_adamw(param, grad, exp_avg, exp_avg_sq, 3, **ADAM, max_exp_avg_sq=max_exp_avg_sq, maximize=True)
         fused_sgd(param, grad, momentum_buffer, False, 0.1, 0.9, 0.0, 0.0, False)
+        fused_sgd(param, grad, momentum_buffer, False, 0.1, 0.9, 0.0, 0.0, False, maximize=True)
         return param * 1
 
-    tensors = [torch.randn(50).to(DEVICE) for _ in range(5)]
+    tensors = [torch.randn(50).to(DEVICE) for _ in range(6)]
     tensors[3] = tensors[3].abs()  # exp_avg_sq is non-negative
+    tensors[5] = tensors[5].abs()  # and so its maximum
     eager = [t.clone() for t in tensors]
     step(*eager)
     out = torch.compile(step, backend="aot_eager", fullgraph=True)(*tensors)
     torch.testing.assert_close(out, eager[0], rtol=2.4e-7, atol=1e-7)
+    torch.testing.assert_close(tensors[5], eager[5], rtol=2.4e-7, atol=1e-7)  # the maximum, written in place
 
 
 def test_bad_inputs():

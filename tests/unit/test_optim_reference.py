@@ -7,33 +7,52 @@ from zcompile.kernels.optim_reference import adamw_reference, adamw_reference_fo
 
 
 @pytest.mark.parametrize("numel", [1, 7, 1000])
-def test_adamw_reference_equals_torch_adamw(numel):
+@pytest.mark.parametrize("amsgrad, maximize", [(False, False), (True, False), (False, True), (True, True)])
+def test_adamw_reference_equals_torch_adamw(numel, amsgrad, maximize):
+    """beta2 0.5 (with amsgrad): the second moment falls between steps, so the running maximum matters."""
+    beta2 = 0.5 if amsgrad else 0.95
     torch.manual_seed(numel)
     weight = torch.randn(numel)
     ours = weight.clone()
     exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
+    maximum = torch.zeros(numel) if amsgrad else None
     param = torch.nn.Parameter(weight.clone())
-    opt = torch.optim.AdamW([param], lr=1e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1, foreach=False)
+    opt = torch.optim.AdamW(
+        [param],
+        lr=1e-2,
+        betas=(0.8, beta2),
+        eps=1e-7,
+        weight_decay=0.1,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        foreach=False,
+    )
     for step in range(1, 11):
         grad = torch.randn(numel)
         param.grad = grad.clone()
         opt.step()
-        adamw_reference(ours, grad, exp_avg, exp_avg_sq, step, 1e-2, 0.8, 0.95, 1e-7, 0.1)
+        adamw_reference(ours, grad, exp_avg, exp_avg_sq, step, 1e-2, 0.8, beta2, 1e-7, 0.1, 1.0, maximum, maximize)
     assert torch.equal(ours, param.detach())
+    if amsgrad:
+        assert torch.equal(maximum, opt.state[param]["max_exp_avg_sq"])
+        assert not torch.equal(maximum, exp_avg_sq)
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_sgd_reference_equals_torch_sgd(nesterov):
+@pytest.mark.parametrize("maximize", [False, True])
+def test_sgd_reference_equals_torch_sgd(nesterov, maximize):
     torch.manual_seed(0)
     weight = torch.randn(33)
     ours, buffer = weight.clone(), None
     param = torch.nn.Parameter(weight.clone())
-    opt = torch.optim.SGD([param], lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=nesterov, foreach=False)
+    opt = torch.optim.SGD(
+        [param], lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=nesterov, maximize=maximize, foreach=False
+    )
     for _ in range(10):
         grad = torch.randn(33)
         param.grad = grad.clone()
         opt.step()
-        buffer = sgd_reference(ours, grad, buffer, 0.1, 0.9, 0.0, 0.01, nesterov)
+        buffer = sgd_reference(ours, grad, buffer, 0.1, 0.9, 0.0, 0.01, nesterov, 1.0, maximize)
     assert torch.equal(ours, param.detach())
 
 

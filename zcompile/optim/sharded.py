@@ -24,9 +24,11 @@ by the step agreement below (or one all-reduced flag when that check is off; ``z
 that every rank is taking it after the same training calls (``zcompile.agreement.step_agreement``,
 ``check_timeout_s``), so a rank that skips its step alone is an error on every rank, not a hang.
 
-The update is one fused pass (``zcompile.kernels.fused_optim``): the Triton kernel on GPU, its
-pure-torch reference on CPU. When the replicated parameter is in a low-precision dtype, the same
-pass writes the updated shard in that dtype, ready to be all-gathered.
+The update is one fused pass (``zcompile.kernels.fused_optim``): the Triton kernel on GPU; on CPU
+torch's fused AdamW kernel (``zcompile.kernels.cpu_adamw``) and the pure-torch SGD reference. When
+the replicated parameter is in a low-precision dtype, the same pass writes the updated shard in that
+dtype, ready to be all-gathered. Every path takes torch's ``maximize`` (both) and ``amsgrad`` (AdamW,
+its ``max_exp_avg_sq`` state saved and resharded like the moments), per param group as torch does.
 """
 
 from __future__ import annotations
@@ -150,6 +152,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # the most bytes the last step's own bucket buffers held at once (optim.buckets.BufferLedger)
         self.last_step_buffer_peak_bytes = 0
         self._state_layout: tuple = ()  # what last_step_state_bytes was measured for (_state_bytes_at_step)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's; a group's own settings are checked like the constructor's (``_check_settings``)."""
+        _check_settings(type(self).__name__, {**self.defaults, **param_group})
+        super().add_param_group(param_group)
 
     def _update(
         self,
@@ -490,26 +497,45 @@ class ShardedOptimizer(torch.optim.Optimizer):
 setattr(ShardedOptimizer, SHARDED_OPTIMIZER_ATTR, True)  # what the foreign-optimizer guard recognises
 
 
-def _check_torch_arguments(optimizer: str, maximize: bool, differentiable: bool) -> None:
-    """torch's keyword arguments that change what the update computes, where zcompile's update cannot do
-    it: an error naming the argument and why. torch's performance hints (``foreach``, ``fused``,
-    ``capturable``) need no check: whatever they say, the update runs zcompile's own fused kernel."""
-    if maximize:
-        raise ValueError(
-            f"zcompile.optim.{optimizer}: maximize=True is not supported (the fused update descends); "
-            "minimize the negated objective instead"
-        )
-    if differentiable:
+def _check_settings(optimizer: str, settings: dict) -> None:
+    """torch's arguments (the constructor's, or a param group's) that zcompile's update cannot follow:
+    an error naming the argument, why, and what to do. ``differentiable`` is the one: the update runs
+    in fused kernels outside autograd. A tensor setting (torch takes ``lr``, ``betas``, SGD's
+    ``weight_decay`` as tensors) must have one element, as torch's; its value is read at each step.
+    torch's performance hints (``foreach``, ``fused``, ``capturable``) need no check: whatever they
+    say, the update runs zcompile's own fused kernel (and the step stays uncapturable in a CUDA graph)."""
+    if settings.get("differentiable"):
         raise ValueError(
             f"zcompile.optim.{optimizer}: differentiable=True is not supported: the update runs in fused "
-            "kernels outside autograd, so no gradient flows through it"
+            "kernels outside autograd, so no gradient flows through it; leave it False (to differentiate "
+            "through the update, use torch.optim on a model not compiled with backend='zero')"
         )
+    for key in ("lr", "betas", "eps", "weight_decay", "momentum", "dampening"):
+        values = settings.get(key)
+        for value in values if isinstance(values, (tuple, list)) else (values,):
+            if isinstance(value, torch.Tensor) and value.numel() != 1:
+                raise ValueError(
+                    f"zcompile.optim.{optimizer}: {key}=<tensor of shape {tuple(value.shape)}> is not supported: "
+                    "a tensor setting is one number; pass a 1-element tensor or a float"
+                )
+
+
+def _scalar(value: float | torch.Tensor) -> float:
+    """A setting as the number the kernels take: a 1-element tensor read now (each step), so one
+    changed in place by a scheduler counts, as in torch."""
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def _adamw_settings(group: dict) -> tuple:
+    """``(lr, beta1, beta2, eps, weight_decay)`` of ``group`` as numbers, in the kernels' order."""
+    beta1, beta2 = group["betas"]
+    return tuple(map(_scalar, (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])))
 
 
 class AdamW(ShardedOptimizer):
-    """``torch.optim.AdamW`` over shards: torch's arguments (``amsgrad``, ``maximize`` and
-    ``differentiable`` refused when set; ``foreach``, ``fused``, ``capturable`` accepted, the update
-    being zcompile's own fused kernel), plus zcompile's own."""
+    """``torch.optim.AdamW`` over shards: torch's arguments (``amsgrad`` and ``maximize`` as torch's,
+    per param group too; ``differentiable=True`` refused; ``foreach``, ``fused``, ``capturable``
+    accepted, the update being zcompile's own fused kernel), plus zcompile's own."""
 
     def __init__(
         self,
@@ -531,9 +557,9 @@ class AdamW(ShardedOptimizer):
         fused: bool | None = None,
         **unsupported: Any,
     ):
-        _check_torch_arguments("AdamW", maximize, differentiable)
-        if amsgrad:
-            raise ValueError("zcompile.optim.AdamW: amsgrad=True is not supported; use amsgrad=False")
+        _check_settings(
+            "AdamW", dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, differentiable=differentiable)
+        )
         if unsupported:
             raise TypeError(
                 f"zcompile.optim.AdamW: unsupported arguments {sorted(unsupported)}; "
@@ -545,7 +571,7 @@ class AdamW(ShardedOptimizer):
             )
         super().__init__(
             params,
-            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize),
             bucket_mb,
             max_grad_norm,
             check_timeout_s=check_timeout_s,
@@ -553,16 +579,24 @@ class AdamW(ShardedOptimizer):
         )
 
     @staticmethod
-    def _advance_state(state: dict, shard: torch.Tensor) -> int:
-        """Creates the moments on the first step, counts this one; returns the step."""
+    def _advance_state(state: dict, shard: torch.Tensor, group: dict) -> int:
+        """Creates the moments on the first step (and AMSGrad's ``max_exp_avg_sq``, torch's name, when
+        the group has ``amsgrad``: zeros, also where it was turned on after the first step), counts
+        this one; returns the step."""
         if not state:
             state.update(step=0, exp_avg=torch.zeros_like(shard), exp_avg_sq=torch.zeros_like(shard))
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = torch.zeros_like(shard)
         state["step"] += 1
         return state["step"]
 
+    @staticmethod
+    def _maxima(run: list[_Update]) -> list[torch.Tensor] | None:
+        """The AMSGrad maxima of a run of one param group, None without ``amsgrad``."""
+        return [u.state["max_exp_avg_sq"] for u in run] if run[0].group["amsgrad"] else None
+
     def _update(self, shard, grad, grad_scale, state, group, lowp_out):
-        self._advance_state(state, shard)
-        beta1, beta2 = group["betas"]
+        self._advance_state(state, shard, group)
         update = fused_adamw if shard.is_cuda else fused_adamw_reference
         update(
             shard,
@@ -570,13 +604,11 @@ class AdamW(ShardedOptimizer):
             state["exp_avg"],
             state["exp_avg_sq"],
             state["step"],
-            group["lr"],
-            beta1,
-            beta2,
-            group["eps"],
-            group["weight_decay"],
+            *_adamw_settings(group),
             grad_scale,
             lowp_out,
+            state["max_exp_avg_sq"] if group["amsgrad"] else None,
+            group["maximize"],
         )
 
     def _update_many(self, batch: list[_Update]) -> None:
@@ -593,7 +625,7 @@ class AdamW(ShardedOptimizer):
         if self._multi_tensor_launch(batch):
             runs_on_gpu: dict[tuple, list[_Update]] = {}
             for u in batch:
-                runs_on_gpu.setdefault((self._advance_state(u.state, u.shard), u.grad_scale), []).append(u)
+                runs_on_gpu.setdefault((self._advance_state(u.state, u.shard, u.group), u.grad_scale), []).append(u)
             for run in runs_on_gpu.values():
                 self._adamw_gpu_run(run)
             return None
@@ -603,7 +635,7 @@ class AdamW(ShardedOptimizer):
         run_bytes: dict[tuple, int] = {}
         limit = int(self.bucket_mb * 2**20) // 4  # bytes of shard per run (docstring)
         for u in batch:
-            key = (self._advance_state(u.state, u.shard), u.grad_scale)
+            key = (self._advance_state(u.state, u.shard, u.group), u.grad_scale)
             nbytes = u.shard.numel() * u.shard.element_size()
             if key in runs and run_bytes[key] + nbytes > limit:
                 self._adamw_run(runs.pop(key))
@@ -619,7 +651,6 @@ class AdamW(ShardedOptimizer):
         step wait on. The launch's device tables
         are kept for the next step's same run (``kernels.fused_optim.MultiTensorTables``)."""
         group, (step, grad_scale) = run[0].group, (run[0].state["step"], run[0].grad_scale)
-        beta1, beta2 = group["betas"]
         fused_adamw_multi_triton(
             [u.shard for u in run],
             [u.grad for u in run],
@@ -627,32 +658,27 @@ class AdamW(ShardedOptimizer):
             [u.state["exp_avg_sq"] for u in run],
             [u.lowp for u in run],
             step,
-            group["lr"],
-            beta1,
-            beta2,
-            group["eps"],
-            group["weight_decay"],
+            *_adamw_settings(group),
             grad_scale,
             self._launch_tables_of(run),
+            self._maxima(run),
+            group["maximize"],
         )
 
-    @staticmethod
-    def _adamw_run(run: list[_Update]) -> None:
+    @classmethod
+    def _adamw_run(cls, run: list[_Update]) -> None:
         """One update of shards at the same step, gradient scale and param group (``_update_many``)."""
         group, (step, grad_scale) = run[0].group, (run[0].state["step"], run[0].grad_scale)
-        beta1, beta2 = group["betas"]
         adamw_cpu_fused(
             [u.shard for u in run],
             [u.grad for u in run],
             [u.state["exp_avg"] for u in run],
             [u.state["exp_avg_sq"] for u in run],
             step,
-            group["lr"],
-            beta1,
-            beta2,
-            group["eps"],
-            group["weight_decay"],
+            *_adamw_settings(group),
             grad_scale,
+            cls._maxima(run),
+            group["maximize"],
         )
         for u in run:
             if u.lowp is not None:
@@ -660,9 +686,9 @@ class AdamW(ShardedOptimizer):
 
 
 class SGD(ShardedOptimizer):
-    """``torch.optim.SGD`` over shards: torch's arguments (momentum, dampening, nesterov, weight decay;
-    ``maximize`` and ``differentiable`` refused when set; ``foreach``, ``fused`` accepted), plus
-    zcompile's own."""
+    """``torch.optim.SGD`` over shards: torch's arguments (momentum, dampening, nesterov, weight decay,
+    ``maximize``, per param group too; ``differentiable=True`` refused; ``foreach``, ``fused``
+    accepted), plus zcompile's own."""
 
     def __init__(
         self,
@@ -682,7 +708,7 @@ class SGD(ShardedOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
     ):
-        _check_torch_arguments("SGD", maximize, differentiable)
+        _check_settings("SGD", dict(lr=lr, weight_decay=weight_decay, differentiable=differentiable))
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(
                 f"zcompile.optim.SGD: invalid hyper-parameters lr={lr} momentum={momentum} weight_decay={weight_decay}"
@@ -691,7 +717,14 @@ class SGD(ShardedOptimizer):
             raise ValueError("zcompile.optim.SGD: nesterov requires momentum > 0 and zero dampening")
         super().__init__(
             params,
-            dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov),
+            dict(
+                lr=lr,
+                momentum=momentum,
+                dampening=dampening,
+                weight_decay=weight_decay,
+                nesterov=nesterov,
+                maximize=maximize,
+            ),
             bucket_mb,
             max_grad_norm,
             check_timeout_s=check_timeout_s,
@@ -718,13 +751,10 @@ class SGD(ShardedOptimizer):
                 buffers,
                 [u.lowp for u in run],
                 first_step,
-                group["lr"],
-                group["momentum"],
-                group["dampening"],
-                group["weight_decay"],
-                group["nesterov"],
+                *self._settings(group),
                 grad_scale,
                 self._launch_tables_of(run),
+                group["maximize"],
             )
         return None
 
@@ -738,11 +768,16 @@ class SGD(ShardedOptimizer):
             grad,
             state.get("momentum_buffer"),
             first_step,
-            group["lr"],
-            group["momentum"],
-            group["dampening"],
-            group["weight_decay"],
-            group["nesterov"],
+            *self._settings(group),
             grad_scale,
             lowp_out,
+            group["maximize"],
+        )
+
+    @staticmethod
+    def _settings(group: dict) -> tuple:
+        """``(lr, momentum, dampening, weight_decay, nesterov)`` of ``group`` as numbers, in the kernels' order."""
+        return (
+            *map(_scalar, (group["lr"], group["momentum"], group["dampening"], group["weight_decay"])),
+            group["nesterov"],
         )

@@ -51,7 +51,7 @@ from zcompile.sharding.shards import FlatPiece, shard_of
 log = logging.getLogger(__name__)
 
 MIB = 2**20
-MOMENTS = {"adamw": 2, "sgd": 0, "sgd_momentum": 1}  # fp32 state tensors per shard element
+MOMENTS = {"adamw": 2, "adamw_amsgrad": 3, "sgd": 0, "sgd_momentum": 1}  # fp32 state tensors per shard element
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,8 @@ def estimate_memory(
 
     ``options``: the backend's options; ``batch``: one rank's inputs (a tensor, a tuple of
     positional arguments or a dict of keyword arguments of ``model``) to estimate saved activations;
-    ``optimizer``: ``"adamw"`` (2 moments), ``"sgd_momentum"`` (1) or ``"sgd"`` (0). Call it on the
+    ``optimizer``: ``"adamw"`` (2 moments), ``"adamw_amsgrad"`` (3: the moments' running maximum too),
+    ``"sgd_momentum"`` (1) or ``"sgd"`` (0). Call it on the
     model before ``torch.compile`` shards it; with ``batch``, after its first step is a ``ValueError``
     (the saved activations' compile resets Dynamo, on this rank alone if only it asks).
     """
