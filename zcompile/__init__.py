@@ -30,6 +30,8 @@ _LAZY = {
     "StepReport": "zcompile.reports.step_report",
     "step_report": "zcompile.reports.step_report",
     "simulate_tune": "zcompile.tune.simulated",
+    "DeepSpeedPort": "zcompile.integrations.deepspeed",
+    "options_from_deepspeed": "zcompile.integrations.deepspeed",
     "simulate": "",  # a callable module: zcompile.simulate(...) runs zcompile.predict.simulate.simulate
 }
 __all__ = list(_LAZY)
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from zcompile.eager.gathered import gathered
     from zcompile.eager.sync import sync_module_states
     from zcompile.eager.weight_average import lerp_weights_
+    from zcompile.integrations.deepspeed import DeepSpeedPort, options_from_deepspeed
     from zcompile.predict.estimate import MemoryEstimate, estimate_memory
     from zcompile.reports.step_report import StepReport, step_report
     from zcompile.sharding.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
