@@ -7,6 +7,8 @@ rank in seconds instead of a wait for the process-group timeout.
 """
 
 import json
+import os
+import tempfile
 import time
 
 import pytest
@@ -16,8 +18,17 @@ import torch.distributed as dist
 import zcompile
 from support.launch import run_ranks
 from support.models import build_model, global_batch
-from support.training import RunSpec, assert_same_training, micro_batches, train_reference, train_zero
+from support.training import (
+    RunSpec,
+    _optimizer,
+    assert_same_training,
+    micro_batches,
+    train_reference,
+    train_steps,
+    train_zero,
+)
 from zcompile.agreement.abort_note import RankDivergenceError
+from zcompile.agreement.fixes import EVALUATION_FIX, SAVE_DECISION_FIX
 from zcompile.sharding.sharded_parameter import ShardedParameterError
 from zcompile.sharding.shards import shard_of
 
@@ -304,6 +315,54 @@ def test_a_first_step_skipped_on_one_rank_names_the_skip_not_a_compile():
     for message, seconds in run_ranks(2, _skip_step_on_rank0, 3, 0):
         assert message is not None, "a step skipped on one rank went unnoticed"
         assert "skip_nonfinite" in message and "different compile paths" not in message, message
+        assert seconds < 30, seconds
+
+
+def _one_rank_off_the_path(rank, world, pattern):
+    """Stage 3, one training step on both ranks, then rank 0 alone evaluates (its first no-grad call: a
+    compile; or a later one, after one evaluation on both ranks) or saves a checkpoint (a decision made
+    on rank 0's own metric); then both train on. The error each rank gets, and how long it took."""
+    from zcompile.checkpoint import save
+
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "check_timeout_s": 5})
+    spec = RunSpec(stage=3)
+    optimizer = _optimizer(spec, model.parameters(), zero=True)
+    train_steps(spec, compiled, optimizer, [0], rank, world)
+    ((tokens, targets),) = micro_batches(spec, 1, rank, world)
+    start = time.perf_counter()
+    try:
+        if pattern == "later evaluation on rank 0":
+            with torch.no_grad():
+                compiled(tokens, targets)
+        if rank == 0:
+            if pattern == "save decided on rank 0":
+                save(os.path.join(tempfile.gettempdir(), f"zcompile-lone-save-{os.getpid()}"), compiled, timeout_s=5)
+            else:
+                with torch.no_grad():
+                    compiled(tokens, targets)
+        train_steps(spec, compiled, optimizer, [1], rank, world)
+    except Exception as error:  # noqa: BLE001 - Dynamo wraps the compile-time one
+        return _divergence(error), time.perf_counter() - start
+    return None, None
+
+
+@pytest.mark.parametrize(
+    "pattern, fix",
+    [
+        ("first evaluation on rank 0", EVALUATION_FIX),
+        ("later evaluation on rank 0", EVALUATION_FIX),
+        ("save decided on rank 0", SAVE_DECISION_FIX),
+    ],
+)
+def test_a_divergence_names_the_fix_of_what_the_ranks_were_doing(pattern, fix):
+    """The fix offered follows the pattern, on every rank: evaluation on some ranks only (a no-grad call,
+    compiled or not yet, while the other rank trains), a checkpoint decided per rank; not the skipped-step
+    advice (skip_nonfinite, LayerDrop) these got before."""
+    for message, seconds in run_ranks(2, _one_rank_off_the_path, pattern):
+        assert message is not None, f"{pattern} went unnoticed"
+        assert fix in message and "skip_nonfinite" not in message, message
         assert seconds < 30, seconds
 
 

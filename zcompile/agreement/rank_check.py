@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from zcompile.agreement.abort_note import tell_others_and_raise
-from zcompile.agreement.store_exchange import CHECK_FIX, COMPILE_CHECK, exchange_on_store
+from zcompile.agreement.fixes import CHECK_FIX, COMPILE_CHECK, NO_GRAD_CALL
+from zcompile.agreement.store_exchange import exchange_on_store
 from zcompile.common.dynamo_frame import compile_mode, recompile_reason
 from zcompile.common.process_group import DataParallelGroup, default_store
 from zcompile.passes.collectives import COLLECTIVE_KINDS, collective_nodes
@@ -77,7 +78,7 @@ def call_identity(plan, gm: torch.fx.GraphModule, extra: list | None = None) -> 
     names = [p.name for p in plan.params]
     more = f" and {len(names) - 1} more" if len(names) > 1 else ""
     return (
-        f"a call of a compiled {'training' if grad_enabled else 'no-grad'} graph of {names[0]!r}{more} "
+        f"{NO_GRAD_CALL if not grad_enabled else 'a call of a compiled training graph'} of {names[0]!r}{more} "
         f"(collectives {digest})"
     )
 

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 
 from zcompile.agreement.abort_note import RankDivergenceError
+from zcompile.agreement.fixes import STEP_FIX
+from zcompile.agreement.fixes import choose as choose_fix
 from zcompile.agreement.initial_values import different_weights_message, differing_parameters, pending_digests
 from zcompile.agreement.store_exchange import exchange_on_store, exchanges_made
 from zcompile.common.process_group import DataParallelGroup
@@ -44,13 +46,6 @@ from zcompile.sharding.buffer_sync import changed_buffers_summary
 from zcompile.sharding.shards import ShardedParam, shard_of
 
 DEFAULT_TIMEOUT_S = 60.0
-
-FIX = (
-    "Every rank must call it once per training step, after the same forward/backward calls through the same "
-    "modules. Skip non-finite steps on every rank together (zcompile.optim.AdamW(..., skip_nonfinite=True)), "
-    "not with `if not torch.isfinite(loss): continue` on one rank, and skip layers at random (LayerDrop) on "
-    "every rank together (a torch.Generator seeded alike on every rank)."
-)
 
 
 @dataclass(eq=False)
@@ -99,12 +94,12 @@ def agree_on_call(group: DataParallelGroup, what: str, timeout_s: float) -> None
     raises at once, before a collective could pair a forward's all-gather with a backward's."""
     # a rank at a step's agreement sent the step's fields: its "what" comes first there too
     arrivals = [
-        other[0] for other in exchange_on_store([what, None], group, timeout_s, "step", f"zcompile: {what}", FIX)
+        other[0] for other in exchange_on_store([what, None], group, timeout_s, "step", f"zcompile: {what}", STEP_FIX)
     ]
     if any(arrival != what for arrival in arrivals):
         raise RankDivergenceError(
             f"zcompile: the ranks are at different points of training (per rank: {dict(enumerate(arrivals))}); "
-            f"their collectives would not match. {FIX}"
+            f"their collectives would not match. {choose_fix(STEP_FIX, what, arrivals)}"
         )
 
 
@@ -173,7 +168,9 @@ def agree_before_step(
         "initial": initial,
         "hyperparameters": hyperparameters,
     }
-    arrivals = exchange_on_store(list(mine.values()), members[0].group, timeout_s, "step", f"zcompile: {what}", FIX)
+    arrivals = exchange_on_store(
+        list(mine.values()), members[0].group, timeout_s, "step", f"zcompile: {what}", STEP_FIX
+    )
 
     def differs(field: str) -> dict[int, Any] | None:
         """Every rank's ``field`` when some rank's differs from this rank's, else None."""
@@ -184,7 +181,8 @@ def agree_before_step(
     if per_rank := differs("arrival"):
         raise RankDivergenceError(
             f"zcompile: {what}: the ranks come from different training steps (what each rank called, and its compiled "
-            f"calls with gradients since the last step: {per_rank}). {FIX}"
+            f"calls with gradients since the last step: {per_rank}). "
+            f"{choose_fix(STEP_FIX, what, [str(value) for value in per_rank.values()])}"
         )
     if per_rank := differs("called"):
         # as many calls, on other parameters: at stage 3 (and 2) the same graph run on one layer here and

@@ -14,9 +14,11 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from zcompile.agreement.abort_note import RankDivergenceError, abort_note, tell_others_and_raise
+from zcompile.agreement.fixes import choose as choose_fix
 from zcompile.agreement.heartbeat import blocked
 from zcompile.agreement.rank_state import BEAT_S, busy_with_own_work, describe_all, rank_states, waiting_on_each_other
 from zcompile.common.process_group import DataParallelGroup, default_store, process_group_timeout_s
@@ -29,18 +31,6 @@ POLL_S = 0.25  # then store.check every POLL_S (a timed-out store.wait prints c1
 # answered store requests per rank in one exchange whose ranks agree (``exchange_through``): what an
 # exchange costs the one store server at N ranks, 5N requests (``zcompile.simulate`` prices it)
 ANSWERED_REQUESTS_PER_EXCHANGE = 5
-# how a compile's rank check names itself (and how a beat shows a rank waiting in one)
-COMPILE_CHECK = "zcompile compile check: "
-CHECK_FIX = (
-    "The ranks took different compile paths (different models, modes, code paths or input shapes per rank) "
-    "and their collectives would deadlock. Give every rank the same model, the same mode (model.train() / "
-    "model.eval(), torch.no_grad()) and the same code path. A rank may recompile alone for its own input "
-    "shapes while the new graph issues the agreed collectives; where it issues others (code that branches on "
-    "a shape), give every rank inputs of the same shapes (drop_last=True, padding) or make them dynamic from "
-    "the first call (torch._dynamo.mark_dynamic, or torch.compile(..., dynamic=True)). Raise check_timeout_s "
-    "if a rank is only slow. Evaluate on every rank at stage 3 (its forward gathers from every rank); on one "
-    "rank it works at stages 1 and 2 under torch.no_grad()."
-)
 
 
 def exchange_on_store(
@@ -228,13 +218,10 @@ def _label_key(key: str) -> str:
     return f"{key}/label"
 
 
-def _fix_for(fix: str, missing: list) -> str:
-    """``fix``, or a compile's when a missing rank waits in a compile's rank check: it compiled a graph
-    the others did not (a recompile of its own, its inputs' shapes changed), and the fix is about that,
-    whatever this rank was doing."""
-    if any((state.blocked_in or "").startswith(COMPILE_CHECK) for state in missing):
-        return CHECK_FIX
-    return fix
+def _fix_for(fix: str, where: str, missing: list) -> str:
+    """The fix for ranks ``missing`` that did not come where this rank waits (``where``): the pattern's,
+    from what each waits in (``fixes.choose``), else ``fix``."""
+    return choose_fix(fix, where, [state.blocked_in for state in missing], torch.is_grad_enabled())
 
 
 def _wait_for_ranks(
@@ -278,7 +265,7 @@ def _wait_for_ranks(
                             group,
                             f"{where} got there but ranks {missing()} "
                             f"did not, and will not ({describe_all(now)}). "
-                            f"{_fix_for(fix, now)}",
+                            f"{_fix_for(fix, where, now)}",
                         )
                     if waiting_on_each_other(now, first_look, group.name, global_rank):
                         tell_others_and_raise(
@@ -286,7 +273,7 @@ def _wait_for_ranks(
                             group,
                             f"{where} got there but ranks {missing()} "
                             f"wait elsewhere ({describe_all(now)}): each waits for "
-                            f"the other. {_fix_for(fix, now)}",
+                            f"the other. {_fix_for(fix, where, now)}",
                         )
                 time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
             if store.check([everyone]):
@@ -301,7 +288,7 @@ def _wait_for_ranks(
                     f"{where} got there but ranks {missing()} did not "
                     f"within {waited:.0f}s, the process group's timeout "
                     f"({describe_all(now)}: busy, or stuck in code of their own). "
-                    f"{_fix_for(fix, now)}",
+                    f"{_fix_for(fix, where, now)}",
                 )
             log.warning(
                 "%s: ranks %s have not come after %.0fs; they are alive and running code of their own "
@@ -317,7 +304,7 @@ def _wait_for_ranks(
             store,
             group,
             f"{where} got there but ranks {missing()} did not within "
-            f"{timeout_s:.0f}s ({describe_all(now)}). {_fix_for(fix, now)}",
+            f"{timeout_s:.0f}s ({describe_all(now)}). {_fix_for(fix, where, now)}",
         )
 
 

@@ -14,6 +14,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from zcompile.agreement.abort_note import raise_if_aborted
+from zcompile.agreement.fixes import STEP_FIX
 from zcompile.agreement.heartbeat import heartbeat
 from zcompile.agreement.rank_check import (
     check_same_on_all_ranks,
@@ -21,7 +22,6 @@ from zcompile.agreement.rank_check import (
     sequence_difference,
     sequence_signature,
 )
-from zcompile.agreement.step_agreement import FIX as STEP_FIX
 from zcompile.backend.call_prefetch import CallChain, prefetching_call
 from zcompile.backend.compile_gc import full_collections_deferred
 from zcompile.backend.compiled import CompiledGraphs

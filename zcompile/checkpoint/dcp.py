@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from zcompile.agreement.fixes import SAVE_DECISION_FIX
 from zcompile.agreement.initial_values import value_digest
 from zcompile.agreement.store_exchange import exchange_on_store, names_digest
 from zcompile.checkpoint.checksums import damage, data_file_ends, digests_of, own_data_files, write_record
@@ -244,7 +245,7 @@ def _commit(
         timeout_s,
         purpose,
         "zcompile.checkpoint.save",
-        "Every rank of the group must make the same checkpoint calls. Raise timeout_s if a rank is only slow.",
+        SAVE_DECISION_FIX,
     )
     if group.rank == 0 and not any(entry["failed"] for entry in everyone):
         try:

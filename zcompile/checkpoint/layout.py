@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from zcompile.agreement.fixes import SAVE_DECISION_FIX
 from zcompile.agreement.store_exchange import exchange_on_store
 from zcompile.common.process_group import DataParallelGroup
 from zcompile.sharding.shards import shard_of
@@ -101,9 +102,7 @@ def agree_on_call(
         timeout_s,
         purpose,
         f"zcompile.checkpoint.{call}",
-        "Every rank of the group must make the same checkpoint calls: they read and write together, so a "
-        "call under `if rank == 0:` waits forever for the others. Call it on every rank (the files are written "
-        "once), or raise timeout_s if a rank is only slow.",
+        SAVE_DECISION_FIX,
     )
     for key in ("call", "path", *same):
         values = [entry[key] for entry in everyone]
