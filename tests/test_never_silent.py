@@ -366,6 +366,50 @@ def test_a_divergence_names_the_fix_of_what_the_ranks_were_doing(pattern, fix):
         assert seconds < 30, seconds
 
 
+def _peer_fails_while_this_rank_is_in_its_own_barrier(rank, world):
+    """Stage 3: rank 0 alone enters ``zcompile.gathered`` (a divergence it reports and raises) while rank
+    1 waits in a ``dist.barrier()`` of its own, which fails when rank 0 leaves: what rank 1's process
+    logs, and its own error."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("zcompile.agreement.heartbeat").addHandler(Keep(level=logging.ERROR))
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "check_timeout_s": 3})
+    spec = RunSpec(stage=3)
+    optimizer = _optimizer(spec, model.parameters(), zero=True)
+    train_steps(spec, compiled, optimizer, [0], rank, world)
+    if rank == 0:
+        try:
+            with zcompile.gathered(model, timeout_s=3):
+                pass
+        except RankDivergenceError as error:
+            return str(error), records
+        return None, records
+    try:
+        dist.barrier()
+        error = None
+    except Exception as failed:  # noqa: BLE001 - gloo's, whatever its type
+        error = str(failed)
+    time.sleep(3)  # a beat or more: the heartbeat has read the note by now
+    return error, records
+
+
+def test_a_rank_failing_in_its_own_collective_learns_why_the_peer_left():
+    """Rank 1's ``dist.barrier()`` ends with gloo's text alone when rank 0 leaves; its process logs rank
+    0's reason (the abort note, read by the heartbeat) next to it, not only "Connection closed"."""
+    (reason, _), (error, logged) = run_ranks(2, _peer_fails_while_this_rank_is_in_its_own_barrier)
+    assert reason is not None and "gathered" in reason, reason
+    assert error is not None, "rank 1's barrier returned although rank 0 left"
+    assert any("rank 0 stopped" in line and reason[:80] in line for line in logged), (logged, reason)
+
+
 def _rank0_busy_between_steps(rank, world, busy_s):
     """Rank 0 alone spends ``busy_s`` (over the check's timeout) on work of its own between steps: here
     an evaluation through the compiled model (or a checkpoint written by rank 0, an upload). Stage 1: rank 1 waits at the next step's

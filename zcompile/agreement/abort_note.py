@@ -51,6 +51,22 @@ def abort_key(group: DataParallelGroup) -> str:
     return f"zcompile/abort/{group.name}"
 
 
+# the first note of any group, with the global rank that left it: what every process's heartbeat reports
+# (``heartbeat.Heartbeat``), so that a rank failing in a collective of its own learns why the peer left
+FIRST_NOTE_KEY = "zcompile/abort/first"
+
+
+def first_note(store: dist.Store) -> tuple[int, str] | None:
+    """``(global rank, message)`` of the first abort note left in any group, or None."""
+    try:
+        if not store.check([FIRST_NOTE_KEY]):
+            return None
+        rank, message = json.loads(store.get(FIRST_NOTE_KEY))
+    except Exception:  # the store may be gone with the rank that held it
+        return None
+    return rank, message
+
+
 def tell_others_and_raise(store: dist.Store | None, group: DataParallelGroup, message: str) -> NoReturn:
     """Leaves the abort note (the first one stays: it names the cause), then raises ``message``."""
     leave_abort_note(group, message, store)
@@ -65,6 +81,8 @@ def leave_abort_note(group: DataParallelGroup, message: str, store: dist.Store |
     if group.world_size == 1 or (store is None and not dist.is_initialized()):
         return
     try:
-        (store or default_store()).compare_set(abort_key(group), "", json.dumps([group.rank, message]))
+        store = store or default_store()
+        store.compare_set(abort_key(group), "", json.dumps([group.rank, message]))
+        store.compare_set(FIRST_NOTE_KEY, "", json.dumps([dist.get_rank() if dist.is_initialized() else 0, message]))
     except Exception:  # the store may be gone with the rank that held it; this rank's own error still tells
         log.debug("could not leave the abort note for group %s", group.name, exc_info=True)

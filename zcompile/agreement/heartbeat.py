@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from zcompile.agreement.abort_note import first_note
 from zcompile.agreement.mismatch_watch import MismatchWatch
 from zcompile.agreement.rank_state import BEAT_S, StackWait, alive_key
 from zcompile.common.process_group import default_store, group_ranks_by_name
@@ -74,6 +75,7 @@ class Heartbeat:
     watch: Callable[[StackWait | None, float], None] | None = field(default=None, repr=False)
     _waiting: StackWait | None = field(default=None, repr=False)  # what the stack waits in, since when
     _group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # by group name
+    _peer_note_told: bool = field(default=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _stopped: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -86,12 +88,30 @@ class Heartbeat:
                 self.store.set(alive_key(self.rank), json.dumps(state))
             except Exception:  # the store's host is gone: the job is ending, the training thread will say why
                 return
+            self._tell_peer_note()
             if self.watch is not None:
                 try:
                     self.watch(self._seen(now), now)
                 except Exception:  # a beat unread (a rank leaving): the next look reads again
                     log.debug("the mismatch watch could not look", exc_info=True)
             self._stopped.wait(BEAT_S)
+
+    def _tell_peer_note(self) -> None:
+        """Logs, once, the reason another rank left (its abort note) as soon as it is in the store: this
+        rank may be in a collective of the user's own (``dist.barrier()``, ``dist.all_reduce``), where the
+        peer's leaving shows only as gloo's "Connection closed by peer", with nothing of why."""
+        if self._peer_note_told:
+            return
+        note = first_note(self.store)
+        if note is not None and note[0] != self.rank:
+            self._peer_note_told = True
+            log.error(
+                "zcompile: rank %d stopped: %s (rank %d's collectives with it fail from now on, in torch.distributed "
+                "calls of its own too: this is why)",
+                note[0],
+                note[1],
+                self.rank,
+            )
 
     def _state(self, now: float) -> dict:
         """What this beat says: what the training thread is blocked in, for how long, and (where known)
@@ -155,6 +175,7 @@ class Heartbeat:
         while rank 0 saves a checkpoint would otherwise read as "alive, running its own code")."""
         self._stopped.set()
         thread.join(timeout=BEAT_S)
+        self._tell_peer_note()  # a process ending on a failed collective of its own: why, if a peer said
         try:
             self.store.set(
                 alive_key(self.rank),
