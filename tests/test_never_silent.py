@@ -410,6 +410,48 @@ def test_a_rank_failing_in_its_own_collective_learns_why_the_peer_left():
     assert any("rank 0 stopped" in line and reason[:80] in line for line in logged), (logged, reason)
 
 
+def _rank1_held_up_before_its_forward(rank, world):
+    """Stage 3, process group timeout 8 s: after a step on both ranks, rank 1 sleeps 12 s before its next
+    forward (a slow data loader). Rank 0's forward is the first call after the agreed step, so it waits
+    in the graph's all-gather: what it logs meanwhile, and each rank's error."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("zcompile.agreement.heartbeat").addHandler(Keep(level=logging.WARNING))
+    torch._dynamo.reset()
+    model = build_model("gpt")
+    compiled = torch.compile(model, backend="zero", options={"stage": 3})
+    spec = RunSpec(stage=3)
+    optimizer = _optimizer(spec, model.parameters(), zero=True)
+    train_steps(spec, compiled, optimizer, [0], rank, world)
+    if rank == 1:
+        time.sleep(12)
+    start = time.perf_counter()
+    try:
+        train_steps(spec, compiled, optimizer, [1], rank, world)
+    except RankDivergenceError as error:
+        return str(error), time.perf_counter() - start, records
+    return None, None, records
+
+
+def test_a_rank_held_up_before_its_compiled_call_is_named_not_waited_for_in_silence():
+    """The waiting rank warns within a third of the process group's timeout, naming the rank it waits for
+    and that it runs its own code; at the timeout its error says so too, not gloo's "Timed out" alone, and
+    the late rank stops quoting it."""
+    (error0, seconds0, logged0), (error1, _, _) = run_ranks(
+        2, _rank1_held_up_before_its_forward, env={"ZCOMPILE_TEST_PG_TIMEOUT_S": "8"}
+    )
+    assert any("has waited" in line and "rank 1 is alive, running its own code" in line for line in logged0), logged0
+    assert error0 is not None and "rank 1 is alive, running its own code" in error0, error0
+    assert seconds0 < 30, seconds0
+    assert error1 is not None and "rank 0 reported" in error1 and "slow data loader" in error1, error1
+
+
 def _rank0_busy_between_steps(rank, world, busy_s):
     """Rank 0 alone spends ``busy_s`` (over the check's timeout) on work of its own between steps: here
     an evaluation through the compiled model (or a checkpoint written by rank 0, an upload). Stage 1: rank 1 waits at the next step's

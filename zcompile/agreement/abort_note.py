@@ -9,6 +9,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
+from zcompile.agreement.rank_state import describe_all, rank_states
 from zcompile.common.process_group import DataParallelGroup, default_store
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,34 @@ def raise_if_aborted(group: DataParallelGroup, error: BaseException | None = Non
         raise RankDivergenceError(
             f"zcompile: rank {group.rank} stopped because rank {rank} reported: {message}"
         ) from error
+
+
+def raise_naming_the_others(group: DataParallelGroup, what: str, error: BaseException) -> None:
+    """For a collective of ``what`` (a compiled graph) that failed with no abort note to quote: a
+    ``RankDivergenceError`` (from ``error``) naming what the other ranks' beats say they were doing,
+    where the backend's text (gloo's "Timed out waiting 90000ms", "Connection closed by peer") says
+    nothing of who did not come. Does nothing for an error that is not a collective's."""
+    text = str(error)
+    failed_collective = isinstance(error, dist.DistError) or any(
+        mark in text for mark in ("Timed out", "Connection closed", "gloo", "NCCL")
+    )
+    if group.world_size == 1 or not dist.is_initialized() or not failed_collective:
+        return
+    try:
+        others = describe_all(
+            rank_states(default_store(), group, [r for r in range(group.world_size) if r != group.rank])
+        )
+    except Exception:  # the store may be gone with the rank that held it
+        return
+    first_line = next((line for line in text.splitlines() if line.strip()), text)
+    message = (
+        f"zcompile: rank {group.rank}: a collective of {what} failed ({first_line[:200]}) while {others}. A rank "
+        "held up before its compiled call (a slow data loader, work of its own) or gone makes the others' "
+        "collectives time out: give every rank the same work between steps, or raise the process group's "
+        "timeout (init_process_group(timeout=...))."
+    )
+    leave_abort_note(group, message)
+    raise RankDivergenceError(message) from error
 
 
 def abort_note(store: dist.Store, group: DataParallelGroup) -> tuple[int, str] | None:

@@ -44,8 +44,8 @@ import torch.distributed as dist
 
 from zcompile.agreement.abort_note import first_note
 from zcompile.agreement.mismatch_watch import MismatchWatch
-from zcompile.agreement.rank_state import BEAT_S, StackWait, alive_key
-from zcompile.common.process_group import default_store, group_ranks_by_name
+from zcompile.agreement.rank_state import BEAT_S, StackWait, alive_key, describe_others
+from zcompile.common.process_group import DataParallelGroup, default_store, group_ranks_by_name, process_group_timeout_s
 from zcompile.passes.call_prologue import issued_by
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class Heartbeat:
     _waiting: StackWait | None = field(default=None, repr=False)  # what the stack waits in, since when
     _group_ranks: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # by group name
     _peer_note_told: bool = field(default=False, repr=False)
+    _next_long_wait_warning: float | None = field(default=None, repr=False)  # for the compiled wait seen now
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _stopped: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -89,6 +90,7 @@ class Heartbeat:
             except Exception:  # the store's host is gone: the job is ending, the training thread will say why
                 return
             self._tell_peer_note()
+            self._warn_of_a_long_compiled_wait(now)
             if self.watch is not None:
                 try:
                     self.watch(self._seen(now), now)
@@ -112,6 +114,33 @@ class Heartbeat:
                 note[1],
                 self.rank,
             )
+
+    def _warn_of_a_long_compiled_wait(self, now: float) -> None:
+        """A warning each ``long_wait_s()`` that the training thread waits in a compiled graph's collective,
+        naming the ranks it waits for and what their beats say they do: the first compiled call after a
+        step is not agreed on (every rank left the step together), so a rank held up before its forward
+        (a slow data loader) leaves the others waiting in gloo or NCCL with no other word until the
+        process group's timeout."""
+        seen = self._seen(now)
+        if seen is None or not seen.compiled or seen.ranks is None:
+            self._next_long_wait_warning = None
+            return
+        if self._next_long_wait_warning is None:
+            self._next_long_wait_warning = seen.since + long_wait_s()
+        if now < self._next_long_wait_warning:
+            return
+        self._next_long_wait_warning = now + long_wait_s()
+        log.warning(
+            "zcompile: rank %d has waited %.0fs in %s, for ranks %s (%s); it waits on up to the process group's "
+            "timeout (%.0fs). A rank held up before its compiled call (a slow data loader, work of its own on one "
+            "rank) keeps the others waiting here",
+            self.rank,
+            now - seen.since,
+            seen.call,
+            [r for r in seen.ranks if r != self.rank],
+            describe_others(self.store, seen.ranks, self.rank),
+            default_group_timeout_s(),
+        )
 
     def _state(self, now: float) -> dict:
         """What this beat says: what the training thread is blocked in, for how long, and (where known)
@@ -289,6 +318,19 @@ def _on_default_group(function, line: str) -> bool:
             position = params.index("group")
             return position >= function.co_argcount or len(node.args) <= position
     return False
+
+
+LONG_WAIT_S = 60.0  # as a step's wait for a missing rank warns (step_agreement.DEFAULT_TIMEOUT_S)
+
+
+def default_group_timeout_s() -> float:
+    return process_group_timeout_s(DataParallelGroup.resolve(None))
+
+
+def long_wait_s() -> float:
+    """How long a compiled collective waits before the first warning: a minute, or a third of the process
+    group's timeout where that is shorter (the warning must come before the timeout's error)."""
+    return min(LONG_WAIT_S, default_group_timeout_s() / 3)
 
 
 def heartbeat() -> Heartbeat | None:

@@ -99,6 +99,21 @@ def beat_counts(states: list[RankState]) -> dict[int, int | None]:
     return {state.rank: state.beat for state in states}
 
 
+def describe_others(store: dist.Store, global_ranks, own_rank: int) -> str:
+    """What the beats of ``global_ranks`` other than ``own_rank`` say each does (global ranks)."""
+    states = []
+    for rank in global_ranks:
+        if rank == own_rank:
+            continue
+        key = alive_key(rank)
+        states.append(
+            RankState.from_beat(rank, json.loads(store.get(key)))
+            if store.check([key])
+            else RankState(rank, None, None, 0.0)
+        )
+    return describe_all(states)
+
+
 def describe_all(states: list[RankState]) -> str:
     return "; ".join(state.describe() for state in states)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from zcompile.agreement.abort_note import leave_abort_note, raise_if_aborted
+from zcompile.agreement.abort_note import leave_abort_note, raise_if_aborted, raise_naming_the_others
 from zcompile.agreement.heartbeat import heartbeat
 from zcompile.agreement.step_agreement import agree_on_call, take_free_call
 from zcompile.backend.call_prefetch import CallChain
@@ -161,6 +161,7 @@ class ShardSwap:
                     return compiled(*args)
             except Exception as error:  # a collective failed: maybe another rank left, saying why
                 raise_if_aborted(self.group, error)
+                raise_naming_the_others(self.group, what, error)
                 raise
 
         if agreed_call is None:
