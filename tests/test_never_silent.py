@@ -663,6 +663,61 @@ def test_ranks_that_start_from_different_weights_fail_before_any_update():
     assert "ranks [1] did not" in message and seconds < 15
 
 
+def _uncompiled_model_seeded_by_rank(rank, world):
+    """An uncompiled model (the script's ``--compile=False``) with ``zcompile.optim.AdamW``, each rank seeded
+    apart: the weights after two steps, gathered across ranks, and the warnings; then seeded alike."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("zcompile.optim.sharded").addHandler(Keep(level=logging.WARNING))
+    out = {}
+    for seeded, seed in (("apart", rank), ("alike", 0)):
+        records.clear()
+        torch.manual_seed(seed)
+        model = _unseeded_gpt()
+        optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(2):
+            ((tokens, targets),) = micro_batches(RunSpec(stage=1), step, rank, world)
+            model(tokens, targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        everyone = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(everyone, flat)
+        out[seeded] = (all(torch.equal(everyone[0], other) for other in everyone), list(records))
+    # learning rate 0: the first step moves nothing, so the weights are what it started from: rank 0's
+    torch.manual_seed(rank)
+    model = _unseeded_gpt()
+    rank0s = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    dist.broadcast(rank0s, 0)
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=0.0)
+    ((tokens, targets),) = micro_batches(RunSpec(stage=1), 0, rank, world)
+    model(tokens, targets).backward()
+    optimizer.step()
+    out["rank 0's after a step at lr 0"] = torch.equal(
+        torch.cat([p.detach().reshape(-1) for p in model.parameters()]), rank0s
+    )
+    return out
+
+
+def test_an_uncompiled_model_seeded_by_rank_is_not_trained_as_a_mix():
+    """Its parameters are sharded at the optimizer's first step: cut from each rank's own values they
+    trained a mix, with a warning that said training stays exact. Now they take rank 0's values first (the
+    ranks end equal) and a warning says the first step's gradients were each rank's own; seeded alike,
+    no broadcast and no warning."""
+    for out in run_ranks(2, _uncompiled_model_seeded_by_rank):
+        equal, warned = out["apart"]
+        assert equal and any("held different values on different ranks" in line for line in warned), warned
+        equal, warned = out["alike"]
+        assert equal and not any("held different values" in line for line in warned), warned
+        assert out["rank 0's after a step at lr 0"]  # not a mix of the ranks' weights
+
+
 def _plateau_on_each_rank_metric(rank, world):
     """``ReduceLROnPlateau`` fed each rank's own loss: the learning rates part after a few steps."""
     torch._dynamo.reset()

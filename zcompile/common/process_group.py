@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -161,6 +162,27 @@ def all_gather_coalesced_into(
         if "does not support" not in str(error):
             raise
     return _AllWorks([all_gather_eager(outputs[i], shards[i], group, async_op=True) for i in order])
+
+
+def holders_of(tensors: list[torch.Tensor]) -> list[int]:
+    """How many references each of ``tensors`` has now (``Tensor._use_count``: torch's, semi-private), before
+    an async collective takes its own (``wait_until_released``)."""
+    return [tensor._use_count() for tensor in tensors]
+
+
+def wait_until_released(tensors: list[torch.Tensor], holders: list[int], limit_s: float = 0.05) -> None:
+    """After an async collective's ``wait()``: waits (briefly, yielding) until the backend's worker thread has
+    dropped its references to ``tensors`` (back to ``holders``), so that ours are the last.
+
+    Gloo's worker drops them a moment after the work completes. A tensor whose Python object goes first
+    is then freed on that thread, which must take the GIL to free the Python object torch kept for it:
+    while the interpreter shuts down that ends the process in ``std::terminate`` ("terminate called
+    without an active exception") after a run that trained correctly. ``limit_s`` bounds the wait."""
+    if any(isinstance(t, FakeTensor) for t in tensors):  # zcompile.simulate's fake world: no thread holds them
+        return
+    deadline = time.monotonic() + limit_s
+    while any(t._use_count() > held for t, held in zip(tensors, holders)) and time.monotonic() < deadline:
+        time.sleep(0)  # lets the worker thread run
 
 
 class _AllWorks:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zcompile.agreement.store_exchange import agree_on_store
+from zcompile.agreement.abort_note import RankDivergenceError
+from zcompile.agreement.initial_values import value_digest
+from zcompile.agreement.store_exchange import agree_on_store, exchange_on_store
 from zcompile.common.process_group import DataParallelGroup, broadcast_from_first
 from zcompile.sharding.sharded_parameter import shard_of
 
@@ -64,3 +66,23 @@ def take_first_ranks_values(
         ),
     )
     broadcast_from_first(tensors, group, SYNC_BUCKET_BYTES)
+
+
+def take_first_ranks_values_where_they_differ(
+    tensors: list[torch.Tensor], group: DataParallelGroup, timeout_s: float, purpose: str, doing: str, fix: str
+) -> bool:
+    """Every rank's ``tensors`` = rank 0's where any rank's values differ (one broadcast then), once the
+    ranks agree they hold tensors of the same shapes and dtypes; whether they differed. One exchange of
+    digests (``initial_values.value_digest``) when they are equal: no broadcast."""
+    mine = [[list(t.shape), str(t.dtype), value_digest(t)] for t in tensors]
+    per_rank = exchange_on_store(mine, group, timeout_s, purpose, doing, fix)
+    if any([entry[:2] for entry in other] != [entry[:2] for entry in mine] for other in per_rank):
+        raise RankDivergenceError(
+            f"{doing}: the ranks hold different tensors to take rank 0's values of (per rank: "
+            f"{', '.join(f'rank {rank} {len(other)}' for rank, other in enumerate(per_rank))}; or their shapes or "
+            "dtypes). Build the same model on every rank."
+        )
+    if all(other == mine for other in per_rank):
+        return False
+    broadcast_from_first(tensors, group, SYNC_BUCKET_BYTES)
+    return True

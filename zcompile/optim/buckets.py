@@ -51,9 +51,11 @@ from zcompile.common.process_group import (
     all_gather_coalesced_into,
     all_gather_eager,
     all_to_all_eager,
+    holders_of,
     on_gloo,
     reduce_scatter_by_all_to_all,
     reduce_scatter_eager,
+    wait_until_released,
 )
 from zcompile.passes.liveness import tensor_bytes
 from zcompile.passes.reduce_scatter_lowering import sum_received_rows
@@ -275,7 +277,8 @@ class BucketedParamRefresh:
     _bucket_of: dict = field(default_factory=dict, init=False)
     _updated: dict = field(default_factory=dict, init=False)  # id(member) -> shard in the param dtype
     _waiting: list = field(default_factory=list, init=False)  # per bucket: members not updated yet
-    _in_flight: tuple | None = field(default=None, init=False)  # (bucket, work, gathered, bytes held until landed)
+    # (bucket, work, gathered, bytes held until landed, the tensors handed to the collective, their holders then)
+    _in_flight: tuple | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._bucket_of = _bucket_index(self.buckets)
@@ -315,27 +318,34 @@ class BucketedParamRefresh:
         self._land()  # the previous bucket moved while this one was being updated; its buffers go first
         outputs = [m.padded_replicated() for m in bucket]
         if all(out is not None for out in outputs):  # straight into the parameters (or replicas)
+            handed = [*outputs, *shards]
+            holders = holders_of(handed)
             work = all_gather_coalesced_into(outputs, shards, group)
             self.records.append(_record("all_gather", bucket, shards[0].dtype))
             # gloo's flat buffers: the inputs concatenated, and the output it copies out of
             staged = tensor_bytes(outputs) + tensor_bytes(shards) if on_gloo(group) else 0
             self.ledger.take(staged)
-            self._in_flight = (bucket, work, None, staged)
+            self._in_flight = (bucket, work, None, staged, handed, holders)
             return
         flat = torch.cat(shards) if len(shards) > 1 else shards[0]
         gathered = torch.empty(flat.numel() * group.world_size, dtype=flat.dtype, device=flat.device)
+        handed = [gathered, flat]
+        holders = holders_of(handed)
         work = all_gather_eager(gathered, flat, group, async_op=True)
         self.records.append(_record("all_gather", bucket, flat.dtype))
         held = (tensor_bytes(flat) if len(shards) > 1 else 0) + tensor_bytes(gathered) * (2 if on_gloo(group) else 1)
         self.ledger.take(held)
-        self._in_flight = (bucket, work, gathered, held)
+        self._in_flight = (bucket, work, gathered, held, handed, holders)
 
     def _land(self) -> None:
         if self._in_flight is None:
             return
-        bucket, work, gathered, held = self._in_flight
+        bucket, work, gathered, held, handed, holders = self._in_flight
         self._in_flight = None
         work.wait()
+        del work
+        if on_gloo(bucket[0].group):  # ours last: never freed on gloo's thread (process_group)
+            wait_until_released(handed, holders)
         if gathered is None:  # landed in the parameters' own storages
             self.ledger.give(held)
             return

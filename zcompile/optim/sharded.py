@@ -46,6 +46,7 @@ from zcompile.backend.compiled import compiled_graphs_of_params
 from zcompile.common.comm_volume import CollectiveRecord
 from zcompile.common.process_group import DataParallelGroup
 from zcompile.config import finite_number
+from zcompile.eager.sync import take_first_ranks_values_where_they_differ
 from zcompile.kernels.cpu_adamw import adamw_cpu_fused
 from zcompile.kernels.dispatch import triton_available
 from zcompile.kernels.fused_optim import (
@@ -226,6 +227,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self._clipped_since_step:
             self.last_grad_norm = None
         self._clipped_since_step = False
+        self._take_rank0_values_of_eager_parameters()
         todo = []  # (sharded, param, param group) with a gradient, in parameter order
         eager: list[str] = []
         for group_index, group in enumerate(self.param_groups):
@@ -326,6 +328,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``clip_grad_norm_`` once the ranks agreed (``step()`` clips for ``max_grad_norm`` after its own agreement)."""
         eager: list[str] = []
+        self._take_rank0_values_of_eager_parameters()
         members = [
             s
             for group_index, group in enumerate(self.param_groups)
@@ -413,6 +416,36 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 eager[0].name,
             )
         return [m for m in members if m.has_full_grad and (m.stage != 1 or m.shard_grad is not None)]
+
+    def _take_rank0_values_of_eager_parameters(self) -> None:
+        """The parameters about to be sharded here (trained outside every graph: an uncompiled model) take
+        rank 0's values where the ranks' differ (per-rank seeds), as DDP's wrap would have made them, before
+        their shards are cut: cut from each rank's own values they would train a mix. This step's gradients
+        were computed on each rank's own weights, which is said; ``zcompile.sync_module_states(model)``
+        before the first forward matches DDP from the start."""
+        new = [p for p in self._all_params() if shard_of(p) is None and grad_of(p) is not None]
+        if not new:
+            return
+        group = next((s.group for s in map(shard_of, self._all_params()) if s is not None), None)
+        group = group if group is not None else DataParallelGroup.resolve(None)
+        if group.world_size == 1:
+            return
+        took = take_first_ranks_values_where_they_differ(
+            new,
+            group,
+            self.check_timeout_s or DEFAULT_TIMEOUT_S,
+            "sync-optimizer",
+            f"{type(self).__name__}: parameters trained outside the compiled graphs",
+            "Every rank steps the same optimizer over the same parameters.",
+        )
+        if took:
+            log.warning(
+                "zcompile: %d parameters trained outside the compiled graphs held different values on different "
+                "ranks at their first step (each rank seeded apart, or weights loaded on some ranks only); they now "
+                "hold rank 0's, but this first step's gradients were computed on each rank's own weights. Call "
+                "zcompile.sync_module_states(model) on every rank before the first forward to start like DDP.",
+                len(new),
+            )
 
     def _sharded(self, param: torch.Tensor, group_index: int, index: int, eager: list[str]) -> ShardedParam | None:
         """The shard of ``param``, ``param_groups[group_index]['params'][index]``; a parameter trained
