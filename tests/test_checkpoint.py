@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import zcompile
+import zcompile.checkpoint as ckpt_package
 import zcompile.checkpoint.dcp as ckpt
 from support.launch import run_ranks
 from support.models import build_model
@@ -263,6 +264,16 @@ def launches(tmp_path_factory):
 
 def _close(a: list[float], b: list[float]) -> bool:
     return all(abs(x - y) <= LOSS_RTOL * abs(y) for x, y in zip(a, b, strict=True))
+
+
+def test_read_extra_reads_each_ranks_extra_without_a_model(launches):
+    """``read_extra``: what a script needs before it builds its model (nanoGPT's model_args), per rank,
+    with no process group; a rank the save did not have is a clear error."""
+    root = launches[0]
+    for rank in (0, 1):
+        assert ckpt_package.read_extra(os.path.join(root, "gpt_2r"), rank) == {"rank": rank, "step": HALF}
+    with pytest.raises(ckpt.CheckpointError, match="no extra of rank 2"):
+        ckpt_package.read_extra(os.path.join(root, "gpt_2r"), 2)
 
 
 def test_resume_same_world_is_bitwise(launches):

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from zcompile.agreement.initial_values import check_same_initial_values
+from zcompile.agreement.initial_values import check_same_initial_values, value_digest
 from zcompile.agreement.rank_check import call_identity, check_same_collectives, issues_collectives
 from zcompile.backend.aot import codegen_on_demand, compile_with_aot
 from zcompile.backend.compile_gc import full_collections_deferred
@@ -166,25 +166,40 @@ def zero_backend(
 def take_first_ranks_values_of_new_parameters(plan, example_inputs: list, group: DataParallelGroup, timeout_s: float):
     """The parameters this compile shards first, and the graph's buffers with them, take rank 0's values
     (``sync_module_states``), as DDP's wrap does: the shards are then cut from the same weights on every
-    rank. Parameters an earlier compile sharded, and recompiles, move nothing."""
-    new = [example_inputs[p.index] for p in plan.params if shard_of(example_inputs[p.index]) is None]
-    if not new:
+    rank. So do stage-1/2 parameters an earlier compile sharded without the ranks (an evaluation under
+    ``no_grad`` before the first training step, each rank compiling it alone) whose values were not
+    compared yet: they are still whole on every rank, and their shards are cut again from rank 0's.
+    Parameters compared already, and recompiles, move nothing."""
+    taken, resharded = [], []
+    for p in plan.params:
+        param = example_inputs[p.index]
+        sharded = shard_of(param)
+        if sharded is None:
+            taken.append(param)
+        elif sharded.stage in (1, 2) and sharded.initial_digest is not None:
+            taken.append(param)
+            resharded.append(sharded)
+    if not taken:
         return
     buffers = [example_inputs[index] for index, _ in plan.buffers]
     with torch.no_grad():
         take_first_ranks_values(
-            new + buffers,
+            taken + buffers,
             group,
             timeout_s,
             "sync-compile",
             "zcompile: taking rank 0's weights at the first compile (sync_module_states)",
             "Every rank compiles the same model: give every rank the same model and inputs.",
         )
+        for sharded in resharded:
+            sharded.write_shard_from_full()
+            sharded.initial_digest = value_digest(sharded.param.detach())
     log.info(
-        "zcompile: %d parameters and %d buffers took rank 0's values before they were sharded, as DDP's wrap does "
-        "(sync_module_states=False to require equal weights instead)",
-        len(new),
+        "zcompile: %d parameters and %d buffers took rank 0's values before they were sharded%s, as DDP's wrap "
+        "does (sync_module_states=False to require equal weights instead)",
+        len(taken),
         len(buffers),
+        f" ({len(resharded)} sharded by an earlier compile on each rank alone, cut again)" if resharded else "",
     )
 
 

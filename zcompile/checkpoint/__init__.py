@@ -13,11 +13,12 @@ _LAZY = {
     "save": "zcompile.checkpoint.dcp",
     "load": "zcompile.checkpoint.dcp",
     "full_state_dict": "zcompile.checkpoint.consolidate",
+    "read_extra": "zcompile.checkpoint.consolidate",
 }
 __all__ = list(_LAZY)
 
 if TYPE_CHECKING:
-    from zcompile.checkpoint.consolidate import full_state_dict
+    from zcompile.checkpoint.consolidate import full_state_dict, read_extra
     from zcompile.checkpoint.dcp import load, save
     from zcompile.checkpoint.layout import CheckpointError
 

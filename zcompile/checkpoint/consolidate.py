@@ -24,7 +24,16 @@ import torch.distributed.checkpoint as dcp
 from zcompile.agreement.store_exchange import names_digest
 from zcompile.checkpoint.checksums import RECORD_FILE, damage, data_file_ends, read_record
 from zcompile.checkpoint.commit import incomplete_save_note, is_complete, readable_checkpoint
-from zcompile.checkpoint.layout import META_KEY, CheckpointError, agree_on_call, buffer_key, param_key, unwrap
+from zcompile.checkpoint.layout import (
+    META_KEY,
+    CheckpointError,
+    agree_on_call,
+    buffer_key,
+    extra_key,
+    from_bytes,
+    param_key,
+    unwrap,
+)
 from zcompile.common.process_group import DataParallelGroup
 from zcompile.eager.gathered import gather_into_full
 from zcompile.sharding.shards import shard_of
@@ -122,6 +131,29 @@ def read_meta(path: str | os.PathLike) -> dict:
     state = {META_KEY: ""}
     _read(state, os.fspath(path))
     return json.loads(state[META_KEY])
+
+
+def read_extra(path: str | os.PathLike, rank: int = 0) -> dict:
+    """The ``extra`` dict rank ``rank`` passed to the save of checkpoint ``path``, read without a model or a
+    process group: what a script needs before it can build its model (the model's configuration a
+    nanoGPT-style ``init_from="resume"`` takes from the checkpoint). ``CheckpointError`` when the path
+    holds no complete checkpoint or no extra of that rank. Unpickling runs code: read only checkpoints you
+    trust (as ``torch.load``)."""
+    given = os.fspath(path)
+    path = readable_checkpoint(given)
+    if not is_complete(path):
+        what = "does not exist" if not os.path.exists(path) else "is not a complete checkpoint (no .metadata)"
+        raise CheckpointError(f"zcompile.checkpoint.read_extra: {given} {what}.{incomplete_save_note(given)}")
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if extra_key(rank) not in keys:
+        saved = sorted(int(k.removeprefix(extra_key(0)[:-1])) for k in keys if k.startswith(extra_key(0)[:-1]))
+        raise CheckpointError(
+            f"zcompile.checkpoint.read_extra: {given} holds no extra of rank {rank} (saved ranks: {saved}); "
+            "pass one of those"
+        )
+    state = {extra_key(rank): b""}
+    _read(state, path)
+    return from_bytes(state[extra_key(rank)])
 
 
 def _read_full_weights(path: str, verify_checksums: bool) -> tuple[dict[str, torch.Tensor], dict]:
