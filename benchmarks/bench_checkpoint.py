@@ -19,6 +19,9 @@ state exists), then checkpointed ``--repeats`` times each:
 - ``FSDP2 + DCP``: ``fully_shard`` on each block and the root, ``torch.optim.AdamW``; save =
   ``get_state_dict(model, optimizer)`` + ``dcp.save``; load = on a fresh FSDP2 model and optimizer,
   ``get_state_dict`` (which creates the optimizer state) + ``dcp.load`` + ``set_state_dict``.
+- ``zcompile, checksums`` and ``zcompile, no checksums`` (``--routes checksums``): one stage-3 model
+  saved and loaded with the checksum record (hashed after the save, verified before the load) and
+  without (``checksums=False``, ``verify_checksums=False``), alternating within each repetition.
 - ``zcompile, base frozen`` and ``zcompile, frozen base left out`` (``--routes frozen``): a
   fine-tuning run's model, every weight frozen but the last block's (LoRA's proportion is smaller
   still), the optimizer over that block; saved by ``zcompile.checkpoint.save`` with and without
