@@ -2,12 +2,14 @@
 
 Data flow for one Dynamo graph:
 
-1. ``ZeroConfig.from_options`` validates the options.
+1. ``ZeroConfig.from_options`` validates the options (``compiler="auto"`` made concrete for the graph).
 2. The graph is copied (Dynamo reads its own graph again after the backend returns).
-3. ``plan_sharding`` lists the parameter inputs; each parameter gets its shard
+3. ``plan_sharding`` lists the parameter inputs. The ranks compare the collectives the graph will
+   issue (``check_same_collectives``); where every rank compiles it, the parameters sharded first here
+   take rank 0's values (``sync_module_states``); then each parameter gets its shard
    (``shard_parameter``: a flat fp32 1/N slice; stage 3 frees the full storage).
-4. The ranks compare the collectives the graph will issue (``check_same_collectives``); then the
-   ZeRO++ groups are made (collective: only once the ranks agree).
+4. The ranks compare the values the shards were cut from; then the ZeRO++ groups are made
+   (collective: only once the ranks agree).
 5. ``run_passes(context, "dynamo", gm)``: the pipeline's Dynamo-graph passes (``zcompile.backend.pipeline``).
 6. AOTAutograd: the joint-graph passes, the min-cut partition, the forward/backward passes, the
    inner compiler (``zcompile.backend.aot``).
