@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import gc
 import json
 import os
@@ -188,6 +189,11 @@ def gpt_config(size: str) -> GPTConfig:
 def new_model(config: GPTConfig) -> GPT:
     torch.manual_seed(0)
     return GPT(config)
+
+
+def new_model_and_optimizer(config: GPTConfig) -> tuple[GPT, torch.optim.Optimizer]:
+    model = new_model(config)
+    return model, zcompile.optim.AdamW(model.parameters(), lr=LR)
 
 
 def fsdp2(config: GPTConfig, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -335,9 +341,7 @@ def bench_zcompile(config, size, args, rank, world, root, exact) -> list[dict]:
     """Routes ``zcompile``, ``zcompile, into compiled`` and ``gathered + torch.save`` on one stage-3 model."""
     torch._dynamo.reset()
 
-    def fresh_model():
-        model = new_model(config)
-        return model, zcompile.optim.AdamW(model.parameters(), lr=LR)
+    fresh_model = functools.partial(new_model_and_optimizer, config)
 
     model, optimizer = fresh_model()
     compiled, sums = trained_at_stage_3(model, optimizer, config, args, rank, world)
@@ -416,9 +420,7 @@ def bench_checksums(config, size, args, rank, world, root, exact) -> list[dict]:
     each repetition so that the machine's drift falls on both alike."""
     torch._dynamo.reset()
 
-    def fresh_model():
-        model = new_model(config)
-        return model, zcompile.optim.AdamW(model.parameters(), lr=LR)
+    fresh_model = functools.partial(new_model_and_optimizer, config)
 
     model, optimizer = fresh_model()
     compiled, sums = trained_at_stage_3(model, optimizer, config, args, rank, world)

@@ -251,12 +251,7 @@ NOT_ZEROED = RunSpec(stage=2, zero_grad_via="param")
 
 
 def _zero_grad_runs(rank, world):
-    import logging
-
-    warnings = []
-    handler = logging.Handler()
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("zcompile.optim").addHandler(handler)
+    warnings = _messages_logged_by("zcompile.optim", "NOTSET")
     results = [train_zero(spec, rank, world) for spec in (*ZEROED_VIA_MODEL, NOT_ZEROED)]
     return results, [w for w in warnings if "were not zeroed since the last step" in w]
 
@@ -318,6 +313,20 @@ def test_a_first_step_skipped_on_one_rank_names_the_skip_not_a_compile():
         assert seconds < 30, seconds
 
 
+def _messages_logged_by(logger: str, level: str) -> list[str]:
+    """A list that collects, from now on in this process, the messages ``logger`` logs at ``level`` or above."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger(logger).addHandler(Keep(level=getattr(logging, level)))
+    return records
+
+
 def _one_rank_off_the_path(rank, world, pattern):
     """Stage 3, one training step on both ranks, then rank 0 alone evaluates (its first no-grad call: a
     compile; or a later one, after one evaluation on both ranks) or saves a checkpoint (a decision made
@@ -370,15 +379,7 @@ def _peer_fails_while_this_rank_is_in_its_own_barrier(rank, world):
     """Stage 3: rank 0 alone enters ``zcompile.gathered`` (a divergence it reports and raises) while rank
     1 waits in a ``dist.barrier()`` of its own, which fails when rank 0 leaves: what rank 1's process
     logs, and its own error."""
-    import logging
-
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logging.getLogger("zcompile.agreement.heartbeat").addHandler(Keep(level=logging.ERROR))
+    records = _messages_logged_by("zcompile.agreement.heartbeat", "ERROR")
     torch._dynamo.reset()
     model = build_model("gpt")
     compiled = torch.compile(model, backend="zero", options={"stage": 3, "check_timeout_s": 3})
@@ -414,15 +415,7 @@ def _rank1_held_up_before_its_forward(rank, world):
     """Stage 3, process group timeout 8 s: after a step on both ranks, rank 1 sleeps 12 s before its next
     forward (a slow data loader). Rank 0's forward is the first call after the agreed step, so it waits
     in the graph's all-gather: what it logs meanwhile, and each rank's error."""
-    import logging
-
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logging.getLogger("zcompile.agreement.heartbeat").addHandler(Keep(level=logging.WARNING))
+    records = _messages_logged_by("zcompile.agreement.heartbeat", "WARNING")
     torch._dynamo.reset()
     model = build_model("gpt")
     compiled = torch.compile(model, backend="zero", options={"stage": 3})
@@ -673,15 +666,7 @@ def test_ranks_that_start_from_different_weights_fail_before_any_update():
 def _uncompiled_model_seeded_by_rank(rank, world):
     """An uncompiled model (the script's ``--compile=False``) with ``zcompile.optim.AdamW``, each rank seeded
     apart: the weights after two steps, gathered across ranks, and the warnings; then seeded alike."""
-    import logging
-
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logging.getLogger("zcompile.optim.sharded").addHandler(Keep(level=logging.WARNING))
+    records = _messages_logged_by("zcompile.optim.sharded", "WARNING")
     out = {}
     for seeded, seed in (("apart", rank), ("alike", 0)):
         records.clear()

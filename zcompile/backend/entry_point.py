@@ -185,7 +185,7 @@ def take_first_ranks_values_of_new_parameters(plan, example_inputs: list, group:
         return
     buffers = [example_inputs[index] for index, _ in plan.buffers]
     with torch.no_grad():
-        take_first_ranks_values(
+        took = take_first_ranks_values(
             taken + buffers,
             group,
             timeout_s,
@@ -193,6 +193,8 @@ def take_first_ranks_values_of_new_parameters(plan, example_inputs: list, group:
             "zcompile: taking rank 0's weights at the first compile (sync_module_states)",
             "Every rank compiles the same model: give every rank the same model and inputs.",
         )
+        if not took:  # equal on every rank already (the same seed): nothing moved
+            return
         for sharded in resharded:
             sharded.write_shard_from_full()
             sharded.initial_digest = value_digest(sharded.param.detach())

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from zcompile.agreement.abort_note import RankDivergenceError
 from zcompile.agreement.initial_values import value_digest
-from zcompile.agreement.store_exchange import agree_on_store, exchange_on_store
+from zcompile.agreement.store_exchange import exchange_on_store
 from zcompile.common.process_group import DataParallelGroup, broadcast_from_first
 from zcompile.sharding.sharded_parameter import shard_of
 
@@ -20,7 +20,8 @@ def sync_module_states(
 ) -> None:
     """Every rank's parameters and buffers = rank 0's (of ``group``), as DDP does when it wraps a
     model: call it before the first call of the compiled model when the ranks built or loaded the
-    model differently (a checkpoint loaded on rank 0 only). Flat broadcasts of up to 256 MiB.
+    model differently (a checkpoint loaded on rank 0 only). Flat broadcasts of up to 256 MiB, none where
+    every rank's values are already equal.
 
     Every rank must call it, with a model of the same shapes: the ranks first meet through the store
     (no collective), so a rank that calls it alone, or with another model, gets a
@@ -47,42 +48,26 @@ def sync_module_states(
 
 def take_first_ranks_values(
     tensors: list[torch.Tensor], group: DataParallelGroup, timeout_s: float, purpose: str, doing: str, fix: str
-) -> None:
-    """Every rank's ``tensors`` = rank 0's, once the ranks agree (through the store, ``purpose``) that
-    they hold tensors of the same shapes and dtypes: a broadcast of others would pair tensors of other
-    sizes, and one a rank does not make would wait for the process group's timeout."""
-    layout = [[list(t.shape), str(t.dtype)] for t in tensors]
-    agree_on_store(
-        layout,
-        group,
-        timeout_s,
-        purpose,
-        doing,
-        fix,
-        lambda per_rank: (
-            f"{doing}: the ranks hold different tensors to take rank 0's values of (per rank: "
-            f"{', '.join(f'rank {rank} {len(other)}' for rank, other in enumerate(per_rank))}; or their shapes or "
-            "dtypes), so rank 0's cannot be copied onto them. Build the same model on every rank."
-        ),
-    )
-    broadcast_from_first(tensors, group, SYNC_BUCKET_BYTES)
-
-
-def take_first_ranks_values_where_they_differ(
-    tensors: list[torch.Tensor], group: DataParallelGroup, timeout_s: float, purpose: str, doing: str, fix: str
 ) -> bool:
-    """Every rank's ``tensors`` = rank 0's where any rank's values differ (one broadcast then), once the
-    ranks agree they hold tensors of the same shapes and dtypes; whether they differed. One exchange of
-    digests (``initial_values.value_digest``) when they are equal: no broadcast."""
-    mine = [[list(t.shape), str(t.dtype), value_digest(t)] for t in tensors]
+    """Every rank's ``tensors`` = rank 0's; whether any rank's differed. The ranks first exchange, through
+    the store (``purpose``), each tensor's shape, dtype and digest (``initial_values.value_digest``): other
+    shapes are a ``RankDivergenceError`` (a broadcast would pair tensors of other sizes, and one a rank
+    does not make would wait for the process group's timeout), and where every value is already equal
+    (the same seed on every rank) nothing is broadcast."""
+    mine = [[list(t.shape), str(t.dtype), _digest(t)] for t in tensors]
     per_rank = exchange_on_store(mine, group, timeout_s, purpose, doing, fix)
     if any([entry[:2] for entry in other] != [entry[:2] for entry in mine] for other in per_rank):
         raise RankDivergenceError(
             f"{doing}: the ranks hold different tensors to take rank 0's values of (per rank: "
             f"{', '.join(f'rank {rank} {len(other)}' for rank, other in enumerate(per_rank))}; or their shapes or "
-            "dtypes). Build the same model on every rank."
+            "dtypes), so rank 0's cannot be copied onto them. Build the same model on every rank."
         )
-    if all(other == mine for other in per_rank):
+    if all(other == mine for other in per_rank) and all(entry[2] is not None for entry in mine):
         return False
     broadcast_from_first(tensors, group, SYNC_BUCKET_BYTES)
     return True
+
+
+def _digest(tensor: torch.Tensor) -> int | None:
+    """``value_digest``, or None for an element size it does not read (then the values are taken anyway)."""
+    return value_digest(tensor) if tensor.element_size() in (1, 2, 4, 8) else None

@@ -46,7 +46,7 @@ from zcompile.backend.compiled import compiled_graphs_of_params
 from zcompile.common.comm_volume import CollectiveRecord
 from zcompile.common.process_group import DataParallelGroup
 from zcompile.config import finite_number
-from zcompile.eager.sync import take_first_ranks_values_where_they_differ
+from zcompile.eager.sync import take_first_ranks_values
 from zcompile.kernels.cpu_adamw import adamw_cpu_fused
 from zcompile.kernels.dispatch import triton_available
 from zcompile.kernels.fused_optim import (
@@ -430,7 +430,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         group = group if group is not None else DataParallelGroup.resolve(None)
         if group.world_size == 1:
             return
-        took = take_first_ranks_values_where_they_differ(
+        took = take_first_ranks_values(
             new,
             group,
             self.check_timeout_s or DEFAULT_TIMEOUT_S,
