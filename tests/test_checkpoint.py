@@ -200,6 +200,11 @@ def _divergent_calls(rank, world, root, model, optimizer) -> dict[str, str | Non
         lambda: ckpt.save(os.path.join(root, "frozen_one"), model, optimizer, exclude_frozen_parameters=True)
     )
     frozen_here.requires_grad_(True)
+    # checksums off on one rank only: a record without that rank's files would refuse every load of it
+    out["checksums_on_one_rank"] = outcome(
+        lambda: ckpt.save(os.path.join(root, "checksums_one"), model, optimizer, checksums=rank != 1)
+    )
+    out["checksums_on_one_rank_wrote"] = os.path.exists(os.path.join(root, "checksums_one"))
     # rank 1 alone finding another checkpoint at the path (what a filesystem not shared by the ranks shows after
     # a save stopped while it swapped in): each rank would read its own checkpoint; refused on both
     real_readable = ckpt.readable_checkpoint
@@ -599,6 +604,8 @@ def test_rank_divergent_calls_are_errors_not_hangs(launches):
         )
         assert not divergent["per_rank_path_wrote"]
         assert "different 'frozen'" in divergent["frozen_on_one_rank"]
+        assert "different 'checksums'" in divergent["checksums_on_one_rank"]
+        assert not divergent["checksums_on_one_rank_wrote"]
         assert "freeze the same parameters on every rank" in divergent["frozen_on_one_rank"]
         assert "different 'read'" in divergent["read_differs"] and "every rank shares" in divergent["read_differs"]
         assert divergent["read_differs_untouched"]

@@ -181,6 +181,7 @@ def save(
         optimizer=optimizer is not None,
         async_save=async_save,
         exclude_frozen_parameters=exclude_frozen_parameters,
+        checksums=checksums and whole,  # a record of some ranks' files would fail every later load
         frozen=names_digest(name for name, _ in frozen),
     )  # else each writes other entries
     target = staging_dir(path) if whole else path
