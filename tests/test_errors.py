@@ -94,6 +94,8 @@ def _train_divergent(rank, world, kind):
     options = {"stage": 3, "check_timeout_s": 5}
     if kind == "options" and rank == 1:
         options["param_dtype"] = "bf16"
+    if kind == "sync_option" and rank == 1:
+        options["sync_module_states"] = False  # rank 0 would wait to take its weights from rank 0
     if kind == "buckets" and rank == 1:
         options["bucket_mb"] = 0  # not in the plan: the Dynamo-level check passes, the forward's gathers differ
     if kind == "missing" and rank == 1:
@@ -119,7 +121,7 @@ def _train_divergent(rank, world, kind):
     return "no error"
 
 
-@pytest.mark.parametrize("kind", ["model", "options", "buckets", "missing", "branch", "eval_alone"])
+@pytest.mark.parametrize("kind", ["model", "options", "sync_option", "buckets", "missing", "branch", "eval_alone"])
 def test_divergent_ranks_fail_fast(kind):
     # the store outlives rank 0, as torchrun's agent hosts it: rank 0 leaves as soon as it has raised,
     # and rank 1, still polling the store when the machine is busy, must still read what differs
@@ -150,6 +152,7 @@ def test_divergent_ranks_fail_fast(kind):
         "model": "(parameter #0: rank 0: parameter 'wte.weight' shape [256, 32] float32; "
         "rank 1: parameter 'wte.weight' shape [253, 21] float32)",
         "options": "(setting 'param_dtype': rank 0 None, rank 1 bfloat16)",
+        "sync_option": "(setting 'sync_module_states': rank 0 true, rank 1 false)",
         "buckets": "forward graph of Dynamo graph 0_0 would issue different collectives on different ranks "
         "(collective #0: rank 0: all_gather of [17088] float32 moving 28 parameters: 'wte.weight', "
         "'wpe.weight', 'blocks.0.ln_1.weight', 'blocks.0.ln_1.bias', ...; "

@@ -48,9 +48,10 @@ MODELS_OWN = "(the model's own)"  # marks a collective the model calls itself in
 MARKED_BLOCKS = "blocks marked by mark_repeated_blocks"
 
 
-def collective_signature(plan, extra: list | None = None, marked_blocks: int = 0) -> list:
+def collective_signature(plan, extra: list | None = None, marked_blocks: int = 0, options: dict | None = None) -> list:
     """``[settings, parameters]``: what decides a Dynamo graph's collectives, named so a difference can be.
-    ``marked_blocks``: the graph's block subgraph calls (they decide the buckets of its backward)."""
+    ``marked_blocks``: the graph's block subgraph calls (they decide the buckets of its backward);
+    ``options``: other options that decide what the ranks exchange at this compile, by name."""
     settings = {
         "stage": plan.stage,
         "world_size": plan.world_size,
@@ -61,6 +62,7 @@ def collective_signature(plan, extra: list | None = None, marked_blocks: int = 0
         settings["zero++"] = list(extra)
     if marked_blocks:
         settings[MARKED_BLOCKS] = marked_blocks
+    settings.update(options or {})
     return [settings, [[p.name, list(p.shape), p.requires_grad, str(p.dtype)] for p in plan.params]]
 
 
@@ -253,11 +255,17 @@ def issues_collectives(plan, zeropp_active: bool, grad_enabled: bool | None = No
 
 
 def check_same_collectives(
-    plan, gm: torch.fx.GraphModule, group: DataParallelGroup, timeout_s: float, extra: list | None = None
+    plan,
+    gm: torch.fx.GraphModule,
+    group: DataParallelGroup,
+    timeout_s: float,
+    extra: list | None = None,
+    options: dict | None = None,
 ) -> None:
     """Raises ``RankDivergenceError`` unless all ranks planned identical collectives for this graph.
 
-    ``extra``: more settings that decide the collectives (the ZeRO++ options). Blocks marked on one
+    ``extra``: more settings that decide the collectives (the ZeRO++ options); ``options``: others that
+    decide what the ranks exchange next (``sync_module_states``), compared by name. Blocks marked on one
     rank only (``mark_repeated_blocks``) are named here, before the backward's buckets differ.
     Gradient hooks registered on some ranks only ride along and get a warning, not an error: one that
     only reads (``wandb.watch`` on rank 0) is fine, one that changes the gradient on some ranks only
@@ -269,7 +277,12 @@ def check_same_collectives(
     reason = recompile_reason()
     what = f"graph {compile_id}" + (f" (a recompile: {reason})" if reason else "")
     per_rank = check_same_on_all_ranks(
-        collective_signature(plan, extra, subgraph_calls(gm)), group, timeout_s, what, plan_difference, aside=hooked
+        collective_signature(plan, extra, subgraph_calls(gm), options),
+        group,
+        timeout_s,
+        what,
+        plan_difference,
+        aside=hooked,
     )
     if any(other != hooked for other in per_rank):
         listed = "; ".join(

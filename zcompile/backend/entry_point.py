@@ -101,7 +101,14 @@ def zero_backend(
     # a graph compiled under no_grad without collectives may be one rank's evaluation alone
     every_rank_compiles = group.world_size > 1 and (collectives or torch.is_grad_enabled())
     if config.check_ranks and collectives:
-        check_same_collectives(plan, gm, group, config.check_timeout_s, zeropp.signature() if zeropp.active else None)
+        check_same_collectives(
+            plan,
+            gm,
+            group,
+            config.check_timeout_s,
+            zeropp.signature() if zeropp.active else None,
+            {"sync_module_states": config.sync_module_states},
+        )
     if config.sync_module_states and every_rank_compiles:
         take_first_ranks_values_of_new_parameters(plan, example_inputs, group, config.check_timeout_s)
     tracing_inputs = swap.swap_for_tracing(list(example_inputs))  # shards the parameters
