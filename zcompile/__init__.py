@@ -27,6 +27,7 @@ _LAZY = {
     "PassError": "zcompile.backend.pass_runner",
     "mark_repeated_blocks": "zcompile.backend.regional",
     "sync_module_states": "zcompile.eager.sync",
+    "from_rank0": "zcompile.eager.sync",
     "StepReport": "zcompile.reports.step_report",
     "step_report": "zcompile.reports.step_report",
     "simulate_tune": "zcompile.tune.simulated",
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from zcompile.backend.regional import mark_repeated_blocks
     from zcompile.config import ZeroConfig
     from zcompile.eager.gathered import gathered
-    from zcompile.eager.sync import sync_module_states
+    from zcompile.eager.sync import from_rank0, sync_module_states
     from zcompile.eager.weight_average import lerp_weights_
     from zcompile.integrations.deepspeed import DeepSpeedPort, options_from_deepspeed
     from zcompile.predict.estimate import MemoryEstimate, estimate_memory

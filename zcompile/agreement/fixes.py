@@ -46,8 +46,8 @@ EVALUATION_FIX = (
 SAVE_DECISION_FIX = (
     "Some ranks call zcompile.checkpoint while others do not: the decision to save (or load) is made per rank, "
     "as under `if rank == 0:` or when rank 0's validation loss improved. It must be the same on every rank: "
-    "compute the metric on every rank, or send rank 0's to the others (dist.broadcast_object_list) before "
-    "deciding; then call it on every rank (the files are written once). Raise timeout_s if a rank is only slow."
+    "compute the metric on every rank, or take rank 0's on every rank (metric = zcompile.from_rank0(metric)) "
+    "before deciding; then call it on every rank (the files are written once). Raise timeout_s if a rank is only slow."
 )
 
 

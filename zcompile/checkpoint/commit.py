@@ -23,7 +23,11 @@ import os
 import re
 import shutil
 
-from zcompile.checkpoint.layout import CheckpointError
+from zcompile.agreement.fixes import SAVE_DECISION_FIX
+from zcompile.agreement.store_exchange import exchange_on_store
+from zcompile.checkpoint.checksums import digests_of, own_data_files, write_record
+from zcompile.checkpoint.layout import CheckpointError, agree_on_call
+from zcompile.common.process_group import DataParallelGroup
 
 log = logging.getLogger(__name__)
 
@@ -155,3 +159,36 @@ def remove_directory(directory: str) -> None:
         shutil.rmtree(directory)
     elif os.path.lexists(directory):
         os.remove(directory)
+
+
+def swap_in_written_save(
+    path: str, group: DataParallelGroup, timeout_s: float, problem: str | None = None, checksums: bool = True
+) -> None:
+    """The written save swapped in at ``path`` by the coordinating rank, with the checksum record of
+    every rank's files (``checksums``); every rank returns once it is (or raises, on every rank, when
+    writing, hashing or the swap failed on any)."""
+    # counted apart from the training thread's checkpoint calls, per path: a background save swaps on
+    # DCP's thread, and two models' background saves may finish in another order on each rank
+    purpose = f"checkpoint-swap:{os.path.abspath(path)}"
+    staging, digests = staging_dir(path), {}
+    if problem is None and checksums:
+        try:
+            digests = digests_of(staging, own_data_files(staging, group.rank))
+        except OSError as error:
+            problem = f"hashing the files it wrote failed ({error})"
+    everyone = exchange_on_store(
+        {"failed": problem is not None, "digests": digests},
+        group,
+        timeout_s,
+        purpose,
+        "zcompile.checkpoint.save",
+        SAVE_DECISION_FIX,
+    )
+    if group.rank == 0 and not any(entry["failed"] for entry in everyone):
+        try:
+            if checksums:
+                write_record(staging, {name: d for entry in everyone for name, d in entry["digests"].items()})
+            commit_save(path)
+        except (OSError, RuntimeError) as error:
+            problem = f"moving the finished save into place failed ({error}); {path} is left as it was"
+    agree_on_call("save", path, group, timeout_s, problem, purpose=purpose)

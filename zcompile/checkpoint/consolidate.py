@@ -119,7 +119,7 @@ def _state_refs(root: torch.nn.Module) -> dict[str, torch.Tensor]:
     return refs
 
 
-def _read(state: dict, path: str) -> None:
+def read_state(state: dict, path: str) -> None:
     """``dcp.load`` of ``state`` in this process alone (DCP warns that it assumes so: it is meant)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -129,7 +129,7 @@ def _read(state: dict, path: str) -> None:
 def read_meta(path: str | os.PathLike) -> dict:
     """The ``zcompile/meta`` entry of a checkpoint directory (no process group needed)."""
     state = {META_KEY: ""}
-    _read(state, os.fspath(path))
+    read_state(state, os.fspath(path))
     return json.loads(state[META_KEY])
 
 
@@ -152,7 +152,7 @@ def read_extra(path: str | os.PathLike, rank: int = 0) -> dict:
             "pass one of those"
         )
     state = {extra_key(rank): b""}
-    _read(state, path)
+    read_state(state, path)
     return from_bytes(state[extra_key(rank)])
 
 
@@ -172,7 +172,7 @@ def _read_full_weights(path: str, verify_checksums: bool) -> tuple[dict[str, tor
     result: dict[str, torch.Tensor] = {}
     for name, info in meta["params"].items():
         flat = torch.empty(keys[param_key(name)].size)
-        _read({param_key(name): flat}, path)
+        read_state({param_key(name): flat}, path)
         full = flat.view(info["shape"])
         for alias in meta["aliases"].get(name, [name]):
             result[alias] = full
@@ -181,7 +181,7 @@ def _read_full_weights(path: str, verify_checksums: bool) -> tuple[dict[str, tor
         if entry is None:
             continue
         buffer = torch.empty(entry.size, dtype=entry.properties.dtype)
-        _read({buffer_key(name): buffer}, path)
+        read_state({buffer_key(name): buffer}, path)
         result[name] = buffer
     return result, meta
 

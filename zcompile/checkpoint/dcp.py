@@ -28,6 +28,7 @@ import concurrent.futures
 import json
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -35,17 +36,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from zcompile.agreement.fixes import SAVE_DECISION_FIX
 from zcompile.agreement.initial_values import value_digest
-from zcompile.agreement.store_exchange import exchange_on_store, names_digest
-from zcompile.checkpoint.checksums import damage, data_file_ends, digests_of, own_data_files, write_record
+from zcompile.agreement.store_exchange import names_digest
+from zcompile.checkpoint.checksums import damage, data_file_ends
 from zcompile.checkpoint.commit import (
-    commit_save,
     incomplete_save_note,
     prepare_save,
     readable_checkpoint,
     replaced_whole,
     staging_dir,
+    swap_in_written_save,
 )
 from zcompile.checkpoint.consolidate import full_state_dict, read_meta
 from zcompile.checkpoint.layout import (
@@ -69,6 +69,7 @@ from zcompile.checkpoint.layout import (
     to_bytes,
     unwrap,
 )
+from zcompile.checkpoint.objects import load_object, save_object
 from zcompile.common.process_group import DataParallelGroup, all_gather_eager, all_reduce_eager
 from zcompile.sharding.shards import FlatPiece, shard_of
 
@@ -133,7 +134,7 @@ def _full_value_digests(params, group: DataParallelGroup) -> list[int]:
 # ----------------------------------------------------------------------------- save
 def save(
     path: str | os.PathLike,
-    model: torch.nn.Module,
+    model: torch.nn.Module | Mapping,
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict | None = None,
     async_save: bool = False,
@@ -142,6 +143,11 @@ def save(
     checksums: bool = True,
 ):
     """Writes ``model``'s (and ``optimizer``'s) shards and this rank's ``extra`` to the directory ``path``.
+
+    ``save(path, obj)``, ``obj`` a dict (``{"model": model.state_dict(), "optimizer":
+    optimizer.state_dict(), ...}``, what a DDP script hands ``torch.save`` on rank 0): called on
+    every rank, it writes each rank's pieces of the optimizer's state and rank 0's everything else;
+    ``load(path)`` gives the dict back (``zcompile.checkpoint.objects``).
 
     Collective: every rank of the model's group calls it. ``extra`` (scheduler, data-loader
     state...) is saved per rank and returned by ``load``. With ``async_save`` the values are staged
@@ -159,6 +165,8 @@ def save(
     a path with a scheme, written in place, gets none).
     """
     path = os.fspath(path)
+    if not isinstance(model, torch.nn.Module):
+        return _save_object(path, model, optimizer, extra, async_save, exclude_frozen_parameters, timeout_s, checksums)
     _wait_for_background_save(model)  # its swap, and its writes into the same staging directory, come first
     params = named_unique_params(model)
     group = group_of([p for _, p in params])
@@ -212,7 +220,7 @@ def save(
     else:
         result = dcp.save(state, checkpoint_id=target, process_group=group.process_group, no_dist=group.world_size == 1)
         if whole:
-            _commit(path, group, timeout_s, checksums=checksums)
+            swap_in_written_save(path, group, timeout_s, checksums=checksums)
     log.info(
         "checkpoint: %s %d parameters to %s (rank %d of %d)%s",
         "saving" if async_save else "saved",
@@ -225,37 +233,20 @@ def save(
     return result
 
 
-def _commit(
-    path: str, group: DataParallelGroup, timeout_s: float, problem: str | None = None, checksums: bool = True
-) -> None:
-    """The written save swapped in at ``path`` by the coordinating rank, with the checksum record of
-    every rank's files (``checksums``); every rank returns once it is (or raises, on every rank, when
-    writing, hashing or the swap failed on any)."""
-    # counted apart from the training thread's checkpoint calls, per path: a background save swaps on
-    # DCP's thread, and two models' background saves may finish in another order on each rank
-    purpose = f"checkpoint-swap:{os.path.abspath(path)}"
-    staging, digests = staging_dir(path), {}
-    if problem is None and checksums:
-        try:
-            digests = digests_of(staging, own_data_files(staging, group.rank))
-        except OSError as error:
-            problem = f"hashing the files it wrote failed ({error})"
-    everyone = exchange_on_store(
-        {"failed": problem is not None, "digests": digests},
-        group,
-        timeout_s,
-        purpose,
-        "zcompile.checkpoint.save",
-        SAVE_DECISION_FIX,
-    )
-    if group.rank == 0 and not any(entry["failed"] for entry in everyone):
-        try:
-            if checksums:
-                write_record(staging, {name: d for entry in everyone for name, d in entry["digests"].items()})
-            commit_save(path)
-        except (OSError, RuntimeError) as error:
-            problem = f"moving the finished save into place failed ({error}); {path} is left as it was"
-    agree_on_call("save", path, group, timeout_s, problem, purpose=purpose)
+def _save_object(path, obj, optimizer, extra, async_save, exclude_frozen_parameters, timeout_s, checksums):
+    if not isinstance(obj, Mapping):
+        raise TypeError(
+            f"zcompile.checkpoint.save: the second argument is a {type(obj).__name__}; pass the model "
+            "(save(path, model, optimizer)) or a dict of what to save (save(path, {'model': model.state_dict(), ...}))"
+        )
+    given = {"optimizer": optimizer, "extra": extra, "async_save": async_save or None}
+    given["exclude_frozen_parameters"] = exclude_frozen_parameters or None
+    if unused := [name for name, value in given.items() if value is not None]:
+        raise TypeError(
+            f"zcompile.checkpoint.save(path, obj): {', '.join(unused)} apply to save(path, model, ...) only; put "
+            "what you want saved into the dict"
+        )
+    save_object(path, obj, timeout_s, checksums)
 
 
 def _committed_when_written(
@@ -271,7 +262,7 @@ def _committed_when_written(
         except BaseException as error:  # reported on every rank through the commit's agreement
             value, problem = None, f"writing it failed ({type(error).__name__}: {_first_line(error)})"
         try:
-            _commit(path, group, timeout_s, problem, checksums)
+            swap_in_written_save(path, group, timeout_s, problem, checksums)
         except BaseException as error:
             committed.set_exception(error)
         else:
@@ -350,13 +341,17 @@ def _optimizer_entries(optimizer, params, group: DataParallelGroup, mesh) -> dic
 # ----------------------------------------------------------------------------- load
 def load(
     path: str | os.PathLike,
-    model: torch.nn.Module,
+    model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     strict: bool = True,
     timeout_s: float = 300.0,
     verify_checksums: bool = True,
 ) -> dict:
     """Restores ``model`` (and ``optimizer``) from ``path``; returns the ``extra`` dict saved with it.
+
+    ``load(path)``, no model: the object ``save(path, obj)`` wrote, read whole by this process (as
+    ``torch.load``), its optimizer state as full flat tensors that ``optimizer.load_state_dict`` cuts
+    to this rank's shard.
 
     Works before or after ``torch.compile`` and at another number of ranks or stage than the save.
     Collective: every rank of the model's group calls it. ``strict``: every parameter of the
@@ -367,6 +362,12 @@ def load(
     its share (``zcompile.checkpoint.checksums``); ``verify_checksums=False`` skips that (the data
     files' sizes are still checked).
     """
+    if model is None:
+        if optimizer is not None:
+            raise TypeError(
+                "zcompile.checkpoint.load(path, optimizer=...) needs the model too: load(path, model, optimizer)"
+            )
+        return load_object(os.fspath(path), verify_checksums)
     _wait_for_background_save(model)  # a save of this path must be swapped in before it is read
     params = named_unique_params(model)
     group = group_of([p for _, p in params])

@@ -71,3 +71,14 @@ def take_first_ranks_values(
 def _digest(tensor: torch.Tensor) -> int | None:
     """``value_digest``, or None for an element size it does not read (then the values are taken anyway)."""
     return value_digest(tensor) if tensor.element_size() in (1, 2, 4, 8) else None
+
+
+def from_rank0(value, group: dist.ProcessGroup | None = None):
+    """Rank 0's ``value`` on every rank (any picklable object; collective): a decision every rank must
+    share, made from what rank 0 computed, as under DDP's ``if rank == 0:`` (save when rank 0's
+    validation loss improved). ``value`` itself in a world of one."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
