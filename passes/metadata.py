@@ -14,10 +14,13 @@ ROLE_REPLICATED = "param_replicated"  # stage 2 use of a replicated parameter
 ROLE_REDUCE = "grad_reduce"  # a (bucketed) gradient reduce-scatter
 ROLE_HPZ_SECONDARY = "hpz_secondary"  # hpZ: this rank's slice of a gathered weight, saved for backward
 ROLE_HPZ_REGATHER = "hpz_regather"  # hpZ: the weight re-gathered from the secondary slices
+ROLE_REPLICA_REDUCE = "grad_replica_reduce"  # hybrid sharding: a reduced gradient shard all-reduced across replicas
 ROLE_AUTOCAST = "autocast"  # the autocast region around a graph's compute (mixed precision)
 # the roles of the collectives zcompile inserts to move parameters and gradients: a collective
 # without one is the model's own (a contrastive loss gathering every rank's embeddings)
-ZERO_COLLECTIVE_ROLES = frozenset({ROLE_GATHER, ROLE_REPLICATED, ROLE_REDUCE, ROLE_HPZ_SECONDARY, ROLE_HPZ_REGATHER})
+ZERO_COLLECTIVE_ROLES = frozenset(
+    {ROLE_GATHER, ROLE_REPLICATED, ROLE_REDUCE, ROLE_HPZ_SECONDARY, ROLE_HPZ_REGATHER, ROLE_REPLICA_REDUCE}
+)
 PARAMS = "params"  # parameter names a bucketed collective moves
 LOWERED_FROM = "lowered_from"  # the collective kind a node runs in another form (a reduce-scatter as all-to-all)
 RECOMPUTE = "recompute"  # torch-owned key read by the min-cut partitioner

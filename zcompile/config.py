@@ -109,6 +109,13 @@ class ZeroConfig:
         hpz_size: ZeRO++ hpZ (stage 3): ranks over which a secondary copy of the gathered weights
             is sharded (an int dividing the world size, or ``"node"`` for ``node_size``), so the
             backward re-gather stays inside that group. ``None``: off.
+        shard_size: hybrid sharding (HSDP, MiCS): model states are sharded inside groups of this
+            many consecutive ranks and replicated across the groups, whose gradient shards are
+            all-reduced once per reduced bucket (``docs/hybrid-sharding.md``). An int >= 2 dividing
+            the world size, or ``"node"`` for ``node_size``; ``None``: shard over every rank.
+        mesh: hybrid sharding on a 2-D ``DeviceMesh`` the caller built, with dims named
+            ``("replicate", "shard")`` (FSDP2's convention): shards inside ``mesh["shard"]``,
+            replicas across ``mesh["replicate"]``. Instead of ``shard_size``.
         node_size: ranks per node, for qgZ's hierarchy and ``hpz_size="node"``; ``None`` reads
             torchrun's ``$LOCAL_WORLD_SIZE`` (else the whole world is one node). On one machine
             a smaller value simulates several nodes.
@@ -140,6 +147,8 @@ class ZeroConfig:
     quantize_block: int = 128
     hpz_size: int | str | None = None
     node_size: int | None = None
+    shard_size: int | str | None = None
+    mesh: Any = None
 
     def __post_init__(self) -> None:
         if self.dump is not None:
@@ -220,6 +229,7 @@ class ZeroConfig:
                 "zcompile: quantize_grads acts on the in-graph gradient reduce-scatter of stages 2 "
                 "and 3; stage 1 reduces in the optimizer. Use stage 2 or 3"
             )
+        self._check_hybrid_sharding()
         if not isinstance(self.broadcast_buffers, bool):
             raise TypeError(f"zcompile: option 'broadcast_buffers' must be a bool, got {self.broadcast_buffers!r}")
         if not isinstance(self.sync_module_states, bool):
@@ -229,6 +239,44 @@ class ZeroConfig:
         if not finite_number(self.check_timeout_s) or self.check_timeout_s <= 0:
             raise ValueError(
                 f"zcompile: option 'check_timeout_s' must be a positive finite number, got {self.check_timeout_s!r}"
+            )
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the states are sharded inside groups and replicated across them."""
+        return self.shard_size is not None or self.mesh is not None
+
+    def _check_hybrid_sharding(self) -> None:
+        size = self.shard_size
+        if size is not None and size != "node" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"zcompile: option 'shard_size' must be an int >= 2, \"node\" or None, got {size!r}")
+        if size == 1:
+            raise ValueError(
+                "zcompile: option 'shard_size' 1 shards nothing: every rank would keep the whole model states, "
+                "which is DDP. Use shard_size >= 2, or torch's DistributedDataParallel"
+            )
+        if self.mesh is not None:
+            names = getattr(self.mesh, "mesh_dim_names", None)
+            if names is None or getattr(self.mesh, "ndim", None) != 2 or tuple(names) != ("replicate", "shard"):
+                raise ValueError(
+                    "zcompile: option 'mesh' must be a 2-D torch DeviceMesh with dims named ('replicate', 'shard'), "
+                    f"as init_device_mesh(device, (replicas, shard_size), mesh_dim_names=('replicate', 'shard')) "
+                    f"makes, got {self.mesh!r}"
+                )
+            if size is not None:
+                raise ValueError("zcompile: options 'mesh' and 'shard_size' both set the shard group; pass one")
+        if not self.hybrid:
+            return
+        if self.group is not None:
+            raise ValueError(
+                "zcompile: option 'group' with hybrid sharding (shard_size / mesh): the shard and replicate groups "
+                "are made from the whole world; pass a 'mesh' built over the ranks you want instead of 'group'"
+            )
+        if self.hpz_size is not None or self.quantize_grads:
+            raise ValueError(
+                "zcompile: hybrid sharding (shard_size / mesh) does not compose with ZeRO++'s hpz_size or "
+                "quantize_grads yet: hybrid sharding already keeps every gather inside the shard group, which "
+                "is what hpZ does, and qgZ's hierarchy spans the whole world. Drop those options"
             )
 
     @property

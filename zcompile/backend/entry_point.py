@@ -59,6 +59,7 @@ from zcompile.eager.sync import take_first_ranks_values
 from zcompile.passes.param_collectives import ShardingPlan, plan_sharding
 from zcompile.passes.regions import subgraph_calls
 from zcompile.sharding.buffer_sync import BufferSync, changed_buffer_inputs, note_changed_buffers
+from zcompile.sharding.hybrid import data_parallel_group
 from zcompile.sharding.shards import (
     mark_like_siblings,
     mark_refusing_parameter,
@@ -81,7 +82,7 @@ def zero_backend(
     refuse_regions_with_inductor(gm, config)
     warn_if_restarts_share_the_agent_store()
     start = time.perf_counter()
-    group = DataParallelGroup.resolve(config.group)
+    group = data_parallel_group(config)  # with hybrid sharding, the shard group (and its replicate group)
     gm = copy_dynamo_graph(gm)
     plan = plan_sharding(
         gm,

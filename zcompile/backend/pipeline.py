@@ -46,6 +46,7 @@ from zcompile.passes.quantize_weights import quantize_weights_pass
 from zcompile.passes.random_draws import save_random_draws_pass
 from zcompile.passes.reduce_scatter_lowering import reduce_scatter_as_all_to_all_pass
 from zcompile.passes.regions import regather_through_regions_pass
+from zcompile.passes.replica_reduction import all_reduce_across_replicas_pass
 from zcompile.passes.schedule import plan_schedule, schedule_pass
 
 DYNAMO = ("dynamo",)
@@ -231,13 +232,22 @@ PIPELINE: tuple[PassRow, ...] = (
         },
         after=("bucket_collectives", "quantize_weights", "quantize_grads"),
     ),
+    # hybrid sharding: each reduced shard on to the other shard groups, once the schedule placed its wait
+    PassRow(
+        "all_reduce_across_replicas",
+        BACKWARD,
+        all_reduce_across_replicas_pass,
+        enabled=lambda c: c.group.replicate is not None,
+        options=lambda c, g: {"replicas": c.group.replicas, "group_name": c.group.replicate.name},
+        after=("bucket_collectives", "schedule"),
+    ),
     # how this backend runs what the passes above planned: last, in place, the kind kept
     PassRow(
         "reduce_scatter_as_all_to_all",
         BACKWARD,
         reduce_scatter_as_all_to_all_pass,
         enabled=lambda c: c.reduce_scatter_by_all_to_all,
-        after=("bucket_collectives", "quantize_grads", "schedule"),
+        after=("bucket_collectives", "quantize_grads", "schedule", "all_reduce_across_replicas"),
     ),
 )
 

@@ -21,12 +21,27 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DataParallelGroup:
-    """The ranks that share one model replica's states: ``world_size == 1`` means no communication."""
+    """The ranks that share one model replica's states: ``world_size == 1`` means no communication.
+
+    With hybrid sharding these are the shard group's ranks, and ``replicate`` is the group of the
+    ranks (one per shard group) that hold the same shards: gradients reduced inside the shard group
+    are then all-reduced across it, and values every rank must share are broadcast through both."""
 
     rank: int
     world_size: int
     name: str | None
     process_group: dist.ProcessGroup | None
+    replicate: DataParallelGroup | None = None
+
+    @property
+    def replicas(self) -> int:
+        """How many shard groups hold the same shards (1 without hybrid sharding)."""
+        return self.replicate.world_size if self.replicate is not None else 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Every rank that trains the model: the shard group times its replicas."""
+        return self.world_size * self.replicas
 
     @classmethod
     def resolve(cls, group: dist.ProcessGroup | None = None) -> DataParallelGroup:

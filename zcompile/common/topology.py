@@ -107,7 +107,7 @@ def node_groups(group: DataParallelGroup, node_size: int) -> NodeGroups:
         inter, _ = dist.new_subgroups_by_enumeration(
             [[ranks[r] for r in layout.inter_ranks(local)] for local in range(layout.node_size)]
         )
-    result = NodeGroups(layout, _as_group(intra), _as_group(inter))
+    result = NodeGroups(layout, as_data_parallel_group(intra), as_data_parallel_group(inter))
     log.info(
         "node groups: %d nodes of %d ranks (intra group %s, inter group %s)",
         layout.nodes,
@@ -118,7 +118,7 @@ def node_groups(group: DataParallelGroup, node_size: int) -> NodeGroups:
     return result
 
 
-def _as_group(process_group: dist.ProcessGroup) -> DataParallelGroup:
+def as_data_parallel_group(process_group: dist.ProcessGroup) -> DataParallelGroup:
     return DataParallelGroup(
         rank=dist.get_rank(process_group),
         world_size=dist.get_world_size(process_group),

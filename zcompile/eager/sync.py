@@ -49,7 +49,8 @@ def sync_module_states(
 def take_first_ranks_values(
     tensors: list[torch.Tensor], group: DataParallelGroup, timeout_s: float, purpose: str, doing: str, fix: str
 ) -> bool:
-    """Every rank's ``tensors`` = rank 0's; whether any rank's differed. The ranks first exchange, through
+    """Every rank's ``tensors`` = rank 0's (through the replicate group too, with hybrid sharding);
+    whether any rank's differed. The ranks first exchange, through
     the store (``purpose``), each tensor's shape, dtype and digest (``initial_values.value_digest``): other
     shapes are a ``RankDivergenceError`` (a broadcast would pair tensors of other sizes, and one a rank
     does not make would wait for the process group's timeout), and where every value is already equal
@@ -62,10 +63,12 @@ def take_first_ranks_values(
             f"{', '.join(f'rank {rank} {len(other)}' for rank, other in enumerate(per_rank))}; or their shapes or "
             "dtypes), so rank 0's cannot be copied onto them. Build the same model on every rank."
         )
-    if all(other == mine for other in per_rank) and all(entry[2] is not None for entry in mine):
-        return False
-    broadcast_from_first(tensors, group, SYNC_BUCKET_BYTES)
-    return True
+    took = not (all(other == mine for other in per_rank) and all(entry[2] is not None for entry in mine))
+    if took:
+        broadcast_from_first(tensors, group, SYNC_BUCKET_BYTES)
+    if group.replicate is not None:  # hybrid sharding: then from the first shard group to the others
+        took = take_first_ranks_values(tensors, group.replicate, timeout_s, purpose, doing, fix) or took
+    return took
 
 
 def _digest(tensor: torch.Tensor) -> int | None:

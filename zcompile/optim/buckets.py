@@ -45,11 +45,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from zcompile.common.comm_volume import CollectiveRecord
 from zcompile.common.process_group import (
+    DataParallelGroup,
     all_gather_coalesced_into,
     all_gather_eager,
+    all_reduce_eager,
     all_to_all_eager,
     holders_of,
     on_gloo,
@@ -131,8 +134,10 @@ def _bucket_index(buckets: list[list[ShardedParam]]) -> dict[int, int]:
     return {id(m): i for i, bucket in enumerate(buckets) for m in bucket}
 
 
-def _record(kind: str, bucket: list[ShardedParam], dtype: torch.dtype) -> CollectiveRecord:
-    group = bucket[0].group
+def _record(
+    kind: str, bucket: list[ShardedParam], dtype: torch.dtype, group: DataParallelGroup | None = None
+) -> CollectiveRecord:
+    group = group or bucket[0].group
     return CollectiveRecord(
         kind,
         sum(m.padded_numel for m in bucket),
@@ -188,6 +193,11 @@ class BucketedGradReduce:
                 _release(received)
                 self.ledger.give(tensor_bytes(rows))
             self._start(index + 1)  # moves while this bucket updates
+            replicate = self.buckets[index][0].group.replicate
+            if replicate is not None:  # hybrid sharding: the shard group's sum averaged over its replicas
+                all_reduce_eager(out, replicate, dist.ReduceOp.SUM)
+                out.div_(replicate.world_size)
+                self.records.append(_record("all_reduce", self.buckets[index], out.dtype, replicate))
             offset = 0
             for m in self.buckets[index]:
                 self._ready[id(m)] = out[offset : offset + m.shard_numel]

@@ -86,4 +86,6 @@ def broadcast_changed_buffers(members: list) -> None:
     for sync in syncs.values():
         if sync.pending and sync.group.world_size > 1:
             broadcast_from_first(list(sync.pending.values()), sync.group)
+            if sync.group.replicate is not None:  # hybrid sharding: from the first shard group to the others
+                broadcast_from_first(list(sync.pending.values()), sync.group.replicate)
         sync.pending.clear()
