@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zcompile.passes.metadata import LOWERED_FROM, ROLE, ZERO_COLLECTIVE_ROLES, tags
+from zcompile.passes.metadata import GROUP_SIZE, LOWERED_FROM, ROLE, ZERO_COLLECTIVE_ROLES, tags
 from zcompile.passes.sizes import traced_int
 
 _functional = torch.ops._c10d_functional
@@ -64,7 +64,8 @@ def is_zero_collective(node: torch.fx.Node) -> bool:
 class CollectiveNode:
     """One collective node of an aten-level graph, its arguments decoded.
 
-    ``group_size`` is 0 for an all-reduce (its arguments do not say).
+    ``group_size`` is 0 for an all-reduce (its arguments do not say), but one zcompile inserted and
+    tagged with ``GROUP_SIZE``.
     """
 
     node: torch.fx.Node
@@ -88,7 +89,7 @@ class CollectiveNode:
         if kind == "reduce_scatter":
             return cls(node, kind, args[0], int(args[2]), str(args[3]), str(args[1]))
         if kind == "all_reduce":
-            return cls(node, kind, args[0], 0, str(args[2]), str(args[1]))
+            return cls(node, kind, args[0], int(tags(node).get(GROUP_SIZE, 0)), str(args[2]), str(args[1]))
 
     @property
     def is_zero(self) -> bool:

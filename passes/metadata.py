@@ -22,6 +22,7 @@ ZERO_COLLECTIVE_ROLES = frozenset(
     {ROLE_GATHER, ROLE_REPLICATED, ROLE_REDUCE, ROLE_HPZ_SECONDARY, ROLE_HPZ_REGATHER, ROLE_REPLICA_REDUCE}
 )
 PARAMS = "params"  # parameter names a bucketed collective moves
+GROUP_SIZE = "group_size"  # on an all-reduce zcompile inserts: its group's size, which its arguments do not say
 LOWERED_FROM = "lowered_from"  # the collective kind a node runs in another form (a reduce-scatter as all-to-all)
 RECOMPUTE = "recompute"  # torch-owned key read by the min-cut partitioner
 # not metadata but a name torch gives: AOTAutograd's placeholder for a forward input (primals_<i + 1>),

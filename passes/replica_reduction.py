@@ -19,7 +19,7 @@ import logging
 import torch
 
 from zcompile.passes.collectives import ALL_REDUCE, WAIT, collective_nodes
-from zcompile.passes.metadata import ROLE, ROLE_REPLICA_REDUCE, tag, tags
+from zcompile.passes.metadata import GROUP_SIZE, ROLE, ROLE_REPLICA_REDUCE, tag, tags
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -29,8 +29,8 @@ def all_reduce_across_replicas_pass(gm: torch.fx.GraphModule, replicas: int, gro
     """After each ZeRO gradient reduce-scatter's wait ``w``: ``all_reduce(w, "sum", group_name)``; its
     wait and a division by ``replicas`` go just before ``w``'s first reader, and every reader reads the
     quotient instead (module docstring). Reads ``meta["val"]`` of the waits; writes ``meta["val"]`` on
-    the new nodes and ``ROLE = ROLE_REPLICA_REDUCE`` (with the reduce-scatter's parameters) on the
-    all-reduce."""
+    the new nodes, and ``ROLE = ROLE_REPLICA_REDUCE``, ``GROUP_SIZE`` (with the reduce-scatter's
+    parameters) on the all-reduce."""
     graph = gm.graph
     position = {node: i for i, node in enumerate(graph.nodes)}
     reduced = 0
@@ -45,7 +45,8 @@ def all_reduce_across_replicas_pass(gm: torch.fx.GraphModule, replicas: int, gro
         with graph.inserting_after(wait):
             all_reduce = graph.call_function(ALL_REDUCE, (wait, "sum", group_name))
         all_reduce.meta["val"] = value.new_empty(value.shape)
-        tag(all_reduce, **{k: v for k, v in tags(collective.node).items() if k != ROLE}, **{ROLE: ROLE_REPLICA_REDUCE})
+        inherited = {k: v for k, v in tags(collective.node).items() if k not in (ROLE, GROUP_SIZE)}
+        tag(all_reduce, **inherited, **{ROLE: ROLE_REPLICA_REDUCE, GROUP_SIZE: replicas})
         with graph.inserting_before(readers[0]):
             arrived = graph.call_function(WAIT, (all_reduce,))
             mean = graph.call_function(aten.div.Tensor, (arrived, replicas))

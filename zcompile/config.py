@@ -246,6 +246,25 @@ class ZeroConfig:
         """Whether the states are sharded inside groups and replicated across them."""
         return self.shard_size is not None or self.mesh is not None
 
+    def shard_group_size(self, world_size: int) -> int:
+        """How many ranks each state is sharded over in a world of ``world_size``: the shard group's size
+        with hybrid sharding, else ``world_size``. ``ValueError`` when ``shard_size`` does not divide it."""
+        if self.mesh is not None:
+            return self.mesh["shard"].size()
+        if self.shard_size is None:
+            return world_size
+        if self.shard_size == "node":
+            local = os.environ.get("LOCAL_WORLD_SIZE")
+            size = self.node_size or (int(local) if local and local.isdigit() and int(local) > 0 else world_size)
+        else:
+            size = self.shard_size
+        if world_size % size:
+            raise ValueError(
+                f"zcompile: option 'shard_size' {size} does not divide the {world_size} ranks; use a divisor of "
+                "the world size (the shard groups are that many consecutive ranks each)"
+            )
+        return min(size, world_size)
+
     def _check_hybrid_sharding(self) -> None:
         size = self.shard_size
         if size is not None and size != "node" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):

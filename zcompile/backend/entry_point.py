@@ -82,7 +82,9 @@ def zero_backend(
     refuse_regions_with_inductor(gm, config)
     warn_if_restarts_share_the_agent_store()
     start = time.perf_counter()
-    group = data_parallel_group(config)  # with hybrid sharding, the shard group (and its replicate group)
+    group = data_parallel_group(
+        config, device_type(example_inputs)
+    )  # with hybrid sharding, the shard group (and its replicate group)
     gm = copy_dynamo_graph(gm)
     plan = plan_sharding(
         gm,

@@ -71,6 +71,7 @@ from zcompile.checkpoint.layout import (
 )
 from zcompile.checkpoint.objects import load_object, save_object
 from zcompile.common.process_group import DataParallelGroup, all_gather_eager, all_reduce_eager
+from zcompile.optim.state_dict import mark_cut_for
 from zcompile.sharding.shards import FlatPiece, shard_of
 
 log = logging.getLogger(__name__)
@@ -169,11 +170,12 @@ def save(
         return _save_object(path, model, optimizer, extra, async_save, exclude_frozen_parameters, timeout_s, checksums)
     _wait_for_background_save(model)  # its swap, and its writes into the same staging directory, come first
     params = named_unique_params(model)
-    group = group_of([p for _, p in params])
+    group = group_of([p for _, p in params])  # the pieces' group (hybrid sharding: the shard group)
+    ranks = group.everyone  # who saves: every rank, each piece written once
     frozen = [(name, p) for name, p in params if not p.requires_grad] if exclude_frozen_parameters else []
     whole = replaced_whole(path)
     problem = None
-    if whole and group.rank == 0:  # DCP's coordinating rank, which writes the metadata, owns the directories
+    if whole and ranks.rank == 0:  # DCP's coordinating rank, which writes the metadata, owns the directories
         try:
             prepare_save(path)
         except CheckpointError as error:
@@ -183,7 +185,7 @@ def save(
     agree_on_call(
         "save",
         path,
-        group,
+        ranks,
         timeout_s,
         problem,
         optimizer=optimizer is not None,
@@ -207,27 +209,27 @@ def save(
         state[buffer_key(name)] = buffer.detach()
     if optimizer is not None:
         state.update(_optimizer_entries(optimizer, params, group, mesh))
-    state[META_KEY] = json.dumps(_meta(model, trained, optimizer, group) | {"excluded_frozen": excluded})
-    state[extra_key(group.rank)] = to_bytes(extra or {})
+    state[META_KEY] = json.dumps(_meta(model, trained, optimizer, ranks) | {"excluded_frozen": excluded})
+    state[extra_key(ranks.rank)] = to_bytes(extra or {})
     if async_save:
         result = dcp.async_save(
-            state, checkpoint_id=target, process_group=_async_group(model, group), no_dist=group.world_size == 1
+            state, checkpoint_id=target, process_group=_async_group(model, ranks), no_dist=ranks.world_size == 1
         )
         result = getattr(result, "upload_completion", result)  # (other checkpointer types: a response)
         if whole:
-            result = _committed_when_written(result, path, group, timeout_s, checksums)
+            result = _committed_when_written(result, path, ranks, timeout_s, checksums)
         unwrap(model).__dict__[PENDING_SAVE_ATTR] = result
     else:
-        result = dcp.save(state, checkpoint_id=target, process_group=group.process_group, no_dist=group.world_size == 1)
+        result = dcp.save(state, checkpoint_id=target, process_group=ranks.process_group, no_dist=ranks.world_size == 1)
         if whole:
-            swap_in_written_save(path, group, timeout_s, checksums=checksums)
+            swap_in_written_save(path, ranks, timeout_s, checksums=checksums)
     log.info(
         "checkpoint: %s %d parameters to %s (rank %d of %d)%s",
         "saving" if async_save else "saved",
         len(trained),
         path,
-        group.rank,
-        group.world_size,
+        ranks.rank,
+        ranks.world_size,
         f", {len(excluded)} frozen ones left out" if excluded else "",
     )
     return result
@@ -370,14 +372,15 @@ def load(
         return load_object(os.fspath(path), verify_checksums)
     _wait_for_background_save(model)  # a save of this path must be swapped in before it is read
     params = named_unique_params(model)
-    group = group_of([p for _, p in params])
+    group = group_of([p for _, p in params])  # the pieces' group (hybrid sharding: the shard group)
+    ranks = group.everyone  # who loads: every rank
     path = os.fspath(path)
     directory = readable_checkpoint(path)  # path, or a complete save stopped while it was swapped in
     problem, meta = None, {}
     try:
         reader = dcp.FileSystemReader(directory)
         damaged = damage(
-            directory, lambda: data_file_ends(reader.read_metadata()), group.rank, group.world_size, verify_checksums
+            directory, lambda: data_file_ends(reader.read_metadata()), ranks.rank, ranks.world_size, verify_checksums
         )
         if damaged:
             raise CheckpointError(
@@ -394,7 +397,7 @@ def load(
     agree_on_call(
         "load",
         path,
-        group,
+        ranks,
         timeout_s,
         problem,
         optimizer=optimizer is not None,
@@ -404,9 +407,9 @@ def load(
     )
     keys, excluded = metadata.state_dict_metadata, meta.get("excluded_frozen", {})
     kept = [(name, p) for name, p in params if name in excluded]  # the same on every rank: one checkpoint
-    dest, optimizer_shards = _destination(keys, params, model, optimizer, group)
+    dest, optimizer_shards = _destination(keys, params, model, optimizer, group, ranks.rank)
     try:
-        dcp.load(dest, checkpoint_id=directory, process_group=group.process_group, no_dist=group.world_size == 1)
+        dcp.load(dest, checkpoint_id=directory, process_group=ranks.process_group, no_dist=ranks.world_size == 1)
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException; it reaches every rank
         raise CheckpointError(
             f"zcompile.checkpoint.load: reading {path} failed ({type(error).__name__}: "
@@ -417,23 +420,23 @@ def load(
     if optimizer is not None and meta.get("optimizer") is not None:
         _apply_optimizer(dest, optimizer_shards, optimizer, params)
     saved_ranks = meta["world_size"]
-    extra_rank = group.rank if group.rank < saved_ranks else 0  # a rank the save did not have gets rank 0's
+    extra_rank = ranks.rank if ranks.rank < saved_ranks else 0  # a rank the save did not have gets rank 0's
     extra = dest.get(extra_key(extra_rank))
-    if group.world_size != saved_ranks:
+    if ranks.world_size != saved_ranks:
         log.warning(
             "zcompile.checkpoint.load: saved on %d ranks, loaded on %d (resharded); rank %d gets the extra of "
             "saved rank %d",
             saved_ranks,
-            group.world_size,
-            group.rank,
+            ranks.world_size,
+            ranks.rank,
             extra_rank,
         )
     log.info(
         "checkpoint: loaded %s (saved on %d ranks) on rank %d of %d%s",
         path,
         saved_ranks,
-        group.rank,
-        group.world_size,
+        ranks.rank,
+        ranks.world_size,
         f"; {len(kept)} frozen parameters kept as the model has them" if kept else "",
     )
     return from_bytes(extra) if extra is not None else {}
@@ -463,8 +466,8 @@ def _check_kept_values(kept, excluded: dict, group: DataParallelGroup, path: str
         dtype=torch.int64,
         device=kept[0][1].device if kept else "cpu",
     )
-    if group.world_size > 1 and kept:
-        all_reduce_eager(found, group, dist.ReduceOp.MAX)
+    if group.everyone.world_size > 1 and kept:
+        all_reduce_eager(found, group.everyone, dist.ReduceOp.MAX)
     differing = [name for (name, _), on_some_rank in zip(kept, found.tolist()) if on_some_rank]
     if differing:
         shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
@@ -516,13 +519,14 @@ def _check(keys: dict, params, model, optimizer, strict: bool, excluded: dict | 
         raise CheckpointError("an optimizer was given but the checkpoint holds no optimizer state")
 
 
-def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup):
+def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup, rank: int):
     """New buffers, in this rank's layout, for every entry that will be read; and, by key, the
-    padded shards the optimizer-state pieces are views of (read in place, kept as the state)."""
+    padded shards the optimizer-state pieces are views of (read in place, kept as the state).
+    ``rank``: this rank among every rank that loads (its extra)."""
     mesh = flat_mesh(group, device_type(params))
     optimizer_shards: dict[str, torch.Tensor] = {}
-    dest: dict[str, Any] = {extra_key(group.rank): b""}
-    if group.rank != 0:
+    dest: dict[str, Any] = {extra_key(rank): b""}
+    if rank != 0:
         dest[extra_key(0)] = b""
     dest = {k: v for k, v in dest.items() if k in keys}
     for name, param in params:
@@ -538,7 +542,7 @@ def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup)
             piece = _piece(param.numel(), group)
             for key in (k for k in keys if k.startswith(optim_key(name, ""))):
                 if hasattr(keys[key], "size"):  # a flat per-parameter tensor, read into a padded shard
-                    shard = torch.zeros(piece.chunk, device=param.device)  # padding stays zero
+                    shard = mark_cut_for(torch.zeros(piece.chunk, device=param.device), param, piece)  # padding zero
                     optimizer_shards[key] = shard
                     dest[key] = as_flat_piece(shard[: piece.owned], param.numel(), mesh)
                 else:

@@ -133,6 +133,8 @@ def flat_mesh(group: DataParallelGroup, device_type: str):
     per save or load, not per tensor: making a mesh costs more than writing a small tensor."""
     if group.world_size == 1:
         return None
+    if group.mesh is not None:  # hybrid sharding: pieces of the shard group, the same on every replica
+        return group.mesh
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh.from_group(group.process_group, device_type)
@@ -143,9 +145,10 @@ def as_flat_piece(local: torch.Tensor, numel: int, mesh) -> torch.Tensor:
     DTensor ``Shard(0)`` on ``mesh`` (``flat_mesh``), or ``local`` itself in a world of one."""
     if mesh is None:
         return local
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+    placements = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]  # hybrid: ("replicate", "shard")
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size([numel]), stride=(1,))
 
 
 def to_bytes(value: Any) -> bytes:

@@ -103,8 +103,9 @@ def _is_piece(tensor: torch.Tensor) -> bool:
 def _group_of(tensors: list[torch.Tensor]) -> DataParallelGroup:
     """The group of the object's sharded pieces (the default group when it has none)."""
     for tensor in tensors:
-        if _is_piece(tensor):
-            return DataParallelGroup.resolve(tensor.device_mesh.get_group())
+        if _is_piece(tensor):  # a 2-D mesh is hybrid sharding's, over the whole world
+            mesh = tensor.device_mesh
+            return DataParallelGroup.resolve(mesh.get_group() if mesh.ndim == 1 else None)
     return DataParallelGroup.resolve(None)
 
 

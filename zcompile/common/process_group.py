@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,13 @@ class DataParallelGroup:
     name: str | None
     process_group: dist.ProcessGroup | None
     replicate: DataParallelGroup | None = None
+    mesh: Any = None  # hybrid sharding: the 2-D DeviceMesh ("replicate", "shard") of every rank
+
+    @property
+    def everyone(self) -> DataParallelGroup:
+        """Every rank that trains the model: this group, or with hybrid sharding the whole world (what a
+        checkpoint is saved and loaded over, each piece written once however many replicas hold it)."""
+        return self if self.replicate is None else DataParallelGroup.resolve(None)
 
     @property
     def replicas(self) -> int:

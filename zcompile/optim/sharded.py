@@ -67,7 +67,7 @@ from zcompile.optim.buckets import (
 )
 from zcompile.optim.clip import clip_grad_norm_of_shards
 from zcompile.optim.nonfinite import local_grads_finite, nonfinite_flag, skip_nonfinite_by_default
-from zcompile.optim.state_dict import load_sharded_state_dict, sharded_state_dict
+from zcompile.optim.state_dict import load_sharded_state_dict, recut_loaded_state, sharded_state_dict
 from zcompile.routes import install as install_routes
 from zcompile.routes.optimizer_guard import SHARDED_OPTIMIZER_ATTR
 from zcompile.routes.zero_grad import clear_shard_grad, remember_stepped_grads, stale_grad_members, zero_tensor_grad
@@ -220,6 +220,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         broadcast_changed_buffers(
             members
         )  # BatchNorm's statistics: rank 0's on every rank (zcompile.sharding.buffer_sync)
+        recut_loaded_state(self, members)  # loaded before a compile with hybrid sharding
         for graphs in compiled_graphs_of_params(self._all_params()):  # how often each ran this step (step_report)
             graphs.note_step()
         if self.max_grad_norm is not None and not self._clipped_since_step:

@@ -19,7 +19,7 @@ import torch
 
 from zcompile.agreement.abort_note import leave_abort_note
 from zcompile.checkpoint.layout import as_flat_piece, flat_mesh, group_of
-from zcompile.common.process_group import DataParallelGroup
+from zcompile.common.process_group import DataParallelGroup, all_gather_eager
 from zcompile.sharding.shards import FlatPiece, shard_of
 
 
@@ -31,6 +31,9 @@ def _group(optimizer) -> DataParallelGroup:
 # attributes and a DTensor's mesh does not say whose piece it holds: rank 0's file loaded on every rank
 # (DDP's checkpoint habit) would give each rank rank 0's moments, silently. DCP loads into this rank's pieces.
 SAVED_BY_ATTR = "_zcompile_saved_by_rank"
+# on a state tensor loaded before its parameter was sharded: (ranks, rank) of the layout it was cut for,
+# the whole world's; a compile with hybrid sharding cuts over the shard group instead (``recut_loaded_state``)
+CUT_FOR_ATTR = "_zcompile_cut_for"
 
 
 def sharded_state_dict(optimizer, torch_state_dict: dict) -> dict:
@@ -77,7 +80,41 @@ def _my_shard(value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, key: s
             f"elements on {piece.world} ranks takes {param.numel()} (full) or {piece.chunk} (a shard)"
         )
     device = shard_of(param).shard.device if shard_of(param) is not None else param.device
-    return piece.padded(local.to(device), device)
+    return mark_cut_for(piece.padded(local.to(device), device), param, piece)
+
+
+def mark_cut_for(shard: torch.Tensor, param: torch.Tensor, piece: FlatPiece) -> torch.Tensor:
+    """``shard``, marked with ``piece``'s layout when ``param`` is not sharded yet (``CUT_FOR_ATTR``)."""
+    if shard_of(param) is None and piece.world > 1:
+        setattr(shard, CUT_FOR_ATTR, (piece.world, piece.rank))
+    return shard
+
+
+@torch.no_grad()
+def recut_loaded_state(optimizer, members) -> None:
+    """Optimizer state loaded before a compile with hybrid sharding, cut for the whole world's
+    layout, cut again for the shard group's: each such tensor's world pieces all-gathered (over every
+    rank; collective, the same tensors on every rank: one checkpoint, one model), this rank's shard
+    kept. Once, at the first step."""
+    for member in members:
+        state = optimizer.state.get(member.param)
+        if not state or member.group.replicate is None:
+            continue
+        world = member.group.everyone
+        piece = FlatPiece(member.numel, member.group.world_size, member.group.rank)
+        for key, value in list(state.items()):
+            cut_for = getattr(value, CUT_FOR_ATTR, None) if isinstance(value, torch.Tensor) else None
+            if cut_for is None or tuple(cut_for) == (piece.world, piece.rank):
+                continue
+            if tuple(cut_for) != (world.world_size, world.rank):
+                raise ValueError(
+                    f"optimizer state {key!r} of {member.name!r} was loaded cut for {cut_for[0]} ranks, and neither the "
+                    f"world ({world.world_size}) nor the shard group ({piece.world}) is that; load it after the "
+                    "first compiled call"
+                )
+            full = torch.empty(value.numel() * world.world_size, dtype=value.dtype, device=value.device)
+            all_gather_eager(full, value.contiguous(), world)
+            state[key] = piece.padded(full[piece.offset : piece.offset + piece.owned], value.device)
 
 
 def _check_saved_by_this_rank(value: torch.Tensor, piece: FlatPiece, key: str) -> None:

@@ -66,6 +66,7 @@ class MemoryEstimate:
     gathered_peak_bytes: int
     kept_gathered_bytes: int
     saved_activation_bytes: int | None  # None: no batch was given
+    shard_group_size: int | None = None  # ranks each state is sharded over (hybrid sharding's shard group)
 
     @property
     def model_states_bytes(self) -> int:
@@ -106,6 +107,7 @@ def estimate_memory(
     if optimizer not in MOMENTS:
         raise ValueError(f"zcompile.estimate_memory: optimizer must be one of {sorted(MOMENTS)}, got {optimizer!r}")
     config = ZeroConfig.from_options(options)
+    data_parallel, world_size = world_size, config.shard_group_size(world_size)  # states shard over the shard group
     params = list(dict.fromkeys(model.parameters()))
     blocks = compiled_apart(model)
     if blocks:  # the weights no compiled block holds train outside every graph: stage 1's rules, their own dtype
@@ -137,7 +139,7 @@ def estimate_memory(
         raise ValueError(message)
     saved = None if batch is None else _saved_activations(model, batch, config, blocks)
     return MemoryEstimate(
-        world_size,
+        data_parallel,
         config.stage,
         sum(s[0] for s in states),
         sum(s[1] for s in states),
@@ -145,6 +147,7 @@ def estimate_memory(
         gathered,
         kept,
         saved,
+        world_size,
     )
 
 

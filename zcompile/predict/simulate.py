@@ -368,6 +368,16 @@ def _optimizer_collectives(
             nbytes = sum(s.padded_numel * dtype_of(s).itemsize for s in bucket)
             seconds = pricing.profile.group_cost(kind, group.world_size, across).seconds(nbytes)
             out.append(SimulatedCollective("optimizer", kind, nbytes, group.world_size, not across, seconds))
+            replicate = group.replicate
+            if kind == "reduce_scatter" and replicate is not None:  # hybrid: the reduced shard across replicas
+                shard_bytes = nbytes // group.world_size
+                across = pricing.across_nodes(replicate.name, replicate.world_size)
+                seconds = pricing.profile.group_cost("all_reduce", replicate.world_size, across).seconds(shard_bytes)
+                out.append(
+                    SimulatedCollective(
+                        "optimizer", "all_reduce", shard_bytes, replicate.world_size, not across, seconds
+                    )
+                )
     return out
 
 

@@ -60,6 +60,9 @@ class StepReport:
     # the graphs' reduce-scatters run as all-to-all + sum (gloo; the option reduce_scatter): counted as
     # reduce-scatters here, shown as all-to-alls by the profiler and zcompile.timeline
     reduce_scatter_as_all_to_all: bool = False
+    # hybrid sharding: process group name -> "shard" or "replicate" (the collectives' groups), and the replicas
+    group_roles: dict[str, str] = field(default_factory=dict)
+    replicas: int = 1
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -77,14 +80,21 @@ class StepReport:
         """(where, kind, count, elements, bytes) per kind of collective, in step order."""
         rows: dict[tuple[str, str], list[int]] = {}
         for c in self.collectives:
-            entry = rows.setdefault((c["where"], c["kind"]), [0, 0, 0])
+            role = self.group_roles.get(c["group"])
+            kind = f"{c['kind']} [{role} {c['group_size']}]" if role else c["kind"]  # hybrid: which group
+            entry = rows.setdefault((c["where"], kind), [0, 0, 0])
             entry[0] += 1
             entry[1] += c["elements"]
             entry[2] += c["bytes"]
         return [(where, kind, *values) for (where, kind), values in rows.items()]
 
     def title(self) -> str:
-        return f"ZeRO stage {self.stage}, {self.world_size} rank(s), Ψ = {self.num_params:,} parameters"
+        ranks = (
+            f"{self.world_size * self.replicas} ranks as {self.replicas} shard groups of {self.world_size}"
+            if self.replicas > 1
+            else f"{self.world_size} rank(s)"
+        )
+        return f"ZeRO stage {self.stage}, {ranks}, Ψ = {self.num_params:,} parameters"
 
     def summary_lines(self) -> list[str]:
         psi = max(self.num_params, 1)
@@ -252,7 +262,17 @@ def step_report(
         reduce_scatter_as_all_to_all=any(
             g.context is not None and g.context.reduce_scatter_by_all_to_all for g in graphs
         ),
+        group_roles=_group_roles(graphs),
+        replicas=graphs[0].context.group.replicas if graphs[0].context is not None else 1,
     )
+
+
+def _group_roles(graphs: list[CompiledGraphs]) -> dict[str, str]:
+    """Hybrid sharding: the shard and replicate groups' names, for the collectives' rows."""
+    group = graphs[0].context.group if graphs[0].context is not None else None
+    if group is None or group.replicate is None:
+        return {}
+    return {group.name: "shard", group.replicate.name: "replicate"}
 
 
 def _hpz_secondary_bytes(graphs: list[CompiledGraphs], params: list[torch.Tensor]) -> int:

@@ -20,6 +20,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
 from zcompile.agreement.store_exchange import agree_on_store
 from zcompile.common.process_group import DataParallelGroup
 from zcompile.common.topology import as_data_parallel_group, node_groups, node_size_from_env
@@ -27,7 +30,7 @@ from zcompile.common.topology import as_data_parallel_group, node_groups, node_s
 log = logging.getLogger(__name__)
 
 
-def data_parallel_group(config) -> DataParallelGroup:
+def data_parallel_group(config, device_type: str = "cpu") -> DataParallelGroup:
     """The group ``config`` (a ``ZeroConfig``) shards over, with its replicate group when hybrid.
 
     Collective on the first call with ``shard_size`` (the groups are made; the ranks first agree on the
@@ -54,7 +57,7 @@ def data_parallel_group(config) -> DataParallelGroup:
                 f"zcompile: option 'shard_size' {size} does not divide the {world.world_size} ranks; use a divisor "
                 f"of the world size (the shard groups are {size} consecutive ranks each)"
             )
-    if world.world_size > 1:
+    if world.world_size > 1 and config.check_ranks:
         agree_on_store(
             size,
             world,
@@ -67,9 +70,18 @@ def data_parallel_group(config) -> DataParallelGroup:
                 f"per rank: {dict(enumerate(sizes))}); pass the same on every rank"
             ),
         )
-    if config.mesh is None:
+    mesh = config.mesh
+    if mesh is None:
         if size == world.world_size:
             return world  # one shard group: full sharding
         groups = node_groups(world, size)
         shard, replicate = groups.intra, groups.inter
-    return dataclasses.replace(shard, replicate=replicate if replicate.world_size > 1 else None)
+        mesh = DeviceMesh.from_group(
+            [replicate.process_group, shard.process_group],
+            device_type,
+            mesh=torch.arange(world.world_size).view(replicate.world_size, shard.world_size),
+            mesh_dim_names=("replicate", "shard"),
+        )
+    if replicate.world_size == 1:
+        return shard
+    return dataclasses.replace(shard, replicate=replicate, mesh=mesh)
