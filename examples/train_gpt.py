@@ -74,6 +74,12 @@ def parse_args() -> argparse.Namespace:
         "(each layer's call prefetches the next layer's first gather; the embeddings and head replicated)",
     )
     parser.add_argument("--eval-every", type=int, default=0, help="evaluate on a held-out batch every K steps")
+    parser.add_argument(
+        "--shard-size",
+        default=None,
+        type=lambda value: value if value == "node" else int(value),
+        help="hybrid sharding: shard inside groups of this many ranks (or 'node'), replicate across them",
+    )
     args = parser.parse_args()
     if args.regional and args.compile_blocks:
         parser.error("--regional and --compile-blocks are two ways to compile a block once: pick one")
@@ -145,6 +151,7 @@ def main() -> None:
     graphs = []
     options = {
         "stage": args.stage,
+        "shard_size": args.shard_size,
         "compiler": args.compiler,
         "param_dtype": args.param_dtype,
         "on_compile": graphs.append,

@@ -109,7 +109,7 @@ def test_bf16_model_trains_with_fp32_master_weights(stage):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_replicated_fp32_parameters_are_freed_and_say_so(stage):
     """With param_dtype at stages 1 and 2 the fp32 parameters exist only as shards between steps
-    (the graphs read a bf16 replica): eager use raises naming the fix, ``gathered`` brings the fp32
+    (the graphs read a bf16 replica): eager use raises naming the fix, ``state_dict()`` and ``gathered`` bring the fp32
     values back (equal to the masters, not to the bf16 replica), and a write inside it reaches the
     masters and the replica the next step reads. One process (a world of one)."""
     import zcompile
@@ -132,8 +132,9 @@ def test_replicated_fp32_parameters_are_freed_and_say_so(stage):
     # an alias (what an EMA's update reads: p.detach()) says the same, not "stage 3"
     with pytest.raises(ShardedParameterError, match=rf"is sharded \(ZeRO stage {stage} with param_dtype"):
         head.detach().sum()
-    with pytest.raises(RuntimeError, match="gathered"):
-        model.state_dict()
+    state = model.state_dict()  # gathers the fp32 masters, as at stage 3
+    assert state["head.weight"].dtype == torch.float32
+    assert torch.equal(state["head.weight"].reshape(-1), sharded.shard.detach()[: head.numel()])
     with zcompile.gathered(model):
         assert torch.equal(head.detach().reshape(-1), sharded.shard.detach()[: head.numel()])  # fp32 masters
         assert "head.weight" in model.state_dict()

@@ -10,7 +10,8 @@ sharded parameter, found from the compiled frame (``zcompile.common.dynamo_frame
   from the loaded weights, at stages 1 and 2 too) and never writes into freed storage. Memory: the
   full parameters of one module at a time.
 - ``state_dict`` works at every stage. At stages 1 and 2 the replicated parameters hold the weights,
-  refreshed by every step. At stage 3 no rank holds a full parameter, so ``state_dict()`` gathers
+  refreshed by every step. At stage 3 (and at stages 1-2 with ``param_dtype``, whose fp32
+  parameters live only as shards) no rank holds a full parameter, so ``state_dict()`` gathers
   them (FSDP's full state dict): it is collective, every rank calls it, and a rank that calls it
   alone (``if rank == 0: torch.save(model.state_dict())``) gets a ``RankDivergenceError`` naming the
   fix instead of a hang (the ranks agree through the store before the first gather). Memory: the
