@@ -258,6 +258,11 @@ class ZeroConfig:
             size = self.node_size or (int(local) if local and local.isdigit() and int(local) > 0 else world_size)
         else:
             size = self.shard_size
+        if size < 2 <= world_size:
+            raise ValueError(
+                f"zcompile: option 'shard_size' {self.shard_size!r} is {size} rank here: nothing would be sharded "
+                "(that is DDP). Use shard_size >= 2, or set node_size for 'node'"
+            )
         if world_size % size:
             raise ValueError(
                 f"zcompile: option 'shard_size' {size} does not divide the {world_size} ranks; use a divisor of "
@@ -284,6 +289,11 @@ class ZeroConfig:
                 )
             if size is not None:
                 raise ValueError("zcompile: options 'mesh' and 'shard_size' both set the shard group; pass one")
+            if self.mesh.size(1) < 2:
+                raise ValueError(
+                    "zcompile: option 'mesh' has a 'shard' dim of 1: nothing would be sharded, every rank would "
+                    "keep the whole model states (DDP). Give the 'shard' dim 2 or more ranks"
+                )
         if not self.hybrid:
             return
         if self.group is not None:

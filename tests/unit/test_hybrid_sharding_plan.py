@@ -28,6 +28,22 @@ def test_a_shard_size_that_does_not_divide_the_world_is_refused():
         zcompile.estimate_memory(build_model("gpt"), 8, {"shard_size": 3})
 
 
+def test_a_shard_group_of_one_rank_is_refused(monkeypatch):
+    """'node' on one-GPU nodes, and a mesh whose 'shard' dim is 1: DDP, refused naming the option."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="'shard_size' 'node' is 1 rank here"):
+        ZeroConfig.from_options({"shard_size": "node"}).shard_group_size(4)
+
+    class Mesh:  # what the check reads of a DeviceMesh (a real one needs a process group)
+        mesh_dim_names, ndim = ("replicate", "shard"), 2
+
+        def size(self, dim):
+            return (4, 1)[dim]
+
+    with pytest.raises(ValueError, match="'mesh' has a 'shard' dim of 1"):
+        ZeroConfig.from_options({"mesh": Mesh()})
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_estimate_holds_the_states_of_the_shard_group(stage):
     """8 ranks as 4 groups of 2 hold what 2 ranks of full sharding hold, per rank."""
