@@ -31,6 +31,9 @@ _LAZY = {
     "StepReport": "zcompile.reports.step_report",
     "step_report": "zcompile.reports.step_report",
     "simulate_tune": "zcompile.tune.simulated",
+    "plan": "zcompile.tune.plan",
+    "Plan": "zcompile.tune.plan",
+    "PlanError": "zcompile.tune.plan",
     "DeepSpeedPort": "zcompile.integrations.deepspeed",
     "options_from_deepspeed": "zcompile.integrations.deepspeed",
     "simulate": "",  # a callable module: zcompile.simulate(...) runs zcompile.predict.simulate.simulate
@@ -49,6 +52,7 @@ if TYPE_CHECKING:
     from zcompile.predict.estimate import MemoryEstimate, estimate_memory
     from zcompile.reports.step_report import StepReport, step_report
     from zcompile.sharding.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes
+    from zcompile.tune.plan import Plan, PlanError, plan
     from zcompile.tune.simulated import simulate_tune
 
 

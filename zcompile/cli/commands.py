@@ -16,6 +16,8 @@ import sys
 from collections import Counter, defaultdict
 from typing import Any
 
+from zcompile.cli.plan import add_parser as add_plan_parser
+from zcompile.cli.plan import cmd_plan
 from zcompile.cli.simulate import add_parser as add_simulate_parser
 from zcompile.cli.simulate import cmd_simulate
 from zcompile.common.dumps import GRAPH_KINDS, DumpError, GraphDump, RankDump, graph_order, load_dump
@@ -405,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("result")
     add_simulate_parser(commands, common)
+    add_plan_parser(commands, common)
     return parser
 
 
@@ -478,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             "clean-saves": cmd_clean_saves,
             "tune-report": cmd_tune_report,
             "simulate": cmd_simulate,
+            "plan": cmd_plan,
         }[args.command]
         status = command(args, out, warnings)
     except DumpError as error:

@@ -90,38 +90,45 @@ def parse_space(pairs: list[str]) -> dict:
     return space
 
 
-def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
+def load_spec(path: str, batch: int, seq: int):
+    """``(model_type, make_model, example_batch)`` of a JSON model spec (module doc): a transformers
+    causal LM built from its config, and ``batch`` sequences of ``seq`` tokens."""
     import torch  # local, with what follows: `zcompile inspect` loads none of it (import cost)
     import transformers
 
-    from zcompile.predict.simulate import simulate
-
     try:
-        with open(args.spec) as f:
+        with open(path) as f:
             spec = json.load(f)
         model_type = spec.pop("model_type", None)
         if model_type is None:
             raise ValueError('the spec needs a model_type (e.g. "llama", "gpt2")')
         config = transformers.AutoConfig.for_model(model_type, **spec)
+    except (OSError, ValueError) as error:
+        raise DumpError(f"{path}: {error}") from None
+    config.use_cache = False
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    return (
+        model_type,
+        (lambda: transformers.AutoModelForCausalLM.from_config(config)),
+        {"input_ids": ids, "labels": ids},
+    )
+
+
+def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
+    from zcompile.predict.simulate import simulate
+
+    model_type, make_model, batch = load_spec(args.spec, args.batch, args.seq)
+    try:
         options = parse_options(args.option)
         space = parse_space(args.space)
-    except (OSError, ValueError) as error:
+    except ValueError as error:
         raise DumpError(f"{args.spec}: {error}") from None
-    config.use_cache = False
-    ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
     if space:
-        return _tune(
-            args,
-            out,
-            lambda: transformers.AutoModelForCausalLM.from_config(config),
-            {"input_ids": ids, "labels": ids},
-            space,
-            options,
-        )
+        return _tune(args, out, make_model, batch, space, options)
     try:
         result = simulate(
-            lambda: transformers.AutoModelForCausalLM.from_config(config),
-            {"input_ids": ids, "labels": ids},
+            make_model,
+            batch,
             world_size=args.world,
             node_size=args.node_size,
             options=options,
@@ -129,7 +136,7 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
         )
     except ValueError as error:  # a bad option, world size or hardware profile: said, not a traceback
         raise DumpError(str(error)) from None
-    _say_nodes(args, out)
+    say_nodes(args, out)
     rows = [[part, f"{nbytes / GIB:.2f}"] for part, nbytes in result.memory.items()]
     rows.append(["per rank", f"{result.per_rank_bytes / GIB:.2f}"])
     rows.append([f"step peak ({result.step_peak_phase})", f"{result.step_peak_bytes / GIB:.2f}"])
@@ -159,7 +166,7 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
     return 0
 
 
-def _say_nodes(args: argparse.Namespace, out) -> None:
+def say_nodes(args: argparse.Namespace, out) -> None:
     """Says so when the world was split into nodes by a host profile's own node size: on ``cpu-local``
     (2 ranks per node) ``--world 4`` prices two hosts of 2 ranks, each rank with a core of its own,
     where a user on this one machine has 4 ranks taking turns on its 2 cores (about twice the step)."""
@@ -194,7 +201,7 @@ def _tune(args: argparse.Namespace, out, make_model, batch: dict, space: dict, o
         )
     except (TypeError, ValueError) as error:  # a bad space, option, world size or profile: said, not a traceback
         raise DumpError(str(error)) from None
-    _say_nodes(args, out)
+    say_nodes(args, out)
     out.table(
         f"{len(result.points)} points simulated at {result.world_size} ranks ({result.hardware})",
         list(COLUMNS),

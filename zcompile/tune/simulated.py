@@ -214,7 +214,7 @@ def simulate_tune(
     limit = None if memory_limit_gb is None else memory_limit_gb * GIB
     points = []
     for point in search_space.points:
-        simulated = _simulate_point(
+        simulated = simulate_point(
             point, make_model, example_batch, loss_fn, search_space.base_options, world_size, node_size, profile
         )
         if simulated.status == PREDICTED and limit is not None and simulated.memory_bytes > limit:
@@ -244,7 +244,7 @@ def simulate_tune(
     return result
 
 
-def _simulate_point(
+def simulate_point(
     point: Point,
     make_model,
     example_batch,

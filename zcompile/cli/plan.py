@@ -1,0 +1,72 @@
+"""``zcompile plan SPEC --world N --limit 80GiB``: ``zcompile.plan`` from the command line, for a
+transformers model given as ``zcompile simulate``'s JSON spec. Prints every candidate (chosen, the
+others that fit by predicted step, the ones dropped and why) and the options to pass the backend;
+``--json OUT`` also writes the plan. Nothing fits: exit 2 with what would."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from zcompile.cli.simulate import load_spec, parse_options, say_nodes
+from zcompile.common.dumps import DumpError  # the CLI's "exit 2 with a message" error
+
+
+def add_parser(commands, common: argparse.ArgumentParser) -> None:
+    parser = commands.add_parser(
+        "plan",
+        parents=[common],
+        help="the fastest options within a memory limit per GPU, predicted for a transformers model (zcompile.plan)",
+    )
+    parser.add_argument("spec", help="JSON file: a transformers config dict with its model_type")
+    parser.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
+    parser.add_argument(
+        "--limit", default="auto", help="memory per GPU: MiB, a size (80GiB, 70GB) or auto (the profile's less 10%%)"
+    )
+    parser.add_argument("--node-size", type=int, default=None, help="ranks per node (default: the profile's)")
+    parser.add_argument("--hardware", default="h100-sxm", help="profile name (h100-sxm, a100-80gb, cpu-local) or path")
+    parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a zero backend option you fix (JSON value, or a plain string), e.g. param_dtype=bf16",
+    )
+    parser.add_argument("--max-simulations", type=int, default=8, help="simulate at most this many candidates")
+    parser.add_argument("--json", default=None, metavar="OUT", help="also write the plan as JSON")
+
+
+def cmd_plan(args: argparse.Namespace, out, warnings: list[str]) -> int:
+    from zcompile.tune.plan import plan
+    from zcompile.tune.plan_report import COLUMNS, LEFT, candidate_rows, mib
+
+    _, make_model, batch = load_spec(args.spec, args.batch, args.seq)
+    try:
+        options = parse_options(args.option)
+        limit = float(args.limit) if args.limit.replace(".", "", 1).isdigit() else args.limit
+        result = plan(
+            make_model,
+            batch,
+            world_size=args.world,
+            memory_limit_mb=limit,
+            hardware=args.hardware,
+            node_size=args.node_size,
+            options=options,
+            max_simulations=args.max_simulations,
+        )
+    except ValueError as error:  # a bad option, limit or world size, or nothing fits (PlanError): said
+        raise DumpError(str(error)) from None
+    say_nodes(args, out)
+    out.table(
+        f"{mib(result.memory_limit_bytes)} MiB per GPU, {result.world_size} GPUs, {result.hardware}",
+        list(COLUMNS),
+        candidate_rows(result),
+        numeric=set(range(len(COLUMNS))) - LEFT,
+    )
+    out.line(result.summary())
+    out.line(f"options={json.dumps(result.to_dict()['options'])}")
+    if args.json:
+        result.to_json(args.json)
+    return 0

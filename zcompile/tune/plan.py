@@ -1,0 +1,305 @@
+"""``zcompile.plan``: one memory limit per rank in, the fastest options that fit it out, predicted.
+
+    plan = zcompile.plan(make_model, batch, world_size=64, memory_limit_mb="auto", hardware="h100-sxm",
+                         options={"param_dtype": "bf16"})
+    plan.print()
+    model = torch.compile(make_model(), backend="zero", options=plan.options)
+
+The planned options and their trial order are ``tune.plan_space``'s; what the user passes in
+``options`` is kept. Each candidate is judged by ``zcompile.simulate`` (the whole model compiled
+on fake tensors for ``world_size`` ranks): it fits when its step peak (``predict.step_peak``) is
+within the limit, and the plan is the fastest candidate that fits by the predicted step.
+
+Simulations are the cost (seconds for a small model, a minute or two for an 8B one), so the search
+skips what cannot fit before simulating it: a candidate's model states (``estimate_memory``, exact
+and immediate) plus the saved activations already simulated for its ``activation_memory_budget``
+(they do not depend on the other planned options) is a floor of its peak; above the limit it is
+dropped with that reason. At most ``max_simulations`` candidates are simulated, in trial order;
+when none of them fits, the others are simulated too, least memory first, up to the first that
+fits; only when none does the plan gives up, with a ``PlanError`` that names the smallest predicted
+peak, its parts and what would make it fit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from zcompile.config import ZeroConfig
+from zcompile.predict.estimate import estimate_memory
+from zcompile.predict.hardware import HardwareProfile, load_profile
+from zcompile.predict.simulate import check_world
+from zcompile.tune.plan_report import mib, options_text, print_plan
+from zcompile.tune.plan_space import CHOSEN, FITS, NOT_SIMULATED, OVER, frugality, planned_candidates
+from zcompile.tune.search import FAILED, INVALID, PREDICTED, PRUNED
+from zcompile.tune.serialization import jsonable_options
+from zcompile.tune.simulated import simulate_point
+from zcompile.tune.space import Point
+
+log = logging.getLogger(__name__)
+
+MIB = 2**20
+AUTO_MARGIN = 0.10  # "auto": the device's memory less 10% (allocator fragmentation, CUDA context, NCCL buffers)
+FORMAT = "zcompile.plan/1"
+
+
+class PlanError(ValueError):
+    """No candidate fits the memory limit: the message names the smallest peak and what would fit."""
+
+
+@dataclass
+class PlanCandidate:
+    """One combination of the planned options and what the plan learned of it."""
+
+    options: dict[str, Any]  # the planned options only
+    status: str = NOT_SIMULATED  # chosen, fits, over the limit, pruned, not simulated, invalid, failed
+    why: str = ""  # why it was dropped (or not simulated)
+    peak_bytes: int | None = None  # predicted step peak per rank
+    floor_bytes: int | None = None  # a floor of the peak (pruned): model states + activations already known
+    memory_parts: dict[str, int] = field(default_factory=dict)  # model states, gathered, kept, activations
+    step_s: float | None = None
+    exposed_comm_s: float | None = None
+    simulate_s: float = 0.0
+
+
+@dataclass
+class Plan:
+    """The planner's answer: ``options`` to pass to the backend, and every candidate it considered."""
+
+    options: dict[str, Any]  # the user's options and the chosen planned ones
+    fixed: dict[str, Any]  # the options the user set
+    memory_limit_bytes: int
+    world_size: int
+    node_size: int
+    hardware: str
+    candidates: list[PlanCandidate]
+    wall_s: float = 0.0
+
+    @property
+    def chosen(self) -> PlanCandidate:
+        return next(c for c in self.candidates if c.status == CHOSEN)
+
+    @property
+    def ranked(self) -> list[PlanCandidate]:
+        """The simulated candidates that fit, fastest first."""
+        return sorted((c for c in self.candidates if c.status in (CHOSEN, FITS)), key=lambda c: c.step_s)
+
+    def summary(self) -> str:
+        """One line: the choice, its predicted peak by parts, and its predicted step."""
+        chosen = self.chosen
+        parts = ", ".join(
+            f"{name.removesuffix('_bytes').replace('_', ' ')} {mib(nbytes)}"
+            for name, nbytes in chosen.memory_parts.items()
+            if nbytes
+        )
+        return (
+            f"zcompile.plan: {options_text(chosen.options)} fits {mib(self.memory_limit_bytes)} MiB per rank "
+            f"at {self.world_size} ranks ({self.hardware}): peak {mib(chosen.peak_bytes)} MiB ({parts} MiB), "
+            f"step {chosen.step_s * 1e3:,.1f} ms predicted; of {len(self.candidates)} candidates "
+            f"{sum(c.step_s is not None for c in self.candidates)} simulated, "
+            f"{sum(c.status == PRUNED for c in self.candidates)} pruned unsimulated, "
+            f"{sum(c.status == NOT_SIMULATED for c in self.candidates)} not reached; {self.wall_s:.0f} s"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "options": jsonable_options(self.options),
+            "fixed": jsonable_options(self.fixed),
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "world_size": self.world_size,
+            "node_size": self.node_size,
+            "hardware": self.hardware,
+            "wall_s": self.wall_s,
+            "candidates": [{**asdict(c), "options": jsonable_options(c.options)} for c in self.candidates],
+        }
+
+    def to_json(self, path: str | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            with open(path, "w") as handle:
+                handle.write(text + "\n")
+        return text
+
+    def print(self) -> None:
+        """The candidates as a table (rich when installed) and the summary line: a user-facing call."""
+        print_plan(self)
+
+
+def memory_limit_bytes(limit: float | str, profile: HardwareProfile | None = None) -> int:
+    """``memory_limit_mb`` as bytes: a number of MiB, a size (``"80GiB"``, ``"70GB"``, ``"512MiB"``) or
+    ``"auto"``: the profile's device memory less ``AUTO_MARGIN``."""
+    if isinstance(limit, str):
+        text = limit.strip()
+        if text == "auto":
+            if profile is None:
+                raise ValueError("zcompile: memory_limit_mb 'auto' needs a hardware profile or a device to read")
+            return int(profile.memory_bytes * (1 - AUTO_MARGIN))
+        match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(KiB|MiB|GiB|TiB|KB|MB|GB|TB)?", text)
+        if match is None:
+            raise ValueError(
+                f"zcompile: memory_limit_mb must be MiB (a number), a size like '80GiB' or 'auto', got {limit!r}"
+            )
+        units = {"KiB": 2**10, "MiB": MIB, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+        return int(float(match.group(1)) * units[match.group(2) or "MiB"])
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0:
+        raise ValueError(f"zcompile: memory_limit_mb must be a positive number of MiB, a size or 'auto', got {limit!r}")
+    return int(limit * MIB)
+
+
+def plan(
+    make_model: Callable[[], torch.nn.Module],
+    example_batch: Any,
+    *,
+    world_size: int,
+    memory_limit_mb: float | str = "auto",
+    hardware: str | HardwareProfile = "h100-sxm",
+    node_size: int | None = None,
+    options: dict[str, Any] | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    max_simulations: int = 8,
+    simulated: dict[str, Any] | None = None,
+) -> Plan:
+    """The fastest options within ``memory_limit_mb`` per rank, predicted (module doc).
+
+    The arguments are ``zcompile.simulate``'s; ``options``: the user's, kept; ``memory_limit_mb``:
+    MiB per rank, a size string or ``"auto"``; ``simulated``: a dict the plan reads and fills with
+    each candidate's simulation (keyed by its options), to plan for several limits at the cost of
+    one. ``PlanError`` when nothing fits.
+    """
+    started = time.perf_counter()
+    fixed = dict(options or {})
+    ZeroConfig.from_options(fixed)  # the user's options checked, naming the option, before anything compiles
+    if isinstance(max_simulations, bool) or not isinstance(max_simulations, int) or max_simulations < 1:
+        raise ValueError(f"zcompile.plan: max_simulations must be an int >= 1, got {max_simulations!r}")
+    profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+    check_world(world_size, node_size)
+    node_size = node_size or fixed.get("node_size") or profile.node_size
+    limit = memory_limit_bytes(memory_limit_mb, profile)
+    cache = {} if simulated is None else simulated
+
+    model = _fake_model(make_model)
+    dtype = ZeroConfig.from_options(fixed).param_dtype or torch.float32
+    gathered_mib = sum(p.numel() for p in dict.fromkeys(model.parameters())) * dtype.itemsize / MIB
+    candidates = [PlanCandidate(c) for c in planned_candidates(fixed, gathered_mib, world_size, node_size)]
+    activations: dict[Any, int] = {}  # activation_memory_budget -> saved activation bytes simulated
+    simulations = 0
+
+    def judge(candidate: PlanCandidate, *, budgeted: bool) -> None:
+        nonlocal simulations
+        options = {**fixed, **candidate.options}
+        try:
+            config = ZeroConfig.from_options(options)
+            states = estimate_memory(model, world_size, config.replace(node_size=node_size)).model_states_bytes
+        except ValueError as error:
+            candidate.status, candidate.why = INVALID, str(error)
+            return
+        budget_key = repr(config.activation_memory_budget)
+        floor = states + activations.get(budget_key, 0)
+        if floor > limit:
+            known = f" + saved activations {mib(activations[budget_key])}" if budget_key in activations else ""
+            candidate.status, candidate.floor_bytes = PRUNED, floor
+            candidate.why = f"at least {mib(floor)} MiB: model states {mib(states)}{known} MiB"
+            return
+        if budgeted and simulations >= max_simulations:
+            candidate.why = f"max_simulations={max_simulations} reached"
+            return
+        key = json.dumps(jsonable_options(options), sort_keys=True)
+        if key not in cache:
+            point = Point(0, options, False)
+            cache[key] = simulate_point(point, make_model, example_batch, loss_fn, {}, world_size, node_size, profile)
+            simulations += 1
+        _record(candidate, cache[key], limit)
+        if candidate.memory_parts:
+            activations[budget_key] = candidate.memory_parts.get("saved_activation_bytes", 0)
+
+    for candidate in candidates:
+        judge(candidate, budgeted=True)
+    if not any(c.status == FITS for c in candidates):  # over budget: the rest, least memory first, to the first fit
+        for candidate in sorted(candidates, key=lambda c: frugality(c.options)):
+            if candidate.status == NOT_SIMULATED:
+                judge(candidate, budgeted=False)
+                if candidate.status == FITS:
+                    break
+    fitting = [c for c in candidates if c.status == FITS]
+    wall = time.perf_counter() - started
+    if not fitting:
+        raise PlanError(_nothing_fits(candidates, limit, world_size, fixed))
+    best = min(fitting, key=lambda c: c.step_s)
+    best.status = CHOSEN
+    result = Plan({**fixed, **best.options}, fixed, limit, world_size, node_size, profile.name, candidates, wall)
+    log.info("%s", result.summary())
+    return result
+
+
+def _record(candidate: PlanCandidate, point, limit: int) -> None:
+    """A simulated point's figures on ``candidate``, and whether it fits."""
+    candidate.simulate_s = point.simulate_s
+    if point.status == FAILED:
+        candidate.status, candidate.why = FAILED, point.error
+        return
+    candidate.peak_bytes, candidate.memory_parts = point.memory_bytes, dict(point.memory_parts)
+    candidate.step_s, candidate.exposed_comm_s = point.step_s, point.exposed_comm_s
+    if point.status == PREDICTED and point.memory_bytes <= limit:
+        candidate.status, candidate.why = FITS, ""
+    else:
+        candidate.status = OVER
+        candidate.why = f"peak {mib(point.memory_bytes)} MiB"
+
+
+def _fake_model(make_model: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """The model on fake tensors (nothing allocated): what ``estimate_memory`` reads of its parameters."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return make_model()
+
+
+def _nothing_fits(candidates: list[PlanCandidate], limit: int, world_size: int, fixed: dict[str, Any]) -> str:
+    """The refusal: the smallest predicted peak, its parts, and what would make it fit."""
+    simulated = [c for c in candidates if c.peak_bytes is not None]
+    head = f"zcompile.plan: nothing fits memory_limit_mb={mib(limit)} MiB per rank at {world_size} ranks"
+    fixed_text = f" with the options you set ({', '.join(sorted(fixed))})" if fixed else ""
+    if not simulated:
+        pruned = [c for c in candidates if c.status == PRUNED]
+        if not pruned:
+            reasons = "; ".join(sorted({c.why for c in candidates if c.why}))[:600]
+            return f"{head}{fixed_text}: no candidate could be simulated ({reasons})"
+        smallest = min(pruned, key=lambda c: c.floor_bytes)
+        return (
+            f"{head}{fixed_text}: the model states alone are over it ({options_text(smallest.options)}: "
+            f"{smallest.why}). Run on more ranks (at stage 3 the states shrink as 1/ranks), or drop a fixed "
+            "option that keeps them large"
+        )
+    smallest = min(simulated, key=lambda c: c.peak_bytes)
+    parts = smallest.memory_parts
+    states = parts.get("model_states_bytes", 0)
+    saved = parts.get("saved_activation_bytes", 0)
+    rest = smallest.peak_bytes - states
+    fixes = []
+    if rest < limit and smallest.options.get("stage", fixed.get("stage")) == 3 and states:
+        ranks = math.ceil(world_size * states / (limit - rest))
+        fixes.append(f"at least {ranks} ranks (model states shrink as 1/ranks at stage 3)")
+    if saved:
+        room = limit - (smallest.peak_bytes - saved)
+        if 0 < room < saved:
+            fixes.append(
+                f"a micro-batch or sequence about {saved / room:.1f}x smaller (saved activations scale with the "
+                "tokens per rank)"
+            )
+    listed = ", ".join(
+        f"{name.removesuffix('_bytes').replace('_', ' ')} {mib(nbytes)} MiB" for name, nbytes in parts.items() if nbytes
+    )
+    fix = "; or ".join(fixes) if fixes else "more ranks and a smaller micro-batch together"
+    return (
+        f"{head}{fixed_text}: the smallest predicted peak is {mib(smallest.peak_bytes)} MiB "
+        f"({options_text(smallest.options)}: {listed}). To fit: {fix}"
+    )

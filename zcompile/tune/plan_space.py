@@ -1,0 +1,99 @@
+"""What ``zcompile.plan`` chooses among: the planned options, their candidates, and the order in which
+the planner tries them.
+
+The planned options are the five memory knobs (``stage``, ``bucket_mb``, ``prefetch``,
+``keep_gathered_mb``, ``activation_memory_budget``) and, where the world spans several nodes,
+``shard_size`` (``None`` or ``"node"``). An option the user set is kept as given and not planned.
+The stage-3-only knobs (``prefetch``, ``keep_gathered_mb``) vary at stage 3 only.
+
+Candidates are tried cheapest-to-run first, by what each costs in time: recomputing activations
+first of all (it repeats forward compute), then a higher stage (more communication), then full
+sharding over a node-sized shard group (gathers across nodes), then fewer kept weights, smaller
+buckets and shallower prefetch (more exposed communication). The order only decides what is
+simulated first when the planner's budget of simulations is smaller than the candidates; the
+choice itself is the fastest simulated candidate that fits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+PLANNED = ("stage", "shard_size", "activation_memory_budget", "keep_gathered_mb", "bucket_mb", "prefetch")
+STAGE_3_ONLY = ("keep_gathered_mb", "prefetch")
+# options that fix the layout by themselves: no shard_size candidates next to them
+HYBRID_EXCLUSIVE = ("mesh", "group", "hpz_size", "quantize_grads")
+
+# a candidate's status in a plan (with tune.search's PRUNED, INVALID, FAILED)
+CHOSEN, FITS, OVER, NOT_SIMULATED = "chosen", "fits", "over the limit", "not simulated"
+
+STAGES = (1, 2, 3)
+ACTIVATION_BUDGETS = (None, 0.5, 0.0)  # the default partition, half of what it saves, recompute all
+BUCKETS_MB = (64.0, 4.0)  # larger first: fewer collectives; 4 is the default
+PREFETCH = (2, 1)
+KEEP_FRACTIONS = (1.0, 0.25, 0.0)  # of the model's gathered weights, kept forward to backward
+
+
+def planned_candidates(
+    fixed: dict[str, Any], gathered_mib: float, world_size: int, node_size: int
+) -> list[dict[str, Any]]:
+    """The planned options' combinations (each a dict of the planned options only), in trial order.
+
+    ``fixed``: the options the user set; ``gathered_mib``: the model's weights gathered in the
+    compute dtype, per rank (what ``keep_gathered_mb`` can keep at most).
+    """
+    hybrid_possible = (
+        world_size > node_size >= 2 and world_size % node_size == 0 and not any(fixed.get(k) for k in HYBRID_EXCLUSIVE)
+    )
+    keeps = sorted({float(math.ceil(fraction * gathered_mib)) for fraction in KEEP_FRACTIONS}, reverse=True)
+    choices: dict[str, tuple] = {
+        "stage": STAGES,
+        "shard_size": ("node", None) if hybrid_possible else (None,),
+        "activation_memory_budget": ACTIVATION_BUDGETS,
+        "keep_gathered_mb": tuple(keeps),
+        "bucket_mb": BUCKETS_MB,
+        "prefetch": PREFETCH,
+    }
+    for name in PLANNED:
+        if name in fixed:
+            choices[name] = (fixed[name],)
+    candidates = []
+    for budget in choices["activation_memory_budget"]:
+        for stage in choices["stage"]:
+            for shard_size in choices["shard_size"]:
+                stage_3 = stage == 3
+                for keep in choices["keep_gathered_mb"] if stage_3 else (None,):
+                    for bucket in choices["bucket_mb"]:
+                        for prefetch in choices["prefetch"] if stage_3 else (None,):
+                            values = {
+                                "stage": stage,
+                                "shard_size": shard_size,
+                                "activation_memory_budget": budget,
+                                "keep_gathered_mb": keep,
+                                "bucket_mb": bucket,
+                                "prefetch": prefetch,
+                            }
+                            candidate = {
+                                name: value
+                                for name, value in values.items()
+                                if name not in fixed
+                                and (value is not None or name in ("shard_size", "activation_memory_budget"))
+                            }
+                            if candidate not in candidates:
+                                candidates.append(candidate)
+    return candidates
+
+
+def frugality(candidate: dict[str, Any]) -> tuple:
+    """A sort key, least memory first by construction: the highest stage, full sharding, nothing kept,
+    the smallest buckets and prefetch, then recompute (a full recompute can peak above half of it in
+    backward, so the budgets are tried half first)."""
+    budget = candidate.get("activation_memory_budget")
+    return (
+        -candidate.get("stage", 0),
+        candidate.get("shard_size") is not None,
+        candidate.get("keep_gathered_mb") or 0.0,
+        candidate.get("bucket_mb") or 0.0,
+        candidate.get("prefetch") or 0,
+        {0.5: 0, 0.0: 1}.get(budget, 2),
+    )
