@@ -6,12 +6,14 @@ The planned options are the five memory knobs (``stage``, ``bucket_mb``, ``prefe
 ``shard_size`` (``None`` or ``"node"``). An option the user set is kept as given and not planned.
 The stage-3-only knobs (``prefetch``, ``keep_gathered_mb``) vary at stage 3 only.
 
-Candidates are tried cheapest-to-run first, by what each costs in time: recomputing activations
-first of all (it repeats forward compute), then a higher stage (more communication), then full
-sharding over a node-sized shard group (gathers across nodes), then fewer kept weights, smaller
-buckets and shallower prefetch (more exposed communication). The order only decides what is
-simulated first when the planner's budget of simulations is smaller than the candidates; the
-choice itself is the fastest simulated candidate that fits.
+A layout is an activation budget, a stage and a shard size; its variants are the other knobs'
+values. Layouts are tried cheapest-to-run first, by what each costs in time: recomputing
+activations first of all (it repeats forward compute), then a higher stage (more communication),
+then full sharding over a node-sized shard group (gathers across nodes). Within a layout the
+fastest variant comes first (the most weights kept, the largest buckets, the deepest prefetch) and
+the leanest last. The trial order is every layout's fastest variant, then every layout's leanest,
+then the rest. It only decides what is simulated first when the planner's budget of simulations
+is smaller than the candidates; the choice itself is the fastest simulated candidate that fits.
 """
 
 from __future__ import annotations
@@ -57,11 +59,12 @@ def planned_candidates(
     for name in PLANNED:
         if name in fixed:
             choices[name] = (fixed[name],)
-    candidates = []
+    layouts = []  # per (activation budget, stage, shard size): its variants, fastest first
     for budget in choices["activation_memory_budget"]:
         for stage in choices["stage"]:
             for shard_size in choices["shard_size"]:
                 stage_3 = stage == 3
+                variants = []
                 for keep in choices["keep_gathered_mb"] if stage_3 else (None,):
                     for bucket in choices["bucket_mb"]:
                         for prefetch in choices["prefetch"] if stage_3 else (None,):
@@ -73,14 +76,22 @@ def planned_candidates(
                                 "bucket_mb": bucket,
                                 "prefetch": prefetch,
                             }
-                            candidate = {
+                            variant = {
                                 name: value
                                 for name, value in values.items()
                                 if name not in fixed
                                 and (value is not None or name in ("shard_size", "activation_memory_budget"))
                             }
-                            if candidate not in candidates:
-                                candidates.append(candidate)
+                            if variant not in variants:
+                                variants.append(variant)
+                layouts.append(variants)
+    # every layout's fastest variant, then every layout's leanest, then the rest: a small budget of
+    # simulations sees every layout before it refines one
+    ordered = [v[0] for v in layouts] + [v[-1] for v in layouts if len(v) > 1] + [x for v in layouts for x in v[1:-1]]
+    candidates = []
+    for candidate in ordered:
+        if candidate not in candidates:
+            candidates.append(candidate)
     return candidates
 
 

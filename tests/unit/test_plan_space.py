@@ -1,0 +1,50 @@
+"""What ``zcompile.plan`` chooses among, and how a memory limit is read (no compiles)."""
+
+import pytest
+
+from zcompile.tune.plan import MIB, memory_limit_bytes
+from zcompile.tune.plan_space import PLANNED, frugality, planned_candidates
+
+
+def test_the_options_the_user_set_are_kept_and_stage_3_knobs_vary_at_stage_3_only():
+    candidates = planned_candidates({"param_dtype": "bf16", "bucket_mb": 16}, 100.0, 8, 8)
+    assert all("bucket_mb" not in c for c in candidates)  # the user's, not planned
+    assert {c["stage"] for c in candidates} == {1, 2, 3}
+    assert all(("prefetch" in c) == (c["stage"] == 3) for c in candidates)
+    assert all(("keep_gathered_mb" in c) == (c["stage"] == 3) for c in candidates)
+    assert {c["keep_gathered_mb"] for c in candidates if c["stage"] == 3} == {0.0, 25.0, 100.0}
+    assert all(c["shard_size"] is None for c in candidates)  # one node: nothing to shard inside
+    assert len(candidates) == len({tuple(sorted(c.items(), key=str)) for c in candidates})  # no repeats
+    # 3 budgets x (stage 1, stage 2, stage 3 x 3 keeps x 2 prefetch) = 3 x 20
+    assert len(candidates) == 3 * (1 + 1 + 3 * 2)
+
+
+def test_a_world_of_several_nodes_plans_the_shard_group_too():
+    candidates = planned_candidates({}, 10.0, 16, 8)
+    assert {c["shard_size"] for c in candidates} == {None, "node"}
+    assert all(c["shard_size"] is None for c in planned_candidates({"hpz_size": 8}, 10.0, 16, 8))
+    # every layout's fastest variant first: largest buckets, most kept, deepest prefetch
+    layouts = 3 * 3 * 2
+    assert all(c["bucket_mb"] == 64.0 for c in candidates[:layouts])
+    assert all(c.get("prefetch", 2) == 2 and c.get("keep_gathered_mb", 10.0) == 10.0 for c in candidates[:layouts])
+    leanest = min(candidates, key=frugality)
+    assert leanest["stage"] == 3 and leanest["shard_size"] is None and leanest["bucket_mb"] == 4.0
+    assert set(leanest) == set(PLANNED)
+
+
+@pytest.mark.parametrize(
+    "limit, expected",
+    [(512, 512 * MIB), ("80GiB", 80 * 2**30), ("70GB", 70 * 10**9), ("1.5 MiB", int(1.5 * MIB))],
+)
+def test_a_memory_limit_is_mib_or_a_size(limit, expected):
+    assert memory_limit_bytes(limit) == expected
+
+
+def test_auto_is_the_profiles_memory_less_the_margin_and_bad_limits_name_the_option():
+    from zcompile.predict.hardware import load_profile
+
+    profile = load_profile("h100-sxm")
+    assert memory_limit_bytes("auto", profile) == int(profile.memory_bytes * 0.9)
+    for bad in (0, -1, "lots", float("nan"), True):
+        with pytest.raises(ValueError, match="memory_limit_mb"):
+            memory_limit_bytes(bad)
