@@ -328,18 +328,18 @@ def test_node_size_argument_and_option_must_agree():
 
 
 def test_the_node_note_is_said_for_simulate_and_for_simulate_tune_alike():
-    """``_say_nodes`` (both commands call it): a CPU profile split into hosts by its own node_size
+    """``say_nodes`` (both commands call it): a CPU profile split into hosts by its own node_size
     says so; an explicit --node-size or a GPU profile says nothing."""
     from argparse import Namespace
 
-    from zcompile.cli.simulate import _say_nodes
+    from zcompile.cli.simulate import say_nodes
 
     class Lines(list):
         def line(self, text):
             self.append(text)
 
     said = Lines()
-    _say_nodes(Namespace(node_size=None, hardware="cpu-local", world=6), said)
+    say_nodes(Namespace(node_size=None, hardware="cpu-local", world=6), said)
     assert said == [
         "note: 6 ranks priced as 3 hosts of 2 ranks (the profile's node_size); for all of them on one "
         "host of 2 cores, pass --node-size 6"
@@ -349,7 +349,7 @@ def test_the_node_note_is_said_for_simulate_and_for_simulate_tune_alike():
         Namespace(node_size=None, hardware="cpu-local", world=2),
         Namespace(node_size=None, hardware="h100-sxm", world=64),
     ):
-        _say_nodes(args, said)
+        say_nodes(args, said)
     assert len(said) == 1
 
 

@@ -203,50 +203,14 @@ def simulate(
             _loss(output, loss_fn).backward()
         finally:
             torch._dynamo.reset()
-        states = estimate_memory(model, world_size, config)
-        pricing = profile.link_costs(world_size, node_size, group_ranks_by_name())
-    num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
-    tokens = _tokens(args, kwargs)
-    gathered, staging = gathered_peak_parts(
-        [gm for g in graphs for gm in (g.forward, g.backward)], on_gloo and world_size > 1
-    )
-    # each graph as often as the step ran it, as step_report counts it: a graph break inside the layer
-    # loop compiles one graph for a layer's frame, called once per layer
-    stepped = [g for g in graphs for _ in range(max(1, g.calls_since_step))]
-    result = SimulationResult(
-        world_size,
-        node_size,
-        profile.name,
-        num_params,
-        tokens,
-        memory={
-            "model_states_bytes": states.model_states_bytes,
-            "peak_gathered_bytes": gathered,
-            "gather_staging_bytes": staging,  # gloo's copies of the gathers in flight (step_report's part)
-            "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in stepped if g.keep_gathered),
-            "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) for g in stepped),
-        },
-    )
-    peak = step_peak(
-        stepped,
-        states.params_bytes,
-        states.grads_bytes,
-        states.optimizer_bytes,
-        gather_staging=on_gloo and world_size > 1,
-    )
-    result.step_peak_bytes, result.step_peak_phase = peak.peak_bytes, peak.where
-    result.collectives = _graph_collectives(stepped, pricing) + _optimizer_collectives(
-        model, pricing, by_all_to_all=on_gloo
-    )
-    compute = profile.compute_costs(config.param_dtype or torch.float32)
-    result.optimizer_update_s = _optimizer_update_seconds(model, profile, compute)
-    result.time_sharing = time_sharing
-    result.store_exchanges = _store_exchanges(graphs, world_size) if checks_ranks else 0
-    _predict(result, stepped, pricing, compute, sum(p.requires_grad for p in dict.fromkeys(model.parameters())))
+        exchanges = _store_exchanges(graphs, world_size) if checks_ranks else 0
+        result = predict_compiled(
+            graphs, model, config, world_size, node_size, profile, _tokens(args, kwargs), time_sharing, exchanges
+        )
     result.simulate_s = time.perf_counter() - start
     log.info(
         "simulate: %d parameters on %d ranks (%s): %.1f MiB per rank, step %.3f s, MFU %.1f%%",
-        num_params,
+        result.num_params,
         world_size,
         profile.name,
         result.per_rank_bytes / 2**20,
@@ -468,3 +432,61 @@ def _predict(
         # against a rank's own peak, not its time-shared one
         peak = compute.flops_per_s * result.time_sharing
         result.mfu = 6 * result.num_params * result.tokens_per_rank / result.step_s / peak
+
+
+def predict_compiled(
+    graphs: list,
+    model: torch.nn.Module,
+    config: ZeroConfig,
+    world_size: int,
+    node_size: int,
+    profile: HardwareProfile,
+    tokens: int,
+    time_sharing: float = 1.0,
+    store_exchanges: int = 0,
+) -> SimulationResult:
+    """Memory by parts, the step peak, the collectives and the predicted step of ``graphs`` (a step's
+    compiled graphs, forward and backward run once on fake tensors) of ``model`` at ``world_size``
+    ranks, on ``profile`` as the ranks share it. In the fake world (``simulate``) or beside the real
+    one (a memory limit planned at compile time, ``tune.memory_limit``)."""
+    on_gloo = profile.device_type == "cpu"
+    states = estimate_memory(model, world_size, config)
+    pricing = profile.link_costs(world_size, node_size, group_ranks_by_name())
+    num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    gathered, staging = gathered_peak_parts(
+        [gm for g in graphs for gm in (g.forward, g.backward)], on_gloo and world_size > 1
+    )
+    # each graph as often as the step ran it, as step_report counts it: a graph break inside the layer
+    # loop compiles one graph for a layer's frame, called once per layer
+    stepped = [g for g in graphs for _ in range(max(1, g.calls_since_step))]
+    result = SimulationResult(
+        world_size,
+        node_size,
+        profile.name,
+        num_params,
+        tokens,
+        memory={
+            "model_states_bytes": states.model_states_bytes,
+            "peak_gathered_bytes": gathered,
+            "gather_staging_bytes": staging,  # gloo's copies of the gathers in flight (step_report's part)
+            "kept_gathered_bytes": sum(g.keep_gathered.kept_bytes for g in stepped if g.keep_gathered),
+            "saved_activation_bytes": sum(saved_activation_bytes(g.forward, g.backward) for g in stepped),
+        },
+    )
+    peak = step_peak(
+        stepped,
+        states.params_bytes,
+        states.grads_bytes,
+        states.optimizer_bytes,
+        gather_staging=on_gloo and world_size > 1,
+    )
+    result.step_peak_bytes, result.step_peak_phase = peak.peak_bytes, peak.where
+    result.collectives = _graph_collectives(stepped, pricing) + _optimizer_collectives(
+        model, pricing, by_all_to_all=on_gloo
+    )
+    compute = profile.compute_costs(config.param_dtype or torch.float32)
+    result.optimizer_update_s = _optimizer_update_seconds(model, profile, compute)
+    result.time_sharing = time_sharing
+    result.store_exchanges = store_exchanges
+    _predict(result, stepped, pricing, compute, sum(p.requires_grad for p in dict.fromkeys(model.parameters())))
+    return result
