@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -119,6 +120,11 @@ class ZeroConfig:
         node_size: ranks per node, for qgZ's hierarchy and ``hpz_size="node"``; ``None`` reads
             torchrun's ``$LOCAL_WORLD_SIZE`` (else the whole world is one node). On one machine
             a smaller value simulates several nodes.
+        memory_limit_mb: memory per rank the step must fit in: MiB, a size (``"70GiB"``) or
+            ``"auto"`` (the device's memory less 10%). The backend then plans, at its first compile,
+            the options not set here (stage, shard_size, activation_memory_budget,
+            keep_gathered_mb, bucket_mb, prefetch): the fastest predicted that fits
+            (``docs/memory-limit.md``). ``None``: no planning.
     """
 
     stage: int = 3
@@ -149,6 +155,7 @@ class ZeroConfig:
     node_size: int | None = None
     shard_size: int | str | None = None
     mesh: Any = None
+    memory_limit_mb: float | str | None = None
 
     def __post_init__(self) -> None:
         if self.dump is not None:
@@ -230,6 +237,8 @@ class ZeroConfig:
                 "and 3; stage 1 reduces in the optimizer. Use stage 2 or 3"
             )
         self._check_hybrid_sharding()
+        if self.memory_limit_mb is not None:
+            memory_limit_bytes(self.memory_limit_mb, device_bytes=1)  # the form checked; "auto" read later
         if not isinstance(self.broadcast_buffers, bool):
             raise TypeError(f"zcompile: option 'broadcast_buffers' must be a bool, got {self.broadcast_buffers!r}")
         if not isinstance(self.sync_module_states, bool):
@@ -388,3 +397,30 @@ def _parse_dtype(option: str, value: Any) -> torch.dtype | None:
     raise ValueError(
         f"zcompile: option {option!r} must be a torch dtype or one of {sorted(_DTYPE_NAMES)}, got {value!r}"
     )
+
+
+MIB = 2**20
+AUTO_MEMORY_MARGIN = 0.10  # memory_limit_mb="auto": less 10% (allocator fragmentation, CUDA context, NCCL buffers)
+_SIZE_UNITS = {"KiB": 2**10, "MiB": MIB, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+
+
+def memory_limit_bytes(limit: float | str, device_bytes: float | None = None) -> int:
+    """Option ``memory_limit_mb`` as bytes: a number of MiB, a size (``"80GiB"``, ``"70GB"``, ``"512MiB"``)
+    or ``"auto"``: ``device_bytes`` less ``AUTO_MEMORY_MARGIN``."""
+    if isinstance(limit, str):
+        text = limit.strip()
+        if text == "auto":
+            if device_bytes is None:
+                raise ValueError("zcompile: option 'memory_limit_mb' 'auto' needs the device's memory to read")
+            return int(device_bytes * (1 - AUTO_MEMORY_MARGIN))
+        match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(KiB|MiB|GiB|TiB|KB|MB|GB|TB)?", text)
+        if match is None:
+            raise ValueError(
+                f"zcompile: option 'memory_limit_mb' must be MiB (a number), a size like '80GiB' or 'auto', got {limit!r}"
+            )
+        return int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or "MiB"])
+    if not finite_number(limit) or limit <= 0:
+        raise ValueError(
+            f"zcompile: option 'memory_limit_mb' must be a positive number of MiB, a size or 'auto', got {limit!r}"
+        )
+    return int(limit * MIB)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from zcompile.tune.plan import MIB, memory_limit_bytes
+from zcompile.config import MIB, ZeroConfig, memory_limit_bytes
 from zcompile.tune.plan_space import PLANNED, frugality, planned_candidates
 
 
@@ -44,7 +44,7 @@ def test_auto_is_the_profiles_memory_less_the_margin_and_bad_limits_name_the_opt
     from zcompile.predict.hardware import load_profile
 
     profile = load_profile("h100-sxm")
-    assert memory_limit_bytes("auto", profile) == int(profile.memory_bytes * 0.9)
+    assert memory_limit_bytes("auto", profile.memory_bytes) == int(profile.memory_bytes * 0.9)
     for bad in (0, -1, "lots", float("nan"), True):
-        with pytest.raises(ValueError, match="memory_limit_mb"):
-            memory_limit_bytes(bad)
+        with pytest.raises(ValueError, match="option 'memory_limit_mb'"):
+            ZeroConfig.from_options({"memory_limit_mb": bad})

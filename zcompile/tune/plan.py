@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -33,7 +32,7 @@ from typing import Any
 
 import torch
 
-from zcompile.config import ZeroConfig
+from zcompile.config import MIB, ZeroConfig, memory_limit_bytes
 from zcompile.predict.estimate import estimate_memory
 from zcompile.predict.hardware import HardwareProfile, load_profile
 from zcompile.predict.simulate import check_world
@@ -41,13 +40,11 @@ from zcompile.tune.plan_report import mib, options_text, print_plan
 from zcompile.tune.plan_space import CHOSEN, FITS, NOT_SIMULATED, OVER, frugality, planned_candidates
 from zcompile.tune.search import FAILED, INVALID, PREDICTED, PRUNED
 from zcompile.tune.serialization import jsonable_options
-from zcompile.tune.simulated import simulate_point
+from zcompile.tune.simulated import SimulatedPoint, simulate_point
 from zcompile.tune.space import Point
 
 log = logging.getLogger(__name__)
 
-MIB = 2**20
-AUTO_MARGIN = 0.10  # "auto": the device's memory less 10% (allocator fragmentation, CUDA context, NCCL buffers)
 FORMAT = "zcompile.plan/1"
 
 
@@ -134,27 +131,6 @@ class Plan:
         print_plan(self)
 
 
-def memory_limit_bytes(limit: float | str, profile: HardwareProfile | None = None) -> int:
-    """``memory_limit_mb`` as bytes: a number of MiB, a size (``"80GiB"``, ``"70GB"``, ``"512MiB"``) or
-    ``"auto"``: the profile's device memory less ``AUTO_MARGIN``."""
-    if isinstance(limit, str):
-        text = limit.strip()
-        if text == "auto":
-            if profile is None:
-                raise ValueError("zcompile: memory_limit_mb 'auto' needs a hardware profile or a device to read")
-            return int(profile.memory_bytes * (1 - AUTO_MARGIN))
-        match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(KiB|MiB|GiB|TiB|KB|MB|GB|TB)?", text)
-        if match is None:
-            raise ValueError(
-                f"zcompile: memory_limit_mb must be MiB (a number), a size like '80GiB' or 'auto', got {limit!r}"
-            )
-        units = {"KiB": 2**10, "MiB": MIB, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
-        return int(float(match.group(1)) * units[match.group(2) or "MiB"])
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0:
-        raise ValueError(f"zcompile: memory_limit_mb must be a positive number of MiB, a size or 'auto', got {limit!r}")
-    return int(limit * MIB)
-
-
 def plan(
     make_model: Callable[[], torch.nn.Module],
     example_batch: Any,
@@ -178,23 +154,47 @@ def plan(
     started = time.perf_counter()
     fixed = dict(options or {})
     ZeroConfig.from_options(fixed)  # the user's options checked, naming the option, before anything compiles
-    if isinstance(max_simulations, bool) or not isinstance(max_simulations, int) or max_simulations < 1:
-        raise ValueError(f"zcompile.plan: max_simulations must be an int >= 1, got {max_simulations!r}")
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     check_world(world_size, node_size)
     node_size = node_size or fixed.get("node_size") or profile.node_size
-    limit = memory_limit_bytes(memory_limit_mb, profile)
+    limit = memory_limit_bytes(memory_limit_mb, profile.memory_bytes)
     cache = {} if simulated is None else simulated
 
-    model = _fake_model(make_model)
+    def evaluate(options: dict[str, Any]) -> SimulatedPoint:
+        key = json.dumps(jsonable_options(options), sort_keys=True)
+        if key not in cache:
+            point = Point(0, options, False)
+            cache[key] = simulate_point(point, make_model, example_batch, loss_fn, {}, world_size, node_size, profile)
+        return cache[key]
+
+    return search_plan(
+        _fake_model(make_model), fixed, limit, world_size, node_size, profile.name, evaluate, max_simulations, started
+    )
+
+
+def search_plan(
+    model: torch.nn.Module,
+    fixed: dict[str, Any],
+    limit: int,
+    world_size: int,
+    node_size: int,
+    hardware: str,
+    evaluate: Callable[[dict[str, Any]], SimulatedPoint],
+    max_simulations: int,
+    started: float,
+) -> Plan:
+    """The search of the module doc over ``tune.plan_space``'s candidates around the ``fixed`` options:
+    ``evaluate(options)`` predicts one (a simulation, or a compile beside the real run), ``model``
+    (its parameters; fake tensors will do) gives each candidate's model states."""
+    if isinstance(max_simulations, bool) or not isinstance(max_simulations, int) or max_simulations < 1:
+        raise ValueError(f"zcompile.plan: max_simulations must be an int >= 1, got {max_simulations!r}")
     dtype = ZeroConfig.from_options(fixed).param_dtype or torch.float32
     gathered_mib = sum(p.numel() for p in dict.fromkeys(model.parameters())) * dtype.itemsize / MIB
     candidates = [PlanCandidate(c) for c in planned_candidates(fixed, gathered_mib, world_size, node_size)]
     activations: dict[Any, int] = {}  # activation_memory_budget -> saved activation bytes simulated
-    simulations = 0
+    evaluated: set[str] = set()
 
     def judge(candidate: PlanCandidate, *, budgeted: bool) -> None:
-        nonlocal simulations
         options = {**fixed, **candidate.options}
         try:
             config = ZeroConfig.from_options(options)
@@ -209,15 +209,11 @@ def plan(
             candidate.status, candidate.floor_bytes = PRUNED, floor
             candidate.why = f"at least {mib(floor)} MiB: model states {mib(states)}{known} MiB"
             return
-        if budgeted and simulations >= max_simulations:
+        if budgeted and len(evaluated) >= max_simulations:
             candidate.why = f"max_simulations={max_simulations} reached"
             return
-        key = json.dumps(jsonable_options(options), sort_keys=True)
-        if key not in cache:
-            point = Point(0, options, False)
-            cache[key] = simulate_point(point, make_model, example_batch, loss_fn, {}, world_size, node_size, profile)
-            simulations += 1
-        _record(candidate, cache[key], limit)
+        evaluated.add(json.dumps(jsonable_options(options), sort_keys=True))
+        _record(candidate, evaluate(options), limit)
         if candidate.memory_parts:
             activations[budget_key] = candidate.memory_parts.get("saved_activation_bytes", 0)
 
@@ -235,7 +231,7 @@ def plan(
         raise PlanError(_nothing_fits(candidates, limit, world_size, fixed))
     best = min(fitting, key=lambda c: c.step_s)
     best.status = CHOSEN
-    result = Plan({**fixed, **best.options}, fixed, limit, world_size, node_size, profile.name, candidates, wall)
+    result = Plan({**fixed, **best.options}, fixed, limit, world_size, node_size, hardware, candidates, wall)
     log.info("%s", result.summary())
     return result
 
