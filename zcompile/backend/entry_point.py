@@ -78,6 +78,12 @@ def zero_backend(
     if mode is not None:
         raise ValueError(f"zcompile: torch.compile(mode={mode!r}) is not supported; pass options instead")
     config = ZeroConfig.from_options(options).for_graph(device_type(example_inputs), bool(subgraph_calls(gm)))
+    if config.memory_limit_mb is not None:
+        raise ValueError(
+            "zcompile: option 'memory_limit_mb' is planned by the registered backend, before this one compiles: "
+            'use torch.compile(model, backend="zero", options=...) (or zcompile.entry.zero), not '
+            "zcompile.backend.zero_backend itself"
+        )
     refuse_outer_data_parallel()
     refuse_regions_with_inductor(gm, config)
     warn_if_restarts_share_the_agent_store()

@@ -129,6 +129,25 @@ def plan_reduce_buckets(
     return plan_optimizer_buckets(members, _grad_reduce_dtype, bucket_bytes // 2 if by_all_to_all else bucket_bytes)
 
 
+# The step's own buffers at their peak, in buckets of its largest all-gather (``BufferLedger``'s count,
+# tests/test_optim_buckets.py): an all-gather in flight in gloo's flat buffers (its output and its
+# inputs, 1.5 at 2 ranks) at both stages; stage 1 adds the next reduce in flight and the reduced
+# gradient shards being updated (3.0), 3.5 when the replicas are in a low precision (the shards are fp32).
+STEP_BUFFER_BUCKETS = {(1, False): 3.0, (1, True): 3.5, (2, False): 1.5, (2, True): 1.5}
+
+
+def step_buffer_bound(members: list[ShardedParam], bucket_bytes: int) -> int:
+    """What the optimizer's step holds in buffers of its own at once, at most (``STEP_BUFFER_BUCKETS``),
+    for stage-1/2 ``members``: a bound for a plan, since with one bucket the reduce and the all-gather
+    do not overlap and the step holds less."""
+    largest = {}
+    for bucket in plan_optimizer_buckets(members, lambda s: s.replicated_dtype, bucket_bytes):
+        key = (bucket[0].stage, bucket[0].replicated_dtype != torch.float32)
+        nbytes = sum(m.padded_numel for m in bucket) * bucket[0].replicated_dtype.itemsize
+        largest[key] = max(largest.get(key, 0), nbytes)
+    return int(max((STEP_BUFFER_BUCKETS[key] * nbytes for key, nbytes in largest.items()), default=0))
+
+
 def _bucket_index(buckets: list[list[ShardedParam]]) -> dict[int, int]:
     """id(member) -> index of its bucket."""
     return {id(m): i for i, bucket in enumerate(buckets) for m in bucket}

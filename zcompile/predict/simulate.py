@@ -63,7 +63,7 @@ from zcompile.agreement.store_exchange import ANSWERED_REQUESTS_PER_EXCHANGE
 from zcompile.backend.entry_point import agrees_on_each_call
 from zcompile.common.process_group import group_ranks_by_name
 from zcompile.config import ZeroConfig
-from zcompile.optim.buckets import plan_optimizer_buckets, plan_reduce_buckets
+from zcompile.optim.buckets import plan_optimizer_buckets, plan_reduce_buckets, step_buffer_bound
 from zcompile.passes.collectives import collective_nodes
 from zcompile.passes.liveness import gathered_peak_parts, saved_activation_bytes
 from zcompile.predict.cost_model import ComputeCosts, predict_step, step_graphs
@@ -306,11 +306,7 @@ def _optimizer_collectives(
     stage 1 the full gradients reduce-scattered in their reduce dtype (``plan_reduce_buckets``: half
     buckets where, as on the profile's CPU (gloo), they are exchanged by all-to-all), then the updated
     parameters all-gathered in the replicated dtype; one collective per bucket, padded."""
-    members = [
-        s
-        for s in filter(None, map(shard_of, dict.fromkeys(model.parameters())))
-        if s.stage in (1, 2) and s.group.world_size > 1 and s.param.requires_grad
-    ]
+    members = _optimizer_members(model)
     bucket_bytes = int(bucket_mb * 2**20)
     moves = [
         (
@@ -343,6 +339,15 @@ def _optimizer_collectives(
                     )
                 )
     return out
+
+
+def _optimizer_members(model: torch.nn.Module) -> list:
+    """The shards whose parameters ``zcompile.optim``'s step all-gathers (stages 1 and 2, trained, ranks > 1)."""
+    return [
+        s
+        for s in filter(None, map(shard_of, dict.fromkeys(model.parameters())))
+        if s.stage in (1, 2) and s.group.world_size > 1 and s.param.requires_grad
+    ]
 
 
 def _store_exchanges(graphs: list, world_size: int) -> int:
@@ -479,6 +484,7 @@ def predict_compiled(
         states.grads_bytes,
         states.optimizer_bytes,
         gather_staging=on_gloo and world_size > 1,
+        optimizer_buffers_bytes=step_buffer_bound(_optimizer_members(model), int(OPTIMIZER_BUCKET_MB * 2**20)),
     )
     result.step_peak_bytes, result.step_peak_phase = peak.peak_bytes, peak.where
     result.collectives = _graph_collectives(stepped, pricing) + _optimizer_collectives(

@@ -17,11 +17,11 @@ its last reader, as the generated code frees it) and gives each phase's peak, mo
   clears the argument list AOTAutograd hands over (``zcompile.backend.aot.boxed_graph_function``,
   where ``make_boxed_func`` would keep every input to the end). Inductor's fusions keep fewer
   intermediates than the FX graph walked here holds, so there the walk is an upper bound;
-- ``optimizer``: the model states with the gradients.
+- ``optimizer``: the model states with the gradients and the step's own buffers
+  (``optimizer_buffers_bytes``: ``optim.buckets.step_buffer_bound`` in ``simulate``).
 
 On gloo (``gather_staging``) each all-gather's second buffer is counted too: gloo gathers into a flat
-buffer of its own and copies out of it. Not counted: the optimizer's own temporaries (its bucket
-buffers and the update's intermediates, a few ``bucket_mb`` buckets); with several graphs (graph
+buffer of its own and copies out of it. Not counted: the update's intermediates; with several graphs (graph
 breaks), the tensors eager code carries between them (a hidden state and its gradient); the batch;
 forward outputs kept through backward (taken as dropped: ``loss = model(x).loss; loss.backward()``).
 Checked against torch's ``MemTracker`` over the same compiled step (``tests/unit/test_step_peak.py``).
@@ -63,6 +63,7 @@ def step_peak(
     optimizer_bytes: int,
     hold_backward_inputs: bool = False,
     gather_staging: bool = False,
+    optimizer_buffers_bytes: int = 0,
 ) -> StepPeak:
     """The step's peak from the ``CompiledGraphs`` of one step (``on_compile``'s, in compile order, a
     graph the step runs several times once per call) and this rank's model states (``estimate_memory``'s or ``model_state_bytes``' parts).
@@ -85,7 +86,7 @@ def step_peak(
                 g.backward, _backward_preloaded(g), hold_inputs=hold_backward_inputs, gather_staging=gather_staging
             )
             phases[f"backward{i}"] = states + sum(map(_total, saved[:i])) + grads_after[i] + walk
-    phases["optimizer"] = states + grads_bytes
+    phases["optimizer"] = states + grads_bytes + optimizer_buffers_bytes
     result = StepPeak(states, phases)
     if sum(g.forward is not None for g in graphs) > 1:  # graphs: one entry per call (simulate's walk)
         log.warning(
@@ -95,8 +96,7 @@ def step_peak(
             len(graphs),
         )
     log.info(
-        "step peak %.1f MiB in %s (parameters and optimizer state %.1f MiB; the optimizer's own temporaries "
-        "not counted)",
+        "step peak %.1f MiB in %s (parameters and optimizer state %.1f MiB)",
         result.peak_bytes / 2**20,
         result.where,
         states / 2**20,

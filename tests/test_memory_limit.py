@@ -1,0 +1,123 @@
+"""Option ``memory_limit_mb`` on 2 gloo ranks: the backend plans at its first compile, and under a
+ladder of limits the allocator's measured peak per rank stays within the limit, the losses are those
+of the same options set by hand and of one process; a limit nothing fits is a ``PlanError`` on
+every rank before any step."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+from support.launch import run_ranks
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
+MIB = 2**20
+CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128)
+GLOBAL_BATCH = 8
+STEPS = 3
+# MiB per rank: everything fits (stage 1); stage 1 does not (its optimizer step holds the full
+# gradients and its buckets); half the activations must be recomputed
+LIMITS = (200.0, 9.5, 7.5)
+FIXED = {"bucket_mb": 64, "prefetch": 1, "keep_gathered_mb": 0}  # 9 candidates: stage x activation budget
+
+
+def _train(rank: int, world: int, options: dict) -> tuple[list[float], int, dict]:
+    """Losses of STEPS steps, the measured per-rank peak of one more (the allocator's, through
+    torch.profiler: the bytes alive before each phase plus the phase's peak above them), and the
+    options the backend compiled with."""
+    import zcompile
+    from zcompile.timeline import record_step
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend="zero", options=options)
+    n = GLOBAL_BATCH // world
+
+    def batch(step):
+        tokens, targets = synthetic_batch(step, GLOBAL_BATCH, CONFIG)
+        return tokens[rank * n : (rank + 1) * n], targets[rank * n : (rank + 1) * n]
+
+    losses = []
+    for step in range(STEPS):
+        loss = compiled(*batch(step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        before = zcompile.model_state_bytes(model, optimizer).total
+        backward = record_step(lambda: compiled(*batch(STEPS)).backward(), trace_dir, rank)
+        middle = zcompile.model_state_bytes(model, optimizer).total
+        stepped = record_step(lambda: (optimizer.step(), optimizer.zero_grad()), trace_dir, rank)
+    peak = max(before + backward.peak_bytes, middle + stepped.peak_bytes)
+    plan = model.__dict__.get("_zcompile_memory_plan")
+    return losses, peak, ({} if plan is None else dict(plan.options))
+
+
+def _ladder_on_rank(rank: int, world: int) -> list:
+    out = []
+    for limit in LIMITS:
+        losses, peak, chosen = _train(rank, world, {**FIXED, "memory_limit_mb": limit})
+        by_hand, _, _ = _train(rank, world, chosen)
+        out.append((limit, losses, peak, chosen, by_hand))
+    return out
+
+
+def _reference_losses() -> list[float]:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(STEPS):
+        loss = model(*synthetic_batch(step, GLOBAL_BATCH, CONFIG))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_the_planned_options_fit_the_limit_measured_and_train_like_one_process():
+    reference = _reference_losses()
+    ranks = run_ranks(2, _ladder_on_rank, timeout_s=600)
+    chosen_stages = []
+    for (limit, losses, peak, chosen, by_hand), other in zip(ranks[0], ranks[1]):
+        for rank_peak in (peak, other[2]):
+            assert rank_peak <= limit * MIB, (limit, rank_peak / MIB, chosen)
+        assert losses == by_hand, (limit, chosen)  # the plan's options are what compiled
+        mean = [(a + b) / 2 for a, b in zip(losses, other[1])]  # each rank's loss is its half's mean
+        assert mean == pytest.approx(reference, rel=1e-5), (limit, chosen)
+        chosen_stages.append((chosen["stage"], chosen.get("activation_memory_budget")))
+    assert [r[3] for r in ranks[1]] == [r[3] for r in ranks[0]]  # the same plan on every rank
+    assert len(set(chosen_stages)) == len(LIMITS), chosen_stages  # each limit asked for another plan
+
+
+def _nothing_fits_on_rank(rank: int, world: int) -> tuple[str, float, bool]:
+    import zcompile
+
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    compiled = torch.compile(model, backend="zero", options={"memory_limit_mb": 1.0})
+    started = time.perf_counter()
+    tokens, targets = synthetic_batch(0, GLOBAL_BATCH, CONFIG)
+    try:
+        compiled(tokens[:4], targets[:4])
+    except Exception as error:  # noqa: BLE001 - Dynamo wraps the backend's error; its text is the point
+        return str(error), time.perf_counter() - started, isinstance(error, zcompile.PlanError)
+    return "", time.perf_counter() - started, False
+
+
+def test_a_limit_nothing_fits_is_refused_on_every_rank_before_a_step():
+    for message, seconds, _ in run_ranks(2, _nothing_fits_on_rank, timeout_s=300):
+        assert "nothing fits memory_limit_mb=1 MiB per rank at 2 ranks" in message, message
+        assert "the model states alone are over it" in message and "To fit: more ranks" in message, message
+        assert seconds < 120, seconds
