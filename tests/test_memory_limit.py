@@ -60,6 +60,9 @@ def _train(rank: int, world: int, options: dict) -> tuple[list[float], int, dict
         stepped = record_step(lambda: (optimizer.step(), optimizer.zero_grad()), trace_dir, rank)
     peak = max(before + backward.peak_bytes, middle + stepped.peak_bytes)
     plan = model.__dict__.get("_zcompile_memory_plan")
+    if plan is not None:  # the report says the plan
+        report = zcompile.step_report(model, optimizer)
+        assert report.planned_peak_bytes == plan.chosen.peak_bytes and "memory plan: " in report.render()
     return losses, peak, ({} if plan is None else dict(plan.options))
 
 

@@ -400,6 +400,7 @@ def _parse_dtype(option: str, value: Any) -> torch.dtype | None:
 
 
 MIB = 2**20
+MEMORY_PLAN_ATTR = "_zcompile_memory_plan"  # on a model: the plan memory_limit_mb made at its first compile
 AUTO_MEMORY_MARGIN = 0.10  # memory_limit_mb="auto": less 10% (allocator fragmentation, CUDA context, NCCL buffers)
 _SIZE_UNITS = {"KiB": 2**10, "MiB": MIB, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 

@@ -22,6 +22,7 @@ import torch
 from zcompile.backend.compiled import CompiledGraphs, compiled_graphs_of
 from zcompile.common.comm_volume import step_collectives, summarize
 from zcompile.common.process_group import on_gloo
+from zcompile.config import MEMORY_PLAN_ATTR
 from zcompile.passes import metadata
 from zcompile.passes.collectives import COLLECTIVE_OPS, WAIT, collective_nodes
 from zcompile.passes.liveness import gathered_peak_parts, saved_activation_bytes
@@ -63,6 +64,11 @@ class StepReport:
     # hybrid sharding: process group name -> "shard" or "replicate" (the collectives' groups), and the replicas
     group_roles: dict[str, str] = field(default_factory=dict)
     replicas: int = 1
+    # memory_limit_mb: the plan's line (its choice, predicted peak by parts, step) and its predicted peak;
+    # on CUDA the allocator's measured peak of this process (torch.cuda.max_memory_allocated) beside it
+    memory_plan: str = ""
+    planned_peak_bytes: int = 0
+    measured_peak_bytes: int | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -155,6 +161,15 @@ class StepReport:
                 else []
             )
             + ([f"gradient norm {self.grad_norm:.6g} (before clipping)"] if self.grad_norm is not None else [])
+            + ([f"memory plan: {self.memory_plan.removeprefix('zcompile.plan: ')}"] if self.memory_plan else [])
+            + (
+                [
+                    f"peak memory: {self.measured_peak_bytes / 2**20:.2f} MiB measured (this process's allocator), "
+                    f"{self.planned_peak_bytes / 2**20:.2f} MiB planned"
+                ]
+                if self.memory_plan and self.measured_peak_bytes is not None
+                else []
+            )
             + (
                 [f"{self.skipped_steps} step(s) skipped: gradients not finite (skip_nonfinite)"]
                 if self.skipped_steps
@@ -264,7 +279,22 @@ def step_report(
         ),
         group_roles=_group_roles(graphs),
         replicas=graphs[0].context.group.replicas if graphs[0].context is not None else 1,
+        **_memory_plan(model, graphs),
     )
+
+
+def _memory_plan(model: torch.nn.Module, graphs: list[CompiledGraphs]) -> dict[str, Any]:
+    """The plan ``memory_limit_mb`` made (``tune.memory_limit``), and on CUDA the measured peak beside it."""
+    plan = model.__dict__.get(MEMORY_PLAN_ATTR)
+    if plan is None:
+        return {}
+    device = graphs[0].context.device_type if graphs[0].context is not None else "cpu"
+    measured = torch.cuda.max_memory_allocated() if device == "cuda" and torch.cuda.is_available() else None
+    return {
+        "memory_plan": plan.summary(),
+        "planned_peak_bytes": plan.chosen.peak_bytes,
+        "measured_peak_bytes": measured,
+    }
 
 
 def _group_roles(graphs: list[CompiledGraphs]) -> dict[str, str]:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from zcompile.agreement.store_exchange import agree_on_store
 from zcompile.backend.entry_point import zero_backend
 from zcompile.common.process_group import DataParallelGroup
-from zcompile.config import ZeroConfig, memory_limit_bytes
+from zcompile.config import MEMORY_PLAN_ATTR, ZeroConfig, memory_limit_bytes
 from zcompile.predict.hardware import HardwareProfile, load_profile
 from zcompile.predict.simulate import predict_compiled
 from zcompile.tune.plan import Plan, search_plan
@@ -40,7 +40,6 @@ from zcompile.tune.simulated import SimulatedPoint
 
 log = logging.getLogger(__name__)
 
-PLAN_ATTR = "_zcompile_memory_plan"  # on the model: the Plan its first compile made
 MAX_CANDIDATES_COMPILED = 8
 CANDIDATE_TIMEOUT_S = 600.0
 _PROFILE_BY_DEVICE_NAME = (("H100", "h100-sxm"), ("A100", "a100-80gb"))
@@ -53,12 +52,12 @@ def planned_options(
     choices, planned at the model's first compile (module doc) and reused for its later graphs."""
     given = dict(options) if isinstance(options, dict) else _set_fields(options)
     fixed = {name: value for name, value in given.items() if name != "memory_limit_mb"}
-    kept = None if model is None else model.__dict__.get(PLAN_ATTR)
+    kept = None if model is None else model.__dict__.get(MEMORY_PLAN_ATTR)
     if kept is not None and kept.fixed == fixed:
         return dict(kept.options)
     plan = plan_at_compile(gm, example_inputs, given, fixed, model)
     if model is not None:
-        model.__dict__[PLAN_ATTR] = plan
+        model.__dict__[MEMORY_PLAN_ATTR] = plan
     return dict(plan.options)
 
 
