@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from bench_simulate import SEQ, SHAPES  # noqa: E402
 
 import zcompile  # noqa: E402
+from zcompile.tune.plan import PREDICTION_HEADROOM  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 GIB = 2**30
@@ -105,7 +106,8 @@ def ladder() -> None:
             make, batch, memory_limit_mb=1e9, options=fixed, max_simulations=10**6, simulated=cache, **settings
         )
         peaks = sorted(c.peak_bytes for c in full.candidates if c.peak_bytes is not None)
-        limits = sorted({peaks[round(i * (len(peaks) - 1) / 7)] for i in range(8)})
+        # each rung just fits a candidate's peak with the plan's headroom
+        limits = sorted({int(peaks[round(i * (len(peaks) - 1) / 7)] * (1 + PREDICTION_HEADROOM)) + 1 for i in range(8)})
         steps = []
         for limit in limits:
             plan = zcompile.plan(
