@@ -21,7 +21,16 @@ def zero(gm: torch.fx.GraphModule, example_inputs: list, options: Any = None, mo
         return zero_backend(gm, example_inputs, options, mode)
     from zcompile.tune.memory_limit import planned_options  # the planner's imports, only where it plans
 
-    modules = modules_of_compiled_frame()[:1] or forward_modules_on_stack()[-1:]
     return zero_backend(
-        gm, example_inputs, planned_options(gm, example_inputs, options, next(iter(modules), None)), mode
+        gm, example_inputs, planned_options(gm, example_inputs, options, _model_of(example_inputs)), mode
     )
+
+
+def _model_of(example_inputs: list) -> torch.nn.Module | None:
+    """The module the graph trains: of the compiled frame's modules (and those whose forward is on
+    the stack), the one that owns the most of the graph's parameters, the outermost of equals."""
+    params = {id(v) for v in example_inputs if isinstance(v, torch.nn.Parameter)}
+    modules = list(dict.fromkeys([*forward_modules_on_stack()[::-1], *modules_of_compiled_frame()]))
+    owned = [(sum(id(p) in params for p in m.parameters()), -i, m) for i, m in enumerate(modules)]
+    best = max(owned, key=lambda entry: entry[:2], default=None)
+    return None if best is None or best[0] == 0 else best[2]
