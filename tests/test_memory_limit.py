@@ -104,6 +104,61 @@ def test_the_planned_options_fit_the_limit_measured_and_train_like_one_process()
     assert len(set(chosen_stages)) == len(LIMITS), chosen_stages  # each limit asked for another plan
 
 
+LLAMA_LIMIT_MB = 2.3  # below what stage 1 without recompute is predicted to need (2.44 MiB)
+
+
+def _llama_on_rank(rank: int, world: int, options: dict) -> tuple[list[float], int, dict]:
+    """A transformers Llama (its own forward, a dict of outputs): losses, measured peak, options."""
+    import transformers
+
+    import zcompile
+    from zcompile.timeline import record_step
+
+    torch._dynamo.reset()
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend="zero", options=options)
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))[rank * 2 : (rank + 1) * 2]
+    losses = []
+    for _ in range(STEPS):
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        before = zcompile.model_state_bytes(model, optimizer).total
+        backward = record_step(lambda: compiled(input_ids=ids, labels=ids).loss.backward(), trace_dir, rank)
+        middle = zcompile.model_state_bytes(model, optimizer).total
+        stepped = record_step(lambda: (optimizer.step(), optimizer.zero_grad()), trace_dir, rank)
+    plan = model.__dict__.get("_zcompile_memory_plan")
+    peak = max(before + backward.peak_bytes, middle + stepped.peak_bytes)
+    return losses, peak, ({} if plan is None else dict(plan.options))
+
+
+def _llama_pair_on_rank(rank: int, world: int) -> tuple:
+    losses, peak, chosen = _llama_on_rank(rank, world, {**FIXED, "memory_limit_mb": LLAMA_LIMIT_MB})
+    by_hand, _, _ = _llama_on_rank(rank, world, chosen)
+    return losses, peak, chosen, by_hand
+
+
+def test_a_transformers_llama_is_planned_within_the_limit():
+    for losses, peak, chosen, by_hand in run_ranks(2, _llama_pair_on_rank, timeout_s=600):
+        assert peak <= LLAMA_LIMIT_MB * MIB, (peak / MIB, chosen)
+        assert (chosen["stage"], chosen["activation_memory_budget"]) != (1, None), chosen  # the limit bit
+        assert losses == by_hand, chosen
+
+
 def _nothing_fits_on_rank(rank: int, world: int) -> tuple[str, float, bool]:
     import zcompile
 
