@@ -33,7 +33,6 @@ def _train(rank: int, world: int, options: dict) -> tuple[list[float], int, dict
     torch.profiler: the bytes alive before each phase plus the phase's peak above them), and the
     options the backend compiled with."""
     import zcompile
-    from zcompile.timeline import record_step
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -53,17 +52,26 @@ def _train(rank: int, world: int, options: dict) -> tuple[list[float], int, dict
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    with tempfile.TemporaryDirectory() as trace_dir:
-        before = zcompile.model_state_bytes(model, optimizer).total
-        backward = record_step(lambda: compiled(*batch(STEPS)).backward(), trace_dir, rank)
-        middle = zcompile.model_state_bytes(model, optimizer).total
-        stepped = record_step(lambda: (optimizer.step(), optimizer.zero_grad()), trace_dir, rank)
-    peak = max(before + backward.peak_bytes, middle + stepped.peak_bytes)
+    peak = _measured_peak(model, optimizer, lambda: compiled(*batch(STEPS)).backward(), rank)
     plan = model.__dict__.get("_zcompile_memory_plan")
     if plan is not None:  # the report says the plan
         report = zcompile.step_report(model, optimizer)
         assert report.planned_peak_bytes == plan.chosen.peak_bytes and "memory plan: " in report.render()
     return losses, peak, ({} if plan is None else dict(plan.options))
+
+
+def _measured_peak(model, optimizer, forward_backward, rank: int) -> int:
+    """The allocator's peak per rank over one more step, through torch.profiler: the bytes alive
+    before each phase (forward and backward, then the optimizer's step) plus the phase's peak above them."""
+    import zcompile
+    from zcompile.timeline import record_step
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        before = zcompile.model_state_bytes(model, optimizer).total
+        backward = record_step(forward_backward, trace_dir, rank)
+        middle = zcompile.model_state_bytes(model, optimizer).total
+        stepped = record_step(lambda: (optimizer.step(), optimizer.zero_grad()), trace_dir, rank)
+    return max(before + backward.peak_bytes, middle + stepped.peak_bytes)
 
 
 def _ladder_on_rank(rank: int, world: int) -> list:
@@ -112,7 +120,6 @@ def _llama_on_rank(rank: int, world: int, options: dict) -> tuple[list[float], i
     import transformers
 
     import zcompile
-    from zcompile.timeline import record_step
 
     torch._dynamo.reset()
     config = transformers.LlamaConfig(
@@ -136,13 +143,8 @@ def _llama_on_rank(rank: int, world: int, options: dict) -> tuple[list[float], i
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    with tempfile.TemporaryDirectory() as trace_dir:
-        before = zcompile.model_state_bytes(model, optimizer).total
-        backward = record_step(lambda: compiled(input_ids=ids, labels=ids).loss.backward(), trace_dir, rank)
-        middle = zcompile.model_state_bytes(model, optimizer).total
-        stepped = record_step(lambda: (optimizer.step(), optimizer.zero_grad()), trace_dir, rank)
     plan = model.__dict__.get("_zcompile_memory_plan")
-    peak = max(before + backward.peak_bytes, middle + stepped.peak_bytes)
+    peak = _measured_peak(model, optimizer, lambda: compiled(input_ids=ids, labels=ids).loss.backward(), rank)
     return losses, peak, ({} if plan is None else dict(plan.options))
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from zcompile.cli.simulate import load_spec, parse_options, say_nodes
+from zcompile.cli.simulate import add_model_arguments, load_spec, parse_options, say_nodes
 from zcompile.common.dumps import DumpError  # the CLI's "exit 2 with a message" error
 
 
@@ -18,21 +18,9 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
         parents=[common],
         help="the fastest options within a memory limit per GPU, predicted for a transformers model (zcompile.plan)",
     )
-    parser.add_argument("spec", help="JSON file: a transformers config dict with its model_type")
-    parser.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
+    add_model_arguments(parser)
     parser.add_argument(
         "--limit", default="auto", help="memory per GPU: MiB, a size (80GiB, 70GB) or auto (the profile's less 10%%)"
-    )
-    parser.add_argument("--node-size", type=int, default=None, help="ranks per node (default: the profile's)")
-    parser.add_argument("--hardware", default="h100-sxm", help="profile name (h100-sxm, a100-80gb, cpu-local) or path")
-    parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
-    parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
-    parser.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a zero backend option you fix (JSON value, or a plain string), e.g. param_dtype=bf16",
     )
     parser.add_argument("--max-simulations", type=int, default=8, help="simulate at most this many candidates")
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the plan as JSON")

@@ -29,19 +29,7 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
         help="memory and step time of a transformers model "
         "at a world size this machine does not have (zcompile.simulate)",
     )
-    parser.add_argument("spec", help="JSON file: a transformers config dict with its model_type")
-    parser.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
-    parser.add_argument("--node-size", type=int, default=None, help="ranks per node (default: the profile's)")
-    parser.add_argument("--hardware", default="h100-sxm", help="profile name (h100-sxm, a100-80gb, cpu-local) or path")
-    parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
-    parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
-    parser.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a zero backend option (JSON value, or a plain string), e.g. stage=3, param_dtype=bf16",
-    )
+    add_model_arguments(parser)
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the result as JSON")
     parser.add_argument(
         "--space",
@@ -58,6 +46,23 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PNG",
         help="with --space: step time against memory, the Pareto front highlighted",
+    )
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model spec, the world it is predicted for, and the options (``simulate`` and ``plan``)."""
+    parser.add_argument("spec", help="JSON file: a transformers config dict with its model_type")
+    parser.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
+    parser.add_argument("--node-size", type=int, default=None, help="ranks per node (default: the profile's)")
+    parser.add_argument("--hardware", default="h100-sxm", help="profile name (h100-sxm, a100-80gb, cpu-local) or path")
+    parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per rank")
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a zero backend option (JSON value, or a plain string), e.g. stage=3, param_dtype=bf16",
     )
 
 

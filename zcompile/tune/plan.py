@@ -40,7 +40,7 @@ from zcompile.predict.simulate import check_world
 from zcompile.tune.plan_report import mib, options_text, print_plan
 from zcompile.tune.plan_space import CHOSEN, FITS, NOT_SIMULATED, OVER, frugality, planned_candidates
 from zcompile.tune.search import FAILED, INVALID, PREDICTED, PRUNED
-from zcompile.tune.serialization import jsonable_options
+from zcompile.tune.serialization import dumps_to, jsonable_options
 from zcompile.tune.simulated import SimulatedPoint, simulate_point
 from zcompile.tune.space import Point
 
@@ -125,11 +125,7 @@ class Plan:
         }
 
     def to_json(self, path: str | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            with open(path, "w") as handle:
-                handle.write(text + "\n")
-        return text
+        return dumps_to(self.to_dict(), path)
 
     def print(self) -> None:
         """The candidates as a table (rich when installed) and the summary line: a user-facing call."""

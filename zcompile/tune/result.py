@@ -19,7 +19,7 @@ from zcompile.tune.calibration import StepCalibration
 from zcompile.tune.policies import POLICY_NAMES, policy_from_name
 from zcompile.tune.report import plot_result, print_result, render_result
 from zcompile.tune.search import MEASURED, Measured, Predicted, Trial, best_trial, spearman
-from zcompile.tune.serialization import jsonable_options, jsonable_value
+from zcompile.tune.serialization import dumps_to, jsonable_options, jsonable_value
 from zcompile.tune.space import POLICY_OPTION
 
 FORMAT = "zcompile.tune/1"
@@ -118,11 +118,7 @@ class TuneResult:
         }
 
     def to_json(self, path: str | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            with open(path, "w") as handle:
-                handle.write(text + "\n")
-        return text
+        return dumps_to(self.to_dict(), path)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TuneResult:

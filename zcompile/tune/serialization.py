@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -21,3 +22,12 @@ def jsonable_value(value: Any) -> Any:
 def jsonable_options(options: dict[str, Any]) -> dict[str, Any]:
     """Options as JSON holds them; the process group (not a value) is left out."""
     return {name: jsonable_value(value) for name, value in options.items() if name != "group"}
+
+
+def dumps_to(data: dict[str, Any], path: str | None = None) -> str:
+    """``data`` as indented JSON; also written to ``path`` (with a final newline) when given."""
+    text = json.dumps(data, indent=1)
+    if path is not None:
+        with open(path, "w") as handle:
+            handle.write(text + "\n")
+    return text

@@ -39,7 +39,7 @@ from zcompile.predict.hardware import HardwareProfile, load_profile
 from zcompile.predict.simulate import check_world, simulate
 from zcompile.tune.policies import policy_from_name
 from zcompile.tune.search import FAILED, INVALID, PREDICTED, PRUNED, pareto_front
-from zcompile.tune.serialization import jsonable_options, jsonable_value
+from zcompile.tune.serialization import dumps_to, jsonable_options, jsonable_value
 from zcompile.tune.simulated_report import plot_simulated, print_simulated, render_simulated
 from zcompile.tune.space import POLICY_OPTION, Point, SearchSpace
 
@@ -137,11 +137,7 @@ class SimulatedTuneResult:
         }
 
     def to_json(self, path: str | None = None) -> str:
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            with open(path, "w") as handle:
-                handle.write(text + "\n")
-        return text
+        return dumps_to(self.to_dict(), path)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SimulatedTuneResult:
