@@ -10,7 +10,7 @@ that their choices are equal (a ``RankDivergenceError`` otherwise), and the choi
 model, so the model's later graphs (after a graph break, a recompile) take the same options.
 
 What it sees: the first graph's activations with the whole model's states, so a model compiled in
-several graphs is planned from its first. The profile: ``cpu-local`` on a CPU, by device name on
+several graphs is planned from its first, and each later graph says so (a warning, once). The profile: ``cpu-local`` on a CPU, by device name on
 CUDA (H100 -> ``h100-sxm``, A100 -> ``a100-80gb``, else ``h100-sxm``'s costs with a warning); ``"auto"``
 reads the device's memory (a CPU: the host's memory shared by its local ranks).
 """
@@ -40,6 +40,7 @@ from zcompile.tune.simulated import SimulatedPoint
 
 log = logging.getLogger(__name__)
 
+_WARNED_ATTR = "_zcompile_memory_plan_reused"  # on the model: a later graph was told it is not in the plan
 MAX_CANDIDATES_COMPILED = 8
 CANDIDATE_TIMEOUT_S = 600.0
 _PROFILE_BY_DEVICE_NAME = (("H100", "h100-sxm"), ("A100", "a100-80gb"))
@@ -54,6 +55,15 @@ def planned_options(
     fixed = {name: value for name, value in given.items() if name != "memory_limit_mb"}
     kept = None if model is None else model.__dict__.get(MEMORY_PLAN_ATTR)
     if kept is not None and kept.fixed == fixed:
+        if not model.__dict__.get(_WARNED_ATTR):
+            model.__dict__[_WARNED_ATTR] = True
+            log.warning(
+                "zcompile: memory_limit_mb was planned from %s's first compiled graph; another graph (a graph "
+                "break, blocks compiled one by one, a recompile) takes the same options, but the activations it "
+                "saves were not in the plan. Remove the graph break, or check the peak with zcompile.step_report "
+                "or zcompile.timeline.record_step",
+                type(model).__name__,
+            )
         return dict(kept.options)
     plan = plan_at_compile(gm, example_inputs, given, fixed, model)
     if model is not None:
