@@ -181,3 +181,19 @@ def test_a_limit_nothing_fits_is_refused_on_every_rank_before_a_step():
         assert "nothing fits memory_limit_mb=1 MiB per rank at 2 ranks" in message, message
         assert "the model states alone are over it" in message and "To fit: more ranks" in message, message
         assert seconds < 120, seconds
+
+
+def test_a_graph_the_plan_did_not_see_says_so(caplog):
+    """A model with a graph break, one process: the first graph is planned, the next takes its options
+    and warns that its activations were not in the plan."""
+    import logging
+
+    from support.models import build_model, global_batch, model_loss
+
+    torch._dynamo.reset()
+    model = build_model("gpt_breaks")
+    compiled = torch.compile(model, backend="zero", options={"memory_limit_mb": 100, **FIXED})
+    with caplog.at_level(logging.WARNING, logger="zcompile.tune.memory_limit"):
+        model_loss("gpt_breaks", compiled, *global_batch(0, 4)).backward()
+    warned = [r.getMessage() for r in caplog.records if "memory_limit_mb was planned from" in r.getMessage()]
+    assert len(warned) == 1 and "were not in the plan" in warned[0], warned
