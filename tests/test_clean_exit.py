@@ -11,7 +11,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAUNCHES_PER_STAGE = 2
+LAUNCHES = {1: 2, 2: 1, 3: 1}  # the abort was seen at stage 1
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -36,7 +36,7 @@ def test_the_main_job_exits_zero_every_time(stage, tmp_path):
         "--save",
         str(tmp_path / "ckpt"),
     ]
-    for _ in range(LAUNCHES_PER_STAGE):
+    for _ in range(LAUNCHES[stage]):
         launch = subprocess.run(command, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
         output = launch.stdout + launch.stderr
         assert launch.returncode == 0, output[-3000:]
