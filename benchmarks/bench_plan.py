@@ -2,6 +2,7 @@
 
     python benchmarks/bench_plan.py table      # Llama-3 8B / 70B at 64, 512, 1,024 H100s: results/plan.json
     python benchmarks/bench_plan.py ladder     # step against memory limit: results/plan_ladder.json + .png
+    python benchmarks/bench_plan.py ladder gpt # the example GPT only (minutes; the 8B shape takes half an hour)
 
 ``table``: each shape and world planned for the ``h100-sxm`` profile with ``memory_limit_mb="auto"``
 (80 GB less 10%), ``param_dtype`` bf16 fixed, sequence 8,192, local batch 1: the chosen options, the
@@ -90,7 +91,7 @@ def table(max_simulations: int) -> None:
                 json.dump(rows, f, indent=1)
 
 
-def ladder() -> None:
+def ladder(only: str | None = None) -> None:
     out = {}
     # the 8B shape's schedule knobs fixed (bucket 64 MiB, prefetch 2, nothing kept): its 18 layouts
     # simulated take half an hour on the 2-core machine, its 96 candidates would take hours
@@ -99,6 +100,8 @@ def ladder() -> None:
         ("gpt (cpu-local, 2 ranks)", gpt(), {"world_size": 2, "hardware": "cpu-local"}, FIXED),
         ("llama3-8b (h100-sxm, 64 GPUs)", llama("llama3-8b"), {"world_size": 64, "hardware": "h100-sxm"}, lean),
     ):
+        if only is not None and not name.startswith(only):
+            continue
         cache: dict = {}
         # every candidate simulated once (a generous limit, every simulation allowed), then the ladder
         # of limits planned from the cache
@@ -134,8 +137,8 @@ def draw(out: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(out), figsize=(6 * len(out), 4.2), dpi=90)
-    for axis, (name, data) in zip(axes, out.items()):
+    fig, axes = plt.subplots(1, len(out), figsize=(6 * len(out), 4.2), dpi=90, squeeze=False)
+    for axis, (name, data) in zip(axes[0], out.items()):
         unit, scale = ("MiB", 2**20) if "gpt" in name else ("GiB", GIB)
         axis.scatter(
             [m / scale for m, _ in data["points"]],
@@ -172,4 +175,4 @@ if __name__ == "__main__":
     if what == "table":
         table(int(sys.argv[2]) if len(sys.argv) > 2 else 4)
     else:
-        ladder()
+        ladder(sys.argv[2] if len(sys.argv) > 2 else None)  # "gpt" or "llama3-8b": that model only
