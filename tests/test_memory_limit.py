@@ -224,3 +224,23 @@ def test_a_graph_the_plan_did_not_see_says_so(caplog):
         model_loss("gpt_breaks", compiled, *global_batch(0, 4)).backward()
     warned = [r.getMessage() for r in caplog.records if "memory_limit_mb was planned from" in r.getMessage()]
     assert len(warned) == 1 and "were not in the plan" in warned[0], warned
+
+
+def _limit_on_rank_0_only(rank: int, world: int) -> str:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    options = dict(FIXED, **({"memory_limit_mb": 9.5} if rank == 0 else {}))
+    compiled = torch.compile(GPT(CONFIG), backend="zero", options=options)
+    tokens, targets = synthetic_batch(0, GLOBAL_BATCH, CONFIG)
+    try:
+        compiled(tokens[rank * 4 : (rank + 1) * 4], targets[rank * 4 : (rank + 1) * 4])
+    except Exception as error:  # noqa: BLE001 - Dynamo wraps the backend's error; its text is the point
+        return str(error)
+    return ""
+
+
+def test_a_limit_on_some_ranks_only_is_named_on_every_rank():
+    """One rank plans, the other compiles its own options: the compile check names memory_limit_mb on
+    both (the planned stage differs from the default too, but the option is the cause)."""
+    for message in run_ranks(2, _limit_on_rank_0_only, timeout_s=300):
+        assert "setting 'memory_limit_mb': rank" in message and "null" in message, message

@@ -125,6 +125,9 @@ class ZeroConfig:
             the options not set here (stage, shard_size, activation_memory_budget,
             keep_gathered_mb, bucket_mb, prefetch): the fastest predicted that fits
             (``docs/memory-limit.md``). ``None``: no planning.
+        memory_plan: set by the ``memory_limit_mb`` planner, not by hand: the limit and its choice,
+            which the compile check compares across ranks (a rank planning alone, or planning
+            otherwise, is then a ``RankDivergenceError`` naming ``memory_limit_mb``).
     """
 
     stage: int = 3
@@ -156,6 +159,7 @@ class ZeroConfig:
     shard_size: int | str | None = None
     mesh: Any = None
     memory_limit_mb: float | str | None = None
+    memory_plan: str | None = None
 
     def __post_init__(self) -> None:
         if self.dump is not None:

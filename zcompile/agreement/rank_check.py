@@ -52,7 +52,9 @@ def collective_signature(plan, extra: list | None = None, marked_blocks: int = 0
     """``[settings, parameters]``: what decides a Dynamo graph's collectives, named so a difference can be.
     ``marked_blocks``: the graph's block subgraph calls (they decide the buckets of its backward);
     ``options``: other options that decide what the ranks exchange at this compile, by name."""
+    # the options first: where one differs it is the cause, and the settings it decides follow from it
     settings = {
+        **(options or {}),
         "stage": plan.stage,
         "world_size": plan.world_size,
         "param_dtype": str(plan.param_dtype),
@@ -62,7 +64,6 @@ def collective_signature(plan, extra: list | None = None, marked_blocks: int = 0
         settings["zero++"] = list(extra)
     if marked_blocks:
         settings[MARKED_BLOCKS] = marked_blocks
-    settings.update(options or {})
     return [settings, [[p.name, list(p.shape), p.requires_grad, str(p.dtype)] for p in plan.params]]
 
 

@@ -116,7 +116,7 @@ def zero_backend(
             group,
             config.check_timeout_s,
             zeropp.signature() if zeropp.active else None,
-            {"sync_module_states": config.sync_module_states},
+            {"sync_module_states": config.sync_module_states, "memory_limit_mb": config.memory_plan},
         )
     if config.sync_module_states and every_rank_compiles:
         take_first_ranks_values_of_new_parameters(plan, example_inputs, group, config.check_timeout_s)

@@ -5,9 +5,9 @@ A candidate is compiled by ``zero_backend`` itself on fake copies of the graph's
 allocated, no parameter of the model sharded, no rank check, no store exchange: the functional
 collectives of fake tensors do not communicate), its forward and backward run once on them, and
 ``predict.simulate.predict_compiled`` gives its step peak and step on the profile of this device.
-Every rank makes the same prediction from the same graph; the ranks then agree through the store
-that their choices are equal (a ``RankDivergenceError`` otherwise), and the choice is kept on the
-model, so the model's later graphs (after a graph break, a recompile) take the same options.
+Every rank makes the same prediction from the same graph; the compile check then compares the
+ranks' limits and choices with their collectives (``memory_plan``: a ``RankDivergenceError`` naming
+``memory_limit_mb`` otherwise), and the choice is kept on the model, so the model's later graphs (after a graph break, a recompile) take the same options.
 
 What it sees: the first graph's activations with the whole model's states, so a model compiled in
 several graphs is planned from its first, and each later graph says so (a warning, once). The profile: ``cpu-local`` on a CPU, by device name on
@@ -27,9 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zcompile.agreement.store_exchange import agree_on_store
 from zcompile.backend.entry_point import zero_backend
-from zcompile.common.process_group import DataParallelGroup
 from zcompile.config import MEMORY_PLAN_ATTR, ZeroConfig, memory_limit_bytes
 from zcompile.predict.hardware import HardwareProfile, load_profile
 from zcompile.predict.simulate import predict_compiled
@@ -64,11 +62,17 @@ def planned_options(
                 "or zcompile.timeline.record_step",
                 type(model).__name__,
             )
-        return dict(kept.options)
+        return _with_record(kept, given)
     plan = plan_at_compile(gm, example_inputs, given, fixed, model)
     if model is not None:
         model.__dict__[MEMORY_PLAN_ATTR] = plan
-    return dict(plan.options)
+    return _with_record(plan, given)
+
+
+def _with_record(plan: Plan, given: dict) -> dict[str, Any]:
+    """The plan's options with its record (``memory_plan``), which the compile check compares across
+    ranks: a rank that planned alone, or chose otherwise, is a ``RankDivergenceError`` on every rank."""
+    return {**plan.options, "memory_plan": f"{given['memory_limit_mb']} MiB: {options_text(plan.chosen.options)}"}
 
 
 def plan_at_compile(
@@ -94,19 +98,6 @@ def plan_at_compile(
         )
 
     plan = search_plan(holder, fixed, limit, world, node_size, profile.name, evaluate, MAX_CANDIDATES_COMPILED, started)
-    if world > 1 and config.check_ranks and dist.is_initialized():
-        agree_on_store(
-            options_text(plan.chosen.options),
-            DataParallelGroup.resolve(config.group),
-            config.check_timeout_s,
-            "memory-plan",
-            "planning memory_limit_mb at the first compile",
-            "Give every rank the same model, inputs and options.",
-            lambda chosen: (
-                f"zcompile: the ranks planned memory_limit_mb differently (per rank: {dict(enumerate(chosen))}); "
-                "give every rank the same model, inputs and options, or set the options yourself"
-            ),
-        )
     log.info("%s", plan.summary())
     return plan
 
