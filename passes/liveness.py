@@ -27,7 +27,7 @@ from collections.abc import Hashable
 import networkx as nx
 import torch
 
-from zcompile.passes.collectives import ALL_GATHER, WAIT, CollectiveNode, is_zero_collective
+from zcompile.passes.collectives import ALL_GATHER, ALL_REDUCE, WAIT, CollectiveNode, is_zero_collective
 from zcompile.passes.op_sets import PREP_OPS, VIEW_OPS, is_call_to, makes_copy
 from zcompile.passes.regions import INVOKE_SUBGRAPH, called_subgraph, subgraph_output_origin
 from zcompile.passes.sizes import traced_int
@@ -263,7 +263,8 @@ def live_peak_bytes(
     keeps its arguments until the graph returns, as ``make_boxed_func`` does; zcompile's compilers do
     not: ``zcompile.backend.aot.boxed_graph_function``, inductor's code). A block subgraph call
     adds, while it runs, what its subgraph holds at once (this walk of it) beyond the outputs it
-    returns. Another higher-order op's inside is not counted: logged as a warning naming it.
+    returns. Another higher-order op's inside is not counted: logged as a warning naming it. A
+    collective's input lives at least to its wait: the backend's work holds it while it runs.
 
     ``gather_staging``: each all-gather also holds a second buffer of its output's bytes from its issue
     to its wait. Gloo gathers into a flat buffer of its own and then copies each rank's piece out
@@ -303,6 +304,10 @@ def live_peak_bytes(
         key = buffer_of.get(node)
         for reader in node.users if key is not None else ():
             buffers[key][1] = max(buffers[key][1], end if reader.op == "output" else position[reader])
+        held = _held_to_wait(node)
+        if held is not None and buffer_of.get(held.input) is not None:
+            last = max((position[w] for w in held.waits), default=end)
+            buffers[buffer_of[held.input]][1] = max(buffers[buffer_of[held.input]][1], last)
     events = [(start, nbytes) for start, _, nbytes in buffers.values()]
     events += [(max(start, last) + 0.5, -nbytes) for start, last, nbytes in buffers.values()]
     events += [e for at, extra in transients for e in ((at, extra), (at + 0.25, -extra))]
@@ -312,6 +317,14 @@ def live_peak_bytes(
         live += delta
         peak = max(peak, live)
     return peak
+
+
+def _held_to_wait(node: torch.fx.Node) -> CollectiveNode | None:
+    """The collective ``node`` is, where its work holds its input until the wait (an all-gather, a
+    reduce-scatter, an all-to-all: the backend reads the input while it runs; an all-reduce works on
+    a copy of its input that is its output)."""
+    collective = CollectiveNode.of(node)
+    return collective if collective is not None and collective.node.target is not ALL_REDUCE else None
 
 
 def _buffer(gm, node, preloaded, buffers, position, hold: bool) -> Hashable | None:

@@ -28,6 +28,13 @@ aten's ``sum`` over the outer dimension at few ranks and as fast at more.
 
 Which compiles get it is the front end's choice (``zcompile.common.process_group.reduce_scatter_by_all_to_all``:
 the option ``reduce_scatter``, by default gloo groups of more than one rank).
+
+Gloo's work holds both buffers of the exchange (the rows sent and the rows received) until gloo's
+worker thread drops it, which races with the graph: where the worker drops it last, the memory is
+freed a little later and on a thread the profiler does not see. The graph an eager compile runs
+(``exchanged_rows_released``, the front end's executed form) frees both itself, the sent rows at
+the wait and the received rows after their sum, so the peak is the one the memory walk counts, in
+every run.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ import logging
 import torch
 
 from zcompile.passes.collectives import ALL_TO_ALL, REDUCE_SCATTER, WAIT, CollectiveNode
-from zcompile.passes.metadata import LOWERED_FROM, tag
+from zcompile.passes.liveness import aliases
+from zcompile.passes.metadata import LOWERED_FROM, tag, tags
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -112,3 +120,51 @@ def reduce_scatter_as_all_to_all_pass(gm: torch.fx.GraphModule) -> torch.fx.Grap
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def release_storage(tensor: torch.Tensor) -> None:
+    """Frees ``tensor``'s memory now, on this thread (its storage resized to no bytes): a collective's
+    buffer the graph no longer reads, which the backend's finished work still references."""
+    tensor.untyped_storage().resize_(0)
+
+
+def exchanged_rows_released(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Frees each lowered reduce-scatter's buffers where the graph stops reading them (module
+    docstring): after the all-to-all's wait the rows sent, where the graph made them for the exchange
+    alone (an op's own output, read by nothing else), and after ``sum_received_rows`` the rows
+    received. For the graph an eager compile runs on CPU: inductor plans buffer reuse itself."""
+    graph, released = gm.graph, 0
+    for exchange in list(graph.find_nodes(op="call_function", target=ALL_TO_ALL)):
+        collective = CollectiveNode.of(exchange)
+        wait = collective.wait if collective is not None else None
+        if tags(exchange).get(LOWERED_FROM) != "reduce_scatter" or wait is None or len(exchange.users) != 1:
+            continue
+        sent = exchange.args[0]
+        if _made_for(sent, exchange):
+            with graph.inserting_after(wait):
+                graph.call_function(release_storage, (sent,))
+            released += 1
+        summed = list(wait.users)
+        if len(summed) == 1 and summed[0].target is SUM_RECEIVED_ROWS:
+            with graph.inserting_after(summed[0]):
+                graph.call_function(release_storage, (wait,))
+            released += 1
+    if released:
+        log.debug("exchanged_rows_released: %d all-to-all buffers freed where the graph stops reading them", released)
+        graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _made_for(sent: torch.fx.Node, exchange: torch.fx.Node) -> bool:
+    """``sent`` is a CPU tensor of the graph's own (an op's fresh output, not an input or a view of
+    one) that nothing but ``exchange`` reads."""
+    value = sent.meta.get("val") if isinstance(sent, torch.fx.Node) else None
+    return (
+        isinstance(value, torch.Tensor)
+        and value.device.type == "cpu"
+        and sent.op == "call_function"
+        and isinstance(sent.target, torch._ops.OpOverload)
+        and not aliases(sent)
+        and set(sent.users) == {exchange}
+    )

@@ -259,6 +259,7 @@ def test_cross_call_prefetch_applies_to_stage3_training_graphs_and_within_a_memo
             sharding=SimpleNamespace(stage=3, params=params),
             group=SimpleNamespace(world_size=2, process_group=None),
             plans={"schedule.forward": SimpleNamespace(peak_gathered_bytes=peak)},
+            reduce_scatter_by_all_to_all=False,
         )
         return SimpleNamespace(context=context)
 

@@ -16,7 +16,13 @@ from zcompile.common.process_group import DataParallelGroup, reduce_scatter_by_a
 from zcompile.config import ZeroConfig
 from zcompile.passes import metadata
 from zcompile.passes.collectives import ALL_TO_ALL, REDUCE_SCATTER, WAIT, collective_nodes
-from zcompile.passes.reduce_scatter_lowering import SUM_RECEIVED_ROWS, reduce_scatter_as_all_to_all_pass
+from zcompile.passes.liveness import live_peak_bytes
+from zcompile.passes.reduce_scatter_lowering import (
+    SUM_RECEIVED_ROWS,
+    exchanged_rows_released,
+    reduce_scatter_as_all_to_all_pass,
+    release_storage,
+)
 
 
 class _Ranks(torch.fx.Interpreter):
@@ -103,3 +109,44 @@ def test_the_option_chooses_the_form_and_auto_needs_gloo():
     assert not reduce_scatter_by_all_to_all("auto", no_backend)
     with pytest.raises(ValueError, match="option 'reduce_scatter' must be one of"):
         ZeroConfig(reduce_scatter="alltoall")
+
+
+def _packed_then_overlapped(grad, other):
+    packed = grad * 2  # the graph's own buffer, read by the exchange alone (a bucket's pack)
+    reduced = REDUCE_SCATTER(packed, "sum", 2, "world")
+    busy = other * 3  # compute the schedule overlapped with the transfer
+    return WAIT(reduced) + busy.sum()
+
+
+def test_the_executed_form_frees_the_exchanged_rows_where_the_graph_stops_reading_them():
+    gm = reduce_scatter_as_all_to_all_pass(
+        as_zero_collectives(trace(_packed_then_overlapped, torch.zeros(64), torch.zeros(1000)))
+    )
+    gm = exchanged_rows_released(gm)
+    order = [n for n in gm.graph.nodes if n.op == "call_function"]
+    targets = [n.target for n in order]
+    wait, summed = targets.index(WAIT), targets.index(SUM_RECEIVED_ROWS)
+    (exchange,) = calls(gm, ALL_TO_ALL)
+    assert order[wait + 1].target is release_storage and order[wait + 1].args == (exchange.args[0],)  # rows sent
+    assert order[summed + 1].target is release_storage and order[summed + 1].args == (order[wait],)  # received
+    grads = [torch.randn(64, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    other = torch.randn(1000)
+    for rank in range(2):  # the result is the reduce-scatter's, the released buffers read no more
+        out = _Ranks(gm, [g * 2 for g in grads], rank).run(grads[rank], other)
+        want = (grads[0] * 2 + grads[1] * 2).chunk(2)[rank] + (other * 3).sum()
+        torch.testing.assert_close(out, want)
+
+
+def test_rows_sent_that_the_graph_did_not_make_for_the_exchange_are_not_freed():
+    gm = exchanged_rows_released(reduce_scatter_as_all_to_all_pass(reduce_scatter_graph(64, 2, "world")))
+    released = calls(gm, release_storage)
+    assert [n.args[0].target for n in released] == [WAIT]  # the received rows alone: the input is the caller's
+
+
+def test_a_collective_input_lives_until_its_wait_in_the_memory_walk():
+    gm = as_zero_collectives(trace(_packed_then_overlapped, torch.zeros(64), torch.zeros(1000)))
+    floats = 4
+    packed, received, busy = 64 * floats, 32 * floats, 1000 * floats
+    # at other * 3: the pack (held by the transfer until its wait, not freed at the issue, its last
+    # reader), the reduce-scatter's output and the overlapped product
+    assert live_peak_bytes(gm) == packed + received + busy

@@ -41,6 +41,7 @@ from zcompile.passes.call_prologue import (
 )
 from zcompile.passes.liveness import saved_activation_bytes
 from zcompile.passes.random_draws import recomputed_random_draws
+from zcompile.passes.reduce_scatter_lowering import exchanged_rows_released
 from zcompile.passes.regions import subgraph_calls
 
 log = logging.getLogger(__name__)
@@ -192,9 +193,23 @@ def boxed_graph_function(
 
 def executed_form(graphs: CompiledGraphs) -> Callable[[torch.fx.GraphModule], torch.fx.GraphModule] | None:
     """What changes between a graph the pipeline made (which reports, dumps and the memory walks read)
-    and the graph that runs: gloo's all-gathers into graph-allocated buffers
-    (``passes/all_gather_lowering.py``), or nothing."""
-    return all_gathers_into_buffers if gathers_into_buffers(graphs.context.group) else None
+    and the graph that runs, or None where nothing does: gloo's all-gathers into graph-allocated
+    buffers (``passes/all_gather_lowering.py``); under the eager compiler, the buffers of the
+    reduce-scatters run as all-to-all freed where the graph stops reading them
+    (``passes/reduce_scatter_lowering.py``: as the memory walk counts them, whatever gloo's worker does)."""
+    context = graphs.context
+    rewrites = [all_gathers_into_buffers] if gathers_into_buffers(context.group) else []
+    if context.reduce_scatter_by_all_to_all and context.config.compiler == "eager":
+        rewrites.append(exchanged_rows_released)
+    if not rewrites:
+        return None
+
+    def rewrite(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        for each in rewrites:
+            gm = each(gm)
+        return gm
+
+    return rewrite
 
 
 def _runnable(graph_module: torch.fx.GraphModule, kind: str, graphs: CompiledGraphs) -> Callable[[list], object]:

@@ -27,7 +27,7 @@ step's peak that ``bucket_mb`` sizes; ``BufferLedger``):
 - the reduce-scatter's input is one ``[N, S]`` buffer each member's gradient is cast and padded
   into (no per-member padded copy, no concatenation); on gloo it is exchanged by an all-to-all into
   a second buffer and the rows received summed (``BucketedGradReduce``; the two in half-size buckets,
-  ``plan_reduce_buckets``), both freed once summed (``_release``);
+  ``plan_reduce_buckets``), both freed once summed (``release_storage``);
 - a batch's reduced gradient shards go once the batch is updated, before the next bucket's
   reduce-scatter input is built.
 
@@ -61,7 +61,7 @@ from zcompile.common.process_group import (
     wait_until_released,
 )
 from zcompile.passes.liveness import tensor_bytes
-from zcompile.passes.reduce_scatter_lowering import sum_received_rows
+from zcompile.passes.reduce_scatter_lowering import release_storage, sum_received_rows
 from zcompile.sharding.shards import ShardedParam
 
 
@@ -208,8 +208,8 @@ class BucketedGradReduce:
                 sent, received = rows
                 # as the graphs sum theirs (the same adds in rank order; faster than aten's outer sum)
                 out = self.ledger.until_freed(sum_received_rows(received.view(-1), received.shape[0]))
-                _release(sent)
-                _release(received)
+                release_storage(sent)
+                release_storage(received)
                 self.ledger.give(tensor_bytes(rows))
             self._start(index + 1)  # moves while this bucket updates
             replicate = self.buckets[index][0].group.replicate
@@ -383,16 +383,8 @@ class BucketedParamRefresh:
         for m in bucket:
             copy_rows(m.replicated.view(-1), rows[:, offset : offset + m.shard_numel], m.numel)
             offset += m.shard_numel
-        _release(gathered)
+        release_storage(gathered)
         self.ledger.give(held)
-
-
-def _release(buffer: torch.Tensor) -> None:
-    """Frees a waited collective's buffer of our own now, on this thread. Its work holds it too, and
-    when gloo's worker thread drops the work last (a race with our release), the memory is freed
-    there, where the profiler does not see it: ``zcompile.timeline``'s series then keeps it to the
-    end of the step, and the step's peak moves by a bucket between runs."""
-    buffer.untyped_storage().resize_(0)
 
 
 def _write_rows(rows: torch.Tensor, flat: torch.Tensor, numel: int) -> None:
