@@ -41,6 +41,7 @@ from zcompile.backend.refusals import (
     refuse_outer_data_parallel,
     refuse_parameter_writes,
     refuse_regions_with_inductor,
+    refuse_tensor_parallel_parameters,
 )
 from zcompile.backend.shard_swap import ShardSwap
 from zcompile.backend.zeropp import attach_groups, resolve_zeropp
@@ -102,6 +103,7 @@ def zero_backend(
         config.effective_reduce_dtype,
     )
     check_devices(plan, example_inputs, group)
+    refuse_tensor_parallel_parameters(plan, example_inputs, group)
     refuse_parameter_writes(gm, plan)
     swap = ShardSwap(plan, group)
     zeropp = resolve_zeropp(config, group)

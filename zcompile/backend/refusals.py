@@ -1,6 +1,6 @@
 """What the backend refuses before it compiles, each with the fix: a model wrapped in DDP, marked
-blocks with inductor, parameters on mixed devices, a forward that writes a weight in place, and a
-frame Dynamo gave up on after the parameters were sharded."""
+blocks with inductor, parameters on mixed devices, tensor-parallel (DTensor) parameters, a forward
+that writes a weight in place, and a frame Dynamo gave up on after the parameters were sharded."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from zcompile.agreement.abort_note import leave_abort_note
 from zcompile.common.dynamo_frame import (
     eager_fallback_cause,
     outer_data_parallel_wrapper,
@@ -25,6 +26,27 @@ from zcompile.sharding.shards import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def refuse_tensor_parallel_parameters(plan: ShardingPlan, example_inputs: list, group: DataParallelGroup) -> None:
+    """Parameters that are DTensors (tensor parallelism: ``parallelize_module``, a transformers
+    ``tp_plan``) are not sharded: the shards and gathers are of plain tensors, and a DTensor's local
+    piece taken for the whole weight would train wrong. Refused on every rank (an abort note for the
+    ranks whose model has no such parameter), before any parameter is sharded."""
+    from torch.distributed.tensor import DTensor
+
+    pieces = [p.name for p in plan.params if isinstance(example_inputs[p.index], DTensor)]
+    if not pieces:
+        return
+    listed = ", ".join(repr(name) for name in pieces[:3]) + (f" and {len(pieces) - 3} more" if len(pieces) > 3 else "")
+    message = (
+        f"zcompile: parameters {listed} are DTensors (tensor parallelism: parallelize_module or a tp_plan), which "
+        "zcompile does not shard yet: ZeRO over tensor-parallel pieces is not supported. Compile the model without "
+        "tensor parallelism (data parallel over every rank, or hybrid sharding with option 'mesh'), or train the "
+        "tensor-parallel model with torch's fully_shard"
+    )
+    leave_abort_note(group, message)
+    raise ValueError(message)
 
 
 def refuse_parameter_writes(gm: torch.fx.GraphModule, plan: ShardingPlan) -> None:
