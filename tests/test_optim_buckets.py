@@ -10,9 +10,9 @@ import zcompile
 from support.launch import run_ranks
 from support.training import RunSpec, assert_same_training, train_reference, zero_run_on_rank
 from zcompile.common.process_group import DataParallelGroup
-from zcompile.optim.buckets import _write_rows, copy_rows, plan_optimizer_buckets
+from zcompile.optim.buckets import _write_rows, copy_rows, plan_optimizer_buckets, replayed_step_buffer_peak
 from zcompile.reports.timeline import record_step
-from zcompile.sharding.shards import shard_parameter
+from zcompile.sharding.shards import shard_of, shard_parameter
 
 
 def _sharded(numel, dtype=torch.float32, world=2, name="p"):
@@ -109,6 +109,7 @@ def test_buckets_move_the_same_elements_in_fewer_collectives(optimizer_runs, unb
 # ----------------------------------------------------------------------------- memory of one step
 STEP_SIZES = [2**16] * 8  # 256 KiB each in fp32: two to an optimizer bucket, four buckets
 STEP_BUCKET_MB = 0.5
+ONE_BUCKET_MB = 64  # every parameter in one bucket
 # The most one step allocates above what is alive before it, in buckets of full parameter, 2 ranks.
 # Stage 2, what can be alive at once: the previous bucket's all-gather in gloo (its flat output, one
 # bucket, and the concatenated inputs, half) and this bucket's update temporaries (two fp32 copies
@@ -146,12 +147,21 @@ def _step_peaks_on_rank(rank, world):
     """Per configuration: the allocator's peak during one optimizer step above what was alive before
     it (torch.profiler's memory events, every thread, through ``record_step``), in buckets."""
     group = DataParallelGroup.resolve()
-    peaks = {}
+    peaks, one_buckets = {}, {}
     for stage, dtype in STEP_PEAK_BUCKETS:
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(n)) for n in STEP_SIZES]
         for index, param in enumerate(params):  # sharded as the backend does, without compiling
             shard_parameter(param, f"p{index}", stage, group, param_dtype=dtype)
+        # the whole model in one bucket: no reduce and gather overlap, and a plan counts what the step holds
+        whole = zcompile.optim.AdamW(params, lr=1e-2, bucket_mb=ONE_BUCKET_MB)
+        _set_grads(params, stage, rank, 0)
+        whole.step()
+        whole.zero_grad()
+        one_bucket = ONE_BUCKET_MB * 2**20
+        replayed_whole = replayed_step_buffer_peak([shard_of(p) for p in params], one_bucket)
+        one_buckets[(stage, dtype)] = (whole.last_step_buffer_peak_bytes, replayed_whole)
+        del whole
         optimizer = zcompile.optim.AdamW(params, lr=1e-2, bucket_mb=STEP_BUCKET_MB)
         for step in range(2):  # the first creates the moments
             _set_grads(params, stage, rank, step)
@@ -161,8 +171,13 @@ def _step_peaks_on_rank(rank, world):
         with tempfile.TemporaryDirectory() as trace_dir:
             timeline = record_step(optimizer.step, trace_dir, rank)
         bucket = STEP_BUCKET_MB * 2**20
-        peaks[(stage, dtype)] = (timeline.peak_bytes / bucket, optimizer.last_step_buffer_peak_bytes / bucket)
-    return peaks
+        replayed = replayed_step_buffer_peak([shard_of(p) for p in params], bucket)
+        peaks[(stage, dtype)] = (
+            timeline.peak_bytes / bucket,
+            optimizer.last_step_buffer_peak_bytes / bucket,
+            replayed / bucket,
+        )
+    return peaks, one_buckets
 
 
 def test_one_step_holds_a_few_buckets_above_the_model_states():
@@ -170,8 +185,11 @@ def test_one_step_holds_a_few_buckets_above_the_model_states():
     (``step_report().memory["optimizer_buffers_bytes"]``) close to it: the ledger counts the buffers
     at the points the code makes and drops them, gloo's staging of an all-gather in flight included;
     the allocator also sees the update's temporaries and gloo's thread timing."""
-    for rank, peaks in enumerate(run_ranks(2, _step_peaks_on_rank, timeout_s=300)):
+    for rank, (peaks, one_buckets) in enumerate(run_ranks(2, _step_peaks_on_rank, timeout_s=300)):
+        for config, (ledger, replayed) in one_buckets.items():
+            assert replayed == ledger, (rank, config, one_buckets)
         for config, bound in STEP_PEAK_BUCKETS.items():
-            measured, ledger = peaks[config]
+            measured, ledger, replayed = peaks[config]
             assert measured <= bound, (rank, config, peaks)
             assert ledger == LEDGER_BUCKETS[config], (rank, config, peaks)
+            assert replayed == ledger, (rank, config, peaks)  # what a plan counts before any step

@@ -129,23 +129,97 @@ def plan_reduce_buckets(
     return plan_optimizer_buckets(members, _grad_reduce_dtype, bucket_bytes // 2 if by_all_to_all else bucket_bytes)
 
 
-# The step's own buffers at their peak, in buckets of its largest all-gather (``BufferLedger``'s count,
-# tests/test_optim_buckets.py): an all-gather in flight in gloo's flat buffers (its output and its
-# inputs, 1.5 at 2 ranks) at both stages; stage 1 adds the next reduce in flight and the reduced
-# gradient shards being updated (3.0), 3.5 when the replicas are in a low precision (the shards are fp32).
-STEP_BUFFER_BUCKETS = {(1, False): 3.0, (1, True): 3.5, (2, False): 1.5, (2, True): 1.5}
+def replayed_step_buffer_peak(
+    members: list[ShardedParam], bucket_bytes: int, whole_groups: bool = False, gloo: bool | None = None
+) -> int:
+    """The peak of the ledger (``BufferLedger``) of one optimizer step over ``members`` (in the step's
+    order, one param group), replayed from the sizes alone in the order the step makes and drops its
+    buffers: each stage-1 bucket's reduce started when its first member is updated, its reduced
+    shards alive until the batch updating their last member is done, the next bucket's reduce
+    started once this one is summed; each refresh bucket's all-gather launched when its members are
+    updated, after the one in flight lands. ``whole_groups``: the step updates a param group in one
+    batch (a GPU: ``ShardedOptimizer._multi_tensor_launch``), else a refresh bucket at a time. ``gloo``:
+    the collectives run on gloo (its reduce as an all-to-all, its gathers staged), None: as the
+    members' group says (a plan's fake world says nothing). For a plan, before any step ran;
+    ``tests/test_optim_buckets.py`` holds it to the ledger of real steps."""
+    reduced = [m for m in members if m.stage == 1 and m.group.world_size > 1]
+    if gloo is None:
+        gloo = bool(members) and on_gloo(members[0].group)
+    by_all_to_all = gloo  # the optimizer's reduce, as process_group.reduce_scatter_by_all_to_all("auto") chooses
+    reduce_buckets = plan_reduce_buckets(reduced, bucket_bytes, by_all_to_all)
+    refreshed = [m for m in members if m.stage in (1, 2) and not m.updates_replicated_in_place]
+    refresh_buckets = plan_optimizer_buckets(refreshed, lambda m: m.replicated_dtype, bucket_bytes)
+    reduce_of, refresh_of = _bucket_index(reduce_buckets), _bucket_index(refresh_buckets)
+    ledger = BufferLedger()
+    started: set[int] = set()
+    summed: set[int] = set()
+    out_bytes: dict[int, int] = {}  # reduce bucket -> its reduced shards' bytes, while alive
+    views_left = {i: len(bucket) for i, bucket in enumerate(reduce_buckets)}
+    waiting = [len(bucket) for bucket in refresh_buckets]
+    in_flight = 0
 
+    def start(index: int) -> None:
+        if index >= len(reduce_buckets) or index in started:
+            return
+        started.add(index)
+        bucket = reduce_buckets[index]
+        rows = sum(m.padded_numel for m in bucket) * bucket[0].grad_reduce_dtype.itemsize
+        width = sum(m.shard_numel for m in bucket) * bucket[0].grad_reduce_dtype.itemsize
+        ledger.take(2 * rows if by_all_to_all else rows + width)
+        out_bytes[index] = width
 
-def step_buffer_bound(members: list[ShardedParam], bucket_bytes: int) -> int:
-    """What the optimizer's step holds in buffers of its own at once, at most (``STEP_BUFFER_BUCKETS``),
-    for stage-1/2 ``members``: a bound for a plan, since with one bucket the reduce and the all-gather
-    do not overlap and the step holds less."""
-    largest = {}
-    for bucket in plan_optimizer_buckets(members, lambda s: s.replicated_dtype, bucket_bytes):
-        key = (bucket[0].stage, bucket[0].replicated_dtype != torch.float32)
-        nbytes = sum(m.padded_numel for m in bucket) * bucket[0].replicated_dtype.itemsize
-        largest[key] = max(largest.get(key, 0), nbytes)
-    return int(max((STEP_BUFFER_BUCKETS[key] * nbytes for key, nbytes in largest.items()), default=0))
+    def reduce(index: int) -> None:  # BucketedGradReduce.grad at the bucket's first member asked for
+        if index in summed:
+            return
+        start(index)
+        bucket = reduce_buckets[index]
+        rows = sum(m.padded_numel for m in bucket) * bucket[0].grad_reduce_dtype.itemsize
+        if by_all_to_all:
+            ledger.take(out_bytes[index])
+            ledger.give(2 * rows)
+        else:
+            ledger.give(rows)
+        summed.add(index)
+        start(index + 1)
+
+    def launch(bucket: list[ShardedParam]) -> None:  # BucketedParamRefresh._launch
+        nonlocal in_flight
+        ledger.give(in_flight)
+        dtype = bucket[0].replicated_dtype
+        outputs = sum(m.padded_numel for m in bucket) * dtype.itemsize
+        shards = sum(m.shard_numel for m in bucket) * dtype.itemsize
+        if all(m.padded_replicated() is not None for m in bucket):
+            in_flight = outputs + shards if gloo else 0
+        else:
+            in_flight = (shards if len(bucket) > 1 else 0) + outputs * (2 if gloo else 1)
+        ledger.take(in_flight)
+
+    batches: list[list[ShardedParam]] = []
+    key = None
+    for member in members:
+        member_key = None if whole_groups else refresh_of.get(id(member))
+        if not batches or member_key != key:
+            batches.append([])
+        key = member_key
+        batches[-1].append(member)
+    for batch in batches:
+        for member in batch:
+            if id(member) in reduce_of:
+                reduce(reduce_of[id(member)])
+        for member in batch:
+            index = refresh_of.get(id(member))
+            if index is not None:
+                waiting[index] -= 1
+                if waiting[index] == 0 and refresh_buckets[index][0].group.world_size > 1:
+                    launch(refresh_buckets[index])
+        for member in batch:  # the batch's gradients (views of their reduced shards) go with it
+            if id(member) in reduce_of:
+                index = reduce_of[id(member)]
+                views_left[index] -= 1
+                if views_left[index] == 0:
+                    ledger.give(out_bytes[index])
+    ledger.give(in_flight)
+    return ledger.peak
 
 
 def _bucket_index(buckets: list[list[ShardedParam]]) -> dict[int, int]:

@@ -63,7 +63,7 @@ from zcompile.agreement.store_exchange import ANSWERED_REQUESTS_PER_EXCHANGE
 from zcompile.backend.entry_point import agrees_on_each_call
 from zcompile.common.process_group import group_ranks_by_name
 from zcompile.config import ZeroConfig
-from zcompile.optim.buckets import plan_optimizer_buckets, plan_reduce_buckets, step_buffer_bound
+from zcompile.optim.buckets import plan_optimizer_buckets, plan_reduce_buckets, replayed_step_buffer_peak
 from zcompile.passes.collectives import collective_nodes
 from zcompile.passes.liveness import gathered_peak_parts, saved_activation_bytes
 from zcompile.predict.cost_model import ComputeCosts, predict_step, step_graphs
@@ -484,7 +484,12 @@ def predict_compiled(
         states.grads_bytes,
         states.optimizer_bytes,
         gather_staging=on_gloo and world_size > 1,
-        optimizer_buffers_bytes=step_buffer_bound(_optimizer_members(model), int(OPTIMIZER_BUCKET_MB * 2**20)),
+        optimizer_buffers_bytes=replayed_step_buffer_peak(
+            _optimizer_members(model),
+            int(OPTIMIZER_BUCKET_MB * 2**20),
+            whole_groups=profile.device_type == "cuda",
+            gloo=on_gloo,
+        ),
     )
     result.step_peak_bytes, result.step_peak_phase = peak.peak_bytes, peak.where
     result.collectives = _graph_collectives(stepped, pricing) + _optimizer_collectives(

@@ -18,7 +18,7 @@ its last reader, as the generated code frees it) and gives each phase's peak, mo
   where ``make_boxed_func`` would keep every input to the end). Inductor's fusions keep fewer
   intermediates than the FX graph walked here holds, so there the walk is an upper bound;
 - ``optimizer``: the model states with the gradients and the step's own buffers
-  (``optimizer_buffers_bytes``: ``optim.buckets.step_buffer_bound`` in ``simulate``).
+  (``optimizer_buffers_bytes``: ``optim.buckets.replayed_step_buffer_peak`` in ``simulate``).
 
 On gloo (``gather_staging``) each all-gather's second buffer is counted too: gloo gathers into a flat
 buffer of its own and copies out of it. Not counted: the update's intermediates; with several graphs (graph
