@@ -29,8 +29,6 @@ SPECS = {
     "stage3_clip_accum": RunSpec(model="gpt", stage=3, clip=0.05, grad_accum=2, options=HYBRID),
     "stage1_clip_accum": RunSpec(model="gpt", stage=1, clip=0.05, grad_accum=2, options=HYBRID),
     "llama_stage3": RunSpec(model="hf_llama", stage=3, options=HYBRID),
-    "llama_stage2": RunSpec(model="hf_llama", stage=2, options=HYBRID),
-    "one_group": RunSpec(model="gpt", stage=3, options={"shard_size": WORLD}),  # 1 x 4: full sharding
 }
 FUNCTIONAL = "_c10d_functional::"
 

@@ -22,16 +22,17 @@ def reference_for(spec, world):
 STAGES = (1, 2, 3)
 WORLD2_SPECS = (
     [RunSpec(model="gpt", stage=s) for s in STAGES]
-    # SGD at stages 1 and 2: WORLD4_SPECS and test_features.py (world 2, graph breaks, accumulation)
+    # SGD at stage 2: WORLD4_SPECS; at stage 1: test_features.py (world 2, frozen weights, accumulation)
     + [RunSpec(model="gpt", stage=3, optimizer="sgd", lr=0.1)]
-    # transformers models: Llama at every stage; GPT-2 (Conv1D layers, tied head) at stages 1 and 3, its
-    # stage 2 sharing stage 3's backward route and stage 1's optimizer. SGD at stage 3 is the gpt's here,
-    # test_schedule.py's, test_mixed_precision.py's and test_zeropp.py's (Llama there too)
+    # transformers models: Llama at every stage (its stage 2 is the regional run's reference); GPT-2
+    # (Conv1D layers, tied head) at stages 1 and 3, its stage 2 sharing stage 3's backward route and
+    # stage 1's optimizer. SGD at stage 3 is the gpt's here, test_schedule.py's, test_mixed_precision.py's
+    # and test_zeropp.py's (Llama there too)
     + [RunSpec(model="hf_gpt2", stage=s, lr=3e-3) for s in (1, 3)]
     + [RunSpec(model="hf_llama", stage=s, lr=3e-3) for s in STAGES]
     # sizes odd and even in one bucket: at stage 1 the step writes a padded gradient and whole ones into
-    # the same reduce-scatter input (zcompile.optim.buckets), each its own way
-    + [RunSpec(model="gpt_untied_odd", stage=s) for s in STAGES]
+    # the same reduce-scatter input (zcompile.optim.buckets), each its own way; stage 3 in WORLD4_SPECS
+    + [RunSpec(model="gpt_untied_odd", stage=s) for s in (1, 2)]
     # regional compilation (zcompile.mark_repeated_blocks): one subgraph per block class
     + [RunSpec(model="gpt", stage=3, regional=True), RunSpec(model="hf_llama", stage=2, lr=3e-3, regional=True)]
     # blocks compiled one by one: one graph per layer, each call prefetching the next one's first gather
@@ -41,7 +42,7 @@ WORLD2_SPECS = (
 )
 WORLD4_SPECS = (
     [RunSpec(model="gpt", stage=s) for s in STAGES]
-    + [RunSpec(model="gpt", stage=s, optimizer="sgd", lr=0.1) for s in (1, 2)]
+    + [RunSpec(model="gpt", stage=2, optimizer="sgd", lr=0.1)]
     + [RunSpec(model="gpt_untied_odd", stage=3)]
 )
 
