@@ -42,7 +42,7 @@ CANDIDATES = [
     {"stage": stage, "activation_memory_budget": budget} for stage in (1, 2, 3) for budget in (None, 0.5, 0.0)
 ]
 LIMITS_MB = (200.0, 10.0, 9.5, 7.5)
-ROUNDS, STEPS = 7, 10
+ROUNDS, STEPS = 15, 10
 
 
 class Run:
