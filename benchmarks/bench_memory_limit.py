@@ -2,12 +2,15 @@
 that fits, found by measuring every candidate.
 
     torchrun --nproc-per-node 2 benchmarks/bench_memory_limit.py     # writes results/memory_limit_2.json
+    torchrun --nproc-per-node 2 benchmarks/bench_memory_limit.py --model llama   # memory_limit_llama_2.json
 
 The example GPT (2 layers, 128 wide, 8 sequences of 64 tokens a step) on gloo ranks. Every candidate
 of the plan's space (stage x activation budget, with ``bucket_mb`` 64, ``prefetch`` 1 and nothing
 kept fixed: the space ``tests/test_memory_limit.py`` plans in) is compiled once and timed in turn,
 ``ROUNDS`` rounds of ``STEPS`` steps each, interleaved so that the machine's load falls on all alike;
-its peak per rank is measured once (the allocator's, through torch.profiler). Then for each limit
+its peak per rank is measured once (the allocator's, through torch.profiler). ``--model llama``: a
+transformers Llama (2 layers, 128 wide, grouped-query attention) instead, under a ladder of limits
+made from the candidates' measured peaks (each rung just admits one more). Then for each limit
 the backend plans (``memory_limit_mb``) and the plan's choice is compared with the fastest
 candidate whose measured peak is within the limit: the ratio of their median steps; and with the
 fastest whose measured peak is within the limit less the planner's headroom (``PREDICTION_HEADROOM``,
@@ -45,10 +48,38 @@ LIMITS_MB = (200.0, 10.0, 9.5, 7.5)
 ROUNDS, STEPS = 15, 10
 
 
+MODEL = sys.argv[sys.argv.index("--model") + 1] if "--model" in sys.argv else "gpt"
+
+
+def build_model() -> torch.nn.Module:
+    if MODEL == "gpt":
+        return GPT(CONFIG)
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=CONFIG.vocab_size,
+        hidden_size=CONFIG.n_embd,
+        intermediate_size=2 * CONFIG.n_embd,
+        num_hidden_layers=CONFIG.n_layer,
+        num_attention_heads=CONFIG.n_head,
+        num_key_value_heads=CONFIG.n_head // 2,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def ladder(peaks: list[int]) -> tuple[float, ...]:
+    """The GPT's limits; for another model, rungs just above each measured peak plus the planner's headroom."""
+    if MODEL == "gpt":
+        return LIMITS_MB
+    rungs = {round(peak / (1 - PREDICTION_HEADROOM) / 2**20 + 0.01, 2) for peak in peaks}
+    return (200.0, *sorted(rungs, reverse=True))
+
+
 class Run:
     def __init__(self, options: dict, rank: int, world: int):
         torch.manual_seed(0)
-        self.model = GPT(CONFIG)
+        self.model = build_model()
         self.optimizer = zcompile.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.compiled = torch.compile(self.model, backend="zero", options=options)
         self.rank, self.n, self.step_index = rank, GLOBAL_BATCH // world, 0
@@ -56,10 +87,15 @@ class Run:
     def step(self) -> None:
         tokens, targets = synthetic_batch(self.step_index, GLOBAL_BATCH, CONFIG)
         part = slice(self.rank * self.n, (self.rank + 1) * self.n)
-        self.compiled(tokens[part], targets[part]).backward()
+        self.loss(tokens[part], targets[part]).backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.step_index += 1
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if MODEL == "gpt":
+            return self.compiled(tokens, targets)
+        return self.compiled(input_ids=tokens, labels=targets).loss
 
     def peak(self) -> int:
         """Bytes alive before each phase plus the phase's peak above them, the most of the two."""
@@ -67,7 +103,7 @@ class Run:
         part = slice(self.rank * self.n, (self.rank + 1) * self.n)
         with tempfile.TemporaryDirectory() as trace_dir:
             before = zcompile.model_state_bytes(self.model, self.optimizer).total
-            backward = record_step(lambda: self.compiled(tokens[part], targets[part]).backward(), trace_dir, self.rank)
+            backward = record_step(lambda: self.loss(tokens[part], targets[part]).backward(), trace_dir, self.rank)
             middle = zcompile.model_state_bytes(self.model, self.optimizer).total
             stepped = record_step(lambda: (self.optimizer.step(), self.optimizer.zero_grad()), trace_dir, self.rank)
         return max(before + backward.peak_bytes, middle + stepped.peak_bytes)
@@ -101,7 +137,7 @@ def main() -> None:
     medians = [statistics.median(t) for t in times]
     spreads = [(max(t) - min(t)) / statistics.median(t) for t in times]
     plans = []
-    for limit in LIMITS_MB:
+    for limit in ladder(peaks):
         planned = Run({**FIXED, "memory_limit_mb": limit}, rank, world)
         planned.step()
         chosen = {k: planned.model._zcompile_memory_plan.options[k] for k in ("stage", "activation_memory_budget")}
@@ -128,6 +164,7 @@ def main() -> None:
         )
     if rank == 0:
         result = {
+            "model": MODEL,
             "world": world,
             "rounds": ROUNDS,
             "steps": STEPS,
@@ -137,7 +174,8 @@ def main() -> None:
             ],
             "plans": plans,
         }
-        out = os.path.join(HERE, "results", f"memory_limit_{world}.json")
+        name = f"memory_limit_{world}.json" if MODEL == "gpt" else f"memory_limit_{MODEL}_{world}.json"
+        out = os.path.join(HERE, "results", name)
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
         for row in result["candidates"]:
