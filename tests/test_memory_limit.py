@@ -153,16 +153,22 @@ def _llama_on_rank(rank: int, world: int, options: dict) -> tuple[list[float], i
     optimizer = zcompile.optim.AdamW(model.parameters(), lr=1e-3)
     compiled = torch.compile(model, backend="zero", options=options)
     ids = LLAMA_IDS[rank * 2 : (rank + 1) * 2]
+    losses = _llama_losses(compiled, optimizer, ids)
+    plan = model.__dict__.get("_zcompile_memory_plan")
+    peak = _measured_peak(model, optimizer, lambda: compiled(input_ids=ids, labels=ids).loss.backward(), rank)
+    return losses, peak, dict(plan.options), _compiled_with(model)
+
+
+def _llama_losses(model, optimizer, ids: torch.Tensor) -> list[float]:
+    """STEPS steps of ``model`` (compiled or not) on ``ids``, its own labels."""
     losses = []
     for _ in range(STEPS):
-        loss = compiled(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    plan = model.__dict__.get("_zcompile_memory_plan")
-    peak = _measured_peak(model, optimizer, lambda: compiled(input_ids=ids, labels=ids).loss.backward(), rank)
-    return losses, peak, dict(plan.options), _compiled_with(model)
+    return losses
 
 
 def _llama_pair_on_rank(rank: int, world: int) -> tuple:
@@ -171,14 +177,7 @@ def _llama_pair_on_rank(rank: int, world: int) -> tuple:
 
 def test_a_transformers_llama_is_planned_within_the_limit():
     model = _llama()  # the reference: one process, the whole batch, torch's AdamW
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    reference = []
-    for _ in range(STEPS):
-        loss = model(input_ids=LLAMA_IDS, labels=LLAMA_IDS).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        reference.append(loss.item())
+    reference = _llama_losses(model, torch.optim.AdamW(model.parameters(), lr=1e-3), LLAMA_IDS)
     ranks = run_ranks(2, _llama_pair_on_rank, timeout_s=600)
     for losses, peak, chosen, compiled in ranks:
         assert peak <= LLAMA_LIMIT_MB * MIB, (peak / MIB, chosen)

@@ -1209,3 +1209,33 @@ def test_saved_activations_estimated_on_one_rank_mid_training_is_an_error_on_eve
     rank0, rank1 = run_ranks(2, _estimate_on_rank0_after_a_step)
     assert rank0.startswith("ValueError") and "Call it before the first step" in rank0, rank0
     assert "rank 0 reported: zcompile.estimate_memory(batch=...)" in rank1, rank1
+
+
+def _tensor_parallel_on_rank0_only(rank, world):
+    """Rank 0 alone applies tensor parallelism to the model (its local pieces, no scatter) before both
+    compile it: the error and how long it took, per rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    if rank == 0:
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}, src_data_rank=None)
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "check_timeout_s": 10})
+    start = time.perf_counter()
+    try:
+        compiled(torch.randn(4, 8)).sum().backward()
+    except Exception as error:  # noqa: BLE001 - Dynamo wraps the backend's
+        return str(error), time.perf_counter() - start
+    return None, time.perf_counter() - start
+
+
+def test_tensor_parallelism_on_one_rank_only_is_an_error_on_every_rank():
+    """A model made tensor-parallel on some ranks only (DTensor parameters there, plain ones elsewhere)
+    is refused on every rank within seconds, each naming the DTensor parameters: the rank that has them
+    at once, the others through its abort note, not at the check's timeout."""
+    for rank, (error, seconds) in enumerate(run_ranks(2, _tensor_parallel_on_rank0_only)):
+        assert error is not None and "are DTensors (tensor parallelism" in error, (rank, error)
+        assert seconds < 8, (rank, seconds)

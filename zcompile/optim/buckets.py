@@ -151,34 +151,30 @@ def replayed_step_buffer_peak(
     refresh_buckets = plan_optimizer_buckets(refreshed, lambda m: m.replicated_dtype, bucket_bytes)
     reduce_of, refresh_of = _bucket_index(reduce_buckets), _bucket_index(refresh_buckets)
     ledger = BufferLedger()
-    started: set[int] = set()
     summed: set[int] = set()
-    out_bytes: dict[int, int] = {}  # reduce bucket -> its reduced shards' bytes, while alive
+    rows_bytes: dict[int, int] = {}  # reduce bucket -> its [N, S] input's bytes
+    out_bytes: dict[int, int] = {}  # reduce bucket -> its reduced shards' bytes
     views_left = {i: len(bucket) for i, bucket in enumerate(reduce_buckets)}
     waiting = [len(bucket) for bucket in refresh_buckets]
     in_flight = 0
 
     def start(index: int) -> None:
-        if index >= len(reduce_buckets) or index in started:
+        if index >= len(reduce_buckets) or index in rows_bytes:  # past the last, or started
             return
-        started.add(index)
         bucket = reduce_buckets[index]
-        rows = sum(m.padded_numel for m in bucket) * bucket[0].grad_reduce_dtype.itemsize
-        width = sum(m.shard_numel for m in bucket) * bucket[0].grad_reduce_dtype.itemsize
-        ledger.take(2 * rows if by_all_to_all else rows + width)
-        out_bytes[index] = width
+        rows_bytes[index] = sum(m.padded_numel for m in bucket) * bucket[0].grad_reduce_dtype.itemsize
+        out_bytes[index] = sum(m.shard_numel for m in bucket) * bucket[0].grad_reduce_dtype.itemsize
+        ledger.take(2 * rows_bytes[index] if by_all_to_all else rows_bytes[index] + out_bytes[index])
 
     def reduce(index: int) -> None:  # BucketedGradReduce.grad at the bucket's first member asked for
         if index in summed:
             return
         start(index)
-        bucket = reduce_buckets[index]
-        rows = sum(m.padded_numel for m in bucket) * bucket[0].grad_reduce_dtype.itemsize
         if by_all_to_all:
             ledger.take(out_bytes[index])
-            ledger.give(2 * rows)
+            ledger.give(2 * rows_bytes[index])
         else:
-            ledger.give(rows)
+            ledger.give(rows_bytes[index])
         summed.add(index)
         start(index + 1)
 

@@ -7,7 +7,8 @@ collectives of fake tensors do not communicate), its forward and backward run on
 ``predict.simulate.predict_compiled`` gives its step peak and step on the profile of this device.
 Every rank makes the same prediction from the same graph; the compile check then compares the
 ranks' limits and choices with their collectives (``memory_plan``: a ``RankDivergenceError`` naming
-``memory_limit_mb`` otherwise), and the choice is kept on the model, so the model's later graphs (after a graph break, a recompile) take the same options.
+``memory_limit_mb`` otherwise), and the choice is kept on the model, so the model's later graphs
+(after a graph break, a recompile) take the same options.
 
 What it sees: the first graph's activations with the whole model's states, so a model compiled in
 several graphs is planned from its first, and each later graph says so (a warning, once). The profile: ``cpu-local`` on a CPU, by device name on
