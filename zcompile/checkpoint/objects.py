@@ -115,8 +115,17 @@ def save_object(path: str, obj: Mapping, timeout_s: float, checksums: bool) -> N
     skeleton = split_tensors(obj, tensors)
     group = _group_of(tensors)
     whole = replaced_whole(path)
-    problem = None
-    if whole and group.rank == 0:
+    problem, skeleton_bytes = None, b""
+    if group.rank == 0:  # what rank 0 writes of the object, made before any rank starts writing
+        try:
+            skeleton_bytes = to_bytes(skeleton)
+        except Exception as error:  # noqa: BLE001 - whatever pickle raises, said on every rank
+            problem = (
+                f"the object's parts other than tensors cannot be pickled ({type(error).__name__}: {error}). "
+                "Save state dicts ({'model': model.state_dict(), 'optimizer': optimizer.state_dict()}), not "
+                "the model or optimizer themselves, or call save(path, model, optimizer)"
+            )
+    if whole and group.rank == 0 and problem is None:
         try:
             prepare_save(path)
         except CheckpointError as error:
@@ -141,7 +150,7 @@ def save_object(path: str, obj: Mapping, timeout_s: float, checksums: bool) -> N
         elif group.rank == 0:  # rank 0's, as torch.save on rank 0 writes
             state[tensor_key(index)] = tensor.detach()
     if group.rank == 0:
-        state[OBJECT_KEY] = to_bytes(skeleton)
+        state[OBJECT_KEY] = skeleton_bytes
     target = staging_dir(path) if whole else path
     dcp.save(state, checkpoint_id=target, process_group=group.process_group, no_dist=group.world_size == 1)
     if whole:
