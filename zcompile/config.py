@@ -26,6 +26,11 @@ _COMPILERS = ("auto", "eager", "inductor")
 REDUCE_SCATTER_FORMS = ("auto", "native", "all_to_all")
 
 
+# the dim names of option 'mesh': hybrid sharding's (FSDP2's convention) and a tensor-parallel model's
+MESH_DIMS_HYBRID = ("replicate", "shard")
+MESH_DIMS_TP = ("dp", "tp")
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """Options of ``torch.compile(model, backend="zero", options={...})``.
@@ -114,9 +119,11 @@ class ZeroConfig:
             many consecutive ranks and replicated across the groups, whose gradient shards are
             all-reduced once per reduced bucket (``docs/hybrid-sharding.md``). An int >= 2 dividing
             the world size, or ``"node"`` for ``node_size``; ``None``: shard over every rank.
-        mesh: hybrid sharding on a 2-D ``DeviceMesh`` the caller built, with dims named
-            ``("replicate", "shard")`` (FSDP2's convention): shards inside ``mesh["shard"]``,
-            replicas across ``mesh["replicate"]``. Instead of ``shard_size``.
+        mesh: a 2-D ``DeviceMesh`` the caller built. Dims ``("replicate", "shard")`` (FSDP2's
+            convention): hybrid sharding, shards inside ``mesh["shard"]``, replicas across
+            ``mesh["replicate"]``, instead of ``shard_size``. Dims ``("dp", "tp")``: a model whose
+            parameters are DTensors on ``mesh["tp"]`` (tensor parallelism), each local piece sharded
+            over ``mesh["dp"]`` (``docs/tensor-parallel.md``).
         node_size: ranks per node, for qgZ's hierarchy and ``hpz_size="node"``; ``None`` reads
             torchrun's ``$LOCAL_WORLD_SIZE`` (else the whole world is one node). On one machine
             a smaller value simulates several nodes.
@@ -257,13 +264,18 @@ class ZeroConfig:
     @property
     def hybrid(self) -> bool:
         """Whether the states are sharded inside groups and replicated across them."""
-        return self.shard_size is not None or self.mesh is not None
+        return self.shard_size is not None or (self.mesh is not None and not self.tensor_parallel)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether ``mesh`` is ``("dp", "tp")``: DTensor parameters on ``mesh["tp"]``, sharded over ``mesh["dp"]``."""
+        return self.mesh is not None and tuple(getattr(self.mesh, "mesh_dim_names", None) or ()) == MESH_DIMS_TP
 
     def shard_group_size(self, world_size: int) -> int:
         """How many ranks each state is sharded over in a world of ``world_size``: the shard group's size
         with hybrid sharding, else ``world_size``. ``ValueError`` when ``shard_size`` does not divide it."""
         if self.mesh is not None:
-            return self.mesh["shard"].size()
+            return self.mesh["dp" if self.tensor_parallel else "shard"].size()
         if self.shard_size is None:
             return world_size
         if self.shard_size == "node":
@@ -293,13 +305,17 @@ class ZeroConfig:
                 "which is DDP. Use shard_size >= 2, or torch's DistributedDataParallel"
             )
         if self.mesh is not None:
-            names = getattr(self.mesh, "mesh_dim_names", None)
-            if names is None or getattr(self.mesh, "ndim", None) != 2 or tuple(names) != ("replicate", "shard"):
+            names = tuple(getattr(self.mesh, "mesh_dim_names", None) or ())
+            if getattr(self.mesh, "ndim", None) != 2 or names not in (MESH_DIMS_HYBRID, MESH_DIMS_TP):
                 raise ValueError(
-                    "zcompile: option 'mesh' must be a 2-D torch DeviceMesh with dims named ('replicate', 'shard'), "
-                    f"as init_device_mesh(device, (replicas, shard_size), mesh_dim_names=('replicate', 'shard')) "
-                    f"makes, got {self.mesh!r}"
+                    "zcompile: option 'mesh' must be a 2-D torch DeviceMesh with dims named ('replicate', 'shard') "
+                    "(hybrid sharding: init_device_mesh(device, (replicas, shard_size), mesh_dim_names=('replicate', "
+                    "'shard'))) or ('dp', 'tp') (a tensor-parallel model: init_device_mesh(device, (dp, tp), "
+                    f"mesh_dim_names=('dp', 'tp'))), got {self.mesh!r}"
                 )
+            if self.tensor_parallel:
+                self._check_tensor_parallel()
+                return
             if size is not None:
                 raise ValueError("zcompile: options 'mesh' and 'shard_size' both set the shard group; pass one")
             if self.mesh.size(1) < 2:
@@ -319,6 +335,23 @@ class ZeroConfig:
                 "zcompile: hybrid sharding (shard_size / mesh) does not compose with ZeRO++'s hpz_size or "
                 "quantize_grads yet: hybrid sharding already keeps every gather inside the shard group, which "
                 "is what hpZ does, and qgZ's hierarchy spans the whole world. Drop those options"
+            )
+
+    def _check_tensor_parallel(self) -> None:
+        if self.shard_size is not None:
+            raise ValueError(
+                "zcompile: options 'mesh' ('dp', 'tp') and 'shard_size' together: hybrid sharding of a tensor-parallel "
+                "model is not supported yet. Drop 'shard_size' (the states are sharded over mesh['dp'])"
+            )
+        if self.group is not None:
+            raise ValueError(
+                "zcompile: options 'group' and 'mesh' both set the data-parallel group; pass the mesh alone (its 'dp' "
+                "dim is the group)"
+            )
+        if self.hpz_size is not None or self.quantize_grads or self.quantize_weights:
+            raise ValueError(
+                "zcompile: ZeRO++ (quantize_weights, quantize_grads, hpz_size) with a tensor-parallel mesh is not "
+                "supported yet; drop those options"
             )
 
     @property

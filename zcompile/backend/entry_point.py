@@ -44,6 +44,7 @@ from zcompile.backend.refusals import (
     refuse_tensor_parallel_parameters,
 )
 from zcompile.backend.shard_swap import ShardSwap
+from zcompile.backend.tensor_parallel import link_dtensor_shards, static_fake_pieces, take_local_pieces
 from zcompile.backend.zeropp import attach_groups, resolve_zeropp
 from zcompile.common.dumps import SHARDING_PLAN_FILE, resolve_dump_root
 from zcompile.common.dynamo_frame import (
@@ -57,6 +58,7 @@ from zcompile.common.process_group import (
 )
 from zcompile.config import ZeroConfig
 from zcompile.eager.sync import take_first_ranks_values
+from zcompile.passes.dtensor_params import local_piece_inputs
 from zcompile.passes.param_collectives import ShardingPlan, plan_sharding
 from zcompile.passes.regions import subgraph_calls
 from zcompile.sharding.buffer_sync import BufferSync, changed_buffer_inputs, note_changed_buffers
@@ -93,6 +95,8 @@ def zero_backend(
         config, device_type(example_inputs)
     )  # with hybrid sharding, the shard group (and its replicate group)
     gm = copy_dynamo_graph(gm)
+    dtensor_inputs, example_inputs = example_inputs, list(example_inputs)
+    pieces = local_piece_inputs(gm, example_inputs) if group.tensor_parallel is not None else []
     plan = plan_sharding(
         gm,
         example_inputs,
@@ -103,7 +107,7 @@ def zero_backend(
         config.effective_reduce_dtype,
     )
     check_devices(plan, example_inputs, group)
-    refuse_tensor_parallel_parameters(plan, example_inputs, group)
+    refuse_tensor_parallel_parameters(plan, example_inputs, group, pieces, config.mesh)
     refuse_parameter_writes(gm, plan)
     swap = ShardSwap(plan, group)
     zeropp = resolve_zeropp(config, group)
@@ -122,7 +126,7 @@ def zero_backend(
         )
     if config.sync_module_states and every_rank_compiles:
         take_first_ranks_values_of_new_parameters(plan, example_inputs, group, config.check_timeout_s)
-    tracing_inputs = swap.swap_for_tracing(list(example_inputs))  # shards the parameters
+    tracing_inputs = static_fake_pieces(swap.swap_for_tracing(list(example_inputs)), pieces)  # shards the parameters
     shards = [shard_of(example_inputs[p.index]) for p in plan.params]
     with failure_leaves_refusing_parameters(shards, str(gm.meta.get("dynamo_compile_id", "?"))):
         frame_modules = modules_of_compiled_frame()
@@ -171,6 +175,9 @@ def zero_backend(
         graphs.call_chains.get("forward"),
         graphs,
     )
+    if pieces:
+        link_dtensor_shards(dtensor_inputs, pieces)
+        run = take_local_pieces(run, pieces)
     changed = changed_buffer_inputs(plan.buffers, graphs.mutated_inputs)
     if config.broadcast_buffers and changed and group.world_size > 1:
         if plan.params:

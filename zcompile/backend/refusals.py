@@ -28,25 +28,44 @@ from zcompile.sharding.shards import (
 log = logging.getLogger(__name__)
 
 
-def refuse_tensor_parallel_parameters(plan: ShardingPlan, example_inputs: list, group: DataParallelGroup) -> None:
+def refuse_tensor_parallel_parameters(
+    plan: ShardingPlan, example_inputs: list, group: DataParallelGroup, pieces: list, mesh
+) -> None:
     """Parameters that are DTensors (tensor parallelism: ``parallelize_module``, a transformers
-    ``tp_plan``) are not sharded: the shards and gathers are of plain tensors, and a DTensor's local
-    piece taken for the whole weight would train wrong. Refused on every rank (an abort note for the
+    ``tp_plan``) are sharded as their local pieces only with option ``mesh`` ``("dp", "tp")``: without
+    it a DTensor's piece taken for the whole weight would train wrong, and pieces on another mesh than
+    ``mesh["tp"]`` would be reduced over the wrong ranks. Refused on every rank (an abort note for the
     ranks whose model has no such parameter), before any parameter is sharded."""
     from torch.distributed.tensor import DTensor
 
-    pieces = [p.name for p in plan.params if isinstance(example_inputs[p.index], DTensor)]
-    if not pieces:
-        return
-    listed = ", ".join(repr(name) for name in pieces[:3]) + (f" and {len(pieces) - 3} more" if len(pieces) > 3 else "")
-    message = (
-        f"zcompile: parameters {listed} are DTensors (tensor parallelism: parallelize_module or a tp_plan), which "
-        "zcompile does not shard yet: ZeRO over tensor-parallel pieces is not supported. Compile the model without "
-        "tensor parallelism (data parallel over every rank, or hybrid sharding with option 'mesh'), or train the "
-        "tensor-parallel model with torch's fully_shard"
-    )
+    names = {p.index: p.name for p in plan.params}
+    if pieces:
+        tp_ranks = mesh["tp"].mesh.flatten().tolist()
+        stray = [names.get(s.index, f"input {s.index}") for s in pieces if s.mesh.mesh.flatten().tolist() != tp_ranks]
+        if not stray:
+            return
+        message = (
+            f"zcompile: parameters {_listed(stray)} are DTensors on another mesh than option 'mesh''s 'tp' dim "
+            f"(ranks {tp_ranks}); their gradients would be reduced over the wrong ranks. Parallelize the model "
+            "on mesh['tp'] of the mesh you pass to zcompile"
+        )
+    else:
+        found = [p.name for p in plan.params if isinstance(example_inputs[p.index], DTensor)]
+        if not found:
+            return
+        message = (
+            f"zcompile: parameters {_listed(found)} are DTensors (tensor parallelism: parallelize_module or a "
+            "tp_plan), but option 'mesh' is not a ('dp', 'tp') mesh, so zcompile cannot tell over which ranks to "
+            "shard their pieces. Build init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), parallelize "
+            "the model on mesh['tp'] and pass options={'mesh': mesh} (docs/tensor-parallel.md); or compile the "
+            "model without tensor parallelism, or train it with torch's fully_shard"
+        )
     leave_abort_note(group, message)
     raise ValueError(message)
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(repr(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def refuse_parameter_writes(gm: torch.fx.GraphModule, plan: ShardingPlan) -> None:

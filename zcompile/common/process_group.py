@@ -33,7 +33,10 @@ class DataParallelGroup:
     name: str | None
     process_group: dist.ProcessGroup | None
     replicate: DataParallelGroup | None = None
-    mesh: Any = None  # hybrid sharding: the 2-D DeviceMesh ("replicate", "shard") of every rank
+    mesh: Any = None  # option 'mesh': the 2-D DeviceMesh ("replicate", "shard") or ("dp", "tp") of every rank
+    # a tensor-parallel model: the group its DTensor parameters are split over (mesh["tp"]); this group is
+    # then the ranks holding the same pieces (mesh["dp"])
+    tensor_parallel: DataParallelGroup | None = None
 
     @property
     def everyone(self) -> DataParallelGroup:

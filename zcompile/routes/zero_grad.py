@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 
 def clear_shard_grad(sharded: ShardedParam, set_to_none: bool) -> None:
     """What ``zero_grad`` does to a parameter's gradient, done to its shard's (and to its
-    low-precision replica's, which holds stage 1's full gradient under ``param_dtype``)."""
+    low-precision replica's, which holds stage 1's full gradient under ``param_dtype``, and to the
+    tensor sharded, which holds it otherwise: a DTensor parameter's local piece)."""
     sharded.stepped_grad = None  # zeroed since the step (see stale_grad_members)
-    for holder in (sharded.grad_target, sharded.replica):
+    for holder in (sharded.grad_target, sharded.replica, sharded.param):
         if holder is not None:
             zero_tensor_grad(holder, set_to_none)
 

@@ -36,6 +36,8 @@ def data_parallel_group(config, device_type: str = "cpu") -> DataParallelGroup:
     Collective on the first call with ``shard_size`` (the groups are made; the ranks first agree on the
     size through the store, so a size that differs between ranks is an error on every rank, not a
     ``new_group`` that pairs with another)."""
+    if config.tensor_parallel:
+        return _tensor_parallel_groups(config)
     if not config.hybrid:
         return DataParallelGroup.resolve(config.group)
     world = DataParallelGroup.resolve(None)
@@ -85,3 +87,26 @@ def data_parallel_group(config, device_type: str = "cpu") -> DataParallelGroup:
     if replicate.world_size == 1:
         return shard
     return dataclasses.replace(shard, replicate=replicate, mesh=mesh)
+
+
+def _tensor_parallel_groups(config) -> DataParallelGroup:
+    """A tensor-parallel model's groups: ``mesh["dp"]`` shards the states, ``mesh["tp"]`` (the one the
+    model's DTensors live on) is ``tensor_parallel``. The ranks first agree on the mesh's shape."""
+    mesh = config.mesh
+    dp = as_data_parallel_group(mesh["dp"].get_group())
+    tp = as_data_parallel_group(mesh["tp"].get_group())
+    world = DataParallelGroup.resolve(None)
+    if world.world_size > 1 and config.check_ranks:
+        agree_on_store(
+            [dp.world_size, tp.world_size],
+            world,
+            config.check_timeout_s,
+            "tensor-parallel-mesh",
+            "compiling a tensor-parallel model",
+            "Pass the same mesh (dp, tp) on every rank.",
+            lambda sizes: (
+                f"zcompile: the ranks pass meshes of different shapes (dp, tp) per rank: {dict(enumerate(sizes))}; "
+                "pass the same on every rank"
+            ),
+        )
+    return dataclasses.replace(dp, tensor_parallel=tp)
