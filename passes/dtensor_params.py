@@ -41,10 +41,7 @@ def local_piece(param: torch.Tensor) -> torch.Tensor:
     trains); a plain tensor is returned as it is."""
     if not is_dtensor(param):
         return param
-    # read through the tensor-subclass protocol AOTAutograd uses: to_local() gives a fresh view of a
-    # Parameter(DTensor)'s piece (torch 2.13), not the piece
-    inner, _ = param.__tensor_flatten__()  # ["_local_tensor"]
-    piece = getattr(param, inner[0])
+    piece = local_tensor(param)
     if not isinstance(piece, torch.nn.Parameter):
         # a parameter as torch marks a Parameter(DTensor)'s local views (its _is_param flag): the sharding
         # plan, the optimizer and the checks take it for the parameter it is
@@ -52,6 +49,17 @@ def local_piece(param: torch.Tensor) -> torch.Tensor:
     if piece.requires_grad != param.requires_grad and piece.is_leaf:
         piece.requires_grad_(param.requires_grad)
     return piece
+
+
+def local_tensor(value: torch.Tensor) -> torch.Tensor:
+    """What a DTensor holds on this rank (its storage is the real memory; the DTensor's own reports its
+    global size); a plain tensor as it is. Read only."""
+    if not is_dtensor(value):
+        return value
+    # through the tensor-subclass protocol AOTAutograd uses: to_local() gives a fresh view of a
+    # Parameter(DTensor)'s piece (torch 2.13), not the piece
+    inner, _ = value.__tensor_flatten__()  # ["_local_tensor"]
+    return getattr(value, inner[0])
 
 
 def _wrapper(spec: LocalPieceParameter):

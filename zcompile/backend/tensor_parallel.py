@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import Shard
 
 from zcompile.passes.dtensor_params import LocalPieceParameter, local_piece
 from zcompile.sharding.sharded_parameter import SHARD_ATTR, shard_of
@@ -17,28 +18,30 @@ def link_dtensor_shards(inputs: list, pieces: list[LocalPieceParameter]) -> None
     """Each DTensor parameter among ``inputs`` gets its local piece's shard (``SHARD_ATTR``)."""
     for spec in pieces:
         param = inputs[spec.index]
-        sharded = shard_of(local_piece(param))
-        if sharded is not None and shard_of(param) is not sharded:
-            setattr(param, SHARD_ATTR, sharded)
+        _link(param, shard_of(local_piece(param)), spec)
+
+
+def _link(param: torch.Tensor, sharded, spec: LocalPieceParameter) -> None:
+    if sharded is None or getattr(param, SHARD_ATTR, None) is sharded:
+        return
+    sharded.split_over_tensor_parallel = any(isinstance(p, Shard) for p in spec.placements)
+    setattr(param, SHARD_ATTR, sharded)
 
 
 def take_local_pieces(run: Callable, pieces: list[LocalPieceParameter]) -> Callable:
     """``run`` called with each DTensor parameter replaced by its local piece. A graph reused for
     other modules (regional compilation) shards their pieces at their first call: their DTensor
     parameters get the shard then."""
-    positions = [spec.index for spec in pieces]
 
     def run_on_local_pieces(*args):
         args = list(args)
-        dtensors = [args[index] for index in positions]
-        for index, param in zip(positions, dtensors):
-            args[index] = local_piece(param)
+        dtensors = [args[spec.index] for spec in pieces]
+        for spec, param in zip(pieces, dtensors):
+            args[spec.index] = local_piece(param)
         out = run(*args)
-        for index, param in zip(positions, dtensors):
+        for spec, param in zip(pieces, dtensors):
             if getattr(param, SHARD_ATTR, None) is None:
-                sharded = shard_of(args[index])
-                if sharded is not None:
-                    setattr(param, SHARD_ATTR, sharded)
+                _link(param, shard_of(args[spec.index]), spec)
         return out
 
     return run_on_local_pieces

@@ -96,6 +96,28 @@ def global_grad_norm(
 ) -> tuple[torch.Tensor, CollectiveRecord | None]:
     """The ``norm_type``-norm of every rank's gradient shards viewed as one vector (fp32), and the
     record of the scalar all-reduce that made it global (None in a world of one)."""
+    tensor_parallel = group.tensor_parallel if group is not None else None
+    if tensor_parallel is not None:  # a tensor-parallel model: pieces split over mesh["tp"] summed over it too
+        split = [m for m in members if m.split_over_tensor_parallel]
+        replicated = [m for m in members if not m.split_over_tensor_parallel]
+        local_split, record = _norm_over_group(split, norm_type, group, device)
+        local_replicated, _ = _norm_over_group(replicated, norm_type, group, device)
+        if math.isinf(norm_type):
+            local = _all_reduce_max_keeping_nan(torch.maximum(local_split, local_replicated), tensor_parallel)
+        else:  # the replicated parameters' sums are the same on every tensor-parallel rank: counted once
+            all_reduce_eager(local_split, tensor_parallel, dist.ReduceOp.SUM)
+            local = local_split + local_replicated
+    else:
+        local, record = _norm_over_group(members, norm_type, group, device)
+    total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
+    return total.to(torch.float32), record
+
+
+def _norm_over_group(
+    members: list[ShardedParam], norm_type: float, group: DataParallelGroup | None, device: torch.device
+) -> tuple[torch.Tensor, CollectiveRecord | None]:
+    """The sum over ``group``'s ranks of the members' gradient shards' norms to the power
+    ``norm_type`` (float64), their max for the inf-norm; and the record of the all-reduce."""
     norms = [
         torch.linalg.vector_norm(m.shard_grad.detach(), norm_type, dtype=torch.float32) for m in members
     ]  # fp32, like torch's
@@ -110,8 +132,7 @@ def global_grad_norm(
     elif group is not None and group.world_size > 1:
         all_reduce_eager(local, group, dist.ReduceOp.SUM)  # a NaN or inf term makes the sum NaN or inf
         record = CollectiveRecord("all_reduce", 1, torch.float64, "optimizer", (), group.name or "", group.world_size)
-    total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
-    return total.to(torch.float32), record
+    return local, record
 
 
 def _all_reduce_max_keeping_nan(value: torch.Tensor, group: DataParallelGroup) -> torch.Tensor:

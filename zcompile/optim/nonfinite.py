@@ -56,6 +56,8 @@ def any_rank_flag(flag: torch.Tensor, group: DataParallelGroup | None) -> Collec
     if group is None or group.world_size == 1:
         return None
     all_reduce_eager(flag, group, dist.ReduceOp.MAX)
+    if group.tensor_parallel is not None:  # a tensor-parallel model: its other pieces' ranks decide with it
+        all_reduce_eager(flag, group.tensor_parallel, dist.ReduceOp.MAX)
     return CollectiveRecord(
         "all_reduce", flag.numel(), torch.float32, "optimizer", (), group.name or "", group.world_size
     )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zcompile.passes.dtensor_params import local_tensor
 from zcompile.sharding.shards import shard_of
 
 
@@ -50,6 +51,7 @@ def model_state_bytes(
     seen: set = set()
     params = list(dict.fromkeys(model.parameters() if isinstance(model, torch.nn.Module) else model))
     shards = [shard_of(p) for p in params]
+    params = [local_tensor(p) for p in params]  # a tensor-parallel model: this rank's pieces
     sharded = [s for s in shards if s is not None]
     param_tensors = params + [s.shard for s in sharded] + [s.replica for s in sharded]
     grad_tensors = (

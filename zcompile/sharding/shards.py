@@ -107,6 +107,9 @@ class ShardedParam:
     # the zcompile.sharding.buffer_sync.BufferSync of the last graph that ran this parameter and changes module
     # buffers: the optimizer's step broadcasts them from rank 0
     buffer_sync: object | None = field(default=None, repr=False)
+    # a tensor-parallel model's DTensor parameter split over mesh["tp"] (this is one rank's piece): gradient
+    # norms sum it over the tensor-parallel ranks, where a replicated parameter counts once (zcompile.optim.clip)
+    split_over_tensor_parallel: bool = field(default=False, repr=False)
     shape: torch.Size = field(init=False)
     numel: int = field(init=False)
     _replicated_alias: torch.Tensor | None = field(default=None, init=False, repr=False)

@@ -1,0 +1,125 @@
+"""ZeRO over a tensor-parallel model: 4 gloo ranks as dp 2 x tp 2, a transformers Llama parallelized by
+torch's ``parallelize_module`` (q/k/v, gate/up column-wise; o, down row-wise) on ``mesh["tp"]`` and
+compiled with ``options={"mesh": mesh}``.
+
+References: a single process on the global batch (losses, pre-clip gradient norms, and the weights
+after training, put together from the pieces), and ZeRO's model-state formula with N = dp applied
+to each rank's tensor-parallel pieces.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zcompile
+from support.launch import run_ranks
+from support.models import build_model, model_loss
+from support.training import (
+    RunResult,
+    RunSpec,
+    _clip_before_step,
+    _optimizer,
+    assert_same_training,
+    micro_batches,
+    train_reference,
+)
+
+WORLD, DP, TP = 4, 2, 2
+SPECS = {
+    "stage1": RunSpec(model="hf_llama", stage=1),
+    "stage2": RunSpec(model="hf_llama", stage=2),
+    "stage3": RunSpec(model="hf_llama", stage=3),
+    # clipping that clips (split weights counted once over tp, replicated ones once) and 2 micro-batches
+    "stage3_clip_accum": RunSpec(model="hf_llama", stage=3, clip=0.05, grad_accum=2),
+    "stage1_clip_accum": RunSpec(model="hf_llama", stage=1, clip=0.05, grad_accum=2),
+}
+
+
+def llama_tp_plan() -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        **{f"self_attn.{name}_proj": ColwiseParallel() for name in ("q", "k", "v")},
+        "self_attn.o_proj": RowwiseParallel(),
+        **{f"mlp.{name}_proj": ColwiseParallel() for name in ("gate", "up")},
+        "mlp.down_proj": RowwiseParallel(),
+    }
+
+
+def _tensor_parallel_llama(mesh) -> torch.nn.Module:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = build_model("hf_llama")
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], llama_tp_plan())
+    return model
+
+
+def _train(spec: RunSpec, mesh) -> dict:
+    """``spec`` trained on this rank of the dp x tp mesh: losses (mean over dp), pre-clip norms, the
+    full weights afterwards and the model states' bytes on this rank with the formula's Ψ (the
+    elements of this rank's pieces)."""
+    from torch.distributed.tensor import DTensor
+
+    torch._dynamo.reset()
+    model = _tensor_parallel_llama(mesh)
+    compiled = torch.compile(model, backend="zero", options={"stage": spec.stage, "compiler": "eager", "mesh": mesh})
+    optimizer = _optimizer(spec, model.parameters(), zero=True)
+    dp_rank = mesh["dp"].get_local_rank()
+    losses, norms = [], []
+    for step in range(spec.steps):
+        step_loss = torch.zeros(())
+        for tokens, targets in micro_batches(spec, step, dp_rank, DP):
+            loss = model_loss(spec.model, compiled, tokens, targets) / spec.grad_accum
+            loss.backward()
+            step_loss += loss.detach()
+        norm = _clip_before_step(spec, model, optimizer)
+        optimizer.step()
+        state_bytes = zcompile.model_state_bytes(model, optimizer).total  # with the gradients, as ZeRO counts
+        optimizer.zero_grad()
+        if norm is not None:
+            norms.append(norm)
+        dist.all_reduce(step_loss, group=mesh["dp"].get_group())
+        losses.append(float(step_loss) / DP)
+    with zcompile.gathered(model):
+        params = {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters()
+        }
+    local_elements = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    return {"losses": losses, "norms": norms, "params": params, "state_bytes": state_bytes, "psi": local_elements}
+
+
+def _on_rank(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    return {name: _train(spec, mesh) for name, spec in SPECS.items()}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(WORLD, _on_rank, timeout_s=900)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_trains_like_a_single_process_on_the_global_batch(ranks, name):
+    spec = SPECS[name]
+    reference = train_reference(spec)
+    for result in (rank[name] for rank in ranks):
+        assert_same_training(RunResult(result["losses"], result["params"]), reference, spec)
+        if spec.clip is not None:  # the clip clipped, at the reference's norm (each element once)
+            assert all(norm > spec.clip for norm in result["norms"])
+            torch.testing.assert_close(
+                torch.tensor(result["norms"]), torch.tensor(reference.grad_norms), rtol=1e-5, atol=0
+            )
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_model_states_per_rank_are_zeros_formula_over_dp_on_the_pieces(ranks, stage):
+    for result in ranks:
+        ours = result[f"stage{stage}"]
+        expected = zcompile.zero_formula_bytes(ours["psi"], DP, stage)
+        assert abs(ours["state_bytes"] - expected) <= 0.02 * expected, (ours["state_bytes"], expected)
