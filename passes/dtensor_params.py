@@ -62,6 +62,18 @@ def local_tensor(value: torch.Tensor) -> torch.Tensor:
     return getattr(value, inner[0])
 
 
+def as_parameter_was(param: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    """``piece`` (this rank's full local piece of ``param``) as ``param`` is: a DTensor on its mesh
+    with its placements (a tensor-parallel model's state dict holds DTensors), else as it is."""
+    if not is_dtensor(param):
+        return piece
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        piece, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
 def _wrapper(spec: LocalPieceParameter):
     from torch.distributed.tensor import DTensor
 

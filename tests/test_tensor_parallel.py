@@ -27,13 +27,12 @@ from support.training import (
 )
 
 WORLD, DP, TP = 4, 2, 2
+# stages 1 and 3 with clipping that clips (split weights summed over tp, replicated ones counted once)
+# and 2 micro-batches; stage 2 plain
 SPECS = {
-    "stage1": RunSpec(model="hf_llama", stage=1),
+    "stage1": RunSpec(model="hf_llama", stage=1, clip=0.05, grad_accum=2),
     "stage2": RunSpec(model="hf_llama", stage=2),
-    "stage3": RunSpec(model="hf_llama", stage=3),
-    # clipping that clips (split weights counted once over tp, replicated ones once) and 2 micro-batches
-    "stage3_clip_accum": RunSpec(model="hf_llama", stage=3, clip=0.05, grad_accum=2),
-    "stage1_clip_accum": RunSpec(model="hf_llama", stage=1, clip=0.05, grad_accum=2),
+    "stage3": RunSpec(model="hf_llama", stage=3, clip=0.05, grad_accum=2),
 }
 
 
@@ -75,33 +74,74 @@ def _train(spec: RunSpec, mesh) -> dict:
             loss = model_loss(spec.model, compiled, tokens, targets) / spec.grad_accum
             loss.backward()
             step_loss += loss.detach()
+        # with the gradients, as ZeRO counts (stage 1's clipping reduces them early: before it)
+        state_bytes = zcompile.model_state_bytes(model, optimizer).total
         norm = _clip_before_step(spec, model, optimizer)
         optimizer.step()
-        state_bytes = zcompile.model_state_bytes(model, optimizer).total  # with the gradients, as ZeRO counts
         optimizer.zero_grad()
         if norm is not None:
             norms.append(norm)
         dist.all_reduce(step_loss, group=mesh["dp"].get_group())
         losses.append(float(step_loss) / DP)
-    with zcompile.gathered(model):
-        params = {
-            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for name, p in model.named_parameters()
-        }
+    params = _full_weights(model)
     local_elements = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     return {"losses": losses, "norms": norms, "params": params, "state_bytes": state_bytes, "psi": local_elements}
 
 
-def _on_rank(rank: int, world: int) -> dict:
+def _full_weights(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    with zcompile.gathered(model):
+        return {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters()
+        }
+
+
+def _state_dict_round_trip(mesh, directory: str) -> dict:
+    """A stage-3 model trained a step, its ``state_dict()`` (DTensors of the gathered pieces) written
+    with torch.distributed.checkpoint and loaded into another compiled model; and zcompile.checkpoint's
+    refusal of a tensor-parallel model."""
+    import torch.distributed.checkpoint as dcp
+
+    spec = SPECS["stage2"]  # one micro-batch
+    trained, fresh = _tensor_parallel_llama(mesh), _tensor_parallel_llama(mesh)
+    ((tokens, targets),) = micro_batches(spec, 0, mesh["dp"].get_local_rank(), DP)
+    compiled = [
+        torch.compile(m, backend="zero", options={"stage": 3, "compiler": "eager", "mesh": mesh})
+        for m in (trained, fresh)
+    ]
+    optimizer = _optimizer(spec, trained.parameters(), zero=True)
+    model_loss(spec.model, compiled[0], tokens, targets).backward()
+    optimizer.step()
+    with torch.no_grad():
+        model_loss(spec.model, compiled[1], tokens, targets)  # compiled: its parameters are shards now
+    state = trained.state_dict()
+    kinds = {type(value).__name__ for value in state.values()}
+    dcp.save(state, checkpoint_id=directory)
+    loaded = fresh.state_dict()
+    dcp.load(loaded, checkpoint_id=directory)
+    fresh.load_state_dict(loaded)
+    try:
+        zcompile.checkpoint.save(directory + "-zcompile", trained, optimizer)
+        refused = ""
+    except zcompile.checkpoint.CheckpointError as error:
+        refused = str(error)
+    return {"kinds": kinds, "trained": _full_weights(trained), "loaded": _full_weights(fresh), "refused": refused}
+
+
+def _on_rank(rank: int, world: int, directory: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-    return {name: _train(spec, mesh) for name, spec in SPECS.items()}
+    out = {name: _train(spec, mesh) for name, spec in SPECS.items()}
+    out["round_trip"] = _state_dict_round_trip(mesh, directory)
+    return out
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return run_ranks(WORLD, _on_rank, timeout_s=900)
+def ranks(tmp_path_factory):
+    return run_ranks(WORLD, _on_rank, str(tmp_path_factory.mktemp("tp") / "checkpoint"), timeout_s=900)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -123,3 +163,17 @@ def test_model_states_per_rank_are_zeros_formula_over_dp_on_the_pieces(ranks, st
         ours = result[f"stage{stage}"]
         expected = zcompile.zero_formula_bytes(ours["psi"], DP, stage)
         assert abs(ours["state_bytes"] - expected) <= 0.02 * expected, (ours["state_bytes"], expected)
+
+
+def test_state_dict_holds_dtensors_that_torch_distributed_checkpoint_saves_and_loads(ranks):
+    for result in (rank["round_trip"] for rank in ranks):
+        assert "DTensor" in result["kinds"]
+        reference = ranks[0]["round_trip"]["trained"]
+        for name, value in result["loaded"].items():
+            torch.testing.assert_close(value, reference[name], rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(result["trained"][name], reference[name], rtol=0, atol=0, msg=name)
+
+
+def test_zcompile_checkpoint_refuses_a_tensor_parallel_model_on_every_rank_naming_the_recipe(ranks):
+    for result in (rank["round_trip"] for rank in ranks):
+        assert "are DTensors" in result["refused"] and "torch.distributed.checkpoint.save" in result["refused"]

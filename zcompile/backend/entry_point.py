@@ -127,6 +127,7 @@ def zero_backend(
     if config.sync_module_states and every_rank_compiles:
         take_first_ranks_values_of_new_parameters(plan, example_inputs, group, config.check_timeout_s)
     tracing_inputs = static_fake_pieces(swap.swap_for_tracing(list(example_inputs)), pieces)  # shards the parameters
+    link_dtensor_shards(dtensor_inputs, pieces)  # before the state-dict hooks look for shards
     shards = [shard_of(example_inputs[p.index]) for p in plan.params]
     with failure_leaves_refusing_parameters(shards, str(gm.meta.get("dynamo_compile_id", "?"))):
         frame_modules = modules_of_compiled_frame()
@@ -176,7 +177,6 @@ def zero_backend(
         graphs,
     )
     if pieces:
-        link_dtensor_shards(dtensor_inputs, pieces)
         run = take_local_pieces(run, pieces)
     changed = changed_buffer_inputs(plan.buffers, graphs.mutated_inputs)
     if config.broadcast_buffers and changed and group.world_size > 1:

@@ -66,6 +66,7 @@ from zcompile.checkpoint.layout import (
     param_aliases,
     param_key,
     persistent_buffers,
+    refuse_tensor_parallel,
     to_bytes,
     unwrap,
 )
@@ -170,6 +171,7 @@ def save(
         return _save_object(path, model, optimizer, extra, async_save, exclude_frozen_parameters, timeout_s, checksums)
     _wait_for_background_save(model)  # its swap, and its writes into the same staging directory, come first
     params = named_unique_params(model)
+    refuse_tensor_parallel(params)
     group = group_of([p for _, p in params])  # the pieces' group (hybrid sharding: the shard group)
     ranks = group.everyone  # who saves: every rank, each piece written once
     frozen = [(name, p) for name, p in params if not p.requires_grad] if exclude_frozen_parameters else []
@@ -372,6 +374,7 @@ def load(
         return load_object(os.fspath(path), verify_checksums)
     _wait_for_background_save(model)  # a save of this path must be swapped in before it is read
     params = named_unique_params(model)
+    refuse_tensor_parallel(params)
     group = group_of([p for _, p in params])  # the pieces' group (hybrid sharding: the shard group)
     ranks = group.everyone  # who loads: every rank
     path = os.fspath(path)

@@ -195,3 +195,20 @@ def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
             seen.add(id(buffer))
             out.append((f"{module_name}.{name}" if module_name else name, buffer))
     return out
+
+
+def refuse_tensor_parallel(named: list[tuple[str, torch.Tensor]]) -> None:
+    """``CheckpointError`` for DTensors (a tensor-parallel model): zcompile's checkpoints lay out each
+    tensor as one flat piece per data-parallel rank, which would keep one tensor-parallel rank's piece
+    under the whole weight's name. Raised alike on every rank (each holds DTensors)."""
+    from zcompile.passes.dtensor_params import is_dtensor
+
+    found = [name for name, value in named if is_dtensor(value)]
+    if found:
+        raise CheckpointError(
+            f"{found[0]!r} (and {len(found) - 1} more) are DTensors: zcompile.checkpoint does not save or load "
+            "tensor-parallel models yet. Save model.state_dict() and optimizer.state_dict() with "
+            "torch.distributed.checkpoint.save on every rank (the state dict gathers the pieces over mesh['dp'], "
+            "DTensors on mesh['tp']), and load them with torch.distributed.checkpoint.load into the state dicts, "
+            "then model.load_state_dict (docs/tensor-parallel.md)"
+        )

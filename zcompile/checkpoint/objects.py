@@ -40,7 +40,7 @@ from zcompile.checkpoint.commit import (
     swap_in_written_save,
 )
 from zcompile.checkpoint.consolidate import read_state
-from zcompile.checkpoint.layout import CheckpointError, agree_on_call, from_bytes, to_bytes
+from zcompile.checkpoint.layout import CheckpointError, agree_on_call, from_bytes, refuse_tensor_parallel, to_bytes
 from zcompile.common.process_group import DataParallelGroup
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,7 @@ def save_object(path: str, obj: Mapping, timeout_s: float, checksums: bool) -> N
     """``zcompile.checkpoint.save(path, obj)``: see the module docstring. Collective."""
     tensors: list[torch.Tensor] = []
     skeleton = split_tensors(obj, tensors)
+    refuse_tensor_parallel([(f"tensor {index} of the object", tensor) for index, tensor in enumerate(tensors)])
     group = _group_of(tensors)
     whole = replaced_whole(path)
     problem, skeleton_bytes = None, b""

@@ -27,6 +27,7 @@ import torch
 
 from zcompile.agreement.store_exchange import agree_on_store
 from zcompile.eager.gathered import DEFAULT_TIMEOUT_S, gather_into_full
+from zcompile.passes.dtensor_params import as_parameter_was, local_tensor
 from zcompile.sharding.shards import ShardedParam, shard_of
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def _gather_freed_parameters(module, state_dict, prefix, local_metadata) -> None
     fulls = [torch.empty(s.numel, dtype=s.param.dtype, device=s.shard.device) for _, s in freed]
     gather_into_full([(full, s.shard.detach().to(s.param.dtype), s) for full, (_, s) in zip(fulls, freed)])
     for full, (name, sharded) in zip(fulls, freed):
-        state_dict[prefix + name] = full.view(sharded.shape)
+        state_dict[prefix + name] = as_parameter_was(module._parameters[name], full.view(sharded.shape))
 
 
 def _materialize_before_load(
@@ -102,7 +103,7 @@ def _materialize_before_load(
 ) -> None:
     loading = []
     for name, sharded in _owned_shards(module):
-        value = state_dict.get(prefix + name)
+        value = local_tensor(state_dict.get(prefix + name))  # a DTensor's piece loads into the parameter's piece
         if not isinstance(value, torch.Tensor) or value.shape != sharded.shape:
             continue  # not loaded, or torch reports the mismatch: the shard must stay as it is
         was_freed = sharded.is_freed
