@@ -353,6 +353,12 @@ class ZeroConfig:
                 "zcompile: ZeRO++ (quantize_weights, quantize_grads, hpz_size) with a tensor-parallel mesh is not "
                 "supported yet; drop those options"
             )
+        if self.memory_limit_mb is not None:
+            raise ValueError(
+                "zcompile: option 'memory_limit_mb' does not plan a tensor-parallel model yet (mesh ('dp', 'tp')); "
+                "drop it and set 'stage' (and the other options) yourself, with zcompile.estimate_memory(model, "
+                "world_size, options) to check that they fit"
+            )
 
     @property
     def effective_reduce_dtype(self) -> torch.dtype | None:

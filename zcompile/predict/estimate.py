@@ -43,6 +43,7 @@ import torch
 from zcompile.agreement.abort_note import leave_abort_note
 from zcompile.backend.aot import activation_budget, activation_budget_fraction
 from zcompile.config import ZeroConfig
+from zcompile.passes.dtensor_params import local_piece
 from zcompile.passes.liveness import saved_activation_bytes, saved_storages
 from zcompile.passes.random_draws import save_random_draws_pass
 from zcompile.passes.regions import subgraph_output_origin
@@ -108,7 +109,7 @@ def estimate_memory(
         raise ValueError(f"zcompile.estimate_memory: optimizer must be one of {sorted(MOMENTS)}, got {optimizer!r}")
     config = ZeroConfig.from_options(options)
     data_parallel, world_size = world_size, config.shard_group_size(world_size)  # states shard over the shard group
-    params = list(dict.fromkeys(model.parameters()))
+    params = [local_piece(p) for p in dict.fromkeys(model.parameters())]  # a tensor-parallel model: its pieces
     blocks = compiled_apart(model)
     if blocks:  # the weights no compiled block holds train outside every graph: stage 1's rules, their own dtype
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
