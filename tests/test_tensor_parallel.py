@@ -138,12 +138,32 @@ def _state_dict_round_trip(mesh, directory: str) -> dict:
     return {"kinds": kinds, "trained": _full_weights(trained), "loaded": _full_weights(fresh), "refused": refused}
 
 
+def _first_step_error(mesh, model) -> str:
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "compiler": "eager", "mesh": mesh})
+    ((tokens, targets),) = micro_batches(SPECS["stage2"], 0, mesh["dp"].get_local_rank(), mesh["dp"].size())
+    try:
+        model_loss("hf_llama", compiled, tokens, targets).backward()
+        error = ""
+    except Exception as raised:  # noqa: BLE001 - the text is what is tested
+        error = f"{type(raised).__name__}: {raised}"
+    dist.barrier()
+    return error
+
+
 def _on_rank(rank: int, world: int, directory: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     out = {name: _train(spec, mesh) for name, spec in SPECS.items()}
     out["round_trip"] = _state_dict_round_trip(mesh, directory)
+    # meshes of different shapes on different ranks; tensor parallelism applied on some ranks only
+    other = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("dp", "tp"))
+    mine = mesh if rank < 2 else other
+    out["mesh_shapes_differ"] = _first_step_error(mine, _tensor_parallel_llama(mine))
+    out["some_ranks_tp"] = _first_step_error(
+        mesh, _tensor_parallel_llama(mesh) if rank < 2 else build_model("hf_llama")
+    )
     return out
 
 
@@ -186,3 +206,18 @@ def test_state_dict_holds_dtensors_that_torch_distributed_checkpoint_saves_and_l
 def test_zcompile_checkpoint_refuses_a_tensor_parallel_model_on_every_rank_naming_the_recipe(ranks):
     for result in (rank["round_trip"] for rank in ranks):
         assert "are DTensors" in result["refused"] and "torch.distributed.checkpoint.save" in result["refused"]
+
+
+def test_meshes_of_different_shapes_are_an_error_on_every_rank(ranks):
+    for result in ranks:
+        assert "RankDivergenceError" in result["mesh_shapes_differ"]
+        assert (
+            "meshes of different shapes (dp, tp) per rank: {0: [2, 2], 1: [2, 2], 2: [4, 1], 3: [4, 1]}"
+            in (result["mesh_shapes_differ"])
+        )
+
+
+def test_tensor_parallelism_on_some_ranks_only_is_an_error_on_every_rank(ranks):
+    for result in ranks:
+        assert "RankDivergenceError" in result["some_ranks_tp"] and "self_attn.q_proj.weight" in result["some_ranks_tp"]
+        assert "shape [16, 32]" in result["some_ranks_tp"] and "shape [32, 32]" in result["some_ranks_tp"]
