@@ -207,8 +207,8 @@ def refuse_tensor_parallel(named: list[tuple[str, torch.Tensor]]) -> None:
     if found:
         raise CheckpointError(
             f"{found[0]!r} (and {len(found) - 1} more) are DTensors: zcompile.checkpoint does not save or load "
-            "tensor-parallel models yet. Save model.state_dict() and optimizer.state_dict() with "
-            "torch.distributed.checkpoint.save on every rank (the state dict gathers the pieces over mesh['dp'], "
-            "DTensors on mesh['tp']), and load them with torch.distributed.checkpoint.load into the state dicts, "
-            "then model.load_state_dict (docs/tensor-parallel.md)"
+            "tensor-parallel models yet. Save model.state_dict() with torch.distributed.checkpoint.save on every "
+            "rank (it gathers the pieces over mesh['dp']: DTensors on mesh['tp']), and load it with "
+            "torch.distributed.checkpoint.load into model.state_dict(), then model.load_state_dict "
+            "(docs/tensor-parallel.md)"
         )

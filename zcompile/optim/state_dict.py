@@ -36,8 +36,22 @@ SAVED_BY_ATTR = "_zcompile_saved_by_rank"
 CUT_FOR_ATTR = "_zcompile_cut_for"
 
 
+def _refuse_tensor_parallel(optimizer, what: str) -> None:
+    """A tensor-parallel model's moments are pieces of pieces: laid out over the data-parallel ranks
+    alone, every tensor-parallel rank's would be saved under the same key and DCP would keep one."""
+    from zcompile.passes.dtensor_params import is_dtensor
+
+    if any(is_dtensor(p) for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(
+            f"zcompile: {type(optimizer).__name__}.{what} of a tensor-parallel model (DTensor parameters) is not "
+            "supported yet: its state would keep one tensor-parallel rank's moments for all. Save the model's "
+            "state_dict() (DTensors) alone; a resume then starts the optimizer's moments afresh (docs/tensor-parallel.md)"
+        )
+
+
 def sharded_state_dict(optimizer, torch_state_dict: dict) -> dict:
     """``torch_state_dict`` (torch's ``Optimizer.state_dict()``) with shard tensors as flat pieces."""
+    _refuse_tensor_parallel(optimizer, "state_dict()")
     group = _group(optimizer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     mesh = flat_mesh(group, params[0].device.type if params else "cpu")
@@ -144,6 +158,7 @@ def _merged_state(state: dict) -> dict[str, dict]:
 def load_sharded_state_dict(optimizer, state_dict: dict) -> None:
     """Restores ``optimizer`` from ``state_dict`` (see the module docstring); raises ``ValueError`` on a
     mismatch (another number of parameter groups or parameters per group) before changing anything."""
+    _refuse_tensor_parallel(optimizer, "load_state_dict()")
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups) or any(
         len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, optimizer.param_groups)
