@@ -1,14 +1,15 @@
 """Tensor-parallel parameters as their local pieces: the graph takes each DTensor parameter's local
 tensor and wraps it back into a DTensor where the parameter was read.
 
-A model parallelized by torch (``parallelize_module``, a transformers ``tp_plan``) has DTensor
-parameters, each holding this rank's piece of the weight. ZeRO shards what a rank holds, so the
+A model parallelized by torch's ``parallelize_module`` has DTensor parameters, each holding this
+rank's piece of the weight. ZeRO shards what a rank holds, so the
 graph must take that piece as a plain tensor: this rewrite turns each DTensor parameter placeholder
 into a placeholder of its local tensor followed by ``DTensor.from_local`` with the parameter's mesh,
 placements, shape and stride. The rest of the graph still sees the same DTensor, and AOTAutograd
 traces the model's own tensor-parallel collectives from it; the sharding passes after this one see
 plain tensors only. The caller passes the local pieces in the parameters' places at every call
-(``local_piece``).
+(``local_piece``). Run by the backend before the sharding plan, not from the pipeline's table: it
+changes the graph's inputs, which the plan is made from.
 """
 
 from __future__ import annotations
@@ -86,13 +87,13 @@ def _wrapper(spec: LocalPieceParameter):
 
 
 def local_piece_inputs(gm: torch.fx.GraphModule, example_inputs: list) -> list[LocalPieceParameter]:
-    """Rewrites ``gm`` in place so that each DTensor input becomes its local piece wrapped back by
-    ``DTensor.from_local``, and puts the local pieces in ``example_inputs`` (in place); returns the
-    rewritten inputs (none: nothing changed)."""
+    """Rewrites ``gm`` in place so that each DTensor parameter input becomes its local piece wrapped
+    back by ``DTensor.from_local``, and puts the local pieces in ``example_inputs`` (in place); returns
+    the rewritten inputs (none: nothing changed). Other DTensor inputs (activations) stay DTensors."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     rewritten = []
     for index, (node, value) in enumerate(zip(placeholders, example_inputs, strict=True)):
-        if not is_dtensor(value):
+        if not (is_dtensor(value) and isinstance(value, torch.nn.Parameter)):
             continue
         spec = LocalPieceParameter(index, value.device_mesh, tuple(value.placements), value.shape, value.stride())
         piece = local_piece(value)

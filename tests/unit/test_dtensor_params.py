@@ -1,0 +1,86 @@
+"""The graph rewrite that gives a tensor-parallel model's graph its DTensor parameters' local pieces
+(``passes/dtensor_params.py``), the ``mesh`` option's forms, and the refusal of DTensor parameters
+without a ``("dp", "tp")`` mesh. The training itself is tested on 4 ranks (test_tensor_parallel.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from support.graph_builders import fake_process_group
+from zcompile.config import ZeroConfig
+from zcompile.passes.dtensor_params import local_piece_inputs, local_tensor
+
+
+def _parallel_mlp(mesh) -> torch.nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model
+
+
+def test_the_graph_takes_the_local_pieces_and_computes_what_the_model_does():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_process_group(world_size=2):
+        torch._dynamo.reset()
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        model = _parallel_mlp(mesh)
+        captured = []
+
+        def capture(gm, example_inputs):
+            captured.append((gm, list(example_inputs)))
+            return gm.forward
+
+        x = torch.randn(4, 8)
+        torch.compile(model, backend=capture)(x)
+        ((gm, inputs),) = captured
+        params = [value for value in inputs if isinstance(value, torch.nn.Parameter)]
+        rewritten = local_piece_inputs(gm, inputs)
+        assert [spec.shape for spec in rewritten] == [p.shape for p in params]  # every weight and bias
+        pieces = [inputs[spec.index] for spec in rewritten]
+        assert all(type(piece) is torch.Tensor for piece in pieces)  # plain tensors: the sharding sees these
+        assert [piece.shape for piece in pieces] == [(8, 8), (8,), (8, 8), (8,)]  # column, then row pieces
+        assert all(piece is local_tensor(param) and piece.requires_grad for piece, param in zip(pieces, params))
+        out = gm(*inputs)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+        torch._dynamo.reset()
+
+
+def test_the_mesh_option_takes_hybrid_or_tensor_parallel_dims_and_names_the_rest():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_process_group(world_size=4):
+        dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        assert ZeroConfig(mesh=dp_tp).tensor_parallel and not ZeroConfig(mesh=dp_tp).hybrid
+        assert ZeroConfig(mesh=dp_tp).shard_group_size(4) == 2
+        hybrid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        assert ZeroConfig(mesh=hybrid).hybrid and not ZeroConfig(mesh=hybrid).tensor_parallel
+        other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))
+        with pytest.raises(ValueError, match=r"option 'mesh' must be .*\('dp', 'tp'\)"):
+            ZeroConfig(mesh=other)
+        for options, named in (
+            ({"shard_size": 2}, "'shard_size'"),
+            ({"memory_limit_mb": 100}, "'memory_limit_mb'"),
+            ({"quantize_weights": True}, "ZeRO\\+\\+"),
+        ):
+            with pytest.raises(ValueError, match=named):
+                ZeroConfig(mesh=dp_tp, **options)
+
+
+def test_tensor_parallel_parameters_without_a_dp_tp_mesh_are_refused_by_name():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_process_group(world_size=2):
+        torch._dynamo.reset()
+        model = _parallel_mlp(init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+        compiled = torch.compile(model, backend="zero", options={"stage": 3, "check_ranks": False})
+        with pytest.raises(
+            Exception, match=r"parameters '0\.weight', '0\.bias', '2\.weight' and 1 more are DTensors"
+        ) as error:
+            compiled(torch.randn(4, 8))
+        assert "('dp', 'tp')" in str(error.value) and "docs/tensor-parallel.md" in str(error.value)
+        torch._dynamo.reset()
