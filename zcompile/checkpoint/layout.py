@@ -133,7 +133,7 @@ def flat_mesh(group: DataParallelGroup, device_type: str):
     per save or load, not per tensor: making a mesh costs more than writing a small tensor."""
     if group.world_size == 1:
         return None
-    if group.mesh is not None:  # hybrid sharding: pieces of the shard group, the same on every replica
+    if group.replicate is not None:  # hybrid sharding: pieces of the shard group, the same on every replica
         return group.mesh
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -207,8 +207,8 @@ def refuse_tensor_parallel(named: list[tuple[str, torch.Tensor]]) -> None:
     if found:
         raise CheckpointError(
             f"{found[0]!r} (and {len(found) - 1} more) are DTensors: zcompile.checkpoint does not save or load "
-            "tensor-parallel models yet. Save model.state_dict() with torch.distributed.checkpoint.save on every "
-            "rank (it gathers the pieces over mesh['dp']: DTensors on mesh['tp']), and load it with "
-            "torch.distributed.checkpoint.load into model.state_dict(), then model.load_state_dict "
-            "(docs/tensor-parallel.md)"
+            "tensor-parallel models yet. Save {'model': model.state_dict(), 'optimizer': optimizer.state_dict()} "
+            "with torch.distributed.checkpoint.save on every rank, and load it with torch.distributed.checkpoint.load "
+            "into the same dict made after the first compiled step, then model.load_state_dict and "
+            "optimizer.load_state_dict (docs/tensor-parallel.md)"
         )

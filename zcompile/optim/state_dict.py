@@ -20,6 +20,7 @@ import torch
 from zcompile.agreement.abort_note import leave_abort_note
 from zcompile.checkpoint.layout import as_flat_piece, flat_mesh, group_of
 from zcompile.common.process_group import DataParallelGroup, all_gather_eager
+from zcompile.passes.dtensor_params import is_dtensor, local_tensor
 from zcompile.sharding.shards import FlatPiece, shard_of
 
 
@@ -36,47 +37,86 @@ SAVED_BY_ATTR = "_zcompile_saved_by_rank"
 CUT_FOR_ATTR = "_zcompile_cut_for"
 
 
-def _refuse_tensor_parallel(optimizer, what: str) -> None:
-    """A tensor-parallel model's moments are pieces of pieces: laid out over the data-parallel ranks
-    alone, every tensor-parallel rank's would be saved under the same key and DCP would keep one."""
-    from zcompile.passes.dtensor_params import is_dtensor
-
-    if any(is_dtensor(p) for g in optimizer.param_groups for p in g["params"]):
+def _tensor_parallel_layout(optimizer, group: DataParallelGroup) -> None:
+    """A tensor-parallel model's state is laid out once its parameters are sharded, and only for
+    pieces of equal size on every tensor-parallel rank (``_tensor_parallel_piece``)."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if is_dtensor(p)]
+    if not params:
+        return
+    if any(shard_of(p) is None for p in params):
         raise ValueError(
-            f"zcompile: {type(optimizer).__name__}.{what} of a tensor-parallel model (DTensor parameters) is not "
-            "supported yet: its state would keep one tensor-parallel rank's moments for all. Save the model's "
-            "state_dict() (DTensors) alone; a resume then starts the optimizer's moments afresh (docs/tensor-parallel.md)"
+            f"zcompile: {type(optimizer).__name__}'s state dict of a tensor-parallel model is made or loaded after "
+            "the model's first compiled step (its parameters are sharded over mesh['dp'] then); call it there"
+        )
+    tp = group.tensor_parallel.world_size
+    uneven = next((p for p in params if local_tensor(p).numel() * tp != p.numel()), None)
+    if uneven is not None:
+        raise ValueError(
+            f"zcompile: the optimizer's state dict of a tensor-parallel model needs pieces of equal size on every "
+            f"tensor-parallel rank; a parameter of shape {tuple(uneven.shape)} is split unevenly over {tp} ranks. "
+            "Use a tp degree that divides the split dims"
         )
 
 
 def sharded_state_dict(optimizer, torch_state_dict: dict) -> dict:
     """``torch_state_dict`` (torch's ``Optimizer.state_dict()``) with shard tensors as flat pieces."""
-    _refuse_tensor_parallel(optimizer, "state_dict()")
     group = _group(optimizer)
+    _tensor_parallel_layout(optimizer, group)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     mesh = flat_mesh(group, params[0].device.type if params else "cpu")
     state = {}
     for index, entry in torch_state_dict["state"].items():
         param = params[index]
-        piece = FlatPiece(param.numel(), group.world_size, group.rank)
+        piece = FlatPiece(local_tensor(param).numel(), group.world_size, group.rank)
         state[index] = {
-            key: _piece_of(value, param, piece, mesh) if piece.is_shard(value) else value
+            key: _piece_of(value, param, piece, mesh, group) if piece.is_shard(value) else value
             for key, value in entry.items()
         }
     return {"state": state, "param_groups": torch_state_dict["param_groups"]}
 
 
-def _piece_of(shard_value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, mesh) -> torch.Tensor:
-    value = as_flat_piece(shard_value.detach()[: piece.owned], param.numel(), mesh)
-    if mesh is not None:
-        setattr(value, SAVED_BY_ATTR, (piece.rank, piece.world))
+def _piece_of(
+    shard_value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, mesh, group: DataParallelGroup
+) -> torch.Tensor:
+    if is_dtensor(param):
+        value = _tensor_parallel_piece(shard_value.detach()[: piece.owned], param, group)
+    else:
+        value = as_flat_piece(shard_value.detach()[: piece.owned], param.numel(), mesh)
+    if mesh is not None or is_dtensor(param):
+        setattr(value, SAVED_BY_ATTR, _saved_by(piece, param, group))
     return value
 
 
-def _my_shard(value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, key: str) -> torch.Tensor:
+def _tensor_parallel_piece(local: torch.Tensor, param: torch.Tensor, group: DataParallelGroup) -> torch.Tensor:
+    """A DTensor parameter's state shard as its piece of a ``[tp, local numel]`` tensor on the
+    ``("dp", "tp")`` mesh: row = the tensor-parallel rank's piece, its flat elements cut over dp. The
+    tensor-parallel ranks' moments are then different pieces to DCP, not one replicated tensor."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    tp, numel = group.tensor_parallel.world_size, local_tensor(param).numel()
+    return DTensor.from_local(
+        local.view(1, -1),
+        group.mesh,
+        [Shard(1), Shard(0)],
+        run_check=False,
+        shape=torch.Size([tp, numel]),
+        stride=(numel, 1),
+    )
+
+
+def _saved_by(piece: FlatPiece, param: torch.Tensor, group: DataParallelGroup) -> tuple:
+    """Who a piece belongs to: (rank, ranks) in the shard group, and the tensor-parallel rank."""
+    return (piece.rank, piece.world) + ((group.tensor_parallel.rank,) if is_dtensor(param) else ())
+
+
+def _my_shard(
+    value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, key: str, group: DataParallelGroup
+) -> torch.Tensor:
     """This rank's padded fp32 shard of a saved state tensor, whatever form it was saved in."""
+    if is_dtensor(param):
+        return _my_tensor_parallel_shard(value, param, piece, key, group)
     if hasattr(value, "to_local"):  # a flat piece in this rank's layout (saved so, or resharded by dcp.load)
-        _check_saved_by_this_rank(value, piece, key)
+        _check_saved_by_this_rank(value, _saved_by(piece, param, group), key)
         if tuple(value.shape) != (param.numel(),) or value.to_local().numel() != piece.owned:
             raise ValueError(
                 f"optimizer state {key!r} is a piece of a tensor of {tuple(value.shape)} laid out for "
@@ -95,6 +135,21 @@ def _my_shard(value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, key: s
         )
     device = shard_of(param).shard.device if shard_of(param) is not None else param.device
     return mark_cut_for(piece.padded(local.to(device), device), param, piece)
+
+
+def _my_tensor_parallel_shard(
+    value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, key: str, group: DataParallelGroup
+) -> torch.Tensor:
+    """A DTensor parameter's state shard from its ``[tp, local numel]`` piece (``_tensor_parallel_piece``)."""
+    expected = (group.tensor_parallel.world_size, piece.numel)
+    if not hasattr(value, "to_local") or tuple(value.shape) != expected or value.to_local().numel() != piece.owned:
+        raise ValueError(
+            f"optimizer state {key!r} of a tensor-parallel parameter is {type(value).__name__} of shape "
+            f"{tuple(value.shape)}, not this rank's piece of a {expected} tensor as optimizer.state_dict() makes it "
+            "on this mesh: load it with dcp.load into optimizer.state_dict() on a mesh of the same tp degree"
+        )
+    _check_saved_by_this_rank(value, _saved_by(piece, param, group), key)
+    return piece.padded(value.to_local().reshape(-1).to(shard_of(param).shard.device), shard_of(param).shard.device)
 
 
 def mark_cut_for(shard: torch.Tensor, param: torch.Tensor, piece: FlatPiece) -> torch.Tensor:
@@ -131,13 +186,14 @@ def recut_loaded_state(optimizer, members) -> None:
             state[key] = piece.padded(full[piece.offset : piece.offset + piece.owned], value.device)
 
 
-def _check_saved_by_this_rank(value: torch.Tensor, piece: FlatPiece, key: str) -> None:
+def _check_saved_by_this_rank(value: torch.Tensor, mine: tuple, key: str) -> None:
     saved_by = getattr(value, SAVED_BY_ATTR, None)
-    if saved_by is None or tuple(saved_by) == (piece.rank, piece.world):
+    if saved_by is None or tuple(saved_by) == mine:
         return
-    rank, world = saved_by
+    rank, world = saved_by[:2]
+    where = f" (tensor-parallel rank {saved_by[2]})" if len(saved_by) > 2 else ""
     raise ValueError(
-        f"optimizer state {key!r}: rank {piece.rank} is loading the piece rank {rank} of {world} saved; "
+        f"optimizer state {key!r}: rank {mine[0]} is loading the piece rank {rank} of {world}{where} saved; "
         "optimizer.state_dict() holds only the saving rank's piece, so every rank would resume with its moments. "
         "Save and load with zcompile.checkpoint.save/load (or dcp.save/dcp.load of optimizer.state_dict()), or "
         "torch.save a file per rank and load each rank's own"
@@ -158,7 +214,6 @@ def _merged_state(state: dict) -> dict[str, dict]:
 def load_sharded_state_dict(optimizer, state_dict: dict) -> None:
     """Restores ``optimizer`` from ``state_dict`` (see the module docstring); raises ``ValueError`` on a
     mismatch (another number of parameter groups or parameters per group) before changing anything."""
-    _refuse_tensor_parallel(optimizer, "load_state_dict()")
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups) or any(
         len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, optimizer.param_groups)
@@ -169,6 +224,7 @@ def load_sharded_state_dict(optimizer, state_dict: dict) -> None:
             f"{[len(g['params']) for g in optimizer.param_groups]}"
         )
     group = _group(optimizer)
+    _tensor_parallel_layout(optimizer, group)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     # ids as torch numbers them (0, 1, ...); a DCP round trip turns the state's keys into strings
     saved_ids = [str(saved_id) for g in saved_groups for saved_id in g["params"]]
@@ -177,10 +233,10 @@ def load_sharded_state_dict(optimizer, state_dict: dict) -> None:
     try:
         for saved_index, entry in _merged_state(state_dict["state"]).items():
             param = params[index_of[saved_index]]
-            piece = FlatPiece(param.numel(), group.world_size, group.rank)
+            piece = FlatPiece(local_tensor(param).numel(), group.world_size, group.rank)
             new_state[param] = {
-                key: _my_shard(value, param, piece, key)
-                if isinstance(value, torch.Tensor) and value.dim() == 1
+                key: _my_shard(value, param, piece, key, group)
+                if isinstance(value, torch.Tensor) and value.dim() == (2 if is_dtensor(param) else 1)
                 else value
                 for key, value in entry.items()
             }

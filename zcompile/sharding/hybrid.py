@@ -109,4 +109,4 @@ def _tensor_parallel_groups(config) -> DataParallelGroup:
                 "pass the same on every rank"
             ),
         )
-    return dataclasses.replace(dp, tensor_parallel=tp)
+    return dataclasses.replace(dp, tensor_parallel=tp, mesh=mesh)
