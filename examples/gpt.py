@@ -1,7 +1,9 @@
 """A small GPT (decoder-only transformer) in plain PyTorch, used by the example and the tests.
 
 Pre-norm blocks, causal self-attention through ``scaled_dot_product_attention``, GELU MLP and an
-output head tied to the token embedding (one parameter used twice).
+output head tied to the token embedding (one parameter used twice). With ``fused_qkv=False`` the
+attention has separate q, k, v projections, which ``parallelize`` splits by heads for tensor
+parallelism (a fused one split column-wise would give a rank parts of q and k, not whole heads).
 """
 
 from __future__ import annotations
@@ -21,22 +23,29 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     tie_weights: bool = True
+    fused_qkv: bool = True  # one q/k/v projection; False: three, which tensor parallelism can split
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.head_dim = config.n_embd // config.n_head
+        if config.fused_qkv:
+            self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        else:
+            self.q, self.k, self.v = (nn.Linear(config.n_embd, config.n_embd) for _ in range(3))
         self.proj = nn.Linear(config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, channels = x.shape
-        q, k, v = self.qkv(x).split(channels, dim=2)
-        shape = (batch, time, self.n_head, channels // self.n_head)
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).split(channels, dim=2)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        shape = (batch, time, -1, self.head_dim)  # -1: the heads this rank holds (all, without tensor parallelism)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, time, channels))
+        return self.proj(y.transpose(1, 2).reshape(batch, time, -1))
 
 
 class Block(nn.Module):
@@ -83,6 +92,28 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def parallelize(model: GPT, tp_mesh) -> GPT:
+    """Tensor parallelism over ``tp_mesh`` (torch's ``parallelize_module``, Megatron's split): in each
+    block q, k, v and the MLP's first layer column-wise (by heads, by hidden units), the attention's
+    and the MLP's output layers row-wise; embeddings, norms and the head stay replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    config, tp = model.config, tp_mesh.size()
+    if config.fused_qkv:
+        raise ValueError("GPT tensor parallelism needs GPTConfig(fused_qkv=False): a fused qkv splits across q and k")
+    if config.n_head % tp:
+        raise ValueError(f"GPT tensor parallelism: {config.n_head} heads do not divide over {tp} ranks")
+    plan = {
+        **{f"attn.{name}": ColwiseParallel() for name in ("q", "k", "v")},
+        "attn.proj": RowwiseParallel(),
+        "mlp.0": ColwiseParallel(),
+        "mlp.2": RowwiseParallel(),
+    }
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, plan)
+    return model
 
 
 def synthetic_batch(

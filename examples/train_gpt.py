@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 examples/train_gpt.py --stage 2 --steps 50
     torchrun --nproc-per-node 2 examples/train_gpt.py --steps 20 --save ckpt --save-every 10 --clip 1.0
     torchrun --nproc-per-node 4 examples/train_gpt.py --steps 40 --resume ckpt   # 2 -> 4 ranks, step 20 on
+    torchrun --nproc-per-node 4 examples/train_gpt.py --tp 2     # tensor parallelism 2 x ZeRO over 2
 
 Each rank trains on its slice of the same global batch. Per step, rank 0 prints the loss
 (averaged over ranks), the model-state bytes this rank holds (measured from live tensors) next to
@@ -19,10 +20,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+from gpt import GPT, GPTConfig, parallelize, synthetic_batch  # noqa: E402
 
 import zcompile  # noqa: E402
 from zcompile.common.comm_volume import step_collectives, summarize  # noqa: E402
@@ -80,7 +82,18 @@ def parse_args() -> argparse.Namespace:
         type=lambda value: value if value == "node" else int(value),
         help="hybrid sharding: shard inside groups of this many ranks (or 'node'), replicate across them",
     )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallelism: split each block over this many ranks (a ('dp', 'tp') mesh), ZeRO over the rest",
+    )
     args = parser.parse_args()
+    if args.tp > 1 and (args.save or args.resume or args.shard_size):
+        parser.error(
+            "--tp with --save/--resume/--shard-size: zcompile.checkpoint and hybrid sharding do not take tensor-parallel "
+            "models yet (docs/tensor-parallel.md saves them with torch.distributed.checkpoint)"
+        )
     if args.regional and args.compile_blocks:
         parser.error("--regional and --compile-blocks are two ways to compile a block once: pick one")
     return args
@@ -113,10 +126,10 @@ def peak_line(memory: dict, ddp_bytes: int) -> str:
     )
 
 
-def evaluate(compiled, batch, rank: int, world: int, device, step: int) -> None:
-    """Loss on the held-out batch (each rank its slice), in eval mode without gradients."""
+def evaluate(compiled, batch, rank: int, world: int, data_rank: int, data_world: int, device, step: int) -> None:
+    """Loss on the held-out batch (each data-parallel rank its slice), in eval mode without gradients."""
     tokens, targets = batch
-    local = slice(rank * len(tokens) // world, (rank + 1) * len(tokens) // world)
+    local = slice(data_rank * len(tokens) // data_world, (data_rank + 1) * len(tokens) // data_world)
     compiled.eval()
     with torch.no_grad():
         loss = compiled(tokens[local].to(device), targets[local].to(device)).detach().clone()
@@ -139,13 +152,21 @@ def main() -> None:
     )
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the {world} ranks")
+    if world % args.tp:
+        raise SystemExit(f"--tp {args.tp} must divide the {world} ranks")
+    data_world = world // args.tp  # the ranks that read different data: the tp ranks of one read the same
+    if args.batch_size % data_world:
+        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the {data_world} data-parallel ranks")
 
     torch.manual_seed(0)
-    config = GPTConfig(n_layer=args.layers, n_embd=args.embd)
+    config = GPTConfig(n_layer=args.layers, n_embd=args.embd, fused_qkv=args.tp == 1)
     model = GPT(config).to(device)
     num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    mesh, data_rank = None, rank
+    if args.tp > 1:
+        mesh = init_device_mesh(device.type, (data_world, args.tp), mesh_dim_names=("dp", "tp"))
+        parallelize(model, mesh["tp"])
+        data_rank = mesh["dp"].get_local_rank()
     if args.regional:
         zcompile.mark_repeated_blocks(model)
     graphs = []
@@ -158,6 +179,7 @@ def main() -> None:
         "dump": args.dump,
         "keep_gathered_mb": args.keep_gathered_mb,
         "bucket_mb": args.bucket_mb,
+        "mesh": mesh,
     }
     if args.compile_blocks:  # one graph for every block; the code around them runs eagerly
         for block in model.blocks:
@@ -183,7 +205,7 @@ def main() -> None:
     start = time.perf_counter()
     for step in range(first_step, args.steps):
         tokens, targets = synthetic_batch(step, args.batch_size, config)
-        local = slice(rank * args.batch_size // world, (rank + 1) * args.batch_size // world)
+        local = slice(data_rank * args.batch_size // data_world, (data_rank + 1) * args.batch_size // data_world)
         loss = compiled(tokens[local].to(device), targets[local].to(device))
         loss.backward()
         optimizer.step()
@@ -203,7 +225,7 @@ def main() -> None:
                 flush=True,
             )
         if args.eval_every and (step + 1) % args.eval_every == 0:
-            evaluate(compiled, held_out, rank, world, device, step)
+            evaluate(compiled, held_out, rank, world, data_rank, data_world, device, step)
         last = step + 1 == args.steps
         if args.save and (last or (args.save_every and (step + 1) % args.save_every == 0)):
             zcompile.checkpoint.save(args.save, compiled, optimizer, extra={"step": step + 1})

@@ -1,10 +1,11 @@
-"""ZeRO over a tensor-parallel model: 4 gloo ranks as dp 2 x tp 2, a transformers Llama parallelized by
-torch's ``parallelize_module`` (q/k/v, gate/up column-wise; o, down row-wise) on ``mesh["tp"]`` and
-compiled with ``options={"mesh": mesh}``.
+"""ZeRO over a tensor-parallel model: 4 gloo ranks as dp 2 x tp 2, the example GPT (separate q, k, v,
+``examples/gpt.py``'s ``parallelize``) and a transformers Llama (q/k/v, gate/up column-wise; o, down
+row-wise), parallelized by torch's ``parallelize_module`` on ``mesh["tp"]`` and compiled with
+``options={"mesh": mesh}``.
 
 References: a single process on the global batch (losses, pre-clip gradient norms, and the weights
-after training, put together from the pieces), and ZeRO's model-state formula with N = dp applied
-to each rank's tensor-parallel pieces.
+after training, put together from the pieces), ZeRO's model-state formula with N = dp applied to
+each rank's tensor-parallel pieces, and an uninterrupted run for a resume.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from support.training import (
 
 WORLD, DP, TP = 4, 2, 2
 # stages 1 and 3 with clipping that clips (split weights summed over tp, replicated ones counted once)
-# and 2 micro-batches; stage 2 plain
+# and 2 micro-batches; stage 2 plain (its run is resumed below). The GPT's head is tied to its embedding.
 SPECS = {
-    "stage1": RunSpec(model="hf_llama", stage=1, clip=0.05, grad_accum=2),
-    "stage2": RunSpec(model="hf_llama", stage=2),
-    "stage3": RunSpec(model="hf_llama", stage=3, clip=0.05, grad_accum=2),
+    "stage1": RunSpec(model="gpt_split_qkv", stage=1, clip=0.05, grad_accum=2),
+    "stage2": RunSpec(model="gpt_split_qkv", stage=2),
+    "stage3": RunSpec(model="gpt_split_qkv", stage=3, clip=0.05, grad_accum=2),
+    "llama_stage3": RunSpec(model="hf_llama", stage=3, clip=0.05, grad_accum=2),
 }
 
 
@@ -47,10 +49,13 @@ def llama_tp_plan() -> dict:
     }
 
 
-def _tensor_parallel_llama(mesh) -> torch.nn.Module:
+def _tensor_parallel_model(name: str, mesh) -> torch.nn.Module:
+    from gpt import parallelize
     from torch.distributed.tensor.parallel import parallelize_module
 
-    model = build_model("hf_llama")
+    model = build_model(name)
+    if name.startswith("gpt"):
+        return parallelize(model, mesh["tp"])
     for layer in model.model.layers:
         parallelize_module(layer, mesh["tp"], llama_tp_plan())
     return model
@@ -63,7 +68,7 @@ def _train(spec: RunSpec, mesh) -> tuple[dict, tuple]:
     from torch.distributed.tensor import DTensor
 
     torch._dynamo.reset()
-    model = _tensor_parallel_llama(mesh)
+    model = _tensor_parallel_model(spec.model, mesh)
     compiled = torch.compile(model, backend="zero", options={"stage": spec.stage, "compiler": "eager", "mesh": mesh})
     estimate = zcompile.estimate_memory(model, WORLD, {"stage": spec.stage, "mesh": mesh})  # before compiling
     optimizer = _optimizer(spec, model.parameters(), zero=True)
@@ -130,7 +135,7 @@ def _resume(mesh, trained, optimizer, directory: str) -> dict:
     kinds = {type(value).__name__ for value in state["model"].values()}
     dcp.save(state, checkpoint_id=directory)
     saved = _full_weights(trained)
-    fresh = _tensor_parallel_llama(mesh)
+    fresh = _tensor_parallel_model(spec.model, mesh)
     compiled = torch.compile(fresh, backend="zero", options=options)
     fresh_optimizer = _optimizer(spec, fresh.parameters(), zero=True)
     _one_step(spec, compiled, fresh_optimizer, 0, mesh)  # state to load into
@@ -162,7 +167,7 @@ def _first_step_error(mesh, model) -> str:
     compiled = torch.compile(model, backend="zero", options={"stage": 3, "compiler": "eager", "mesh": mesh})
     ((tokens, targets),) = micro_batches(SPECS["stage2"], 0, mesh["dp"].get_local_rank(), mesh["dp"].size())
     try:
-        model_loss("hf_llama", compiled, tokens, targets).backward()
+        model_loss(SPECS["stage2"].model, compiled, tokens, targets).backward()
         error = ""
     except Exception as raised:  # noqa: BLE001 - the text is what is tested
         error = f"{type(raised).__name__}: {raised}"
@@ -182,9 +187,10 @@ def _on_rank(rank: int, world: int, directory: str) -> dict:
     # meshes of different shapes on different ranks; tensor parallelism applied on some ranks only
     other = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("dp", "tp"))
     mine = mesh if rank < 2 else other
-    out["mesh_shapes_differ"] = _first_step_error(mine, _tensor_parallel_llama(mine))
+    name = SPECS["stage2"].model
+    out["mesh_shapes_differ"] = _first_step_error(mine, _tensor_parallel_model(name, mine))
     out["some_ranks_tp"] = _first_step_error(
-        mesh, _tensor_parallel_llama(mesh) if rank < 2 else build_model("hf_llama")
+        mesh, _tensor_parallel_model(name, mesh) if rank < 2 else build_model(name)
     )
     return out
 
@@ -244,5 +250,5 @@ def test_meshes_of_different_shapes_are_an_error_on_every_rank(ranks):
 
 def test_tensor_parallelism_on_some_ranks_only_is_an_error_on_every_rank(ranks):
     for result in ranks:
-        assert "RankDivergenceError" in result["some_ranks_tp"] and "self_attn.q_proj.weight" in result["some_ranks_tp"]
+        assert "RankDivergenceError" in result["some_ranks_tp"] and "blocks.0.attn.q.weight" in result["some_ranks_tp"]
         assert "shape [16, 32]" in result["some_ranks_tp"] and "shape [32, 32]" in result["some_ranks_tp"]

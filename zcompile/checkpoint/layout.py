@@ -197,13 +197,22 @@ def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]
     return out
 
 
+# on each piece ``optimizer.state_dict()`` returns: (rank, ranks) in the shard group whose piece it is, and
+# the tensor-parallel rank for a tensor-parallel model's. ``torch.save`` keeps a tensor's attributes and a
+# DTensor's mesh does not say whose piece it holds: rank 0's file loaded on every rank (DDP's checkpoint
+# habit) would give each rank rank 0's moments, silently. DCP loads into this rank's pieces.
+SAVED_BY_ATTR = "_zcompile_saved_by_rank"
+
+
 def refuse_tensor_parallel(named: list[tuple[str, torch.Tensor]]) -> None:
-    """``CheckpointError`` for DTensors (a tensor-parallel model): zcompile's checkpoints lay out each
-    tensor as one flat piece per data-parallel rank, which would keep one tensor-parallel rank's piece
-    under the whole weight's name. Raised alike on every rank (each holds DTensors)."""
+    """``CheckpointError`` for a tensor-parallel model's DTensors (its parameters, its state dict's
+    values, its optimizer's pieces): zcompile's checkpoints lay out each tensor as one flat piece per
+    data-parallel rank, which would keep one tensor-parallel rank's piece under the whole weight's
+    name. The optimizer's flat pieces of a model without tensor parallelism pass (``SAVED_BY_ATTR``
+    of a data-parallel rank). Raised alike on every rank (each holds such DTensors)."""
     from zcompile.passes.dtensor_params import is_dtensor
 
-    found = [name for name, value in named if is_dtensor(value)]
+    found = [name for name, value in named if is_dtensor(value) and len(getattr(value, SAVED_BY_ATTR, ())) != 2]
     if found:
         raise CheckpointError(
             f"{found[0]!r} (and {len(found) - 1} more) are DTensors: zcompile.checkpoint does not save or load "

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from zcompile.agreement.abort_note import leave_abort_note
-from zcompile.checkpoint.layout import as_flat_piece, flat_mesh, group_of
+from zcompile.checkpoint.layout import SAVED_BY_ATTR, as_flat_piece, flat_mesh, group_of
 from zcompile.common.process_group import DataParallelGroup, all_gather_eager
 from zcompile.passes.dtensor_params import is_dtensor, local_tensor
 from zcompile.sharding.shards import FlatPiece, shard_of
@@ -28,10 +28,6 @@ def _group(optimizer) -> DataParallelGroup:
     return group_of(p for g in optimizer.param_groups for p in g["params"])
 
 
-# on each piece ``state_dict()`` returns: the rank whose piece it is. ``torch.save`` keeps a tensor's
-# attributes and a DTensor's mesh does not say whose piece it holds: rank 0's file loaded on every rank
-# (DDP's checkpoint habit) would give each rank rank 0's moments, silently. DCP loads into this rank's pieces.
-SAVED_BY_ATTR = "_zcompile_saved_by_rank"
 # on a state tensor loaded before its parameter was sharded: (ranks, rank) of the layout it was cut for,
 # the whole world's; a compile with hybrid sharding cuts over the shard group instead (``recut_loaded_state``)
 CUT_FOR_ATTR = "_zcompile_cut_for"
@@ -49,7 +45,10 @@ def _tensor_parallel_layout(optimizer, group: DataParallelGroup) -> None:
             "the model's first compiled step (its parameters are sharded over mesh['dp'] then); call it there"
         )
     tp = group.tensor_parallel.world_size
-    uneven = next((p for p in params if local_tensor(p).numel() * tp != p.numel()), None)
+    uneven = next(
+        (p for p in params if shard_of(p).split_over_tensor_parallel and local_tensor(p).numel() * tp != p.numel()),
+        None,
+    )
     if uneven is not None:
         raise ValueError(
             f"zcompile: the optimizer's state dict of a tensor-parallel model needs pieces of equal size on every "
