@@ -31,10 +31,10 @@ WORLD, DP, TP = 4, 2, 2
 # stages 1 and 3 with clipping that clips (split weights summed over tp, replicated ones counted once)
 # and 2 micro-batches; stage 2 plain (its run is resumed below). The GPT's head is tied to its embedding.
 SPECS = {
-    "stage1": RunSpec(model="gpt_split_qkv", stage=1, clip=0.05, grad_accum=2),
-    "stage2": RunSpec(model="gpt_split_qkv", stage=2),
-    "stage3": RunSpec(model="gpt_split_qkv", stage=3, clip=0.05, grad_accum=2),
-    "llama_stage3": RunSpec(model="hf_llama", stage=3, clip=0.05, grad_accum=2),
+    "stage1": RunSpec(model="gpt_split_qkv", stage=1, steps=2, clip=0.05, grad_accum=2),
+    "stage2": RunSpec(model="gpt_split_qkv", stage=2, steps=2),
+    "stage3": RunSpec(model="gpt_split_qkv", stage=3, steps=2, clip=0.05, grad_accum=2),
+    "llama_stage3": RunSpec(model="hf_llama", stage=3, steps=2, clip=0.05, grad_accum=2),
 }
 
 
@@ -123,7 +123,7 @@ def _one_step(spec: RunSpec, compiled, optimizer, step: int, mesh) -> float:
 
 
 def _resume(mesh, trained, optimizer, directory: str) -> dict:
-    """``trained`` (3 steps) and its optimizer saved with torch.distributed.checkpoint from their state
+    """``trained`` (its spec's steps) and its optimizer saved with torch.distributed.checkpoint from their state
     dicts (the model's: DTensors of the gathered pieces; the optimizer's: each rank's piece of a [tp,
     piece] tensor), loaded into another compiled model and optimizer that trained a step of their own,
     and both trained one more step. And what refuses a tensor-parallel model: zcompile.checkpoint."""
@@ -243,7 +243,7 @@ def test_meshes_of_different_shapes_are_an_error_on_every_rank(ranks):
     for result in ranks:
         assert "RankDivergenceError" in result["mesh_shapes_differ"]
         assert (
-            "meshes of different shapes (dp, tp) per rank: {0: [2, 2], 1: [2, 2], 2: [4, 1], 3: [4, 1]}"
+            "per rank: {0: [2, 2, None], 1: [2, 2, None], 2: [4, 1, None], 3: [4, 1, None]}"
             in (result["mesh_shapes_differ"])
         )
 

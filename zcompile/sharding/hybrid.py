@@ -91,22 +91,24 @@ def data_parallel_group(config, device_type: str = "cpu") -> DataParallelGroup:
 
 def _tensor_parallel_groups(config) -> DataParallelGroup:
     """A tensor-parallel model's groups: ``mesh["dp"]`` shards the states, ``mesh["tp"]`` (the one the
-    model's DTensors live on) is ``tensor_parallel``. The ranks first agree on the mesh's shape."""
+    model's DTensors live on) is ``tensor_parallel``. The ranks first agree, over the whole world, on
+    the mesh's shape and on the dtypes the tensor-parallel collectives move: the compile check compares
+    only the ranks of one dp group, and ranks of different tp coordinates exchange activations."""
     mesh = config.mesh
     dp = as_data_parallel_group(mesh["dp"].get_group())
     tp = as_data_parallel_group(mesh["tp"].get_group())
     world = DataParallelGroup.resolve(None)
     if world.world_size > 1 and config.check_ranks:
         agree_on_store(
-            [dp.world_size, tp.world_size],
+            [dp.world_size, tp.world_size, None if config.param_dtype is None else str(config.param_dtype)],
             world,
             config.check_timeout_s,
             "tensor-parallel-mesh",
             "compiling a tensor-parallel model",
-            "Pass the same mesh (dp, tp) on every rank.",
+            "Pass the same mesh (dp, tp) and param_dtype on every rank.",
             lambda sizes: (
-                f"zcompile: the ranks pass meshes of different shapes (dp, tp) per rank: {dict(enumerate(sizes))}; "
-                "pass the same on every rank"
+                "zcompile: the ranks pass meshes of different shapes or param_dtypes ([dp, tp, param_dtype] per rank: "
+                f"{dict(enumerate(sizes))}); pass the same on every rank"
             ),
         )
     return dataclasses.replace(dp, tensor_parallel=tp, mesh=mesh)
