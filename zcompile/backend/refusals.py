@@ -1,6 +1,7 @@
 """What the backend refuses before it compiles, each with the fix: a model wrapped in DDP, marked
-blocks with inductor, parameters on mixed devices, tensor-parallel (DTensor) parameters, a forward
-that writes a weight in place, and a frame Dynamo gave up on after the parameters were sharded."""
+blocks with inductor, parameters on mixed devices, tensor-parallel (DTensor) parameters without a
+``("dp", "tp")`` mesh or on another one, a forward that writes a weight in place, and a frame Dynamo
+gave up on after the parameters were sharded."""
 
 from __future__ import annotations
 
