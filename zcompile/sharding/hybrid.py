@@ -1,4 +1,5 @@
-"""The process groups of a compile: the whole data-parallel group, or hybrid sharding's two.
+"""The process groups of a compile: the whole data-parallel group, hybrid sharding's two, or a
+tensor-parallel model's (``mesh["dp"]`` shards, ``mesh["tp"]`` holds the pieces: ``_tensor_parallel_groups``).
 
 Hybrid sharding (HSDP, DeepSpeed's MiCS) cuts the ``N`` ranks into ``R = N / S`` shard groups of
 ``S`` consecutive ranks (node-major, as torchrun numbers them, so a shard group of a node's size is
