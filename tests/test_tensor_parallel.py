@@ -175,6 +175,31 @@ def _first_step_error(mesh, model) -> str:
     return error
 
 
+def _evaluation_on_some_ranks(mesh) -> str:
+    """A training step, then an evaluation on the ranks of tp rank 0 only (``if rank % tp == 0``: both dp
+    groups agree among themselves) while their tp peers go on training: their tensor-parallel collectives
+    would pair with the peers' training forward. Stage 1, where the dp group agrees only at the step."""
+    torch._dynamo.reset()
+    spec = SPECS["stage2"]
+    model = _tensor_parallel_model(spec.model, mesh)
+    compiled = torch.compile(model, backend="zero", options={"stage": 1, "compiler": "eager", "mesh": mesh})
+    optimizer = _optimizer(spec, model.parameters(), zero=True)
+    ((tokens, targets),) = micro_batches(spec, 0, mesh["dp"].get_local_rank(), DP)
+    with torch.no_grad():  # every rank evaluates once: each has the evaluation graph compiled
+        model_loss(spec.model, compiled, tokens, targets)
+    try:
+        _one_step(spec, compiled, optimizer, 0, mesh)
+        if mesh["tp"].get_local_rank() == 0:
+            with torch.no_grad():
+                model_loss(spec.model, compiled, tokens, targets)
+        _one_step(spec, compiled, optimizer, 1, mesh)
+        error = ""
+    except Exception as raised:  # noqa: BLE001 - the text is what is tested
+        error = f"{type(raised).__name__}: {raised}"
+    dist.barrier()
+    return error
+
+
 def _on_rank(rank: int, world: int, directory: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -192,6 +217,7 @@ def _on_rank(rank: int, world: int, directory: str) -> dict:
     out["some_ranks_tp"] = _first_step_error(
         mesh, _tensor_parallel_model(name, mesh) if rank < 2 else build_model(name)
     )
+    out["evaluation_on_some_ranks"] = _evaluation_on_some_ranks(mesh)
     return out
 
 
@@ -252,3 +278,9 @@ def test_tensor_parallelism_on_some_ranks_only_is_an_error_on_every_rank(ranks):
     for result in ranks:
         assert "RankDivergenceError" in result["some_ranks_tp"] and "blocks.0.attn.q.weight" in result["some_ranks_tp"]
         assert "shape [16, 32]" in result["some_ranks_tp"] and "shape [32, 32]" in result["some_ranks_tp"]
+
+
+def test_an_evaluation_on_some_tensor_parallel_ranks_only_is_an_error_on_every_rank(ranks):
+    for result in ranks:  # the evaluation graph compiled on every rank before: each call is agreed over the world
+        error = result["evaluation_on_some_ranks"]
+        assert error.startswith("RankDivergenceError") and "different points of training" in error, error

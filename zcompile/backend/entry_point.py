@@ -168,13 +168,17 @@ def zero_backend(
     )
     if config.on_compile is not None:
         config.on_compile(graphs)
+    tensor_parallel_agreement = pieces and config.check_ranks
     run = swap.wrap(
         compiled,
-        _agreed_call(config, group, plan, gm, zeropp),
+        call_identity(plan, gm, None) if tensor_parallel_agreement else _agreed_call(config, group, plan, gm, zeropp),
         config.check_timeout_s,
         str(gm.meta.get("dynamo_compile_id", "?")),
         graphs.call_chains.get("forward"),
         graphs,
+        # a tensor-parallel model's graphs run its tp collectives at every stage: a rank calling a graph its tp
+        # peers do not (an evaluation on some ranks) would pair them with another call's, silently
+        DataParallelGroup.resolve(None) if tensor_parallel_agreement else None,
     )
     if pieces:
         run = take_local_pieces(run, pieces)

@@ -138,13 +138,16 @@ class ShardSwap:
         graph_id: str = "?",
         chain: CallChain | None = None,
         graphs: CompiledGraphs | None = None,
+        agreement_group: DataParallelGroup | None = None,
     ) -> Callable:
         """The compiled graph taking the shards; ``agreed_call``: what every rank must be calling
         before it runs (``zcompile.agreement.step_agreement.agree_on_call``), None for no agreement. ``chain``:
         the forward's cross-call prefetch (``zcompile.backend.call_prefetch``), whose plan the agreement
         compares too: a rank that takes a prefetched gather while another gathers its own, or issues
         one the other does not, would pair its collectives with others. ``graphs``: counts its training
-        calls (``CompiledGraphs.note_training_call``)."""
+        calls (``CompiledGraphs.note_training_call``). ``agreement_group``: the ranks that agree on each
+        call instead of the data-parallel group, at every call (a tensor-parallel model: its tp peers run
+        the model's own collectives with it, and the step agreement is the dp group's)."""
         if not self.plan.params:
             return compiled
 
@@ -170,11 +173,11 @@ class ShardSwap:
             chain.agreed = True  # its calls take and issue prefetches only as agreed
 
         def run_agreed(*args):
-            free = self.first_call_since_agreed_step(args)
+            free = self.first_call_since_agreed_step(args) and agreement_group is None
             swapped = self.swap(list(args))
             if not free:
                 plan = "" if chain is None else chain.plan(chain.inputs_of_call(swapped)).describe()
-                agree_on_call(self.group, agreed_call + plan, timeout_s)
+                agree_on_call(agreement_group or self.group, agreed_call + plan, timeout_s)
             return run_swapped(swapped)
 
         return run_agreed

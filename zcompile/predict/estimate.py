@@ -112,7 +112,7 @@ def estimate_memory(
     params = [local_piece(p) for p in dict.fromkeys(model.parameters())]  # a tensor-parallel model: its pieces
     blocks = compiled_apart(model)
     if blocks:  # the weights no compiled block holds train outside every graph: stage 1's rules, their own dtype
-        in_blocks = {id(p) for block in blocks for p in block.parameters()}
+        in_blocks = {id(local_piece(p)) for block in blocks for p in block.parameters()}
         outside = replace(config, stage=1, param_dtype=None)
         states = [
             _param_states(p, config if id(p) in in_blocks else outside, world_size, MOMENTS[optimizer]) for p in params

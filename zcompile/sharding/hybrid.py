@@ -106,7 +106,9 @@ def _tensor_parallel_groups(config) -> DataParallelGroup:
             config.check_timeout_s,
             "tensor-parallel-mesh",
             "compiling a tensor-parallel model",
-            "Pass the same mesh (dp, tp) and param_dtype on every rank.",
+            "Every rank compiles a tensor-parallel model's graphs together: pass the same mesh (dp, tp) and "
+            "param_dtype on every rank, and call the model on every rank (an evaluation on some ranks only would "
+            "pair their tp collectives with the others' training).",
             lambda sizes: (
                 "zcompile: the ranks pass meshes of different shapes or param_dtypes ([dp, tp, param_dtype] per rank: "
                 f"{dict(enumerate(sizes))}); pass the same on every rank"
