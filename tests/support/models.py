@@ -133,7 +133,7 @@ def build_model(name: str) -> torch.nn.Module:
     if name == "gpt":
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32))
     if name == "gpt_split_qkv":  # separate q, k, v projections: what tensor parallelism splits by heads
-        return GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32, fused_qkv=False))
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_embd=32, fused_qkv=False))
     if name == "gpt_untied_odd":  # sizes not divisible by 2 or 4, no tied weights
         return GPT(GPTConfig(vocab_size=VOCAB - 3, block_size=16, n_layer=2, n_head=3, n_embd=21, tie_weights=False))
     if name == "hf_gpt2":

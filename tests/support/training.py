@@ -82,6 +82,9 @@ class RunResult:
     facts: dict = field(default_factory=dict)  # structure of the compiled graphs, see graph_facts
     grad_norms: list[float] = field(default_factory=list)  # pre-clip gradient norm per step (clipped runs)
     estimated_state_bytes: int = 0  # zcompile.estimate_memory's model states, made before compiling
+    optimizer_state: dict = field(
+        default_factory=dict
+    )  # the reference's: parameter name -> its state (train_reference)
 
 
 def _optimizer(spec: RunSpec, params, zero: bool):
@@ -260,7 +263,13 @@ def train_reference(
         optimizer.step()
         optimizer.zero_grad()
         losses.append(step_loss)
-    return RunResult(losses, {name: p.detach().clone() for name, p in model.named_parameters()}, grad_norms=grad_norms)
+    params = dict(model.named_parameters())
+    return RunResult(
+        losses,
+        {name: p.detach().clone() for name, p in params.items()},
+        grad_norms=grad_norms,
+        optimizer_state={name: dict(optimizer.state[p]) for name, p in params.items() if p in optimizer.state},
+    )
 
 
 def zero_run_on_rank(rank: int, world: int, specs: list[RunSpec]) -> list[RunResult]:

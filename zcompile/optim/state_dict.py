@@ -6,7 +6,9 @@ piece of a flat tensor of the parameter's ``numel`` elements, a DTensor ``Shard(
 several ranks (``zcompile.checkpoint.layout``). A plain tensor would look replicated to DCP, which
 keeps one rank's copy for all (each rank would load rank 1's moments); a DTensor says whose piece
 it is, so ``dcp.save`` / ``dcp.load`` of ``optimizer.state_dict()`` is right and reshards to
-another number of ranks. ``torch.save`` per rank works too (DTensors pickle).
+another number of ranks. ``torch.save`` per rank works too (DTensors pickle). A tensor-parallel
+parameter's state is a piece of the same flat tensor (``zcompile.optim.tensor_parallel_state``), so
+DCP also reshards between dp x tp layouts.
 
 ``load_state_dict`` takes such pieces (from this layout, or resharded by ``dcp.load`` into it),
 full flat tensors (a save on one rank) or shard-sized plain tensors, and keeps the state fp32 on
@@ -20,6 +22,7 @@ import torch
 from zcompile.agreement.abort_note import leave_abort_note
 from zcompile.checkpoint.layout import SAVED_BY_ATTR, as_flat_piece, flat_mesh, group_of
 from zcompile.common.process_group import DataParallelGroup, all_gather_eager
+from zcompile.optim.tensor_parallel_state import TensorParallelStateLayout, check_tensor_parallel_layout
 from zcompile.passes.dtensor_params import is_dtensor, local_tensor
 from zcompile.sharding.shards import FlatPiece, shard_of
 
@@ -33,34 +36,10 @@ def _group(optimizer) -> DataParallelGroup:
 CUT_FOR_ATTR = "_zcompile_cut_for"
 
 
-def _tensor_parallel_layout(optimizer, group: DataParallelGroup) -> None:
-    """A tensor-parallel model's state is laid out once its parameters are sharded, and only for
-    pieces of equal size on every tensor-parallel rank (``_tensor_parallel_piece``)."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if is_dtensor(p)]
-    if not params:
-        return
-    if any(shard_of(p) is None for p in params):
-        raise ValueError(
-            f"zcompile: {type(optimizer).__name__}'s state dict of a tensor-parallel model is made or loaded after "
-            "the model's first compiled step (its parameters are sharded over mesh['dp'] then); call it there"
-        )
-    tp = group.tensor_parallel.world_size
-    uneven = next(
-        (p for p in params if shard_of(p).split_over_tensor_parallel and local_tensor(p).numel() * tp != p.numel()),
-        None,
-    )
-    if uneven is not None:
-        raise ValueError(
-            f"zcompile: the optimizer's state dict of a tensor-parallel model needs pieces of equal size on every "
-            f"tensor-parallel rank; a parameter of shape {tuple(uneven.shape)} is split unevenly over {tp} ranks. "
-            "Use a tp degree that divides the split dims"
-        )
-
-
 def sharded_state_dict(optimizer, torch_state_dict: dict) -> dict:
     """``torch_state_dict`` (torch's ``Optimizer.state_dict()``) with shard tensors as flat pieces."""
     group = _group(optimizer)
-    _tensor_parallel_layout(optimizer, group)
+    tensor_parallel = _tensor_parallel_layout(optimizer, group)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     mesh = flat_mesh(group, params[0].device.type if params else "cpu")
     state = {}
@@ -68,39 +47,34 @@ def sharded_state_dict(optimizer, torch_state_dict: dict) -> dict:
         param = params[index]
         piece = FlatPiece(local_tensor(param).numel(), group.world_size, group.rank)
         state[index] = {
-            key: _piece_of(value, param, piece, mesh, group) if piece.is_shard(value) else value
+            key: _piece_of(value, param, piece, mesh, group, tensor_parallel) if piece.is_shard(value) else value
             for key, value in entry.items()
         }
     return {"state": state, "param_groups": torch_state_dict["param_groups"]}
 
 
+def _tensor_parallel_layout(optimizer, group: DataParallelGroup) -> TensorParallelStateLayout | None:
+    check_tensor_parallel_layout(optimizer, group)
+    if group.tensor_parallel is None:
+        return None
+    return TensorParallelStateLayout(group)
+
+
 def _piece_of(
-    shard_value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, mesh, group: DataParallelGroup
+    shard_value: torch.Tensor,
+    param: torch.Tensor,
+    piece: FlatPiece,
+    mesh,
+    group: DataParallelGroup,
+    tensor_parallel: TensorParallelStateLayout | None,
 ) -> torch.Tensor:
     if is_dtensor(param):
-        value = _tensor_parallel_piece(shard_value.detach()[: piece.owned], param, group)
+        value = tensor_parallel.piece(shard_value, param, piece)
     else:
         value = as_flat_piece(shard_value.detach()[: piece.owned], param.numel(), mesh)
     if mesh is not None or is_dtensor(param):
         setattr(value, SAVED_BY_ATTR, _saved_by(piece, param, group))
     return value
-
-
-def _tensor_parallel_piece(local: torch.Tensor, param: torch.Tensor, group: DataParallelGroup) -> torch.Tensor:
-    """A DTensor parameter's state shard as its piece of a ``[tp, local numel]`` tensor on the
-    ``("dp", "tp")`` mesh: row = the tensor-parallel rank's piece, its flat elements cut over dp. The
-    tensor-parallel ranks' moments are then different pieces to DCP, not one replicated tensor."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    tp, numel = group.tensor_parallel.world_size, local_tensor(param).numel()
-    return DTensor.from_local(
-        local.view(1, -1),
-        group.mesh,
-        [Shard(1), Shard(0)],
-        run_check=False,
-        shape=torch.Size([tp, numel]),
-        stride=(numel, 1),
-    )
 
 
 def _saved_by(piece: FlatPiece, param: torch.Tensor, group: DataParallelGroup) -> tuple:
@@ -109,12 +83,17 @@ def _saved_by(piece: FlatPiece, param: torch.Tensor, group: DataParallelGroup) -
 
 
 def _my_shard(
-    value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, key: str, group: DataParallelGroup
+    value: torch.Tensor,
+    param: torch.Tensor,
+    piece: FlatPiece,
+    key: str,
+    group: DataParallelGroup,
+    tensor_parallel: TensorParallelStateLayout | None,
 ) -> torch.Tensor:
     """This rank's padded fp32 shard of a saved state tensor, whatever form it was saved in."""
-    if is_dtensor(param):
-        return _my_tensor_parallel_shard(value, param, piece, key, group)
-    if hasattr(value, "to_local"):  # a flat piece in this rank's layout (saved so, or resharded by dcp.load)
+    if is_dtensor(param) and value.numel() == param.numel() and not hasattr(value, "to_local"):
+        local = tensor_parallel.shard_of_full(value, param, piece)  # a full flat tensor (consolidated)
+    elif hasattr(value, "to_local"):  # a flat piece in this rank's layout (saved so, or resharded by dcp.load)
         _check_saved_by_this_rank(value, _saved_by(piece, param, group), key)
         if tuple(value.shape) != (param.numel(),) or value.to_local().numel() != piece.owned:
             raise ValueError(
@@ -122,7 +101,13 @@ def _my_shard(
                 f"another number of ranks; load it with dcp.load into optimizer.state_dict() (which "
                 "reshards) or with zcompile.checkpoint.load"
             )
-        local = value.to_local()
+        local = tensor_parallel.shard(value, param, piece) if is_dtensor(param) else value.to_local()
+    elif is_dtensor(param):
+        raise ValueError(
+            f"optimizer state {key!r} of a tensor-parallel parameter is a plain tensor of {value.numel()} elements: "
+            "load the pieces optimizer.state_dict() makes (with dcp.load into optimizer.state_dict()) or a full flat "
+            f"tensor of the weight's {param.numel()} elements"
+        )
     elif value.numel() == param.numel():  # a full flat tensor (a save on one rank)
         local = value.reshape(-1)[piece.offset : piece.offset + piece.owned]
     elif value.numel() == piece.chunk:  # a shard saved by this rank in this layout
@@ -134,21 +119,6 @@ def _my_shard(
         )
     device = shard_of(param).shard.device if shard_of(param) is not None else param.device
     return mark_cut_for(piece.padded(local.to(device), device), param, piece)
-
-
-def _my_tensor_parallel_shard(
-    value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, key: str, group: DataParallelGroup
-) -> torch.Tensor:
-    """A DTensor parameter's state shard from its ``[tp, local numel]`` piece (``_tensor_parallel_piece``)."""
-    expected = (group.tensor_parallel.world_size, piece.numel)
-    if not hasattr(value, "to_local") or tuple(value.shape) != expected or value.to_local().numel() != piece.owned:
-        raise ValueError(
-            f"optimizer state {key!r} of a tensor-parallel parameter is {type(value).__name__} of shape "
-            f"{tuple(value.shape)}, not this rank's piece of a {expected} tensor as optimizer.state_dict() makes it "
-            "on this mesh: load it with dcp.load into optimizer.state_dict() on a mesh of the same tp degree"
-        )
-    _check_saved_by_this_rank(value, _saved_by(piece, param, group), key)
-    return piece.padded(value.to_local().reshape(-1).to(shard_of(param).shard.device), shard_of(param).shard.device)
 
 
 def mark_cut_for(shard: torch.Tensor, param: torch.Tensor, piece: FlatPiece) -> torch.Tensor:
@@ -223,7 +193,7 @@ def load_sharded_state_dict(optimizer, state_dict: dict) -> None:
             f"{[len(g['params']) for g in optimizer.param_groups]}"
         )
     group = _group(optimizer)
-    _tensor_parallel_layout(optimizer, group)
+    tensor_parallel = _tensor_parallel_layout(optimizer, group)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     # ids as torch numbers them (0, 1, ...); a DCP round trip turns the state's keys into strings
     saved_ids = [str(saved_id) for g in saved_groups for saved_id in g["params"]]
@@ -234,8 +204,8 @@ def load_sharded_state_dict(optimizer, state_dict: dict) -> None:
             param = params[index_of[saved_index]]
             piece = FlatPiece(local_tensor(param).numel(), group.world_size, group.rank)
             new_state[param] = {
-                key: _my_shard(value, param, piece, key, group)
-                if isinstance(value, torch.Tensor) and value.dim() == (2 if is_dtensor(param) else 1)
+                key: _my_shard(value, param, piece, key, group, tensor_parallel)
+                if isinstance(value, torch.Tensor) and value.dim() >= 1
                 else value
                 for key, value in entry.items()
             }

@@ -1,0 +1,125 @@
+"""A tensor-parallel parameter's optimizer state in the state dict: one layout for every mesh.
+
+Each state tensor (Adam's moments, SGD's momentum) of a DTensor parameter is saved as this rank's
+piece of a flat tensor of the parameter's *global* ``numel`` elements in the weight's own order:
+the same tensor a model without tensor parallelism saves (``zcompile.optim.state_dict``), so DCP
+reshards between dp x tp layouts of any degrees, and to and from plain data parallelism.
+
+Whose piece: the flat tensor is cut over tp first, then each tp piece over dp (DTensor
+``[Shard(0), Shard(0)]`` on the mesh ordered ``("tp", "dp")``). A weight split on dim 0
+(column-wise) or replicated is then already laid out so: each rank's optimizer shard is its piece.
+A weight split on another dim (row-wise) holds a strided slice of the global order; its piece is
+made (and read back) through the full tensor, gathered over dp and tp one parameter at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zcompile.common.process_group import DataParallelGroup, all_gather_eager
+from zcompile.passes.dtensor_params import is_dtensor, local_tensor
+from zcompile.sharding.shards import FlatPiece, shard_of
+
+
+def check_tensor_parallel_layout(optimizer, group: DataParallelGroup) -> None:
+    """A tensor-parallel model's state is laid out once its parameters are sharded, and only for
+    pieces of equal size on every tensor-parallel rank."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if is_dtensor(p)]
+    if not params:
+        return
+    if any(shard_of(p) is None for p in params):
+        raise ValueError(
+            f"zcompile: {type(optimizer).__name__}'s state dict of a tensor-parallel model is made or loaded after "
+            "the model's first compiled step (its parameters are sharded over mesh['dp'] then); call it there"
+        )
+    tp = group.tensor_parallel.world_size
+    uneven = next(
+        (p for p in params if shard_of(p).split_over_tensor_parallel and local_tensor(p).numel() * tp != p.numel()),
+        None,
+    )
+    if uneven is not None:
+        raise ValueError(
+            f"zcompile: the optimizer's state dict of a tensor-parallel model needs pieces of equal size on every "
+            f"tensor-parallel rank; a parameter of shape {tuple(uneven.shape)} is split unevenly over {tp} ranks. "
+            "Use a tp degree that divides the split dims"
+        )
+
+
+class TensorParallelStateLayout:
+    """Converts a DTensor parameter's optimizer shards to and from their pieces of the global flat
+    tensor (the module docstring). Made once per ``state_dict`` or ``load_state_dict`` call: it
+    holds the ``("tp", "dp")`` mesh, made from the existing groups (no new process group)."""
+
+    def __init__(self, group: DataParallelGroup):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        self.group = group
+        self.tp = group.tensor_parallel
+        mesh = group.mesh  # ("dp", "tp")
+        self.dp_tp_mesh = mesh
+        self.tp_dp_mesh = DeviceMesh.from_group(
+            [mesh["tp"].get_group(), mesh["dp"].get_group()],
+            mesh.device_type,
+            mesh=mesh.mesh.transpose(0, 1),
+            mesh_dim_names=("tp", "dp"),
+        )
+
+    def _split_dim(self, param: torch.Tensor) -> int | None:
+        """The dim ``param`` is split on over tp (None: replicated)."""
+        placement = param.placements[0]
+        if not placement.is_shard():
+            return None
+        return placement.dim % param.dim()
+
+    def piece(self, shard_value: torch.Tensor, param: torch.Tensor, piece: FlatPiece) -> torch.Tensor:
+        """This rank's piece of the global flat tensor from its optimizer shard (``piece.owned`` elements)."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        numel = param.numel()
+        dim = self._split_dim(param)
+        local = shard_value.detach()[: piece.owned]
+        if dim is None:
+            return DTensor.from_local(
+                local, self.dp_tp_mesh, [Shard(0), Replicate()], run_check=False, shape=torch.Size([numel]), stride=(1,)
+            )
+        if dim != 0:  # this rank's slice of the global order lies on other ranks: through the full tensor
+            start = self.tp.rank * piece.numel + piece.offset
+            local = self._full(shard_value, param, piece, dim)[start : start + piece.owned].clone()
+        return DTensor.from_local(
+            local, self.tp_dp_mesh, [Shard(0), Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,)
+        )
+
+    def shard(self, value: torch.Tensor, param: torch.Tensor, piece: FlatPiece) -> torch.Tensor:
+        """This rank's ``owned`` elements of its optimizer shard from its piece ``value`` (as ``piece`` makes it)."""
+        local = value.to_local().reshape(-1)
+        dim = self._split_dim(param)
+        if dim is None or dim == 0:
+            return local
+        rows = self._gathered_over_tp(self._gathered_over_dp(piece.padded(local), piece))
+        return self.shard_of_full(rows, param, piece)
+
+    def shard_of_full(self, full: torch.Tensor, param: torch.Tensor, piece: FlatPiece) -> torch.Tensor:
+        """This rank's ``owned`` elements of its optimizer shard from the global state tensor ``full``
+        (the weight's elements in its order, any shape)."""
+        full = full.reshape(param.shape)
+        dim = self._split_dim(param)
+        mine = full if dim is None else full.chunk(self.tp.world_size, dim=dim)[self.tp.rank]
+        return mine.reshape(-1)[piece.offset : piece.offset + piece.owned].clone()
+
+    def _gathered_over_dp(self, padded: torch.Tensor, piece: FlatPiece) -> torch.Tensor:
+        """The ``piece.numel`` elements that the dp ranks' padded shards hold together."""
+        full = torch.empty(piece.chunk * piece.world, dtype=padded.dtype, device=padded.device)
+        all_gather_eager(full, padded.contiguous(), self.group)
+        return full[: piece.numel]
+
+    def _gathered_over_tp(self, local_flat: torch.Tensor) -> torch.Tensor:
+        """Every tp rank's ``local_flat`` (same size on each), one row per tp rank."""
+        rows = torch.empty(self.tp.world_size * local_flat.numel(), dtype=local_flat.dtype, device=local_flat.device)
+        all_gather_eager(rows, local_flat.contiguous(), self.tp)
+        return rows.view(self.tp.world_size, -1)
+
+    def _full(self, shard_value: torch.Tensor, param: torch.Tensor, piece: FlatPiece, dim: int) -> torch.Tensor:
+        """The global state tensor, flat in the weight's order, from every rank's optimizer shard."""
+        local_shape = local_tensor(param).shape
+        pieces = self._gathered_over_tp(self._gathered_over_dp(shard_value, piece))
+        return torch.cat([row.view(local_shape) for row in pieces], dim=dim).reshape(-1)
