@@ -96,17 +96,12 @@ def global_grad_norm(
 ) -> tuple[torch.Tensor, CollectiveRecord | None]:
     """The ``norm_type``-norm of every rank's gradient shards viewed as one vector (fp32), and the
     record of the scalar all-reduce that made it global (None in a world of one)."""
-    tensor_parallel = group.tensor_parallel if group is not None else None
-    if tensor_parallel is not None:  # a tensor-parallel model: pieces split over mesh["tp"] summed over it too
-        split = [m for m in members if m.split_over_tensor_parallel]
-        replicated = [m for m in members if not m.split_over_tensor_parallel]
-        local_split, record = _norm_over_group(split, norm_type, group, device)
-        local_replicated, _ = _norm_over_group(replicated, norm_type, group, device)
-        if math.isinf(norm_type):
-            local = _all_reduce_max_keeping_nan(torch.maximum(local_split, local_replicated), tensor_parallel)
-        else:  # the replicated parameters' sums are the same on every tensor-parallel rank: counted once
-            all_reduce_eager(local_split, tensor_parallel, dist.ReduceOp.SUM)
-            local = local_split + local_replicated
+    if group is not None and group.tensor_parallel is not None:
+        # a tensor-parallel model: one reduction over every rank (dp x tp) sums the pieces split over
+        # mesh["tp"] across it; the replicated weights' terms, the same on every tp rank, count 1/tp each
+        share = 1.0 / group.tensor_parallel.world_size
+        weights = [1.0 if m.split_over_tensor_parallel else share for m in members]
+        local, record = _norm_over_group(members, norm_type, DataParallelGroup.resolve(None), device, weights)
     else:
         local, record = _norm_over_group(members, norm_type, group, device)
     total = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
@@ -114,17 +109,28 @@ def global_grad_norm(
 
 
 def _norm_over_group(
-    members: list[ShardedParam], norm_type: float, group: DataParallelGroup | None, device: torch.device
+    members: list[ShardedParam],
+    norm_type: float,
+    group: DataParallelGroup | None,
+    device: torch.device,
+    weights: list[float] | None = None,
 ) -> tuple[torch.Tensor, CollectiveRecord | None]:
     """The sum over ``group``'s ranks of the members' gradient shards' norms to the power
-    ``norm_type`` (float64), their max for the inf-norm; and the record of the all-reduce."""
+    ``norm_type`` (float64; each member's term times its ``weights`` entry), their max for the
+    inf-norm; and the record of the all-reduce."""
     norms = [
         torch.linalg.vector_norm(m.shard_grad.detach(), norm_type, dtype=torch.float32) for m in members
     ]  # fp32, like torch's
     local = torch.zeros((), dtype=torch.float64, device=device)
     if norms:
         stacked = torch.stack([n.to(device) for n in norms]).to(torch.float64)
-        local = stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum()
+        if math.isinf(norm_type):
+            local = stacked.max()
+        else:
+            terms = stacked.pow(norm_type)
+            local = (
+                (terms * torch.tensor(weights, dtype=torch.float64, device=device)).sum() if weights else terms.sum()
+            )
     record = None
     if group is not None and group.world_size > 1 and math.isinf(norm_type):
         local = _all_reduce_max_keeping_nan(local, group)
