@@ -10,6 +10,8 @@ each rank's tensor-parallel pieces, and an uninterrupted run for a resume.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -40,27 +42,15 @@ SPECS = {
 }
 
 
-def llama_tp_plan() -> dict:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return {
-        **{f"self_attn.{name}_proj": ColwiseParallel() for name in ("q", "k", "v")},
-        "self_attn.o_proj": RowwiseParallel(),
-        **{f"mlp.{name}_proj": ColwiseParallel() for name in ("gate", "up")},
-        "mlp.down_proj": RowwiseParallel(),
-    }
-
-
 def _tensor_parallel_model(name: str, mesh) -> torch.nn.Module:
     from gpt import parallelize
-    from torch.distributed.tensor.parallel import parallelize_module
 
     model = build_model(name)
     if name.startswith("gpt"):
         return parallelize(model, mesh["tp"])
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh["tp"], llama_tp_plan())
-    return model
+    return zcompile.apply_tp_plan(
+        model, mesh["tp"]
+    )  # the Llama's declared plan: q/k/v, gate/up colwise; o, down rowwise
 
 
 def _train(spec: RunSpec, mesh) -> tuple[dict, tuple]:
@@ -91,6 +81,7 @@ def _train(spec: RunSpec, mesh) -> tuple[dict, tuple]:
             norms.append(norm)
         dist.all_reduce(step_loss, group=mesh["dp"].get_group())
         losses.append(float(step_loss) / DP)
+    report = zcompile.step_report(model, optimizer)
     params = _full_weights(model)
     local_elements = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     return {
@@ -100,6 +91,7 @@ def _train(spec: RunSpec, mesh) -> tuple[dict, tuple]:
         "state_bytes": state_bytes,
         "estimated_state_bytes": estimate.model_states_bytes,
         "psi": local_elements,
+        "report": (report.title(), report.num_params, report.memory, report.collective_rows()),
     }, (model, optimizer)
 
 
@@ -183,17 +175,20 @@ def _round_trip(meshes: dict, trained, optimizer, directory: str) -> dict:
     }
 
 
-def _first_step_error(mesh, model) -> str:
+def _first_step_error(mesh, model, name: str = SPECS["stage2"].model) -> tuple[str, float]:
+    """The error of ``model``'s first compiled step (stage 3), and the seconds it took."""
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="zero", options={"stage": 3, "compiler": "eager", "mesh": mesh})
     ((tokens, targets),) = micro_batches(SPECS["stage2"], 0, mesh["dp"].get_local_rank(), mesh["dp"].size())
+    start = time.monotonic()
     try:
-        model_loss(SPECS["stage2"].model, compiled, tokens, targets).backward()
+        model_loss(name, compiled, tokens, targets).backward()
         error = ""
     except Exception as raised:  # noqa: BLE001 - the text is what is tested
         error = f"{type(raised).__name__}: {raised}"
+    seconds = time.monotonic() - start
     dist.barrier()
-    return error
+    return error, seconds
 
 
 def _evaluation_on_some_ranks(mesh) -> str:
@@ -241,6 +236,10 @@ def _on_rank(rank: int, world: int, directory: str) -> dict:
     out["some_ranks_tp"] = _first_step_error(
         mesh, _tensor_parallel_model(name, mesh) if rank < 2 else build_model(name)
     )
+    # tp 4 splits the Llama's 2 key-value heads of 8 features into pieces of 4
+    out["heads_not_divided"] = _first_step_error(
+        meshes[1, 4], _tensor_parallel_model("hf_llama", meshes[1, 4]), "hf_llama"
+    )
     out["evaluation_on_some_ranks"] = _evaluation_on_some_ranks(mesh)
     return out
 
@@ -270,6 +269,19 @@ def test_model_states_per_rank_are_zeros_formula_over_dp_on_the_pieces(ranks, st
         expected = zcompile.zero_formula_bytes(ours["psi"], DP, stage)
         assert abs(ours["state_bytes"] - expected) <= 0.02 * expected, (ours["state_bytes"], expected)
         assert ours["estimated_state_bytes"] == ours["state_bytes"]  # estimate_memory on the pieces, before compiling
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_step_report_counts_the_pieces_and_names_the_groups(ranks, stage):
+    for result in ranks:
+        ours = result[f"stage{stage}"]
+        title, psi, memory, rows = ours["report"]
+        assert "4 ranks as dp 2 x tp 2" in title and psi == ours["psi"]
+        assert memory["formula_bytes"] == zcompile.zero_formula_bytes(ours["psi"], DP, stage)
+        kinds = {(where, kind) for where, kind, *_ in rows}
+        assert ("forward", "all_reduce [tp 2]") in kinds, kinds  # the row-parallel layers' sums, the model's own
+        gathers = ("forward", "all_gather [dp 2]") if stage == 3 else ("optimizer", "all_gather [dp 2]")
+        assert gathers in kinds, kinds
 
 
 def test_state_dicts_saved_with_dcp_move_between_layouts_like_an_uninterrupted_run(ranks):
@@ -316,17 +328,24 @@ def test_zcompile_checkpoint_refuses_a_tensor_parallel_model_on_every_rank_namin
 
 def test_meshes_of_different_shapes_are_an_error_on_every_rank(ranks):
     for result in ranks:
-        assert "RankDivergenceError" in result["mesh_shapes_differ"]
-        assert (
-            "per rank: {0: [2, 2, None], 1: [2, 2, None], 2: [4, 1, None], 3: [4, 1, None]}"
-            in (result["mesh_shapes_differ"])
-        )
+        error, seconds = result["mesh_shapes_differ"]
+        assert "RankDivergenceError" in error and seconds < 30
+        assert "per rank: {0: [2, 2, None], 1: [2, 2, None], 2: [4, 1, None], 3: [4, 1, None]}" in error
 
 
 def test_tensor_parallelism_on_some_ranks_only_is_an_error_on_every_rank(ranks):
     for result in ranks:
-        assert "RankDivergenceError" in result["some_ranks_tp"] and "blocks.0.attn.q.weight" in result["some_ranks_tp"]
-        assert "shape [16, 32]" in result["some_ranks_tp"] and "shape [32, 32]" in result["some_ranks_tp"]
+        error, seconds = result["some_ranks_tp"]
+        assert "RankDivergenceError" in error and "blocks.0.attn.q.weight" in error and seconds < 30
+        assert "shape [16, 32]" in error and "shape [32, 32]" in error
+
+
+def test_a_tp_degree_that_does_not_divide_the_heads_is_an_error_on_every_rank(ranks):
+    """The model's own reshape into heads fails in Dynamo's trace, as it would without zcompile (torch's
+    error, with its hint to run eagerly), on every rank: no rank goes on to wait in a collective."""
+    for result in ranks:
+        error, seconds = result["heads_not_divided"]
+        assert "is invalid for input of size" in error and seconds < 30, error
 
 
 def test_an_evaluation_on_some_tensor_parallel_ranks_only_is_an_error_on_every_rank(ranks):

@@ -28,6 +28,7 @@ _LAZY = {
     "mark_repeated_blocks": "zcompile.backend.regional",
     "sync_module_states": "zcompile.eager.sync",
     "from_rank0": "zcompile.eager.sync",
+    "apply_tp_plan": "zcompile.integrations.hf_tp_plan",
     "StepReport": "zcompile.reports.step_report",
     "step_report": "zcompile.reports.step_report",
     "simulate_tune": "zcompile.tune.simulated",
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from zcompile.eager.sync import from_rank0, sync_module_states
     from zcompile.eager.weight_average import lerp_weights_
     from zcompile.integrations.deepspeed import DeepSpeedPort, options_from_deepspeed
+    from zcompile.integrations.hf_tp_plan import apply_tp_plan
     from zcompile.predict.estimate import MemoryEstimate, estimate_memory
     from zcompile.reports.step_report import StepReport, step_report
     from zcompile.sharding.memory import ModelStateBytes, model_state_bytes, zero_formula_bytes

@@ -84,3 +84,31 @@ def test_tensor_parallel_parameters_without_a_dp_tp_mesh_are_refused_by_name():
             compiled(torch.randn(4, 8))
         assert "('dp', 'tp')" in str(error.value) and "docs/tensor-parallel.md" in str(error.value)
         torch._dynamo.reset()
+
+
+def test_a_transformers_models_declared_plan_splits_its_layers_and_other_styles_are_named():
+    """``zcompile.apply_tp_plan``: the Llama's ``base_model_tp_plan`` (q/k/v, gate/up column-wise; o, down
+    row-wise) as torch's styles; embeddings and head stay whole; a style zcompile does not apply is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import zcompile
+    from support.models import build_model
+
+    with fake_process_group(world_size=2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        model = zcompile.apply_tp_plan(build_model("hf_llama"), mesh)
+        placements = {name: p.placements[0] for name, p in model.named_parameters() if isinstance(p, DTensor)}
+        layer = "model.layers.1."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            assert placements[f"{layer}{name}.weight"] == Shard(0), name
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            assert placements[f"{layer}{name}.weight"] == Shard(1), name
+        assert len(placements) == 2 * 7  # two layers of seven split weights, no biases; nothing else split
+
+        other = build_model("hf_llama")
+        other.config.base_model_tp_plan = {**other.config.base_model_tp_plan, "embed_tokens": "embedding_rowwise"}
+        with pytest.raises(ValueError, match="splits 'embed_tokens' as 'embedding_rowwise'"):
+            zcompile.apply_tp_plan(other, mesh)
+        with pytest.raises(ValueError, match="declares no tensor-parallel plan"):
+            zcompile.apply_tp_plan(torch.nn.Linear(2, 2), mesh)

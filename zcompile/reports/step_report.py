@@ -25,6 +25,7 @@ from zcompile.common.process_group import on_gloo
 from zcompile.config import MEMORY_PLAN_ATTR
 from zcompile.passes import metadata
 from zcompile.passes.collectives import COLLECTIVE_OPS, WAIT, collective_nodes
+from zcompile.passes.dtensor_params import local_tensor
 from zcompile.passes.liveness import gathered_peak_parts, saved_activation_bytes
 from zcompile.sharding.memory import model_state_bytes, zero_formula_bytes
 
@@ -64,6 +65,8 @@ class StepReport:
     # hybrid sharding: process group name -> "shard" or "replicate" (the collectives' groups), and the replicas
     group_roles: dict[str, str] = field(default_factory=dict)
     replicas: int = 1
+    # a tensor-parallel model: the tp degree; Ψ and the formula are then the elements of this rank's pieces
+    tensor_parallel: int = 1
     # memory_limit_mb: the plan's line (its choice, predicted peak by parts, step) and its predicted peak;
     # on CUDA the allocator's measured peak of this process (torch.cuda.max_memory_allocated) beside it
     memory_plan: str = ""
@@ -95,6 +98,11 @@ class StepReport:
         return [(where, kind, *values) for (where, kind), values in rows.items()]
 
     def title(self) -> str:
+        if self.tensor_parallel > 1:
+            ranks = (
+                f"{self.world_size * self.tensor_parallel} ranks as dp {self.world_size} x tp {self.tensor_parallel}"
+            )
+            return f"ZeRO stage {self.stage}, {ranks}, Ψ = {self.num_params:,} parameters in this rank's pieces"
         ranks = (
             f"{self.world_size * self.replicas} ranks as {self.replicas} shard groups of {self.world_size}"
             if self.replicas > 1
@@ -243,8 +251,9 @@ def step_report(
         gather_staging += held_ahead
     records = step_collectives(graphs, optimizer)  # each graph as often as it ran in the last step
     unique = list(dict.fromkeys(model.parameters()))
-    num_params = sum(p.numel() for p in unique)
-    padded = sum(-(-p.numel() // plan.world_size) * plan.world_size for p in unique)
+    elements = [local_tensor(p).numel() for p in unique]  # a tensor-parallel weight: this rank's piece
+    num_params = sum(elements)
+    padded = sum(-(-n // plan.world_size) * plan.world_size for n in elements)
     formula = 0 if plan.world_size == 1 else (3 if plan.stage == 3 else 2) * padded
     at_step = getattr(optimizer, "last_step_state_bytes", None)
     measured = (at_step or model_state_bytes(model, optimizer)).total
@@ -279,6 +288,7 @@ def step_report(
         ),
         group_roles=_group_roles(graphs),
         replicas=graphs[0].context.group.replicas if graphs[0].context is not None else 1,
+        tensor_parallel=_tensor_parallel_size(graphs),
         **_memory_plan(model, graphs),
     )
 
@@ -298,11 +308,19 @@ def _memory_plan(model: torch.nn.Module, graphs: list[CompiledGraphs]) -> dict[s
 
 
 def _group_roles(graphs: list[CompiledGraphs]) -> dict[str, str]:
-    """Hybrid sharding: the shard and replicate groups' names, for the collectives' rows."""
+    """The groups' names, for the collectives' rows: hybrid sharding's shard and replicate groups, a
+    tensor-parallel model's dp and tp groups (the tp collectives are the model's own, traced)."""
     group = graphs[0].context.group if graphs[0].context is not None else None
+    if group is not None and group.tensor_parallel is not None:
+        return {group.name: "dp", group.tensor_parallel.name: "tp"}
     if group is None or group.replicate is None:
         return {}
     return {group.name: "shard", group.replicate.name: "replicate"}
+
+
+def _tensor_parallel_size(graphs: list[CompiledGraphs]) -> int:
+    group = graphs[0].context.group if graphs[0].context is not None else None
+    return group.tensor_parallel.world_size if group is not None and group.tensor_parallel is not None else 1
 
 
 def _hpz_secondary_bytes(graphs: list[CompiledGraphs], params: list[torch.Tensor]) -> int:
