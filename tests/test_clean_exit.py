@@ -1,4 +1,4 @@
-"""The main job under torchrun ends with exit 0 at every stage: no gloo work object of zcompile's left
+"""The main job under torchrun ends with exit 0 at stages 1 and 3: no gloo work object of zcompile's left
 for gloo's thread to free while the interpreter shuts down (that ended a correct stage-1 run in
 ``std::terminate``: "terminate called without an active exception"), and no collective left unwaited."""
 
@@ -11,10 +11,13 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAUNCHES = {1: 1, 2: 1, 3: 1}  # once per stage (the abort was seen at stage 1: 60 of 60 clean since)
+LAUNCHES = {
+    1: 1,
+    3: 1,
+}  # once each (the abort was seen at stage 1: 60 of 60 clean since; stage 2 shares stage 1's step)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 3])
 def test_the_main_job_exits_zero_every_time(stage, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     command = [

@@ -162,14 +162,21 @@ def simulate(
     options: ZeroConfig | dict | None = None,
     hardware: str | HardwareProfile = "h100-sxm",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    tensor_parallel: int = 1,
+    parallelize: Callable[[torch.nn.Module, Any], Any] | None = None,
 ) -> SimulationResult:
     """Compiles ``make_model()`` for ``world_size`` ranks without them and predicts memory and time (module doc).
 
     ``example_batch``: one rank's inputs (a tensor, a tuple of positional or a dict of keyword
     arguments); ``loss_fn(output)`` makes the scalar to differentiate (default: the output if it is
     a tensor, else its ``loss``); ``node_size``: ranks per node (default the profile's).
+    ``tensor_parallel``: a tp degree > 1 makes the ``("dp", "tp")`` mesh of ``world_size / tp`` x
+    ``tp`` ranks (tp consecutive ranks, inside a node), splits the model with ``parallelize(model,
+    mesh["tp"])`` (default ``zcompile.apply_tp_plan``: a transformers model's declared plan) and
+    shards its pieces over ``mesh["dp"]`` (option ``mesh``).
     """
     check_world(world_size, node_size)
+    check_tensor_parallel(world_size, tensor_parallel, options)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     config = ZeroConfig.from_options(options)
     checks_ranks = config.check_ranks  # the user's: priced, though there are no ranks here to check
@@ -196,6 +203,8 @@ def simulate(
     with fake_world(world_size, node_size):
         with fake_mode:
             model = make_model()
+        if tensor_parallel > 1:
+            model, config = _split_over_tensor_parallel(model, config, world_size, tensor_parallel, parallelize)
         args, kwargs = fake_call(example_batch, fake_mode)
         torch._dynamo.reset()
         try:
@@ -226,6 +235,35 @@ def check_world(world_size: int, node_size: int | None) -> None:
         raise ValueError(f"zcompile.simulate: world_size must be an int >= 1, got {world_size!r}")
     if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1):
         raise ValueError(f"zcompile.simulate: node_size must be an int >= 1 or None (the profile's), got {node_size!r}")
+
+
+def check_tensor_parallel(world_size: int, tensor_parallel: int, options) -> None:
+    """Refuses a tp degree that is not a divisor of the world, or beside a ``mesh`` option, naming it."""
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ValueError(f"zcompile.simulate: tensor_parallel must be an int >= 1, got {tensor_parallel!r}")
+    if world_size % tensor_parallel:
+        raise ValueError(
+            f"zcompile.simulate: tensor_parallel={tensor_parallel} does not divide world_size={world_size}; "
+            "the mesh is (world_size / tp) x tp ranks"
+        )
+    mesh = options.get("mesh") if isinstance(options, dict) else getattr(options, "mesh", None)
+    if tensor_parallel > 1 and mesh is not None:
+        raise ValueError(
+            "zcompile.simulate: give tensor_parallel=tp, not the option 'mesh': the simulation makes the "
+            "(dp, tp) mesh in its own fake world"
+        )
+
+
+def _split_over_tensor_parallel(model, config: ZeroConfig, world_size: int, tp: int, parallelize):
+    """``model`` split over the tp dim of a fake ``(dp, tp)`` mesh, and ``config`` with that mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zcompile.integrations.hf_tp_plan import apply_tp_plan
+
+    device_type = next(model.parameters()).device.type  # the fake tensors' device, not the profile's
+    mesh = init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    (parallelize or apply_tp_plan)(model, mesh["tp"])
+    return model, config.replace(mesh=mesh)
 
 
 def _node_size(node_size: int | None, config: ZeroConfig, profile: HardwareProfile) -> int:
