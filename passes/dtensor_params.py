@@ -91,6 +91,7 @@ def local_piece_inputs(gm: torch.fx.GraphModule, example_inputs: list) -> list[L
     back by ``DTensor.from_local``, and puts the local pieces in ``example_inputs`` (in place); returns
     the rewritten inputs (none: nothing changed). Other DTensor inputs (activations) stay DTensors."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    order = {node: position for position, node in enumerate(gm.graph.nodes)}
     rewritten = []
     for index, (node, value) in enumerate(zip(placeholders, example_inputs, strict=True)):
         if not (is_dtensor(value) and isinstance(value, torch.nn.Parameter)):
@@ -98,7 +99,16 @@ def local_piece_inputs(gm: torch.fx.GraphModule, example_inputs: list) -> list[L
         spec = LocalPieceParameter(index, value.device_mesh, tuple(value.placements), value.shape, value.stride())
         piece = local_piece(value)
         example = node.meta.get("example_value")
-        with gm.graph.inserting_after(placeholders[-1]):  # the placeholders stay first: passes append more
+        # at the weight's first reader, not at the top: the wrapped piece is where AOTAutograd's trace first
+        # reads the weight, so the sharding's gathers are planned there (at the top, every weight would be
+        # gathered at the start of the graph and held through it); the placeholders stay first
+        first_reader = min(node.users, key=order.__getitem__, default=None)
+        place = (
+            gm.graph.inserting_before(first_reader)
+            if first_reader is not None
+            else gm.graph.inserting_after(placeholders[-1])
+        )
+        with place:
             wrapped = gm.graph.call_function(_wrapper(spec), (node,))
         node.replace_all_uses_with(wrapped, delete_user_cb=lambda user: user is not wrapped)
         wrapped.meta = dict(node.meta)

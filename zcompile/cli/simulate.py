@@ -7,6 +7,9 @@ allocated or downloaded). Prints the memory per rank by parts, their sum and the
 the phase that holds it: ``zcompile.predict.step_peak``), the collectives per step and the predicted step;
 ``--json OUT`` also writes the result.
 
+``--tp N`` splits the model over N ranks of a node by its declared tensor-parallel plan
+(``zcompile.apply_tp_plan``) and shards the pieces over the other ranks.
+
 With ``--space KEY=V1,V2`` (repeated) it tunes by simulation instead (``zcompile.simulate_tune``):
 every combination simulated on top of the ``--option`` ones, a table of the points, the Pareto front
 of memory per GPU against step time and the fastest point that fits; ``--plot PNG`` draws it.
@@ -31,6 +34,13 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
     )
     add_model_arguments(parser)
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the result as JSON")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: the model split by its declared tp plan over tp ranks of a node, "
+        "ZeRO over the world / tp (zcompile.apply_tp_plan)",
+    )
     parser.add_argument(
         "--space",
         action="append",
@@ -128,6 +138,8 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
         space = parse_space(args.space)
     except ValueError as error:
         raise DumpError(f"{args.spec}: {error}") from None
+    if space and args.tp > 1:
+        raise DumpError("--space with --tp: tuning by simulation takes the tp degree as 1; simulate each tp apart")
     if space:
         return _tune(args, out, make_model, batch, space, options)
     try:
@@ -138,6 +150,7 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
             node_size=args.node_size,
             options=options,
             hardware=args.hardware,
+            tensor_parallel=args.tp,
         )
     except ValueError as error:  # a bad option, world size or hardware profile: said, not a traceback
         raise DumpError(str(error)) from None
@@ -145,8 +158,9 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
     rows = [[part, f"{nbytes / GIB:.2f}"] for part, nbytes in result.memory.items()]
     rows.append(["per rank", f"{result.per_rank_bytes / GIB:.2f}"])
     rows.append([f"step peak ({result.step_peak_phase})", f"{result.step_peak_bytes / GIB:.2f}"])
+    layout = f" as dp {result.world_size // args.tp} x tp {args.tp}" if args.tp > 1 else ""
     out.table(
-        f"{model_type}, {result.num_params / 1e9:.2f}B parameters, {result.world_size} ranks "
+        f"{model_type}, {result.num_params / 1e9:.2f}B parameters, {result.world_size} ranks{layout} "
         f"({result.node_size} per node), {result.hardware}: GiB per rank",
         ["part", "GiB"],
         rows,
@@ -162,7 +176,7 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
         host += f", the ranks' {result.store_exchanges} agreement{'s' if result.store_exchanges != 1 else ''} through the store {result.store_s * 1e3:.1f} ms"
     out.line(
         f"step {result.step_s * 1e3:.1f} ms (compute {result.compute_s * 1e3:.1f} ms, exposed communication "
-        f"{result.exposed_comm_s * 1e3:.1f} ms{host}), {result.tokens_per_rank / result.step_s:,.0f} tokens/s per "
+        f"{result.exposed_comm_s * 1e3:.1f} ms{host}), {result.tokens_per_s_per_rank:,.0f} tokens/s per "
         f"rank, MFU {100 * result.mfu:.1f}%; simulated in {result.simulate_s:.1f} s"
     )
     if args.json:

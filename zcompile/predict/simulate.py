@@ -114,6 +114,7 @@ class SimulationResult:
     )
     step_peak_phase: str = ""  # the phase that holds it: forward<i>, backward<i> or optimizer
     time_sharing: float = 1.0  # HardwareProfile.time_sharing: ranks over the host's cores, where more
+    tensor_parallel: int = 1  # the tp degree (simulate's tensor_parallel): each tp group shares its tokens
 
     @property
     def per_rank_bytes(self) -> int:
@@ -127,6 +128,11 @@ class SimulationResult:
                 "saved_activation_bytes",
             )
         )
+
+    @property
+    def tokens_per_s_per_rank(self) -> float:
+        """Tokens a second per rank of the global batch (a tp group's ranks share their tokens)."""
+        return self.tokens_per_rank / self.tensor_parallel / self.step_s if self.step_s else 0.0
 
     def bytes_by(self, where: str | None = None, inside_node: bool | None = None) -> int:
         return sum(
@@ -472,9 +478,10 @@ def _predict(
     if result.store_s > STORE_SHARE_WORTH_A_WARNING * result.step_s:
         log.warning("zcompile.simulate: %s", _store_note(result, profile))
     if result.step_s > 0:
-        # against a rank's own peak, not its time-shared one
+        # against a rank's own peak, not its time-shared one; a tp group's ranks share its tokens' work
         peak = compute.flops_per_s * result.time_sharing
-        result.mfu = 6 * result.num_params * result.tokens_per_rank / result.step_s / peak
+        work = 6 * result.num_params * result.tokens_per_rank / result.tensor_parallel
+        result.mfu = work / result.step_s / peak
 
 
 def predict_compiled(
@@ -536,6 +543,7 @@ def predict_compiled(
     compute = profile.compute_costs(config.param_dtype or torch.float32)
     result.optimizer_update_s = _optimizer_update_seconds(model, profile, compute)
     result.time_sharing = time_sharing
+    result.tensor_parallel = config.mesh["tp"].size() if config.tensor_parallel else 1
     result.store_exchanges = store_exchanges
     _predict(result, stepped, pricing, compute, sum(p.requires_grad for p in dict.fromkeys(model.parameters())))
     return result

@@ -64,6 +64,9 @@ class StepReport:
     reduce_scatter_as_all_to_all: bool = False
     # hybrid sharding: process group name -> "shard" or "replicate" (the collectives' groups), and the replicas
     group_roles: dict[str, str] = field(default_factory=dict)
+    group_sizes: dict[str, int] = field(
+        default_factory=dict
+    )  # those groups' sizes (a traced all-reduce's is not in its node)
     replicas: int = 1
     # a tensor-parallel model: the tp degree; Ψ and the formula are then the elements of this rank's pieces
     tensor_parallel: int = 1
@@ -90,7 +93,8 @@ class StepReport:
         rows: dict[tuple[str, str], list[int]] = {}
         for c in self.collectives:
             role = self.group_roles.get(c["group"])
-            kind = f"{c['kind']} [{role} {c['group_size']}]" if role else c["kind"]  # hybrid: which group
+            size = c["group_size"] or self.group_sizes.get(c["group"], 0)
+            kind = f"{c['kind']} [{role} {size}]" if role else c["kind"]  # hybrid, tensor parallel: which group
             entry = rows.setdefault((c["where"], kind), [0, 0, 0])
             entry[0] += 1
             entry[1] += c["elements"]
@@ -287,6 +291,7 @@ def step_report(
             g.context is not None and g.context.reduce_scatter_by_all_to_all for g in graphs
         ),
         group_roles=_group_roles(graphs),
+        group_sizes=_group_sizes(graphs),
         replicas=graphs[0].context.group.replicas if graphs[0].context is not None else 1,
         tensor_parallel=_tensor_parallel_size(graphs),
         **_memory_plan(model, graphs),
@@ -316,6 +321,12 @@ def _group_roles(graphs: list[CompiledGraphs]) -> dict[str, str]:
     if group is None or group.replicate is None:
         return {}
     return {group.name: "shard", group.replicate.name: "replicate"}
+
+
+def _group_sizes(graphs: list[CompiledGraphs]) -> dict[str, int]:
+    group = graphs[0].context.group if graphs[0].context is not None else None
+    groups = [] if group is None else [group, group.replicate, group.tensor_parallel]
+    return {g.name: g.world_size for g in groups if g is not None}
 
 
 def _tensor_parallel_size(graphs: list[CompiledGraphs]) -> int:

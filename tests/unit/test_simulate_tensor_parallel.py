@@ -1,0 +1,89 @@
+"""``zcompile.simulate(..., tensor_parallel=tp)``: the model split over the tp dim of a fake ``(dp, tp)``
+mesh, its pieces sharded over dp. Against ZeRO's formula over dp on the pieces, the mesh's groups (tp
+inside a node, dp across), and per-layer gathers; the real 4-rank runs are in test_tensor_parallel."""
+
+import re
+
+import pytest
+import torch
+
+import zcompile
+from support.models import GPT, GPTConfig  # examples/gpt.py, on the path support.models puts it
+from zcompile.predict.hardware import load_profile
+
+WORLD, NODE, TP = 16, 8, 2
+# split over tp: q, k, v and the MLP's first layer column-wise (weights and biases), the output layers'
+# weights row-wise; the rest (embeddings, norms, the row-parallel biases) is replicated
+SPLIT = re.compile(r"attn\.(q|k|v)\.|attn\.proj\.weight|mlp\.0\.|mlp\.2\.weight")
+
+
+def _config(layers: int) -> GPTConfig:
+    return GPTConfig(vocab_size=256, block_size=16, n_layer=layers, n_head=4, n_embd=64, fused_qkv=False)
+
+
+def _simulate(layers: int, tensor_parallel: int = TP):
+    from gpt import parallelize
+
+    batch = torch.randint(0, 256, (2, 16))
+    return zcompile.simulate(
+        lambda: GPT(_config(layers)),
+        (batch, batch),
+        world_size=WORLD,
+        node_size=NODE,
+        options={"stage": 3, "bucket_mb": 0.01},  # a bucket per weight: gathers where the weights are read
+        tensor_parallel=tensor_parallel,
+        parallelize=parallelize,
+        hardware="h100-sxm",
+    )
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {layers: _simulate(layers) for layers in (2, 4)}
+
+
+def _piece_elements(layers: int) -> int:
+    model = GPT(_config(layers))
+    return sum(p.numel() // (TP if SPLIT.search(name) else 1) for name, p in model.named_parameters())
+
+
+def test_model_states_are_zeros_formula_over_dp_on_the_pieces(runs):
+    for layers, result in runs.items():
+        formula = zcompile.zero_formula_bytes(_piece_elements(layers), WORLD // TP, 3)
+        parameters = len(list(GPT(_config(layers)).parameters()))
+        assert formula <= result.memory["model_states_bytes"] <= formula + parameters * (WORLD // TP) * 16
+
+
+def test_the_weights_are_gathered_layer_by_layer_not_all_at_the_start(runs):
+    """Twice the layers, the same gathered peak: each layer's pieces are gathered where it runs (the
+    graph reads each DTensor weight where the layer first reads it), below the whole model's pieces."""
+    two, four = runs[2].memory["peak_gathered_bytes"], runs[4].memory["peak_gathered_bytes"]
+    assert two == four
+    assert four < 4 * _piece_elements(4) / 2  # fp32; half of every piece at most
+
+
+def test_tp_collectives_stay_in_the_node_and_dp_gathers_cross_it(runs):
+    result = runs[2]
+    tp = [c for c in result.collectives if c.kind == "all_reduce"]
+    assert tp and {(c.group_size, c.inside_node) for c in tp} == {(TP, True)}  # the row-parallel layers' sums
+    assert {(c.where, c.group_size, c.inside_node) for c in tp} == {("forward", TP, True), ("backward", TP, True)}
+    dp = [c for c in result.collectives if c.kind in ("all_gather", "reduce_scatter")]
+    assert dp and {(c.group_size, c.inside_node) for c in dp} == {(WORLD // TP, False)}  # ranks 0, 2, ... 14
+
+
+def test_mfu_counts_each_tp_groups_tokens_once(runs):
+    result = runs[2]
+    peak = load_profile("h100-sxm").compute_costs(torch.float32).flops_per_s
+    assert result.tensor_parallel == TP
+    work = 6 * result.num_params * result.tokens_per_rank / TP
+    assert result.mfu == pytest.approx(work / result.step_s / peak, rel=1e-9)
+
+
+def test_bad_tensor_parallel_arguments_are_named():
+    batch = torch.randint(0, 256, (2, 16))
+    with pytest.raises(ValueError, match="tensor_parallel=3 does not divide world_size=16"):
+        zcompile.simulate(lambda: GPT(_config(2)), (batch, batch), world_size=16, tensor_parallel=3)
+    with pytest.raises(ValueError, match="not the option 'mesh'"):
+        zcompile.simulate(
+            lambda: GPT(_config(2)), (batch, batch), world_size=16, tensor_parallel=2, options={"mesh": object()}
+        )
