@@ -376,7 +376,7 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
             budget = activation_budget_fraction(
                 graphs.context.config.activation_memory_budget, joint, joint_inputs, kwargs
             )
-            with activation_budget(budget):
+            with activation_budget(budget, graphs.context.config.tensor_parallel):
                 return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         def make_compiler(kind: str):
@@ -423,7 +423,8 @@ def compile_with_aot(gm: torch.fx.GraphModule, example_inputs: list, graphs: Com
         return _inductor_quoting_abort_notes(compiled, graphs, check) if kind == "backward" else compiled
 
     patches = {"joint_custom_pre_pass": _JointPasses(graphs)} if _joint_rows(graphs) else None
-    with activation_budget(graphs.context.config.activation_memory_budget), without_autograd_cache():
+    budget = graphs.context.config.activation_memory_budget
+    with activation_budget(budget, graphs.context.config.tensor_parallel), without_autograd_cache():
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
 
@@ -456,13 +457,20 @@ def mutated_input_indices() -> tuple[int, ...]:
 _LEAST_BUDGET = 1e-9
 
 
-def activation_budget(fraction: float | None):
+def activation_budget(fraction: float | None, tensor_parallel: bool = False):
     """AOTAutograd's memory-budget partitioner for the partitions made inside (its config, read by
     ``min_cut_rematerialization_partition``: 1 saves what the default min-cut saves, 0 recomputes
-    everything but what is tagged ``MUST_SAVE``); ``None`` changes nothing."""
+    everything but what is tagged ``MUST_SAVE``); ``None`` changes nothing.
+
+    ``tensor_parallel``: the graphs of a tensor-parallel model take DTensor's ``DeviceMesh`` as an
+    opaque object input, whose size the budget partitioner refuses to guess (a RuntimeError naming a
+    ``FakeScriptObject``); a mesh holds no tensor, so it is sized zero there."""
     if fraction is None:
         return contextlib.nullcontext()
-    return torch._functorch.config.patch(activation_memory_budget=float(fraction) or _LEAST_BUDGET)
+    patches = {"activation_memory_budget": float(fraction) or _LEAST_BUDGET}
+    if tensor_parallel and hasattr(torch._functorch.config, "unsafe_treat_script_objects_as_zero_size"):
+        patches["unsafe_treat_script_objects_as_zero_size"] = True
+    return torch._functorch.config.patch(**patches)
 
 
 def activation_budget_fraction(

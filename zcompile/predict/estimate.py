@@ -265,7 +265,7 @@ def _saved_activations(
         def partition(joint, joint_inputs, **kwargs):
             save_random_draws_pass(joint)  # as the backend's joint passes do: a dropout's mask is saved
             fraction = activation_budget_fraction(config.activation_memory_budget, joint, joint_inputs, kwargs)
-            with activation_budget(fraction):
+            with activation_budget(fraction, config.tensor_parallel):
                 forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
             saved[id(gm)] = saved_activation_bytes(forward, backward) - _saved_weight_bytes(forward, backward, params)
             return forward, backward
