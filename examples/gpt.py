@@ -94,25 +94,47 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def parallelize(model: GPT, tp_mesh) -> GPT:
+def parallelize(model: GPT, tp_mesh, sequence_parallel: bool = False) -> GPT:
     """Tensor parallelism over ``tp_mesh`` (torch's ``parallelize_module``, Megatron's split): in each
     block q, k, v and the MLP's first layer column-wise (by heads, by hidden units), the attention's
-    and the MLP's output layers row-wise; embeddings, norms and the head stay replicated."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    and the MLP's output layers row-wise; embeddings and the head stay replicated.
+
+    ``sequence_parallel``: between those layers (the norms, the residual stream) each tp rank holds
+    its slice of the sequence instead of all of it: the row-wise layers reduce-scatter over the
+    sequence, the column-wise ones gather it back, and the norms' activations shrink by the tp degree."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     config, tp = model.config, tp_mesh.size()
     if config.fused_qkv:
         raise ValueError("GPT tensor parallelism needs GPTConfig(fused_qkv=False): a fused qkv splits across q and k")
     if config.n_head % tp:
         raise ValueError(f"GPT tensor parallelism: {config.n_head} heads do not divide over {tp} ranks")
+    # the sequence is dim 1 of the activations between layers; whole (Replicate) where a layer needs it
+    split, whole = (Shard(1),), (Replicate(),)
+    gather = PrepareModuleInput(input_layouts=split, desired_input_layouts=whole, use_local_output=True)
+    out = {"output_layouts": Shard(1)} if sequence_parallel else {}
     plan = {
         **{f"attn.{name}": ColwiseParallel() for name in ("q", "k", "v")},
-        "attn.proj": RowwiseParallel(),
+        "attn.proj": RowwiseParallel(**out),
         "mlp.0": ColwiseParallel(),
-        "mlp.2": RowwiseParallel(),
+        "mlp.2": RowwiseParallel(**out),
     }
+    if sequence_parallel:
+        plan |= {norm: SequenceParallel(use_local_output=True) for norm in ("ln_1", "ln_2")}
+        plan |= {"attn": gather, "mlp": gather}
     for block in model.blocks:
         parallelize_module(block, tp_mesh, plan)
+    if sequence_parallel:  # the embeddings' output cut into the sequence's slices, and gathered for the head
+        scatter = PrepareModuleInput(input_layouts=whole, desired_input_layouts=split, use_local_output=True)
+        edges = {"blocks.0": scatter, "ln_f": SequenceParallel(use_local_output=True), "head": gather}
+        parallelize_module(model, tp_mesh, edges)
     return model
 
 

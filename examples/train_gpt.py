@@ -88,7 +88,14 @@ def parse_args() -> argparse.Namespace:
         default=1,
         help="tensor parallelism: split each block over this many ranks (a ('dp', 'tp') mesh), ZeRO over the rest",
     )
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: the norms and the residual stream hold a slice of the sequence per tp rank",
+    )
     args = parser.parse_args()
+    if args.sequence_parallel and args.tp == 1:
+        parser.error("--sequence-parallel splits the sequence over the tp ranks: give --tp 2 or more")
     if args.tp > 1 and (args.save or args.resume or args.shard_size):
         parser.error(
             "--tp with --save/--resume/--shard-size: zcompile.checkpoint and hybrid sharding do not take tensor-parallel "
@@ -165,7 +172,7 @@ def main() -> None:
     mesh, data_rank = None, rank
     if args.tp > 1:
         mesh = init_device_mesh(device.type, (data_world, args.tp), mesh_dim_names=("dp", "tp"))
-        parallelize(model, mesh["tp"])
+        parallelize(model, mesh["tp"], sequence_parallel=args.sequence_parallel)
         data_rank = mesh["dp"].get_local_rank()
     if args.regional:
         zcompile.mark_repeated_blocks(model)

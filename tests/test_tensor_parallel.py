@@ -43,27 +43,29 @@ SPECS = {
     ),
     "llama_stage3": RunSpec(model="hf_llama", stage=3, steps=2, clip=0.05, grad_accum=2),
 }
+# with sequence parallelism: the norms (DTensor weights replicated over tp) see a slice of the sequence each
+SEQUENCE_PARALLEL = {"stage1"}
 
 
-def _tensor_parallel_model(name: str, mesh) -> torch.nn.Module:
+def _tensor_parallel_model(name: str, mesh, sequence_parallel: bool = False) -> torch.nn.Module:
     from gpt import parallelize
 
     model = build_model(name)
     if name.startswith("gpt"):
-        return parallelize(model, mesh["tp"])
+        return parallelize(model, mesh["tp"], sequence_parallel)
     return zcompile.apply_tp_plan(
         model, mesh["tp"]
     )  # the Llama's declared plan: q/k/v, gate/up colwise; o, down rowwise
 
 
-def _train(spec: RunSpec, mesh) -> tuple[dict, tuple]:
+def _train(spec: RunSpec, mesh, sequence_parallel: bool = False) -> tuple[dict, tuple]:
     """``spec`` trained on this rank of the dp x tp mesh: losses (mean over dp), pre-clip norms, the
     full weights afterwards and the model states' bytes on this rank with the formula's Ψ (the
     elements of this rank's pieces); and the model and optimizer."""
     from torch.distributed.tensor import DTensor
 
     torch._dynamo.reset()
-    model = _tensor_parallel_model(spec.model, mesh)
+    model = _tensor_parallel_model(spec.model, mesh, sequence_parallel)
     options = {"stage": spec.stage, "compiler": "eager", "mesh": mesh, **spec.options}
     compiled = torch.compile(model, backend="zero", options=options)
     estimate = zcompile.estimate_memory(model, WORLD, {"stage": spec.stage, "mesh": mesh})  # before compiling
@@ -240,7 +242,7 @@ def _on_rank(rank: int, world: int, directory: str) -> dict:
     mesh = meshes[DP, TP]
     out, kept = {}, {}
     for name, spec in SPECS.items():
-        out[name], kept[name] = _train(spec, mesh)
+        out[name], kept[name] = _train(spec, mesh, name in SEQUENCE_PARALLEL)
     out["resume"] = _round_trip(meshes, *kept["stage2"], directory)
     del kept
     # meshes of different shapes on different ranks; tensor parallelism applied on some ranks only
@@ -294,7 +296,9 @@ def test_the_step_report_counts_the_pieces_and_names_the_groups(ranks, stage):
         assert "4 ranks as dp 2 x tp 2" in title and psi == ours["psi"]
         assert memory["formula_bytes"] == zcompile.zero_formula_bytes(ours["psi"], DP, stage)
         kinds = {(where, kind) for where, kind, *_ in rows}
-        assert ("forward", "all_reduce [tp 2]") in kinds, kinds  # the row-parallel layers' sums, the model's own
+        # the row-parallel layers' sums, the model's own (reduce-scattered over the sequence with sequence parallelism)
+        summed = "reduce_scatter" if f"stage{stage}" in SEQUENCE_PARALLEL else "all_reduce"
+        assert ("forward", f"{summed} [tp 2]") in kinds, kinds
         gathers = ("forward", "all_gather [dp 2]") if stage == 3 else ("optimizer", "all_gather [dp 2]")
         assert gathers in kinds, kinds
 
