@@ -365,3 +365,31 @@ def test_simulate_is_callable_from_the_top_level_package(stage3):
     assert isinstance(result, SimulationResult)
     assert result.memory == stage3.memory and result.step_s == stage3.step_s
     assert list(inspect.signature(zcompile.simulate).parameters)[:2] == ["make_model", "example_batch"]
+
+
+def test_an_output_the_loss_does_not_use_gets_no_real_gradient():
+    """A causal LM returns its logits beside its loss; AOTAutograd gives the unused output a gradient of
+    zeros of its shape at backward, which outside the fake mode was a real tensor: here 64 x 2048 x
+    128,256 fp32 logits, 67 GB, which this machine cannot allocate (the simulation stopped; at a
+    smaller batch it took that much host memory). Simulated, nothing is allocated at full size."""
+    transformers = pytest.importorskip("transformers")
+
+    config = transformers.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        use_cache=False,
+    )
+    ids = torch.zeros(64, 2048, dtype=torch.long)
+    result = simulate(
+        lambda: transformers.LlamaForCausalLM(config),
+        {"input_ids": ids, "labels": ids},
+        world_size=8,
+        options={"stage": 3},
+    )
+    logits_bytes = 64 * 2048 * 128256 * 4
+    assert result.memory["saved_activation_bytes"] >= logits_bytes  # the loss saves the logits' softmax
