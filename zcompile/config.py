@@ -29,6 +29,7 @@ REDUCE_SCATTER_FORMS = ("auto", "native", "all_to_all")
 # the dim names of option 'mesh': hybrid sharding's (FSDP2's convention) and a tensor-parallel model's
 MESH_DIMS_HYBRID = ("replicate", "shard")
 MESH_DIMS_TP = ("dp", "tp")
+MESH_DIMS_HYBRID_TP = ("replicate", "shard", "tp")  # hybrid sharding of a tensor-parallel model's pieces
 
 
 @dataclass(frozen=True)
@@ -262,20 +263,26 @@ class ZeroConfig:
             )
 
     @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        """The names of option ``mesh``'s dims (``()`` without a mesh)."""
+        return tuple(getattr(self.mesh, "mesh_dim_names", None) or ()) if self.mesh is not None else ()
+
+    @property
     def hybrid(self) -> bool:
         """Whether the states are sharded inside groups and replicated across them."""
-        return self.shard_size is not None or (self.mesh is not None and not self.tensor_parallel)
+        return self.shard_size is not None or self.mesh_dims in (MESH_DIMS_HYBRID, MESH_DIMS_HYBRID_TP)
 
     @property
     def tensor_parallel(self) -> bool:
-        """Whether ``mesh`` is ``("dp", "tp")``: DTensor parameters on ``mesh["tp"]``, sharded over ``mesh["dp"]``."""
-        return self.mesh is not None and tuple(getattr(self.mesh, "mesh_dim_names", None) or ()) == MESH_DIMS_TP
+        """Whether ``mesh`` has a ``"tp"`` dim: DTensor parameters on ``mesh["tp"]``, their pieces sharded
+        over ``mesh["dp"]`` (or over ``mesh["shard"]`` and replicated across ``mesh["replicate"]``)."""
+        return self.mesh_dims in (MESH_DIMS_TP, MESH_DIMS_HYBRID_TP)
 
     def shard_group_size(self, world_size: int) -> int:
         """How many ranks each state is sharded over in a world of ``world_size``: the shard group's size
         with hybrid sharding, else ``world_size``. ``ValueError`` when ``shard_size`` does not divide it."""
         if self.mesh is not None:
-            return self.mesh["dp" if self.tensor_parallel else "shard"].size()
+            return self.mesh["dp" if self.mesh_dims == MESH_DIMS_TP else "shard"].size()
         if self.shard_size is None:
             return world_size
         if self.shard_size == "node":
@@ -305,20 +312,24 @@ class ZeroConfig:
                 "which is DDP. Use shard_size >= 2, or torch's DistributedDataParallel"
             )
         if self.mesh is not None:
-            names = tuple(getattr(self.mesh, "mesh_dim_names", None) or ())
-            if getattr(self.mesh, "ndim", None) != 2 or names not in (MESH_DIMS_HYBRID, MESH_DIMS_TP):
+            names = self.mesh_dims
+            if names not in (MESH_DIMS_HYBRID, MESH_DIMS_TP, MESH_DIMS_HYBRID_TP) or getattr(
+                self.mesh, "ndim", None
+            ) != len(names):
                 raise ValueError(
-                    "zcompile: option 'mesh' must be a 2-D torch DeviceMesh with dims named ('replicate', 'shard') "
+                    "zcompile: option 'mesh' must be a torch DeviceMesh with dims named ('replicate', 'shard') "
                     "(hybrid sharding: init_device_mesh(device, (replicas, shard_size), mesh_dim_names=('replicate', "
-                    "'shard'))) or ('dp', 'tp') (a tensor-parallel model: init_device_mesh(device, (dp, tp), "
-                    f"mesh_dim_names=('dp', 'tp'))), got {self.mesh!r}"
+                    "'shard'))), ('dp', 'tp') (a tensor-parallel model: init_device_mesh(device, (dp, tp), "
+                    "mesh_dim_names=('dp', 'tp'))) or ('replicate', 'shard', 'tp') (both), got "
+                    f"{self.mesh!r}"
                 )
             if self.tensor_parallel:
                 self._check_tensor_parallel()
+            if names == MESH_DIMS_TP:
                 return
             if size is not None:
                 raise ValueError("zcompile: options 'mesh' and 'shard_size' both set the shard group; pass one")
-            if self.mesh.size(1) < 2:
+            if self.mesh.size(names.index("shard")) < 2:
                 raise ValueError(
                     "zcompile: option 'mesh' has a 'shard' dim of 1: nothing would be sharded, every rank would "
                     "keep the whole model states (DDP). Give the 'shard' dim 2 or more ranks"
@@ -340,8 +351,9 @@ class ZeroConfig:
     def _check_tensor_parallel(self) -> None:
         if self.shard_size is not None:
             raise ValueError(
-                "zcompile: options 'mesh' ('dp', 'tp') and 'shard_size' together: hybrid sharding of a tensor-parallel "
-                "model is not supported yet. Drop 'shard_size' (the states are sharded over mesh['dp'])"
+                "zcompile: options 'mesh' with a 'tp' dim and 'shard_size' together: the mesh sets the groups. For "
+                "hybrid sharding of a tensor-parallel model pass a 3-D mesh ('replicate', 'shard', 'tp') and drop "
+                "'shard_size'"
             )
         if self.group is not None:
             raise ValueError(

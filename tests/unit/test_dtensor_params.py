@@ -50,7 +50,7 @@ def test_the_graph_takes_the_local_pieces_and_computes_what_the_model_does():
         torch._dynamo.reset()
 
 
-def test_the_mesh_option_takes_hybrid_or_tensor_parallel_dims_and_names_the_rest():
+def test_the_mesh_option_takes_hybrid_tensor_parallel_or_both_dims_and_names_the_rest():
     from torch.distributed.device_mesh import init_device_mesh
 
     with fake_process_group(world_size=4):
@@ -69,6 +69,14 @@ def test_the_mesh_option_takes_hybrid_or_tensor_parallel_dims_and_names_the_rest
         ):
             with pytest.raises(ValueError, match=named):
                 ZeroConfig(mesh=dp_tp, **options)
+
+    with fake_process_group(world_size=8):  # hybrid sharding of the pieces: ("replicate", "shard", "tp")
+        both = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+        assert ZeroConfig(mesh=both).tensor_parallel and ZeroConfig(mesh=both).hybrid
+        assert ZeroConfig(mesh=both).shard_group_size(8) == 2
+        no_shard = init_device_mesh("cpu", (4, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
+        with pytest.raises(ValueError, match="'shard' dim of 1"):
+            ZeroConfig(mesh=no_shard)
 
 
 def test_tensor_parallel_parameters_without_a_dp_tp_mesh_are_refused_by_name():

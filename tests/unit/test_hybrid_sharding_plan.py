@@ -15,7 +15,7 @@ from zcompile.config import ZeroConfig
         ({"shard_size": 0}, "'shard_size' must be an int >= 2"),
         ({"shard_size": 2, "hpz_size": 2}, "does not compose"),
         ({"shard_size": 2, "quantize_grads": True}, "does not compose"),
-        ({"mesh": "mesh"}, "2-D torch DeviceMesh"),
+        ({"mesh": "mesh"}, "must be a torch DeviceMesh with dims named"),
     ],
 )
 def test_options_are_validated_naming_the_option(options, message):

@@ -134,7 +134,7 @@ def flat_mesh(group: DataParallelGroup, device_type: str):
     if group.world_size == 1:
         return None
     if group.replicate is not None:  # hybrid sharding: pieces of the shard group, the same on every replica
-        return group.mesh
+        return group.mesh if group.mesh.ndim == 2 else group.mesh["replicate", "shard"]  # 3-D: less the "tp" dim
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh.from_group(group.process_group, device_type)

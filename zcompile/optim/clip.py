@@ -98,9 +98,11 @@ def global_grad_norm(
     record of the scalar all-reduce that made it global (None in a world of one)."""
     if group is not None and group.tensor_parallel is not None:
         # a tensor-parallel model: one reduction over every rank (dp x tp) sums the pieces split over
-        # mesh["tp"] across it; the replicated weights' terms, the same on every tp rank, count 1/tp each
-        share = 1.0 / group.tensor_parallel.world_size
-        weights = [1.0 if m.split_over_tensor_parallel else share for m in members]
+        # mesh["tp"] across it; the replicated weights' terms, the same on every tp rank, count 1/tp each;
+        # with hybrid sharding every term is on each replica, 1/replicas each
+        replicas = group.replicas
+        share = 1.0 / (group.tensor_parallel.world_size * replicas)
+        weights = [1.0 / replicas if m.split_over_tensor_parallel else share for m in members]
         local, record = _norm_over_group(members, norm_type, DataParallelGroup.resolve(None), device, weights)
     else:
         local, record = _norm_over_group(members, norm_type, group, device)

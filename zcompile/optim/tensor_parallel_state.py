@@ -6,7 +6,8 @@ the same tensor a model without tensor parallelism saves (``zcompile.optim.state
 reshards between dp x tp layouts of any degrees, and to and from plain data parallelism.
 
 Whose piece: the flat tensor is cut over tp first, then each tp piece over dp (DTensor
-``[Shard(0), Shard(0)]`` on the mesh ordered ``("tp", "dp")``). A weight split on dim 0
+``[Shard(0), Shard(0)]`` on the mesh ordered ``("tp", "dp")``; with hybrid sharding ``("replicate",
+"tp", "shard")``, whole on every replica). A weight split on dim 0
 (column-wise) or replicated is then already laid out so: each rank's optimizer shard is its piece.
 A weight split on another dim (row-wise) holds a strided slice of the global order; its piece is
 made (and read back) through the full tensor, gathered over dp and tp one parameter at a time.
@@ -48,21 +49,28 @@ def check_tensor_parallel_layout(optimizer, group: DataParallelGroup) -> None:
 class TensorParallelStateLayout:
     """Converts a DTensor parameter's optimizer shards to and from their pieces of the global flat
     tensor (the module docstring). Made once per ``state_dict`` or ``load_state_dict`` call: it
-    holds the ``("tp", "dp")`` mesh, made from the existing groups (no new process group)."""
+    holds the meshes the pieces live on, made from the existing groups (no new process group)."""
 
     def __init__(self, group: DataParallelGroup):
         from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Replicate, Shard
 
         self.group = group
         self.tp = group.tensor_parallel
-        mesh = group.mesh  # ("dp", "tp")
-        self.dp_tp_mesh = mesh
-        self.tp_dp_mesh = DeviceMesh.from_group(
-            [mesh["tp"].get_group(), mesh["dp"].get_group()],
+        mesh = group.mesh  # ("dp", "tp"), or ("replicate", "shard", "tp") with hybrid sharding
+        dp = "dp" if "dp" in mesh.mesh_dim_names else "shard"
+        # a replicated weight's state: cut over dp (the shard group), whole on every tp rank and replica
+        self.whole_mesh = mesh
+        self.whole = [Shard(0) if name == dp else Replicate() for name in mesh.mesh_dim_names]
+        # a split weight's: cut over tp first, then over dp; whole on every replica
+        order = [name for name in ("replicate", "tp", dp) if name in mesh.mesh_dim_names]
+        self.split_mesh = DeviceMesh.from_group(
+            [mesh[name].get_group() for name in order],
             mesh.device_type,
-            mesh=mesh.mesh.transpose(0, 1),
-            mesh_dim_names=("tp", "dp"),
+            mesh=mesh.mesh.permute(*[mesh.mesh_dim_names.index(name) for name in order]),
+            mesh_dim_names=tuple(order),
         )
+        self.split = [Replicate() if name == "replicate" else Shard(0) for name in order]
 
     def _split_dim(self, param: torch.Tensor) -> int | None:
         """The dim ``param`` is split on over tp (None: replicated)."""
@@ -73,21 +81,19 @@ class TensorParallelStateLayout:
 
     def piece(self, shard_value: torch.Tensor, param: torch.Tensor, piece: FlatPiece) -> torch.Tensor:
         """This rank's piece of the global flat tensor from its optimizer shard (``piece.owned`` elements)."""
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor import DTensor
 
         numel = param.numel()
         dim = self._split_dim(param)
         local = shard_value.detach()[: piece.owned]
         if dim is None:
-            return DTensor.from_local(
-                local, self.dp_tp_mesh, [Shard(0), Replicate()], run_check=False, shape=torch.Size([numel]), stride=(1,)
-            )
-        if dim != 0:  # this rank's slice of the global order lies on other ranks: through the full tensor
+            mesh, placements = self.whole_mesh, self.whole
+        else:
+            mesh, placements = self.split_mesh, self.split
+        if dim not in (None, 0):  # this rank's slice of the global order lies on other ranks: through the full tensor
             start = self.tp.rank * piece.numel + piece.offset
             local = self._full(shard_value, param, piece, dim)[start : start + piece.owned].clone()
-        return DTensor.from_local(
-            local, self.tp_dp_mesh, [Shard(0), Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,)
-        )
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size([numel]), stride=(1,))
 
     def shard(self, value: torch.Tensor, param: torch.Tensor, piece: FlatPiece) -> torch.Tensor:
         """This rank's ``owned`` elements of its optimizer shard from its piece ``value`` (as ``piece`` makes it)."""

@@ -103,9 +103,9 @@ class StepReport:
 
     def title(self) -> str:
         if self.tensor_parallel > 1:
-            ranks = (
-                f"{self.world_size * self.tensor_parallel} ranks as dp {self.world_size} x tp {self.tensor_parallel}"
-            )
+            everyone = self.world_size * self.tensor_parallel * self.replicas
+            dp = f"{self.replicas} replicas x shard {self.world_size}" if self.replicas > 1 else f"dp {self.world_size}"
+            ranks = f"{everyone} ranks as {dp} x tp {self.tensor_parallel}"
             return f"ZeRO stage {self.stage}, {ranks}, Ψ = {self.num_params:,} parameters in this rank's pieces"
         ranks = (
             f"{self.world_size * self.replicas} ranks as {self.replicas} shard groups of {self.world_size}"
@@ -317,6 +317,8 @@ def _group_roles(graphs: list[CompiledGraphs]) -> dict[str, str]:
     tensor-parallel model's dp and tp groups (the tp collectives are the model's own, traced)."""
     group = graphs[0].context.group if graphs[0].context is not None else None
     if group is not None and group.tensor_parallel is not None:
+        if group.replicate is not None:
+            return {group.name: "shard", group.replicate.name: "replicate", group.tensor_parallel.name: "tp"}
         return {group.name: "dp", group.tensor_parallel.name: "tp"}
     if group is None or group.replicate is None:
         return {}

@@ -1,5 +1,7 @@
 """The process groups of a compile: the whole data-parallel group, hybrid sharding's two, or a
-tensor-parallel model's (``mesh["dp"]`` shards, ``mesh["tp"]`` holds the pieces: ``_tensor_parallel_groups``).
+tensor-parallel model's (``mesh["dp"]`` shards, ``mesh["tp"]`` holds the pieces: ``_tensor_parallel_groups``;
+with a 3-D mesh ``("replicate", "shard", "tp")`` the pieces are sharded over "shard" and replicated across
+"replicate").
 
 Hybrid sharding (HSDP, DeepSpeed's MiCS) cuts the ``N`` ranks into ``R = N / S`` shard groups of
 ``S`` consecutive ranks (node-major, as torchrun numbers them, so a shard group of a node's size is
@@ -96,12 +98,14 @@ def _tensor_parallel_groups(config) -> DataParallelGroup:
     the mesh's shape and on the dtypes the tensor-parallel collectives move: the compile check compares
     only the ranks of one dp group, and ranks of different tp coordinates exchange activations."""
     mesh = config.mesh
-    dp = as_data_parallel_group(mesh["dp"].get_group())
+    hybrid = "shard" in config.mesh_dims  # ("replicate", "shard", "tp"): the pieces sharded over "shard"
+    dp = as_data_parallel_group(mesh["shard" if hybrid else "dp"].get_group())
     tp = as_data_parallel_group(mesh["tp"].get_group())
+    replicate = as_data_parallel_group(mesh["replicate"].get_group()) if hybrid else None
     world = DataParallelGroup.resolve(None)
     if world.world_size > 1 and config.check_ranks:
         agree_on_store(
-            [dp.world_size, tp.world_size, None if config.param_dtype is None else str(config.param_dtype)],
+            [*mesh.mesh.shape, None if config.param_dtype is None else str(config.param_dtype)],
             world,
             config.check_timeout_s,
             "tensor-parallel-mesh",
@@ -110,8 +114,10 @@ def _tensor_parallel_groups(config) -> DataParallelGroup:
             "param_dtype on every rank, and call the model on every rank (an evaluation on some ranks only would "
             "pair their tp collectives with the others' training).",
             lambda sizes: (
-                "zcompile: the ranks pass meshes of different shapes or param_dtypes ([dp, tp, param_dtype] per rank: "
-                f"{dict(enumerate(sizes))}); pass the same on every rank"
+                f"zcompile: the ranks pass meshes of different shapes or param_dtypes ([{', '.join(config.mesh_dims)}, "
+                f"param_dtype] per rank: {dict(enumerate(sizes))}); pass the same on every rank"
             ),
         )
+    if replicate is not None and replicate.world_size > 1:
+        return dataclasses.replace(dp, tensor_parallel=tp, replicate=replicate, mesh=mesh)
     return dataclasses.replace(dp, tensor_parallel=tp, mesh=mesh)
