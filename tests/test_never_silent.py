@@ -800,12 +800,12 @@ def _gpt_skipping_layers(model, tokens, targets, keep):
     return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def _layers_skipped_per_rank(rank, world, stage, keep_per_rank, compiler="eager"):
+def _layers_skipped_per_rank(rank, world, stage, keep_per_rank):
     """Blocks compiled one by one; step 0 runs every layer, step 1 the layers ``keep_per_rank[rank]``."""
     torch._dynamo.reset()
     model = build_model("gpt")
     for block in model.blocks:
-        block.compile(backend="zero", options={"stage": stage, "check_timeout_s": 20, "compiler": compiler})
+        block.compile(backend="zero", options={"stage": stage, "check_timeout_s": 20, "compiler": "eager"})
     optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, check_timeout_s=20)
     tokens, targets = global_batch(0, 2)
     for keep in ([True, True], keep_per_rank[rank]):
@@ -840,14 +840,13 @@ def test_layers_skipped_on_some_ranks_only_fail_at_the_step_on_every_rank(stage)
         assert "#2-#13 x1" in outcomes[0][0] and "#14-#25 x1" in outcomes[0][0], outcomes[0][0]
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
-def test_a_layer_skipped_on_one_rank_at_stage3_is_an_error_not_a_gloo_abort(compiler):
+def test_a_layer_skipped_on_one_rank_at_stage3_is_an_error_not_a_gloo_abort():
     """Rank 0 runs both layers, rank 1 only the first. The second layer's call was its graph's first
     since the step, which took no agreement (only the first call after a step is where every rank
     goes next): its gathers met rank 1's backward, and gloo aborted the process ("Received data
-    size doesn't match expected size", SIGABRT). Every call after the step's first now agrees. With
-    inductor too, whose compiled layers prefetch across calls since 2026-11-28."""
-    for message, seconds in run_ranks(2, _layers_skipped_per_rank, 3, [[True, True], [True, False]], compiler):
+    size doesn't match expected size", SIGABRT). Every call after the step's first now agrees (the
+    agreement is the compiled call's wrapper's, whichever inner compiler made the layers)."""
+    for message, seconds in run_ranks(2, _layers_skipped_per_rank, 3, [[True, True], [True, False]]):
         assert message is not None and "same modules" in message, message
         assert seconds < 30, seconds
 
