@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -174,6 +175,11 @@ def main() -> None:
         mesh = init_device_mesh(device.type, (data_world, args.tp), mesh_dim_names=("dp", "tp"))
         parallelize(model, mesh["tp"], sequence_parallel=args.sequence_parallel)
         data_rank = mesh["dp"].get_local_rank()
+    # this rank's parameters: its tensor-parallel pieces (what ZeRO shards and DDP would hold per rank)
+    rank_params = sum(
+        p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in dict.fromkeys(model.parameters())
+    )
+    tp_group = mesh["tp"].get_group().group_name if mesh is not None else None
     if args.regional:
         zcompile.mark_repeated_blocks(model)
     graphs = []
@@ -201,7 +207,7 @@ def main() -> None:
         if rank == 0:
             print(f"resumed from {args.resume} at step {first_step}", flush=True)
     held_out = synthetic_batch(-1, args.batch_size, config)  # a batch no step trains on
-    ddp_bytes = zcompile.zero_formula_bytes(num_params, world, stage=None)
+    ddp_bytes = zcompile.zero_formula_bytes(rank_params, world, stage=None)
     if rank == 0:
         print(
             f"GPT {args.layers} layers, Ψ = {num_params:,} parameters, ZeRO stage {args.stage}, {world} rank(s), "
@@ -222,13 +228,15 @@ def main() -> None:
         if distributed:
             dist.all_reduce(mean_loss)
             mean_loss /= world
-        comm = summarize(step_collectives(graphs, optimizer)).get("total", 0)
+        # ZeRO's collectives; the model's own over the tp group (activations) are not parameter traffic
+        records = [r for r in step_collectives(graphs, optimizer) if r.group != tp_group]
+        comm = summarize(records).get("total", 0)
         clipped = "" if optimizer.last_grad_norm is None else f" | grad norm {optimizer.last_grad_norm:.3f}"
         if rank == 0:
             print(
                 f"step {step:3d} | loss {mean_loss.item():.4f}{clipped} | model states {mib(states.total)}/rank "
                 f"(DDP {mib(ddp_bytes)}, {ddp_bytes / states.total:.1f}x less) | "
-                f"comm {comm / 1e6:.2f}M elements/rank = {comm / num_params:.2f} Ψ",
+                f"comm {comm / 1e6:.2f}M elements/rank = {comm / rank_params:.2f} Ψ",
                 flush=True,
             )
         if args.eval_every and (step + 1) % args.eval_every == 0:

@@ -98,6 +98,7 @@ def _train(spec: RunSpec, mesh, sequence_parallel: bool = False) -> tuple[dict, 
         "estimated_state_bytes": estimate.model_states_bytes,
         "psi": local_elements,
         "report": (report.title(), report.num_params, report.memory, report.collective_rows()),
+        "report_totals": (report.totals.get("total", 0), report.formula_elements, report.tensor_parallel_elements),
     }, (model, optimizer)
 
 
@@ -301,6 +302,11 @@ def test_the_step_report_counts_the_pieces_and_names_the_groups(ranks, stage):
         assert ("forward", f"{summed} [tp 2]") in kinds, kinds
         gathers = ("forward", "all_gather [dp 2]") if stage == 3 else ("optimizer", "all_gather [dp 2]")
         assert gathers in kinds, kinds
+        # ZeRO's traffic against its formula on the pieces; the model's tp collectives counted apart
+        total, formula, tensor_parallel = ours["report_totals"]
+        if stage == 3:  # every piece gathered in forward, re-gathered (at most) in backward, reduce-scattered
+            assert 2 * psi < total <= formula, (total, formula, psi)
+        assert tensor_parallel > 0
 
 
 def test_state_dicts_saved_with_dcp_move_between_layouts_like_an_uninterrupted_run(ranks):

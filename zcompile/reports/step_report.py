@@ -68,8 +68,10 @@ class StepReport:
         default_factory=dict
     )  # those groups' sizes (a traced all-reduce's is not in its node)
     replicas: int = 1
-    # a tensor-parallel model: the tp degree; Ψ and the formula are then the elements of this rank's pieces
+    # a tensor-parallel model: the tp degree; Ψ and the formula are then the elements of this rank's pieces,
+    # ``totals`` ZeRO's collectives, and the model's own over the tp group (activations) apart
     tensor_parallel: int = 1
+    tensor_parallel_elements: int = 0
     # memory_limit_mb: the plan's line (its choice, predicted peak by parts, step) and its predicted peak;
     # on CUDA the allocator's measured peak of this process (torch.cuda.max_memory_allocated) beside it
     memory_plan: str = ""
@@ -123,7 +125,12 @@ class StepReport:
         return (
             [
                 f"total {total:,} elements = {total / psi:.2f} Ψ per rank per step "
-                f"(ZeRO formula {self.formula_elements / psi:.0f} Ψ)",
+                f"(ZeRO formula {self.formula_elements / psi:.0f} Ψ)"
+                + (
+                    f"; the model's tensor-parallel collectives {self.tensor_parallel_elements:,} elements more"
+                    if self.tensor_parallel_elements
+                    else ""
+                ),
                 f"model states {mem['model_states_bytes'] / 2**20:.2f} MiB/rank measured"
                 + (
                     ""
@@ -254,6 +261,8 @@ def step_report(
     if staged:  # that gather is in flight the whole call: gloo holds its flat copy of it too
         gather_staging += held_ahead
     records = step_collectives(graphs, optimizer)  # each graph as often as it ran in the last step
+    group = graphs[0].context.group if graphs[0].context is not None else None
+    tp_group = group.tensor_parallel.name if group is not None and group.tensor_parallel is not None else None
     unique = list(dict.fromkeys(model.parameters()))
     elements = [local_tensor(p).numel() for p in unique]  # a tensor-parallel weight: this rank's piece
     num_params = sum(elements)
@@ -266,7 +275,8 @@ def step_report(
         world_size=plan.world_size,
         num_params=num_params,
         collectives=[r.to_json() for r in records],
-        totals=summarize(records),
+        totals=summarize([r for r in records if r.group != tp_group]),
+        tensor_parallel_elements=sum(r.elements for r in records if r.group == tp_group),
         formula_elements=formula,
         memory={
             "model_states_bytes": measured,
