@@ -133,9 +133,9 @@ ROUND_TRIP = ((None, 3), ((1, 4), 1), ((2, 2), 3))
 def _round_trip(meshes: dict, trained, optimizer, directory: str) -> dict:
     """``trained`` (dp 2 x tp 2, its spec's steps) and its optimizer saved with torch.distributed.checkpoint
     from their state dicts, then loaded into each layout of ``ROUND_TRIP`` in turn (a fresh model compiled
-    there, a step of its own to load into), which trains the next step and saves for the next layout; and
-    ``trained`` itself trains those steps uninterrupted. Also what refuses a tensor-parallel model:
-    zcompile.checkpoint."""
+    there, a step of its own to load into), which trains the next step and saves for the next layout with
+    ``zcompile.checkpoint.save`` (loaded by ``zcompile.checkpoint.load``); and ``trained`` itself trains
+    those steps uninterrupted. Also the dict form of zcompile.checkpoint.save, which refuses its DTensors."""
     import torch.distributed.checkpoint as dcp
 
     spec = SPECS["stage2"]
@@ -144,7 +144,7 @@ def _round_trip(meshes: dict, trained, optimizer, directory: str) -> dict:
     dcp.save(state, checkpoint_id=f"{directory}/0")
     saved, loaded, resumed = [_full_weights(trained)], [], []
     try:
-        zcompile.checkpoint.save(directory + "-zcompile", trained, optimizer)
+        zcompile.checkpoint.save(directory + "-dict", state)
         refused = ""
     except zcompile.checkpoint.CheckpointError as error:
         refused = str(error)
@@ -162,15 +162,17 @@ def _round_trip(meshes: dict, trained, optimizer, directory: str) -> dict:
         model_optimizer = _optimizer(spec, model.parameters(), zero=True)
         dp = mesh["dp"] if mesh is not None else None
         _one_step(spec, compiled, model_optimizer, 0, dp)  # state to load into
-        state = {"model": model.state_dict(), "optimizer": model_optimizer.state_dict()}
-        dcp.load(state, checkpoint_id=f"{directory}/{index}")
-        model.load_state_dict(state["model"])
-        model_optimizer.load_state_dict(state["optimizer"])
+        if index == 0:
+            state = {"model": model.state_dict(), "optimizer": model_optimizer.state_dict()}
+            dcp.load(state, checkpoint_id=f"{directory}/{index}")
+            model.load_state_dict(state["model"])
+            model_optimizer.load_state_dict(state["optimizer"])
+        else:
+            zcompile.checkpoint.load(f"{directory}/{index}", model, model_optimizer)
         loaded.append(_full_weights(model))
         resumed.append(_one_step(spec, compiled, model_optimizer, spec.steps + index, dp))
         saved.append(_full_weights(model))
-        state = {"model": model.state_dict(), "optimizer": model_optimizer.state_dict()}
-        dcp.save(state, checkpoint_id=f"{directory}/{index + 1}")
+        zcompile.checkpoint.save(f"{directory}/{index + 1}", model, model_optimizer)
     # the first save's optimizer from one file (torch's dcp_to_torch_save: full flat tensors), its weights by DCP
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -311,7 +313,8 @@ def test_the_step_report_counts_the_pieces_and_names_the_groups(ranks, stage):
 
 
 def test_state_dicts_saved_with_dcp_move_between_layouts_like_an_uninterrupted_run(ranks):
-    """dp 2 x tp 2 -> 4 ranks without tensor parallelism -> dp 1 x tp 4 -> dp 2 x tp 2, a step at each."""
+    """dp 2 x tp 2 -> 4 ranks without tensor parallelism -> dp 1 x tp 4 -> dp 2 x tp 2, a step at each
+    (DCP's state dicts for the first move, zcompile.checkpoint for the others)."""
     for result in (rank["resume"] for rank in ranks):
         assert "DTensor" in result["kinds"]
         for saved, loaded in zip(result["saved"], result["loaded"]):  # the loaded weights are the saved ones
@@ -325,6 +328,21 @@ def test_state_dicts_saved_with_dcp_move_between_layouts_like_an_uninterrupted_r
         continued, resumed = result["weights"]  # the optimizer's moments and step moved too
         for name, value in resumed.items():
             torch.testing.assert_close(value, continued[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_zcompile_checkpoint_consolidates_a_tensor_parallel_save_to_the_single_process_weights(ranks, tmp_path):
+    """The save at dp 1 x tp 4 after 4 steps (2 at dp 2 x tp 2, one on 4 ranks without tensor
+    parallelism, one at dp 1 x tp 4), made one file by zcompile.checkpoint.consolidate: the single
+    process's weights after 4 steps."""
+    from zcompile.checkpoint.consolidate import consolidate
+
+    consolidate(f"{ranks[0]['resume']['directory']}/2", tmp_path / "one.pt")
+    weights = torch.load(tmp_path / "one.pt", weights_only=True)
+    spec = RunSpec(model="gpt_split_qkv", stage=2, steps=4)
+    reference = train_reference(spec)
+    atol = spec.steps * spec.lr * GRAD_ABS_ERROR / ADAM_EPS  # Adam's steps on rounding-level gradients
+    for name, expected in reference.params.items():
+        torch.testing.assert_close(weights[name], expected, rtol=0, atol=atol, msg=name)
 
 
 def test_a_checkpoint_consolidates_to_the_single_process_weights_and_moments(ranks, tmp_path):
@@ -349,9 +367,10 @@ def test_a_checkpoint_consolidates_to_the_single_process_weights_and_moments(ran
             torch.testing.assert_close(ours, theirs, rtol=0, atol=atol, msg=f"{name} {key}")
 
 
-def test_zcompile_checkpoint_refuses_a_tensor_parallel_model_on_every_rank_naming_the_recipe(ranks):
+def test_the_dict_form_of_zcompile_checkpoint_refuses_tensor_parallel_dtensors_naming_the_routes(ranks):
     for result in (rank["resume"] for rank in ranks):
-        assert "are DTensors" in result["refused"] and "torch.distributed.checkpoint.save" in result["refused"]
+        assert "DTensors of a tensor-parallel model" in result["refused"]
+        assert "zcompile.checkpoint.save(path, model, optimizer)" in result["refused"]
 
 
 def test_meshes_of_different_shapes_are_an_error_on_every_rank(ranks):

@@ -67,6 +67,12 @@ def full_state_dict(
         frozen = []
     group = next((s.group for s in map(shard_of, refs.values()) if s is not None), None)
     group = group or DataParallelGroup.resolve(None)
+    if group.tensor_parallel is not None:  # its shards are of each rank's pieces: the result would hold tp rank 0's
+        raise CheckpointError(
+            "zcompile.checkpoint.full_state_dict: a tensor-parallel model's shards hold each rank's pieces, not the "
+            "weights. Take model.state_dict() (DTensors of the whole weights; .full_tensor() each), or "
+            "zcompile.checkpoint.save(path, model, optimizer) and consolidate it (docs/tensor-parallel.md)"
+        )
     # (``rank`` may differ: every rank gathers); what is gathered may not
     agree_on_call(
         "full_state_dict",

@@ -66,13 +66,14 @@ from zcompile.checkpoint.layout import (
     param_aliases,
     param_key,
     persistent_buffers,
-    refuse_tensor_parallel,
     to_bytes,
     unwrap,
 )
 from zcompile.checkpoint.objects import load_object, save_object
+from zcompile.checkpoint.tensor_parallel_layout import TensorParallelStateLayout, check_tensor_parallel_params
 from zcompile.common.process_group import DataParallelGroup, all_gather_eager, all_reduce_eager
 from zcompile.optim.state_dict import mark_cut_for
+from zcompile.passes.dtensor_params import is_dtensor, local_tensor
 from zcompile.sharding.shards import FlatPiece, shard_of
 
 log = logging.getLogger(__name__)
@@ -171,8 +172,8 @@ def save(
         return _save_object(path, model, optimizer, extra, async_save, exclude_frozen_parameters, timeout_s, checksums)
     _wait_for_background_save(model)  # its swap, and its writes into the same staging directory, come first
     params = named_unique_params(model)
-    refuse_tensor_parallel(params)
     group = group_of([p for _, p in params])  # the pieces' group (hybrid sharding: the shard group)
+    tensor_parallel = _tensor_parallel_layout(params, group, "zcompile.checkpoint.save", exclude_frozen_parameters)
     ranks = group.everyone  # who saves: every rank, each piece written once
     frozen = [(name, p) for name, p in params if not p.requires_grad] if exclude_frozen_parameters else []
     whole = replaced_whole(path)
@@ -205,12 +206,16 @@ def save(
     mesh = flat_mesh(group, device_type(params))
     state: dict[str, Any] = {}
     for name, param in trained:
-        piece = _piece(param.numel(), group)
-        state[param_key(name)] = as_flat_piece(_master_piece(param, piece), param.numel(), mesh)
+        piece = _piece(local_tensor(param).numel(), group)
+        if is_dtensor(param):
+            shard_of(param).follow_replaced_storage()
+            state[param_key(name)] = tensor_parallel.piece(shard_of(param).shard.detach(), param, piece)
+        else:
+            state[param_key(name)] = as_flat_piece(_master_piece(param, piece), param.numel(), mesh)
     for name, buffer in persistent_buffers(model):
         state[buffer_key(name)] = buffer.detach()
     if optimizer is not None:
-        state.update(_optimizer_entries(optimizer, params, group, mesh))
+        state.update(_optimizer_entries(optimizer, params, group, mesh, tensor_parallel))
     state[META_KEY] = json.dumps(_meta(model, trained, optimizer, ranks) | {"excluded_frozen": excluded})
     state[extra_key(ranks.rank)] = to_bytes(extra or {})
     if async_save:
@@ -318,7 +323,7 @@ def _meta(model, params, optimizer, group: DataParallelGroup) -> dict:
     }
 
 
-def _optimizer_entries(optimizer, params, group: DataParallelGroup, mesh) -> dict[str, Any]:
+def _optimizer_entries(optimizer, params, group: DataParallelGroup, mesh, tensor_parallel) -> dict[str, Any]:
     entries: dict[str, Any] = {}
     names = {id(p): name for name, p in params}
     for param, state in optimizer.state.items():
@@ -328,9 +333,11 @@ def _optimizer_entries(optimizer, params, group: DataParallelGroup, mesh) -> dic
                 "zcompile.checkpoint.save: the optimizer holds state for a parameter that is not "
                 "in the model; pass the model the optimizer trains"
             )
-        piece = _piece(param.numel(), group)
+        piece = _piece(local_tensor(param).numel(), group)
         for key, value in state.items():
-            if piece.is_shard(value):
+            if piece.is_shard(value) and is_dtensor(param):
+                entries[optim_key(name, key)] = tensor_parallel.piece(value.detach(), param, piece)
+            elif piece.is_shard(value):
                 entries[optim_key(name, key)] = as_flat_piece(value.detach()[: piece.owned], param.numel(), mesh)
             else:  # a step count or another replicated value
                 entries[optim_key(name, key)] = to_bytes(value)
@@ -374,8 +381,8 @@ def load(
         return load_object(os.fspath(path), verify_checksums)
     _wait_for_background_save(model)  # a save of this path must be swapped in before it is read
     params = named_unique_params(model)
-    refuse_tensor_parallel(params)
     group = group_of([p for _, p in params])  # the pieces' group (hybrid sharding: the shard group)
+    tensor_parallel = _tensor_parallel_layout(params, group, "zcompile.checkpoint.load")
     ranks = group.everyone  # who loads: every rank
     path = os.fspath(path)
     directory = readable_checkpoint(path)  # path, or a complete save stopped while it was swapped in
@@ -410,7 +417,7 @@ def load(
     )
     keys, excluded = metadata.state_dict_metadata, meta.get("excluded_frozen", {})
     kept = [(name, p) for name, p in params if name in excluded]  # the same on every rank: one checkpoint
-    dest, optimizer_shards = _destination(keys, params, model, optimizer, group, ranks.rank)
+    dest, optimizer_shards = _destination(keys, params, model, optimizer, group, ranks.rank, tensor_parallel)
     try:
         dcp.load(dest, checkpoint_id=directory, process_group=ranks.process_group, no_dist=ranks.world_size == 1)
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException; it reaches every rank
@@ -419,6 +426,8 @@ def load(
             f"{_first_line(error)}); {UNCHANGED}"
         ) from error
     _check_kept_values(kept, excluded, group, path)  # before anything is written
+    if tensor_parallel is not None:
+        _from_tensor_parallel_pieces(dest, optimizer_shards, params, group, tensor_parallel)
     _apply_model(dest, params, model, group)
     if optimizer is not None and meta.get("optimizer") is not None:
         _apply_optimizer(dest, optimizer_shards, optimizer, params)
@@ -522,9 +531,10 @@ def _check(keys: dict, params, model, optimizer, strict: bool, excluded: dict | 
         raise CheckpointError("an optimizer was given but the checkpoint holds no optimizer state")
 
 
-def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup, rank: int):
+def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup, rank: int, tensor_parallel=None):
     """New buffers, in this rank's layout, for every entry that will be read; and, by key, the
-    padded shards the optimizer-state pieces are views of (read in place, kept as the state).
+    padded shards the optimizer-state pieces are views of (read in place, kept as the state; a
+    tensor-parallel weight's are filled from its pieces after the read: ``_from_tensor_parallel_pieces``).
     ``rank``: this rank among every rank that loads (its extra)."""
     mesh = flat_mesh(group, device_type(params))
     optimizer_shards: dict[str, torch.Tensor] = {}
@@ -535,24 +545,66 @@ def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup,
     for name, param in params:
         if param_key(name) not in keys:  # left out as frozen (``_check``): the model keeps its value
             continue
-        piece = _piece(param.numel(), group)
-        dest[param_key(name)] = as_flat_piece(torch.empty(piece.owned, device=param.device), param.numel(), mesh)
+        piece = _piece(local_tensor(param).numel(), group)
+        if is_dtensor(param):
+            dest[param_key(name)] = tensor_parallel.template(param, piece, param.device)
+        else:
+            dest[param_key(name)] = as_flat_piece(torch.empty(piece.owned, device=param.device), param.numel(), mesh)
     for name, buffer in persistent_buffers(model):
         if buffer_key(name) in keys:
             dest[buffer_key(name)] = torch.empty_like(buffer)
     if optimizer is not None:
         for name, param in params:
-            piece = _piece(param.numel(), group)
+            piece = _piece(local_tensor(param).numel(), group)
             for key in (k for k in keys if k.startswith(optim_key(name, ""))):
                 if hasattr(keys[key], "size"):  # a flat per-parameter tensor, read into a padded shard
                     shard = mark_cut_for(torch.zeros(piece.chunk, device=param.device), param, piece)  # padding zero
                     optimizer_shards[key] = shard
-                    dest[key] = as_flat_piece(shard[: piece.owned], param.numel(), mesh)
+                    if is_dtensor(param):
+                        dest[key] = tensor_parallel.template(param, piece, param.device)
+                    else:
+                        dest[key] = as_flat_piece(shard[: piece.owned], param.numel(), mesh)
                 else:
                     dest[key] = b""
         if PARAM_GROUPS_KEY in keys:
             dest[PARAM_GROUPS_KEY] = b""
     return dest, optimizer_shards
+
+
+def _tensor_parallel_layout(params, group: DataParallelGroup, call: str, exclude_frozen: bool = False):
+    """The layout of a tensor-parallel model's pieces (None without tensor parallelism); a
+    ``CheckpointError`` on every rank before the first compiled step or for uneven pieces."""
+    if group.tensor_parallel is None:
+        if any(is_dtensor(p) for _, p in params):  # not compiled yet: the mesh is not known
+            raise CheckpointError(
+                f"{call}: a tensor-parallel model is saved and loaded after its first compiled step (its pieces are "
+                f"sharded over mesh['dp'] then); {UNCHANGED}"
+            )
+        return None
+    if exclude_frozen:
+        raise CheckpointError(
+            f"{call}: exclude_frozen_parameters with a tensor-parallel model is not supported; save it whole. {UNCHANGED}"
+        )
+    try:
+        check_tensor_parallel_params([p for _, p in params], group, call)
+    except ValueError as error:
+        raise CheckpointError(f"{error}; {UNCHANGED}") from None
+    return TensorParallelStateLayout(group)
+
+
+@torch.no_grad()
+def _from_tensor_parallel_pieces(dest: dict, optimizer_shards: dict, params, group, tensor_parallel) -> None:
+    """A tensor-parallel weight's read pieces (its global order) turned into this rank's shard values:
+    the weight's entry in place, its optimizer state into its padded shards (collective for row-wise
+    weights, the same parameters in the same order on every rank)."""
+    for name, param in params:
+        if not is_dtensor(param):
+            continue
+        piece = _piece(local_tensor(param).numel(), group)
+        if param_key(name) in dest:
+            dest[param_key(name)] = tensor_parallel.shard(dest[param_key(name)], param, piece)
+        for key in [k for k in optimizer_shards if k.startswith(optim_key(name, ""))]:
+            optimizer_shards[key][: piece.owned].copy_(tensor_parallel.shard(dest[key], param, piece))
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:

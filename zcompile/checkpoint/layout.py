@@ -205,19 +205,18 @@ SAVED_BY_ATTR = "_zcompile_saved_by_rank"
 
 
 def refuse_tensor_parallel(named: list[tuple[str, torch.Tensor]]) -> None:
-    """``CheckpointError`` for a tensor-parallel model's DTensors (its parameters, its state dict's
-    values, its optimizer's pieces): zcompile's checkpoints lay out each tensor as one flat piece per
-    data-parallel rank, which would keep one tensor-parallel rank's piece under the whole weight's
-    name. The optimizer's flat pieces of a model without tensor parallelism pass (``SAVED_BY_ATTR``
-    of a data-parallel rank). Raised alike on every rank (each holds such DTensors)."""
+    """``CheckpointError`` for a tensor-parallel model's DTensors in the dict form of a save or load (its
+    state dict's values, its optimizer's pieces): that form writes rank 0's values of what is not an
+    optimizer piece, which would keep one tensor-parallel rank's piece under the whole weight's name.
+    The optimizer's flat pieces of a model without tensor parallelism pass (``SAVED_BY_ATTR`` of a
+    data-parallel rank). Raised alike on every rank (each holds such DTensors)."""
     from zcompile.passes.dtensor_params import is_dtensor
 
     found = [name for name, value in named if is_dtensor(value) and len(getattr(value, SAVED_BY_ATTR, ())) != 2]
     if found:
         raise CheckpointError(
-            f"{found[0]!r} (and {len(found) - 1} more) are DTensors: zcompile.checkpoint does not save or load "
-            "tensor-parallel models yet. Save {'model': model.state_dict(), 'optimizer': optimizer.state_dict()} "
-            "with torch.distributed.checkpoint.save on every rank, and load it with torch.distributed.checkpoint.load "
-            "into the same dict made after the first compiled step, then model.load_state_dict and "
-            "optimizer.load_state_dict (docs/tensor-parallel.md)"
+            f"{found[0]!r} (and {len(found) - 1} more) are DTensors of a tensor-parallel model: the dict form of "
+            "zcompile.checkpoint.save/load does not take them. Save the model and optimizer themselves, "
+            "zcompile.checkpoint.save(path, model, optimizer), or the dict with torch.distributed.checkpoint.save "
+            "(docs/tensor-parallel.md)"
         )

@@ -40,9 +40,10 @@ class DataParallelGroup:
 
     @property
     def everyone(self) -> DataParallelGroup:
-        """Every rank that trains the model: this group, or with hybrid sharding the whole world (what a
-        checkpoint is saved and loaded over, each piece written once however many replicas hold it)."""
-        return self if self.replicate is None else DataParallelGroup.resolve(None)
+        """Every rank that trains the model: this group, or with hybrid sharding or tensor parallelism the
+        whole world (what a checkpoint is saved and loaded over, each piece written once however many
+        replicas hold it)."""
+        return self if self.replicate is None and self.tensor_parallel is None else DataParallelGroup.resolve(None)
 
     @property
     def replicas(self) -> int:

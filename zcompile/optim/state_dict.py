@@ -7,7 +7,7 @@ several ranks (``zcompile.checkpoint.layout``). A plain tensor would look replic
 keeps one rank's copy for all (each rank would load rank 1's moments); a DTensor says whose piece
 it is, so ``dcp.save`` / ``dcp.load`` of ``optimizer.state_dict()`` is right and reshards to
 another number of ranks. ``torch.save`` per rank works too (DTensors pickle). A tensor-parallel
-parameter's state is a piece of the same flat tensor (``zcompile.optim.tensor_parallel_state``), so
+parameter's state is a piece of the same flat tensor (``zcompile.checkpoint.tensor_parallel_layout``), so
 DCP also reshards between dp x tp layouts.
 
 ``load_state_dict`` takes such pieces (from this layout, or resharded by ``dcp.load`` into it),
@@ -21,8 +21,8 @@ import torch
 
 from zcompile.agreement.abort_note import leave_abort_note
 from zcompile.checkpoint.layout import SAVED_BY_ATTR, as_flat_piece, flat_mesh, group_of
+from zcompile.checkpoint.tensor_parallel_layout import TensorParallelStateLayout, check_tensor_parallel_layout
 from zcompile.common.process_group import DataParallelGroup, all_gather_eager
-from zcompile.optim.tensor_parallel_state import TensorParallelStateLayout, check_tensor_parallel_layout
 from zcompile.passes.dtensor_params import is_dtensor, local_tensor
 from zcompile.sharding.shards import FlatPiece, shard_of
 

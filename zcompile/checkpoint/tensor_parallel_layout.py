@@ -1,9 +1,11 @@
-"""A tensor-parallel parameter's optimizer state in the state dict: one layout for every mesh.
+"""A tensor-parallel parameter's saved tensors: one layout for every mesh.
 
-Each state tensor (Adam's moments, SGD's momentum) of a DTensor parameter is saved as this rank's
-piece of a flat tensor of the parameter's *global* ``numel`` elements in the weight's own order:
-the same tensor a model without tensor parallelism saves (``zcompile.optim.state_dict``), so DCP
-reshards between dp x tp layouts of any degrees, and to and from plain data parallelism.
+Each flat tensor of a DTensor parameter's shard (its master weights in ``zcompile.checkpoint``, Adam's
+moments and SGD's momentum in the optimizer's state dict) is saved as this rank's piece of a flat
+tensor of the parameter's *global* ``numel`` elements in the weight's own order: the same tensor a
+model without tensor parallelism saves (``zcompile.checkpoint.layout``), so DCP reshards between
+dp x tp layouts of any degrees, and to and from plain data parallelism; consolidated, it is the
+weight.
 
 Whose piece: the flat tensor is cut over tp first, then each tp piece over dp (DTensor
 ``[Shard(0), Shard(0)]`` on the mesh ordered ``("tp", "dp")``; with hybrid sharding ``("replicate",
@@ -23,15 +25,22 @@ from zcompile.sharding.shards import FlatPiece, shard_of
 
 
 def check_tensor_parallel_layout(optimizer, group: DataParallelGroup) -> None:
-    """A tensor-parallel model's state is laid out once its parameters are sharded, and only for
-    pieces of equal size on every tensor-parallel rank."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if is_dtensor(p)]
+    """A tensor-parallel model's optimizer state is laid out once its parameters are sharded, and
+    only for pieces of equal size on every tensor-parallel rank (``check_tensor_parallel_params``)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    check_tensor_parallel_params(params, group, f"{type(optimizer).__name__}'s state dict")
+
+
+def check_tensor_parallel_params(params, group: DataParallelGroup, what: str) -> None:
+    """``ValueError`` naming ``what`` when ``params``'s DTensors are not sharded yet (the pieces are
+    cut at the first compiled step) or are split unevenly over the tp ranks."""
+    params = [p for p in params if is_dtensor(p)]
     if not params:
         return
     if any(shard_of(p) is None for p in params):
         raise ValueError(
-            f"zcompile: {type(optimizer).__name__}'s state dict of a tensor-parallel model is made or loaded after "
-            "the model's first compiled step (its parameters are sharded over mesh['dp'] then); call it there"
+            f"zcompile: {what} of a tensor-parallel model is made or loaded after the model's first compiled step "
+            "(its parameters are sharded over mesh['dp'] then); call it there"
         )
     tp = group.tensor_parallel.world_size
     uneven = next(
@@ -40,9 +49,9 @@ def check_tensor_parallel_layout(optimizer, group: DataParallelGroup) -> None:
     )
     if uneven is not None:
         raise ValueError(
-            f"zcompile: the optimizer's state dict of a tensor-parallel model needs pieces of equal size on every "
-            f"tensor-parallel rank; a parameter of shape {tuple(uneven.shape)} is split unevenly over {tp} ranks. "
-            "Use a tp degree that divides the split dims"
+            f"zcompile: {what} of a tensor-parallel model needs pieces of equal size on every tensor-parallel "
+            f"rank; a parameter of shape {tuple(uneven.shape)} is split unevenly over {tp} ranks. Use a tp degree "
+            "that divides the split dims"
         )
 
 
@@ -78,6 +87,18 @@ class TensorParallelStateLayout:
         if not placement.is_shard():
             return None
         return placement.dim % param.dim()
+
+    def template(self, param: torch.Tensor, piece: FlatPiece, device) -> torch.Tensor:
+        """An empty piece of ``param``'s global flat tensor laid out as ``piece`` makes it: what DCP loads into."""
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements = (
+            (self.whole_mesh, self.whole) if self._split_dim(param) is None else (self.split_mesh, self.split)
+        )
+        local = torch.empty(piece.owned, device=device)
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=torch.Size([param.numel()]), stride=(1,)
+        )
 
     def piece(self, shard_value: torch.Tensor, param: torch.Tensor, piece: FlatPiece) -> torch.Tensor:
         """This rank's piece of the global flat tensor from its optimizer shard (``piece.owned`` elements)."""
