@@ -148,6 +148,11 @@ def _round_trip(meshes: dict, trained, optimizer, directory: str) -> dict:
         refused = ""
     except zcompile.checkpoint.CheckpointError as error:
         refused = str(error)
+    try:  # its shards are pieces: the weights would be tp rank 0's
+        zcompile.checkpoint.full_state_dict(trained)
+        refused_full = ""
+    except zcompile.checkpoint.CheckpointError as error:
+        refused_full = str(error)
     torch._dynamo.reset()
     options = {"stage": spec.stage, "compiler": "eager", "mesh": meshes[DP, TP]}
     trained_compiled = torch.compile(trained, backend="zero", options=options)
@@ -192,6 +197,7 @@ def _round_trip(meshes: dict, trained, optimizer, directory: str) -> dict:
         "from_one_file": from_one_file,
         "weights": (_full_weights(trained), saved[-1]),
         "refused": refused,
+        "refused_full": refused_full,
     }
 
 
@@ -367,10 +373,11 @@ def test_a_checkpoint_consolidates_to_the_single_process_weights_and_moments(ran
             torch.testing.assert_close(ours, theirs, rtol=0, atol=atol, msg=f"{name} {key}")
 
 
-def test_the_dict_form_of_zcompile_checkpoint_refuses_tensor_parallel_dtensors_naming_the_routes(ranks):
+def test_the_dict_form_and_full_state_dict_refuse_tensor_parallel_pieces_naming_the_routes(ranks):
     for result in (rank["resume"] for rank in ranks):
         assert "DTensors of a tensor-parallel model" in result["refused"]
         assert "zcompile.checkpoint.save(path, model, optimizer)" in result["refused"]
+        assert "full_state_dict" in result["refused_full"] and "model.state_dict()" in result["refused_full"]
 
 
 def test_meshes_of_different_shapes_are_an_error_on_every_rank(ranks):
