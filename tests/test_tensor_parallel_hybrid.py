@@ -24,7 +24,8 @@ from support.training import (
 
 WORLD, REPLICAS, SHARD, TP = 8, 2, 2, 2
 DP = REPLICAS * SHARD  # the ranks that read different data
-SPECS = {stage: RunSpec(model="gpt_split_qkv", stage=stage, steps=2, clip=0.05, grad_accum=2) for stage in (1, 3)}
+# stage 3 (stage 1's optimizer-side reductions over the replicas are hybrid sharding's, tested apart)
+SPECS = {stage: RunSpec(model="gpt_split_qkv", stage=stage, steps=2, clip=0.05, grad_accum=2) for stage in (3,)}
 
 
 def _model(mesh) -> torch.nn.Module:
@@ -118,7 +119,7 @@ def ranks(tmp_path_factory):
     return run_ranks(WORLD, _on_rank, str(tmp_path_factory.mktemp("hybrid_tp")), timeout_s=900)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", list(SPECS))
 def test_trains_like_a_single_process_with_clipping_and_accumulation(ranks, stage):
     spec = SPECS[stage]
     reference = train_reference(spec)
@@ -128,7 +129,7 @@ def test_trains_like_a_single_process_with_clipping_and_accumulation(ranks, stag
         torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(reference.grad_norms), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", list(SPECS))
 def test_model_states_are_zeros_formula_over_the_shard_group_on_the_pieces(ranks, stage):
     for result in (rank[stage] for rank in ranks):
         expected = zcompile.zero_formula_bytes(result["psi"], SHARD, stage)
