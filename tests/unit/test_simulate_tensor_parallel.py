@@ -87,3 +87,30 @@ def test_bad_tensor_parallel_arguments_are_named():
         zcompile.simulate(
             lambda: GPT(_config(2)), (batch, batch), world_size=16, tensor_parallel=2, options={"mesh": object()}
         )
+
+
+def test_hybrid_sharding_on_top_shards_over_the_shard_group_and_all_reduces_across_replicas():
+    """Option shard_size 4 with tensor_parallel 2 at 16 ranks: the 3-D mesh (2, 4, 2); the pieces'
+    states are ZeRO's formula over 4, gathers and reduce-scatters stay in the shard group (8 consecutive
+    ranks: one node), the reduced shards cross the nodes in an all-reduce of the 2 replicas."""
+    from gpt import parallelize
+
+    batch = torch.randint(0, 256, (2, 16))
+    result = zcompile.simulate(
+        lambda: GPT(_config(2)),
+        (batch, batch),
+        world_size=WORLD,
+        node_size=NODE,
+        options={"stage": 3, "shard_size": 4},
+        tensor_parallel=TP,
+        parallelize=parallelize,
+        hardware="h100-sxm",
+    )
+    formula = zcompile.zero_formula_bytes(_piece_elements(2), 4, 3)
+    parameters = len(list(GPT(_config(2)).parameters()))
+    assert formula <= result.memory["model_states_bytes"] <= formula + parameters * 4 * 16
+    groups = {(c.kind, c.group_size, c.inside_node) for c in result.collectives}
+    assert {("all_gather", 4, True), ("reduce_scatter", 4, True)} <= groups
+    assert ("all_reduce", 2, False) in groups  # across the replicas
+    assert ("all_reduce", TP, True) in groups  # the row-parallel layers' sums
+    assert not {g for g in groups if g[0] in ("all_gather", "reduce_scatter") and g[1] != 4}

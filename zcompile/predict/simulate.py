@@ -179,7 +179,8 @@ def simulate(
     ``tensor_parallel``: a tp degree > 1 makes the ``("dp", "tp")`` mesh of ``world_size / tp`` x
     ``tp`` ranks (tp consecutive ranks, inside a node), splits the model with ``parallelize(model,
     mesh["tp"])`` (default ``zcompile.apply_tp_plan``: a transformers model's declared plan) and
-    shards its pieces over ``mesh["dp"]`` (option ``mesh``).
+    shards its pieces over ``mesh["dp"]`` (option ``mesh``); with option ``shard_size`` S, over shard groups
+    of S data-parallel ranks, replicated across them (the 3-D mesh ``(dp / S, S, tp)``).
     """
     check_world(world_size, node_size)
     check_tensor_parallel(world_size, tensor_parallel, options)
@@ -264,15 +265,29 @@ def check_tensor_parallel(world_size: int, tensor_parallel: int, options) -> Non
 
 
 def _split_over_tensor_parallel(model, config: ZeroConfig, world_size: int, tp: int, parallelize):
-    """``model`` split over the tp dim of a fake ``(dp, tp)`` mesh, and ``config`` with that mesh."""
+    """``model`` split over the tp dim of a fake ``(dp, tp)`` mesh, and ``config`` with that mesh; with
+    option ``shard_size`` S (data-parallel ranks per shard group; ``"node"``: a node's ranks over tp)
+    the 3-D mesh ``(dp / S, S, tp)`` of hybrid sharding on top."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from zcompile.integrations.hf_tp_plan import apply_tp_plan
 
     device_type = next(model.parameters()).device.type  # the fake tensors' device, not the profile's
-    mesh = init_device_mesh(device_type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    dp, shard = world_size // tp, config.shard_size
+    if shard == "node":
+        shard = max(1, config.node_size // tp)
+    if shard is None or shard == dp:
+        mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    elif dp % shard:
+        raise ValueError(
+            f"zcompile.simulate: option 'shard_size' {shard} does not divide the {dp} data-parallel ranks "
+            f"(world_size {world_size} / tensor_parallel {tp}); the shard groups are that many of them each"
+        )
+    else:
+        names = ("replicate", "shard", "tp")
+        mesh = init_device_mesh(device_type, (dp // shard, shard, tp), mesh_dim_names=names)
     (parallelize or apply_tp_plan)(model, mesh["tp"])
-    return model, config.replace(mesh=mesh)
+    return model, config.replace(mesh=mesh, shard_size=None)
 
 
 def _node_size(node_size: int | None, config: ZeroConfig, profile: HardwareProfile) -> int:
