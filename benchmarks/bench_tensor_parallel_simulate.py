@@ -32,12 +32,20 @@ LLAMA3_70B = dict(
 )
 SEQ = 8192
 TP = 8
-# (GPUs, local batch per dp rank, activation_memory_budget): torchtitan's batch with everything
-# recomputed (its full activation checkpointing), and one sequence with the default partition
-RUNS = [(256, 16, 0.0), (256, 1, None), (1024, 16, 0.0), (1024, 1, None)]
+# (GPUs, local batch per dp rank, activation_memory_budget, shard_size): torchtitan's batch with
+# everything recomputed (its full activation checkpointing), one sequence with the default partition,
+# and that with hybrid sharding on top (shard groups of 8 dp ranks: 64 GPUs, 8 nodes)
+RUNS = [
+    (256, 16, 0.0, None),
+    (256, 1, None, None),
+    (1024, 16, 0.0, None),
+    (1024, 1, None, None),
+    (1024, 1, None, 8),
+]
+ONLY = os.environ.get("ONLY")  # a comma-separated subset of RUNS' indices, appended to the results file
 
 
-def run(world: int, batch: int, budget: float | None) -> dict:
+def run(world: int, batch: int, budget: float | None, shard_size: int | None) -> dict:
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=128256, max_position_embeddings=SEQ, use_cache=False, **LLAMA3_70B)
@@ -45,6 +53,8 @@ def run(world: int, batch: int, budget: float | None) -> dict:
     options = {"stage": 3, "param_dtype": "bf16", "bucket_mb": 64}
     if budget is not None:
         options["activation_memory_budget"] = budget
+    if shard_size is not None:
+        options["shard_size"] = shard_size
     start = time.perf_counter()
     result = simulate(
         lambda: transformers.LlamaForCausalLM(config),
@@ -70,15 +80,20 @@ def run(world: int, batch: int, budget: float | None) -> dict:
 def main() -> None:
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tensor_parallel_simulate.json")
     results, rows = [], []
-    for world, batch, budget in RUNS:
-        r = run(world, batch, budget)
+    runs = RUNS
+    if ONLY:
+        with open(out) as f:
+            results = json.load(f)
+        runs = [RUNS[int(i)] for i in ONLY.split(",")]
+    for world, batch, budget, shard_size in runs:
+        r = run(world, batch, budget, shard_size)
         results.append(r)
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
         gib = {k: v / 2**30 for k, v in r["memory"].items()}
         rows.append(
             (
-                f"dp {world // TP} x tp {TP}",
+                f"dp {world // TP} x tp {TP}" + (f", shard {shard_size}" if shard_size else ""),
                 str(batch),
                 "all" if budget == 0.0 else "default",
                 f"{r['step_peak_bytes'] / 2**30:.1f}",

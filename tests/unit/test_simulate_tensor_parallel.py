@@ -89,28 +89,61 @@ def test_bad_tensor_parallel_arguments_are_named():
         )
 
 
+# run in a fresh process: a tensor-parallel simulation of another mesh shape after this module's is refused
+_HYBRID = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch, zcompile
+from gpt import GPT, GPTConfig, parallelize
+config = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=64, fused_qkv=False)
+batch = torch.randint(0, 256, (2, 16))
+result = zcompile.simulate(lambda: GPT(config), (batch, batch), world_size=16, node_size=8,
+                           options={"stage": 3, "shard_size": 4}, tensor_parallel=2, parallelize=parallelize,
+                           hardware="h100-sxm")
+groups = sorted({(c.kind, c.group_size, c.inside_node) for c in result.collectives})
+print(json.dumps({"states": result.memory["model_states_bytes"], "groups": groups}))
+"""
+
+
 def test_hybrid_sharding_on_top_shards_over_the_shard_group_and_all_reduces_across_replicas():
     """Option shard_size 4 with tensor_parallel 2 at 16 ranks: the 3-D mesh (2, 4, 2); the pieces'
     states are ZeRO's formula over 4, gathers and reduce-scatters stay in the shard group (8 consecutive
     ranks: one node), the reduced shards cross the nodes in an all-reduce of the 2 replicas."""
-    from gpt import parallelize
+    import json
+    import os
+    import subprocess
+    import sys
 
-    batch = torch.randint(0, 256, (2, 16))
-    result = zcompile.simulate(
-        lambda: GPT(_config(2)),
-        (batch, batch),
-        world_size=WORLD,
-        node_size=NODE,
-        options={"stage": 3, "shard_size": 4},
-        tensor_parallel=TP,
-        parallelize=parallelize,
-        hardware="h100-sxm",
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+    done = subprocess.run(
+        [sys.executable, "-c", _HYBRID, examples], capture_output=True, text=True, timeout=300, cwd="/"
     )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
     formula = zcompile.zero_formula_bytes(_piece_elements(2), 4, 3)
     parameters = len(list(GPT(_config(2)).parameters()))
-    assert formula <= result.memory["model_states_bytes"] <= formula + parameters * 4 * 16
-    groups = {(c.kind, c.group_size, c.inside_node) for c in result.collectives}
+    assert formula <= result["states"] <= formula + parameters * 4 * 16
+    groups = {tuple(g) for g in result["groups"]}
     assert {("all_gather", 4, True), ("reduce_scatter", 4, True)} <= groups
     assert ("all_reduce", 2, False) in groups  # across the replicas
     assert ("all_reduce", TP, True) in groups  # the row-parallel layers' sums
     assert not {g for g in groups if g[0] in ("all_gather", "reduce_scatter") and g[1] != 4}
+
+
+def test_a_tensor_parallel_simulation_of_another_mesh_after_one_in_the_process_is_refused(runs):
+    """After this module's dp x tp simulations, torch's DTensor state traces the model's tp collectives
+    on the earlier fake world's groups: priced there they would be wrong silently; it is an error."""
+    from gpt import parallelize
+
+    batch = torch.randint(0, 256, (2, 16))
+    with pytest.raises(RuntimeError, match="in a process of its own"):
+        zcompile.simulate(
+            lambda: GPT(_config(2)),
+            (batch, batch),
+            world_size=WORLD,
+            node_size=NODE,
+            options={"stage": 3, "shard_size": 4},
+            tensor_parallel=TP,
+            parallelize=parallelize,
+            hardware="h100-sxm",
+        )

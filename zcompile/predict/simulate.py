@@ -222,6 +222,8 @@ def simulate(
                 _loss(output, loss_fn).backward()
         finally:
             torch._dynamo.reset()
+        if tensor_parallel > 1:
+            _refuse_groups_of_another_world(graphs)
         exchanges = _store_exchanges(graphs, world_size) if checks_ranks else 0
         result = predict_compiled(
             graphs, model, config, world_size, node_size, profile, _tokens(args, kwargs), time_sharing, exchanges
@@ -245,6 +247,29 @@ def check_world(world_size: int, node_size: int | None) -> None:
         raise ValueError(f"zcompile.simulate: world_size must be an int >= 1, got {world_size!r}")
     if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1):
         raise ValueError(f"zcompile.simulate: node_size must be an int >= 1 or None (the profile's), got {node_size!r}")
+
+
+def _refuse_groups_of_another_world(graphs: list) -> None:
+    """A tensor-parallel simulation after another in the same process can trace the model's tp
+    collectives on the earlier fake world's groups (torch keeps DTensor state across process groups),
+    which this world does not have: they would be priced on the wrong groups, silently. Refused."""
+    known = group_ranks_by_name()
+    stray = sorted(
+        {
+            c.group_name
+            for g in graphs
+            for gm in (g.forward, g.backward)
+            if gm is not None
+            for c in collective_nodes(gm)
+            if c.group_name not in known
+        }
+    )
+    if stray:
+        raise RuntimeError(
+            f"zcompile.simulate: the graphs' collectives run on process groups {stray} that this simulation's fake "
+            "world does not have: an earlier tensor-parallel simulation in this process left them in torch's "
+            "DTensor state. Run each tensor-parallel simulation with another mesh shape in a process of its own"
+        )
 
 
 def check_tensor_parallel(world_size: int, tensor_parallel: int, options) -> None:
