@@ -22,11 +22,10 @@ from support.models import build_model, model_loss
 from support.training import (
     ADAM_EPS,
     GRAD_ABS_ERROR,
-    RunResult,
     RunSpec,
     _clip_before_step,
     _optimizer,
-    assert_same_training,
+    assert_trains_like_one_process,
     micro_batches,
     train_reference,
 )
@@ -277,15 +276,7 @@ def ranks(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_trains_like_a_single_process_on_the_global_batch(ranks, name):
-    spec = SPECS[name]
-    reference = train_reference(spec)
-    for result in (rank[name] for rank in ranks):
-        assert_same_training(RunResult(result["losses"], result["params"]), reference, spec)
-        if spec.clip is not None:  # the clip clipped, at the reference's norm (each element once)
-            assert all(norm > spec.clip for norm in result["norms"])
-            torch.testing.assert_close(
-                torch.tensor(result["norms"]), torch.tensor(reference.grad_norms), rtol=1e-5, atol=0
-            )
+    assert_trains_like_one_process([rank[name] for rank in ranks], SPECS[name])
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

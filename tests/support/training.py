@@ -292,6 +292,20 @@ def assert_same_training(result, reference, spec, param_tol: float = PARAM_TOL):
     assert result.losses[-1] != result.losses[0]
 
 
+def assert_trains_like_one_process(results: list[dict], spec: RunSpec) -> None:
+    """Each rank's ``{"losses", "params", "norms"}`` trained like one process on the global batch
+    (``assert_same_training``); with ``spec.clip``, every step clipped, at the reference's pre-clip norm
+    (each element counted once however the ranks split the weights)."""
+    reference = train_reference(spec)
+    for result in results:
+        assert_same_training(RunResult(result["losses"], result["params"]), reference, spec)
+        if spec.clip is not None:
+            assert all(norm > spec.clip for norm in result["norms"])
+            torch.testing.assert_close(
+                torch.tensor(result["norms"]), torch.tensor(reference.grad_norms), rtol=1e-5, atol=0
+            )
+
+
 def train_steps(spec: RunSpec, compiled, optimizer, steps, rank: int, world: int) -> list[float]:
     """One optimizer step per step of ``steps`` (its global batch, this rank's slice); the mean losses."""
     losses = []
