@@ -216,6 +216,22 @@ def _first_step_error(mesh, model, name: str = SPECS["stage2"].model) -> tuple[s
     return error, seconds
 
 
+def _state_dict_on_some_ranks(mesh, optimizer) -> tuple[str, float]:
+    """``optimizer.state_dict()`` on the ranks of tp rank 0 only (a DDP script's ``if rank == 0``): its
+    row-wise weights' pieces are gathered over dp and tp, which the other ranks would never join."""
+    optimizer.check_timeout_s = 5.0
+    start = time.monotonic()
+    error = ""
+    if mesh["tp"].get_local_rank() == 0:
+        try:
+            optimizer.state_dict()
+        except Exception as raised:  # noqa: BLE001 - the text is what is tested
+            error = f"{type(raised).__name__}: {raised}"
+    seconds = time.monotonic() - start
+    dist.barrier()
+    return error, seconds
+
+
 def _evaluation_on_some_ranks(mesh) -> str:
     """A training step, then an evaluation on the ranks of tp rank 0 only (``if rank % tp == 0``: both dp
     groups agree among themselves) while their tp peers go on training: their tensor-parallel collectives
@@ -252,6 +268,7 @@ def _on_rank(rank: int, world: int, directory: str) -> dict:
     for name, spec in SPECS.items():
         out[name], kept[name] = _train(spec, mesh, name in SEQUENCE_PARALLEL)
     out["resume"] = _round_trip(meshes, *kept["stage2"], directory)
+    stage3_optimizer = kept["stage3"][1]
     del kept
     # meshes of different shapes on different ranks; tensor parallelism applied on some ranks only
     other = meshes[WORLD, 1]
@@ -266,6 +283,7 @@ def _on_rank(rank: int, world: int, directory: str) -> dict:
         meshes[1, 4], _tensor_parallel_model("hf_llama", meshes[1, 4]), "hf_llama"
     )
     out["evaluation_on_some_ranks"] = _evaluation_on_some_ranks(mesh)
+    out["state_dict_on_some_ranks"] = _state_dict_on_some_ranks(mesh, stage3_optimizer)  # last: ranks diverge
     return out
 
 
@@ -391,6 +409,14 @@ def test_a_tp_degree_that_does_not_divide_the_heads_is_an_error_on_every_rank(ra
     for result in ranks:
         error, seconds = result["heads_not_divided"]
         assert "is invalid for input of size" in error and seconds < 30, error
+
+
+def test_an_optimizer_state_dict_made_on_some_ranks_only_is_an_error_not_a_wait(ranks):
+    for rank, result in enumerate(ranks):
+        error, seconds = result["state_dict_on_some_ranks"]
+        if rank % TP == 0:  # the ranks that called it: the others named, in seconds
+            assert error.startswith("RankDivergenceError") and "state_dict()" in error and seconds < 30, error
+            assert "Call it on every rank" in error
 
 
 def test_an_evaluation_on_some_tensor_parallel_ranks_only_is_an_error_on_every_rank(ranks):

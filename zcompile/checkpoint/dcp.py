@@ -70,7 +70,7 @@ from zcompile.checkpoint.layout import (
     unwrap,
 )
 from zcompile.checkpoint.objects import load_object, save_object
-from zcompile.checkpoint.tensor_parallel_layout import TensorParallelStateLayout, check_tensor_parallel_params
+from zcompile.checkpoint.tensor_parallel_layout import tensor_parallel_layout
 from zcompile.common.process_group import DataParallelGroup, all_gather_eager, all_reduce_eager
 from zcompile.optim.state_dict import mark_cut_for
 from zcompile.passes.dtensor_params import is_dtensor, local_tensor
@@ -572,24 +572,17 @@ def _destination(keys: dict, params, model, optimizer, group: DataParallelGroup,
 
 
 def _tensor_parallel_layout(params, group: DataParallelGroup, call: str, exclude_frozen: bool = False):
-    """The layout of a tensor-parallel model's pieces (None without tensor parallelism); a
-    ``CheckpointError`` on every rank before the first compiled step or for uneven pieces."""
-    if group.tensor_parallel is None:
-        if any(is_dtensor(p) for _, p in params):  # not compiled yet: the mesh is not known
-            raise CheckpointError(
-                f"{call}: a tensor-parallel model is saved and loaded after its first compiled step (its pieces are "
-                f"sharded over mesh['dp'] then); {UNCHANGED}"
-            )
-        return None
-    if exclude_frozen:
+    """``tensor_parallel_layout`` with its refusals as ``CheckpointError``s (the same on every rank: one
+    model), and ``exclude_frozen_parameters``, which a tensor-parallel model does not take."""
+    try:
+        layout = tensor_parallel_layout([p for _, p in params], group, call)
+    except ValueError as error:
+        raise CheckpointError(f"{error}; {UNCHANGED}") from None
+    if layout is not None and exclude_frozen:
         raise CheckpointError(
             f"{call}: exclude_frozen_parameters with a tensor-parallel model is not supported; save it whole. {UNCHANGED}"
         )
-    try:
-        check_tensor_parallel_params([p for _, p in params], group, call)
-    except ValueError as error:
-        raise CheckpointError(f"{error}; {UNCHANGED}") from None
-    return TensorParallelStateLayout(group)
+    return layout
 
 
 @torch.no_grad()

@@ -24,11 +24,29 @@ from zcompile.passes.dtensor_params import is_dtensor, local_tensor
 from zcompile.sharding.shards import FlatPiece, shard_of
 
 
-def check_tensor_parallel_layout(optimizer, group: DataParallelGroup) -> None:
-    """A tensor-parallel model's optimizer state is laid out once its parameters are sharded, and
-    only for pieces of equal size on every tensor-parallel rank (``check_tensor_parallel_params``)."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    check_tensor_parallel_params(params, group, f"{type(optimizer).__name__}'s state dict")
+def tensor_parallel_layout(params, group: DataParallelGroup, what: str, timeout_s: float | None = None):
+    """The layout of ``params``'s tensor-parallel pieces (None without tensor parallelism), after
+    ``check_tensor_parallel_params``. Converting a row-wise weight's pieces is collective over dp and tp:
+    with ``timeout_s``, the whole world first agrees through the store that it is making ``what`` (a
+    rank that does not, ``if rank == 0: optimizer.state_dict()``, is a RankDivergenceError on the
+    others within ``timeout_s``, not a collective that waits for it)."""
+    check_tensor_parallel_params(params, group, what)
+    if group.tensor_parallel is None:
+        return None
+    layout = TensorParallelStateLayout(group)
+    if timeout_s is not None and any(is_dtensor(p) and layout.split_dim(p) not in (None, 0) for p in params):
+        from zcompile.agreement.store_exchange import exchange_on_store
+
+        exchange_on_store(
+            what,
+            group.everyone,
+            timeout_s,
+            "tensor-parallel-state",
+            f"making or loading {what}",
+            "Every rank makes (and loads) a tensor-parallel model's optimizer state dict: its row-wise weights' "
+            "pieces are gathered over dp and tp. Call it on every rank (each keeps or saves its own piece)",
+        )
+    return layout
 
 
 def check_tensor_parallel_params(params, group: DataParallelGroup, what: str) -> None:
@@ -81,7 +99,7 @@ class TensorParallelStateLayout:
         )
         self.split = [Replicate() if name == "replicate" else Shard(0) for name in order]
 
-    def _split_dim(self, param: torch.Tensor) -> int | None:
+    def split_dim(self, param: torch.Tensor) -> int | None:
         """The dim ``param`` is split on over tp (None: replicated)."""
         placement = param.placements[0]
         if not placement.is_shard():
@@ -90,36 +108,30 @@ class TensorParallelStateLayout:
 
     def template(self, param: torch.Tensor, piece: FlatPiece, device) -> torch.Tensor:
         """An empty piece of ``param``'s global flat tensor laid out as ``piece`` makes it: what DCP loads into."""
-        from torch.distributed.tensor import DTensor
-
-        mesh, placements = (
-            (self.whole_mesh, self.whole) if self._split_dim(param) is None else (self.split_mesh, self.split)
-        )
-        local = torch.empty(piece.owned, device=device)
-        return DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=torch.Size([param.numel()]), stride=(1,)
-        )
+        return self._as_piece(torch.empty(piece.owned, device=device), param)
 
     def piece(self, shard_value: torch.Tensor, param: torch.Tensor, piece: FlatPiece) -> torch.Tensor:
         """This rank's piece of the global flat tensor from its optimizer shard (``piece.owned`` elements)."""
-        from torch.distributed.tensor import DTensor
-
-        numel = param.numel()
-        dim = self._split_dim(param)
+        dim = self.split_dim(param)
         local = shard_value.detach()[: piece.owned]
-        if dim is None:
-            mesh, placements = self.whole_mesh, self.whole
-        else:
-            mesh, placements = self.split_mesh, self.split
         if dim not in (None, 0):  # this rank's slice of the global order lies on other ranks: through the full tensor
             start = self.tp.rank * piece.numel + piece.offset
             local = self._full(shard_value, param, piece, dim)[start : start + piece.owned].clone()
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size([numel]), stride=(1,))
+        return self._as_piece(local, param)
+
+    def _as_piece(self, local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """``local`` as this rank's DTensor piece of ``param``'s global flat tensor."""
+        from torch.distributed.tensor import DTensor
+
+        split = self.split_dim(param) is not None
+        mesh, placements = (self.split_mesh, self.split) if split else (self.whole_mesh, self.whole)
+        shape = torch.Size([param.numel()])
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=(1,))
 
     def shard(self, value: torch.Tensor, param: torch.Tensor, piece: FlatPiece) -> torch.Tensor:
         """This rank's ``owned`` elements of its optimizer shard from its piece ``value`` (as ``piece`` makes it)."""
         local = value.to_local().reshape(-1)
-        dim = self._split_dim(param)
+        dim = self.split_dim(param)
         if dim is None or dim == 0:
             return local
         rows = self._gathered_over_tp(self._gathered_over_dp(piece.padded(local), piece))
@@ -129,7 +141,7 @@ class TensorParallelStateLayout:
         """This rank's ``owned`` elements of its optimizer shard from the global state tensor ``full``
         (the weight's elements in its order, any shape)."""
         full = full.reshape(param.shape)
-        dim = self._split_dim(param)
+        dim = self.split_dim(param)
         mine = full if dim is None else full.chunk(self.tp.world_size, dim=dim)[self.tp.rank]
         return mine.reshape(-1)[piece.offset : piece.offset + piece.owned].clone()
 

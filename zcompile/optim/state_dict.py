@@ -21,7 +21,7 @@ import torch
 
 from zcompile.agreement.abort_note import leave_abort_note
 from zcompile.checkpoint.layout import SAVED_BY_ATTR, as_flat_piece, flat_mesh, group_of
-from zcompile.checkpoint.tensor_parallel_layout import TensorParallelStateLayout, check_tensor_parallel_layout
+from zcompile.checkpoint.tensor_parallel_layout import TensorParallelStateLayout, tensor_parallel_layout
 from zcompile.common.process_group import DataParallelGroup, all_gather_eager
 from zcompile.passes.dtensor_params import is_dtensor, local_tensor
 from zcompile.sharding.shards import FlatPiece, shard_of
@@ -39,7 +39,7 @@ CUT_FOR_ATTR = "_zcompile_cut_for"
 def sharded_state_dict(optimizer, torch_state_dict: dict) -> dict:
     """``torch_state_dict`` (torch's ``Optimizer.state_dict()``) with shard tensors as flat pieces."""
     group = _group(optimizer)
-    tensor_parallel = _tensor_parallel_layout(optimizer, group)
+    tensor_parallel = _tensor_parallel_layout(optimizer, group, "state_dict()")
     params = [p for g in optimizer.param_groups for p in g["params"]]
     mesh = flat_mesh(group, params[0].device.type if params else "cpu")
     state = {}
@@ -53,11 +53,9 @@ def sharded_state_dict(optimizer, torch_state_dict: dict) -> dict:
     return {"state": state, "param_groups": torch_state_dict["param_groups"]}
 
 
-def _tensor_parallel_layout(optimizer, group: DataParallelGroup) -> TensorParallelStateLayout | None:
-    check_tensor_parallel_layout(optimizer, group)
-    if group.tensor_parallel is None:
-        return None
-    return TensorParallelStateLayout(group)
+def _tensor_parallel_layout(optimizer, group: DataParallelGroup, what: str) -> TensorParallelStateLayout | None:
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return tensor_parallel_layout(params, group, f"{type(optimizer).__name__}.{what}", optimizer.check_timeout_s)
 
 
 def _piece_of(
@@ -193,7 +191,7 @@ def load_sharded_state_dict(optimizer, state_dict: dict) -> None:
             f"{[len(g['params']) for g in optimizer.param_groups]}"
         )
     group = _group(optimizer)
-    tensor_parallel = _tensor_parallel_layout(optimizer, group)
+    tensor_parallel = _tensor_parallel_layout(optimizer, group, "load_state_dict()")
     params = [p for g in optimizer.param_groups for p in g["params"]]
     # ids as torch numbers them (0, 1, ...); a DCP round trip turns the state's keys into strings
     saved_ids = [str(saved_id) for g in saved_groups for saved_id in g["params"]]
