@@ -48,3 +48,43 @@ def test_auto_is_the_profiles_memory_less_the_margin_and_bad_limits_name_the_opt
     for bad in (0, -1, "lots", float("nan"), True):
         with pytest.raises(ValueError, match="option 'memory_limit_mb'"):
             ZeroConfig.from_options({"memory_limit_mb": bad})
+
+
+def test_an_extrapolated_choice_is_simulated_whole_and_the_next_taken_when_it_does_not_fit():
+    """``search_plan`` with ``confirm``: candidates judged on extrapolated figures, the fastest that
+    fits simulated whole; one that is over the limit whole is left so, and the next is confirmed."""
+    import time
+
+    import torch
+
+    from zcompile.tune.plan import search_plan
+    from zcompile.tune.plan_space import CHOSEN, OVER
+    from zcompile.tune.simulated import SimulatedPoint
+
+    fixed = {"bucket_mb": 4, "prefetch": 1, "keep_gathered_mb": 0, "activation_memory_budget": None}
+    steps = {1: 1.0, 2: 2.0, 3: 3.0}  # stage 1 fastest, then 2, then 3
+    whole_peak = {1: 900 * MIB, 2: 500 * MIB, 3: 300 * MIB}  # stage 1 is over 600 MiB only when whole
+
+    def point(options, extrapolated):
+        stage = options["stage"]
+        peak = 400 * MIB if extrapolated else whole_peak[stage]
+        return SimulatedPoint(
+            0, options, False, memory_bytes=peak, step_s=steps[stage], exposed_comm_s=0.0, extrapolated=extrapolated
+        )
+
+    confirmed = []
+
+    def confirm(options):
+        confirmed.append(options["stage"])
+        return point(options, False)
+
+    model = torch.nn.Linear(4, 4)
+    args = (model, fixed, 600 * MIB, 8, 8, "h100-sxm", lambda o: point(o, True), 8, time.perf_counter())
+    plan = search_plan(*args, confirm=confirm)
+    assert confirmed == [1, 2]  # stage 1 fits extrapolated, not whole: stage 2 confirmed next
+    assert plan.options["stage"] == 2 and plan.chosen.peak_bytes == 500 * MIB and not plan.chosen.extrapolated
+    by_stage = {c.options["stage"]: c for c in plan.candidates}
+    assert by_stage[1].status == OVER and by_stage[1].peak_bytes == 900 * MIB
+    assert by_stage[3].extrapolated and by_stage[2].status == CHOSEN
+    # without confirm, the extrapolated figures decide
+    assert search_plan(*args).options["stage"] == 1

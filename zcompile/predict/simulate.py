@@ -66,6 +66,7 @@ from zcompile.config import ZeroConfig
 from zcompile.optim.buckets import plan_optimizer_buckets, plan_reduce_buckets, replayed_step_buffer_peak
 from zcompile.passes.collectives import collective_nodes
 from zcompile.passes.liveness import gathered_peak_parts, saved_activation_bytes
+from zcompile.predict import depth
 from zcompile.predict.cost_model import ComputeCosts, predict_step, step_graphs
 from zcompile.predict.estimate import estimate_memory, fake_call
 from zcompile.predict.hardware import HardwareProfile, LinkCosts, load_profile
@@ -115,6 +116,8 @@ class SimulationResult:
     step_peak_phase: str = ""  # the phase that holds it: forward<i>, backward<i> or optimizer
     time_sharing: float = 1.0  # HardwareProfile.time_sharing: ranks over the host's cores, where more
     tensor_parallel: int = 1  # the tp degree (simulate's tensor_parallel): each tp group shares its tokens
+    # (blocks of the two copies simulated, the model's blocks) when extrapolated (predict.depth); None: whole
+    extrapolated_from: tuple[int, int, int] | None = None
 
     @property
     def per_rank_bytes(self) -> int:
@@ -170,6 +173,7 @@ def simulate(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     tensor_parallel: int = 1,
     parallelize: Callable[[torch.nn.Module, Any], Any] | None = None,
+    extrapolate: bool = False,
 ) -> SimulationResult:
     """Compiles ``make_model()`` for ``world_size`` ranks without them and predicts memory and time (module doc).
 
@@ -181,7 +185,24 @@ def simulate(
     mesh["tp"])`` (default ``zcompile.apply_tp_plan``: a transformers model's declared plan) and
     shards its pieces over ``mesh["dp"]`` (option ``mesh``); with option ``shard_size`` S, over shard groups
     of S data-parallel ranks, replicated across them (the 3-D mesh ``(dp / S, S, tp)``).
+    ``extrapolate``: simulate two shallow copies of the model (2 and 3 of its repeated blocks) and
+    extrapolate to its depth (``predict.depth``: seconds instead of minutes for a deep model; the
+    result's ``extrapolated_from`` says so); a model without a deeper stack of blocks is simulated whole.
     """
+    if extrapolate:
+        return _extrapolated(
+            make_model,
+            example_batch,
+            dict(
+                world_size=world_size,
+                node_size=node_size,
+                options=options,
+                hardware=hardware,
+                loss_fn=loss_fn,
+                tensor_parallel=tensor_parallel,
+                parallelize=parallelize,
+            ),
+        )
     check_world(world_size, node_size)
     check_tensor_parallel(world_size, tensor_parallel, options)
     profile = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
@@ -239,6 +260,41 @@ def simulate(
         100 * result.mfu,
     )
     return result
+
+
+def _extrapolated(make_model: Callable[[], torch.nn.Module], example_batch: Any, settings: dict) -> SimulationResult:
+    """``simulate(..., extrapolate=True)``: the model's two shallow copies simulated, the result
+    extrapolated to its depth (``predict.depth``); whole when it has no stack deeper than the copies."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = make_model()
+    stack = depth.repeated_stack(model)
+    if not depth.worth_extrapolating(stack):
+        log.info(
+            "zcompile.simulate: no stack of more than %d blocks to extrapolate from: simulated whole",
+            max(depth.SHALLOW_BLOCKS),
+        )
+        return simulate(make_model, example_batch, **settings)
+    config = ZeroConfig.from_options(settings["options"])
+    gathered_bytes = (
+        sum(p.numel() for p in dict.fromkeys(model.parameters())) * (config.param_dtype or torch.float32).itemsize
+    )
+
+    def extrapolated(config: ZeroConfig) -> SimulationResult:
+        copies = [
+            simulate(
+                depth.shallow_copy_builder(make_model, stack, blocks), example_batch, **{**settings, "options": config}
+            )
+            for blocks in depth.SHALLOW_BLOCKS
+        ]
+        return depth.extrapolated(*copies, stack.depth)
+
+    keep_bytes = config.keep_gathered_mb * 2**20
+    if 0 < keep_bytes < gathered_bytes:  # some weights kept: between none and all (predict.depth)
+        every = extrapolated(config.replace(keep_gathered_mb=2 * gathered_bytes / 2**20))  # room for padding
+        return depth.interpolated(extrapolated(config.replace(keep_gathered_mb=0.0)), every, keep_bytes)
+    return extrapolated(config)
 
 
 def check_world(world_size: int, node_size: int | None) -> None:

@@ -11,8 +11,12 @@ on fake tensors for ``world_size`` ranks): it fits when its step peak (``predict
 within the limit with ``PREDICTION_HEADROOM`` to spare, and the plan is the fastest candidate that
 fits by the predicted step.
 
-Simulations are the cost (seconds for a small model, a minute or two for an 8B one), so the search
-skips what cannot fit before simulating it: a candidate's model states (``estimate_memory``, exact
+Simulations are the cost, and a whole model's grows with its depth (a minute or two for a 70B one
+on a CPU host). With ``extrapolate`` (the default) each candidate is judged on two shallow copies
+of the model, its repeated blocks cut to 2 and 3, extrapolated to its depth (``predict.depth``:
+seconds whatever the depth), and the chosen one is then simulated whole: its figures are the whole
+simulation's, and if it does not fit after all it is marked over the limit and the next fastest
+is simulated whole in turn. The search also skips what cannot fit before simulating it: a candidate's model states (``estimate_memory``, exact
 and immediate) plus the saved activations already simulated for its ``activation_memory_budget``
 (they do not depend on the other planned options) is a floor of its peak; above the limit it is
 dropped with that reason. At most ``max_simulations`` candidates are simulated, in trial order;
@@ -70,6 +74,7 @@ class PlanCandidate:
     step_s: float | None = None
     exposed_comm_s: float | None = None
     simulate_s: float = 0.0
+    extrapolated: bool = False  # its figures from shallow copies (predict.depth), not a whole simulation
 
 
 @dataclass
@@ -106,10 +111,15 @@ class Plan:
             f"zcompile.plan: {options_text(chosen.options)} fits {mib(self.memory_limit_bytes)} MiB per rank "
             f"at {self.world_size} ranks ({self.hardware}): peak {mib(chosen.peak_bytes)} MiB ({parts} MiB), "
             f"step {chosen.step_s * 1e3:,.1f} ms predicted; of {len(self.candidates)} candidates "
-            f"{sum(c.step_s is not None for c in self.candidates)} simulated, "
+            f"{sum(c.step_s is not None for c in self.candidates)} simulated"
+            f"{self._extrapolated_note()}, "
             f"{sum(c.status == PRUNED for c in self.candidates)} pruned unsimulated, "
             f"{sum(c.status == NOT_SIMULATED for c in self.candidates)} not reached; {self.wall_s:.0f} s"
         )
+
+    def _extrapolated_note(self) -> str:
+        shallow = sum(c.extrapolated for c in self.candidates)
+        return f" ({shallow} extrapolated from shallow copies, the chosen whole)" if shallow else ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -144,13 +154,15 @@ def plan(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     max_simulations: int = 8,
     simulated: dict[str, Any] | None = None,
+    extrapolate: bool = True,
 ) -> Plan:
     """The fastest options within ``memory_limit_mb`` per rank, predicted (module doc).
 
     The arguments are ``zcompile.simulate``'s; ``options``: the user's, kept; ``memory_limit_mb``:
     MiB per rank, a size string or ``"auto"``; ``simulated``: a dict the plan reads and fills with
     each candidate's simulation (keyed by its options), to plan for several limits at the cost of
-    one. ``PlanError`` when nothing fits.
+    one; ``extrapolate``: judge candidates on shallow copies, the chosen one whole (module doc).
+    ``PlanError`` when nothing fits.
     """
     started = time.perf_counter()
     fixed = dict(options or {})
@@ -161,15 +173,26 @@ def plan(
     limit = memory_limit_bytes(memory_limit_mb, profile.memory_bytes)
     cache = {} if simulated is None else simulated
 
-    def evaluate(options: dict[str, Any]) -> SimulatedPoint:
-        key = json.dumps(jsonable_options(options), sort_keys=True)
+    def simulated_point(options: dict[str, Any], extrapolated: bool) -> SimulatedPoint:
+        key = json.dumps({**jsonable_options(options), "(extrapolated)": extrapolated}, sort_keys=True)
         if key not in cache:
             point = Point(0, options, False)
-            cache[key] = simulate_point(point, make_model, example_batch, loss_fn, {}, world_size, node_size, profile)
+            cache[key] = simulate_point(
+                point, make_model, example_batch, loss_fn, {}, world_size, node_size, profile, extrapolated
+            )
         return cache[key]
 
     return search_plan(
-        _fake_model(make_model), fixed, limit, world_size, node_size, profile.name, evaluate, max_simulations, started
+        _fake_model(make_model),
+        fixed,
+        limit,
+        world_size,
+        node_size,
+        profile.name,
+        lambda options: simulated_point(options, extrapolate),
+        max_simulations,
+        started,
+        confirm=(lambda options: simulated_point(options, False)) if extrapolate else None,
     )
 
 
@@ -183,10 +206,12 @@ def search_plan(
     evaluate: Callable[[dict[str, Any]], SimulatedPoint],
     max_simulations: int,
     started: float,
+    confirm: Callable[[dict[str, Any]], SimulatedPoint] | None = None,
 ) -> Plan:
     """The search of the module doc over ``tune.plan_space``'s candidates around the ``fixed`` options:
     ``evaluate(options)`` predicts one (a simulation, or a compile beside the real run), ``model``
-    (its parameters; fake tensors will do) gives each candidate's model states."""
+    (its parameters; fake tensors will do) gives each candidate's model states; ``confirm(options)``,
+    where ``evaluate``'s figures are extrapolated, predicts the chosen one whole."""
     if isinstance(max_simulations, bool) or not isinstance(max_simulations, int) or max_simulations < 1:
         raise ValueError(f"zcompile.plan: max_simulations must be an int >= 1, got {max_simulations!r}")
     dtype = ZeroConfig.from_options(fixed).param_dtype or torch.float32
@@ -230,20 +255,40 @@ def search_plan(
                 judge(candidate, budgeted=False)
                 if candidate.status == FITS:
                     break
-    fitting = [c for c in candidates if c.status == FITS]
+    best = _confirmed_fastest(candidates, fixed, limit, confirm)
     wall = time.perf_counter() - started
-    if not fitting:
+    if best is None:
         raise PlanError(_nothing_fits(candidates, limit, world_size, fixed))
-    best = min(fitting, key=lambda c: c.step_s)
     best.status = CHOSEN
     result = Plan({**fixed, **best.options}, fixed, limit, world_size, node_size, hardware, candidates, wall)
     log.info("%s", result.summary())
     return result
 
 
+def _confirmed_fastest(
+    candidates: list[PlanCandidate], fixed: dict[str, Any], limit: int, confirm
+) -> PlanCandidate | None:
+    """The fastest candidate that fits; with ``confirm``, the fastest that still fits simulated whole
+    (one that does not is left over the limit, with its whole figures, and the next is tried)."""
+    while True:
+        fitting = [c for c in candidates if c.status == FITS]
+        if not fitting:
+            return None
+        best = min(fitting, key=lambda c: c.step_s)
+        if confirm is None or not best.extrapolated:
+            return best
+        spent = best.simulate_s
+        _record(best, confirm({**fixed, **best.options}), limit)
+        best.simulate_s += spent
+        if best.status == FITS:
+            return best
+        best.why += " simulated whole (extrapolated, it fitted)"
+
+
 def _record(candidate: PlanCandidate, point, limit: int) -> None:
     """A simulated point's figures on ``candidate``, and whether it fits."""
     candidate.simulate_s = point.simulate_s
+    candidate.extrapolated = point.extrapolated
     if point.status == FAILED:
         candidate.status, candidate.why = FAILED, point.error
         return

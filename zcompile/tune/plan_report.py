@@ -1,6 +1,7 @@
 """How a ``Plan`` is shown: its candidates as a table (rich when installed; ``tune.report``'s table),
 chosen first, then the others that fit by predicted step, then the ones dropped with the reason;
-those never simulated are counted in the plan's summary line, not listed."""
+those never simulated are counted in the plan's summary line, not listed. A candidate judged on
+shallow copies of the model (``predict.depth``) says "(extrapolated)"; the chosen one is whole."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def candidate_rows(result: Plan) -> list[list[str]]:
         rows.append(
             [
                 options_text(c.options),
-                c.status,
+                c.status + (" (extrapolated)" if c.extrapolated else ""),
                 size(c.peak_bytes),
                 size(parts.get("model_states_bytes")),
                 size(parts.get("saved_activation_bytes")),

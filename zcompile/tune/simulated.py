@@ -67,6 +67,7 @@ class SimulatedPoint:
     across_nodes_bytes: int | None = None  # per GPU and step
     simulate_s: float = 0.0  # wall time of its simulation
     error: str = ""
+    extrapolated: bool = False  # from shallow copies of the model (predict.depth), not the whole of it
 
 
 @dataclass
@@ -249,8 +250,10 @@ def simulate_point(
     world_size: int,
     node_size: int,
     profile: HardwareProfile,
+    extrapolate: bool = False,
 ) -> SimulatedPoint:
-    """One ``simulate`` call; its failure recorded, not raised."""
+    """One ``simulate`` call (``extrapolate``: from shallow copies, ``predict.depth``); its failure
+    recorded, not raised."""
     simulated = SimulatedPoint(point.index, point.options, point.is_default)
     if point.invalid:
         simulated.status, simulated.error = INVALID, point.invalid
@@ -266,6 +269,7 @@ def simulate_point(
             options=options,
             hardware=profile,
             loss_fn=loss_fn,
+            extrapolate=extrapolate,
         )
     except Exception as error:  # noqa: BLE001 - a failing point is recorded, the search goes on
         simulated.status, simulated.error = FAILED, f"{type(error).__name__}: {error}"
@@ -277,6 +281,7 @@ def simulate_point(
     simulated.step_s, simulated.exposed_comm_s = result.step_s, result.exposed_comm_s
     simulated.compute_s, simulated.mfu = result.compute_s, result.mfu
     simulated.across_nodes_bytes = result.bytes_by(inside_node=False)
+    simulated.extrapolated = result.extrapolated_from is not None
     log.info(
         "simulate_tune: point %d %s: %.2f GiB per GPU, step %.3f s (%.1f s)",
         point.index,
