@@ -306,9 +306,9 @@ def check_world(world_size: int, node_size: int | None) -> None:
 
 
 def _refuse_groups_of_another_world(graphs: list) -> None:
-    """A tensor-parallel simulation after another in the same process can trace the model's tp
-    collectives on the earlier fake world's groups (torch keeps DTensor state across process groups),
-    which this world does not have: they would be priced on the wrong groups, silently. Refused."""
+    """The guard behind ``forget_dtensor_sharding_decisions``: collectives on groups this fake world
+    does not have (an earlier world's, kept in a torch DTensor cache the function does not know of)
+    would be priced on the wrong groups, silently. Refused."""
     known = group_ranks_by_name()
     stray = sorted(
         {
@@ -323,8 +323,8 @@ def _refuse_groups_of_another_world(graphs: list) -> None:
     if stray:
         raise RuntimeError(
             f"zcompile.simulate: the graphs' collectives run on process groups {stray} that this simulation's fake "
-            "world does not have: an earlier tensor-parallel simulation in this process left them in torch's "
-            "DTensor state. Run each tensor-parallel simulation with another mesh shape in a process of its own"
+            "world does not have: an earlier tensor-parallel simulation in this process left them in a torch "
+            "DTensor cache zcompile does not empty. Run each tensor-parallel simulation in a process of its own"
         )
 
 
@@ -391,11 +391,26 @@ def fake_world(world_size: int, node_size: int):
             "zcompile.simulate: it starts a fake process group of its own; call it in a process "
             "that has not called init_process_group (not under torchrun)"
         )
+    forget_dtensor_sharding_decisions()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        forget_dtensor_sharding_decisions()
+
+
+def forget_dtensor_sharding_decisions() -> None:
+    """Empties torch's caches of DTensor sharding decisions. They are keyed by meshes that compare
+    equal across worlds (same ranks, shape and names) but hold the mesh they were made on, with its
+    process groups: a simulation after another would trace the model's tensor-parallel collectives
+    on the earlier fake world's groups. (torch internals: ``DTensor._op_dispatcher``.)"""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's copy
 
 
 def _loss(output: Any, loss_fn: Callable | None) -> torch.Tensor:
