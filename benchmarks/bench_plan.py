@@ -5,8 +5,10 @@
     python benchmarks/bench_plan.py ladder gpt # the example GPT only (minutes; the 8B shape takes half an hour)
 
 ``table``: each shape and world planned for the ``h100-sxm`` profile with ``memory_limit_mb="auto"``
-(80 GB less 10%), ``param_dtype`` bf16 fixed, sequence 8,192, local batch 1: the chosen options, the
-predicted peak by parts, tokens/s/GPU, how many candidates were simulated and the planner's wall time.
+(80 GB less 10%), ``param_dtype`` bf16 fixed, sequence 8,192, one sequence per data-parallel rank
+(a tp group shares it), the tp degree planned among 1, 2, 4, 8: the chosen options and degree, the
+predicted peak by parts, tokens/s/GPU, how many candidates were simulated (from shallow copies,
+the chosen one whole) and the planner's wall time.
 
 ``ladder``: the example GPT (on ``cpu-local``, 2 ranks) and the Llama-3 8B shape (64 H100s) planned
 under a ladder of limits with one shared cache of simulations; the plot draws every simulated
@@ -69,10 +71,11 @@ def plan_row(shape: str, world: int, max_simulations: int) -> dict:
         "shape": shape,
         "world": world,
         "options": plan.to_dict()["options"],
+        "tensor_parallel": plan.tensor_parallel,
         "peak_bytes": chosen.peak_bytes,
         "memory_parts": chosen.memory_parts,
         "step_s": chosen.step_s,
-        "tokens_per_s_per_gpu": SEQ / chosen.step_s,
+        "tokens_per_s_per_gpu": SEQ / plan.tensor_parallel / chosen.step_s,  # a tp group shares its tokens
         "simulated": sum(c.step_s is not None for c in plan.candidates),
         "candidates": len(plan.candidates),
         "summary": plan.summary(),

@@ -136,3 +136,49 @@ def test_the_command_line_plans_a_transformers_spec(tmp_path, capsys):
     assert len(chosen) == 1 and chosen[0]["peak_bytes"] <= 64 * MIB
     assert main([*args, "--limit", "1KiB", "--max-simulations", "1"]) == 2
     assert "nothing fits" in capsys.readouterr().err
+
+
+def test_the_tensor_parallel_degree_is_planned_against_each_degree_simulated():
+    """A transformers Llama at 8 ranks, its tp plan declared: the degrees 1 and 2 planned with the
+    other knobs fixed. Each degree's peak and step come from ``simulate(tensor_parallel=tp)`` itself;
+    a limit only tp 2 meets plans tp 2 with its figures, a limit both meet plans the faster."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        use_cache=False,
+    )
+    ids = torch.zeros(4, 256, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids}
+    fixed = {"stage": 3, "bucket_mb": 4, "prefetch": 1, "keep_gathered_mb": 0, "activation_memory_budget": None}
+    settings = {"world_size": 8, "node_size": 8, "hardware": "h100-sxm"}
+
+    def make_llama():
+        return transformers.LlamaForCausalLM(config)
+
+    simulated = {
+        tp: zcompile.simulate(make_llama, batch, options=fixed, tensor_parallel=tp, **settings) for tp in (1, 2)
+    }
+    peaks = {tp: r.step_peak_bytes for tp, r in simulated.items()}
+    assert peaks[2] < peaks[1] / 1.2, peaks  # the split activations matter here, or this tests nothing
+    cache: dict = {}
+    tight = int(peaks[2] * (1 + PREDICTION_HEADROOM)) + 1
+    plan = zcompile.plan(
+        make_llama, batch, memory_limit_mb=tight / MIB, options=fixed, tensor_parallel=(1, 2), simulated=cache, **settings
+    )
+    assert plan.tensor_parallel == 2 and "tensor_parallel" not in plan.options
+    assert plan.chosen.peak_bytes == peaks[2] and plan.chosen.step_s == pytest.approx(simulated[2].step_s, rel=1e-9)
+    roomy = int(peaks[1] * (1 + PREDICTION_HEADROOM)) + 1
+    plan = zcompile.plan(
+        make_llama, batch, memory_limit_mb=roomy / MIB, options=fixed, tensor_parallel=(1, 2), simulated=cache, **settings
+    )
+    faster = min((1, 2), key=lambda tp: simulated[tp].step_s)
+    assert plan.tensor_parallel == faster and plan.chosen.peak_bytes == peaks[faster]
+    assert "tensor_parallel=" in plan.summary()
+    with pytest.raises(ValueError, match="tensor_parallel must be"):
+        zcompile.plan(make_llama, batch, options=fixed, tensor_parallel=3, **settings)

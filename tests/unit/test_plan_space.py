@@ -3,7 +3,7 @@
 import pytest
 
 from zcompile.config import MIB, ZeroConfig, memory_limit_bytes
-from zcompile.tune.plan_space import PLANNED, frugality, planned_candidates
+from zcompile.tune.plan_space import PLANNED, TENSOR_PARALLEL, frugality, planned_candidates
 
 
 def test_the_options_the_user_set_are_kept_and_stage_3_knobs_vary_at_stage_3_only():
@@ -29,7 +29,21 @@ def test_a_world_of_several_nodes_plans_the_shard_group_too():
     assert all(c.get("prefetch", 2) == 2 and c.get("keep_gathered_mb", 10.0) == 10.0 for c in candidates[:layouts])
     leanest = min(candidates, key=frugality)
     assert leanest["stage"] == 3 and leanest["shard_size"] is None and leanest["bucket_mb"] == 4.0
-    assert set(leanest) == set(PLANNED)
+    assert set(leanest) == set(PLANNED) - {TENSOR_PARALLEL}  # no tp degrees to plan: not in the candidates
+
+
+def test_tensor_parallel_degrees_are_a_layout_dimension_after_the_activation_budget():
+    candidates = planned_candidates({"param_dtype": "bf16"}, 100.0, 16, 8, tensor_parallel=(1, 2, 8))
+    assert {c[TENSOR_PARALLEL] for c in candidates} == {1, 2, 8}
+    per_layout = 2 + 2 + 3 * 2 * 2  # stage 1's buckets, stage 2's, stage 3's keeps x buckets x prefetch
+    # 3 budgets x shard sizes (tp 8: none, a node holds one data-parallel rank)
+    assert len(candidates) == 3 * per_layout * (2 + 2 + 1)
+    # the first pass, every layout's fastest variant: budget first, then tp ascending, then stage
+    firsts = [(c["activation_memory_budget"], c[TENSOR_PARALLEL], c["stage"]) for c in candidates[:16]]
+    assert firsts[:6] == [(None, 1, 1), (None, 1, 1), (None, 1, 2), (None, 1, 2), (None, 1, 3), (None, 1, 3)]
+    assert firsts[6][1] == 2 and firsts[12][1] == 8 and firsts[15][1] == 1  # tp 8: 3 layouts
+    assert not [c for c in candidates if c[TENSOR_PARALLEL] == 8 and c["shard_size"] == "node"]
+    assert min(candidates, key=frugality)[TENSOR_PARALLEL] == 8  # least memory: the highest degree
 
 
 @pytest.mark.parametrize(

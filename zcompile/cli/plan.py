@@ -1,7 +1,8 @@
 """``zcompile plan SPEC --world N --limit 80GiB``: ``zcompile.plan`` from the command line, for a
 transformers model given as ``zcompile simulate``'s JSON spec. Prints every candidate (chosen, the
 others that fit by predicted step, the ones dropped and why) and the options to pass the backend;
-``--json OUT`` also writes the plan. Nothing fits: exit 2 with what would."""
+``--json OUT`` also writes the plan; ``--tp`` the tensor-parallel degrees to plan. Nothing fits:
+exit 2 with what would."""
 
 from __future__ import annotations
 
@@ -23,6 +24,17 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
         "--limit", default="auto", help="memory per GPU: MiB, a size (80GiB, 70GB) or auto (the profile's less 10%%)"
     )
     parser.add_argument("--max-simulations", type=int, default=8, help="simulate at most this many candidates")
+    parser.add_argument(
+        "--tp",
+        default="auto",
+        help="tensor-parallel degrees to plan: auto (those the model's declared tp plan allows in a node), "
+        "N, or N1,N2,... (1: none)",
+    )
+    parser.add_argument(
+        "--whole",
+        action="store_true",
+        help="simulate every candidate whole (slower for a deep model), not from shallow copies extrapolated",
+    )
     parser.add_argument("--json", default=None, metavar="OUT", help="also write the plan as JSON")
 
 
@@ -34,6 +46,7 @@ def cmd_plan(args: argparse.Namespace, out, warnings: list[str]) -> int:
     try:
         options = parse_options(args.option)
         limit = float(args.limit) if args.limit.replace(".", "", 1).isdigit() else args.limit
+        degrees = "auto" if args.tp == "auto" else tuple(int(t) for t in args.tp.split(","))
         result = plan(
             make_model,
             batch,
@@ -43,6 +56,8 @@ def cmd_plan(args: argparse.Namespace, out, warnings: list[str]) -> int:
             node_size=args.node_size,
             options=options,
             max_simulations=args.max_simulations,
+            tensor_parallel=degrees,
+            extrapolate=not args.whole,
         )
     except ValueError as error:  # a bad option, limit or world size, or nothing fits (PlanError): said
         raise DumpError(str(error)) from None
@@ -55,6 +70,12 @@ def cmd_plan(args: argparse.Namespace, out, warnings: list[str]) -> int:
     )
     out.line(result.summary())
     out.line(f"options={json.dumps(result.to_dict()['options'])}")
+    if result.tensor_parallel > 1:
+        out.line(
+            f"tensor_parallel={result.tensor_parallel}: split the model over the tp dim of a ('dp', 'tp') mesh of "
+            f"{result.world_size // result.tensor_parallel} x {result.tensor_parallel} ranks and pass the mesh as "
+            "option 'mesh' (docs/tensor-parallel.md)"
+        )
     if args.json:
         result.to_json(args.json)
     return 0

@@ -42,7 +42,15 @@ from zcompile.predict.estimate import estimate_memory
 from zcompile.predict.hardware import HardwareProfile, load_profile
 from zcompile.predict.simulate import check_world
 from zcompile.tune.plan_report import mib, options_text, print_plan
-from zcompile.tune.plan_space import CHOSEN, FITS, NOT_SIMULATED, OVER, frugality, planned_candidates
+from zcompile.tune.plan_space import (
+    CHOSEN,
+    FITS,
+    NOT_SIMULATED,
+    OVER,
+    TENSOR_PARALLEL,
+    frugality,
+    planned_candidates,
+)
 from zcompile.tune.search import FAILED, INVALID, PREDICTED, PRUNED
 from zcompile.tune.serialization import dumps_to, jsonable_options
 from zcompile.tune.simulated import SimulatedPoint, simulate_point
@@ -89,6 +97,9 @@ class Plan:
     hardware: str
     candidates: list[PlanCandidate]
     wall_s: float = 0.0
+    # the chosen tp degree: build the ("dp", "tp") mesh of world_size / tp x tp ranks, split the model
+    # over mesh["tp"] and pass the mesh as option 'mesh' (docs/tensor-parallel.md); 1: no tensor parallelism
+    tensor_parallel: int = 1
 
     @property
     def chosen(self) -> PlanCandidate:
@@ -131,6 +142,7 @@ class Plan:
             "node_size": self.node_size,
             "hardware": self.hardware,
             "wall_s": self.wall_s,
+            "tensor_parallel": self.tensor_parallel,
             "candidates": [{**asdict(c), "options": jsonable_options(c.options)} for c in self.candidates],
         }
 
@@ -155,14 +167,19 @@ def plan(
     max_simulations: int = 8,
     simulated: dict[str, Any] | None = None,
     extrapolate: bool = True,
+    tensor_parallel: str | int | tuple[int, ...] = "auto",
+    parallelize: Callable[[torch.nn.Module, Any], Any] | None = None,
 ) -> Plan:
     """The fastest options within ``memory_limit_mb`` per rank, predicted (module doc).
 
     The arguments are ``zcompile.simulate``'s; ``options``: the user's, kept; ``memory_limit_mb``:
     MiB per rank, a size string or ``"auto"``; ``simulated``: a dict the plan reads and fills with
     each candidate's simulation (keyed by its options), to plan for several limits at the cost of
-    one; ``extrapolate``: judge candidates on shallow copies, the chosen one whole (module doc).
-    ``PlanError`` when nothing fits.
+    one; ``extrapolate``: judge candidates on shallow copies, the chosen one whole (module doc);
+    ``tensor_parallel``: the tp degrees to plan (``"auto"``: those ``tensor_parallel_degrees``
+    finds for the model; an int or a tuple: those), each split by ``parallelize(model, tp_mesh)``
+    (default ``zcompile.apply_tp_plan``, a transformers model's declared plan); the chosen degree
+    is ``Plan.tensor_parallel``. ``PlanError`` when nothing fits.
     """
     started = time.perf_counter()
     fixed = dict(options or {})
@@ -172,18 +189,20 @@ def plan(
     node_size = node_size or fixed.get("node_size") or profile.node_size
     limit = memory_limit_bytes(memory_limit_mb, profile.memory_bytes)
     cache = {} if simulated is None else simulated
+    model = _fake_model(make_model)
+    degrees = tensor_parallel_degrees(model, tensor_parallel, world_size, node_size, fixed, parallelize)
 
     def simulated_point(options: dict[str, Any], extrapolated: bool) -> SimulatedPoint:
         key = json.dumps({**jsonable_options(options), "(extrapolated)": extrapolated}, sort_keys=True)
         if key not in cache:
             point = Point(0, options, False)
             cache[key] = simulate_point(
-                point, make_model, example_batch, loss_fn, {}, world_size, node_size, profile, extrapolated
+                point, make_model, example_batch, loss_fn, {}, world_size, node_size, profile, extrapolated, parallelize
             )
         return cache[key]
 
     return search_plan(
-        _fake_model(make_model),
+        model,
         fixed,
         limit,
         world_size,
@@ -193,7 +212,40 @@ def plan(
         max_simulations,
         started,
         confirm=(lambda options: simulated_point(options, False)) if extrapolate else None,
+        tensor_parallel=degrees,
     )
+
+
+def tensor_parallel_degrees(
+    model: torch.nn.Module, asked, world_size: int, node_size: int, fixed: dict[str, Any], parallelize
+) -> tuple[int, ...]:
+    """The tp degrees ``zcompile.plan`` tries. ``"auto"``: 1, and where the model can be split (a
+    ``parallelize`` given, or a transformers config's ``base_model_tp_plan``) and no ``mesh`` option
+    is set, the powers of two up to the node that divide the world and, for a transformers config,
+    its attention and key-value heads. An int or a tuple: those, checked."""
+    if asked == "auto":
+        config = getattr(model, "config", None)
+        if fixed.get("mesh") is not None or (parallelize is None and not getattr(config, "base_model_tp_plan", None)):
+            return (1,)
+        heads = [getattr(config, name, None) for name in ("num_attention_heads", "num_key_value_heads")]
+        return tuple(
+            tp
+            for tp in (2**i for i in range(node_size.bit_length()))
+            if tp <= node_size and world_size % tp == 0 and all(not h or h % tp == 0 for h in heads)
+        )
+    degrees = (asked,) if isinstance(asked, int) and not isinstance(asked, bool) else asked
+    if (
+        not isinstance(degrees, (tuple, list))
+        or not degrees
+        or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 or world_size % t for t in degrees)
+    ):
+        raise ValueError(
+            f"zcompile.plan: tensor_parallel must be 'auto', or an int or a tuple of ints >= 1 that divide "
+            f"world_size={world_size}, got {asked!r}"
+        )
+    if fixed.get("mesh") is not None and tuple(degrees) != (1,):
+        raise ValueError("zcompile.plan: give tensor_parallel degrees or the option 'mesh', not both")
+    return tuple(degrees)
 
 
 def search_plan(
@@ -207,28 +259,33 @@ def search_plan(
     max_simulations: int,
     started: float,
     confirm: Callable[[dict[str, Any]], SimulatedPoint] | None = None,
+    tensor_parallel: tuple[int, ...] = (1,),
 ) -> Plan:
     """The search of the module doc over ``tune.plan_space``'s candidates around the ``fixed`` options:
     ``evaluate(options)`` predicts one (a simulation, or a compile beside the real run), ``model``
     (its parameters; fake tensors will do) gives each candidate's model states; ``confirm(options)``,
-    where ``evaluate``'s figures are extrapolated, predicts the chosen one whole."""
+    where ``evaluate``'s figures are extrapolated, predicts the chosen one whole; ``tensor_parallel``:
+    the tp degrees planned (their candidates' model states are floored by the unsplit model's over
+    the whole world, which a tp layout's replicated weights only add to)."""
     if isinstance(max_simulations, bool) or not isinstance(max_simulations, int) or max_simulations < 1:
         raise ValueError(f"zcompile.plan: max_simulations must be an int >= 1, got {max_simulations!r}")
     dtype = ZeroConfig.from_options(fixed).param_dtype or torch.float32
     gathered_mib = sum(p.numel() for p in dict.fromkeys(model.parameters())) * dtype.itemsize / MIB
-    candidates = [PlanCandidate(c) for c in planned_candidates(fixed, gathered_mib, world_size, node_size)]
+    candidates = [
+        PlanCandidate(c) for c in planned_candidates(fixed, gathered_mib, world_size, node_size, tensor_parallel)
+    ]
     activations: dict[Any, int] = {}  # activation_memory_budget -> saved activation bytes simulated
     evaluated: set[str] = set()
 
     def judge(candidate: PlanCandidate, *, budgeted: bool) -> None:
         options = {**fixed, **candidate.options}
         try:
-            config = ZeroConfig.from_options(options)
+            config = ZeroConfig.from_options({k: v for k, v in options.items() if k != TENSOR_PARALLEL})
             states = estimate_memory(model, world_size, config.replace(node_size=node_size)).model_states_bytes
         except ValueError as error:
             candidate.status, candidate.why = INVALID, str(error)
             return
-        budget_key = repr(config.activation_memory_budget)
+        budget_key = repr((config.activation_memory_budget, options.get(TENSOR_PARALLEL)))
         floor = states + activations.get(budget_key, 0)
         if floor * (1 + PREDICTION_HEADROOM) > limit:
             known = f" + saved activations {mib(activations[budget_key])}" if budget_key in activations else ""
@@ -260,7 +317,9 @@ def search_plan(
     if best is None:
         raise PlanError(_nothing_fits(candidates, limit, world_size, fixed))
     best.status = CHOSEN
-    result = Plan({**fixed, **best.options}, fixed, limit, world_size, node_size, hardware, candidates, wall)
+    options = {k: v for k, v in {**fixed, **best.options}.items() if k != TENSOR_PARALLEL}
+    tp = best.options.get(TENSOR_PARALLEL) or 1
+    result = Plan(options, fixed, limit, world_size, node_size, hardware, candidates, wall, tp)
     log.info("%s", result.summary())
     return result
 

@@ -37,6 +37,7 @@ import torch
 from zcompile.config import ZeroConfig
 from zcompile.predict.hardware import HardwareProfile, load_profile
 from zcompile.predict.simulate import check_world, simulate
+from zcompile.tune.plan_space import TENSOR_PARALLEL
 from zcompile.tune.policies import policy_from_name
 from zcompile.tune.search import FAILED, INVALID, PREDICTED, PRUNED, pareto_front
 from zcompile.tune.serialization import dumps_to, jsonable_options, jsonable_value
@@ -251,9 +252,11 @@ def simulate_point(
     node_size: int,
     profile: HardwareProfile,
     extrapolate: bool = False,
+    parallelize: Callable | None = None,
 ) -> SimulatedPoint:
-    """One ``simulate`` call (``extrapolate``: from shallow copies, ``predict.depth``); its failure
-    recorded, not raised."""
+    """One ``simulate`` call (``extrapolate``: from shallow copies, ``predict.depth``; a planned
+    ``tensor_parallel`` degree among the options: split by ``parallelize``); its failure recorded,
+    not raised."""
     simulated = SimulatedPoint(point.index, point.options, point.is_default)
     if point.invalid:
         simulated.status, simulated.error = INVALID, point.invalid
@@ -261,6 +264,7 @@ def simulate_point(
     began = time.perf_counter()
     try:
         options = _resolved_options({**base_options, **point.options}, world_size, node_size, profile)
+        tensor_parallel = options.pop(TENSOR_PARALLEL, None) or 1
         result = simulate(
             make_model,
             example_batch,
@@ -270,6 +274,8 @@ def simulate_point(
             hardware=profile,
             loss_fn=loss_fn,
             extrapolate=extrapolate,
+            tensor_parallel=tensor_parallel,
+            parallelize=parallelize,
         )
     except Exception as error:  # noqa: BLE001 - a failing point is recorded, the search goes on
         simulated.status, simulated.error = FAILED, f"{type(error).__name__}: {error}"
