@@ -169,13 +169,25 @@ def test_the_tensor_parallel_degree_is_planned_against_each_degree_simulated():
     cache: dict = {}
     tight = int(peaks[2] * (1 + PREDICTION_HEADROOM)) + 1
     plan = zcompile.plan(
-        make_llama, batch, memory_limit_mb=tight / MIB, options=fixed, tensor_parallel=(1, 2), simulated=cache, **settings
+        make_llama,
+        batch,
+        memory_limit_mb=tight / MIB,
+        options=fixed,
+        tensor_parallel=(1, 2),
+        simulated=cache,
+        **settings,
     )
     assert plan.tensor_parallel == 2 and "tensor_parallel" not in plan.options
     assert plan.chosen.peak_bytes == peaks[2] and plan.chosen.step_s == pytest.approx(simulated[2].step_s, rel=1e-9)
     roomy = int(peaks[1] * (1 + PREDICTION_HEADROOM)) + 1
     plan = zcompile.plan(
-        make_llama, batch, memory_limit_mb=roomy / MIB, options=fixed, tensor_parallel=(1, 2), simulated=cache, **settings
+        make_llama,
+        batch,
+        memory_limit_mb=roomy / MIB,
+        options=fixed,
+        tensor_parallel=(1, 2),
+        simulated=cache,
+        **settings,
     )
     faster = min((1, 2), key=lambda tp: simulated[tp].step_s)
     assert plan.tensor_parallel == faster and plan.chosen.peak_bytes == peaks[faster]
