@@ -18,37 +18,13 @@ import torch
 
 import zcompile
 from support.launch import run_ranks
-from support.models import build_model, global_batch
+from support.models import build_model
+from support.scaled_training import INIT_SCALE, scaled_loop, scaled_loss, scaled_reference
 from support.training import PARAM_TOL
 from zcompile.agreement.abort_note import RankDivergenceError
 
-STEPS, BATCH, OVERFLOW_STEP, INIT_SCALE = 4, 8, 1, 2.0**10
 NORM_RTOL = 1e-6
 CASES = {1: "unscale_ then clip", 2: "step unscales", 3: "unscale_ then clip"}  # stage -> the loop's form
-
-
-def _loss(model, step: int, rank: int, world: int) -> torch.Tensor:
-    """This rank's mean loss over its slice of the global batch; the last rank's is infinite at OVERFLOW_STEP."""
-    tokens, targets = global_batch(step, BATCH)
-    per_rank = BATCH // world
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)
-    loss = model(tokens[mine], targets[mine])
-    return loss * math.inf if (step == OVERFLOW_STEP and rank == world - 1) else loss
-
-
-def _scaled_loop(model, loss_fn, optimizer, clip: bool) -> dict:
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
-    scales, norms = [], []
-    for step in range(STEPS):
-        scaler.scale(loss_fn(step)).backward()
-        if clip:
-            scaler.unscale_(optimizer)
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        scales.append(scaler.get_scale())
-    return {"scales": scales, "norms": norms}
 
 
 def scaled_runs_on_rank(rank: int, world: int) -> dict:
@@ -58,8 +34,8 @@ def scaled_runs_on_rank(rank: int, world: int) -> dict:
         model = build_model("gpt")
         compiled = torch.compile(model, backend="zero", options={"stage": stage})
         optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        run = _scaled_loop(
-            model, lambda step: _loss(compiled, step, rank, world), optimizer, clip=form == "unscale_ then clip"
+        run = scaled_loop(
+            model, lambda step: scaled_loss(compiled, step, rank, world), optimizer, clip=form == "unscale_ then clip"
         )
         with zcompile.gathered(model):
             run["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -71,24 +47,13 @@ def scaled_runs_on_rank(rank: int, world: int) -> dict:
     compiled = torch.compile(model, backend="zero", options={"stage": 2})
     optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE * (2 if rank == world - 1 else 1))
-    scaler.scale(_loss(compiled, 0, rank, world)).backward()
+    scaler.scale(scaled_loss(compiled, 0, rank, world)).backward()
     try:
         scaler.unscale_(optimizer)
         out["scales_differ"] = None
     except RankDivergenceError as error:
         out["scales_differ"] = str(error)
     return out
-
-
-def reference(world: int, clip: bool) -> dict:
-    """One process, torch's SGD and GradScaler, the global batch's loss (the ranks' mean losses averaged)."""
-    model = build_model("gpt")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    run = _scaled_loop(
-        model, lambda step: sum(_loss(model, step, r, world) for r in range(world)) / world, optimizer, clip
-    )
-    run["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return run
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +64,7 @@ def world2():
 @pytest.mark.parametrize("stage", CASES)
 def test_grad_scaler_trains_like_one_process_and_skips_a_one_rank_overflow_on_every_rank(world2, stage):
     clip = CASES[stage] == "unscale_ then clip"
-    expected = reference(2, clip)
+    expected = scaled_reference(2, clip)
     assert expected["scales"] == [INIT_SCALE, INIT_SCALE / 2, INIT_SCALE / 2, INIT_SCALE / 2]  # the overflow skipped
     for rank_runs in world2:
         run = rank_runs[stage]
@@ -122,8 +87,8 @@ def test_world_of_one_unscales_the_shards_and_skips_an_overflow():
     model = build_model("gpt")
     compiled = torch.compile(model, backend="zero", options={"stage": 3})
     optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ours = _scaled_loop(model, lambda step: _loss(compiled, step, 0, 1), optimizer, clip=True)
-    expected = reference(1, clip=True)
+    ours = scaled_loop(model, lambda step: scaled_loss(compiled, step, 0, 1), optimizer, clip=True)
+    expected = scaled_reference(1, clip=True)
     assert ours["scales"] == expected["scales"] == [INIT_SCALE, INIT_SCALE / 2, INIT_SCALE / 2, INIT_SCALE / 2]
     with zcompile.gathered(model):
         for name, param in model.named_parameters():
@@ -141,7 +106,7 @@ def test_fp16_gradient_shards_are_refused_with_the_alternatives():
     compiled = torch.compile(model, backend="zero", options={"stage": 2, "param_dtype": "fp16"})
     optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(_loss(compiled, 0, 0, 1)).backward()
+    scaler.scale(scaled_loss(compiled, 0, 0, 1)).backward()
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients.*stage 1 or 3.*bf16"):
         scaler.unscale_(optimizer)
 

@@ -141,7 +141,8 @@ def test_the_command_line_plans_a_transformers_spec(tmp_path, capsys):
 def test_the_tensor_parallel_degree_is_planned_against_each_degree_simulated():
     """A transformers Llama at 8 ranks, its tp plan declared: the degrees 1 and 2 planned with the
     other knobs fixed. Each degree's peak and step come from ``simulate(tensor_parallel=tp)`` itself;
-    a limit only tp 2 meets plans tp 2 with its figures, a limit both meet plans the faster."""
+    a limit only tp 2 meets plans tp 2 with its figures, a limit both meet plans the faster per GPU
+    (the step times the degree: a tp group's ranks share one batch)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=256,
@@ -189,7 +190,7 @@ def test_the_tensor_parallel_degree_is_planned_against_each_degree_simulated():
         simulated=cache,
         **settings,
     )
-    faster = min((1, 2), key=lambda tp: simulated[tp].step_s)
+    faster = min((1, 2), key=lambda tp: simulated[tp].step_s * tp)  # a tp group shares its batch: per GPU
     assert plan.tensor_parallel == faster and plan.chosen.peak_bytes == peaks[faster]
     assert "tensor_parallel=" in plan.summary()
     with pytest.raises(ValueError, match="tensor_parallel must be"):

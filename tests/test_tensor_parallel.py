@@ -10,6 +10,7 @@ each rank's tensor-parallel pieces, and an uninterrupted run for a resume.
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -19,9 +20,11 @@ import torch.distributed as dist
 import zcompile
 from support.launch import run_ranks
 from support.models import build_model, model_loss
+from support.scaled_training import INIT_SCALE, scaled_loop, scaled_loss, scaled_reference
 from support.training import (
     ADAM_EPS,
     GRAD_ABS_ERROR,
+    PARAM_TOL,
     RunSpec,
     _clip_before_step,
     _optimizer,
@@ -257,6 +260,22 @@ def _evaluation_on_some_ranks(mesh) -> str:
     return error
 
 
+def _scaled_training(mesh) -> dict:
+    """Stage 3 at dp 2 x tp 2 under torch's GradScaler, unscale_ then clip, the last dp rank's loss
+    infinite at one step (``support.scaled_training``); SGD with momentum, which an unscale off by
+    any factor would move."""
+    torch._dynamo.reset()
+    model = _tensor_parallel_model("gpt_split_qkv", mesh)
+    compiled = torch.compile(model, backend="zero", options={"stage": 3, "compiler": "eager", "mesh": mesh})
+    optimizer = zcompile.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    dp = mesh["dp"]
+    run = scaled_loop(
+        model, lambda step: scaled_loss(compiled, step, dp.get_local_rank(), dp.size()), optimizer, clip=True
+    )
+    run["params"] = _full_weights(model)
+    return run
+
+
 def _on_rank(rank: int, world: int, directory: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -268,6 +287,7 @@ def _on_rank(rank: int, world: int, directory: str) -> dict:
     for name, spec in SPECS.items():
         out[name], kept[name] = _train(spec, mesh, name in SEQUENCE_PARALLEL)
     out["resume"] = _round_trip(meshes, *kept["stage2"], directory)
+    out["grad_scaler"] = _scaled_training(mesh)
     stage3_optimizer = kept["stage3"][1]
     del kept
     # meshes of different shapes on different ranks; tensor parallelism applied on some ranks only
@@ -295,6 +315,25 @@ def ranks(tmp_path_factory):
 @pytest.mark.parametrize("name", list(SPECS))
 def test_trains_like_a_single_process_on_the_global_batch(ranks, name):
     assert_trains_like_one_process([rank[name] for rank in ranks], SPECS[name])
+
+
+def test_grad_scaler_unscales_clips_and_skips_a_one_rank_overflow_like_one_process(ranks):
+    """The loss-scaling loop at stage 3, dp 2 x tp 2, against one process's on the global batch: the same
+    scales (the overflow on one data-parallel rank skipped on every rank, the scale halved), pre-clip
+    norms (over dp and tp, each element once) and weights."""
+    expected = scaled_reference(DP, clip=True, model_name="gpt_split_qkv")
+    assert expected["scales"] == [INIT_SCALE, INIT_SCALE / 2, INIT_SCALE / 2, INIT_SCALE / 2]
+    for rank in ranks:
+        run = rank["grad_scaler"]
+        assert run["scales"] == expected["scales"]
+        for ours, theirs in zip(run["norms"], expected["norms"], strict=True):
+            assert math.isfinite(ours) == math.isfinite(theirs)
+            if math.isfinite(theirs):
+                assert ours == pytest.approx(theirs, rel=1e-5)
+        for name, value in expected["params"].items():
+            torch.testing.assert_close(
+                run["params"][name], value, rtol=0, atol=PARAM_TOL * max(1.0, value.abs().max().item()), msg=name
+            )
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

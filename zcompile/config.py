@@ -368,8 +368,9 @@ class ZeroConfig:
         if self.memory_limit_mb is not None:
             raise ValueError(
                 "zcompile: option 'memory_limit_mb' does not plan a tensor-parallel model yet (mesh ('dp', 'tp')); "
-                "drop it and set 'stage' (and the other options) yourself, with zcompile.estimate_memory(model, "
-                "world_size, options) to check that they fit"
+                "drop it and set 'stage' (and the other options) yourself: zcompile.plan(make_model, batch, "
+                "world_size=..., memory_limit_mb=..., tensor_parallel=tp), run in a process without a process group, "
+                "chooses them for this layout (docs/memory-limit.md)"
             )
 
     @property

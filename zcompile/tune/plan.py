@@ -9,7 +9,7 @@ The planned options and their trial order are ``tune.plan_space``'s; what the us
 ``options`` is kept. Each candidate is judged by ``zcompile.simulate`` (the whole model compiled
 on fake tensors for ``world_size`` ranks): it fits when its step peak (``predict.step_peak``) is
 within the limit with ``PREDICTION_HEADROOM`` to spare, and the plan is the fastest candidate that
-fits by the predicted step.
+fits by the predicted step (per rank's batch of tokens where tp degrees are planned: ``pace_s``).
 
 Simulations are the cost, and a whole model's grows with its depth (a minute or two for a 70B one
 on a CPU host). With ``extrapolate`` (the default) each candidate is judged on two shallow copies
@@ -84,6 +84,13 @@ class PlanCandidate:
     simulate_s: float = 0.0
     extrapolated: bool = False  # its figures from shallow copies (predict.depth), not a whole simulation
 
+    @property
+    def pace_s(self) -> float | None:
+        """What the plan ranks by: the step's seconds per rank's batch of tokens. A tp group's ranks
+        share one batch, so a tp degree t's step is counted t times: tokens per second per GPU,
+        inverted, alike for every degree (the step itself where no tp is planned)."""
+        return None if self.step_s is None else self.step_s * (self.options.get(TENSOR_PARALLEL) or 1)
+
 
 @dataclass
 class Plan:
@@ -108,7 +115,7 @@ class Plan:
     @property
     def ranked(self) -> list[PlanCandidate]:
         """The simulated candidates that fit, fastest first."""
-        return sorted((c for c in self.candidates if c.status in (CHOSEN, FITS)), key=lambda c: c.step_s)
+        return sorted((c for c in self.candidates if c.status in (CHOSEN, FITS)), key=lambda c: c.pace_s)
 
     def summary(self) -> str:
         """One line: the choice, its predicted peak by parts, and its predicted step."""
@@ -327,13 +334,13 @@ def search_plan(
 def _confirmed_fastest(
     candidates: list[PlanCandidate], fixed: dict[str, Any], limit: int, confirm
 ) -> PlanCandidate | None:
-    """The fastest candidate that fits; with ``confirm``, the fastest that still fits simulated whole
+    """The fastest candidate that fits (by ``PlanCandidate.pace_s``); with ``confirm``, the fastest that still fits simulated whole
     (one that does not is left over the limit, with its whole figures, and the next is tried)."""
     while True:
         fitting = [c for c in candidates if c.status == FITS]
         if not fitting:
             return None
-        best = min(fitting, key=lambda c: c.step_s)
+        best = min(fitting, key=lambda c: c.pace_s)
         if confirm is None or not best.extrapolated:
             return best
         spent = best.simulate_s

@@ -32,7 +32,7 @@ def mib(nbytes: float) -> str:
 
 def _order(candidate: PlanCandidate) -> tuple:
     rank = {CHOSEN: 0, FITS: 1, OVER: 2}.get(candidate.status, 3)
-    return (rank, candidate.step_s if candidate.step_s is not None else float("inf"))
+    return (rank, candidate.pace_s if candidate.pace_s is not None else float("inf"))
 
 
 def candidate_rows(result: Plan) -> list[list[str]]:
