@@ -96,8 +96,8 @@ def table(max_simulations: int) -> None:
 
 def ladder(only: str | None = None) -> None:
     out = {}
-    # the 8B shape's schedule knobs fixed (bucket 64 MiB, prefetch 2, nothing kept): its 18 layouts
-    # simulated take half an hour on the 2-core machine, its 96 candidates would take hours
+    # the 8B shape's schedule knobs fixed (bucket 64 MiB, prefetch 2, nothing kept): its layouts
+    # (activation budget x tp degree x stage x shard group), each from shallow copies
     lean = {**FIXED, "bucket_mb": 64, "prefetch": 2, "keep_gathered_mb": 0}
     for name, (make, batch), settings, fixed in (
         ("gpt (cpu-local, 2 ranks)", gpt(), {"world_size": 2, "hardware": "cpu-local"}, FIXED),
@@ -125,8 +125,16 @@ def ladder(only: str | None = None) -> None:
                 simulated=cache,
                 **settings,
             )
-            steps.append({"limit_bytes": limit, "step_s": plan.chosen.step_s, "options": plan.to_dict()["options"]})
-        points = [(c.peak_bytes, c.step_s) for c in full.candidates if c.peak_bytes is not None]
+            steps.append(
+                {
+                    "limit_bytes": limit,
+                    "step_s": plan.chosen.pace_s,  # per rank's batch: a tp group's step counted tp times
+                    "tensor_parallel": plan.tensor_parallel,
+                    "options": plan.to_dict()["options"],
+                    "extrapolated": plan.chosen.extrapolated,
+                }
+            )
+        points = [(c.peak_bytes, c.pace_s) for c in full.candidates if c.peak_bytes is not None]
         out[name] = {"fixed": fixed, "points": points, "plans": steps, "wall_s": full.wall_s}
         print(name, json.dumps(steps), flush=True)
     with open(os.path.join(RESULTS, "plan_ladder.json"), "w") as f:
@@ -166,7 +174,7 @@ def draw(out: dict, path: str) -> None:
             label="chosen",
         )
         axis.set_xlabel(f"memory limit / peak per rank ({unit})")
-        axis.set_ylabel("predicted step (ms)")
+        axis.set_ylabel("predicted step per rank's batch (ms)")
         axis.set_title(name, fontsize=10)
         axis.legend(fontsize=7)
     fig.tight_layout()

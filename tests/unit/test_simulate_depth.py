@@ -1,5 +1,5 @@
 """``simulate(..., extrapolate=True)`` (``predict.depth``) against the whole model's simulation: a
-transformers Llama of 5 layers predicted from its copies of 2 and 3 layers, in a fake world of 16
+transformers Llama of 8 layers predicted from its copies of 2 and 3 layers, in a fake world of 16
 ranks. Where each block costs the same the two agree to the byte and to rounding in time; a
 partial ``keep_gathered_mb`` is interpolated, approximate."""
 
@@ -15,7 +15,7 @@ from zcompile.predict import depth
 
 transformers = pytest.importorskip("transformers")
 
-LAYERS = 5
+LAYERS = 8
 CONFIG = transformers.LlamaConfig(
     vocab_size=256,
     hidden_size=64,

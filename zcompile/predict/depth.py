@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 SHALLOW_BLOCKS = (2, 3)  # the two copies' depths: the second adds one interior block to the first
+# the least depth worth it: the copies trace 5 blocks in two compiles, where the whole traces its own
+MIN_DEPTH = 8
 
 
 @dataclass(frozen=True)
@@ -197,5 +199,5 @@ def _more_collectives(fewer, more) -> list:
 
 
 def worth_extrapolating(stack: BlockStack | None) -> bool:
-    """A stack deeper than the copies: what extrapolation saves."""
-    return stack is not None and stack.depth > max(SHALLOW_BLOCKS)
+    """A stack of ``MIN_DEPTH`` blocks or more: below it the two copies cost about what the whole does."""
+    return stack is not None and stack.depth >= MIN_DEPTH

@@ -187,7 +187,8 @@ def simulate(
     of S data-parallel ranks, replicated across them (the 3-D mesh ``(dp / S, S, tp)``).
     ``extrapolate``: simulate two shallow copies of the model (2 and 3 of its repeated blocks) and
     extrapolate to its depth (``predict.depth``: seconds instead of minutes for a deep model; the
-    result's ``extrapolated_from`` says so); a model without a deeper stack of blocks is simulated whole.
+    result's ``extrapolated_from`` says so); a model without a stack of ``predict.depth.MIN_DEPTH`` (8)
+    blocks or more is simulated whole.
     """
     if extrapolate:
         return _extrapolated(
@@ -272,8 +273,7 @@ def _extrapolated(make_model: Callable[[], torch.nn.Module], example_batch: Any,
     stack = depth.repeated_stack(model)
     if not depth.worth_extrapolating(stack):
         log.info(
-            "zcompile.simulate: no stack of more than %d blocks to extrapolate from: simulated whole",
-            max(depth.SHALLOW_BLOCKS),
+            "zcompile.simulate: no stack of %d blocks or more to extrapolate from: simulated whole", depth.MIN_DEPTH
         )
         return simulate(make_model, example_batch, **settings)
     config = ZeroConfig.from_options(settings["options"])
