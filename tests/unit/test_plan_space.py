@@ -102,3 +102,29 @@ def test_an_extrapolated_choice_is_simulated_whole_and_the_next_taken_when_it_do
     assert by_stage[3].extrapolated and by_stage[2].status == CHOSEN
     # without confirm, the extrapolated figures decide
     assert search_plan(*args).options["stage"] == 1
+
+
+def test_a_stage_3_layout_over_the_limit_tries_keeping_less_before_the_next_layout():
+    import time
+
+    import torch
+
+    from zcompile.tune.plan import search_plan
+    from zcompile.tune.plan_space import CHOSEN
+    from zcompile.tune.simulated import SimulatedPoint
+
+    model = torch.nn.Linear(256, 256)  # 0.25 MiB gathered in fp32: keeps of 1 MiB (all, and a quarter, ceiled) and 0
+    fixed = {"stage": 3, "activation_memory_budget": None}
+    tried = []
+
+    def evaluate(options):
+        tried.append((options["keep_gathered_mb"], options["bucket_mb"], options["prefetch"]))
+        peak = (100 + 200 * options["keep_gathered_mb"]) * MIB  # keeping all: over; keeping none: fits
+        step = 1.0 - 0.1 * options["keep_gathered_mb"]
+        return SimulatedPoint(0, options, False, memory_bytes=int(peak), step_s=step, exposed_comm_s=0.0)
+
+    plan = search_plan(model, fixed, 150 * MIB, 8, 8, "h100-sxm", evaluate, 8, time.perf_counter())
+    # keeping all is over -> keeping none with the same bucket and prefetch, which fits; without the
+    # descent the next tried would be the layout's leanest (bucket 4, prefetch 1)
+    assert tried[:2] == [(1.0, 64.0, 2), (0.0, 64.0, 2)], tried
+    assert plan.chosen.status == CHOSEN and plan.options["keep_gathered_mb"] == 0.0

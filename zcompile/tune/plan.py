@@ -10,6 +10,8 @@ The planned options and their trial order are ``tune.plan_space``'s; what the us
 on fake tensors for ``world_size`` ranks): it fits when its step peak (``predict.step_peak``) is
 within the limit with ``PREDICTION_HEADROOM`` to spare, and the plan is the fastest candidate that
 fits by the predicted step (per rank's batch of tokens where tp degrees are planned: ``pace_s``).
+A stage-3 candidate over the limit is followed at once by its layout's variant keeping fewer
+gathered weights (what most separates its variants' memory), down to keeping none.
 
 Simulations are the cost, and a whole model's grows with its depth (a minute or two for a 70B one
 on a CPU host). With ``extrapolate`` (the default) each candidate is judged on two shallow copies
@@ -313,6 +315,13 @@ def search_plan(
 
     for candidate in candidates:
         judge(candidate, budgeted=True)
+        # kept weights are most of the gap between a stage-3 layout's variants: over the limit, the
+        # same layout keeping less, before the next layout (bucket and prefetch as they were)
+        while candidate.status == OVER and (leaner := _keeping_less(candidate, candidates)) is not None:
+            if leaner.status != NOT_SIMULATED:
+                break
+            judge(leaner, budgeted=True)
+            candidate = leaner
     if not any(c.status == FITS for c in candidates):  # over budget: the rest, least memory first, to the first fit
         for candidate in sorted(candidates, key=lambda c: frugality(c.options)):
             if candidate.status == NOT_SIMULATED:
@@ -329,6 +338,21 @@ def search_plan(
     result = Plan(options, fixed, limit, world_size, node_size, hardware, candidates, wall, tp)
     log.info("%s", result.summary())
     return result
+
+
+def _keeping_less(candidate: PlanCandidate, candidates: list[PlanCandidate]) -> PlanCandidate | None:
+    """The candidate with ``candidate``'s options but the next smaller ``keep_gathered_mb``, if any."""
+    keep = candidate.options.get("keep_gathered_mb")
+    if not keep:
+        return None
+    others = {k: v for k, v in candidate.options.items() if k != "keep_gathered_mb"}
+    smaller = [
+        c
+        for c in candidates
+        if (c.options.get("keep_gathered_mb") or 0.0) < keep
+        and {k: v for k, v in c.options.items() if k != "keep_gathered_mb"} == others
+    ]
+    return max(smaller, key=lambda c: c.options.get("keep_gathered_mb") or 0.0, default=None)
 
 
 def _confirmed_fastest(
