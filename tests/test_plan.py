@@ -168,28 +168,23 @@ def test_the_tensor_parallel_degree_is_planned_against_each_degree_simulated():
     peaks = {tp: r.step_peak_bytes for tp, r in simulated.items()}
     assert peaks[2] < peaks[1] / 1.2, peaks  # the split activations matter here, or this tests nothing
     cache: dict = {}
-    tight = int(peaks[2] * (1 + PREDICTION_HEADROOM)) + 1
-    plan = zcompile.plan(
-        make_llama,
-        batch,
-        memory_limit_mb=tight / MIB,
-        options=fixed,
-        tensor_parallel=(1, 2),
-        simulated=cache,
-        **settings,
-    )
+
+    def plan_within(peak: int):
+        limit = int(peak * (1 + PREDICTION_HEADROOM)) + 1
+        return zcompile.plan(
+            make_llama,
+            batch,
+            memory_limit_mb=limit / MIB,
+            options=fixed,
+            tensor_parallel=(1, 2),
+            simulated=cache,
+            **settings,
+        )
+
+    plan = plan_within(peaks[2])
     assert plan.tensor_parallel == 2 and "tensor_parallel" not in plan.options
     assert plan.chosen.peak_bytes == peaks[2] and plan.chosen.step_s == pytest.approx(simulated[2].step_s, rel=1e-9)
-    roomy = int(peaks[1] * (1 + PREDICTION_HEADROOM)) + 1
-    plan = zcompile.plan(
-        make_llama,
-        batch,
-        memory_limit_mb=roomy / MIB,
-        options=fixed,
-        tensor_parallel=(1, 2),
-        simulated=cache,
-        **settings,
-    )
+    plan = plan_within(peaks[1])
     faster = min((1, 2), key=lambda tp: simulated[tp].step_s * tp)  # a tp group shares its batch: per GPU
     assert plan.tensor_parallel == faster and plan.chosen.peak_bytes == peaks[faster]
     assert "tensor_parallel=" in plan.summary()

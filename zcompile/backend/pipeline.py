@@ -48,6 +48,7 @@ from zcompile.passes.reduce_scatter_lowering import reduce_scatter_as_all_to_all
 from zcompile.passes.regions import regather_through_regions_pass
 from zcompile.passes.replica_reduction import all_reduce_across_replicas_pass
 from zcompile.passes.schedule import plan_schedule, schedule_pass
+from zcompile.passes.summed_all_reduces import merge_summed_all_reduces_pass
 
 DYNAMO = ("dynamo",)
 JOINT = ("joint",)
@@ -167,6 +168,13 @@ PIPELINE: tuple[PassRow, ...] = (
     PassRow("remove_unused_gathers", PARTITIONED, remove_unused_gathers_pass, after=("expand_param_gathers",)),
     # a view of each parameter to its own shape at stages 2 and 3 (graph_ops' autograd functions)
     PassRow("drop_identity_views", PARTITIONED, drop_identity_views_pass),
+    # tensor parallelism's input-gradient all-reduces that autograd only adds up: one of their sum
+    PassRow(
+        "merge_summed_all_reduces",
+        BACKWARD,
+        merge_summed_all_reduces_pass,
+        enabled=lambda c: c.config.tensor_parallel,
+    ),
     # compute, not communication: independent of every other row; first, so the schedule's memory
     # budget and the walks see the one buffer
     PassRow(
