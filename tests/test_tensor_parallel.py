@@ -43,6 +43,8 @@ SPECS = {
     "stage3": RunSpec(
         model="gpt_split_qkv", stage=3, steps=2, clip=0.05, grad_accum=2, options={"activation_memory_budget": 0.5}
     ),
+    "llama_stage1": RunSpec(model="hf_llama", stage=1, steps=2, clip=0.05),
+    "llama_stage2": RunSpec(model="hf_llama", stage=2, steps=2, grad_accum=2),
     "llama_stage3": RunSpec(model="hf_llama", stage=3, steps=2, clip=0.05, grad_accum=2),
 }
 # with sequence parallelism: the norms (DTensor weights replicated over tp) see a slice of the sequence each

@@ -42,6 +42,12 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
         "ZeRO over the world / tp (zcompile.apply_tp_plan)",
     )
     parser.add_argument(
+        "--extrapolate",
+        action="store_true",
+        help="simulate two shallow copies (2 and 3 of the model's layers) and extrapolate to its depth: "
+        "seconds for a deep model (docs/simulation.md)",
+    )
+    parser.add_argument(
         "--space",
         action="append",
         default=[],
@@ -151,6 +157,7 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
             options=options,
             hardware=args.hardware,
             tensor_parallel=args.tp,
+            extrapolate=args.extrapolate,
         )
     except ValueError as error:  # a bad option, world size or hardware profile: said, not a traceback
         raise DumpError(str(error)) from None
@@ -159,6 +166,8 @@ def cmd_simulate(args: argparse.Namespace, out, warnings: list[str]) -> int:
     rows.append(["per rank", f"{result.per_rank_bytes / GIB:.2f}"])
     rows.append([f"step peak ({result.step_peak_phase})", f"{result.step_peak_bytes / GIB:.2f}"])
     layout = f" as dp {result.world_size // args.tp} x tp {args.tp}" if args.tp > 1 else ""
+    if result.extrapolated_from is not None:
+        layout += " (extrapolated from {} and {} of its {} layers)".format(*result.extrapolated_from)
     out.table(
         f"{model_type}, {result.num_params / 1e9:.2f}B parameters, {result.world_size} ranks{layout} "
         f"({result.node_size} per node), {result.hardware}: GiB per rank",
