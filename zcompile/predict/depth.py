@@ -7,9 +7,8 @@ a step costs is, block by block, the same: the third block's share (the differen
 copies of 3 and of 2 blocks) is every interior block's. The copies keep the first and last
 blocks' own costs (the first gather, the last reduce-scatter) and add one interior block, so the
 extrapolation is exact where each interior block costs the same; it is approximate where an
-option's effect depends on depth: ``keep_gathered_mb`` is scaled with the model's weights (each
-copy keeps the same share of its gathered weights as the whole model would), buckets that span
-blocks, an activation budget's cut that is not the same in every block.
+option's effect depends on depth: buckets that span blocks, an activation budget's cut that is
+not the same in every block.
 
 A ``keep_gathered_mb`` that keeps some of the weights but not all is not a share a shallow copy
 can keep alike (the greedy keeps the head's weights and then the last blocks'): such a result is
@@ -126,7 +125,7 @@ def extrapolated(shallow, deeper, depth: int, blocks: tuple[int, int] = SHALLOW_
     return result
 
 
-_SUMMED = (  # SimulationResult's figures that grow with the blocks
+_SUMMED = (  # SimulationResult's figures that grow with the blocks (or stay: the calls, the exchanges)
     "step_s",
     "compute_s",
     "exposed_comm_s",
