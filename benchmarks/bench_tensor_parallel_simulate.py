@@ -43,6 +43,8 @@ RUNS = [
     (1024, 1, None, 8),
 ]
 ONLY = os.environ.get("ONLY")  # a comma-separated subset of RUNS' indices, appended to the results file
+# each row from shallow copies extrapolated to the 80 layers (zcompile.predict.depth); WHOLE=1: the whole model
+EXTRAPOLATE = os.environ.get("WHOLE") != "1"
 
 
 def run(world: int, batch: int, budget: float | None, shard_size: int | None) -> dict:
@@ -63,6 +65,7 @@ def run(world: int, batch: int, budget: float | None, shard_size: int | None) ->
         options=options,
         hardware="h100-sxm",
         tensor_parallel=TP,
+        extrapolate=EXTRAPOLATE,
     )
     return {
         "world": world,

@@ -18,10 +18,10 @@ on a CPU host). With ``extrapolate`` (the default) each candidate is judged on t
 of the model, its repeated blocks cut to 2 and 3, extrapolated to its depth (``predict.depth``:
 seconds whatever the depth), and the chosen one is then simulated whole: its figures are the whole
 simulation's, and if it does not fit after all it is marked over the limit and the next fastest
-is simulated whole in turn. The search also skips what cannot fit before simulating it: a candidate's model states (``estimate_memory``, exact
-and immediate) plus the saved activations already simulated for its ``activation_memory_budget``
-(they do not depend on the other planned options) is a floor of its peak; above the limit it is
-dropped with that reason. At most ``max_simulations`` candidates are simulated, in trial order;
+is simulated whole in turn. The search also skips what cannot fit before simulating it: a
+candidate's model states (``estimate_memory``, exact and immediate) plus the saved activations
+already simulated for its ``activation_memory_budget`` and tp degree (they do not depend on the
+other planned options) is a floor of its peak; above the limit it is dropped with that reason. At most ``max_simulations`` candidates are simulated, in trial order;
 when none of them fits, the others are simulated too, least memory first, up to the first that
 fits; only when none does the plan gives up, with a ``PlanError`` that names the smallest predicted
 peak, its parts and what would make it fit.
