@@ -44,6 +44,12 @@ def test_tensor_parallel_degrees_are_a_layout_dimension_after_the_activation_bud
     assert firsts[6][1] == 2 and firsts[12][1] == 8 and firsts[15][1] == 1  # tp 8: 3 layouts
     assert not [c for c in candidates if c[TENSOR_PARALLEL] == 8 and c["shard_size"] == "node"]
     assert min(candidates, key=frugality)[TENSOR_PARALLEL] == 8  # least memory: the highest degree
+    # keep levels are shares of each degree's pieces (100 MiB gathered whole, 1/tp of it a piece)
+    keeps = {
+        tp: {c["keep_gathered_mb"] for c in candidates if c["stage"] == 3 and c[TENSOR_PARALLEL] == tp}
+        for tp in (1, 2, 8)
+    }
+    assert keeps == {1: {100.0, 25.0, 0.0}, 2: {50.0, 13.0, 0.0}, 8: {13.0, 4.0, 0.0}}
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ def add_parser(commands, common: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--limit", default="auto", help="memory per GPU: MiB, a size (80GiB, 70GB) or auto (the profile's less 10%%)"
     )
-    parser.add_argument("--max-simulations", type=int, default=8, help="simulate at most this many candidates")
+    parser.add_argument("--max-simulations", type=int, default=16, help="simulate at most this many candidates")
     parser.add_argument(
         "--tp",
         default="auto",

@@ -173,7 +173,7 @@ def plan(
     node_size: int | None = None,
     options: dict[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    max_simulations: int = 8,
+    max_simulations: int = 16,
     simulated: dict[str, Any] | None = None,
     extrapolate: bool = True,
     tensor_parallel: str | int | tuple[int, ...] = "auto",

@@ -59,18 +59,18 @@ def planned_candidates(
     """The planned options' combinations (each a dict of the planned options only), in trial order.
 
     ``fixed``: the options the user set; ``gathered_mib``: the model's weights gathered in the
-    compute dtype, per rank (what ``keep_gathered_mb`` can keep at most); ``tensor_parallel``: the
-    tp degrees to plan (``(1,)``: none, and no ``tensor_parallel`` in the candidates).
+    compute dtype, per rank (what ``keep_gathered_mb`` can keep at most; a tp degree t's pieces, 1/t
+    of it); ``tensor_parallel``: the tp degrees to plan (``(1,)``: none, and no
+    ``tensor_parallel`` in the candidates).
     """
     hybrid_possible = (
         world_size > node_size >= 2 and world_size % node_size == 0 and not any(fixed.get(k) for k in HYBRID_EXCLUSIVE)
     )
-    keeps = sorted({float(math.ceil(fraction * gathered_mib)) for fraction in KEEP_FRACTIONS}, reverse=True)
     choices: dict[str, tuple] = {
         "stage": STAGES,
         "shard_size": ("node", None) if hybrid_possible else (None,),
         "activation_memory_budget": ACTIVATION_BUDGETS,
-        "keep_gathered_mb": tuple(keeps),
+        "keep_gathered_mb": None,  # per tp degree: shares of the pieces' gathered weights (below)
         "bucket_mb": BUCKETS_MB,
         "prefetch": PREFETCH,
         TENSOR_PARALLEL: tuple(tensor_parallel),
@@ -86,8 +86,11 @@ def planned_candidates(
             continue  # the node's data-parallel ranks (node / tp) are one: no shard group to shard over
         stage_3 = stage == 3
         variants = []
+        keeps = choices["keep_gathered_mb"] or sorted(
+            {float(math.ceil(fraction * gathered_mib / tp)) for fraction in KEEP_FRACTIONS}, reverse=True
+        )
         knobs = itertools.product(
-            choices["keep_gathered_mb"] if stage_3 else (None,),
+            keeps if stage_3 else (None,),
             choices["bucket_mb"],
             choices["prefetch"] if stage_3 else (None,),
         )
