@@ -137,7 +137,11 @@ def ladder(only: str | None = None) -> None:
         points = [(c.peak_bytes, c.pace_s) for c in full.candidates if c.peak_bytes is not None]
         out[name] = {"fixed": fixed, "points": points, "plans": steps, "wall_s": full.wall_s}
         print(name, json.dumps(steps), flush=True)
-    with open(os.path.join(RESULTS, "plan_ladder.json"), "w") as f:
+    path = os.path.join(RESULTS, "plan_ladder.json")
+    if only is not None and os.path.exists(path):  # one model again: the other's results kept
+        with open(path) as f:
+            out = {**json.load(f), **out}
+    with open(path, "w") as f:
         json.dump(out, f, indent=1)
     draw(out, os.path.join(RESULTS, "plan_ladder.png"))
 

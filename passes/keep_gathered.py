@@ -21,7 +21,9 @@ whose backward comes first, so they are held for the shortest time. The plan is 
 the same on every rank: it reads only the graph.
 
 ``keep_gathered_pass`` lifts the ``MUST_RECOMPUTE`` (and hpZ's ``MUST_SAVE`` on the secondary)
-from the forward nodes of the chosen parameters' gathers. The partitioner then saves the gathered
+from the forward nodes of the chosen parameters' gathers, and tags a stage-3 gather ``MUST_SAVE``:
+under an ``activation_memory_budget`` the partitioner recomputes whatever it may, a gather with no
+tag too, which would re-gather the weight in backward and undo the keep. The partitioner then saves the gathered
 weight (collectives are never recomputed, nor is an untagged op of zcompile's: a stage-3 gather
 reaches the joint graph as one ``zcompile::gather_shards`` node, ``param_gather``) and the backward
 graph has no all-gather for it.
@@ -171,7 +173,8 @@ def plan_keep_gathered(gm: torch.fx.GraphModule, budget_bytes: int) -> KeepGathe
 
 
 def keep_gathered_pass(gm: torch.fx.GraphModule, plan: KeepGatheredPlan) -> torch.fx.GraphModule:
-    """Lifts the recompute tags of the kept parameters' forward gathers in a joint graph.
+    """Lifts the recompute tags of the kept parameters' forward gathers in a joint graph, and tags each
+    kept stage-3 gather (``zcompile::gather_shards``) ``MUST_SAVE``.
 
     Writes ``node.meta["recompute"]`` only; the partitioner run afterwards does the rest.
     """
@@ -184,6 +187,10 @@ def keep_gathered_pass(gm: torch.fx.GraphModule, plan: KeepGatheredPlan) -> torc
         for node in chains.get(param, []):
             if node.meta.pop(metadata.RECOMPUTE, None) is not None:
                 lifted += 1
+            if node.target is GATHER_SHARDS:
+                # saved whatever the partitioner's budget: an activation_memory_budget recomputes every
+                # op it may, the lifted gather with them (a re-gather in backward, the keep undone)
+                node.meta[metadata.RECOMPUTE] = CheckpointPolicy.MUST_SAVE
     log.info(
         "keep_gathered: %d parameters (%d bytes) kept gathered for backward, %d re-gathered; %d tags lifted",
         len(plan.kept),
