@@ -162,12 +162,15 @@ def draw(out: dict, path: str) -> None:
             color="lightgrey",
             label="candidates simulated",
         )
+        # the fastest simulated candidate that fits each limit (its peak and the plan's headroom)
+        limits = sorted({m * (1 + PREDICTION_HEADROOM) for m, _ in data["points"]})
+        fastest = [min(s for m, s in data["points"] if m * (1 + PREDICTION_HEADROOM) <= limit) for limit in limits]
         axis.step(
-            [p["limit_bytes"] / scale for p in data["plans"]],
-            [p["step_s"] * 1e3 for p in data["plans"]],
+            [limit / scale for limit in limits],
+            [s * 1e3 for s in fastest],
             where="post",
             color="tab:blue",
-            label="plan's step at that limit",
+            label="fastest simulated that fits",
         )
         axis.scatter(
             [p["limit_bytes"] / scale for p in data["plans"]],
@@ -175,7 +178,7 @@ def draw(out: dict, path: str) -> None:
             s=30,
             color="tab:green",
             zorder=3,
-            label="chosen",
+            label="zcompile.plan's choice",
         )
         axis.set_xlabel(f"memory limit / peak per rank ({unit})")
         axis.set_ylabel("predicted step per rank's batch (ms)")
@@ -187,7 +190,10 @@ def draw(out: dict, path: str) -> None:
 
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "table"
-    if what == "table":
+    if what == "draw":  # the plot again from results/plan_ladder.json
+        with open(os.path.join(RESULTS, "plan_ladder.json")) as f:
+            draw(json.load(f), os.path.join(RESULTS, "plan_ladder.png"))
+    elif what == "table":
         table(int(sys.argv[2]) if len(sys.argv) > 2 else 4)
     else:
         ladder(sys.argv[2] if len(sys.argv) > 2 else None)  # "gpt" or "llama3-8b": that model only
