@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import zcompile
+from support.models import small_llama_config
 from zcompile.tune.plan import PREDICTION_HEADROOM
 from zcompile.tune.plan_report import mib
 from zcompile.tune.plan_space import NOT_SIMULATED
@@ -144,16 +145,7 @@ def test_the_tensor_parallel_degree_is_planned_against_each_degree_simulated():
     a limit only tp 2 meets plans tp 2 with its figures, a limit both meet plans the faster per GPU
     (the step times the degree: a tp group's ranks share one batch)."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        use_cache=False,
-    )
+    config = small_llama_config(intermediate_size=256, max_position_embeddings=256)
     ids = torch.zeros(4, 256, dtype=torch.long)
     batch = {"input_ids": ids, "labels": ids}
     fixed = {"stage": 3, "bucket_mb": 4, "prefetch": 1, "keep_gathered_mb": 0, "activation_memory_budget": None}

@@ -11,21 +11,13 @@ import pytest
 import torch
 
 import zcompile
+from support.models import small_llama_config
 from zcompile.predict import depth
 
 transformers = pytest.importorskip("transformers")
 
 LAYERS = 8
-CONFIG = transformers.LlamaConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=LAYERS,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    use_cache=False,
-)
+CONFIG = small_llama_config(num_hidden_layers=LAYERS)
 IDS = torch.zeros(2, 32, dtype=torch.long)
 BATCH = {"input_ids": IDS, "labels": IDS}
 SETTINGS = {"world_size": 16, "node_size": 8, "hardware": "h100-sxm"}

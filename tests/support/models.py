@@ -101,6 +101,24 @@ class GPTContrastive(GPT):
         return lm + torch.nn.functional.cross_entropy(scores, torch.arange(len(scores)))
 
 
+def small_llama_config(**overrides):
+    """A transformers Llama of 2 layers, 64 wide, 4 heads over 2 key-value heads (no KV cache): the
+    tests' small Llama for simulations and plans; ``overrides`` set any field."""
+    import transformers
+
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    return transformers.LlamaConfig(**{**fields, **overrides})
+
+
 def build_model(name: str) -> torch.nn.Module:
     """The models the tests train, each deterministic (seeded; those with dropout when the RNG is
     seeded before each forward)."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import zcompile
+from support.models import small_llama_config
 from zcompile.passes.collectives import collective_nodes
 from zcompile.passes.metadata import params_of
 
@@ -17,16 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.mark.parametrize("budget", [None, 0.0])
 def test_kept_weights_are_not_gathered_again_in_backward(budget):
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
+    config = small_llama_config()
     ids = torch.zeros(2, 32, dtype=torch.long)
     graphs = []
     options = {"stage": 3, "keep_gathered_mb": 100, "activation_memory_budget": budget, "bucket_mb": 0}

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from support.models import small_llama_config
 from zcompile.passes.collectives import ALL_REDUCE, WAIT
 from zcompile.passes.metadata import ROLE, ROLE_REPLICA_REDUCE, tag
 from zcompile.passes.summed_all_reduces import merge_summed_all_reduces_pass
@@ -83,16 +84,7 @@ def test_a_tensor_parallel_llama_layer_all_reduces_twice_in_backward():
     transformers = pytest.importorskip("transformers")
     import zcompile
 
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
+    config = small_llama_config()
     ids = torch.zeros(2, 32, dtype=torch.long)
     graphs = []
     zcompile.simulate(
