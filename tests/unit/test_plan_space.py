@@ -134,3 +134,15 @@ def test_a_stage_3_layout_over_the_limit_tries_keeping_less_before_the_next_layo
     # descent the next tried would be the layout's leanest (bucket 4, prefetch 1)
     assert tried[:2] == [(1.0, 64.0, 2), (0.0, 64.0, 2)], tried
     assert plan.chosen.status == CHOSEN and plan.options["keep_gathered_mb"] == 0.0
+
+
+def test_a_mesh_option_is_written_as_its_dims():
+    """A plan's JSON (and its cache key) holds a ``mesh`` option as its dims and sizes, not a crash."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zcompile.predict.simulate import fake_world
+    from zcompile.tune.serialization import jsonable_options
+
+    with fake_world(4, 4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        assert jsonable_options({"mesh": mesh, "stage": 3}) == {"mesh": "mesh dp=2 tp=2", "stage": 3}

@@ -11,7 +11,12 @@ from zcompile.passes.schedule import policy_name
 
 
 def jsonable_value(value: Any) -> Any:
-    """A value as JSON holds it: dtypes by name (``"bfloat16"``, which ZeroConfig reads), a policy by name."""
+    """A value as JSON holds it: dtypes by name (``"bfloat16"``, which ZeroConfig reads), a policy by
+    name, a device mesh by its dims and shape (``"mesh dp=2 tp=2"``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(value, DeviceMesh):
+        return "mesh " + " ".join(f"{n}={k}" for n, k in zip(value.mesh_dim_names or (), value.shape, strict=False))
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
     if callable(value):
