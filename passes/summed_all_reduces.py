@@ -33,36 +33,42 @@ def merge_summed_all_reduces_pass(gm: torch.fx.GraphModule) -> torch.fx.GraphMod
     nodes."""
     graph = gm.graph
     merged = 0
-    changed = True
-    while changed:
-        changed = False
-        position = {node: i for i, node in enumerate(graph.nodes)}
-        for add in list(graph.nodes):
-            pair = _summed_pair(add)
-            if pair is None:
-                continue
-            (x, first), (y, second), group_name = pair
-            later = max(x, y, key=position.__getitem__)
-            with graph.inserting_after(later):
-                total = graph.call_function(aten.add.Tensor, (x, y))
-            with graph.inserting_after(total):
-                reduced = graph.call_function(ALL_REDUCE, (total, "sum", group_name))
-            with graph.inserting_before(add):
-                arrived = graph.call_function(WAIT, (reduced,))
-            value = add.meta["val"]
-            for node in (total, reduced, arrived):
-                node.meta["val"] = value.new_empty(value.shape)
-            add.replace_all_uses_with(arrived)
-            for node in (add, *first, *second):
-                graph.erase_node(node)
-            merged += 1
-            changed = True
-            break  # positions changed: start over
+    # one pass in graph order: an outer add of a chain meets the wait its inner add became
+    for add in list(graph.nodes):
+        pair = _summed_pair(add)
+        if pair is None:
+            continue
+        (x, first), (y, second), group_name = pair
+        with graph.inserting_after(_later(x, y)):
+            total = graph.call_function(aten.add.Tensor, (x, y))
+        with graph.inserting_after(total):
+            reduced = graph.call_function(ALL_REDUCE, (total, "sum", group_name))
+        with graph.inserting_before(add):
+            arrived = graph.call_function(WAIT, (reduced,))
+        value = add.meta["val"]
+        for node in (total, reduced, arrived):
+            node.meta["val"] = value.new_empty(value.shape)
+        add.replace_all_uses_with(arrived)
+        for node in (add, *first, *second):
+            graph.erase_node(node)
+        merged += 1
     if merged:
         log.info("merge_summed_all_reduces: %d all-reduces of the model's merged into their sums", merged)
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _later(a: torch.fx.Node, b: torch.fx.Node) -> torch.fx.Node:
+    """Whichever of ``a`` and ``b`` comes later in the graph: both walked forward in step, the one
+    the other's walk meets first is the later (steps: their distance, not the graph's length)."""
+    from_a, from_b = a, b
+    while True:
+        from_a, from_b = from_a.next, from_b.next
+        if from_a is b or from_b.op == "root":
+            return b
+        if from_b is a or from_a.op == "root":
+            return a
 
 
 def _summed_pair(add: torch.fx.Node):

@@ -19,7 +19,6 @@ each extrapolated as above.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,11 +84,10 @@ def interpolated(none, every, kept_bytes: float):
         value = a + share * (b - a)
         return type(b)(round(value)) if isinstance(b, int) else value
 
-    regathers = _more_collectives(every, none)
     result = dataclasses.replace(
         every,
         memory={name: between(none.memory[name], value) for name, value in every.memory.items()},
-        collectives=list(every.collectives) + regathers[: round((1 - share) * len(regathers))],
+        collectives=_grown_collectives(every.collectives, every.collectives, none.collectives, 1 - share),
         simulate_s=none.simulate_s + every.simulate_s,
     )
     for name in _SUMMED:
@@ -113,7 +111,7 @@ def extrapolated(shallow, deeper, depth: int, blocks: tuple[int, int] = SHALLOW_
     result = dataclasses.replace(
         deeper,
         memory={name: max(0, grown(shallow.memory[name], value)) for name, value in deeper.memory.items()},
-        collectives=_grown_collectives(shallow.collectives, deeper.collectives, per_block),
+        collectives=_grown_collectives(deeper.collectives, shallow.collectives, deeper.collectives, per_block),
         num_params=grown(shallow.num_params, deeper.num_params),
         simulate_s=shallow.simulate_s + deeper.simulate_s,
         extrapolated_from=(low, high, depth),
@@ -138,30 +136,33 @@ _SUMMED = (  # SimulationResult's figures that grow with the blocks (or stay: th
 )
 
 
-def _grown_collectives(shallow: list, deeper: list, per_block: float) -> list:
-    """``deeper``'s collectives and, per (where, kind, group), those the extrapolation adds: their
-    count, bytes and seconds grown by the difference per block, the added ones equal in size and
-    named ``extrapolated``; a kind that adds bytes but no collective (a bucket spanning blocks) has
-    its last collective grown instead."""
+def _grown_collectives(base: list, fewer: list, more: list, factor: float) -> list:
+    """``base``'s collectives and, per (where, kind, group), ``factor`` times what ``more`` has over
+    ``fewer`` in count, bytes and seconds (a deeper copy's interior block; a model keeping no weight's
+    re-gathers): the added ones equal in size and named ``extrapolated``; a kind that adds bytes but
+    no collective (a bucket spanning blocks) has its last collective grown instead."""
+
+    def key(c):
+        return (c.where, c.kind, c.group_size, c.inside_node)
 
     def totals(collectives):
         out: dict[tuple, list] = {}
         for c in collectives:
-            entry = out.setdefault((c.where, c.kind, c.group_size, c.inside_node), [0, 0, 0.0])
+            entry = out.setdefault(key(c), [0, 0, 0.0])
             entry[0] += 1
             entry[1] += c.bytes
             entry[2] += c.seconds
         return out
 
-    fewer, more = totals(shallow), totals(deeper)
-    out = list(deeper)
-    for key, (count, nbytes, seconds) in more.items():
-        count_a, bytes_a, seconds_a = fewer.get(key, (0, 0, 0.0))
-        added = round(per_block * (count - count_a))
-        added_bytes = round(per_block * (nbytes - bytes_a))
-        added_seconds = per_block * (seconds - seconds_a)
+    before, after = totals(fewer), totals(more)
+    out = list(base)
+    for kind, (count, nbytes, seconds) in after.items():
+        count_a, bytes_a, seconds_a = before.get(kind, (0, 0, 0.0))
+        added = round(factor * (count - count_a))
+        added_bytes = round(factor * (nbytes - bytes_a))
+        added_seconds = factor * (seconds - seconds_a)
         if added > 0:
-            like = next(c for c in reversed(deeper) if (c.where, c.kind, c.group_size, c.inside_node) == key)
+            like = next(c for c in reversed(more) if key(c) == kind)
             out.extend(  # equal sizes, the remainder's bytes one each on the first
                 dataclasses.replace(
                     like,
@@ -172,28 +173,12 @@ def _grown_collectives(shallow: list, deeper: list, per_block: float) -> list:
                 )
                 for i in range(added)
             )
-        elif added_bytes:
-            last = max(i for i, c in enumerate(out) if (c.where, c.kind, c.group_size, c.inside_node) == key)
+        elif added_bytes and any(key(c) == kind for c in out):
+            last = max(i for i, c in enumerate(out) if key(c) == kind)
             grown = out[last]
             out[last] = dataclasses.replace(
                 grown, bytes=grown.bytes + added_bytes, seconds=grown.seconds + added_seconds
             )
-    return out
-
-
-def _more_collectives(fewer, more) -> list:
-    """The collectives ``more`` runs more of than ``fewer`` (a deeper copy's interior block; a model
-    keeping no weight's re-gathers), matched by where, kind, bytes and group."""
-
-    def key(c):
-        return (c.where, c.kind, c.bytes, c.group_size, c.inside_node)
-
-    extra = Counter(map(key, more.collectives)) - Counter(map(key, fewer.collectives))
-    out = []
-    for c in more.collectives:
-        if extra[key(c)] > 0:
-            extra[key(c)] -= 1
-            out.append(c)
     return out
 
 

@@ -21,9 +21,9 @@ simulation's, and if it does not fit after all it is marked over the limit and t
 is simulated whole in turn. The search also skips what cannot fit before simulating it: a
 candidate's model states (``estimate_memory``, exact and immediate) plus the saved activations
 already simulated for its ``activation_memory_budget`` and tp degree (they do not depend on the
-other planned options) is a floor of its peak; above the limit it is dropped with that reason. At most ``max_simulations`` candidates are simulated, in trial order;
-when none of them fits, the others are simulated too, least memory first, up to the first that
-fits; only when none does the plan gives up, with a ``PlanError`` that names the smallest predicted
+other planned options) is a floor of its peak; above the limit it is dropped with that reason.
+At most ``max_simulations`` candidates are simulated, in trial order; when none of them fits, the
+others are simulated too, least memory first, up to the first that fits; only when none does the plan gives up, with a ``PlanError`` that names the smallest predicted
 peak, its parts and what would make it fit.
 """
 
@@ -240,7 +240,7 @@ def tensor_parallel_degrees(
         return tuple(
             tp
             for tp in (2**i for i in range(node_size.bit_length()))
-            if tp <= node_size and world_size % tp == 0 and all(not h or h % tp == 0 for h in heads)
+            if world_size % tp == 0 and all(not h or h % tp == 0 for h in heads)
         )
     degrees = (asked,) if isinstance(asked, int) and not isinstance(asked, bool) else asked
     if (
@@ -358,8 +358,9 @@ def _keeping_less(candidate: PlanCandidate, candidates: list[PlanCandidate]) -> 
 def _confirmed_fastest(
     candidates: list[PlanCandidate], fixed: dict[str, Any], limit: int, confirm
 ) -> PlanCandidate | None:
-    """The fastest candidate that fits (by ``PlanCandidate.pace_s``); with ``confirm``, the fastest that still fits simulated whole
-    (one that does not is left over the limit, with its whole figures, and the next is tried)."""
+    """The fastest candidate that fits (by ``PlanCandidate.pace_s``); with ``confirm``, the fastest
+    that still fits simulated whole (one that does not is left over the limit, with its whole
+    figures, and the next is tried)."""
     while True:
         fitting = [c for c in candidates if c.status == FITS]
         if not fitting:
